@@ -1,0 +1,48 @@
+#pragma once
+// Element types and PyTorch-style type promotion.
+//
+// Note [Compute types]
+// Kernels load each element, convert it to its compute type, do the math and convert back:
+// f64 -> double; f32, bf16, f16 -> float; integers and bool -> int64_t. Reductions accumulate in
+// the compute type (the CPU reference accumulates floating types in double).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "flame/half.h"
+
+namespace flame {
+
+enum class DType : uint8_t { f32, f64, bf16, f16, i32, i64, u8, boolean };
+
+inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::bf16, DType::f16,
+                                       DType::i32, DType::i64, DType::u8,   DType::boolean};
+
+std::size_t dtype_size(DType t);
+const char* dtype_name(DType t);
+std::string to_string(DType t);
+bool is_floating(DType t);  // f32, f64, bf16, f16
+bool is_integral(DType t);  // i32, i64, u8 (not bool)
+inline bool is_bool(DType t) { return t == DType::boolean; }
+
+// Promotion of two tensor dtypes as in PyTorch: bool < integers < floating; u8+i32 -> i32,
+// bf16+f16 -> f32, any integer with any float -> that float.
+DType promote_types(DType a, DType b);
+// The dtype used when an integer or bool tensor must become floating (true division, exp, ...).
+inline constexpr DType kDefaultFloat = DType::f32;
+
+// Maps a C++ element type to its dtype.
+template <class T>
+struct dtype_of;
+template <> struct dtype_of<float> { static constexpr DType value = DType::f32; };
+template <> struct dtype_of<double> { static constexpr DType value = DType::f64; };
+template <> struct dtype_of<bfloat16> { static constexpr DType value = DType::bf16; };
+template <> struct dtype_of<float16> { static constexpr DType value = DType::f16; };
+template <> struct dtype_of<int32_t> { static constexpr DType value = DType::i32; };
+template <> struct dtype_of<int64_t> { static constexpr DType value = DType::i64; };
+template <> struct dtype_of<uint8_t> { static constexpr DType value = DType::u8; };
+template <> struct dtype_of<bool> { static constexpr DType value = DType::boolean; };
+template <class T>
+inline constexpr DType dtype_of_v = dtype_of<T>::value;
+
+}  // namespace flame

@@ -1,0 +1,10 @@
+#pragma once
+// Umbrella header: include this to use FLAME.
+#include "flame/device.h"
+#include "flame/dtype.h"
+#include "flame/error.h"
+#include "flame/ops.h"
+#include "flame/random.h"
+#include "flame/scalar.h"
+#include "flame/tensor.h"
+#include "flame/version.h"

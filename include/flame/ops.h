@@ -1,0 +1,152 @@
+#pragma once
+// Free-function forms of every op. Tensor's methods forward here; the semantics follow PyTorch
+// (broadcasting, type promotion, negative dims). Every op validates its inputs and raises
+// flame::Error naming itself and the offending shapes/dtypes/devices before writing anything.
+#include <optional>
+#include <utility>
+
+#include "flame/tensor.h"
+
+namespace flame {
+
+// ---- factories from another tensor ----
+Tensor empty_like(const Tensor& t, std::optional<DType> dtype = std::nullopt);
+Tensor zeros_like(const Tensor& t, std::optional<DType> dtype = std::nullopt);
+Tensor ones_like(const Tensor& t, std::optional<DType> dtype = std::nullopt);
+Tensor full_like(const Tensor& t, Scalar value, std::optional<DType> dtype = std::nullopt);
+Tensor rand_like(const Tensor& t, Generator* gen = nullptr);
+Tensor randn_like(const Tensor& t, Generator* gen = nullptr);
+Tensor randint_like(const Tensor& t, int64_t low, int64_t high, Generator* gen = nullptr);
+// Each element is 1 with probability p[i] (p in [0, 1]); result has p's shape and dtype.
+Tensor bernoulli(const Tensor& p, Generator* gen = nullptr);
+
+// ---- shape helpers ----
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op = "broadcast_shapes");
+DType result_type(const Tensor& a, const Tensor& b);
+
+// ---- copies and joins ----
+Tensor flip(const Tensor& x, const Shape& dims);
+Tensor repeat(const Tensor& x, const Shape& repeats);
+TensorList split(const Tensor& x, int64_t split_size, int64_t dim = 0);
+TensorList split_with_sizes(const Tensor& x, const Shape& sizes, int64_t dim = 0);
+TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim = 0);
+Tensor cat(const TensorList& tensors, int64_t dim = 0);
+Tensor stack(const TensorList& tensors, int64_t dim = 0);
+enum class PadMode : uint8_t { constant, reflect, replicate };
+// pads = {last_left, last_right, second_last_left, second_last_right, ...} as torch.nn.functional.pad
+Tensor pad(const Tensor& x, const Shape& pads, PadMode mode = PadMode::constant, double value = 0.0);
+
+// ---- elementwise ----
+Tensor neg(const Tensor& x);
+Tensor abs(const Tensor& x);
+Tensor sign(const Tensor& x);
+Tensor exp(const Tensor& x);
+Tensor log(const Tensor& x);
+Tensor log1p(const Tensor& x);
+Tensor expm1(const Tensor& x);
+Tensor sqrt(const Tensor& x);
+Tensor rsqrt(const Tensor& x);
+Tensor square(const Tensor& x);
+Tensor reciprocal(const Tensor& x);
+Tensor sin(const Tensor& x);
+Tensor cos(const Tensor& x);
+Tensor tanh(const Tensor& x);
+Tensor sigmoid(const Tensor& x);
+Tensor relu(const Tensor& x);
+Tensor leaky_relu(const Tensor& x, double negative_slope = 0.01);
+Tensor gelu(const Tensor& x, bool tanh_approximation = false);
+Tensor silu(const Tensor& x);
+Tensor softplus(const Tensor& x, double beta = 1.0, double threshold = 20.0);
+Tensor mish(const Tensor& x);
+Tensor elu(const Tensor& x, double alpha = 1.0);
+Tensor floor(const Tensor& x);
+Tensor ceil(const Tensor& x);
+Tensor round(const Tensor& x);  // half to even, as PyTorch
+Tensor trunc(const Tensor& x);
+Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max);
+Tensor pow(const Tensor& x, Scalar exponent);
+Tensor isnan(const Tensor& x);
+Tensor isinf(const Tensor& x);
+Tensor nan_to_num(const Tensor& x, double nan = 0.0, std::optional<double> posinf = std::nullopt,
+                  std::optional<double> neginf = std::nullopt);
+Tensor logical_not(const Tensor& x);
+
+Tensor add(const Tensor& a, const Tensor& b);
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);
+Tensor div(const Tensor& a, const Tensor& b);
+Tensor pow(const Tensor& a, const Tensor& b);
+Tensor maximum(const Tensor& a, const Tensor& b);
+Tensor minimum(const Tensor& a, const Tensor& b);
+Tensor atan2(const Tensor& a, const Tensor& b);
+Tensor fmod(const Tensor& a, const Tensor& b);
+Tensor eq(const Tensor& a, const Tensor& b);
+Tensor ne(const Tensor& a, const Tensor& b);
+Tensor lt(const Tensor& a, const Tensor& b);
+Tensor le(const Tensor& a, const Tensor& b);
+Tensor gt(const Tensor& a, const Tensor& b);
+Tensor ge(const Tensor& a, const Tensor& b);
+Tensor logical_and(const Tensor& a, const Tensor& b);
+Tensor logical_or(const Tensor& a, const Tensor& b);
+Tensor add_scalar(const Tensor& a, Scalar s);
+Tensor sub_scalar(const Tensor& a, Scalar s);
+Tensor mul_scalar(const Tensor& a, Scalar s);
+Tensor div_scalar(const Tensor& a, Scalar s);
+Tensor rsub_scalar(const Tensor& a, Scalar s);  // s - a
+Tensor rdiv_scalar(const Tensor& a, Scalar s);  // s / a
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b);
+Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value);
+
+// ---- reductions (empty dims = all dims) ----
+Tensor sum(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor mean(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor prod(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor amax(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor amin(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor argmax(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+Tensor argmin(const Tensor& x, std::optional<int64_t> dim = std::nullopt, bool keepdim = false);
+Tensor var(const Tensor& x, const Shape& dims = {}, int64_t correction = 1, bool keepdim = false);
+Tensor std(const Tensor& x, const Shape& dims = {}, int64_t correction = 1, bool keepdim = false);
+// p-norm over dims; p = INFINITY gives max |x|, p = 0 counts non-zeros.
+Tensor norm(const Tensor& x, double p = 2.0, const Shape& dims = {}, bool keepdim = false);
+Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim = false);
+Tensor any(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor all(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+Tensor cumsum(const Tensor& x, int64_t dim);
+Tensor softmax(const Tensor& x, int64_t dim);
+Tensor log_softmax(const Tensor& x, int64_t dim);
+
+// ---- linear algebra ----
+Tensor matmul(const Tensor& a, const Tensor& b);  // torch.matmul semantics (1-d, batched, broadcast)
+Tensor bmm(const Tensor& a, const Tensor& b);     // [B, M, K] x [B, K, N]
+Tensor outer(const Tensor& a, const Tensor& b);
+
+// ---- indexing ----
+Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor gather(const Tensor& x, int64_t dim, const Tensor& index);
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src);
+Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src);
+Tensor masked_select(const Tensor& x, const Tensor& mask);  // 1-d; synchronises (size depends on data)
+Tensor take(const Tensor& x, const Tensor& index);          // index into the flattened tensor
+Tensor triu(const Tensor& x, int64_t diagonal = 0);
+Tensor tril(const Tensor& x, int64_t diagonal = 0);
+Tensor one_hot(const Tensor& index, int64_t num_classes = -1);  // i64 result, [..., num_classes]
+Tensor embedding(const Tensor& weight, const Tensor& index);    // weight [N, D] -> [..., D]
+std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true,
+                               bool sorted = true);
+std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim = -1, bool descending = false);
+Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false);
+
+// ---- losses ----
+enum class Reduction : uint8_t { none, mean, sum };
+Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean);
+Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean);
+// logits [N, C] (or [N, C, d1, ...]) and class indices [N] (or [N, d1, ...]), i64.
+Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction r = Reduction::mean,
+                     int64_t ignore_index = -100, double label_smoothing = 0.0);
+Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction r = Reduction::mean,
+                int64_t ignore_index = -100);
+Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& target,
+                                        Reduction r = Reduction::mean);
+
+}  // namespace flame

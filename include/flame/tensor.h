@@ -1,0 +1,294 @@
+#pragma once
+// The Tensor handle. A Tensor is a cheap, shared handle to a TensorImpl (sizes, strides, offset,
+// dtype) over a Storage (the bytes on one device). Copying a Tensor never copies data; views
+// (reshape, transpose, slice, expand, ...) share the Storage. See docs/tensor-model.md.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flame/device.h"
+#include "flame/dtype.h"
+#include "flame/error.h"
+#include "flame/scalar.h"
+
+namespace flame {
+
+using Shape = std::vector<int64_t>;
+class TensorImpl;
+class Generator;
+class Tensor;
+using TensorList = std::vector<Tensor>;
+
+// dtype (unset: the factory's default, f32 for most) and device (default CPU) of a new tensor.
+// Converts implicitly from a Device or a DType: Tensor::ones({2}, Device::cuda()).
+struct TensorOptions {
+  std::optional<DType> dtype;
+  Device device = Device::cpu();
+  TensorOptions() = default;
+  TensorOptions(DType t) : dtype(t) {}                      // NOLINT
+  TensorOptions(Device d) : device(d) {}                    // NOLINT
+  TensorOptions(DType t, Device d) : dtype(t), device(d) {}
+  TensorOptions(Device d, DType t) : dtype(t), device(d) {}
+  DType dtype_or(DType fallback) const { return dtype.value_or(fallback); }
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl);
+  bool defined() const { return impl_ != nullptr; }
+  TensorImpl* impl() const { return impl_.get(); }
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+
+  // ---- metadata ----
+  const Shape& sizes() const;
+  const Shape& shape() const { return sizes(); }
+  const Shape& strides() const;  // in elements
+  int64_t dim() const;
+  int64_t size(int64_t d) const;  // negative d counts from the end
+  int64_t stride(int64_t d) const;
+  int64_t numel() const;
+  int64_t storage_offset() const;  // in elements
+  DType dtype() const;
+  Device device() const;
+  std::size_t element_size() const;
+  std::size_t nbytes() const;  // numel * element_size
+  bool is_contiguous() const;
+  void* data_ptr() const;  // address of the first element (device memory for CUDA tensors)
+  template <class T>
+  T* data() const {
+    FLAME_CHECK(dtype() == dtype_of_v<T>, "data", "tensor has dtype ", dtype_name(dtype()),
+                ", requested ", dtype_name(dtype_of_v<T>));
+    return static_cast<T*>(data_ptr());
+  }
+  bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
+  bool shares_storage(const Tensor& o) const;
+  uint64_t version() const;  // counts in-place writes to the storage (shared by all views)
+
+  // ---- factories ----
+  static Tensor empty(const Shape& shape, TensorOptions opts = {});
+  static Tensor zeros(const Shape& shape, TensorOptions opts = {});
+  static Tensor ones(const Shape& shape, TensorOptions opts = {});
+  static Tensor full(const Shape& shape, Scalar value, TensorOptions opts = {});
+  static Tensor scalar(Scalar value, TensorOptions opts = {});  // 0-d tensor
+  // dtype defaults to i64 when start/end/step are all integers, else f32 (as PyTorch).
+  static Tensor arange(Scalar end, TensorOptions opts = {});
+  static Tensor arange(Scalar start, Scalar end, Scalar step = 1, TensorOptions opts = {});
+  static Tensor linspace(double start, double end, int64_t steps, TensorOptions opts = {});
+  static Tensor eye(int64_t n, int64_t m = -1, TensorOptions opts = {});
+  // Random factories draw from `gen` (default: default_generator()); see random.h.
+  static Tensor rand(const Shape& shape, TensorOptions opts = {}, Generator* gen = nullptr);
+  static Tensor uniform(const Shape& shape, double low, double high, TensorOptions opts = {},
+                        Generator* gen = nullptr);
+  static Tensor randn(const Shape& shape, double mean = 0.0, double std = 1.0,
+                      TensorOptions opts = {}, Generator* gen = nullptr);
+  static Tensor randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opts = {},
+                        Generator* gen = nullptr);  // dtype defaults to i64
+  static Tensor bernoulli(const Shape& shape, double p, TensorOptions opts = {},
+                          Generator* gen = nullptr);
+  template <class T>
+  static Tensor from_vec(const std::vector<T>& values, const Shape& shape,
+                         Device device = Device::cpu()) {
+    return from_blob_copy(values.data(), dtype_of_v<T>, values.size(), shape, device);
+  }
+  static Tensor from_vec(const std::vector<bool>& values, const Shape& shape,
+                         Device device = Device::cpu());
+  // Copies `count` elements of type `dtype` from host memory.
+  static Tensor from_blob_copy(const void* host, DType dtype, std::size_t count, const Shape& shape,
+                               Device device = Device::cpu());
+
+  // ---- conversions and reads (reads synchronise with the device) ----
+  Tensor to(Device device) const;  // returns *this when already there
+  Tensor to(DType dtype) const;    // returns *this when already that dtype
+  Tensor to(DType dtype, Device device) const;
+  Tensor contiguous() const;       // returns *this when already contiguous
+  Tensor clone() const;            // always a fresh contiguous copy
+  // Element values converted to T (to_vec<double>() of an f32 tensor is allowed).
+  template <class T>
+  std::vector<T> to_vec() const {
+    Tensor c = host_copy(dtype_of_v<T>);
+    const T* p = static_cast<const T*>(c.data_ptr());
+    return std::vector<T>(p, p + c.numel());
+  }
+  template <class T>
+  T item() const {
+    FLAME_CHECK(numel() == 1, "item", "tensor with ", numel(), " elements (shape ", sizes(),
+                ") cannot be converted to a scalar");
+    return to_vec<T>()[0];
+  }
+  std::string to_string() const;
+
+  // ---- views (share storage) ----
+  Tensor reshape(const Shape& shape) const;  // a view when the strides allow, else a copy
+  Tensor view(const Shape& shape) const;     // always a view; error when strides don't allow
+  Tensor transpose(int64_t d0, int64_t d1) const;
+  Tensor t() const;  // transpose of a <= 2-d tensor
+  Tensor permute(const Shape& dims) const;
+  Tensor narrow(int64_t dim, int64_t start, int64_t length) const;
+  Tensor slice(int64_t dim, int64_t start, int64_t end, int64_t step = 1) const;
+  Tensor select(int64_t dim, int64_t index) const;
+  Tensor expand(const Shape& shape) const;  // -1 keeps a dim
+  Tensor expand_as(const Tensor& other) const { return expand(other.sizes()); }
+  Tensor broadcast_to(const Shape& shape) const { return expand(shape); }
+  Tensor squeeze() const;
+  Tensor squeeze(int64_t dim) const;
+  Tensor unsqueeze(int64_t dim) const;
+  Tensor flatten(int64_t start_dim = 0, int64_t end_dim = -1) const;
+  Tensor unflatten(int64_t dim, const Shape& sizes) const;
+  Tensor unfold(int64_t dim, int64_t size, int64_t step) const;
+
+  // ---- copies ----
+  Tensor flip(const Shape& dims) const;
+  Tensor repeat(const Shape& repeats) const;
+  TensorList split(int64_t split_size, int64_t dim = 0) const;
+  TensorList split_with_sizes(const Shape& sizes, int64_t dim = 0) const;
+  TensorList chunk(int64_t chunks, int64_t dim = 0) const;
+
+  // ---- elementwise unary ----
+  Tensor neg() const;
+  Tensor abs() const;
+  Tensor sign() const;
+  Tensor exp() const;
+  Tensor log() const;
+  Tensor log1p() const;
+  Tensor expm1() const;
+  Tensor sqrt() const;
+  Tensor rsqrt() const;
+  Tensor square() const;
+  Tensor reciprocal() const;
+  Tensor sin() const;
+  Tensor cos() const;
+  Tensor tanh() const;
+  Tensor sigmoid() const;
+  Tensor relu() const;
+  Tensor leaky_relu(double negative_slope = 0.01) const;
+  Tensor gelu(bool tanh_approximation = false) const;
+  Tensor silu() const;
+  Tensor softplus(double beta = 1.0, double threshold = 20.0) const;
+  Tensor mish() const;
+  Tensor elu(double alpha = 1.0) const;
+  Tensor floor() const;
+  Tensor ceil() const;
+  Tensor round() const;
+  Tensor trunc() const;
+  Tensor clamp(std::optional<Scalar> min, std::optional<Scalar> max) const;
+  Tensor pow(Scalar exponent) const;
+  Tensor isnan() const;
+  Tensor isinf() const;
+  Tensor nan_to_num(double nan = 0.0, std::optional<double> posinf = std::nullopt,
+                    std::optional<double> neginf = std::nullopt) const;
+  Tensor logical_not() const;
+
+  // ---- elementwise binary (broadcasting, PyTorch type promotion) ----
+  Tensor add(const Tensor& o) const;
+  Tensor sub(const Tensor& o) const;
+  Tensor mul(const Tensor& o) const;
+  Tensor div(const Tensor& o) const;  // true division: integers give f32
+  Tensor pow(const Tensor& o) const;
+  Tensor maximum(const Tensor& o) const;
+  Tensor minimum(const Tensor& o) const;
+  Tensor atan2(const Tensor& o) const;
+  Tensor fmod(const Tensor& o) const;
+  Tensor eq(const Tensor& o) const;
+  Tensor ne(const Tensor& o) const;
+  Tensor lt(const Tensor& o) const;
+  Tensor le(const Tensor& o) const;
+  Tensor gt(const Tensor& o) const;
+  Tensor ge(const Tensor& o) const;
+  Tensor logical_and(const Tensor& o) const;
+  Tensor logical_or(const Tensor& o) const;
+  Tensor add_scalar(Scalar s) const;
+  Tensor sub_scalar(Scalar s) const;
+  Tensor mul_scalar(Scalar s) const;
+  Tensor div_scalar(Scalar s) const;
+  Tensor masked_fill(const Tensor& mask, Scalar value) const;
+
+  // ---- in-place (bump the version counter; the written tensor may not overlap itself) ----
+  Tensor& copy_(const Tensor& src);  // broadcasts src, converts dtype, may cross devices
+  Tensor& fill_(Scalar value);
+  Tensor& zero_();
+  Tensor& add_(const Tensor& o, Scalar alpha = 1);
+  Tensor& sub_(const Tensor& o);
+  Tensor& mul_(const Tensor& o);
+  Tensor& div_(const Tensor& o);
+  Tensor& add_(Scalar s);
+  Tensor& sub_(Scalar s);
+  Tensor& mul_(Scalar s);
+  Tensor& div_(Scalar s);
+  Tensor& clamp_(std::optional<Scalar> min, std::optional<Scalar> max);
+
+  // ---- reductions (empty dims = all dims) ----
+  Tensor sum(const Shape& dims = {}, bool keepdim = false) const;
+  Tensor mean(const Shape& dims = {}, bool keepdim = false) const;
+  Tensor prod(const Shape& dims = {}, bool keepdim = false) const;
+  Tensor max(const Shape& dims, bool keepdim = false) const;  // values (like torch.amax)
+  Tensor min(const Shape& dims, bool keepdim = false) const;
+  Tensor argmax(std::optional<int64_t> dim = std::nullopt, bool keepdim = false) const;
+  Tensor argmin(std::optional<int64_t> dim = std::nullopt, bool keepdim = false) const;
+  Tensor var(const Shape& dims = {}, int64_t correction = 1, bool keepdim = false) const;
+  Tensor std(const Shape& dims = {}, int64_t correction = 1, bool keepdim = false) const;
+  Tensor norm(double p = 2.0, const Shape& dims = {}, bool keepdim = false) const;
+  Tensor logsumexp(const Shape& dims, bool keepdim = false) const;
+  Tensor any(const Shape& dims = {}, bool keepdim = false) const;
+  Tensor all(const Shape& dims = {}, bool keepdim = false) const;
+  Tensor sum_all() const;
+  Tensor mean_all() const;
+  Tensor max_all() const;
+  Tensor min_all() const;
+  Tensor cumsum(int64_t dim) const;
+  Tensor softmax(int64_t dim) const;
+  Tensor log_softmax(int64_t dim) const;
+
+  // ---- linear algebra ----
+  Tensor matmul(const Tensor& o) const;
+  Tensor bmm(const Tensor& o) const;
+
+  // ---- indexing ----
+  Tensor index_select(int64_t dim, const Tensor& index) const;
+  Tensor gather(int64_t dim, const Tensor& index) const;
+  Tensor scatter(int64_t dim, const Tensor& index, const Tensor& src) const;
+  Tensor scatter_add(int64_t dim, const Tensor& index, const Tensor& src) const;
+  Tensor masked_select(const Tensor& mask) const;
+  Tensor take(const Tensor& index) const;
+  Tensor triu(int64_t diagonal = 0) const;
+  Tensor tril(int64_t diagonal = 0) const;
+  std::pair<Tensor, Tensor> topk(int64_t k, int64_t dim = -1, bool largest = true,
+                                 bool sorted = true) const;
+  std::pair<Tensor, Tensor> sort(int64_t dim = -1, bool descending = false) const;
+  Tensor argsort(int64_t dim = -1, bool descending = false) const;
+
+ private:
+  Tensor host_copy(DType dtype) const;  // contiguous CPU copy converted to dtype
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t);
+
+// Operators: Tensor op Tensor and Tensor op Scalar (either side).
+Tensor operator-(const Tensor& a);
+Tensor operator+(const Tensor& a, const Tensor& b);
+Tensor operator-(const Tensor& a, const Tensor& b);
+Tensor operator*(const Tensor& a, const Tensor& b);
+Tensor operator/(const Tensor& a, const Tensor& b);
+Tensor operator+(const Tensor& a, Scalar b);
+Tensor operator-(const Tensor& a, Scalar b);
+Tensor operator*(const Tensor& a, Scalar b);
+Tensor operator/(const Tensor& a, Scalar b);
+Tensor operator+(Scalar a, const Tensor& b);
+Tensor operator-(Scalar a, const Tensor& b);
+Tensor operator*(Scalar a, const Tensor& b);
+Tensor operator/(Scalar a, const Tensor& b);
+Tensor& operator+=(Tensor& a, const Tensor& b);
+Tensor& operator-=(Tensor& a, const Tensor& b);
+Tensor& operator*=(Tensor& a, const Tensor& b);
+Tensor& operator/=(Tensor& a, const Tensor& b);
+Tensor& operator+=(Tensor& a, Scalar b);
+Tensor& operator-=(Tensor& a, Scalar b);
+Tensor& operator*=(Tensor& a, Scalar b);
+Tensor& operator/=(Tensor& a, Scalar b);
+
+}  // namespace flame

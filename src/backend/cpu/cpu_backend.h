@@ -1,0 +1,78 @@
+#pragma once
+// The CPU reference backend: simple, readable loops, f64 capable. It is the oracle the CUDA
+// kernels are tested against, so clarity wins over speed except on the contiguous fast paths.
+#include <array>
+#include <cstring>
+
+#include "src/backend/backend.h"
+#include "src/core/dispatch.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame::backend::cpu {
+
+// Calls f(ptrs) for every element of `shape`, with ptrs[k] pointing at operand k's element.
+// Operands are given as (base pointer, element strides, element size).
+template <std::size_t N, class F>
+void for_each_element(const Shape& shape, std::array<char*, N> base,
+                      const std::array<const Shape*, N>& strides,
+                      const std::array<std::size_t, N>& esize, F&& f) {
+  const int64_t ndim = static_cast<int64_t>(shape.size());
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  if (numel == 0) return;
+  if (ndim == 0) {
+    f(base);
+    return;
+  }
+  std::array<std::array<int64_t, 16>, N> bstride{};
+  FLAME_CHECK(ndim <= 16, "cpu kernel", "tensors with more than 16 dims are not supported");
+  for (std::size_t k = 0; k < N; ++k)
+    for (int64_t d = 0; d < ndim; ++d) bstride[k][d] = (*strides[k])[d] * static_cast<int64_t>(esize[k]);
+  std::array<int64_t, 16> idx{};
+  const int64_t inner = shape[ndim - 1];
+  std::array<char*, N> p = base;
+  for (int64_t done = 0; done < numel; done += inner) {
+    std::array<char*, N> q = p;
+    for (int64_t i = 0; i < inner; ++i) {
+      f(q);
+      for (std::size_t k = 0; k < N; ++k) q[k] += bstride[k][ndim - 1];
+    }
+    // Advance the outer index (odometer) and the base pointers.
+    for (int64_t d = ndim - 2; d >= 0; --d) {
+      ++idx[d];
+      for (std::size_t k = 0; k < N; ++k) p[k] += bstride[k][d];
+      if (idx[d] < shape[d]) break;
+      for (std::size_t k = 0; k < N; ++k) p[k] -= bstride[k][d] * shape[d];
+      idx[d] = 0;
+    }
+  }
+}
+
+inline char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+
+class CpuBackend final : public Backend {
+ public:
+  std::shared_ptr<void> allocate(std::size_t nbytes) override;
+  void copy(const Tensor& dst, const Tensor& src) override;
+  void copy_from_host(const Tensor& dst, const void* host) override;
+  void copy_to_host(void* host, const Tensor& src) override;
+  void synchronize() override {}
+  void fill(const Tensor& dst, Scalar value) override;
+  void iota(const Tensor& dst, double start, double step) override;
+  void unary(UnaryOp op, const Tensor& dst, const Tensor& src, const UnaryParams& p) override;
+  void binary(BinaryOp op, const Tensor& dst, const Tensor& a, const Tensor& b) override;
+  void where(const Tensor& dst, const Tensor& cond, const Tensor& a, const Tensor& b) override;
+  void reduce(ReduceOp op, const Tensor& dst, const Tensor& src, int64_t reduce_ndim) override;
+  void cumsum(const Tensor& dst, const Tensor& src, int64_t dim) override;
+  void softmax(const Tensor& dst, const Tensor& src, int64_t dim, bool log) override;
+  void matmul(const Tensor& dst, const Tensor& a, const Tensor& b) override;
+  void index_select(const Tensor& dst, const Tensor& src, int64_t dim, const Tensor& index) override;
+  void gather(const Tensor& dst, const Tensor& src, int64_t dim, const Tensor& index) override;
+  void scatter(const Tensor& dst, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate) override;
+  Tensor masked_select(const Tensor& src, const Tensor& mask) override;
+  void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
+  void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+};
+
+}  // namespace flame::backend::cpu

@@ -1,0 +1,182 @@
+// CPU reference: memory, copies, fills, elementwise unary/binary/where, random numbers.
+#include <cstdlib>
+#include <new>
+
+#include "src/backend/cpu/cpu_backend.h"
+#include "src/random/philox.h"
+
+namespace flame::backend::cpu {
+
+std::shared_ptr<void> CpuBackend::allocate(std::size_t nbytes) {
+  // 64-byte alignment keeps vector loads aligned; aligned_alloc needs a multiple of the alignment.
+  const std::size_t rounded = (std::max<std::size_t>(nbytes, 1) + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded);
+  FLAME_CHECK(p != nullptr, "allocate", "out of host memory allocating ", nbytes, " bytes");
+  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+}
+
+namespace {
+
+template <class Dst, class Src>
+void copy_typed(const Tensor& dst, const Tensor& src) {
+  if (dst.is_contiguous() && src.is_contiguous() && src.numel() == dst.numel()) {
+    auto* d = static_cast<Dst*>(dst.data_ptr());
+    const auto* s = static_cast<const Src*>(src.data_ptr());
+    if constexpr (std::is_same_v<Dst, Src>) {
+      std::memcpy(d, s, dst.nbytes());
+    } else {
+      for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<Dst>(s[i]);
+    }
+    return;
+  }
+  for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
+                      {sizeof(Dst), sizeof(Src)}, [](std::array<char*, 2> p) {
+                        *reinterpret_cast<Dst*>(p[0]) = convert<Dst>(*reinterpret_cast<const Src*>(p[1]));
+                      });
+}
+
+template <class F, class T, class O>
+void unary_typed(const Tensor& dst, const Tensor& src, const UnaryParams& prm) {
+  using C = compute_t<T>;
+  const F f{};
+  if (dst.is_contiguous() && src.is_contiguous()) {
+    auto* d = static_cast<O*>(dst.data_ptr());
+    const auto* s = static_cast<const T*>(src.data_ptr());
+    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<O>(f(convert<C>(s[i]), prm));
+    return;
+  }
+  for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
+                      {sizeof(O), sizeof(T)}, [&](std::array<char*, 2> p) {
+                        *reinterpret_cast<O*>(p[0]) =
+                            convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])), prm));
+                      });
+}
+
+template <class F>
+void unary_dispatch(const Tensor& dst, const Tensor& src, const UnaryParams& p) {
+  dispatch_dtype(src.dtype(), "unary", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (dst.dtype() == DType::boolean) {
+      unary_typed<F, T, bool>(dst, src, p);
+    } else {
+      unary_typed<F, T, T>(dst, src, p);
+    }
+  });
+}
+
+template <class F, class T, class O>
+void binary_typed(const Tensor& dst, const Tensor& a, const Tensor& b) {
+  using C = compute_t<T>;
+  const F f{};
+  if (dst.is_contiguous() && a.is_contiguous() && b.is_contiguous()) {
+    auto* d = static_cast<O*>(dst.data_ptr());
+    const auto* x = static_cast<const T*>(a.data_ptr());
+    const auto* y = static_cast<const T*>(b.data_ptr());
+    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<O>(f(convert<C>(x[i]), convert<C>(y[i])));
+    return;
+  }
+  for_each_element<3>(dst.sizes(), {bytes(dst), bytes(a), bytes(b)},
+                      {&dst.strides(), &a.strides(), &b.strides()}, {sizeof(O), sizeof(T), sizeof(T)},
+                      [&](std::array<char*, 3> p) {
+                        *reinterpret_cast<O*>(p[0]) = convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])),
+                                                                   convert<C>(*reinterpret_cast<const T*>(p[2]))));
+                      });
+}
+
+template <class F>
+void binary_dispatch(const Tensor& dst, const Tensor& a, const Tensor& b) {
+  dispatch_dtype(a.dtype(), "binary", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (dst.dtype() == DType::boolean) {
+      binary_typed<F, T, bool>(dst, a, b);
+    } else {
+      binary_typed<F, T, T>(dst, a, b);
+    }
+  });
+}
+
+}  // namespace
+
+void CpuBackend::copy(const Tensor& dst, const Tensor& src) {
+  dispatch_dtype(dst.dtype(), "copy", [&](auto dtag) {
+    using D = typename decltype(dtag)::type;
+    dispatch_dtype(src.dtype(), "copy", [&](auto stag) { copy_typed<D, typename decltype(stag)::type>(dst, src); });
+  });
+}
+
+void CpuBackend::copy_from_host(const Tensor& dst, const void* host) { std::memcpy(dst.data_ptr(), host, dst.nbytes()); }
+void CpuBackend::copy_to_host(void* host, const Tensor& src) { std::memcpy(host, src.data_ptr(), src.nbytes()); }
+
+void CpuBackend::fill(const Tensor& dst, Scalar value) {
+  dispatch_dtype(dst.dtype(), "fill", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    T v;
+    if constexpr (std::is_integral_v<T>) {
+      v = convert<T>(value.to_int());
+    } else {
+      v = convert<T>(value.to_double());
+    }
+    for_each_element<1>(dst.sizes(), {bytes(dst)}, {&dst.strides()}, {sizeof(T)},
+                        [&](std::array<char*, 1> p) { *reinterpret_cast<T*>(p[0]) = v; });
+  });
+}
+
+void CpuBackend::iota(const Tensor& dst, double start, double step) {
+  dispatch_dtype(dst.dtype(), "iota", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    auto* d = static_cast<T*>(dst.data_ptr());
+    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<T>(start + static_cast<double>(i) * step);
+  });
+}
+
+void CpuBackend::unary(UnaryOp op, const Tensor& dst, const Tensor& src, const UnaryParams& p) {
+  switch (op) {
+#define FLAME_CASE(name, Functor, kind) \
+  case UnaryOp::name: return unary_dispatch<fn::Functor>(dst, src, p);
+    FLAME_UNARY_OPS(FLAME_CASE)
+#undef FLAME_CASE
+  }
+}
+
+void CpuBackend::binary(BinaryOp op, const Tensor& dst, const Tensor& a, const Tensor& b) {
+  switch (op) {
+#define FLAME_CASE(name, Functor, kind) \
+  case BinaryOp::name: return binary_dispatch<fn::Functor>(dst, a, b);
+    FLAME_BINARY_OPS(FLAME_CASE)
+#undef FLAME_CASE
+  }
+}
+
+void CpuBackend::where(const Tensor& dst, const Tensor& cond, const Tensor& a, const Tensor& b) {
+  dispatch_dtype(dst.dtype(), "where", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    for_each_element<4>(dst.sizes(), {bytes(dst), bytes(cond), bytes(a), bytes(b)},
+                        {&dst.strides(), &cond.strides(), &a.strides(), &b.strides()},
+                        {sizeof(T), 1, sizeof(T), sizeof(T)}, [](std::array<char*, 4> p) {
+                          *reinterpret_cast<T*>(p[0]) = *reinterpret_cast<const bool*>(p[1])
+                                                            ? *reinterpret_cast<const T*>(p[2])
+                                                            : *reinterpret_cast<const T*>(p[3]);
+                        });
+  });
+}
+
+void CpuBackend::random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) {
+  dispatch_dtype(dst.dtype(), "random", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = std::conditional_t<std::is_same_v<T, double>, double, float>;
+    auto* d = static_cast<T*>(dst.data_ptr());
+    const int64_t n = dst.numel();
+    for (int64_t i = 0; i < n; ++i) {
+      const philox::Words w = philox::generate(seed, static_cast<uint64_t>(i), offset);
+      if (kind == RandomKind::integer) {
+        d[i] = convert<T>(philox::integer(w, static_cast<int64_t>(a), static_cast<int64_t>(b)));
+      } else if (kind == RandomKind::uniform) {
+        d[i] = convert<T>(static_cast<C>(a) + philox::uniform01<C>(w) * static_cast<C>(b - a));
+      } else {
+        d[i] = convert<T>(static_cast<C>(a) + static_cast<C>(b) * philox::normal<C>(w));
+      }
+    }
+  });
+}
+
+}  // namespace flame::backend::cpu

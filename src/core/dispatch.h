@@ -1,0 +1,44 @@
+#pragma once
+// Note [Dtype dispatch]
+// dispatch_dtype(t, op, f) calls f(type_tag<T>{}) with T the element type of t. Host and device
+// code share it; `op` names the caller in the error for an unsupported dtype.
+#include <cstdint>
+
+#include "flame/dtype.h"
+#include "flame/error.h"
+
+namespace flame {
+
+template <class T>
+struct type_tag {
+  using type = T;
+};
+
+template <class F>
+decltype(auto) dispatch_dtype(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::f32: return f(type_tag<float>{});
+    case DType::f64: return f(type_tag<double>{});
+    case DType::bf16: return f(type_tag<bfloat16>{});
+    case DType::f16: return f(type_tag<float16>{});
+    case DType::i32: return f(type_tag<int32_t>{});
+    case DType::i64: return f(type_tag<int64_t>{});
+    case DType::u8: return f(type_tag<uint8_t>{});
+    case DType::boolean: return f(type_tag<bool>{});
+  }
+  FLAME_FAIL(op, "unsupported dtype ", dtype_name(t));
+}
+
+template <class F>
+decltype(auto) dispatch_floating(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::f32: return f(type_tag<float>{});
+    case DType::f64: return f(type_tag<double>{});
+    case DType::bf16: return f(type_tag<bfloat16>{});
+    case DType::f16: return f(type_tag<float16>{});
+    default: break;
+  }
+  FLAME_FAIL(op, "expected a floating dtype, got ", dtype_name(t));
+}
+
+}  // namespace flame

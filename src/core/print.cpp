@@ -1,0 +1,107 @@
+// Printing, in the spirit of PyTorch's repr: nested brackets, a common number format, and
+// summarised rows ("...") for large tensors.
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "src/core/tensor_impl.h"
+
+namespace flame {
+namespace {
+
+constexpr int64_t kSummariseAbove = 1000;
+constexpr int64_t kEdgeItems = 3;
+
+struct Formatter {
+  bool floating = false;
+  bool boolean = false;
+  bool scientific = false;
+  bool integral_values = false;
+
+  std::string format(double v) const {
+    char buf[64];
+    if (boolean) return v != 0 ? "true" : "false";
+    if (!floating) {
+      std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
+    } else if (std::isnan(v)) {
+      return "nan";
+    } else if (std::isinf(v)) {
+      return v > 0 ? "inf" : "-inf";
+    } else if (scientific) {
+      std::snprintf(buf, sizeof(buf), "%.4e", v);
+    } else if (integral_values) {
+      std::snprintf(buf, sizeof(buf), "%.0f.", v);
+    } else {
+      std::snprintf(buf, sizeof(buf), "%.4f", v);
+    }
+    return buf;
+  }
+};
+
+void print_rec(std::ostringstream& os, const std::vector<double>& v, const Shape& sizes,
+               const Shape& strides, int64_t dim, int64_t base, const Formatter& f, std::size_t width,
+               bool summarise, int indent) {
+  const int64_t ndim = static_cast<int64_t>(sizes.size());
+  if (ndim == 0) {
+    os << f.format(v[0]);
+    return;
+  }
+  os << "[";
+  const int64_t n = sizes[dim];
+  for (int64_t i = 0; i < n; ++i) {
+    if (summarise && n > 2 * kEdgeItems && i == kEdgeItems) {
+      os << (dim == ndim - 1 ? "..., " : "...,\n" + std::string(indent + 1, ' '));
+      i = n - kEdgeItems;
+    }
+    if (dim == ndim - 1) {
+      std::string s = f.format(v[base + i * strides[dim]]);
+      if (s.size() < width) s = std::string(width - s.size(), ' ') + s;
+      os << s;
+      if (i + 1 < n) os << ", ";
+    } else {
+      print_rec(os, v, sizes, strides, dim + 1, base + i * strides[dim], f, width, summarise, indent + 1);
+      if (i + 1 < n) os << "," << std::string(ndim - dim - 1, '\n') << std::string(indent + 1, ' ');
+    }
+  }
+  os << "]";
+}
+
+}  // namespace
+
+std::string Tensor::to_string() const {
+  if (!defined()) return "tensor(undefined)";
+  const std::vector<double> v = to_vec<double>();
+  Formatter f;
+  f.floating = is_floating(dtype());
+  f.boolean = is_bool(dtype());
+  if (f.floating) {
+    double max_abs = 0, min_abs = INFINITY;
+    bool all_int = true;
+    for (double x : v) {
+      if (!std::isfinite(x)) continue;
+      max_abs = std::max(max_abs, std::fabs(x));
+      if (x != 0) min_abs = std::min(min_abs, std::fabs(x));
+      if (x != std::floor(x)) all_int = false;
+    }
+    f.integral_values = all_int && max_abs < 1e8;
+    f.scientific = !f.integral_values && (max_abs >= 1e8 || (min_abs < 1e-4 && min_abs != INFINITY));
+  }
+  std::size_t width = 0;
+  for (double x : v) width = std::max(width, f.format(x).size());
+  std::ostringstream os;
+  os << "tensor(";
+  if (numel() == 0) {
+    os << "[]";
+    if (dim() != 1) os << ", size=" << shape_str(sizes());
+  } else {
+    print_rec(os, v, sizes(), contiguous_strides(sizes()), 0, 0, f, width, numel() > kSummariseAbove, 7);
+  }
+  os << ", dtype=" << dtype_name(dtype());
+  if (!device().is_cpu()) os << ", device=" << device().str();
+  os << ")";
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Tensor& t) { return os << t.to_string(); }
+
+}  // namespace flame

@@ -1,0 +1,48 @@
+#pragma once
+// Internal representation behind flame::Tensor. Not part of the public API.
+#include <atomic>
+#include <memory>
+
+#include "flame/tensor.h"
+
+namespace flame {
+
+// Bytes on one device. Shared by every view of a tensor; the version counter counts in-place
+// writes so that autograd can detect a saved tensor that was overwritten.
+struct Storage {
+  Storage(std::shared_ptr<void> data_, std::size_t nbytes_, Device device_)
+      : data(std::move(data_)), nbytes(nbytes_), device(device_) {}
+  std::shared_ptr<void> data;
+  std::size_t nbytes;
+  Device device;
+  std::atomic<uint64_t> version{0};
+};
+
+class TensorImpl {
+ public:
+  TensorImpl(std::shared_ptr<Storage> storage_, Shape sizes_, Shape strides_, int64_t offset_,
+             DType dtype_);
+  std::shared_ptr<Storage> storage;
+  Shape sizes;
+  Shape strides;
+  int64_t offset;  // elements
+  DType dtype;
+  int64_t numel;
+};
+
+Shape contiguous_strides(const Shape& sizes);
+int64_t shape_numel(const Shape& sizes, const char* op = "shape");
+// Wraps a possibly negative dim into [0, ndim); error names the op.
+int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
+// A view of t's storage with new geometry.
+Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset);
+// A new uninitialised contiguous tensor.
+Tensor make_empty(const Shape& sizes, DType dtype, Device device);
+// Bumps the storage's version counter (call after every in-place write).
+void bump_version(const Tensor& t);
+// Errors when two elements of t share one memory location (expanded views); used by in-place ops.
+void check_no_internal_overlap(const Tensor& t, const char* op);
+// Errors unless all tensors are on one device.
+void check_same_device(const char* op, const Tensor& a, const Tensor& b);
+
+}  // namespace flame

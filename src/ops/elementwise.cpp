@@ -1,0 +1,402 @@
+// Elementwise ops: dtype rules (Note [Op list]), broadcasting, scalar forms, in-place forms.
+#include <cmath>
+#include <limits>
+
+#include "flame/ops.h"
+#include "src/backend/backend.h"
+#include "src/core/tensor_impl.h"
+#include "src/ops/elementwise.h"
+
+namespace flame {
+using backend::BinaryOp;
+using backend::OpKind;
+using backend::UnaryOp;
+using backend::UnaryParams;
+
+namespace {
+
+struct OpInfo {
+  const char* name;
+  OpKind kind;
+};
+
+OpInfo info(UnaryOp op) {
+  switch (op) {
+#define FLAME_INFO(name, Functor, kind) \
+  case UnaryOp::name: return {#name, OpKind::kind};
+    FLAME_UNARY_OPS(FLAME_INFO)
+#undef FLAME_INFO
+  }
+  return {"?", OpKind::same};
+}
+
+OpInfo info(BinaryOp op) {
+  switch (op) {
+#define FLAME_INFO(name, Functor, kind) \
+  case BinaryOp::name: return {#name, OpKind::kind};
+    FLAME_BINARY_OPS(FLAME_INFO)
+#undef FLAME_INFO
+  }
+  return {"?", OpKind::same};
+}
+
+void check_defined(const Tensor& t, const char* op) {
+  FLAME_CHECK(t.defined(), op, "got an undefined tensor");
+}
+
+// The dtype of `t op s` (PyTorch: a Python number never widens a tensor of the same category).
+DType promote_with_scalar(DType t, Scalar s) {
+  if (s.is_floating() && !is_floating(t)) return kDefaultFloat;
+  if (s.is_integral() && is_bool(t)) return DType::i64;
+  return t;
+}
+
+// Arithmetic that PyTorch refuses on bool tensors.
+bool rejects_bool(BinaryOp op) {
+  return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
+}
+
+Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, const UnaryParams& p) {
+  Tensor in = x.to(in_dtype);
+  Tensor out = make_empty(x.sizes(), out_dtype, x.device());
+  if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
+  return out;
+}
+
+}  // namespace
+
+Tensor unary_op(UnaryOp op, const Tensor& x, const UnaryParams& p) {
+  const OpInfo oi = info(op);
+  check_defined(x, oi.name);
+  const DType dt = x.dtype();
+  switch (oi.kind) {
+    case OpKind::same:
+      FLAME_CHECK(!is_bool(dt), oi.name, "not supported for bool tensors (shape ", x.sizes(), ")");
+      return run_unary(op, x, dt, dt, p);
+    case OpKind::floating: {
+      const DType f = is_floating(dt) ? dt : kDefaultFloat;
+      return run_unary(op, x, f, f, p);
+    }
+    case OpKind::predicate: return run_unary(op, x, dt, DType::boolean, p);
+  }
+  return {};
+}
+
+Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
+  const OpInfo oi = info(op);
+  check_defined(x, oi.name);
+  DType dt = promote_with_scalar(x.dtype(), s);
+  if (oi.kind == OpKind::floating && !is_floating(dt)) dt = kDefaultFloat;
+  UnaryParams p;
+  p.a = s.to_double();
+  return run_unary(op, x, dt, dt, p);
+}
+
+Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
+  const OpInfo oi = info(op);
+  check_defined(a, oi.name);
+  check_defined(b, oi.name);
+  check_same_device(oi.name, a, b);
+  DType common = result_type(a, b);
+  if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
+  FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
+  const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
+  const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
+  Tensor out = make_empty(shape, out_dtype, a.device());
+  if (out.numel() > 0) {
+    backend::backend_for(a.device()).binary(op, out, a.to(common).expand(shape), b.to(common).expand(shape));
+  }
+  return out;
+}
+
+Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
+  const std::size_t n = std::max(a.size(), b.size());
+  Shape out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
+    const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
+    FLAME_CHECK(da == db || da == 1 || db == 1, op, "shapes ", a, " and ", b, " are not broadcastable");
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+DType result_type(const Tensor& a, const Tensor& b) {
+  const bool da = a.dim() > 0, db = b.dim() > 0;
+  if (da == db) return promote_types(a.dtype(), b.dtype());
+  // A 0-d tensor only takes part when it is of a higher category (bool < integer < floating).
+  const DType dim_t = da ? a.dtype() : b.dtype(), zero_t = da ? b.dtype() : a.dtype();
+  auto category = [](DType t) { return is_bool(t) ? 0 : (is_integral(t) ? 1 : 2); };
+  return category(zero_t) > category(dim_t) ? zero_t : dim_t;
+}
+
+// ---- unary ----
+#define FLAME_SIMPLE_UNARY(name) \
+  Tensor name(const Tensor& x) { return unary_op(UnaryOp::name, x, {}); }
+FLAME_SIMPLE_UNARY(neg)
+FLAME_SIMPLE_UNARY(abs)
+FLAME_SIMPLE_UNARY(sign)
+FLAME_SIMPLE_UNARY(exp)
+FLAME_SIMPLE_UNARY(log)
+FLAME_SIMPLE_UNARY(log1p)
+FLAME_SIMPLE_UNARY(expm1)
+FLAME_SIMPLE_UNARY(sqrt)
+FLAME_SIMPLE_UNARY(rsqrt)
+FLAME_SIMPLE_UNARY(square)
+FLAME_SIMPLE_UNARY(reciprocal)
+FLAME_SIMPLE_UNARY(sin)
+FLAME_SIMPLE_UNARY(cos)
+FLAME_SIMPLE_UNARY(tanh)
+FLAME_SIMPLE_UNARY(sigmoid)
+FLAME_SIMPLE_UNARY(relu)
+FLAME_SIMPLE_UNARY(silu)
+FLAME_SIMPLE_UNARY(mish)
+FLAME_SIMPLE_UNARY(floor)
+FLAME_SIMPLE_UNARY(ceil)
+FLAME_SIMPLE_UNARY(round)
+FLAME_SIMPLE_UNARY(trunc)
+FLAME_SIMPLE_UNARY(isnan)
+FLAME_SIMPLE_UNARY(isinf)
+FLAME_SIMPLE_UNARY(logical_not)
+#undef FLAME_SIMPLE_UNARY
+
+Tensor leaky_relu(const Tensor& x, double negative_slope) {
+  return unary_op(UnaryOp::leaky_relu, x, {negative_slope});
+}
+Tensor gelu(const Tensor& x, bool tanh_approximation) {
+  return unary_op(tanh_approximation ? UnaryOp::gelu_tanh : UnaryOp::gelu, x, {});
+}
+Tensor softplus(const Tensor& x, double beta, double threshold) {
+  FLAME_CHECK(beta != 0.0, "softplus", "beta must be non-zero");
+  return unary_op(UnaryOp::softplus, x, {beta, threshold});
+}
+Tensor elu(const Tensor& x, double alpha) { return unary_op(UnaryOp::elu, x, {alpha}); }
+
+Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max) {
+  FLAME_CHECK(min || max, "clamp", "at least one of min and max must be given");
+  check_defined(x, "clamp");
+  FLAME_CHECK(!is_bool(x.dtype()), "clamp", "not supported for bool tensors");
+  // Bounds take part in type promotion as in PyTorch: an integer tensor clamped by a floating
+  // bound becomes f32.
+  DType dt = x.dtype();
+  if (min) dt = promote_with_scalar(dt, *min);
+  if (max) dt = promote_with_scalar(dt, *max);
+  UnaryParams p{min ? min->to_double() : -INFINITY, max ? max->to_double() : INFINITY};
+  if (!is_floating(dt)) {
+    p.a = min ? static_cast<double>(min->to_int()) : static_cast<double>(std::numeric_limits<int64_t>::lowest());
+    p.b = max ? static_cast<double>(max->to_int()) : static_cast<double>(std::numeric_limits<int64_t>::max());
+  }
+  return run_unary(UnaryOp::clamp, x, dt, dt, p);
+}
+
+Tensor pow(const Tensor& x, Scalar exponent) {
+  check_defined(x, "pow");
+  if (!exponent.is_floating() && !is_floating(x.dtype())) {
+    FLAME_CHECK(exponent.to_int() >= 0, "pow", "integers to negative integer powers are not allowed (",
+                dtype_name(x.dtype()), " tensor, exponent ", exponent.to_int(), ")");
+  }
+  DType dt = promote_with_scalar(x.dtype(), exponent);
+  if (is_bool(dt)) dt = DType::i64;
+  UnaryParams p{exponent.to_double()};
+  return run_unary(UnaryOp::pow_scalar, x, dt, dt, p);
+}
+
+Tensor nan_to_num(const Tensor& x, double nan, std::optional<double> posinf, std::optional<double> neginf) {
+  check_defined(x, "nan_to_num");
+  if (!is_floating(x.dtype())) return x.clone();
+  double hi = std::numeric_limits<float>::max();
+  if (x.dtype() == DType::f64) hi = std::numeric_limits<double>::max();
+  if (x.dtype() == DType::f16) hi = 65504.0;
+  if (x.dtype() == DType::bf16) hi = 3.3895313892515355e38;
+  return unary_op(UnaryOp::nan_to_num, x, {nan, posinf.value_or(hi), neginf.value_or(-hi)});
+}
+
+// ---- binary ----
+#define FLAME_SIMPLE_BINARY(name) \
+  Tensor name(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::name, a, b); }
+FLAME_SIMPLE_BINARY(add)
+FLAME_SIMPLE_BINARY(sub)
+FLAME_SIMPLE_BINARY(mul)
+FLAME_SIMPLE_BINARY(div)
+FLAME_SIMPLE_BINARY(pow)
+FLAME_SIMPLE_BINARY(maximum)
+FLAME_SIMPLE_BINARY(minimum)
+FLAME_SIMPLE_BINARY(atan2)
+FLAME_SIMPLE_BINARY(fmod)
+FLAME_SIMPLE_BINARY(eq)
+FLAME_SIMPLE_BINARY(ne)
+FLAME_SIMPLE_BINARY(lt)
+FLAME_SIMPLE_BINARY(le)
+FLAME_SIMPLE_BINARY(gt)
+FLAME_SIMPLE_BINARY(ge)
+FLAME_SIMPLE_BINARY(logical_and)
+FLAME_SIMPLE_BINARY(logical_or)
+#undef FLAME_SIMPLE_BINARY
+
+Tensor add_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::add_scalar, a, s); }
+Tensor sub_scalar(const Tensor& a, Scalar s) {
+  FLAME_CHECK(a.defined() && !is_bool(a.dtype()), "sub", "not supported for bool tensors");
+  return scalar_op(UnaryOp::add_scalar, a, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+}
+Tensor mul_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::mul_scalar, a, s); }
+Tensor div_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::div_scalar, a, s); }
+Tensor rsub_scalar(const Tensor& a, Scalar s) {
+  FLAME_CHECK(a.defined() && !is_bool(a.dtype()), "rsub", "not supported for bool tensors");
+  return scalar_op(UnaryOp::rsub_scalar, a, s);
+}
+Tensor rdiv_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::rdiv_scalar, a, s); }
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
+  check_defined(cond, "where");
+  check_defined(a, "where");
+  check_defined(b, "where");
+  check_same_device("where", cond, a);
+  check_same_device("where", a, b);
+  FLAME_CHECK(is_bool(cond.dtype()), "where", "condition must be bool, got ", dtype_name(cond.dtype()));
+  const DType dt = result_type(a, b);
+  const Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
+  Tensor out = make_empty(shape, dt, a.device());
+  if (out.numel() > 0) {
+    backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
+  }
+  return out;
+}
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {
+  check_defined(x, "masked_fill");
+  check_defined(mask, "masked_fill");
+  check_same_device("masked_fill", x, mask);
+  FLAME_CHECK(is_bool(mask.dtype()), "masked_fill", "mask must be bool, got ", dtype_name(mask.dtype()));
+  FLAME_CHECK(broadcast_shapes(x.sizes(), mask.sizes(), "masked_fill") == x.sizes(), "masked_fill",
+              "mask of shape ", mask.sizes(), " does not broadcast to the input's shape ", x.sizes());
+  FLAME_CHECK(is_floating(x.dtype()) || !value.is_floating(), "masked_fill", "cannot fill a ",
+              dtype_name(x.dtype()), " tensor with the floating value ", value.to_double());
+  return where(mask, Tensor::full({}, value, {x.dtype(), x.device()}), x);
+}
+
+// ---- in-place ----
+namespace {
+bool can_cast(DType from, DType to) {
+  if (is_floating(from) && !is_floating(to)) return false;
+  if (!is_bool(from) && is_bool(to)) return false;
+  return true;
+}
+
+// `src` as an operand for an in-place write into `self`: on self's device, broadcast to self's
+// shape, and copied first when it overlaps self without being exactly self.
+Tensor inplace_operand(const Tensor& self, const Tensor& src, const char* op) {
+  check_defined(src, op);
+  check_same_device(op, self, src);
+  FLAME_CHECK(broadcast_shapes(self.sizes(), src.sizes(), op) == self.sizes(), op, "output of shape ",
+              self.sizes(), " does not match the broadcast shape with ", src.sizes());
+  Tensor s = src;
+  const bool identical = src.impl()->offset == self.impl()->offset && src.sizes() == self.sizes() &&
+                         src.strides() == self.strides();
+  if (src.shares_storage(self) && !identical) s = src.clone();
+  return s.expand(self.sizes());
+}
+
+Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other) {
+  const OpInfo oi = info(op);
+  check_defined(self, oi.name);
+  check_no_internal_overlap(self, oi.name);
+  Tensor o = inplace_operand(self, other, oi.name);
+  DType common = result_type(self, other);
+  if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
+  FLAME_CHECK(can_cast(common, self.dtype()), oi.name, "result type ", dtype_name(common),
+              " cannot be written in place into a ", dtype_name(self.dtype()), " tensor");
+  FLAME_CHECK(!(is_bool(self.dtype()) && rejects_bool(op)), oi.name, "not supported for bool tensors");
+  if (self.numel() == 0) return self;
+  if (common == self.dtype()) {
+    backend::backend_for(self.device()).binary(op, self, self, o.to(common));
+  } else {
+    self.copy_(binary_op(op, self, other));
+    return self;
+  }
+  bump_version(self);
+  return self;
+}
+
+Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s) {
+  const OpInfo oi = info(op);
+  check_defined(self, oi.name);
+  check_no_internal_overlap(self, oi.name);
+  DType dt = promote_with_scalar(self.dtype(), s);
+  if (oi.kind == OpKind::floating && !is_floating(dt)) dt = kDefaultFloat;
+  FLAME_CHECK(can_cast(dt, self.dtype()), oi.name, "result type ", dtype_name(dt),
+              " cannot be written in place into a ", dtype_name(self.dtype()), " tensor");
+  if (self.numel() == 0) return self;
+  backend::backend_for(self.device()).unary(op, self, self, UnaryParams{s.to_double()});
+  bump_version(self);
+  return self;
+}
+}  // namespace
+
+Tensor& Tensor::copy_(const Tensor& src) {
+  check_defined(*this, "copy_");
+  check_defined(src, "copy_");
+  check_no_internal_overlap(*this, "copy_");
+  FLAME_CHECK(broadcast_shapes(sizes(), src.sizes(), "copy_") == sizes(), "copy_", "source of shape ",
+              src.sizes(), " does not broadcast to the destination's shape ", sizes());
+  if (numel() == 0) return *this;
+  Tensor s = src.device() == device() ? src : src.to(device());
+  const bool identical = s.impl()->offset == impl()->offset && s.sizes() == sizes() && s.strides() == strides();
+  if (s.shares_storage(*this)) {
+    if (identical && s.dtype() == dtype()) return *this;
+    s = s.clone();
+  }
+  backend::backend_for(device()).copy(*this, s.expand(sizes()));
+  bump_version(*this);
+  return *this;
+}
+
+Tensor& Tensor::fill_(Scalar value) {
+  check_defined(*this, "fill_");
+  check_no_internal_overlap(*this, "fill_");
+  if (numel() > 0) backend::backend_for(device()).fill(*this, value);
+  bump_version(*this);
+  return *this;
+}
+Tensor& Tensor::zero_() { return fill_(0); }
+
+Tensor& Tensor::add_(const Tensor& o, Scalar alpha) {
+  const bool unit = alpha.is_floating() ? alpha.to_double() == 1.0 : alpha.to_int() == 1;
+  return inplace_binary(*this, BinaryOp::add, unit ? o : flame::mul_scalar(o, alpha));
+}
+Tensor& Tensor::sub_(const Tensor& o) { return inplace_binary(*this, BinaryOp::sub, o); }
+Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::mul, o); }
+Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o); }
+Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s); }
+Tensor& Tensor::sub_(Scalar s) {
+  return inplace_scalar(*this, UnaryOp::add_scalar, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+}
+Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s); }
+Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s); }
+Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
+  return copy_(flame::clamp(*this, min, max));
+}
+
+// ---- operators ----
+Tensor operator-(const Tensor& a) { return neg(a); }
+Tensor operator+(const Tensor& a, const Tensor& b) { return add(a, b); }
+Tensor operator-(const Tensor& a, const Tensor& b) { return sub(a, b); }
+Tensor operator*(const Tensor& a, const Tensor& b) { return mul(a, b); }
+Tensor operator/(const Tensor& a, const Tensor& b) { return div(a, b); }
+Tensor operator+(const Tensor& a, Scalar b) { return add_scalar(a, b); }
+Tensor operator-(const Tensor& a, Scalar b) { return sub_scalar(a, b); }
+Tensor operator*(const Tensor& a, Scalar b) { return mul_scalar(a, b); }
+Tensor operator/(const Tensor& a, Scalar b) { return div_scalar(a, b); }
+Tensor operator+(Scalar a, const Tensor& b) { return add_scalar(b, a); }
+Tensor operator-(Scalar a, const Tensor& b) { return rsub_scalar(b, a); }
+Tensor operator*(Scalar a, const Tensor& b) { return mul_scalar(b, a); }
+Tensor operator/(Scalar a, const Tensor& b) { return rdiv_scalar(b, a); }
+Tensor& operator+=(Tensor& a, const Tensor& b) { return a.add_(b); }
+Tensor& operator-=(Tensor& a, const Tensor& b) { return a.sub_(b); }
+Tensor& operator*=(Tensor& a, const Tensor& b) { return a.mul_(b); }
+Tensor& operator/=(Tensor& a, const Tensor& b) { return a.div_(b); }
+Tensor& operator+=(Tensor& a, Scalar b) { return a.add_(b); }
+Tensor& operator-=(Tensor& a, Scalar b) { return a.sub_(b); }
+Tensor& operator*=(Tensor& a, Scalar b) { return a.mul_(b); }
+Tensor& operator/=(Tensor& a, Scalar b) { return a.div_(b); }
+
+}  // namespace flame

@@ -1,0 +1,84 @@
+// Random factories. Each draws one generator offset; see random.h and src/random/philox.h.
+#include "flame/ops.h"
+#include "flame/random.h"
+#include "src/backend/backend.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame {
+
+Generator& default_generator() {
+  static Generator gen(0x5eed);
+  return gen;
+}
+void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
+
+namespace {
+Tensor random_tensor(backend::RandomKind kind, const Shape& shape, DType dt, Device dev, Generator* gen,
+                     double a, double b) {
+  Generator& g = gen ? *gen : default_generator();
+  Tensor t = make_empty(shape, dt, dev);
+  const uint64_t seed = g.seed(), offset = g.next_offset();
+  if (t.numel() > 0) backend::backend_for(dev).random(kind, t, seed, offset, a, b);
+  return t;
+}
+}  // namespace
+
+Tensor Tensor::rand(const Shape& shape, TensorOptions opts, Generator* gen) {
+  return uniform(shape, 0.0, 1.0, opts, gen);
+}
+
+Tensor Tensor::uniform(const Shape& shape, double low, double high, TensorOptions opts, Generator* gen) {
+  const DType dt = opts.dtype_or(DType::f32);
+  FLAME_CHECK(is_floating(dt), "uniform", "expected a floating dtype, got ", dtype_name(dt));
+  FLAME_CHECK(low <= high, "uniform", "low (", low, ") must not exceed high (", high, ")");
+  return random_tensor(backend::RandomKind::uniform, shape, dt, opts.device, gen, low, high);
+}
+
+Tensor Tensor::randn(const Shape& shape, double mean, double std, TensorOptions opts, Generator* gen) {
+  const DType dt = opts.dtype_or(DType::f32);
+  FLAME_CHECK(is_floating(dt), "randn", "expected a floating dtype, got ", dtype_name(dt));
+  FLAME_CHECK(std >= 0, "randn", "std must be non-negative, got ", std);
+  return random_tensor(backend::RandomKind::normal, shape, dt, opts.device, gen, mean, std);
+}
+
+Tensor Tensor::randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opts, Generator* gen) {
+  FLAME_CHECK(high > low, "randint", "empty range [", low, ", ", high, ")");
+  const DType dt = opts.dtype_or(DType::i64);
+  FLAME_CHECK(!is_bool(dt), "randint", "bool dtype is not supported");
+  return random_tensor(backend::RandomKind::integer, shape, dt, opts.device, gen,
+                       static_cast<double>(low), static_cast<double>(high));
+}
+
+Tensor Tensor::bernoulli(const Shape& shape, double p, TensorOptions opts, Generator* gen) {
+  FLAME_CHECK(p >= 0.0 && p <= 1.0, "bernoulli", "p must be in [0, 1], got ", p);
+  Tensor u = rand(shape, opts.device, gen);
+  return u.lt(Tensor::scalar(p, {DType::f32, opts.device})).to(opts.dtype_or(DType::f32));
+}
+
+Tensor bernoulli(const Tensor& p, Generator* gen) {
+  FLAME_CHECK(p.defined() && is_floating(p.dtype()), "bernoulli", "p must be a floating tensor");
+  Tensor u = Tensor::rand(p.sizes(), {p.dtype() == DType::f64 ? DType::f64 : DType::f32, p.device()}, gen);
+  return u.lt(p).to(p.dtype());
+}
+
+Tensor empty_like(const Tensor& t, std::optional<DType> dtype) {
+  return Tensor::empty(t.sizes(), {dtype.value_or(t.dtype()), t.device()});
+}
+Tensor zeros_like(const Tensor& t, std::optional<DType> dtype) {
+  return Tensor::zeros(t.sizes(), {dtype.value_or(t.dtype()), t.device()});
+}
+Tensor ones_like(const Tensor& t, std::optional<DType> dtype) {
+  return Tensor::ones(t.sizes(), {dtype.value_or(t.dtype()), t.device()});
+}
+Tensor full_like(const Tensor& t, Scalar value, std::optional<DType> dtype) {
+  return Tensor::full(t.sizes(), value, {dtype.value_or(t.dtype()), t.device()});
+}
+Tensor rand_like(const Tensor& t, Generator* gen) { return Tensor::rand(t.sizes(), {t.dtype(), t.device()}, gen); }
+Tensor randn_like(const Tensor& t, Generator* gen) {
+  return Tensor::randn(t.sizes(), 0.0, 1.0, {t.dtype(), t.device()}, gen);
+}
+Tensor randint_like(const Tensor& t, int64_t low, int64_t high, Generator* gen) {
+  return Tensor::randint(low, high, t.sizes(), {t.dtype(), t.device()}, gen);
+}
+
+}  // namespace flame

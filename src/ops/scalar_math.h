@@ -1,0 +1,186 @@
+#pragma once
+// Scalar math shared by the CPU reference and the CUDA kernels (FLAME_HD). Each functor works on
+// the compute type of Note [Compute types]: float, double or int64_t. This header is the single
+// place the elementwise formulas live.
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "flame/half.h"
+
+namespace flame {
+
+template <class T> struct compute_type { using type = int64_t; };
+template <> struct compute_type<float> { using type = float; };
+template <> struct compute_type<double> { using type = double; };
+template <> struct compute_type<bfloat16> { using type = float; };
+template <> struct compute_type<float16> { using type = float; };
+template <class T> using compute_t = typename compute_type<T>::type;
+
+// Converts between element and compute types (half types go through float; bool is v != 0).
+template <class To, class From>
+FLAME_INLINE To convert(From v) {
+  if constexpr (std::is_same_v<From, bfloat16> || std::is_same_v<From, float16>) {
+    return convert<To>(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<To, bool>) {
+    return v != From(0);
+  } else if constexpr (std::is_same_v<To, bfloat16> || std::is_same_v<To, float16>) {
+    return To(static_cast<float>(v));
+  } else {
+    return static_cast<To>(v);
+  }
+}
+
+namespace math {
+#define FLAME_MATH_1(name, fname, dname) \
+  FLAME_INLINE float name(float x) { return ::fname(x); } \
+  FLAME_INLINE double name(double x) { return ::dname(x); }
+FLAME_MATH_1(exp, expf, exp)
+FLAME_MATH_1(log, logf, log)
+FLAME_MATH_1(log1p, log1pf, log1p)
+FLAME_MATH_1(expm1, expm1f, expm1)
+FLAME_MATH_1(sqrt, sqrtf, sqrt)
+FLAME_MATH_1(sin, sinf, sin)
+FLAME_MATH_1(cos, cosf, cos)
+FLAME_MATH_1(tanh, tanhf, tanh)
+FLAME_MATH_1(erf, erff, erf)
+FLAME_MATH_1(floor, floorf, floor)
+FLAME_MATH_1(ceil, ceilf, ceil)
+FLAME_MATH_1(rint, rintf, rint)
+FLAME_MATH_1(trunc, truncf, trunc)
+FLAME_MATH_1(fabs, fabsf, fabs)
+#undef FLAME_MATH_1
+FLAME_INLINE float pow(float a, float b) { return ::powf(a, b); }
+FLAME_INLINE double pow(double a, double b) { return ::pow(a, b); }
+FLAME_INLINE float atan2(float a, float b) { return ::atan2f(a, b); }
+FLAME_INLINE double atan2(double a, double b) { return ::atan2(a, b); }
+FLAME_INLINE float fmod(float a, float b) { return ::fmodf(a, b); }
+FLAME_INLINE double fmod(double a, double b) { return ::fmod(a, b); }
+template <class C>
+FLAME_INLINE bool isnan(C x) {
+  if constexpr (std::is_floating_point_v<C>) return x != x;
+  else return false;
+}
+template <class C>
+FLAME_INLINE bool isinf(C x) {
+  if constexpr (std::is_floating_point_v<C>) return x - x != x - x && x == x;
+  else return false;
+}
+// Integer power by squaring; negative exponents are rejected by the op layer except for |base|=1.
+FLAME_INLINE int64_t ipow(int64_t base, int64_t e) {
+  if (e < 0) return base == 1 ? 1 : (base == -1 ? ((e & 1) ? -1 : 1) : 0);
+  int64_t r = 1;
+  while (e) {
+    if (e & 1) r *= base;
+    base *= base;
+    e >>= 1;
+  }
+  return r;
+}
+}  // namespace math
+
+namespace backend {
+struct UnaryParams {
+  double a = 0.0, b = 0.0, c = 0.0;
+};
+}  // namespace backend
+
+namespace fn {
+using backend::UnaryParams;
+template <class C>
+inline constexpr bool is_fp = std::is_floating_point_v<C>;
+
+#define FLAME_UNARY_FN(Name, body)                                      \
+  struct Name {                                                         \
+    template <class C>                                                  \
+    FLAME_INLINE C operator()(C x, const UnaryParams& p) const {        \
+      (void)p;                                                          \
+      body                                                              \
+    }                                                                   \
+  };
+// Ops on floating inputs only (the op layer turns integer inputs into f32 first).
+#define FLAME_FLOAT_FN(Name, expr) \
+  FLAME_UNARY_FN(Name, if constexpr (is_fp<C>) { return expr; } else { return x; })
+
+FLAME_UNARY_FN(Neg, return -x;)
+FLAME_UNARY_FN(Abs, if constexpr (is_fp<C>) { return math::fabs(x); } else { return x < 0 ? -x : x; })
+FLAME_UNARY_FN(Sign, if constexpr (is_fp<C>) { if (x != x) return x; }
+               return static_cast<C>((C(0) < x) - (x < C(0)));)
+FLAME_UNARY_FN(Square, return x * x;)
+FLAME_UNARY_FN(Relu, return x < C(0) ? C(0) : x;)
+FLAME_UNARY_FN(Floor, if constexpr (is_fp<C>) { return math::floor(x); } else { return x; })
+FLAME_UNARY_FN(Ceil, if constexpr (is_fp<C>) { return math::ceil(x); } else { return x; })
+FLAME_UNARY_FN(Round, if constexpr (is_fp<C>) { return math::rint(x); } else { return x; })
+FLAME_UNARY_FN(Trunc, if constexpr (is_fp<C>) { return math::trunc(x); } else { return x; })
+// clamp(x, min=a, max=b); NaN stays NaN, min > max gives max (as PyTorch).
+FLAME_UNARY_FN(Clamp, if (math::isnan(x)) return x; C lo = static_cast<C>(p.a);
+               C hi = static_cast<C>(p.b); x = x < lo ? lo : x; return x > hi ? hi : x;)
+FLAME_UNARY_FN(PowScalar, if constexpr (is_fp<C>) { return math::pow(x, static_cast<C>(p.a)); }
+               else { return math::ipow(x, static_cast<int64_t>(p.a)); })
+FLAME_UNARY_FN(IsNan, return math::isnan(x) ? C(1) : C(0);)
+FLAME_UNARY_FN(IsInf, return math::isinf(x) ? C(1) : C(0);)
+FLAME_UNARY_FN(LogicalNot, return x == C(0) ? C(1) : C(0);)
+// nan_to_num(nan=a, posinf=b, neginf=c)
+FLAME_UNARY_FN(NanToNum, if (math::isnan(x)) return static_cast<C>(p.a);
+               if (math::isinf(x)) return x > C(0) ? static_cast<C>(p.b) : static_cast<C>(p.c);
+               return x;)
+// Tensor-scalar arithmetic; the scalar (p.a) stays in the compute type, as PyTorch keeps it.
+FLAME_UNARY_FN(AddScalar, return x + static_cast<C>(p.a);)
+FLAME_UNARY_FN(MulScalar, return x * static_cast<C>(p.a);)
+FLAME_UNARY_FN(RsubScalar, return static_cast<C>(p.a) - x;)
+FLAME_FLOAT_FN(DivScalar, x / static_cast<C>(p.a))
+FLAME_FLOAT_FN(RdivScalar, static_cast<C>(p.a) / x)
+
+FLAME_FLOAT_FN(Exp, math::exp(x))
+FLAME_FLOAT_FN(Log, math::log(x))
+FLAME_FLOAT_FN(Log1p, math::log1p(x))
+FLAME_FLOAT_FN(Expm1, math::expm1(x))
+FLAME_FLOAT_FN(Sqrt, math::sqrt(x))
+FLAME_FLOAT_FN(Rsqrt, C(1) / math::sqrt(x))
+FLAME_FLOAT_FN(Reciprocal, C(1) / x)
+FLAME_FLOAT_FN(Sin, math::sin(x))
+FLAME_FLOAT_FN(Cos, math::cos(x))
+FLAME_FLOAT_FN(Tanh, math::tanh(x))
+FLAME_FLOAT_FN(Sigmoid, C(1) / (C(1) + math::exp(-x)))
+FLAME_FLOAT_FN(LeakyRelu, x > C(0) ? x : x * static_cast<C>(p.a))
+FLAME_FLOAT_FN(Gelu, C(0.5) * x * (C(1) + math::erf(x * C(0.70710678118654752440))))
+FLAME_FLOAT_FN(GeluTanh, C(0.5) * x *
+                             (C(1) + math::tanh(C(0.79788456080286535588) *
+                                                (x + C(0.044715) * x * x * x))))
+FLAME_FLOAT_FN(Silu, x / (C(1) + math::exp(-x)))
+// softplus(beta=a, threshold=b): linear above the threshold, as PyTorch.
+FLAME_FLOAT_FN(Softplus, x * static_cast<C>(p.a) > static_cast<C>(p.b)
+                             ? x
+                             : math::log1p(math::exp(x * static_cast<C>(p.a))) / static_cast<C>(p.a))
+FLAME_FLOAT_FN(Mish, x * math::tanh(x > C(20) ? x : math::log1p(math::exp(x))))
+FLAME_FLOAT_FN(Elu, x > C(0) ? x : static_cast<C>(p.a) * math::expm1(x))
+#undef FLAME_FLOAT_FN
+#undef FLAME_UNARY_FN
+
+#define FLAME_BINARY_FN(Name, body)                       \
+  struct Name {                                           \
+    template <class C>                                    \
+    FLAME_INLINE C operator()(C a, C b) const { body }    \
+  };
+FLAME_BINARY_FN(Add, return a + b;)
+FLAME_BINARY_FN(Sub, return a - b;)
+FLAME_BINARY_FN(Mul, return a * b;)
+FLAME_BINARY_FN(Div, if constexpr (is_fp<C>) { return a / b; } else { return b == 0 ? 0 : a / b; })
+FLAME_BINARY_FN(Pow, if constexpr (is_fp<C>) { return math::pow(a, b); } else { return math::ipow(a, b); })
+FLAME_BINARY_FN(Maximum, if (math::isnan(a) || math::isnan(b)) return math::isnan(a) ? a : b;
+                return a > b ? a : b;)
+FLAME_BINARY_FN(Minimum, if (math::isnan(a) || math::isnan(b)) return math::isnan(a) ? a : b;
+                return a < b ? a : b;)
+FLAME_BINARY_FN(Atan2, if constexpr (is_fp<C>) { return math::atan2(a, b); } else { return a; })
+FLAME_BINARY_FN(Fmod, if constexpr (is_fp<C>) { return math::fmod(a, b); } else { return b == 0 ? 0 : a % b; })
+FLAME_BINARY_FN(Eq, return a == b ? C(1) : C(0);)
+FLAME_BINARY_FN(Ne, return a != b ? C(1) : C(0);)
+FLAME_BINARY_FN(Lt, return a < b ? C(1) : C(0);)
+FLAME_BINARY_FN(Le, return a <= b ? C(1) : C(0);)
+FLAME_BINARY_FN(Gt, return a > b ? C(1) : C(0);)
+FLAME_BINARY_FN(Ge, return a >= b ? C(1) : C(0);)
+FLAME_BINARY_FN(LogicalAnd, return (a != C(0) && b != C(0)) ? C(1) : C(0);)
+FLAME_BINARY_FN(LogicalOr, return (a != C(0) || b != C(0)) ? C(1) : C(0);)
+#undef FLAME_BINARY_FN
+}  // namespace fn
+}  // namespace flame

@@ -1,0 +1,257 @@
+// Zero-copy views: each returns a TensorImpl over the same Storage with new sizes/strides/offset.
+#include <algorithm>
+#include <optional>
+
+#include "flame/ops.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame {
+namespace {
+
+// Fills in a single -1 entry from the element count; checks the total.
+Shape infer_shape(const Shape& shape, int64_t numel, const char* op, const Shape& from) {
+  Shape out = shape;
+  int64_t known = 1, infer = -1;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (out[i] == -1) {
+      FLAME_CHECK(infer < 0, op, "only one dimension can be -1, got shape ", shape);
+      infer = static_cast<int64_t>(i);
+    } else {
+      FLAME_CHECK(out[i] >= 0, op, "invalid shape ", shape);
+      known *= out[i];
+    }
+  }
+  if (infer >= 0) {
+    FLAME_CHECK(known != 0 && numel % known == 0, op, "shape ", shape,
+                " is invalid for input of shape ", from, " (", numel, " elements)");
+    out[infer] = numel / known;
+  }
+  FLAME_CHECK(shape_numel(out, op) == numel, op, "shape ", shape, " is invalid for input of shape ",
+              from, " (", numel, " elements)");
+  return out;
+}
+
+// Strides that let `new_shape` view memory laid out as (old_shape, old_strides), if any exist.
+std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strides, const Shape& new_shape) {
+  const int64_t ndim_new = static_cast<int64_t>(new_shape.size());
+  Shape new_strides(new_shape.size());
+  if (old_shape.empty()) return Shape(new_shape.size(), 1);
+  if (shape_numel(old_shape) == 0) return contiguous_strides(new_shape);
+  int64_t view_d = ndim_new - 1;
+  int64_t chunk_base_stride = old_strides.back();
+  int64_t tensor_numel = 1, view_numel = 1;
+  for (int64_t tensor_d = static_cast<int64_t>(old_shape.size()) - 1; tensor_d >= 0; --tensor_d) {
+    tensor_numel *= old_shape[tensor_d];
+    if (tensor_d == 0 || (old_shape[tensor_d - 1] != 1 &&
+                          old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride)) {
+      while (view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d] == 1)) {
+        new_strides[view_d] = view_numel * chunk_base_stride;
+        view_numel *= new_shape[view_d];
+        --view_d;
+      }
+      if (view_numel != tensor_numel) return std::nullopt;
+      if (tensor_d > 0) {
+        chunk_base_stride = old_strides[tensor_d - 1];
+        tensor_numel = 1;
+        view_numel = 1;
+      }
+    }
+  }
+  if (view_d != -1) return std::nullopt;
+  return new_strides;
+}
+
+}  // namespace
+
+Tensor Tensor::view(const Shape& shape) const {
+  const Shape target = infer_shape(shape, numel(), "view", sizes());
+  auto strides = view_strides(sizes(), this->strides(), target);
+  FLAME_CHECK(strides.has_value(), "view", "shape ", target, " is not compatible with input of shape ",
+              sizes(), " and strides ", this->strides(), "; use reshape() (which may copy)");
+  return make_view(*this, target, *strides, storage_offset());
+}
+
+Tensor Tensor::reshape(const Shape& shape) const {
+  const Shape target = infer_shape(shape, numel(), "reshape", sizes());
+  if (auto strides = view_strides(sizes(), this->strides(), target)) {
+    return make_view(*this, target, *strides, storage_offset());
+  }
+  return clone().view(target);
+}
+
+Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  const int64_t n = dim();
+  if (n == 0) {
+    wrap_dim(d0, 0, "transpose");
+    wrap_dim(d1, 0, "transpose");
+    return make_view(*this, sizes(), strides(), storage_offset());
+  }
+  d0 = wrap_dim(d0, n, "transpose");
+  d1 = wrap_dim(d1, n, "transpose");
+  Shape sz = sizes(), st = strides();
+  std::swap(sz[d0], sz[d1]);
+  std::swap(st[d0], st[d1]);
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::t() const {
+  FLAME_CHECK(dim() <= 2, "t", "expects a tensor with <= 2 dims, got shape ", sizes());
+  return dim() < 2 ? make_view(*this, sizes(), strides(), storage_offset()) : transpose(0, 1);
+}
+
+Tensor Tensor::permute(const Shape& dims) const {
+  const int64_t n = dim();
+  FLAME_CHECK(static_cast<int64_t>(dims.size()) == n, "permute", "number of dims ", dims,
+              " does not match tensor of shape ", sizes());
+  Shape sz(n), st(n);
+  std::vector<bool> seen(n, false);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = wrap_dim(dims[i], n, "permute");
+    FLAME_CHECK(!seen[d], "permute", "repeated dim in ", dims);
+    seen[d] = true;
+    sz[i] = sizes()[d];
+    st[i] = strides()[d];
+  }
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  FLAME_CHECK(dim() > 0, "narrow", "cannot narrow a 0-d tensor");
+  d = wrap_dim(d, dim(), "narrow");
+  const int64_t n = sizes()[d];
+  if (start < 0) start += n;
+  FLAME_CHECK(start >= 0 && length >= 0 && start + length <= n, "narrow", "start ", start,
+              " + length ", length, " exceeds dimension ", d, " of size ", n, " (shape ", sizes(), ")");
+  Shape sz = sizes();
+  sz[d] = length;
+  return make_view(*this, sz, strides(), storage_offset() + start * strides()[d]);
+}
+
+Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  FLAME_CHECK(dim() > 0, "slice", "cannot slice a 0-d tensor");
+  d = wrap_dim(d, dim(), "slice");
+  FLAME_CHECK(step > 0, "slice", "step must be positive, got ", step);
+  const int64_t n = sizes()[d];
+  if (start < 0) start += n;
+  if (end < 0) end += n;
+  start = std::clamp<int64_t>(start, 0, n);
+  end = std::clamp<int64_t>(end, start, n);
+  Shape sz = sizes(), st = strides();
+  sz[d] = (end - start + step - 1) / step;
+  st[d] *= step;
+  return make_view(*this, sz, st, storage_offset() + start * strides()[d]);
+}
+
+Tensor Tensor::select(int64_t d, int64_t index) const {
+  FLAME_CHECK(dim() > 0, "select", "cannot select from a 0-d tensor");
+  d = wrap_dim(d, dim(), "select");
+  const int64_t n = sizes()[d];
+  FLAME_CHECK(index >= -n && index < n, "select", "index ", index, " out of range for dimension ",
+              d, " of size ", n, " (shape ", sizes(), ")");
+  if (index < 0) index += n;
+  Shape sz = sizes(), st = strides();
+  const int64_t offset = storage_offset() + index * st[d];
+  sz.erase(sz.begin() + d);
+  st.erase(st.begin() + d);
+  return make_view(*this, sz, st, offset);
+}
+
+Tensor Tensor::expand(const Shape& shape) const {
+  const int64_t n = dim(), m = static_cast<int64_t>(shape.size());
+  FLAME_CHECK(m >= n, "expand", "target shape ", shape, " has fewer dims than the tensor's shape ", sizes());
+  Shape sz(m), st(m);
+  for (int64_t i = m - 1; i >= 0; --i) {
+    const int64_t j = i - (m - n);
+    const int64_t want = shape[i];
+    if (j >= 0) {
+      const int64_t have = sizes()[j];
+      if (want == -1 || want == have) {
+        sz[i] = have;
+        st[i] = strides()[j];
+      } else {
+        FLAME_CHECK(have == 1 && want >= 0, "expand", "cannot expand shape ", sizes(), " to ", shape,
+                    " (dim ", j, " has size ", have, ", only size-1 dims can be expanded)");
+        sz[i] = want;
+        st[i] = 0;
+      }
+    } else {
+      FLAME_CHECK(want >= 0, "expand", "-1 is not allowed for new leading dims in ", shape);
+      sz[i] = want;
+      st[i] = 0;
+    }
+  }
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::squeeze() const {
+  Shape sz, st;
+  for (int64_t i = 0; i < dim(); ++i) {
+    if (sizes()[i] != 1) {
+      sz.push_back(sizes()[i]);
+      st.push_back(strides()[i]);
+    }
+  }
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::squeeze(int64_t d) const {
+  if (dim() == 0) {
+    wrap_dim(d, 0, "squeeze");
+    return make_view(*this, sizes(), strides(), storage_offset());
+  }
+  d = wrap_dim(d, dim(), "squeeze");
+  if (sizes()[d] != 1) return make_view(*this, sizes(), strides(), storage_offset());
+  Shape sz = sizes(), st = strides();
+  sz.erase(sz.begin() + d);
+  st.erase(st.begin() + d);
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::unsqueeze(int64_t d) const {
+  d = wrap_dim(d, dim() + 1, "unsqueeze");
+  Shape sz = sizes(), st = strides();
+  const int64_t new_stride = d < dim() ? sizes()[d] * strides()[d] : 1;
+  sz.insert(sz.begin() + d, 1);
+  st.insert(st.begin() + d, new_stride);
+  return make_view(*this, sz, st, storage_offset());
+}
+
+Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
+  if (dim() == 0) return reshape({1});
+  start_dim = wrap_dim(start_dim, dim(), "flatten");
+  end_dim = wrap_dim(end_dim, dim(), "flatten");
+  FLAME_CHECK(start_dim <= end_dim, "flatten", "start_dim ", start_dim, " must not exceed end_dim ", end_dim);
+  Shape sz(sizes().begin(), sizes().begin() + start_dim);
+  int64_t n = 1;
+  for (int64_t i = start_dim; i <= end_dim; ++i) n *= sizes()[i];
+  sz.push_back(n);
+  sz.insert(sz.end(), sizes().begin() + end_dim + 1, sizes().end());
+  return reshape(sz);
+}
+
+Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
+  FLAME_CHECK(dim() > 0, "unflatten", "cannot unflatten a 0-d tensor");
+  d = wrap_dim(d, dim(), "unflatten");
+  FLAME_CHECK(!parts.empty(), "unflatten", "sizes must be non-empty");
+  Shape sz(sizes().begin(), sizes().begin() + d);
+  sz.insert(sz.end(), parts.begin(), parts.end());
+  sz.insert(sz.end(), sizes().begin() + d + 1, sizes().end());
+  return view(sz);
+}
+
+Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
+  const int64_t n = dim() == 0 ? 1 : sizes()[wrap_dim(d, dim(), "unfold")];
+  if (dim() > 0) d = wrap_dim(d, dim(), "unfold");
+  FLAME_CHECK(size >= 0 && size <= n, "unfold", "size ", size, " exceeds dimension of size ", n);
+  FLAME_CHECK(step > 0, "unfold", "step must be positive, got ", step);
+  Shape sz = sizes(), st = strides();
+  if (dim() == 0) return make_view(*this, {size}, {1}, storage_offset());
+  sz[d] = (n - size) / step + 1;
+  const int64_t base = st[d];
+  st[d] = base * step;
+  sz.push_back(size);
+  st.push_back(base);
+  return make_view(*this, sz, st, storage_offset());
+}
+
+}  // namespace flame
