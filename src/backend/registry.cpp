@@ -1,4 +1,7 @@
 // Maps a Device to its backend. The CUDA backend exists only in builds with FLAME_WITH_CUDA.
+#include <atomic>
+
+#include "flame/cuda.h"
 #include "flame/device.h"
 #include "src/backend/backend.h"
 #include "src/backend/cpu/cpu_backend.h"
@@ -29,5 +32,22 @@ namespace flame {
 #ifndef FLAME_WITH_CUDA
 bool cuda_is_available() { return false; }
 int cuda_device_count() { return 0; }
+namespace cuda {
+#define FLAME_NO_CUDA(what) FLAME_FAIL(what, "FLAME was built without CUDA")
+MemoryStats memory_stats(int) { FLAME_NO_CUDA("cuda::memory_stats"); }
+void reset_peak_memory_stats(int) { FLAME_NO_CUDA("cuda::reset_peak_memory_stats"); }
+void empty_cache(int) { FLAME_NO_CUDA("cuda::empty_cache"); }
+void synchronize(int) { FLAME_NO_CUDA("cuda::synchronize"); }
+void* current_stream(int) { FLAME_NO_CUDA("cuda::current_stream"); }
+#undef FLAME_NO_CUDA
+}  // namespace cuda
 #endif
+
+namespace cuda {
+namespace {
+std::atomic<bool> g_allow_tf32{false};
+}
+void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
+bool allow_tf32() { return g_allow_tf32; }
+}  // namespace cuda
 }  // namespace flame

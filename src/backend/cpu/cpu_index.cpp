@@ -1,12 +1,8 @@
 #include "src/backend/cpu/cpu_backend.h"
 namespace flame::backend::cpu {
-void CpuBackend::reduce(ReduceOp, const Tensor&, const Tensor&, int64_t) { FLAME_FAIL("reduce", "not implemented"); }
-void CpuBackend::cumsum(const Tensor&, const Tensor&, int64_t) { FLAME_FAIL("cumsum", "not implemented"); }
-void CpuBackend::softmax(const Tensor&, const Tensor&, int64_t, bool) { FLAME_FAIL("softmax", "not implemented"); }
-void CpuBackend::matmul(const Tensor&, const Tensor&, const Tensor&) { FLAME_FAIL("matmul", "not implemented"); }
 void CpuBackend::index_select(const Tensor&, const Tensor&, int64_t, const Tensor&) { FLAME_FAIL("index_select", "not implemented"); }
 void CpuBackend::gather(const Tensor&, const Tensor&, int64_t, const Tensor&) { FLAME_FAIL("gather", "not implemented"); }
 void CpuBackend::scatter(const Tensor&, int64_t, const Tensor&, const Tensor&, bool) { FLAME_FAIL("scatter", "not implemented"); }
 Tensor CpuBackend::masked_select(const Tensor&, const Tensor&) { FLAME_FAIL("masked_select", "not implemented"); }
 void CpuBackend::sort(const Tensor&, const Tensor&, const Tensor&, int64_t, bool) { FLAME_FAIL("sort", "not implemented"); }
-}
+}  // namespace flame::backend::cpu
