@@ -19,6 +19,20 @@ namespace flame::backend::cuda {
 
 class MemoryPool;  // src/backend/cuda/memory_pool.*
 
+// Note [Deferred device errors]
+// A kernel that finds invalid data (an index out of range) cannot throw. It records the first such
+// error in this device-resident record (atomicCAS on `op` from 0) and skips the bad element. The
+// next synchronising call of the backend (copy_to_host, synchronize, masked_select) reads the
+// record, clears it and raises flame::Error naming the op and the offending value. So a bad index
+// is never silently accepted, and no op pays a host round trip to validate indices.
+struct DeviceErrorRecord {
+  int32_t op;  // 0: none; else a DeviceErrorOp
+  int32_t dim;
+  int64_t value;  // the offending index
+  int64_t limit;  // the size it had to be below
+};
+enum DeviceErrorOp : int32_t { kErrNone = 0, kErrIndexSelect, kErrGather, kErrScatter, kErrTake };
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device);
@@ -26,6 +40,10 @@ class CudaBackend final : public Backend {
   int device() const { return device_; }
   cudaStream_t stream() const { return stream_; }
   MemoryPool& pool() { return *pool_; }
+  // Device pointer to this backend's DeviceErrorRecord (Note [Deferred device errors]).
+  DeviceErrorRecord* error_record() const { return error_record_; }
+  // Reads the record (the caller has synchronised the stream), clears it, raises if set.
+  void raise_deferred_error();
 
   std::shared_ptr<void> allocate(std::size_t nbytes) override;
   void copy(const Tensor& dst, const Tensor& src) override;
@@ -52,6 +70,7 @@ class CudaBackend final : public Backend {
   int device_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<MemoryPool> pool_;
+  DeviceErrorRecord* error_record_ = nullptr;
 };
 
 // The backend of device `index` (created on first use); errors name the device when absent.
