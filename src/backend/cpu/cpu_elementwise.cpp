@@ -12,6 +12,9 @@ std::shared_ptr<void> CpuBackend::allocate(std::size_t nbytes) {
   const std::size_t rounded = (std::max<std::size_t>(nbytes, 1) + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   FLAME_CHECK(p != nullptr, "allocate", "out of host memory allocating ", nbytes, " bytes");
+  // Tests set FLAME_POISON_ALLOC=1 so that output elements a kernel forgets to write read as NaN.
+  static const bool poison = std::getenv("FLAME_POISON_ALLOC") != nullptr;
+  if (poison) std::memset(p, 0xFF, rounded);
   return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
 }
 
