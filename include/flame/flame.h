@@ -1,5 +1,6 @@
 #pragma once
 // Umbrella header: include this to use FLAME.
+#include "flame/autograd.h"
 #include "flame/cuda.h"
 #include "flame/device.h"
 #include "flame/dtype.h"

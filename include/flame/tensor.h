@@ -3,6 +3,7 @@
 // dtype) over a Storage (the bytes on one device). Copying a Tensor never copies data; views
 // (reshape, transpose, slice, expand, ...) share the Storage. See docs/tensor-model.md.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -21,6 +22,8 @@ using Shape = std::vector<int64_t>;
 class TensorImpl;
 class Generator;
 class Tensor;
+class Gradients;
+struct BackwardOptions;
 using TensorList = std::vector<Tensor>;
 
 // dtype (unset: the factory's default, f32 for most) and device (default CPU) of a new tensor.
@@ -68,6 +71,18 @@ class Tensor {
   bool is_same(const Tensor& o) const { return impl_ == o.impl_; }
   bool shares_storage(const Tensor& o) const;
   uint64_t version() const;  // counts in-place writes to the storage (shared by all views)
+
+  // ---- autograd (see autograd.h) ----
+  bool requires_grad() const;
+  Tensor& requires_grad_(bool on = true);  // leaves only
+  bool is_leaf() const;                           // not produced by a recorded op
+  Tensor detach() const;                          // same storage, outside any graph
+  std::string grad_fn_name() const;               // "" for leaves
+  Gradients backward() const;                     // scalar output; gradients of all leaves
+  Gradients backward(const BackwardOptions& options) const;
+  // Runs during backward with the gradient arriving at this tensor; may return a replacement.
+  void register_hook(std::function<Tensor(const Tensor&)> hook);
+  Tensor grad(const Gradients& grads) const;      // grads.get(*this)
 
   // ---- factories ----
   static Tensor empty(const Shape& shape, TensorOptions opts = {});

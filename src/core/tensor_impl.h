@@ -18,6 +18,8 @@ struct Storage {
   std::atomic<uint64_t> version{0};
 };
 
+struct AutogradMeta;  // src/autograd/node.h
+
 class TensorImpl {
  public:
   TensorImpl(std::shared_ptr<Storage> storage_, Shape sizes_, Shape strides_, int64_t offset_,
@@ -28,6 +30,7 @@ class TensorImpl {
   int64_t offset;  // elements
   DType dtype;
   int64_t numel;
+  std::shared_ptr<AutogradMeta> autograd;  // null: no gradient is tracked for this tensor
 };
 
 Shape contiguous_strides(const Shape& sizes);

@@ -5,6 +5,8 @@
 #include "flame/ops.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/autograd/record.h"
+#include "src/autograd/rules/rules.h"
 #include "src/ops/elementwise.h"
 
 namespace flame {
@@ -60,6 +62,7 @@ Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, c
   Tensor in = x.to(in_dtype);
   Tensor out = make_empty(x.sizes(), out_dtype, x.device());
   if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
+  rules::unary(out, op, x, in, p);
   return out;
 }
 
@@ -103,9 +106,9 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
   const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
   Tensor out = make_empty(shape, out_dtype, a.device());
-  if (out.numel() > 0) {
-    backend::backend_for(a.device()).binary(op, out, a.to(common).expand(shape), b.to(common).expand(shape));
-  }
+  const Tensor ac = a.to(common), bc = b.to(common);
+  if (out.numel() > 0) backend::backend_for(a.device()).binary(op, out, ac.expand(shape), bc.expand(shape));
+  if (oi.kind != OpKind::predicate) rules::binary(out, op, a, b, ac, bc);
   return out;
 }
 
@@ -259,6 +262,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   if (out.numel() > 0) {
     backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
   }
+  rules::where(out, cond, a, b);
   return out;
 }
 
@@ -300,6 +304,7 @@ Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other) {
   const OpInfo oi = info(op);
   check_defined(self, oi.name);
   check_no_internal_overlap(self, oi.name);
+  check_inplace_allowed(self, oi.name);
   Tensor o = inplace_operand(self, other, oi.name);
   DType common = result_type(self, other);
   if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
@@ -321,6 +326,7 @@ Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s) {
   const OpInfo oi = info(op);
   check_defined(self, oi.name);
   check_no_internal_overlap(self, oi.name);
+  check_inplace_allowed(self, oi.name);
   DType dt = promote_with_scalar(self.dtype(), s);
   if (oi.kind == OpKind::floating && !is_floating(dt)) dt = kDefaultFloat;
   FLAME_CHECK(can_cast(dt, self.dtype()), oi.name, "result type ", dtype_name(dt),
@@ -336,6 +342,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
   check_defined(*this, "copy_");
   check_defined(src, "copy_");
   check_no_internal_overlap(*this, "copy_");
+  check_inplace_allowed(*this, "copy_");
   FLAME_CHECK(broadcast_shapes(sizes(), src.sizes(), "copy_") == sizes(), "copy_", "source of shape ",
               src.sizes(), " does not broadcast to the destination's shape ", sizes());
   if (numel() == 0) return *this;
@@ -353,6 +360,7 @@ Tensor& Tensor::copy_(const Tensor& src) {
 Tensor& Tensor::fill_(Scalar value) {
   check_defined(*this, "fill_");
   check_no_internal_overlap(*this, "fill_");
+  check_inplace_allowed(*this, "fill_");
   if (numel() > 0) backend::backend_for(device()).fill(*this, value);
   bump_version(*this);
   return *this;

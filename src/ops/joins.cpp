@@ -1,11 +1,277 @@
+// Copies and joins: flip, repeat, split/chunk (views), cat, stack, pad.
+//
+// Note [Joins on copy]
+// These ops need no kernels of their own. Each allocates its output and fills it with the
+// backend's strided `copy` (which also converts dtypes) and `fill`, reading its inputs through
+// views: narrow() slabs of the output for cat/pad, a stride-0 (expanded) dim for repeat and
+// replicate padding, and a negative stride for flip and reflect padding. split/chunk return
+// narrow() views and copy nothing. So every backend gets these ops for free, provided its copy
+// accepts any strides, negative and zero included (the CPU loops step by signed byte strides).
+#include <algorithm>
+
 #include "flame/ops.h"
+#include "src/backend/backend.h"
+#include "src/core/tensor_impl.h"
+
 namespace flame {
-Tensor flip(const Tensor& x, const Shape& dims) { FLAME_FAIL("flip", "not implemented"); }
-Tensor repeat(const Tensor& x, const Shape& repeats) { FLAME_FAIL("repeat", "not implemented"); }
-TensorList split(const Tensor& x, int64_t split_size, int64_t dim) { FLAME_FAIL("split", "not implemented"); }
-TensorList split_with_sizes(const Tensor& x, const Shape& sizes, int64_t dim) { FLAME_FAIL("split_with_sizes", "not implemented"); }
-TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim) { FLAME_FAIL("chunk", "not implemented"); }
-Tensor cat(const TensorList& tensors, int64_t dim) { FLAME_FAIL("cat", "not implemented"); }
-Tensor stack(const TensorList& tensors, int64_t dim) { FLAME_FAIL("stack", "not implemented"); }
-Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) { FLAME_FAIL("pad", "not implemented"); }
+namespace {
+
+void check_defined(const Tensor& t, const char* op) {
+  FLAME_CHECK(t.defined(), op, "got an undefined tensor");
 }
+
+// dst (fresh, or a slab of a fresh output) = src converted to dst's dtype; src has dst's shape.
+void copy_into(const Tensor& dst, const Tensor& src) {
+  if (dst.numel() > 0) backend::backend_for(dst.device()).copy(dst, src);
+}
+
+// A view of t with dim d read back to front (a negative stride; see Note [Joins on copy]).
+Tensor reversed(const Tensor& t, int64_t d) {
+  const int64_t n = t.sizes()[d];
+  if (n <= 1) return t;
+  Shape st = t.strides();
+  const int64_t offset = t.storage_offset() + (n - 1) * st[d];
+  st[d] = -st[d];
+  return make_view(t, t.sizes(), st, offset);
+}
+
+bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0; }
+
+}  // namespace
+
+// ---- flip, repeat ----
+
+Tensor flip(const Tensor& x, const Shape& dims) {
+  check_defined(x, "flip");
+  const int64_t n = x.dim();
+  std::vector<bool> seen(static_cast<std::size_t>(std::max<int64_t>(n, 1)), false);
+  Tensor src = x;
+  for (int64_t d : dims) {
+    const int64_t w = wrap_dim(d, n, "flip");
+    FLAME_CHECK(!seen[w], "flip", "dim ", w, " appears more than once in dims ", dims,
+                " (input shape ", x.sizes(), ")");
+    seen[w] = true;
+    if (n > 0) src = reversed(src, w);
+  }
+  Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
+  copy_into(out, src);
+  return out;
+}
+
+Tensor repeat(const Tensor& x, const Shape& repeats) {
+  check_defined(x, "repeat");
+  const int64_t n = x.dim(), m = static_cast<int64_t>(repeats.size());
+  FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats, " can not be smaller than the number of dims of the input of shape ", x.sizes());
+  for (int64_t r : repeats) {
+    FLAME_CHECK(r >= 0, "repeat", "repeats must be non-negative, got ", repeats, " (input shape ", x.sizes(), ")");
+  }
+  // x with leading size-1 dims up to m dims.
+  Shape in_sizes(m - n, 1), in_strides(m - n, 0);
+  in_sizes.insert(in_sizes.end(), x.sizes().begin(), x.sizes().end());
+  in_strides.insert(in_strides.end(), x.strides().begin(), x.strides().end());
+  Shape out_shape(m);
+  for (int64_t i = 0; i < m; ++i) out_shape[i] = in_sizes[i] * repeats[i];
+  Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+  // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
+  // Size-1 entries are dropped to keep the dim count low.
+  const Shape& out_strides = out.strides();
+  Shape sizes, dst_strides, src_strides;
+  for (int64_t i = 0; i < m; ++i) {
+    if (repeats[i] != 1) {
+      sizes.push_back(repeats[i]);
+      dst_strides.push_back(in_sizes[i] * out_strides[i]);
+      src_strides.push_back(0);
+    }
+    if (in_sizes[i] != 1) {
+      sizes.push_back(in_sizes[i]);
+      dst_strides.push_back(out_strides[i]);
+      src_strides.push_back(in_strides[i]);
+    }
+  }
+  copy_into(make_view(out, sizes, dst_strides, 0), make_view(x, sizes, src_strides, x.storage_offset()));
+  return out;
+}
+
+// ---- split, chunk (views) ----
+
+TensorList split(const Tensor& x, int64_t split_size, int64_t dim) {
+  check_defined(x, "split");
+  FLAME_CHECK(x.dim() > 0, "split", "expects at least a 1-dimensional tensor, got shape ", x.sizes());
+  FLAME_CHECK(split_size >= 0, "split", "split_size must be non-negative, got ", split_size);
+  const int64_t d = wrap_dim(dim, x.dim(), "split");
+  const int64_t n = x.sizes()[d];
+  FLAME_CHECK(split_size > 0 || n == 0, "split", "split_size can only be 0 if the dimension size is 0, got dim ",
+              d, " of size ", n, " (shape ", x.sizes(), ")");
+  const int64_t pieces = split_size == 0 ? 1 : std::max<int64_t>((n + split_size - 1) / split_size, 1);
+  TensorList out;
+  out.reserve(static_cast<std::size_t>(pieces));
+  for (int64_t i = 0; i < pieces; ++i) {
+    const int64_t start = i * split_size;
+    out.push_back(x.narrow(d, start, std::min(split_size, n - start)));
+  }
+  return out;
+}
+
+TensorList split_with_sizes(const Tensor& x, const Shape& sizes, int64_t dim) {
+  check_defined(x, "split_with_sizes");
+  FLAME_CHECK(x.dim() > 0, "split_with_sizes", "expects at least a 1-dimensional tensor, got shape ", x.sizes());
+  const int64_t d = wrap_dim(dim, x.dim(), "split_with_sizes");
+  const int64_t n = x.sizes()[d];
+  int64_t total = 0;
+  for (int64_t s : sizes) {
+    FLAME_CHECK(s >= 0, "split_with_sizes", "split sizes must be non-negative, got ", sizes);
+    total += s;
+  }
+  FLAME_CHECK(total == n, "split_with_sizes", "split sizes ", sizes, " must sum exactly to the size ", n,
+              " of dim ", d, " of the input of shape ", x.sizes(), ", but sum to ", total);
+  TensorList out;
+  out.reserve(sizes.size());
+  int64_t start = 0;
+  for (int64_t s : sizes) {
+    out.push_back(x.narrow(d, start, s));
+    start += s;
+  }
+  return out;
+}
+
+TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim) {
+  check_defined(x, "chunk");
+  FLAME_CHECK(x.dim() > 0, "chunk", "expects at least a 1-dimensional tensor, got shape ", x.sizes());
+  FLAME_CHECK(chunks > 0, "chunk", "number of chunks must be positive, got ", chunks);
+  const int64_t d = wrap_dim(dim, x.dim(), "chunk");
+  const int64_t n = x.sizes()[d];
+  // Like PyTorch: pieces of ceil(n / chunks), so there may be fewer than `chunks`; an empty dim
+  // gives `chunks` empty pieces.
+  if (n == 0) return split_with_sizes(x, Shape(static_cast<std::size_t>(chunks), 0), d);
+  return split(x, (n + chunks - 1) / chunks, d);
+}
+
+// ---- cat, stack ----
+
+Tensor cat(const TensorList& tensors, int64_t dim) {
+  FLAME_CHECK(!tensors.empty(), "cat", "expected a non-empty list of tensors");
+  const Tensor* first = nullptr;  // the first tensor taking part (legacy empty [0] ones are skipped)
+  DType dt = DType::boolean;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    FLAME_CHECK(t.defined(), "cat", "tensor at position ", i, " is undefined");
+    FLAME_CHECK(t.dim() > 0, "cat", "zero-dimensional tensor (at position ", i, ") cannot be concatenated");
+    check_same_device("cat", tensors[0], t);
+    dt = i == 0 ? t.dtype() : promote_types(dt, t.dtype());
+    if (!first && !is_legacy_empty(t)) first = &t;
+  }
+  if (!first) return make_empty({0}, dt, tensors[0].device());
+  const int64_t nd = first->dim();
+  const int64_t d = wrap_dim(dim, nd, "cat");
+  Shape out_shape = first->sizes();
+  out_shape[d] = 0;
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    const Tensor& t = tensors[i];
+    if (is_legacy_empty(t)) continue;
+    FLAME_CHECK(t.dim() == nd, "cat", "tensors must have the same number of dims, got shapes ", first->sizes(),
+                " and ", t.sizes(), " (position ", i, ")");
+    for (int64_t k = 0; k < nd; ++k) {
+      FLAME_CHECK(k == d || t.sizes()[k] == first->sizes()[k], "cat", "sizes of tensors must match except in dim ",
+                  d, ", got shapes ", first->sizes(), " and ", t.sizes(), " (position ", i, ")");
+    }
+    out_shape[d] += t.sizes()[d];
+  }
+  Tensor out = make_empty(out_shape, dt, first->device());
+  int64_t offset = 0;
+  for (const Tensor& t : tensors) {
+    if (is_legacy_empty(t)) continue;
+    const int64_t len = t.sizes()[d];
+    copy_into(out.narrow(d, offset, len), t);
+    offset += len;
+  }
+  return out;
+}
+
+Tensor stack(const TensorList& tensors, int64_t dim) {
+  FLAME_CHECK(!tensors.empty(), "stack", "expected a non-empty list of tensors");
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    FLAME_CHECK(tensors[i].defined(), "stack", "tensor at position ", i, " is undefined");
+  }
+  const Shape& shape = tensors[0].sizes();
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    check_same_device("stack", tensors[0], tensors[i]);
+    FLAME_CHECK(tensors[i].sizes() == shape, "stack", "expects each tensor to be equal size, but got ", shape,
+                " at entry 0 and ", tensors[i].sizes(), " at entry ", i);
+  }
+  const int64_t d = wrap_dim(dim, static_cast<int64_t>(shape.size()) + 1, "stack");
+  TensorList parts;
+  parts.reserve(tensors.size());
+  for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
+  return cat(parts, d);
+}
+
+// ---- pad ----
+
+Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
+  check_defined(x, "pad");
+  const int64_t n = x.dim(), npairs = static_cast<int64_t>(pads.size()) / 2;
+  FLAME_CHECK(pads.size() % 2 == 0, "pad", "padding length must be even, got ", pads.size(), " values ", pads);
+  FLAME_CHECK(npairs <= n, "pad", "padding ", pads, " has ", npairs, " pairs, more than the dims of the input of shape ",
+              x.sizes());
+  // pads[2k], pads[2k + 1] apply to dim n - 1 - k. Negative pads crop (first), as in PyTorch.
+  Shape left(n, 0), right(n, 0), kept(n), out_shape(n);
+  Tensor src = x;
+  for (int64_t k = 0; k < npairs; ++k) {
+    const int64_t d = n - 1 - k;
+    left[d] = pads[2 * k];
+    right[d] = pads[2 * k + 1];
+  }
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t size = x.sizes()[d];
+    const int64_t crop_l = std::max<int64_t>(-left[d], 0), crop_r = std::max<int64_t>(-right[d], 0);
+    FLAME_CHECK(crop_l + crop_r <= size && size + left[d] + right[d] >= 0, "pad", "padding ", pads,
+                " crops more than dim ", d, " of size ", size, " (input shape ", x.sizes(), ")");
+    kept[d] = size - crop_l - crop_r;
+    out_shape[d] = size + left[d] + right[d];
+    left[d] = std::max<int64_t>(left[d], 0);
+    right[d] = std::max<int64_t>(right[d], 0);
+    src = src.narrow(d, crop_l, kept[d]);
+    if (left[d] == 0 && right[d] == 0) continue;
+    if (mode == PadMode::reflect) {
+      FLAME_CHECK(left[d] < kept[d] && right[d] < kept[d], "pad", "reflect padding (", left[d], ", ", right[d],
+                  ") must be less than the size ", kept[d], " of dim ", d, " (input shape ", x.sizes(),
+                  ", padding ", pads, ")");
+    } else if (mode == PadMode::replicate) {
+      FLAME_CHECK(kept[d] > 0, "pad", "replicate padding of dim ", d, " needs a non-empty dim (input shape ",
+                  x.sizes(), ", padding ", pads, ")");
+    }
+  }
+  Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+  Tensor interior = out;
+  for (int64_t d = 0; d < n; ++d) interior = interior.narrow(d, left[d], kept[d]);
+  copy_into(interior, src);
+
+  // Borders dim by dim. At step d, `region` is padded along dims < d and interior along dims > d,
+  // so corners get filled from already-padded rows and no uninitialised element is ever read.
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t l = left[d], r = right[d], c = kept[d];
+    if (l == 0 && r == 0) continue;
+    Tensor region = out;
+    for (int64_t e = d + 1; e < n; ++e) region = region.narrow(e, left[e], kept[e]);
+    const Tensor lo = region.narrow(d, 0, l), hi = region.narrow(d, l + c, r);
+    switch (mode) {
+      case PadMode::constant:
+        if (lo.numel() > 0) backend::backend_for(out.device()).fill(lo, Scalar(value));
+        if (hi.numel() > 0) backend::backend_for(out.device()).fill(hi, Scalar(value));
+        break;
+      case PadMode::reflect:  // out[l - 1 - k] = out[l + 1 + k], out[l + c + k] = out[l + c - 2 - k]
+        copy_into(lo, reversed(region.narrow(d, l + 1, l), d));
+        copy_into(hi, reversed(region.narrow(d, l + c - 1 - r, r), d));
+        break;
+      case PadMode::replicate:
+        copy_into(lo, region.narrow(d, l, 1).expand(lo.sizes()));
+        copy_into(hi, region.narrow(d, l + c - 1, 1).expand(hi.sizes()));
+        break;
+    }
+  }
+  return out;
+}
+
+}  // namespace flame

@@ -45,7 +45,12 @@
   X(silu, Silu, floating)                  \
   X(softplus, Softplus, floating)          \
   X(mish, Mish, floating)                  \
-  X(elu, Elu, floating)
+  X(elu, Elu, floating)                    \
+  X(gelu_grad, GeluGrad, floating)         \
+  X(gelu_tanh_grad, GeluTanhGrad, floating) \
+  X(silu_grad, SiluGrad, floating)         \
+  X(mish_grad, MishGrad, floating)         \
+  X(softplus_grad, SoftplusGrad, floating)
 
 #define FLAME_BINARY_OPS(X)                \
   X(add, Add, same)                        \

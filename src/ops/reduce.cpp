@@ -1,19 +1,240 @@
+// Reductions: dim handling, dtype rules, the backend reductions (sum, mean, prod, amax, amin,
+// argmax, argmin, any, all, cumsum, softmax) and the composites written with other ops (var, std,
+// norm, logsumexp), which every backend gets for free.
+//
+// Note [Reduce dims]
+// Empty dims means all dims; negative dims wrap; a repeated or out-of-range dim is an error naming
+// the op. A 0-d input accepts dims {}, {0} and {-1}. The op layer permutes the reduced dims to the
+// end of a zero-copy view and asks the backend for a fresh contiguous result holding the kept dims
+// only (Backend::reduce); keepdim is then a view of that result with size-1 dims put back.
+//
+// Note [Reduce dtypes]
+// As PyTorch: sum/prod/cumsum of integers or bool give i64, floats keep their dtype; amax/amin keep
+// the dtype; argmax/argmin give i64; any/all give bool; mean, var, std, norm, logsumexp, softmax and
+// log_softmax need a floating input. The composites run bf16/f16 inputs in f32 and round once at the
+// end, as the kernels accumulate half types in float or wider.
+#include <algorithm>
+#include <cmath>
+
 #include "flame/ops.h"
+#include "src/backend/backend.h"
+#include "src/core/tensor_impl.h"
+
 namespace flame {
-Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("sum", "not implemented"); }
-Tensor mean(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("mean", "not implemented"); }
-Tensor prod(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("prod", "not implemented"); }
-Tensor amax(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("amax", "not implemented"); }
-Tensor amin(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("amin", "not implemented"); }
-Tensor argmax(const Tensor& x, std::optional<int64_t> dim, bool keepdim) { FLAME_FAIL("argmax", "not implemented"); }
-Tensor argmin(const Tensor& x, std::optional<int64_t> dim, bool keepdim) { FLAME_FAIL("argmin", "not implemented"); }
-Tensor var(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim) { FLAME_FAIL("var", "not implemented"); }
-Tensor std(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim) { FLAME_FAIL("std", "not implemented"); }
-Tensor norm(const Tensor& x, double p, const Shape& dims, bool keepdim) { FLAME_FAIL("norm", "not implemented"); }
-Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("logsumexp", "not implemented"); }
-Tensor any(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("any", "not implemented"); }
-Tensor all(const Tensor& x, const Shape& dims, bool keepdim) { FLAME_FAIL("all", "not implemented"); }
-Tensor cumsum(const Tensor& x, int64_t dim) { FLAME_FAIL("cumsum", "not implemented"); }
-Tensor softmax(const Tensor& x, int64_t dim) { FLAME_FAIL("softmax", "not implemented"); }
-Tensor log_softmax(const Tensor& x, int64_t dim) { FLAME_FAIL("log_softmax", "not implemented"); }
+using backend::ReduceOp;
+
+namespace {
+
+struct ReducePlan {
+  Shape perm;            // kept dims in order, then reduced dims in order
+  Shape out_shape;       // the kept dims
+  Shape keep_shape;      // the input's shape with each reduced dim set to 1
+  int64_t reduce_ndim = 0;
+  int64_t count = 1;     // input elements per output element
+  int64_t zero_dim = -1; // a reduced dim of size 0, if any
+};
+
+void check_defined(const Tensor& x, const char* op) { FLAME_CHECK(x.defined(), op, "got an undefined tensor"); }
+
+void check_floating(const Tensor& x, const char* op) {
+  check_defined(x, op);
+  FLAME_CHECK(is_floating(x.dtype()), op, "expected a floating input, got ", dtype_name(x.dtype()),
+              " (shape ", x.sizes(), ")");
 }
+
+ReducePlan plan_reduce(const Tensor& x, const Shape& dims, const char* op) {
+  check_defined(x, op);
+  const int64_t n = x.dim();
+  std::vector<bool> reduced(static_cast<std::size_t>(std::max<int64_t>(n, 1)), dims.empty());
+  std::vector<bool> seen(reduced.size(), false);
+  for (int64_t d : dims) {
+    const int64_t w = wrap_dim(d, n, op);
+    FLAME_CHECK(!seen[w], op, "dim ", w, " appears more than once in dims ", dims);
+    seen[w] = true;
+    reduced[w] = true;
+  }
+  ReducePlan p;
+  Shape tail;
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t size = x.sizes()[d];
+    if (reduced[d]) {
+      tail.push_back(d);
+      p.keep_shape.push_back(1);
+      p.count *= size;
+      if (size == 0 && p.zero_dim < 0) p.zero_dim = d;
+    } else {
+      p.perm.push_back(d);
+      p.out_shape.push_back(size);
+      p.keep_shape.push_back(size);
+    }
+  }
+  p.reduce_ndim = static_cast<int64_t>(tail.size());
+  p.perm.insert(p.perm.end(), tail.begin(), tail.end());
+  return p;
+}
+
+// max/min/argmax/argmin have no identity, so an empty reduced extent cannot give a value.
+void check_nonzero_extent(const Tensor& x, const ReducePlan& p, const char* op) {
+  FLAME_CHECK(p.zero_dim < 0, op, "cannot reduce over dim ", p.zero_dim, " of size 0 (input shape ", x.sizes(),
+              "): the operation has no identity");
+}
+
+Tensor run_reduce(ReduceOp op, const Tensor& x, const ReducePlan& p, DType out_dtype, bool keepdim) {
+  Tensor out = make_empty(p.out_shape, out_dtype, x.device());
+  if (out.numel() > 0) backend::backend_for(x.device()).reduce(op, out, x.permute(p.perm), p.reduce_ndim);
+  return keepdim ? out.view(p.keep_shape) : out;
+}
+
+DType sum_dtype(DType t) { return is_floating(t) ? t : DType::i64; }
+
+Tensor arg_reduce(ReduceOp op, const Tensor& x, std::optional<int64_t> dim, bool keepdim, const char* name) {
+  // dim = nullopt reduces every dim in row-major order: the index is into the flattened tensor.
+  const ReducePlan p = plan_reduce(x, dim ? Shape{*dim} : Shape{}, name);
+  check_nonzero_extent(x, p, name);
+  return run_reduce(op, x, p, DType::i64, keepdim);
+}
+
+// See Note [Reduce dtypes]: half inputs compute in f32.
+Tensor upcast(const Tensor& x) {
+  return x.dtype() == DType::bf16 || x.dtype() == DType::f16 ? x.to(DType::f32) : x;
+}
+
+Tensor variance(const Tensor& xf, const Shape& dims, int64_t correction, bool keepdim, const ReducePlan& p) {
+  // Divisor max(0, N - correction), as PyTorch: a non-positive one gives inf or nan, not an error.
+  const double divisor = std::max(0.0, static_cast<double>(p.count) - static_cast<double>(correction));
+  const Tensor centered = xf - mean(xf, dims, /*keepdim=*/true);
+  return sum(square(centered), dims, keepdim) / divisor;
+}
+
+// Softmax-family ops run on a 1-d view of a 0-d input so the kernels always see a dim.
+Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
+  check_floating(x, name);
+  const int64_t d = wrap_dim(dim, x.dim(), name);
+  Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
+  if (out.numel() == 0) return out;
+  auto& be = backend::backend_for(x.device());
+  if (x.dim() == 0) {
+    be.softmax(out.view({1}), x.reshape({1}), 0, log);
+  } else {
+    be.softmax(out, x, d, log);
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "sum");
+  return run_reduce(ReduceOp::sum, x, p, sum_dtype(x.dtype()), keepdim);
+}
+
+Tensor mean(const Tensor& x, const Shape& dims, bool keepdim) {
+  check_floating(x, "mean");
+  const ReducePlan p = plan_reduce(x, dims, "mean");
+  return run_reduce(ReduceOp::mean, x, p, x.dtype(), keepdim);
+}
+
+Tensor prod(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "prod");
+  return run_reduce(ReduceOp::prod, x, p, sum_dtype(x.dtype()), keepdim);
+}
+
+Tensor amax(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "amax");
+  check_nonzero_extent(x, p, "amax");
+  return run_reduce(ReduceOp::max, x, p, x.dtype(), keepdim);
+}
+
+Tensor amin(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "amin");
+  check_nonzero_extent(x, p, "amin");
+  return run_reduce(ReduceOp::min, x, p, x.dtype(), keepdim);
+}
+
+Tensor argmax(const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
+  return arg_reduce(ReduceOp::argmax, x, dim, keepdim, "argmax");
+}
+
+Tensor argmin(const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
+  return arg_reduce(ReduceOp::argmin, x, dim, keepdim, "argmin");
+}
+
+Tensor any(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "any");
+  return run_reduce(ReduceOp::any, x, p, DType::boolean, keepdim);
+}
+
+Tensor all(const Tensor& x, const Shape& dims, bool keepdim) {
+  const ReducePlan p = plan_reduce(x, dims, "all");
+  return run_reduce(ReduceOp::all, x, p, DType::boolean, keepdim);
+}
+
+Tensor var(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim) {
+  check_floating(x, "var");
+  const ReducePlan p = plan_reduce(x, dims, "var");
+  return variance(upcast(x), dims, correction, keepdim, p).to(x.dtype());
+}
+
+Tensor std(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim) {
+  check_floating(x, "std");
+  const ReducePlan p = plan_reduce(x, dims, "std");
+  return sqrt(variance(upcast(x), dims, correction, keepdim, p)).to(x.dtype());
+}
+
+Tensor norm(const Tensor& x, double p, const Shape& dims, bool keepdim) {
+  check_floating(x, "norm");
+  const ReducePlan plan = plan_reduce(x, dims, "norm");
+  const Tensor xf = upcast(x);
+  Tensor r;
+  if (std::isinf(p)) {
+    check_nonzero_extent(x, plan, "norm");  // max/min |x| of nothing is undefined
+    r = p > 0 ? amax(abs(xf), dims, keepdim) : amin(abs(xf), dims, keepdim);
+  } else if (p == 0.0) {
+    const Tensor zero = Tensor::scalar(0.0, {xf.dtype(), xf.device()});
+    r = sum(ne(xf, zero).to(xf.dtype()), dims, keepdim);
+  } else if (p == 1.0) {
+    r = sum(abs(xf), dims, keepdim);
+  } else if (p == 2.0) {
+    r = sqrt(sum(square(xf), dims, keepdim));
+  } else {
+    r = pow(sum(pow(abs(xf), Scalar(p)), dims, keepdim), Scalar(1.0 / p));
+  }
+  return r.to(x.dtype());
+}
+
+Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
+  check_floating(x, "logsumexp");
+  const ReducePlan p = plan_reduce(x, dims, "logsumexp");
+  const Tensor xf = upcast(x);
+  Tensor r;
+  if (xf.numel() == 0) {
+    r = log(sum(exp(xf), dims, keepdim));  // an empty extent gives log(0) = -inf
+  } else {
+    // Subtract the max for stability; an infinite max is replaced by 0 so that a row of -inf
+    // gives -inf (not nan) and a +inf entry gives +inf.
+    Tensor m = amax(xf, dims, /*keepdim=*/true);
+    m = masked_fill(m, isinf(m), 0.0);
+    r = log(sum(exp(xf - m), dims, /*keepdim=*/true)) + m;
+    if (!keepdim) r = r.view(p.out_shape);
+  }
+  return r.to(x.dtype());
+}
+
+Tensor cumsum(const Tensor& x, int64_t dim) {
+  check_defined(x, "cumsum");
+  const int64_t d = wrap_dim(dim, x.dim(), "cumsum");
+  Tensor out = make_empty(x.sizes(), sum_dtype(x.dtype()), x.device());
+  if (out.numel() == 0) return out;
+  auto& be = backend::backend_for(x.device());
+  if (x.dim() == 0) {
+    be.cumsum(out.view({1}), x.reshape({1}), 0);
+  } else {
+    be.cumsum(out, x, d);
+  }
+  return out;
+}
+
+Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, false, "softmax"); }
+Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true, "log_softmax"); }
+
+}  // namespace flame

@@ -90,12 +90,12 @@ using backend::UnaryParams;
 template <class C>
 inline constexpr bool is_fp = std::is_floating_point_v<C>;
 
-#define FLAME_UNARY_FN(Name, body)                                      \
+#define FLAME_UNARY_FN(Name, ...)                                       \
   struct Name {                                                         \
     template <class C>                                                  \
     FLAME_INLINE C operator()(C x, const UnaryParams& p) const {        \
       (void)p;                                                          \
-      body                                                              \
+      __VA_ARGS__                                                       \
     }                                                                   \
   };
 // Ops on floating inputs only (the op layer turns integer inputs into f32 first).
@@ -154,6 +154,27 @@ FLAME_FLOAT_FN(Softplus, x * static_cast<C>(p.a) > static_cast<C>(p.b)
                              : math::log1p(math::exp(x * static_cast<C>(p.a))) / static_cast<C>(p.a))
 FLAME_FLOAT_FN(Mish, x * math::tanh(x > C(20) ? x : math::log1p(math::exp(x))))
 FLAME_FLOAT_FN(Elu, x > C(0) ? x : static_cast<C>(p.a) * math::expm1(x))
+// Derivatives dy/dx used by the gradient rules (fused so that backward is one kernel).
+FLAME_FLOAT_FN(GeluGrad, C(0.5) * (C(1) + math::erf(x * C(0.70710678118654752440))) +
+                             x * C(0.39894228040143267794) * math::exp(C(-0.5) * x * x))
+FLAME_UNARY_FN(GeluTanhGrad, if constexpr (is_fp<C>) {
+  const C k = C(0.79788456080286535588), c = C(0.044715);
+  const C t = math::tanh(k * (x + c * x * x * x));
+  return C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * k * (C(1) + C(3) * c * x * x);
+} else { return x; })
+FLAME_UNARY_FN(SiluGrad, if constexpr (is_fp<C>) {
+  const C s = C(1) / (C(1) + math::exp(-x));
+  return s * (C(1) + x * (C(1) - s));
+} else { return x; })
+FLAME_UNARY_FN(MishGrad, if constexpr (is_fp<C>) {
+  const C sp = x > C(20) ? x : math::log1p(math::exp(x));
+  const C t = math::tanh(sp);
+  return t + x * (C(1) - t * t) / (C(1) + math::exp(-x));
+} else { return x; })
+// softplus'(beta=a, threshold=b) = sigmoid(beta x), 1 above the threshold.
+FLAME_FLOAT_FN(SoftplusGrad, x * static_cast<C>(p.a) > static_cast<C>(p.b)
+                                 ? C(1)
+                                 : C(1) / (C(1) + math::exp(-x * static_cast<C>(p.a))))
 #undef FLAME_FLOAT_FN
 #undef FLAME_UNARY_FN
 

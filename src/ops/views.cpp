@@ -233,16 +233,34 @@ Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
   FLAME_CHECK(dim() > 0, "unflatten", "cannot unflatten a 0-d tensor");
   d = wrap_dim(d, dim(), "unflatten");
   FLAME_CHECK(!parts.empty(), "unflatten", "sizes must be non-empty");
+  // The sizes must multiply up to dim d alone (a check on the total would pass whenever another
+  // dim is 0); a single -1 is inferred from dim d.
+  const int64_t n = sizes()[d];
+  Shape p = parts;
+  int64_t known = 1, infer = -1;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (p[i] == -1) {
+      FLAME_CHECK(infer < 0, "unflatten", "only one size can be -1, got ", parts);
+      infer = static_cast<int64_t>(i);
+    } else {
+      FLAME_CHECK(p[i] >= 0, "unflatten", "invalid sizes ", parts);
+      known *= p[i];
+    }
+  }
+  if (infer >= 0 && known != 0 && n % known == 0) p[infer] = n / known;
+  FLAME_CHECK((infer < 0 || p[infer] != -1) && shape_numel(p) == n, "unflatten", "sizes ", parts,
+              " don't multiply up to the size ", n, " of dim ", d, " (input shape ", sizes(), ")");
   Shape sz(sizes().begin(), sizes().begin() + d);
-  sz.insert(sz.end(), parts.begin(), parts.end());
+  sz.insert(sz.end(), p.begin(), p.end());
   sz.insert(sz.end(), sizes().begin() + d + 1, sizes().end());
   return view(sz);
 }
 
 Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
-  const int64_t n = dim() == 0 ? 1 : sizes()[wrap_dim(d, dim(), "unfold")];
-  if (dim() > 0) d = wrap_dim(d, dim(), "unfold");
-  FLAME_CHECK(size >= 0 && size <= n, "unfold", "size ", size, " exceeds dimension of size ", n);
+  d = wrap_dim(d, dim(), "unfold");  // a 0-d tensor takes dim 0 or -1 and unfolds as size 1
+  const int64_t n = dim() == 0 ? 1 : sizes()[d];
+  FLAME_CHECK(size >= 0 && size <= n, "unfold", "size ", size, " must be in [0, ", n, "] for dim ", d,
+              " of the input of shape ", sizes());
   FLAME_CHECK(step > 0, "unfold", "step must be positive, got ", step);
   Shape sz = sizes(), st = strides();
   if (dim() == 0) return make_view(*this, {size}, {1}, storage_offset());

@@ -65,3 +65,28 @@ inline unsigned int blocks_for(int64_t n, int threads, int64_t max_blocks = 6553
 }
 
 }  // namespace flame::backend::cuda
+
+namespace flame::backend::cuda {
+
+// Makes `device` current for the scope (kernels launch on the current device; a stream of another
+// device would be rejected), restoring the previous one after. Costs one cudaGetDevice when the
+// device is already current.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FLAME_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) FLAME_CUDA_CHECK(cudaSetDevice(device));
+    device_ = device;
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+}  // namespace flame::backend::cuda

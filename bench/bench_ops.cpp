@@ -1,0 +1,254 @@
+// Op benchmarks of FLAME's CUDA backend. bench/bench_torch.py measures the same things with
+// PyTorch, and bench/compare.py joins the two (scripts/gpu_run.sh runs all three).
+//
+// Method (the device tool's METHOD.md): random inputs, never zeros; warm-up calls first (pool
+// allocations, cuBLAS handles and plans stay out of the numbers); then `reps` calls queued back to
+// back on FLAME's stream with a CUDA event between consecutive calls, and the median of the
+// per-call event times. Memory-bound ops report GB/s counting bytes read plus bytes written, and
+// that rate as a percentage of a plain device-to-device cudaMemcpyAsync (the bandwidth reference,
+// measured the same way). The GEMM reports TFLOP/s (2*M*N*K flops). Host overhead is host time
+// per call of a small op over many calls with no sync between them.
+//
+// Output: '#' comment lines, then one JSON object per result on a line starting with "BENCH ":
+//   BENCH {"name": "add", "value": 2764.1, "unit": "GB/s", "ms": 0.291, "pct_d2d": 93.4}
+// A failing op prints {"name": ..., "error": "..."} and the run goes on.
+//
+// Usage: bench_ops [--reps N] [--warmup N] [--small-calls N] [--only name1,name2]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flame/flame.h"
+
+namespace {
+
+using flame::Device;
+using flame::DType;
+using flame::Tensor;
+
+#define BENCH_CUDA_CHECK(call)                                                                  \
+  do {                                                                                          \
+    cudaError_t e_ = (call);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "bench_ops: %s failed: %s\n", #call, cudaGetErrorString(e_));        \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+constexpr int64_t kBytes = 256LL << 20;            // each big tensor: 256 MiB
+constexpr int64_t kElems = kBytes / 4;             // f32 elements
+constexpr int64_t kSquare = 8192;                  // [8192, 8192] f32 = 256 MiB
+constexpr int64_t kSoftmaxCols = 4096;             // [16384, 4096] f32 = 256 MiB
+constexpr int64_t kSoftmaxRows = kElems / kSoftmaxCols;
+constexpr int64_t kGemm = 8192;                    // bf16 8192^3
+constexpr int64_t kSmall = 1024;                   // host-overhead op size
+
+struct Options {
+  int reps = 20;
+  int warmup = 3;
+  int small_calls = 10000;
+  std::vector<std::string> only;
+  bool wants(const std::string& name) const {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  }
+};
+
+std::string json_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '"' || c == '\\') {
+      o += '\\';
+      o += c;
+    } else if (c == '\n') {
+      o += "\\n";
+    } else if (static_cast<unsigned char>(c) >= 0x20) {
+      o += c;
+    }
+  }
+  return o;
+}
+
+void print_result(const std::string& name, double value, const char* unit, double ms, double pct_d2d) {
+  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"%s\", \"ms\": %.4f", name.c_str(), value, unit, ms);
+  if (pct_d2d >= 0) std::printf(", \"pct_d2d\": %.1f", pct_d2d);
+  std::printf("}\n");
+  std::fflush(stdout);
+}
+
+void print_error(const std::string& name, const std::string& what) {
+  std::printf("BENCH {\"name\": \"%s\", \"error\": \"%s\"}\n", name.c_str(), json_escape(what).c_str());
+  std::fflush(stdout);
+}
+
+// Median milliseconds per call of `fn` on `stream` (see the method above).
+double median_ms(cudaStream_t stream, const Options& opt, const std::function<void()>& fn) {
+  for (int i = 0; i < opt.warmup; ++i) fn();
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(opt.reps) + 1);
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int r = 0; r < opt.reps; ++r) {
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int r = 0; r < opt.reps; ++r) {
+    float t = 0;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
+    ms.push_back(t);
+  }
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "bench_ops: %s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--reps") {
+      o.reps = std::max(1, std::atoi(next().c_str()));
+    } else if (a == "--warmup") {
+      o.warmup = std::max(0, std::atoi(next().c_str()));
+    } else if (a == "--small-calls") {
+      o.small_calls = std::max(1, std::atoi(next().c_str()));
+    } else if (a == "--only") {
+      std::stringstream ss(next());
+      for (std::string s; std::getline(ss, s, ',');) o.only.push_back(s);
+    } else {
+      std::fprintf(stderr, "usage: bench_ops [--reps N] [--warmup N] [--small-calls N] [--only a,b]\n");
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  if (!flame::cuda_is_available()) {
+    std::printf("# bench_ops: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  const Device gpu = Device::cuda(0);
+  auto stream = static_cast<cudaStream_t>(flame::cuda::current_stream(0));
+  cudaDeviceProp prop{};
+  BENCH_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("# bench_ops: FLAME %s on %s (%d SMs), reps %d, warm-up %d\n", flame::version(), prop.name,
+              prop.multiProcessorCount, opt.reps, opt.warmup);
+
+  // The bandwidth reference: a device-to-device copy of 256 MiB on FLAME's stream.
+  double d2d_gbps = -1;
+  {
+    const Tensor src = Tensor::rand({kElems}, gpu);
+    Tensor dst = Tensor::empty({kElems}, gpu);
+    const double ms = median_ms(stream, opt, [&] {
+      BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), kBytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    d2d_gbps = 2.0 * kBytes / (ms * 1e-3) / 1e9;
+    print_result("d2d_copy", d2d_gbps, "GB/s", ms, 100.0);
+  }
+
+  struct MemOp {
+    const char* name;
+    double bytes;  // read + written
+    std::function<std::function<void()>()> setup;  // makes inputs, returns the timed call
+  };
+  const double S = static_cast<double>(kBytes);
+  const std::vector<MemOp> mem_ops = {
+      {"add", 3 * S,
+       [&] {
+         Tensor x = Tensor::rand({kElems}, gpu), y = Tensor::rand({kElems}, gpu);
+         return std::function<void()>([x, y] { (void)(x + y); });
+       }},
+      {"mul", 3 * S,
+       [&] {
+         Tensor x = Tensor::rand({kElems}, gpu), y = Tensor::rand({kElems}, gpu);
+         return std::function<void()>([x, y] { (void)(x * y); });
+       }},
+      {"gelu", 2 * S,
+       [&] {
+         Tensor x = Tensor::randn({kElems}, 0.0, 1.0, gpu);
+         return std::function<void()>([x] { (void)x.gelu(); });
+       }},
+      {"copy", 2 * S,
+       [&] {
+         Tensor x = Tensor::rand({kElems}, gpu);
+         return std::function<void()>([x] { (void)x.clone(); });
+       }},
+      {"transpose_contiguous", 2 * S,
+       [&] {
+         Tensor x = Tensor::rand({kSquare, kSquare}, gpu);
+         return std::function<void()>([x] { (void)x.t().contiguous(); });
+       }},
+      {"sum", S,
+       [&] {
+         Tensor x = Tensor::rand({kElems}, gpu);
+         return std::function<void()>([x] { (void)x.sum(); });
+       }},
+      {"softmax", 2 * S,
+       [&] {
+         Tensor x = Tensor::randn({kSoftmaxRows, kSoftmaxCols}, 0.0, 1.0, gpu);
+         return std::function<void()>([x] { (void)x.softmax(-1); });
+       }},
+  };
+  for (const MemOp& op : mem_ops) {
+    if (!opt.wants(op.name)) continue;
+    try {
+      const auto call = op.setup();
+      const double ms = median_ms(stream, opt, call);
+      const double gbps = op.bytes / (ms * 1e-3) / 1e9;
+      print_result(op.name, gbps, "GB/s", ms, 100.0 * gbps / d2d_gbps);
+    } catch (const std::exception& e) {
+      print_error(op.name, e.what());
+    }
+  }
+
+  if (opt.wants("gemm_bf16")) {
+    try {
+      const Tensor a = Tensor::randn({kGemm, kGemm}, 0.0, 1.0, gpu).to(DType::bf16);
+      const Tensor b = Tensor::randn({kGemm, kGemm}, 0.0, 1.0, gpu).to(DType::bf16);
+      const double ms = median_ms(stream, opt, [&] { (void)a.matmul(b); });
+      const double tflops = 2.0 * kGemm * kGemm * kGemm / (ms * 1e-3) / 1e12;
+      print_result("gemm_bf16", tflops, "TFLOP/s", ms, -1);
+    } catch (const std::exception& e) {
+      print_error("gemm_bf16", e.what());
+    }
+  }
+
+  if (opt.wants("add_small_host")) {
+    try {
+      const Tensor a = Tensor::rand({kSmall}, gpu), b = Tensor::rand({kSmall}, gpu);
+      for (int i = 0; i < 200; ++i) (void)(a + b);
+      flame::cuda::synchronize(0);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < opt.small_calls; ++i) (void)(a + b);
+      const auto t1 = std::chrono::steady_clock::now();
+      flame::cuda::synchronize(0);
+      const double us = std::chrono::duration<double, std::micro>(t1 - t0).count() / opt.small_calls;
+      print_result("add_small_host", us, "us/call", us * 1e-3, -1);
+    } catch (const std::exception& e) {
+      print_error("add_small_host", e.what());
+    }
+  }
+  BENCH_CUDA_CHECK(cudaDeviceSynchronize());
+  return 0;
+}

@@ -1,0 +1,154 @@
+#!/usr/bin/env python3
+"""PyTorch twin of bench/bench_ops.cpp: the same ops, sizes, dtypes and timing method, printing the
+same result lines ("BENCH {json}") so that bench/compare.py can join the two.
+
+Method: random inputs; warm-up calls; then `reps` calls queued back to back on the current stream
+with a torch.cuda.Event between consecutive calls; the median per-call time. GB/s counts bytes read
+plus bytes written; pct_d2d is that rate over a device-to-device copy of 256 MiB measured the same
+way (dst.copy_(src), a cudaMemcpyAsync). GEMM: TFLOP/s of a bf16 8192^3 matmul. Host overhead: host
+microseconds per add of two 1024-element tensors over many calls without a sync between them.
+
+Usage: python3 bench/bench_torch.py [--reps N] [--warmup N] [--small-calls N] [--only a,b]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+MIB = 1 << 20
+BYTES = 256 * MIB            # each big tensor
+ELEMS = BYTES // 4           # f32 elements
+SQUARE = 8192                # [8192, 8192] f32 = 256 MiB
+SOFTMAX_COLS = 4096          # [16384, 4096] f32 = 256 MiB
+SOFTMAX_ROWS = ELEMS // SOFTMAX_COLS
+GEMM = 8192
+SMALL = 1024
+
+
+def emit(name, value=None, unit=None, ms=None, pct_d2d=None, error=None):
+    rec = {"name": name}
+    if error is not None:
+        rec["error"] = error
+    else:
+        rec.update({"value": float(f"{value:.4g}"), "unit": unit, "ms": round(ms, 4)})
+        if pct_d2d is not None:
+            rec["pct_d2d"] = round(pct_d2d, 1)
+    print("BENCH " + json.dumps(rec), flush=True)
+
+
+def median_ms(torch, fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    events[0].record()
+    for r in range(reps):
+        fn()
+        events[r + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--small-calls", type=int, default=10000)
+    ap.add_argument("--only", default="")
+    args = ap.parse_args()
+    only = [s for s in args.only.split(",") if s]
+
+    def wants(name):
+        return not only or name in only
+
+    import torch
+    if not torch.cuda.is_available():
+        print("# bench_torch: no CUDA device; nothing to measure")
+        return 0
+    dev = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"# bench_torch: PyTorch {torch.__version__} on {props.name} ({props.multi_processor_count} SMs), "
+          f"reps {args.reps}, warm-up {args.warmup}", flush=True)
+    reps, warmup = args.reps, args.warmup
+
+    src = torch.rand(ELEMS, device=dev)
+    dst = torch.empty_like(src)
+    ms = median_ms(torch, lambda: dst.copy_(src), reps, warmup)
+    d2d = 2.0 * BYTES / (ms * 1e-3) / 1e9
+    emit("d2d_copy", d2d, "GB/s", ms, 100.0)
+    del src, dst
+
+    S = float(BYTES)
+
+    def setup_add():
+        x, y = torch.rand(ELEMS, device=dev), torch.rand(ELEMS, device=dev)
+        return lambda: x + y
+
+    def setup_mul():
+        x, y = torch.rand(ELEMS, device=dev), torch.rand(ELEMS, device=dev)
+        return lambda: x * y
+
+    def setup_gelu():
+        x = torch.randn(ELEMS, device=dev)
+        return lambda: torch.nn.functional.gelu(x)
+
+    def setup_copy():
+        x = torch.rand(ELEMS, device=dev)
+        return lambda: x.clone()
+
+    def setup_transpose():
+        x = torch.rand(SQUARE, SQUARE, device=dev)
+        return lambda: x.t().contiguous()
+
+    def setup_sum():
+        x = torch.rand(ELEMS, device=dev)
+        return lambda: x.sum()
+
+    def setup_softmax():
+        x = torch.randn(SOFTMAX_ROWS, SOFTMAX_COLS, device=dev)
+        return lambda: torch.softmax(x, dim=-1)
+
+    mem_ops = [("add", 3 * S, setup_add), ("mul", 3 * S, setup_mul), ("gelu", 2 * S, setup_gelu),
+               ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
+               ("sum", S, setup_sum), ("softmax", 2 * S, setup_softmax)]
+    for name, nbytes, setup in mem_ops:
+        if not wants(name):
+            continue
+        try:
+            fn = setup()
+            ms = median_ms(torch, fn, reps, warmup)
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            emit(name, gbps, "GB/s", ms, 100.0 * gbps / d2d)
+            del fn
+        except Exception as e:  # report and go on, like bench_ops
+            emit(name, error=str(e))
+        torch.cuda.empty_cache()
+
+    if wants("gemm_bf16"):
+        try:
+            a = torch.randn(GEMM, GEMM, device=dev).to(torch.bfloat16)
+            b = torch.randn(GEMM, GEMM, device=dev).to(torch.bfloat16)
+            ms = median_ms(torch, lambda: a @ b, reps, warmup)
+            emit("gemm_bf16", 2.0 * GEMM ** 3 / (ms * 1e-3) / 1e12, "TFLOP/s", ms)
+            del a, b
+        except Exception as e:
+            emit("gemm_bf16", error=str(e))
+
+    if wants("add_small_host"):
+        a, b = torch.rand(SMALL, device=dev), torch.rand(SMALL, device=dev)
+        for _ in range(200):
+            a + b
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.small_calls):
+            a + b
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        us = (t1 - t0) * 1e6 / args.small_calls
+        emit("add_small_host", us, "us/call", us * 1e-3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

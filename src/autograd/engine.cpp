@@ -1,0 +1,300 @@
+// The autograd engine: recording, the Gradients store, and backward in reverse topological order.
+#include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "flame/ops.h"
+#include "src/autograd/record.h"
+
+namespace flame {
+
+// ---- grad mode (thread-local) ----
+namespace {
+thread_local bool t_grad_enabled = true;
+}
+bool grad_enabled() { return t_grad_enabled; }
+NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
+EnableGradGuard::EnableGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = true; }
+EnableGradGuard::~EnableGradGuard() { t_grad_enabled = prev_; }
+
+// ---- Node ----
+Node::Node(std::string name, const TensorList& inputs, BackwardFn fn) : name_(std::move(name)), fn_(std::move(fn)) {
+  edges_.reserve(inputs.size());
+  for (const Tensor& t : inputs) {
+    Edge e;
+    if (t.defined()) {
+      e.shape = t.sizes();
+      e.dtype = t.dtype();
+      e.device = t.device();
+      const auto& meta = t.impl()->autograd;
+      if (meta && meta->requires_grad) {
+        e.meta = meta;
+        if (!meta->grad_fn) e.leaf = t;
+      }
+    }
+    edges_.push_back(std::move(e));
+  }
+}
+
+TensorList Node::apply(const Tensor& grad) {
+  FLAME_CHECK(!released_, "backward", "trying to backward through the graph a second time (op ", name_,
+              "): its saved tensors were freed; pass retain_graph = true to the first backward");
+  return fn_(grad);
+}
+
+void Node::release() {
+  fn_ = nullptr;
+  released_ = true;
+}
+
+// ---- recording ----
+bool needs_grad(const TensorList& inputs) {
+  if (!t_grad_enabled) return false;
+  for (const Tensor& t : inputs) {
+    if (t.defined() && t.impl()->autograd && t.impl()->autograd->requires_grad) return true;
+  }
+  return false;
+}
+
+void record(Tensor& out, const char* name, const TensorList& inputs, Node::BackwardFn fn) {
+  auto meta = std::make_shared<AutogradMeta>();
+  meta->requires_grad = true;
+  meta->grad_fn = std::make_shared<Node>(name, inputs, std::move(fn));
+  out.impl()->autograd = std::move(meta);
+}
+
+void check_inplace_allowed(const Tensor& t, const char* op) {
+  FLAME_CHECK(!(t_grad_enabled && t.requires_grad()), op,
+              "in-place op on a tensor that requires grad (shape ", t.sizes(),
+              ") is not recorded by autograd; use the out-of-place op, or run it under NoGradGuard");
+}
+
+SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
+  if (!t.defined()) return;
+  tensor_ = t.detach();
+  version_ = t.version();
+}
+
+Tensor SavedTensor::get() const {
+  if (tensor_.defined()) {
+    FLAME_CHECK(tensor_.version() == version_, "backward",
+                "a tensor saved for the gradient of ", op_, " (shape ", tensor_.sizes(),
+                ") was modified by an in-place op: its version is ", tensor_.version(), ", expected ", version_);
+  }
+  return tensor_;
+}
+
+Tensor sum_to(const Tensor& grad, const Shape& shape) {
+  if (grad.sizes() == shape) return grad;
+  const int64_t lead = grad.dim() - static_cast<int64_t>(shape.size());
+  Shape dims;
+  for (int64_t d = 0; d < grad.dim(); ++d) {
+    if (d < lead || (shape[d - lead] == 1 && grad.size(d) != 1)) dims.push_back(d);
+  }
+  Tensor g = dims.empty() ? grad : sum(grad, dims, true);
+  return g.reshape(shape);
+}
+
+// ---- Gradients ----
+namespace {
+const AutogradMeta* key_of(const Tensor& t, const char* op) {
+  FLAME_CHECK(t.defined(), op, "undefined tensor");
+  return t.impl()->autograd.get();
+}
+}  // namespace
+
+Tensor Gradients::get(const Tensor& t) const {
+  const AutogradMeta* k = key_of(t, "Gradients::get");
+  if (!k) return {};
+  auto it = index_.find(k);
+  return it == index_.end() ? Tensor() : entries_[it->second].grad;
+}
+
+Tensor& Gradients::at(const Tensor& t) {
+  const AutogradMeta* k = key_of(t, "Gradients::at");
+  auto it = k ? index_.find(k) : index_.end();
+  FLAME_CHECK(it != index_.end(), "Gradients::at", "no gradient for the tensor of shape ", t.sizes());
+  return entries_[it->second].grad;
+}
+
+bool Gradients::contains(const Tensor& t) const {
+  const AutogradMeta* k = key_of(t, "Gradients::contains");
+  return k && index_.count(k);
+}
+
+void Gradients::set(const Tensor& t, const Tensor& grad) {
+  const AutogradMeta* k = key_of(t, "Gradients::set");
+  FLAME_CHECK(k != nullptr, "Gradients::set", "the tensor does not take part in autograd (call requires_grad_())");
+  FLAME_CHECK(grad.defined() && grad.sizes() == t.sizes() && grad.device() == t.device(), "Gradients::set",
+              "gradient of shape ", grad.defined() ? grad.sizes() : Shape{}, " on ",
+              grad.defined() ? grad.device().str() : "?", " does not match the tensor's shape ", t.sizes(), " on ",
+              t.device().str());
+  auto it = index_.find(k);
+  if (it == index_.end()) {
+    index_[k] = entries_.size();
+    entries_.push_back({t, grad});
+  } else {
+    entries_[it->second].grad = grad;
+  }
+}
+
+void Gradients::accumulate(const Tensor& t, const Tensor& grad) {
+  Tensor existing = get(t);
+  set(t, existing.defined() ? existing + grad.to(existing.dtype()) : grad);
+}
+
+void Gradients::erase(const Tensor& t) {
+  const AutogradMeta* k = key_of(t, "Gradients::erase");
+  auto it = k ? index_.find(k) : index_.end();
+  if (it == index_.end()) return;
+  const std::size_t pos = it->second;
+  entries_.erase(entries_.begin() + static_cast<int64_t>(pos));
+  index_.erase(it);
+  for (auto& [key, i] : index_) {
+    if (i > pos) --i;
+  }
+}
+
+void Gradients::clear() {
+  index_.clear();
+  entries_.clear();
+}
+
+// ---- Tensor autograd methods ----
+bool Tensor::requires_grad() const {
+  return defined() && impl_->autograd && impl_->autograd->requires_grad;
+}
+
+Tensor& Tensor::requires_grad_(bool on) {
+  FLAME_CHECK(defined(), "requires_grad_", "undefined tensor");
+  FLAME_CHECK(is_leaf(), "requires_grad_", "can only change requires_grad of leaf tensors (this one comes from ",
+              grad_fn_name(), ")");
+  if (on) {
+    FLAME_CHECK(is_floating(dtype()), "requires_grad_", "only floating tensors can require gradients, got ",
+                dtype_name(dtype()));
+    if (!impl_->autograd) impl_->autograd = std::make_shared<AutogradMeta>();
+    impl_->autograd->requires_grad = true;
+  } else if (impl_->autograd) {
+    impl_->autograd->requires_grad = false;
+  }
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return !(defined() && impl_->autograd && impl_->autograd->grad_fn); }
+
+Tensor Tensor::detach() const {
+  FLAME_CHECK(defined(), "detach", "undefined tensor");
+  return make_view(*this, sizes(), strides(), storage_offset());
+}
+
+std::string Tensor::grad_fn_name() const {
+  return is_leaf() ? std::string() : impl_->autograd->grad_fn->name();
+}
+
+void Tensor::register_hook(std::function<Tensor(const Tensor&)> hook) {
+  FLAME_CHECK(requires_grad(), "register_hook", "the tensor does not require grad (shape ", sizes(), ")");
+  impl_->autograd->hooks.push_back(std::move(hook));
+}
+
+Tensor Tensor::grad(const Gradients& grads) const { return grads.get(*this); }
+
+Gradients Tensor::backward() const { return backward(BackwardOptions{}); }
+
+// Note [Backward order]
+// Vertices are AutogradMeta (one per tensor taking part). A vertex is processed once every consumer
+// of it in the reachable graph has delivered its contribution (dependency counts), so gradients of
+// tensors used more than once are summed before hooks run or they reach the store or their node.
+Gradients Tensor::backward(const BackwardOptions& options) const {
+  FLAME_CHECK(requires_grad(), "backward", "the tensor (shape ", sizes(),
+              ") does not require grad and has no grad_fn");
+  Tensor seed = options.grad_output;
+  if (seed.defined()) {
+    FLAME_CHECK(seed.sizes() == sizes() && seed.device() == device(), "backward", "grad_output of shape ",
+                seed.sizes(), " on ", seed.device().str(), " does not match the output's shape ", sizes(), " on ",
+                device().str());
+  } else {
+    FLAME_CHECK(numel() == 1, "backward", "grad can be implicitly created only for scalar outputs (shape ",
+                sizes(), "); pass BackwardOptions::grad_output");
+    seed = ones_like(*this);
+  }
+
+  // Discover the reachable graph and count consumers of each vertex.
+  AutogradMeta* root = impl_->autograd.get();
+  std::unordered_map<AutogradMeta*, int> deps;
+  std::vector<AutogradMeta*> stack = {root};
+  std::unordered_set<AutogradMeta*> seen = {root};
+  while (!stack.empty()) {
+    AutogradMeta* m = stack.back();
+    stack.pop_back();
+    if (!m->grad_fn) continue;
+    FLAME_CHECK(!m->grad_fn->released(), "backward", "trying to backward through the graph a second time (op ",
+                m->grad_fn->name(), "): pass retain_graph = true to the first backward");
+    for (const Node::Edge& e : m->grad_fn->edges()) {
+      if (!e.meta) continue;
+      ++deps[e.meta.get()];
+      if (seen.insert(e.meta.get()).second) stack.push_back(e.meta.get());
+    }
+  }
+
+  Gradients local;
+  Gradients& store = options.accumulate_into ? *options.accumulate_into : local;
+  std::unordered_map<AutogradMeta*, Tensor> pending = {{root, seed}};
+  std::unordered_map<AutogradMeta*, Tensor> leaf_handle;  // vertex -> leaf tensor (store key)
+  if (!root->grad_fn) leaf_handle[root] = *this;
+  std::vector<AutogradMeta*> ready = {root};
+  NoGradGuard no_grad;  // gradient rules are not recorded (no higher-order gradients)
+
+  while (!ready.empty()) {
+    AutogradMeta* m = ready.back();
+    ready.pop_back();
+    Tensor g = std::move(pending[m]);
+    pending.erase(m);
+    for (const GradHook& hook : m->hooks) {
+      Tensor replaced = hook(g);
+      if (replaced.defined()) {
+        FLAME_CHECK(replaced.sizes() == g.sizes(), "backward", "a hook returned a gradient of shape ",
+                    replaced.sizes(), " for a tensor of shape ", g.sizes());
+        g = replaced;
+      }
+    }
+    if (!m->grad_fn) {
+      store.accumulate(leaf_handle.at(m), g);
+      continue;
+    }
+    Node& node = *m->grad_fn;
+    TensorList grads = node.apply(g);
+    FLAME_CHECK(grads.size() == node.edges().size(), "backward", "gradient rule of ", node.name(), " returned ",
+                grads.size(), " gradients for ", node.edges().size(), " inputs");
+    for (std::size_t i = 0; i < grads.size(); ++i) {
+      const Node::Edge& e = node.edges()[i];
+      if (!e.meta) continue;
+      AutogradMeta* target = e.meta.get();
+      Tensor gi = grads[i];
+      if (gi.defined()) {
+        FLAME_CHECK(gi.sizes() == e.shape, "backward", "gradient rule of ", node.name(), " produced shape ",
+                    gi.sizes(), " for input ", i, " of shape ", e.shape);
+        if (gi.dtype() != e.dtype) gi = gi.to(e.dtype);
+        if (e.leaf.defined()) leaf_handle.emplace(target, e.leaf);
+        auto it = pending.find(target);
+        if (it == pending.end()) pending.emplace(target, gi);
+        else if (it->second.defined()) it->second = it->second + gi;
+        else it->second = gi;
+      } else {
+        pending.try_emplace(target);  // keeps the vertex known; contributes nothing
+      }
+      if (--deps[target] == 0) {
+        if (pending[target].defined()) {
+          ready.push_back(target);
+        } else {
+          pending.erase(target);
+        }
+      }
+    }
+    if (!options.retain_graph) node.release();
+  }
+  if (options.accumulate_into) return Gradients();
+  return local;
+}
+
+}  // namespace flame

@@ -1,0 +1,51 @@
+#pragma once
+// The stream-ordered device memory pool of one CUDA device. See Note [Stream-ordered pool] in
+// memory_pool.cu and docs/memory-pool.md.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "flame/cuda.h"
+
+namespace flame::backend::cuda {
+
+class MemoryPool {
+ public:
+  // Creates the pool of `device`; allocations and frees are ordered on `stream`.
+  MemoryPool(int device, cudaStream_t stream);
+  ~MemoryPool();
+  MemoryPool(const MemoryPool&) = delete;
+  MemoryPool& operator=(const MemoryPool&) = delete;
+
+  // `nbytes` of device memory, usable by work queued on the stream from now on. The deleter
+  // returns it to the pool in stream order (Note [Stream-ordered pool]). Zero bytes gives a null
+  // pointer that is never dereferenced. Raises flame::Error on out of memory.
+  std::shared_ptr<void> allocate(std::size_t nbytes);
+
+  ::flame::cuda::MemoryStats stats() const;
+  void reset_peak();
+  // Returns every cached, unused byte to the driver; waits for the stream first.
+  void empty_cache();
+
+  cudaMemPool_t handle() const { return pool_; }
+  int device() const { return device_; }
+
+ private:
+  void release(void* ptr, std::size_t nbytes) noexcept;
+  std::size_t reserved_bytes() const;
+  [[noreturn]] void raise_out_of_memory(std::size_t nbytes, cudaError_t err);
+
+  int device_;
+  cudaStream_t stream_;
+  cudaMemPool_t pool_ = nullptr;
+  std::atomic<std::size_t> allocated_{0};
+  std::atomic<std::size_t> peak_{0};
+  std::atomic<uint64_t> num_allocs_{0};
+  std::atomic<uint64_t> num_frees_{0};
+  std::atomic<uint64_t> num_ooms_{0};
+};
+
+}  // namespace flame::backend::cuda
