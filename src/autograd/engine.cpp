@@ -259,7 +259,8 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
       }
     }
     if (!m->grad_fn) {
-      store.accumulate(leaf_handle.at(m), g);
+      // Stored gradients are plain contiguous tensors a trainer may edit in place.
+      store.accumulate(leaf_handle.at(m), g.is_contiguous() ? g : g.contiguous());
       continue;
     }
     Node& node = *m->grad_fn;

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "flame/ops.h"
+#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -210,6 +211,8 @@ Tensor Tensor::to(Device device) const {
   if (device == this->device()) return *this;
   Tensor src = contiguous();
   Tensor dst = make_empty(sizes(), dtype(), device);
+  const Device from = this->device();
+  rules::with_grad(dst, "to_device", *this, [from](const Tensor& g) { return g.to(from); });
   if (numel() == 0) return dst;
   if (src.device().is_cpu()) {
     backend::backend_for(device).copy_from_host(dst, src.data_ptr());
@@ -226,7 +229,8 @@ Tensor Tensor::to(DType dt) const {
   if (dt == dtype()) return *this;
   Tensor dst = make_empty(sizes(), dt, device());
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
-  return dst;
+  const DType from = dtype();
+  return rules::with_grad(dst, "to_dtype", *this, [from](const Tensor& g) { return g.to(from); });
 }
 
 Tensor Tensor::to(DType dt, Device dev) const { return to(dt).to(dev); }
@@ -236,7 +240,7 @@ Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 Tensor Tensor::clone() const {
   Tensor dst = make_empty(sizes(), dtype(), device());
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
-  return dst;
+  return rules::with_grad(dst, "clone", *this, [](const Tensor& g) { return g; });
 }
 
 Tensor Tensor::host_copy(DType dt) const {

@@ -186,8 +186,9 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
   if (max) dt = promote_with_scalar(dt, *max);
   UnaryParams p{min ? min->to_double() : -INFINITY, max ? max->to_double() : INFINITY};
   if (!is_floating(dt)) {
-    p.a = min ? static_cast<double>(min->to_int()) : static_cast<double>(std::numeric_limits<int64_t>::lowest());
-    p.b = max ? static_cast<double>(max->to_int()) : static_cast<double>(std::numeric_limits<int64_t>::max());
+    // An absent bound must stay inside int64 after the kernel's cast from double (2^63 is not).
+    p.a = min ? static_cast<double>(min->to_int()) : -9.2e18;
+    p.b = max ? static_cast<double>(max->to_int()) : 9.2e18;
   }
   return run_unary(UnaryOp::clamp, x, dt, dt, p);
 }

@@ -17,7 +17,9 @@
 #include <algorithm>
 #include <limits>
 
+#include "flame/autograd.h"
 #include "flame/ops.h"
+#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -80,8 +82,13 @@ Tensor scatter_impl(const Tensor& x, int64_t dim, const Tensor& index, const Ten
     }
   }
   check_not_empty_dim(x1, d, idx, op);
-  Tensor out = x.clone();
+  Tensor out;
+  {
+    NoGradGuard no_grad;  // the clone is an implementation detail; the scatter rule covers both inputs
+    out = x.clone();
+  }
   if (idx.numel() > 0) backend::backend_for(x.device()).scatter(at_least_1d(out), d, i1, s1, accumulate);
+  rules::scatter(out, x, d, idx, src, accumulate);
   return out;
 }
 
@@ -114,6 +121,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   if (out.numel() > 0) {
     backend::backend_for(x.device()).index_select(at_least_1d(out), x1, d, at_least_1d(idx));
   }
+  rules::index_select(out, x, d, at_least_1d(idx));
   return out;
 }
 
@@ -133,6 +141,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
   check_not_empty_dim(x1, d, idx, "gather");
   Tensor out = make_empty(idx.sizes(), x.dtype(), x.device());
   if (out.numel() > 0) backend::backend_for(x.device()).gather(at_least_1d(out), x1, d, i1);
+  rules::gather(out, x, d, idx);
   return out;
 }
 
@@ -150,9 +159,16 @@ Tensor masked_select(const Tensor& x, const Tensor& mask) {
   check_same_device("masked_select", x, mask);
   FLAME_CHECK(is_bool(mask.dtype()), "masked_select", "mask must be bool, got ", dtype_name(mask.dtype()));
   Shape shape = broadcast_shapes(x.sizes(), mask.sizes(), "masked_select");
-  if (shape_numel(shape) == 0) return make_empty({0}, x.dtype(), x.device());
+  const Shape full = shape;
+  if (shape_numel(shape) == 0) {
+    Tensor out = make_empty({0}, x.dtype(), x.device());
+    rules::masked_select(out, x, mask.expand(full));
+    return out;
+  }
   if (shape.empty()) shape = {1};  // kernels see >= 1 dim
-  return backend::backend_for(x.device()).masked_select(x.expand(shape), mask.expand(shape));
+  Tensor out = backend::backend_for(x.device()).masked_select(x.expand(shape), mask.expand(shape));
+  rules::masked_select(out, x, mask.expand(full));
+  return out;
 }
 
 Tensor take(const Tensor& x, const Tensor& index) {
@@ -225,6 +241,7 @@ std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim, bool descending) {
     backend::backend_for(x.device()).sort(at_least_1d(values), at_least_1d(indices), at_least_1d(x), d,
                                           descending);
   }
+  rules::sort_values(values, x, d, indices);
   return {values, indices};
 }
 

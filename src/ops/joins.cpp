@@ -7,9 +7,18 @@
 // replicate padding, and a negative stride for flip and reflect padding. split/chunk return
 // narrow() views and copy nothing. So every backend gets these ops for free, provided its copy
 // accepts any strides, negative and zero included (the CPU loops step by signed byte strides).
+//
+// Note [Join gradients]
+// Each op records its node right after allocating the output. The backward formulas use only
+// the ops of this file and views (narrow, select, flip, pad, sum), so they run on every backend
+// and are themselves differentiable: cat/stack hand each input its slab of the gradient, flip
+// flips it back, repeat sums the repeated blocks, pad crops the gradient and (reflect,
+// replicate) adds each border back onto the elements it was copied from.
 #include <algorithm>
+#include <functional>
 
 #include "flame/ops.h"
+#include "src/autograd/record.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -20,9 +29,18 @@ void check_defined(const Tensor& t, const char* op) {
   FLAME_CHECK(t.defined(), op, "got an undefined tensor");
 }
 
+// The most dims a backend's strided loops take (the CPU reference's limit). repeat() views its
+// output with up to twice the input's dims; beyond this the copy is split along dim 0.
+constexpr int64_t kMaxKernelDims = 16;
+
 // dst (fresh, or a slab of a fresh output) = src converted to dst's dtype; src has dst's shape.
 void copy_into(const Tensor& dst, const Tensor& src) {
-  if (dst.numel() > 0) backend::backend_for(dst.device()).copy(dst, src);
+  if (dst.numel() == 0) return;
+  if (dst.dim() > kMaxKernelDims) {
+    for (int64_t i = 0; i < dst.sizes()[0]; ++i) copy_into(dst.select(0, i), src.select(0, i));
+    return;
+  }
+  backend::backend_for(dst.device()).copy(dst, src);
 }
 
 // A view of t with dim d read back to front (a negative stride; see Note [Joins on copy]).
@@ -36,6 +54,56 @@ Tensor reversed(const Tensor& t, int64_t d) {
 }
 
 bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0; }
+
+// Records the node of a one-input op whose input gradient is back(g) (Note [Join gradients]).
+Tensor& record_one(Tensor& out, const char* name, const Tensor& in,
+                   std::function<Tensor(const Tensor&)> back) {
+  if (!is_floating(out.dtype()) || !needs_grad({in})) return out;
+  record(out, name, {in}, [back = std::move(back)](const Tensor& g) { return TensorList{back(g)}; });
+  return out;
+}
+
+// t with `before` and `after` zeros added along dim d.
+Tensor zero_pad_dim(const Tensor& t, int64_t d, int64_t before, int64_t after) {
+  if (before == 0 && after == 0) return t;
+  Shape pads(2 * static_cast<std::size_t>(t.dim() - d), 0);
+  pads[pads.size() - 2] = before;
+  pads[pads.size() - 1] = after;
+  return pad(t, pads, PadMode::constant, 0.0);
+}
+
+// See Note [Join gradients]. left/right: the non-negative pads; crop_lo: elements cropped at the
+// start of each dim; kept: the sizes after cropping.
+void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shape& right, const Shape& crop_lo,
+                     const Shape& kept, PadMode mode) {
+  const Shape x_shape = x.sizes();
+  record_one(out, "pad", x, [x_shape, left, right, crop_lo, kept, mode](const Tensor& grad) {
+    const int64_t n = static_cast<int64_t>(x_shape.size());
+    Tensor g = grad;
+    // Undo the padding dim by dim, last first (the forward padded dim 0 first).
+    for (int64_t d = n - 1; d >= 0; --d) {
+      const int64_t l = left[d], r = right[d], c = kept[d];
+      Tensor gi = g.narrow(d, l, c);
+      if (mode == PadMode::reflect) {
+        if (l > 0) gi = gi + zero_pad_dim(g.narrow(d, 0, l).flip({d}), d, 1, c - 1 - l);
+        if (r > 0) gi = gi + zero_pad_dim(g.narrow(d, l + c, r).flip({d}), d, c - 1 - r, 1);
+      } else if (mode == PadMode::replicate) {
+        if (l > 0) gi = gi + zero_pad_dim(sum(g.narrow(d, 0, l), {d}, true), d, 0, c - 1);
+        if (r > 0) gi = gi + zero_pad_dim(sum(g.narrow(d, l + c, r), {d}, true), d, c - 1, 0);
+      }
+      g = gi;
+    }
+    // Cropped elements get zero gradient.
+    Shape uncrop(2 * static_cast<std::size_t>(n), 0);
+    bool cropped = false;
+    for (int64_t d = 0; d < n; ++d) {
+      uncrop[2 * (n - 1 - d)] = crop_lo[d];
+      uncrop[2 * (n - 1 - d) + 1] = x_shape[d] - kept[d] - crop_lo[d];
+      cropped = cropped || kept[d] != x_shape[d];
+    }
+    return cropped ? pad(g, uncrop, PadMode::constant, 0.0) : g;
+  });
+}
 
 }  // namespace
 
@@ -55,13 +123,14 @@ Tensor flip(const Tensor& x, const Shape& dims) {
   }
   Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
   copy_into(out, src);
-  return out;
+  return record_one(out, "flip", x, [dims](const Tensor& g) { return g.flip(dims); });
 }
 
 Tensor repeat(const Tensor& x, const Shape& repeats) {
   check_defined(x, "repeat");
   const int64_t n = x.dim(), m = static_cast<int64_t>(repeats.size());
-  FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats, " can not be smaller than the number of dims of the input of shape ", x.sizes());
+  FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats,
+              " can not be smaller than the number of dims of the input of shape ", x.sizes());
   for (int64_t r : repeats) {
     FLAME_CHECK(r >= 0, "repeat", "repeats must be non-negative, got ", repeats, " (input shape ", x.sizes(), ")");
   }
@@ -72,6 +141,17 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
   Shape out_shape(m);
   for (int64_t i = 0; i < m; ++i) out_shape[i] = in_sizes[i] * repeats[i];
   Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  const Shape x_shape = x.sizes();
+  record_one(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
+    if (repeats.empty()) return g;  // 0-d
+    Shape blocks, repeat_dims;  // g as (repeat, size) pairs; sum over the repeats
+    for (std::size_t i = 0; i < repeats.size(); ++i) {
+      repeat_dims.push_back(static_cast<int64_t>(blocks.size()));
+      blocks.push_back(repeats[i]);
+      blocks.push_back(in_sizes[i]);
+    }
+    return sum(g.reshape(blocks), repeat_dims).reshape(x_shape);
+  });
   if (out.numel() == 0) return out;
   // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
   // Size-1 entries are dropped to keep the dim count low.
@@ -178,12 +258,31 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     out_shape[d] += t.sizes()[d];
   }
   Tensor out = make_empty(out_shape, dt, first->device());
+  std::vector<int64_t> starts;  // where each input starts along d; -1: skipped
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
-    if (is_legacy_empty(t)) continue;
+    if (is_legacy_empty(t)) {
+      starts.push_back(-1);
+      continue;
+    }
     const int64_t len = t.sizes()[d];
+    starts.push_back(offset);
     copy_into(out.narrow(d, offset, len), t);
     offset += len;
+  }
+  if (is_floating(dt) && needs_grad(tensors)) {
+    Shape lens;
+    for (const Tensor& t : tensors) lens.push_back(is_legacy_empty(t) ? 0 : t.sizes()[d]);
+    record(out, "cat", tensors, [starts, lens, d](const Tensor& g) {
+      TensorList grads;
+      for (std::size_t i = 0; i < starts.size(); ++i) {
+        // A skipped [0] input gets an empty (defined) gradient, so that what produced it still
+        // runs its rule and passes zeros on.
+        grads.push_back(starts[i] < 0 ? Tensor::zeros({0}, {g.dtype(), g.device()})
+                                      : g.narrow(d, starts[i], lens[i]));
+      }
+      return grads;
+    });
   }
   return out;
 }
@@ -203,7 +302,17 @@ Tensor stack(const TensorList& tensors, int64_t dim) {
   TensorList parts;
   parts.reserve(tensors.size());
   for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
-  return cat(parts, d);
+  Tensor out = cat(parts, d);
+  // Recorded here (replacing cat's node, if any) so that the gradient does not depend on views.
+  if (is_floating(out.dtype()) && needs_grad(tensors)) {
+    const std::size_t count = tensors.size();
+    record(out, "stack", tensors, [d, count](const Tensor& g) {
+      TensorList grads;
+      for (std::size_t i = 0; i < count; ++i) grads.push_back(g.select(d, static_cast<int64_t>(i)));
+      return grads;
+    });
+  }
+  return out;
 }
 
 // ---- pad ----
@@ -212,10 +321,10 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
   check_defined(x, "pad");
   const int64_t n = x.dim(), npairs = static_cast<int64_t>(pads.size()) / 2;
   FLAME_CHECK(pads.size() % 2 == 0, "pad", "padding length must be even, got ", pads.size(), " values ", pads);
-  FLAME_CHECK(npairs <= n, "pad", "padding ", pads, " has ", npairs, " pairs, more than the dims of the input of shape ",
-              x.sizes());
+  FLAME_CHECK(npairs <= n, "pad", "padding ", pads, " has ", npairs,
+              " pairs, more than the dims of the input of shape ", x.sizes());
   // pads[2k], pads[2k + 1] apply to dim n - 1 - k. Negative pads crop (first), as in PyTorch.
-  Shape left(n, 0), right(n, 0), kept(n), out_shape(n);
+  Shape left(n, 0), right(n, 0), crop_lo(n), kept(n), out_shape(n);
   Tensor src = x;
   for (int64_t k = 0; k < npairs; ++k) {
     const int64_t d = n - 1 - k;
@@ -227,6 +336,7 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
     const int64_t crop_l = std::max<int64_t>(-left[d], 0), crop_r = std::max<int64_t>(-right[d], 0);
     FLAME_CHECK(crop_l + crop_r <= size && size + left[d] + right[d] >= 0, "pad", "padding ", pads,
                 " crops more than dim ", d, " of size ", size, " (input shape ", x.sizes(), ")");
+    crop_lo[d] = crop_l;
     kept[d] = size - crop_l - crop_r;
     out_shape[d] = size + left[d] + right[d];
     left[d] = std::max<int64_t>(left[d], 0);
@@ -243,6 +353,7 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
     }
   }
   Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  record_pad_grad(out, x, left, right, crop_lo, kept, mode);
   if (out.numel() == 0) return out;
   Tensor interior = out;
   for (int64_t d = 0; d < n; ++d) interior = interior.narrow(d, left[d], kept[d]);
@@ -257,10 +368,13 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
     for (int64_t e = d + 1; e < n; ++e) region = region.narrow(e, left[e], kept[e]);
     const Tensor lo = region.narrow(d, 0, l), hi = region.narrow(d, l + c, r);
     switch (mode) {
-      case PadMode::constant:
-        if (lo.numel() > 0) backend::backend_for(out.device()).fill(lo, Scalar(value));
-        if (hi.numel() > 0) backend::backend_for(out.device()).fill(hi, Scalar(value));
+      case PadMode::constant: {
+        // Integer tensors take the value truncated, bool tensors value != 0 (as fill_ in PyTorch).
+        const Scalar v = is_bool(x.dtype()) ? Scalar(value != 0.0) : Scalar(value);
+        if (lo.numel() > 0) backend::backend_for(out.device()).fill(lo, v);
+        if (hi.numel() > 0) backend::backend_for(out.device()).fill(hi, v);
         break;
+      }
       case PadMode::reflect:  // out[l - 1 - k] = out[l + 1 + k], out[l + c + k] = out[l + c - 2 - k]
         copy_into(lo, reversed(region.narrow(d, l + 1, l), d));
         copy_into(hi, reversed(region.narrow(d, l + c - 1 - r, r), d));

@@ -99,8 +99,10 @@ Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction r) {
 
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& target, Reduction r) {
   check_pointwise("binary_cross_entropy_with_logits", logits, target);
+  const DType dt = promote_types(logits.dtype(), target.dtype());
+  const Tensor x = logits.to(dt), t = target.to(dt);
   // max(x, 0) - x*t + log1p(exp(-|x|)): never exponentiates a positive number.
-  const Tensor loss = sub(relu(logits), mul(logits, target)) + log1p(exp(neg(abs(logits))));
+  const Tensor loss = add(sub(relu(x), mul(x, t)), log1p(exp(neg(abs(x)))));
   return reduce_loss(loss, r);
 }
 

@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "flame/ops.h"
+#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -82,6 +83,7 @@ void check_nonzero_extent(const Tensor& x, const ReducePlan& p, const char* op) 
 Tensor run_reduce(ReduceOp op, const Tensor& x, const ReducePlan& p, DType out_dtype, bool keepdim) {
   Tensor out = make_empty(p.out_shape, out_dtype, x.device());
   if (out.numel() > 0) backend::backend_for(x.device()).reduce(op, out, x.permute(p.perm), p.reduce_ndim);
+  rules::reduce(out, op, x, p.keep_shape, p.count);
   return keepdim ? out.view(p.keep_shape) : out;
 }
 
@@ -111,13 +113,14 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
   check_floating(x, name);
   const int64_t d = wrap_dim(dim, x.dim(), name);
   Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return rules::with_grad(out, name, x, [](const Tensor& g) { return g; });
   auto& be = backend::backend_for(x.device());
   if (x.dim() == 0) {
     be.softmax(out.view({1}), x.reshape({1}), 0, log);
   } else {
     be.softmax(out, x, d, log);
   }
+  rules::softmax(out, x, d, log);
   return out;
 }
 
@@ -212,7 +215,7 @@ Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
   } else {
     // Subtract the max for stability; an infinite max is replaced by 0 so that a row of -inf
     // gives -inf (not nan) and a +inf entry gives +inf.
-    Tensor m = amax(xf, dims, /*keepdim=*/true);
+    Tensor m = amax(xf, dims, /*keepdim=*/true).detach();  // a constant shift: no gradient through it
     m = masked_fill(m, isinf(m), 0.0);
     r = log(sum(exp(xf - m), dims, /*keepdim=*/true)) + m;
     if (!keepdim) r = r.view(p.out_shape);
@@ -224,13 +227,15 @@ Tensor cumsum(const Tensor& x, int64_t dim) {
   check_defined(x, "cumsum");
   const int64_t d = wrap_dim(dim, x.dim(), "cumsum");
   Tensor out = make_empty(x.sizes(), sum_dtype(x.dtype()), x.device());
-  if (out.numel() == 0) return out;
-  auto& be = backend::backend_for(x.device());
-  if (x.dim() == 0) {
-    be.cumsum(out.view({1}), x.reshape({1}), 0);
-  } else {
-    be.cumsum(out, x, d);
+  if (out.numel() > 0) {
+    auto& be = backend::backend_for(x.device());
+    if (x.dim() == 0) {
+      be.cumsum(out.view({1}), x.reshape({1}), 0);
+    } else {
+      be.cumsum(out, x, d);
+    }
   }
+  rules::cumsum(out, x, d);
   return out;
 }
 

@@ -1,8 +1,11 @@
 // Zero-copy views: each returns a TensorImpl over the same Storage with new sizes/strides/offset.
 #include <algorithm>
+#include <functional>
 #include <optional>
 
 #include "flame/ops.h"
+#include "src/autograd/record.h"
+#include "src/autograd/rules/rules.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -61,6 +64,46 @@ std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strid
   return new_strides;
 }
 
+
+// A view of `base` recorded for autograd with gradient back(g) (back captures no tensors).
+Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name,
+                 std::function<Tensor(const Tensor&)> back) {
+  Tensor v = make_view(base, std::move(sizes), std::move(strides), offset);
+  return rules::with_grad(v, name, base, std::move(back));
+}
+
+// Zeros of `shape` with g written into the region that `region` selects (slice/narrow/select).
+template <class F>
+Tensor place_into(const Tensor& g, const Shape& shape, F&& region) {
+  Tensor z = Tensor::zeros(shape, {g.dtype(), g.device()});
+  region(z).copy_(g);
+  return z;
+}
+
+Shape inverse_permutation(const Shape& dims, int64_t n) {
+  Shape inv(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) inv[wrap_dim(dims[i], n, "permute")] = i;
+  return inv;
+}
+
+// Each window i of unfold read x.narrow(d, i*step, size); its gradient adds back there.
+Tensor unfold_backward(const Tensor& g, const Shape& xs, int64_t d, int64_t size, int64_t step) {
+  Tensor z = Tensor::zeros(xs, {g.dtype(), g.device()});
+  if (xs.empty()) return g.reshape({});
+  const int64_t n = static_cast<int64_t>(xs.size());
+  Shape order;  // g.select(d, i) has x's dims without d, then the window dim: move it to d
+  for (int64_t k = 0; k < n - 1; ++k) {
+    if (k == d) order.push_back(n - 1);
+    order.push_back(k);
+  }
+  if (d == n - 1) order.push_back(n - 1);
+  for (int64_t i = 0; i < g.size(d); ++i) {
+    Tensor part = z.narrow(d, i * step, size);
+    part.add_(g.select(d, i).permute(order));
+  }
+  return z;
+}
+
 }  // namespace
 
 Tensor Tensor::view(const Shape& shape) const {
@@ -68,13 +111,13 @@ Tensor Tensor::view(const Shape& shape) const {
   auto strides = view_strides(sizes(), this->strides(), target);
   FLAME_CHECK(strides.has_value(), "view", "shape ", target, " is not compatible with input of shape ",
               sizes(), " and strides ", this->strides(), "; use reshape() (which may copy)");
-  return make_view(*this, target, *strides, storage_offset());
+  return grad_view(*this, target, *strides, storage_offset(), "view", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
   const Shape target = infer_shape(shape, numel(), "reshape", sizes());
   if (auto strides = view_strides(sizes(), this->strides(), target)) {
-    return make_view(*this, target, *strides, storage_offset());
+    return grad_view(*this, target, *strides, storage_offset(), "reshape", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
   }
   return clone().view(target);
 }
@@ -84,19 +127,19 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   if (n == 0) {
     wrap_dim(d0, 0, "transpose");
     wrap_dim(d1, 0, "transpose");
-    return make_view(*this, sizes(), strides(), storage_offset());
+    return grad_view(*this, sizes(), strides(), storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
   }
   d0 = wrap_dim(d0, n, "transpose");
   d1 = wrap_dim(d1, n, "transpose");
   Shape sz = sizes(), st = strides();
   std::swap(sz[d0], sz[d1]);
   std::swap(st[d0], st[d1]);
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
 }
 
 Tensor Tensor::t() const {
   FLAME_CHECK(dim() <= 2, "t", "expects a tensor with <= 2 dims, got shape ", sizes());
-  return dim() < 2 ? make_view(*this, sizes(), strides(), storage_offset()) : transpose(0, 1);
+  return dim() < 2 ? grad_view(*this, sizes(), strides(), storage_offset(), "t", [](const Tensor& g) { return g; }) : transpose(0, 1);
 }
 
 Tensor Tensor::permute(const Shape& dims) const {
@@ -112,7 +155,7 @@ Tensor Tensor::permute(const Shape& dims) const {
     sz[i] = sizes()[d];
     st[i] = strides()[d];
   }
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "permute", [inv = inverse_permutation(dims, dim())](const Tensor& g) { return g.permute(inv); });
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
@@ -124,7 +167,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
               " + length ", length, " exceeds dimension ", d, " of size ", n, " (shape ", sizes(), ")");
   Shape sz = sizes();
   sz[d] = length;
-  return make_view(*this, sz, strides(), storage_offset() + start * strides()[d]);
+  return grad_view(*this, sz, strides(), storage_offset() + start * strides()[d], "narrow", [xs = sizes(), d, start, length](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.narrow(d, start, length); }); });
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
@@ -139,7 +182,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   Shape sz = sizes(), st = strides();
   sz[d] = (end - start + step - 1) / step;
   st[d] *= step;
-  return make_view(*this, sz, st, storage_offset() + start * strides()[d]);
+  return grad_view(*this, sz, st, storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -153,7 +196,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   const int64_t offset = storage_offset() + index * st[d];
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return make_view(*this, sz, st, offset);
+  return grad_view(*this, sz, st, offset, "select", [xs = sizes(), d, index](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.select(d, index); }); });
 }
 
 Tensor Tensor::expand(const Shape& shape) const {
@@ -180,7 +223,7 @@ Tensor Tensor::expand(const Shape& shape) const {
       st[i] = 0;
     }
   }
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "expand", [xs = sizes()](const Tensor& g) { return sum_to(g, xs); });
 }
 
 Tensor Tensor::squeeze() const {
@@ -191,20 +234,20 @@ Tensor Tensor::squeeze() const {
       st.push_back(strides()[i]);
     }
   }
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
   if (dim() == 0) {
     wrap_dim(d, 0, "squeeze");
-    return make_view(*this, sizes(), strides(), storage_offset());
+    return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
   }
   d = wrap_dim(d, dim(), "squeeze");
-  if (sizes()[d] != 1) return make_view(*this, sizes(), strides(), storage_offset());
+  if (sizes()[d] != 1) return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
   Shape sz = sizes(), st = strides();
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -213,7 +256,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t new_stride = d < dim() ? sizes()[d] * strides()[d] : 1;
   sz.insert(sz.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "unsqueeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
@@ -263,13 +306,13 @@ Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
               " of the input of shape ", sizes());
   FLAME_CHECK(step > 0, "unfold", "step must be positive, got ", step);
   Shape sz = sizes(), st = strides();
-  if (dim() == 0) return make_view(*this, {size}, {1}, storage_offset());
+  if (dim() == 0) return grad_view(*this, {size}, {1}, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
   sz[d] = (n - size) / step + 1;
   const int64_t base = st[d];
   st[d] = base * step;
   sz.push_back(size);
   st.push_back(base);
-  return make_view(*this, sz, st, storage_offset());
+  return grad_view(*this, sz, st, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
 }
 
 }  // namespace flame

@@ -1,6 +1,8 @@
 #pragma once
 // Entry points of the gradient rules, called by the op layer right after an op computed its
 // result. Each records a node on `out` when needs_grad(inputs). The formulas live only here.
+#include <functional>
+
 #include "flame/tensor.h"
 #include "src/backend/backend.h"
 
@@ -9,4 +11,25 @@ namespace flame::rules {
 void unary(Tensor& out, backend::UnaryOp op, const Tensor& orig, const Tensor& x, const backend::UnaryParams& p);
 void binary(Tensor& out, backend::BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& ac, const Tensor& bc);
 void where(Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
+}  // namespace flame::rules
+
+namespace flame::rules {
+// Records a node for a view or copy of `in` whose gradient is back(g) (back captures no tensors).
+Tensor& with_grad(Tensor& out, const char* name, const Tensor& in, std::function<Tensor(const Tensor&)> back);
+}  // namespace flame::rules
+
+namespace flame::rules {
+// Indexing (index: the i64 contiguous index the kernel used, at x's dim count).
+void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
+void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
+void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate);
+void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded);
+void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& indices);
+}  // namespace flame::rules
+
+namespace flame::rules {
+// Reductions: out holds the kept dims; keep_shape is x's shape with reduced dims set to 1.
+void reduce(Tensor& out, backend::ReduceOp op, const Tensor& x, const Shape& keep_shape, int64_t count);
+void cumsum(Tensor& out, const Tensor& x, int64_t dim);
+void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log);
 }  // namespace flame::rules

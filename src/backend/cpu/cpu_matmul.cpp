@@ -1,14 +1,14 @@
 // CPU reference GEMM: dst[B, M, N] (contiguous) = a[B, M, K] @ b[B, K, N] (any strides).
 //
 // Note [CPU GEMM]
-// f32 and f64 go to OpenBLAS (cblas_sgemm/dgemm, one call per batch) when FLAME_WITH_CBLAS is
-// defined. BLAS reads a row-major operand either as is (column stride 1) or transposed (row stride
-// 1), with a leading dimension at least its width; an operand with any other strides (expanded
-// rows, a step in both dims) is first copied contiguous, once when its batch stride is 0.
-// Everything else (no BLAS, bf16/f16, integers) runs the packed loop: each operand is converted to
-// the accumulator type into a row-major buffer (float for f32/bf16/f16 like cuBLAS, double for f64,
-// wrapping uint64 for integers so overflow wraps as in PyTorch), then blocked i-k-j loops run over
-// contiguous rows so the compiler vectorises the innermost loop.
+// With FLAME_WITH_CBLAS, f32 and f64 go to OpenBLAS (cblas_sgemm/dgemm, one call per batch), and
+// bf16/f16 are widened exactly into f32 buffers for sgemm. BLAS reads a row-major operand either
+// as is (column stride 1) or transposed (row stride 1), with a leading dimension at least its
+// width; an operand with other strides (expanded rows, a step in both dims) is first copied
+// contiguous, once when its batch stride is 0. Everything else (no BLAS, integers) runs the packed
+// loops: each operand is converted to the accumulator type into a row-major buffer (float for
+// f32/bf16/f16 like cuBLAS, double for f64, wrapping uint64 for integers so overflow wraps as in
+// PyTorch), then blocked i-k-j loops run over contiguous rows so the compiler vectorises them.
 #include <algorithm>
 #include <climits>
 #include <optional>
@@ -144,6 +144,22 @@ void gemm_blas(const Tensor& dst, const Tensor& a, const Tensor& b, const Gemm& 
     }
   }
 }
+// bf16/f16: both operands widened exactly to f32, multiplied by sgemm (f32 accumulation, as the
+// loops and cuBLAS), rounded back once.
+template <class T>
+void gemm_half_blas(const Tensor& dst, const Tensor& a, const Tensor& b, const Gemm& g) {
+  std::vector<float> ap, bp, c(static_cast<std::size_t>(g.m * g.n));
+  T* out = static_cast<T*>(dst.data_ptr());
+  const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
+  for (int64_t bi = 0; bi < g.batch; ++bi) {
+    if (bi == 0 || a.stride(0) != 0) pack<T>(ap, a, bi);
+    if (bi == 0 || b.stride(0) != 0) pack<T>(bp, b, bi);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, k, 1.0f, ap.data(), k, bp.data(), n, 0.0f,
+                c.data(), n);
+    T* o = out + bi * g.m * g.n;
+    for (int64_t i = 0, e = g.m * g.n; i < e; ++i) o[i] = convert<T>(c[i]);
+  }
+}
 #endif
 
 }  // namespace
@@ -163,6 +179,9 @@ void CpuBackend::matmul(const Tensor& dst, const Tensor& a, const Tensor& b) {
 #ifdef FLAME_WITH_CBLAS
       if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
         if (fits_int(g.m) && fits_int(g.n) && fits_int(g.k)) return gemm_blas<T>(dst, a, b, g);
+      }
+      if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+        if (fits_int(g.m) && fits_int(g.n) && fits_int(g.k)) return gemm_half_blas<T>(dst, a, b, g);
       }
 #endif
       gemm_loops<T>(dst, a, b, g);

@@ -57,6 +57,11 @@ struct IotaOp {
   }
 };
 
+template <class T>
+struct WhereOp {
+  __device__ __forceinline__ T operator()(int64_t, bool c, T a, T b) const { return c ? a : b; }
+};
+
 // Calls f(type_tag<U>) with U the unsigned type of dtype t's element size.
 template <class F>
 void dispatch_bits(DType t, const char* op, F&& f) {

@@ -179,9 +179,12 @@ __global__ void __launch_bounds__(256) count_true_kernel(const uint8_t* __restri
   if ((threadIdx.x & 31) == 0 && total) atomicAdd(count, total);
 }
 
-template <class K>
-struct KeyOf;
-// Ordered unsigned keys (Note [CUDA sort keys]).
+// Ordered unsigned keys of the element's width (Note [CUDA sort keys]).
+template <class T>
+using sort_key_t = std::conditional_t<
+    sizeof(T) == 8, uint64_t,
+    std::conditional_t<sizeof(T) == 4, uint32_t, std::conditional_t<sizeof(T) == 2, uint16_t, uint8_t>>>;
+
 template <class U, U kSign, U kExpMask>
 __device__ __forceinline__ U float_key(U u) {
   if ((u & static_cast<U>(~kSign)) > kExpMask) return static_cast<U>(~U(0));  // NaN: largest
@@ -189,7 +192,7 @@ __device__ __forceinline__ U float_key(U u) {
   return (u & kSign) ? static_cast<U>(~u) : static_cast<U>(u | kSign);
 }
 template <class T>
-__device__ __forceinline__ auto sort_key(T x) {
+__device__ __forceinline__ sort_key_t<T> sort_key(T x) {
   if constexpr (std::is_same_v<T, float>) {
     return float_key<uint32_t, 0x80000000u, 0x7f800000u>(__float_as_uint(x));
   } else if constexpr (std::is_same_v<T, double>) {
@@ -207,14 +210,11 @@ __device__ __forceinline__ auto sort_key(T x) {
     return static_cast<uint8_t>(x);  // u8, bool
   }
 }
-template <class T>
-using key_t = decltype(sort_key(T{}));
-
 // keys[e] = key of src row e / len, element e % len (complemented for descending); idx[e] = e % len.
 template <class T>
 __global__ void sort_prepare_kernel(const T* __restrict__ src, OffsetMap rows, int64_t stride, int64_t n, int64_t len,
-                                    bool descending, key_t<T>* __restrict__ keys, int64_t* __restrict__ idx) {
-  using K = key_t<T>;
+                                    bool descending, sort_key_t<T>* __restrict__ keys, int64_t* __restrict__ idx) {
+  using K = sort_key_t<T>;
   for (int64_t e = global_thread(); e < n; e += grid_threads()) {
     const int64_t r = e / len, j = e - r * len;
     const K k = sort_key(src[rows(r) + j * stride]);
@@ -316,7 +316,7 @@ void check_index(const Tensor& index, const char* op) {
 template <class T>
 void sort_typed(CudaBackend& be, const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim,
                 bool descending) {
-  using K = key_t<T>;
+  using K = sort_key_t<T>;
   const int64_t len = src.sizes()[dim], n = src.numel();
   if (n == 0) return;
   const int64_t n_rows = n / len;

@@ -1,0 +1,77 @@
+// Gradient rules of the indexing family: gradients flow back to the positions that were read.
+#include "flame/ops.h"
+#include "src/autograd/record.h"
+#include "src/autograd/rules/rules.h"
+
+namespace flame::rules {
+namespace {
+// dst of `shape` with `small` (whose sizes are <= shape's) written at the leading corner.
+Tensor pad_into(const Tensor& small, const Shape& shape) {
+  if (small.sizes() == shape) return small;
+  Tensor z = Tensor::zeros(shape, {small.dtype(), small.device()});
+  Tensor corner = z;
+  for (int64_t k = 0; k < small.dim(); ++k) corner = corner.narrow(k, 0, small.size(k));
+  corner.copy_(small);
+  return z;
+}
+}  // namespace
+
+void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
+  if (!needs_grad({x})) return;
+  const Shape xs = x.sizes();
+  Tensor idx = index;  // i64, contiguous, never written: kept by value
+  record(out, "index_select", {x}, [xs, dim, idx](const Tensor& g) {
+    Tensor z = Tensor::zeros(xs, {g.dtype(), g.device()});
+    if (xs.empty()) return TensorList{g.reshape({})};
+    Shape view(xs.size(), 1);
+    view[dim] = idx.numel();
+    return TensorList{scatter_add(z, dim, idx.reshape(view).expand(g.sizes()), g)};
+  });
+}
+
+void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
+  if (!needs_grad({x})) return;
+  const Shape xs = x.sizes();
+  Tensor idx = index;
+  record(out, "gather", {x}, [xs, dim, idx](const Tensor& g) {
+    return TensorList{scatter_add(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
+  });
+}
+
+void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate) {
+  if (!needs_grad({x, src})) return;
+  const Shape ss = src.sizes();
+  Tensor idx = index;
+  record(out, accumulate ? "scatter_add" : "scatter", {x, src}, [ss, dim, idx, accumulate](const Tensor& g) {
+    // Overwritten positions pass no gradient to x; src receives the gradient of where it landed.
+    Tensor gx = accumulate ? g : scatter(g, dim, idx, Tensor::zeros(idx.sizes(), {g.dtype(), g.device()}));
+    return TensorList{gx, pad_into(gather(g, dim, idx), ss)};
+  });
+}
+
+void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded) {
+  if (!needs_grad({x})) return;
+  const Shape xs = x.sizes();
+  Tensor mask = mask_expanded.contiguous();
+  record(out, "masked_select", {x}, [xs, mask](const Tensor& g) {
+    // Element k of the output came from the k-th true position: position p takes g[cumsum(mask)[p] - 1].
+    Tensor flat = mask.reshape({-1});
+    Tensor zero = Tensor::zeros(mask.sizes(), {g.dtype(), g.device()});
+    if (g.numel() == 0) return TensorList{sum_to(zero, xs)};
+    Tensor pos = (flat.cumsum(0) - 1).clamp(0, std::nullopt);
+    Tensor picked = g.index_select(0, pos).reshape(mask.sizes());
+    return TensorList{sum_to(where(mask, picked, zero), xs)};
+  });
+}
+
+void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& indices) {
+  if (!needs_grad({x}) || !is_floating(values.dtype())) return;
+  const Shape xs = x.sizes();
+  Tensor idx = indices;
+  record(values, "sort", {x}, [xs, dim, idx](const Tensor& g) {
+    if (xs.empty()) return TensorList{g};
+    return TensorList{scatter(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
+  });
+}
+
+}  // namespace flame::rules
