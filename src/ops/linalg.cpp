@@ -11,7 +11,9 @@
 // results skip the kernel and K = 0 gives zeros, so kernels only see M, N, K, B >= 1.
 #include <optional>
 
+#include "flame/autograd.h"
 #include "flame/ops.h"
+#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -110,7 +112,8 @@ Tensor batched_matmul(const Tensor& a, const Tensor& b, const Shape& batch, int6
 
 }  // namespace
 
-Tensor matmul(const Tensor& a, const Tensor& b) {
+namespace {
+Tensor matmul_impl(const Tensor& a, const Tensor& b) {
   check_operands("matmul", a, b);
   FLAME_CHECK(a.dim() >= 1 && b.dim() >= 1, "matmul", "both operands need at least 1 dim, got shapes ",
               a.sizes(), " and ", b.sizes());
@@ -145,6 +148,18 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
   }
   return out.view(result_shape);
 }
+}  // namespace
+
+// The kernels run without recording; one node covers the whole product (rules/linalg.cpp).
+Tensor matmul(const Tensor& a, const Tensor& b) {
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = matmul_impl(a, b);
+  }
+  rules::matmul(out, a, b);
+  return out;
+}
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
   check_operands("bmm", a, b);
@@ -153,7 +168,13 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   FLAME_CHECK(a.size(0) == b.size(0), "bmm", "batch sizes differ: shapes ", a.sizes(), " and ", b.sizes());
   FLAME_CHECK(a.size(2) == b.size(1), "bmm", "shapes ", a.sizes(), " and ", b.sizes(),
               " cannot be multiplied (inner sizes ", a.size(2), " and ", b.size(1), " differ)");
-  return batched_matmul(a, b, {a.size(0)}, a.size(1), a.size(2), b.size(2));
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = batched_matmul(a, b, {a.size(0)}, a.size(1), a.size(2), b.size(2));
+  }
+  rules::matmul(out, a, b);
+  return out;
 }
 
 Tensor outer(const Tensor& a, const Tensor& b) {

@@ -33,3 +33,7 @@ void reduce(Tensor& out, backend::ReduceOp op, const Tensor& x, const Shape& kee
 void cumsum(Tensor& out, const Tensor& x, int64_t dim);
 void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log);
 }  // namespace flame::rules
+
+namespace flame::rules {
+void matmul(Tensor& out, const Tensor& a, const Tensor& b);  // also bmm
+}  // namespace flame::rules
