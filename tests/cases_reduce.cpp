@@ -123,69 +123,82 @@ struct ReduceDef {
   std::function<double(double)> pre;
 };
 
+ReduceDef def(std::string name, std::function<Tensor(const Tensor&, const Shape&, bool)> run,
+              std::function<double(const Values&)> ref, OutRule rule = OutRule::same, bool floating_only = true,
+              bool needs_nonempty = false) {
+  ReduceDef d;
+  d.name = std::move(name);
+  d.run = std::move(run);
+  d.ref = std::move(ref);
+  d.rule = rule;
+  d.floating_only = floating_only;
+  d.needs_nonempty = needs_nonempty;
+  return d;
+}
+
 std::vector<ReduceDef> reduce_defs() {
   auto relu = [](double x) { return x < 0 ? 0.0 : x; };
   std::vector<ReduceDef> d;
-  d.push_back({"sum", [](const Tensor& x, const Shape& s, bool k) { return x.sum(s, k); }, ref_sum, OutRule::sum,
-               false});
-  d.push_back({"mean", [](const Tensor& x, const Shape& s, bool k) { return x.mean(s, k); }, ref_mean});
+  d.push_back(def("sum", [](const Tensor& x, const Shape& s, bool k) { return x.sum(s, k); }, ref_sum, OutRule::sum,
+               false));
+  d.push_back(def("mean", [](const Tensor& x, const Shape& s, bool k) { return x.mean(s, k); }, ref_mean));
   {
-    ReduceDef p{"prod", [](const Tensor& x, const Shape& s, bool k) { return x.prod(s, k); },
+    ReduceDef p = def("prod", [](const Tensor& x, const Shape& s, bool k) { return x.prod(s, k); },
                 [](const Values& v) {
                   double r = 1;
                   for (double x : v) r *= x;
                   return r;
                 },
-                OutRule::sum, false};
+                OutRule::sum, false);
     p.lo = 0.5;
     p.hi = 1.5;
     d.push_back(p);
   }
-  d.push_back({"amax", [](const Tensor& x, const Shape& s, bool k) { return amax(x, s, k); },
-               [](const Values& v) { return *std::max_element(v.begin(), v.end()); }, OutRule::same, false, true});
-  d.push_back({"amin", [](const Tensor& x, const Shape& s, bool k) { return x.min(s, k); },
-               [](const Values& v) { return *std::min_element(v.begin(), v.end()); }, OutRule::same, false, true});
-  d.push_back({"var", [](const Tensor& x, const Shape& s, bool k) { return x.var(s, 1, k); },
-               [](const Values& v) { return ref_var(v, 1); }});
-  d.push_back({"var_c0", [](const Tensor& x, const Shape& s, bool k) { return x.var(s, 0, k); },
-               [](const Values& v) { return ref_var(v, 0); }});
-  d.push_back({"std", [](const Tensor& x, const Shape& s, bool k) { return x.std(s, 1, k); },
-               [](const Values& v) { return std::sqrt(ref_var(v, 1)); }});
-  d.push_back({"std_c2", [](const Tensor& x, const Shape& s, bool k) { return x.std(s, 2, k); },
-               [](const Values& v) { return std::sqrt(ref_var(v, 2)); }});
-  d.push_back({"norm2", [](const Tensor& x, const Shape& s, bool k) { return x.norm(2.0, s, k); },
-               [](const Values& v) { return ref_norm(v, 2); }});
-  d.push_back({"norm1", [](const Tensor& x, const Shape& s, bool k) { return x.norm(1.0, s, k); },
-               [](const Values& v) { return ref_norm(v, 1); }});
-  d.push_back({"norm3", [](const Tensor& x, const Shape& s, bool k) { return x.norm(3.0, s, k); },
-               [](const Values& v) { return ref_norm(v, 3); }});
-  d.push_back({"norm_inf", [](const Tensor& x, const Shape& s, bool k) { return x.norm(INFINITY, s, k); },
-               [](const Values& v) { return ref_norm(v, kInf); }, OutRule::same, true, true});
-  d.push_back({"norm_neginf", [](const Tensor& x, const Shape& s, bool k) { return x.norm(-INFINITY, s, k); },
-               [](const Values& v) { return ref_norm(v, -kInf); }, OutRule::same, true, true});
+  d.push_back(def("amax", [](const Tensor& x, const Shape& s, bool k) { return amax(x, s, k); },
+               [](const Values& v) { return *std::max_element(v.begin(), v.end()); }, OutRule::same, false, true));
+  d.push_back(def("amin", [](const Tensor& x, const Shape& s, bool k) { return x.min(s, k); },
+               [](const Values& v) { return *std::min_element(v.begin(), v.end()); }, OutRule::same, false, true));
+  d.push_back(def("var", [](const Tensor& x, const Shape& s, bool k) { return x.var(s, 1, k); },
+               [](const Values& v) { return ref_var(v, 1); }));
+  d.push_back(def("var_c0", [](const Tensor& x, const Shape& s, bool k) { return x.var(s, 0, k); },
+               [](const Values& v) { return ref_var(v, 0); }));
+  d.push_back(def("std", [](const Tensor& x, const Shape& s, bool k) { return x.std(s, 1, k); },
+               [](const Values& v) { return std::sqrt(ref_var(v, 1)); }));
+  d.push_back(def("std_c2", [](const Tensor& x, const Shape& s, bool k) { return x.std(s, 2, k); },
+               [](const Values& v) { return std::sqrt(ref_var(v, 2)); }));
+  d.push_back(def("norm2", [](const Tensor& x, const Shape& s, bool k) { return x.norm(2.0, s, k); },
+               [](const Values& v) { return ref_norm(v, 2); }));
+  d.push_back(def("norm1", [](const Tensor& x, const Shape& s, bool k) { return x.norm(1.0, s, k); },
+               [](const Values& v) { return ref_norm(v, 1); }));
+  d.push_back(def("norm3", [](const Tensor& x, const Shape& s, bool k) { return x.norm(3.0, s, k); },
+               [](const Values& v) { return ref_norm(v, 3); }));
+  d.push_back(def("norm_inf", [](const Tensor& x, const Shape& s, bool k) { return x.norm(INFINITY, s, k); },
+               [](const Values& v) { return ref_norm(v, kInf); }, OutRule::same, true, true));
+  d.push_back(def("norm_neginf", [](const Tensor& x, const Shape& s, bool k) { return x.norm(-INFINITY, s, k); },
+               [](const Values& v) { return ref_norm(v, -kInf); }, OutRule::same, true, true));
   {
     // relu first so that about half the entries are exactly zero.
-    ReduceDef n0{"norm0", [](const Tensor& x, const Shape& s, bool k) { return x.relu().norm(0.0, s, k); },
-                 [](const Values& v) { return ref_norm(v, 0); }};
+    ReduceDef n0 = def("norm0", [](const Tensor& x, const Shape& s, bool k) { return x.relu().norm(0.0, s, k); },
+                 [](const Values& v) { return ref_norm(v, 0); });
     n0.differentiable = false;
     n0.pre = relu;
     d.push_back(n0);
   }
   {
-    ReduceDef l{"logsumexp", [](const Tensor& x, const Shape& s, bool k) { return x.logsumexp(s, k); },
-                ref_logsumexp};
+    ReduceDef l = def("logsumexp", [](const Tensor& x, const Shape& s, bool k) { return x.logsumexp(s, k); },
+                ref_logsumexp);
     l.lo = -5;
     l.hi = 5;
     d.push_back(l);
   }
   {
-    ReduceDef a{"any", [](const Tensor& x, const Shape& s, bool k) { return x.any(s, k); },
+    ReduceDef a = def("any", [](const Tensor& x, const Shape& s, bool k) { return x.any(s, k); },
                 [](const Values& v) {
                   bool r = false;
                   for (double x : v) r = r || x != 0;
                   return double(r);
                 },
-                OutRule::boolean, false};
+                OutRule::boolean, false);
     a.differentiable = false;
     a.lo = -1;  // integers in [-1, 2): zeros are common
     a.hi = 2;

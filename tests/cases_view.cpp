@@ -227,7 +227,9 @@ void add_view_cases(CaseList& cases) {
     auto source = d.source;
     c.reference = [out_shape, source](const std::vector<RefTensor>& in) {
       RefTensor r(out_shape(in[0].shape), in[0].dtype);
-      for (int64_t f = 0; f < r.numel(); ++f) r.v[f] = source ? in[0].v[in[0].flat(source(r.unravel(f), in[0].shape))] : in[0].v[f];
+      for (int64_t f = 0; f < r.numel(); ++f) {
+        r.v[f] = source ? in[0].v[in[0].flat(source(r.unravel(f), in[0].shape))] : in[0].v[f];
+      }
       return r;
     };
     c.differentiable = is_floating(d.in.dtype);

@@ -245,11 +245,34 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
   std::vector<AutogradMeta*> ready = {root};
   NoGradGuard no_grad;  // gradient rules are not recorded (no higher-order gradients)
 
+  // A vertex whose consumers all delivered nothing still passes "nothing" on, so that the
+  // dependency counts of its inputs reach zero and their other contributions are not lost.
+  auto deliver = [&](AutogradMeta* target, const Tensor& gi, const Node::Edge& e) {
+    if (gi.defined()) {
+      if (e.leaf.defined()) leaf_handle.emplace(target, e.leaf);
+      auto it = pending.find(target);
+      if (it == pending.end() || !it->second.defined()) pending[target] = gi;
+      else it->second = it->second + gi;
+    } else {
+      pending.try_emplace(target);
+    }
+    if (--deps[target] == 0) ready.push_back(target);
+  };
+
   while (!ready.empty()) {
     AutogradMeta* m = ready.back();
     ready.pop_back();
     Tensor g = std::move(pending[m]);
     pending.erase(m);
+    if (!g.defined()) {
+      if (m->grad_fn) {
+        for (const Node::Edge& e : m->grad_fn->edges()) {
+          if (e.meta) deliver(e.meta.get(), Tensor(), e);
+        }
+        if (!options.retain_graph) m->grad_fn->release();
+      }
+      continue;
+    }
     for (const GradHook& hook : m->hooks) {
       Tensor replaced = hook(g);
       if (replaced.defined()) {
@@ -270,27 +293,13 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     for (std::size_t i = 0; i < grads.size(); ++i) {
       const Node::Edge& e = node.edges()[i];
       if (!e.meta) continue;
-      AutogradMeta* target = e.meta.get();
       Tensor gi = grads[i];
       if (gi.defined()) {
         FLAME_CHECK(gi.sizes() == e.shape, "backward", "gradient rule of ", node.name(), " produced shape ",
                     gi.sizes(), " for input ", i, " of shape ", e.shape);
         if (gi.dtype() != e.dtype) gi = gi.to(e.dtype);
-        if (e.leaf.defined()) leaf_handle.emplace(target, e.leaf);
-        auto it = pending.find(target);
-        if (it == pending.end()) pending.emplace(target, gi);
-        else if (it->second.defined()) it->second = it->second + gi;
-        else it->second = gi;
-      } else {
-        pending.try_emplace(target);  // keeps the vertex known; contributes nothing
       }
-      if (--deps[target] == 0) {
-        if (pending[target].defined()) {
-          ready.push_back(target);
-        } else {
-          pending.erase(target);
-        }
-      }
+      deliver(e.meta.get(), gi, e);
     }
     if (!options.retain_graph) node.release();
   }

@@ -96,8 +96,14 @@ int64_t Tensor::dim() const {
   FLAME_REQUIRE_DEFINED("dim");
   return static_cast<int64_t>(impl_->sizes.size());
 }
-int64_t Tensor::size(int64_t d) const { return sizes()[wrap_dim(d, std::max<int64_t>(dim(), 1), "size")]; }
-int64_t Tensor::stride(int64_t d) const { return strides()[wrap_dim(d, std::max<int64_t>(dim(), 1), "stride")]; }
+int64_t Tensor::size(int64_t d) const {
+  FLAME_CHECK(dim() > 0, "size", "a 0-d tensor has no dim ", d);
+  return sizes()[wrap_dim(d, dim(), "size")];
+}
+int64_t Tensor::stride(int64_t d) const {
+  FLAME_CHECK(dim() > 0, "stride", "a 0-d tensor has no dim ", d);
+  return strides()[wrap_dim(d, dim(), "stride")];
+}
 int64_t Tensor::numel() const {
   FLAME_REQUIRE_DEFINED("numel");
   return impl_->numel;

@@ -105,6 +105,23 @@ void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shap
   });
 }
 
+// starts[i]: where input i begins along dim d of out; -1 for a skipped [0] input.
+void record_cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d) {
+  if (!is_floating(out.dtype()) || !needs_grad(tensors)) return;
+  Shape lens;
+  for (std::size_t i = 0; i < tensors.size(); ++i) lens.push_back(starts[i] < 0 ? 0 : tensors[i].sizes()[d]);
+  record(out, "cat", tensors, [starts, lens, d](const Tensor& g) {
+    TensorList grads;
+    for (std::size_t i = 0; i < starts.size(); ++i) {
+      // A skipped [0] input gets an empty (defined) gradient, so that what produced it still
+      // runs its rule and passes zeros on.
+      grads.push_back(starts[i] < 0 ? Tensor::zeros({0}, {g.dtype(), g.device()})
+                                    : g.narrow(d, starts[i], lens[i]));
+    }
+    return grads;
+  });
+}
+
 }  // namespace
 
 // ---- flip, repeat ----
@@ -241,7 +258,11 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     dt = i == 0 ? t.dtype() : promote_types(dt, t.dtype());
     if (!first && !is_legacy_empty(t)) first = &t;
   }
-  if (!first) return make_empty({0}, dt, tensors[0].device());
+  if (!first) {  // only [0] tensors: an empty result
+    Tensor out = make_empty({0}, dt, tensors[0].device());
+    record_cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
+    return out;
+  }
   const int64_t nd = first->dim();
   const int64_t d = wrap_dim(dim, nd, "cat");
   Shape out_shape = first->sizes();
@@ -270,20 +291,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     copy_into(out.narrow(d, offset, len), t);
     offset += len;
   }
-  if (is_floating(dt) && needs_grad(tensors)) {
-    Shape lens;
-    for (const Tensor& t : tensors) lens.push_back(is_legacy_empty(t) ? 0 : t.sizes()[d]);
-    record(out, "cat", tensors, [starts, lens, d](const Tensor& g) {
-      TensorList grads;
-      for (std::size_t i = 0; i < starts.size(); ++i) {
-        // A skipped [0] input gets an empty (defined) gradient, so that what produced it still
-        // runs its rule and passes zeros on.
-        grads.push_back(starts[i] < 0 ? Tensor::zeros({0}, {g.dtype(), g.device()})
-                                      : g.narrow(d, starts[i], lens[i]));
-      }
-      return grads;
-    });
-  }
+  record_cat(out, tensors, starts, d);
   return out;
 }
 
