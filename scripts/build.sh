@@ -3,7 +3,7 @@
 # CUDA is enabled when nvcc is found. $TARGETS limits what is built (default: everything).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-eval "$(bash scripts/setup_deps.sh | grep '^export ' || true)"
+eval "$(bash scripts/setup_deps.sh)"
 BUILD_DIR=${BUILD_DIR:-build}
 JOBS=${JOBS:-$(nproc)}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null

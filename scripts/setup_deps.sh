@@ -13,12 +13,30 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 
 if [ ${#need[@]} -gt 0 ]; then
-  echo "setup_deps: installing ${need[*]}"
+  echo "setup_deps: installing ${need[*]}" >&2
   SUDO=""
   [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
+
+# CUDA sources are C++20: CMake knows nvcc's C++20 flag from 3.26 on. An older CMake gets a newer
+# one from PyPI, in a folder of its own (nothing system-wide changes).
+cmake_ok() {
+  local v
+  v=$(cmake --version 2>/dev/null | head -1 | awk '{print $3}')
+  [ -n "$v" ] && [ "$(printf '%s\n' 3.26 "$v" | sort -V | head -1)" = 3.26 ]
+}
+CMAKE_DIR="${FLAME_TOOLS_DIR:-$HOME/.cache/flame-tools}/cmake"
+if ! cmake_ok && { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then
+  if [ ! -x "$CMAKE_DIR/bin/cmake" ]; then
+    echo "setup_deps: installing CMake >= 3.26 from PyPI into $CMAKE_DIR" >&2
+    python3 -m pip install --quiet --disable-pip-version-check --target "$CMAKE_DIR/py" 'cmake>=3.26' >&2
+    mkdir -p "$CMAKE_DIR/bin"
+    ln -sf "$CMAKE_DIR"/py/cmake/data/bin/* "$CMAKE_DIR/bin/"
+  fi
+  echo "export PATH=$CMAKE_DIR/bin:\$PATH"
 fi
 
 # nvcc is often installed but not on PATH.

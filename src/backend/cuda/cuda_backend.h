@@ -31,7 +31,7 @@ struct DeviceErrorRecord {
   int64_t value;  // the offending index
   int64_t limit;  // the size it had to be below
 };
-enum DeviceErrorOp : int32_t { kErrNone = 0, kErrIndexSelect, kErrGather, kErrScatter, kErrTake };
+enum DeviceErrorOp : int32_t { kErrNone = 0, kErrIndexSelect, kErrGather, kErrScatter, kErrTake, kErrScatterAdd };
 
 class CudaBackend final : public Backend {
  public:

@@ -4,7 +4,6 @@
 // (Note [Elementwise kernels]); the math is the shared functors of src/ops/scalar_math.h, picked
 // through the op lists of src/ops/op_list.h, so results match the CPU reference
 // (src/backend/cpu/cpu_elementwise.cpp) element for element up to float rounding.
-#include <cstdlib>
 #include <cstring>
 
 #include "src/backend/cuda/elementwise.cuh"
@@ -24,13 +23,8 @@ int sm_count(int device) {
 }
 
 unsigned int max_blocks(int device) {
-  static const int waves = [] {
-    const char* e = std::getenv("FLAME_CUDA_EW_WAVES");
-    const int w = e ? std::atoi(e) : 0;
-    return w > 0 ? w : 4;
-  }();
   constexpr int kBlocksPerSm = 2048 / kThreads;  // resident blocks per SM at full occupancy
-  return static_cast<unsigned int>(sm_count(device) * kBlocksPerSm * waves);
+  return static_cast<unsigned int>(sm_count(device) * kBlocksPerSm * kStridedWaves);
 }
 
 namespace {

@@ -14,9 +14,13 @@
 // becomes +0.0 (they compare equal in the CPU reference, so stability keeps their input order);
 // signed integers flip the sign bit. Descending sorts ascend on the complemented keys, which keeps
 // equal keys in input order (stable) and puts NaN first, as the CPU reference does. bf16/f16 sort
-// on 16-bit keys (two radix passes fewer than through float). A single row uses
-// cub::DeviceRadixSort; several rows cub::DeviceSegmentedRadixSort. The values written are
-// gathered from src by the sorted indices, so they keep their exact bits (NaN payloads, -0.0).
+// on 16-bit keys (two radix passes fewer than through float). Rows of up to 2048 elements are
+// sorted by one block each in shared memory (cub::BlockRadixSort, stable; padding keys are the
+// largest and come after every real element since they follow them in input order). Longer rows:
+// a single row uses cub::DeviceRadixSort, several cub::DeviceSegmentedRadixSort, with int32
+// positions as the payload (half the bytes of i64; rows are limited to 2^31 elements). The values
+// written are gathered from src by the sorted positions, so they keep their exact bits.
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_segmented_radix_sort.cuh>
 #include <cub/device/device_select.cuh>
@@ -144,7 +148,7 @@ __global__ void scatter_kernel(T* dst, OffsetMap dmap, int64_t step, const T* __
   for (int64_t o = global_thread(); o < n; o += grid_threads()) {
     const int64_t i = index[o];
     if (i < 0 || i >= limit) {
-      record_index_error(rec, kErrScatter, dim, i, limit);
+      record_index_error(rec, kAccumulate ? kErrScatterAdd : kErrScatter, dim, i, limit);
       continue;
     }
     T* d = dst + dmap(o) + i * step;
@@ -210,16 +214,53 @@ __device__ __forceinline__ sort_key_t<T> sort_key(T x) {
     return static_cast<uint8_t>(x);  // u8, bool
   }
 }
+// Rows of up to kThreads * kItems elements, one block per row, sorted in shared memory.
+template <class T, int kThreads, int kItems>
+__global__ void __launch_bounds__(kThreads) sort_rows_block_kernel(const T* __restrict__ src, OffsetMap srows,
+                                                                   int64_t sstride, T* __restrict__ values,
+                                                                   OffsetMap vrows, int64_t vstride,
+                                                                   int64_t* __restrict__ indices, OffsetMap irows,
+                                                                   int64_t istride, int64_t n_rows, int len,
+                                                                   bool descending) {
+  using K = sort_key_t<T>;
+  using Sort = cub::BlockRadixSort<K, kThreads, kItems, int>;
+  __shared__ typename Sort::TempStorage temp;
+  for (int64_t row = blockIdx.x; row < n_rows; row += gridDim.x) {
+    const T* p = src + srows(row);
+    K keys[kItems];
+    int pos[kItems];
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {  // blocked arrangement: thread t holds t*kItems .. +kItems-1
+      const int j = threadIdx.x * kItems + i;
+      const K k = j < len ? sort_key(p[j * sstride]) : K(0);
+      keys[i] = j < len ? (descending ? static_cast<K>(~k) : k) : static_cast<K>(~K(0));
+      pos[i] = j;
+    }
+    Sort(temp).SortBlockedToStriped(keys, pos);
+    T* v = values + vrows(row);
+    int64_t* ix = indices + irows(row);
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {  // striped: item i of thread t is output i*kThreads + t
+      const int j = i * kThreads + threadIdx.x;
+      if (j < len) {
+        v[j * vstride] = p[static_cast<int64_t>(pos[i]) * sstride];
+        ix[j * istride] = pos[i];
+      }
+    }
+    __syncthreads();  // temp storage is reused by the next row
+  }
+}
+
 // keys[e] = key of src row e / len, element e % len (complemented for descending); idx[e] = e % len.
 template <class T>
 __global__ void sort_prepare_kernel(const T* __restrict__ src, OffsetMap rows, int64_t stride, int64_t n, int64_t len,
-                                    bool descending, sort_key_t<T>* __restrict__ keys, int64_t* __restrict__ idx) {
+                                    bool descending, sort_key_t<T>* __restrict__ keys, int* __restrict__ idx) {
   using K = sort_key_t<T>;
   for (int64_t e = global_thread(); e < n; e += grid_threads()) {
     const int64_t r = e / len, j = e - r * len;
     const K k = sort_key(src[rows(r) + j * stride]);
     keys[e] = descending ? static_cast<K>(~k) : k;
-    idx[e] = j;
+    idx[e] = static_cast<int>(j);
   }
 }
 
@@ -227,7 +268,7 @@ __global__ void sort_prepare_kernel(const T* __restrict__ src, OffsetMap rows, i
 template <class T>
 __global__ void sort_finish_kernel(const T* __restrict__ src, OffsetMap srows, int64_t sstride, T* __restrict__ values,
                                    OffsetMap vrows, int64_t vstride, int64_t* __restrict__ indices, OffsetMap irows,
-                                   int64_t istride, const int64_t* __restrict__ order, int64_t n, int64_t len) {
+                                   int64_t istride, const int* __restrict__ order, int64_t n, int64_t len) {
   for (int64_t e = global_thread(); e < n; e += grid_threads()) {
     const int64_t r = e / len, j = e - r * len;
     const int64_t i = order[e];
@@ -320,27 +361,44 @@ void sort_typed(CudaBackend& be, const Tensor& values, const Tensor& indices, co
   const int64_t len = src.sizes()[dim], n = src.numel();
   if (n == 0) return;
   const int64_t n_rows = n / len;
+  FLAME_CHECK(len <= INT_MAX, "sort", "rows longer than 2^31 - 1 elements are not supported (", len, ")");
   cudaStream_t st = be.stream();
   const OffsetMap srows = rows_map(src, dim);
+  const T* sp = static_cast<const T*>(src.data_ptr());
+  if (len <= 2048) {
+    T* vp = static_cast<T*>(values.data_ptr());
+    int64_t* ip = static_cast<int64_t*>(indices.data_ptr());
+    const OffsetMap vrows = rows_map(values, dim), irows = rows_map(indices, dim);
+    const int64_t ss = src.strides()[dim], vs = values.strides()[dim], is = indices.strides()[dim];
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n_rows, 1 << 20));
+    if (len <= 512)
+      sort_rows_block_kernel<T, 128, 4><<<grid, 128, 0, st>>>(sp, srows, ss, vp, vrows, vs, ip, irows, is, n_rows,
+                                                              static_cast<int>(len), descending);
+    else
+      sort_rows_block_kernel<T, 256, 8><<<grid, 256, 0, st>>>(sp, srows, ss, vp, vrows, vs, ip, irows, is, n_rows,
+                                                              static_cast<int>(len), descending);
+    FLAME_CUDA_CHECK_LAUNCH();
+    return;
+  }
   auto keys_buf = be.allocate(static_cast<std::size_t>(n) * sizeof(K) * 2);
-  auto idx_buf = be.allocate(static_cast<std::size_t>(n) * sizeof(int64_t) * 2);
+  auto idx_buf = be.allocate(static_cast<std::size_t>(n) * sizeof(int) * 2);
   K* keys_in = static_cast<K*>(keys_buf.get());
   K* keys_out = keys_in + n;
-  int64_t* idx_in = static_cast<int64_t*>(idx_buf.get());
-  int64_t* idx_out = idx_in + n;
-  sort_prepare_kernel<T><<<grid_for(n, 256), 256, 0, st>>>(static_cast<const T*>(src.data_ptr()), srows,
-                                                          src.strides()[dim], n, len, descending, keys_in, idx_in);
+  int* idx_in = static_cast<int*>(idx_buf.get());
+  int* idx_out = idx_in + n;
+  sort_prepare_kernel<T><<<grid_for(n, 256), 256, 0, st>>>(sp, srows, src.strides()[dim], n, len, descending, keys_in,
+                                                          idx_in);
   FLAME_CUDA_CHECK_LAUNCH();
   constexpr int kBits = static_cast<int>(sizeof(K) * 8);
   if (n_rows == 1) {
+    const int items = static_cast<int>(n);
     std::size_t temp_bytes = 0;
-    FLAME_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, idx_in, idx_out, n, 0,
+    FLAME_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys_in, keys_out, idx_in, idx_out, items, 0,
                                                      kBits, st));
     auto temp = be.allocate(std::max<std::size_t>(temp_bytes, 1));
-    FLAME_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, keys_in, keys_out, idx_in, idx_out, n, 0,
-                                                     kBits, st));
+    FLAME_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), temp_bytes, keys_in, keys_out, idx_in, idx_out, items,
+                                                     0, kBits, st));
   } else {
-    FLAME_CHECK(len <= INT_MAX, "sort", "rows longer than 2^31 elements are not supported (", len, ")");
     // Segmented sort counts items in int: batches of rows with at most INT_MAX elements.
     const int64_t rows_per_batch = std::max<int64_t>(1, INT_MAX / len);
     auto off_buf = be.allocate(static_cast<std::size_t>(std::min(rows_per_batch, n_rows) + 1) * sizeof(int));

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <string>
 
 #include "src/backend/cuda/common.cuh"
 

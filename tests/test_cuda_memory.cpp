@@ -1,0 +1,138 @@
+// The CUDA memory pool: statistics, out-of-memory errors, caching and empty_cache
+// (src/backend/cuda/memory_pool.cu, docs/memory-pool.md). Skipped without a GPU.
+#include <thread>
+
+#include "test_util.h"
+
+namespace flame::test {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+Tensor cuda_empty(const Shape& shape, DType dt = DType::f32) { return Tensor::empty(shape, {dt, Device::cuda(0)}); }
+
+TEST(CudaMemory, AllocateAndFreeMoveTheStats) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const cuda::MemoryStats before = cuda::memory_stats();
+  {
+    Tensor t = cuda_empty({1000, 257});
+    const cuda::MemoryStats during = cuda::memory_stats();
+    EXPECT_EQ(during.allocated_bytes, before.allocated_bytes + t.nbytes());
+    EXPECT_EQ(during.num_allocs, before.num_allocs + 1);
+    EXPECT_EQ(during.num_frees, before.num_frees);
+    EXPECT_GE(during.reserved_bytes, during.allocated_bytes);
+    EXPECT_GE(during.peak_allocated_bytes, during.allocated_bytes);
+  }
+  const cuda::MemoryStats after = cuda::memory_stats();
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.num_frees, before.num_frees + 1);
+  // Freed memory stays cached (Note [Stream-ordered pool]).
+  EXPECT_GE(after.reserved_bytes, 1000u * 257u * 4u);
+}
+
+TEST(CudaMemory, PeakFollowsTheMaximumAndResets) {
+  FLAME_SKIP_IF_NO_CUDA();
+  cuda::reset_peak_memory_stats();
+  const cuda::MemoryStats base = cuda::memory_stats();
+  EXPECT_EQ(base.peak_allocated_bytes, base.allocated_bytes);
+  {
+    Tensor a = cuda_empty({static_cast<int64_t>(48 * kMiB)}, DType::u8);
+    Tensor b = cuda_empty({static_cast<int64_t>(16 * kMiB)}, DType::u8);
+  }
+  const cuda::MemoryStats after = cuda::memory_stats();
+  EXPECT_EQ(after.allocated_bytes, base.allocated_bytes);
+  EXPECT_EQ(after.peak_allocated_bytes, base.allocated_bytes + 64 * kMiB);
+  cuda::reset_peak_memory_stats();
+  EXPECT_EQ(cuda::memory_stats().peak_allocated_bytes, base.allocated_bytes);
+}
+
+TEST(CudaMemory, OutOfMemoryRaisesAndTheProcessGoesOn) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const cuda::MemoryStats before = cuda::memory_stats();
+  const int64_t one_pib = int64_t{1} << 50;
+  expect_error([&] { cuda_empty({one_pib}, DType::u8); }, {"out of memory", "1125899906842624 bytes", "cuda:0", "reserved"});
+  const cuda::MemoryStats after = cuda::memory_stats();
+  EXPECT_EQ(after.num_ooms, before.num_ooms + 1);
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  // Allocation and kernels still work afterwards.
+  Tensor t = Tensor::full({1000}, 3.5f, Device::cuda(0));
+  const std::vector<float> v = t.to_vec<float>();
+  ASSERT_EQ(v.size(), 1000u);
+  for (float x : v) ASSERT_EQ(x, 3.5f);
+}
+
+TEST(CudaMemory, ManyAllocateFreeCyclesReturnToTheStart) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const cuda::MemoryStats before = cuda::memory_stats();
+  for (int i = 0; i < 10000; ++i) {
+    Tensor t = cuda_empty({(i % 97) * 33 + 1});
+    if (i % 1000 == 0) t.fill_(static_cast<float>(i));
+  }
+  cuda::synchronize();
+  const cuda::MemoryStats after = cuda::memory_stats();
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.num_allocs - before.num_allocs, 10000u);
+  EXPECT_EQ(after.num_frees - before.num_frees, 10000u);
+  // Reuse: cycling small blocks does not grow the pool by the sum of the requests.
+  EXPECT_LT(after.reserved_bytes, before.reserved_bytes + 64 * kMiB);
+}
+
+TEST(CudaMemory, ConcurrentAllocationsKeepTheCountsExact) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const cuda::MemoryStats before = cuda::memory_stats();
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([t] {
+      for (int i = 0; i < 500; ++i) Tensor x = Tensor::empty({(i * 7 + t) % 513 + 1}, {DType::f32, Device::cuda(0)});
+    });
+  }
+  for (auto& th : threads) th.join();
+  const cuda::MemoryStats after = cuda::memory_stats();
+  EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
+  EXPECT_EQ(after.num_allocs - before.num_allocs, 2000u);
+  EXPECT_EQ(after.num_frees - before.num_frees, 2000u);
+}
+
+TEST(CudaMemory, EmptyCacheLowersReserved) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const std::size_t big = 256 * kMiB;
+  {
+    Tensor t = cuda_empty({static_cast<int64_t>(big)}, DType::u8);
+    t.fill_(1);
+  }
+  const cuda::MemoryStats cached = cuda::memory_stats();
+  EXPECT_GE(cached.reserved_bytes, big);
+  cuda::empty_cache();
+  const cuda::MemoryStats trimmed = cuda::memory_stats();
+  EXPECT_LE(trimmed.reserved_bytes + big, cached.reserved_bytes);
+  EXPECT_GE(trimmed.reserved_bytes, trimmed.allocated_bytes);
+  // And the pool grows again on demand.
+  Tensor again = Tensor::full({1 << 20}, 2.0, Device::cuda(0));
+  EXPECT_EQ(again.to_vec<float>()[12345], 2.0f);
+}
+
+TEST(CudaMemory, ZeroSizeAllocationsWork) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const cuda::MemoryStats before = cuda::memory_stats();
+  {
+    Tensor t = cuda_empty({0, 5});
+    EXPECT_EQ(t.numel(), 0);
+    EXPECT_EQ(cuda::memory_stats().allocated_bytes, before.allocated_bytes);
+    EXPECT_TRUE(t.to_vec<float>().empty());
+    Tensor u = t.to(DType::bf16).exp();
+    EXPECT_EQ(u.sizes(), (Shape{0, 5}));
+  }
+  EXPECT_EQ(cuda::memory_stats().allocated_bytes, before.allocated_bytes);
+}
+
+TEST(CudaMemory, StreamAndSynchronize) {
+  FLAME_SKIP_IF_NO_CUDA();
+  EXPECT_NE(cuda::current_stream(0), nullptr);
+  EXPECT_EQ(cuda::current_stream(0), cuda::current_stream(0));
+  Tensor t = Tensor::ones({4096}, Device::cuda(0));
+  EXPECT_NO_THROW(cuda::synchronize(0));
+  expect_error([] { cuda::memory_stats(99); }, {"cuda:99"});
+}
+
+}  // namespace
+}  // namespace flame::test
