@@ -10,6 +10,7 @@
 #include <atomic>
 #include <mutex>
 #include <string>
+#include <unistd.h>
 
 #include "flame/cuda.h"
 #include "flame/device.h"
@@ -24,6 +25,9 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 int device_count_uncached() {
+  // Without the driver's control node there is no NVIDIA GPU; skipping the runtime's own probe
+  // saves its start-up cost (hundreds of ms) in every process on GPU-less machines.
+  if (access("/dev/nvidiactl", F_OK) != 0) return 0;
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
@@ -54,6 +58,7 @@ const char* error_op_name(int32_t op) {
     case kErrGather: return "gather";
     case kErrScatter: return "scatter";
     case kErrTake: return "take";
+    case kErrScatterAdd: return "scatter_add";
     default: return "cuda kernel";
   }
 }
