@@ -165,7 +165,9 @@ ChildResult run_child(const std::string& cache_dir) {
   ChildResult r;
   const std::string exe = fs::read_symlink("/proc/self/exe").string();
   // The filter must match a test, or RUN_ALL_TESTS sets up no environment; the child exits first.
-  const std::string cmd = std::string(kChildEnv) + "=" + shell_quote(cache_dir) + " " + shell_quote(exe) +
+  // Sharding variables of the parent (a sharded run) must not drop the child's filtered test.
+  const std::string cmd = "env -u GTEST_TOTAL_SHARDS -u GTEST_SHARD_INDEX -u GTEST_SHARD_STATUS_FILE " +
+                          std::string(kChildEnv) + "=" + shell_quote(cache_dir) + " " + shell_quote(exe) +
                           " --gtest_filter=CudaJitConfig.ForElements 2>&1";
   FILE* pipe = ::popen(cmd.c_str(), "r");
   if (!pipe) return r;

@@ -6,8 +6,9 @@
 // device architecture, the NVRTC target, the name expression, the options and the source, in one
 // string. In memory, entries are found by the whole key, so two kernels never collide. On disk an
 // entry is one file <name>-<fnv64(key)>.flamek that repeats the whole key, the lowered name, the
-// binary and a checksum; a reader takes it only when all of them match, so a truncated, corrupt,
-// foreign or colliding file is a miss (disk_rejects) that is compiled again and overwritten.
+// binary, its parameter count and a checksum; a reader takes it only when all of them match, so
+// a truncated, corrupt, foreign or colliding file is a miss (disk_rejects) that is compiled again
+// and overwritten.
 // Writers write a temporary file in the same directory and rename it over the entry: a reader in
 // any process sees the old file or the new one, never half of one. Disk I/O failures never fail a
 // kernel; they skip caching (disk_errors). Headers a kernel includes from disk are not part of the
@@ -17,8 +18,8 @@
 // Binaries are loaded with cudaLibraryLoadData (context-independent: one load serves every device
 // of that architecture) and launched by cudaLaunchKernel on the cudaKernel_t. Only the CUDA
 // runtime is used, never a driver-API symbol, so a CUDA build of FLAME still loads on a machine
-// without a GPU driver (its tests then skip). Failed runtime calls that are expected (the end of
-// the parameter list, a rejected cached binary) clear the runtime's last error, so a later
+// without a GPU driver (its tests then skip). Failed runtime calls that are expected (a rejected
+// cached binary, an unsupported query) clear the runtime's last error, so a later
 // FLAME_CUDA_CHECK_LAUNCH does not report them.
 #include <cuda_runtime.h>
 #include <nvrtc.h>
@@ -243,7 +244,26 @@ struct Binary {
   std::string code;  // cubin, or PTX with its terminating NUL
   std::string lowered_name;
   bool ptx = false;
+  int32_t num_params = -1;  // from the PTX entry (Note [Parameter checks]); -1: unknown
 };
+
+// Note [Parameter checks]
+// launch() checks the argument count and sizes against the kernel's parameters. The runtime gives
+// each parameter's size (cudaFuncGetParamInfo) but not their count, and probing past the end is an
+// API error that compute-sanitizer reports. So the count is read once, at compile time, from the
+// PTX entry's declaration (".entry name(.param ..., .param ...)"), stored with the binary, and only
+// valid indices are queried. When it cannot be read, launches are not checked.
+int32_t count_ptx_params(const std::string& ptx, const std::string& lowered_name) {
+  const std::string head = ".entry " + lowered_name + "(";
+  const std::size_t start = ptx.find(head);
+  if (start == std::string::npos) return -1;
+  const std::size_t open = start + head.size();
+  const std::size_t close = ptx.find(')', open);
+  if (close == std::string::npos) return -1;
+  int32_t n = 0;
+  for (std::size_t p = ptx.find(".param", open); p != std::string::npos && p < close; p = ptx.find(".param", p + 6)) ++n;
+  return n;
+}
 
 class ProgramGuard {
  public:
@@ -303,6 +323,12 @@ Binary compile(const char* op, const std::string& name, const std::string& sourc
     FLAME_NVRTC_CHECK(nvrtcGetPTX(prog, bin.code.data()));
     bin.ptx = true;
   }
+  if (bin.ptx) {
+    bin.num_params = count_ptx_params(bin.code, bin.lowered_name);
+  } else if (nvrtcGetPTXSize(prog, &size) == NVRTC_SUCCESS && size > 0) {
+    std::string ptx(size, '\0');
+    if (nvrtcGetPTX(prog, ptx.data()) == NVRTC_SUCCESS) bin.num_params = count_ptx_params(ptx, bin.lowered_name);
+  }
   return bin;
 }
 
@@ -317,13 +343,15 @@ struct FileHeader {
   uint64_t key_size;
   uint64_t lowered_size;
   uint64_t code_size;
-  uint64_t checksum;  // fnv1a64 over key, lowered name and code
+  uint64_t checksum;  // fnv1a64 over key, lowered name, code and num_params
+  int32_t num_params;
+  uint32_t reserved;
 };
-constexpr uint32_t kFormat = 1;
+constexpr uint32_t kFormat = 2;
 constexpr uint64_t kMaxEntryBytes = 1ULL << 30;
 
 uint64_t entry_checksum(const std::string& key, const Binary& b) {
-  return fnv1a64(b.code, fnv1a64(b.lowered_name, fnv1a64(key)));
+  return fnv1a64(&b.num_params, sizeof(b.num_params), fnv1a64(b.code, fnv1a64(b.lowered_name, fnv1a64(key))));
 }
 
 enum class DiskRead { hit, miss, reject };
@@ -347,6 +375,7 @@ DiskRead read_entry(const fs::path& path, const std::string& key, Binary& out) {
   if (in.peek() != std::char_traits<char>::eof()) return DiskRead::reject;  // trailing bytes
   if (stored_key != key || b.lowered_name.empty()) return DiskRead::reject;
   b.ptx = (h.flags & 1u) != 0;
+  b.num_params = h.num_params;
   if (h.checksum != entry_checksum(key, b)) return DiskRead::reject;
   out = std::move(b);
   return DiskRead::hit;
@@ -367,6 +396,7 @@ bool write_entry(const fs::path& path, const std::string& key, const Binary& b) 
   h.lowered_size = b.lowered_name.size();
   h.code_size = b.code.size();
   h.checksum = entry_checksum(key, b);
+  h.num_params = b.num_params;
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(&h), sizeof(h));
@@ -490,18 +520,18 @@ std::shared_ptr<LoadedKernel> make_kernel(const std::shared_ptr<LoadedLibrary>& 
   k->num_regs = attr.numRegs;
   k->static_shared_bytes = attr.sharedSizeBytes;
   k->dynamic_shared_limit = static_cast<uint32_t>(std::max(0, attr.maxDynamicSharedSizeBytes));
-  // Parameter sizes: query until the index runs past the end (Note [Runtime library API]).
-  k->params_known = true;
-  for (std::size_t i = 0;; ++i) {
+  // Parameter sizes of the known count (Note [Parameter checks]).
+  k->params_known = bin.num_params >= 0;
+  for (int32_t i = 0; k->params_known && i < bin.num_params; ++i) {
     std::size_t offset = 0, size = 0;
-    e = cudaFuncGetParamInfo(reinterpret_cast<const void*>(k->kernel), i, &offset, &size);
-    if (e == cudaSuccess) {
-      k->param_sizes.push_back(size);
-      continue;
+    e = cudaFuncGetParamInfo(reinterpret_cast<const void*>(k->kernel), static_cast<std::size_t>(i), &offset, &size);
+    if (e != cudaSuccess) {  // not supported by this driver: launches go unchecked
+      clear_last_cuda_error();
+      k->params_known = false;
+      k->param_sizes.clear();
+      break;
     }
-    clear_last_cuda_error();
-    if (e != cudaErrorInvalidValue) k->params_known = false;  // not supported: skip the checks
-    break;
+    k->param_sizes.push_back(size);
   }
   return k;
 }

@@ -1,0 +1,295 @@
+#!/usr/bin/env bash
+# Builds, tests and benchmarks FLAME on a GPU machine in one call, and prints a short summary
+# LAST. Run it from the repository root (docs/gpu-runner.md):
+#
+#   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests REGEX]
+#                      [--sanitize-filter GTEST_FILTER] [--jobs N] [--gtest-shards N]
+#                      [--budget SECONDS] [--build-dir DIR]
+#
+# Steps: configure + build (Release, sm_90, ninja on all cores); the whole test suite on CUDA
+# (FLAME_TEST_DEVICE=cuda ctest -j N; or, with --gtest-shards N, the test binary itself in N
+# parallel shards: one CUDA context per shard instead of one per test, much faster); with --sanitize, compute-sanitizer memcheck on a subset;
+# the custom_kernel example twice (the second run must load from the kernel disk cache); the
+# benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py). Logs go to $OUT when set (the
+# device tool brings $OUT back), else to <build-dir>/logs. With --budget, every step gets a time
+# limit so that the summary is still printed before the budget runs out.
+#
+# GoogleTest comes from .deps/googletest when the machine has no package (carry ".deps"):
+#   mkdir -p .deps && cp -r /usr/src/googletest .deps/
+set -uo pipefail
+
+BUILD=build-gpu
+SANITIZE=0
+RUN_TESTS=1
+RUN_BENCH=1
+RUN_EXAMPLE=1
+TEST_REGEX=""
+SAN_FILTER="CudaJit*:*CudaMatchesCpu*"
+JOBS=8
+SHARDS=0
+BUDGET=0
+
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --sanitize) SANITIZE=1 ;;
+    --no-tests) RUN_TESTS=0 ;;
+    --no-bench) RUN_BENCH=0 ;;
+    --no-example) RUN_EXAMPLE=0 ;;
+    --tests) TEST_REGEX="$2"; shift ;;  # ctest -R regex; a --gtest_filter in shard mode
+    --sanitize-filter) SAN_FILTER="$2"; shift ;;
+    --jobs) JOBS="$2"; shift ;;
+    --gtest-shards) SHARDS="$2"; shift ;;
+    --budget) BUDGET="$2"; shift ;;
+    --build-dir) BUILD="$2"; shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_run: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [[ ! -f CMakeLists.txt || ! -d src || ! -d include/flame ]]; then
+  echo "gpu_run: run this from the FLAME repository root" >&2
+  exit 2
+fi
+ROOT=$(pwd)
+mkdir -p "$BUILD"
+BUILD=$(cd "$BUILD" && pwd)
+LOGS="${OUT:-$BUILD/logs}"
+mkdir -p "$LOGS"
+START=$(date +%s)
+SUMMARY=()
+STATUS=0
+
+say() { echo "[gpu_run $(( $(date +%s) - START ))s] $*"; }
+note() { SUMMARY+=("$*"); }
+# Seconds left before the budget (a large number without one).
+remaining() {
+  if [[ "$BUDGET" -gt 0 ]]; then echo $(( START + BUDGET - $(date +%s) )); else echo 100000; fi
+}
+# A time limit for a step that leaves `$1` seconds for the steps after it (at least 20 s).
+limit() {
+  local t=$(( $(remaining) - $1 - 10 ))
+  [[ $t -lt 20 ]] && t=20
+  echo "$t"
+}
+# What later steps need, roughly, so that an earlier step cannot eat their time.
+reserve_after_tests() { echo $(( (SANITIZE ? 120 : 0) + (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) )); }
+
+# CMake: $CMAKE when set, else the newest of those on the machine (the CUDA20 dialect with nvcc
+# needs a recent one; the PyTorch virtual environment often brings one beside python3).
+pick_cmake() {
+  if [[ -n "${CMAKE:-}" ]]; then echo "$CMAKE"; return; fi
+  local best="" bestv="0" c v
+  for c in "$(command -v cmake)" "$(dirname "$(command -v python3 || echo /nonexistent)")/cmake" /usr/local/bin/cmake /usr/bin/cmake; do
+    [[ -n "$c" && -x "$c" ]] || continue
+    v=$("$c" --version 2>/dev/null | head -1 | awk '{print $3}')
+    [[ -z "$v" ]] && continue
+    if [[ "$v" != "$bestv" && "$(printf '%s\n%s\n' "$bestv" "$v" | sort -V | tail -1)" == "$v" ]]; then
+      best=$c
+      bestv=$v
+    fi
+  done
+  echo "${best:-cmake}"
+}
+CMAKE=$(pick_cmake)
+CTEST="$(dirname "$CMAKE")/ctest"
+[[ -x "$CTEST" ]] || CTEST=ctest
+
+# ---- the machine ----
+GPU_INFO=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+NVCC_INFO=$(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' | head -1)
+say "GPU: ${GPU_INFO:-none found}; nvcc ${NVCC_INFO:-not found}; $CMAKE: $("$CMAKE" --version | head -1); $(nproc) cores"
+note "machine: ${GPU_INFO:-no GPU found} | nvcc ${NVCC_INFO:-?} | $(nproc) cores"
+
+# ---- build ----
+BUILD_LOG="$LOGS/build.log"
+MARKER="$BUILD/.gpu_run_start"
+touch "$MARKER"
+GTEST_ARG=()
+[[ -f .deps/googletest/CMakeLists.txt ]] && GTEST_ARG=(-DFLAME_GTEST_SOURCE="$ROOT/.deps/googletest")
+say "configure + build in $BUILD (log: $BUILD_LOG)"
+t0=$(date +%s)
+{
+  "$CMAKE" -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLAME_CUDA=ON -DFLAME_CUDA_ARCHS=90 \
+    -DFLAME_TESTS=ON -DFLAME_EXAMPLES=ON -DFLAME_BENCH=ON "${GTEST_ARG[@]}" &&
+    timeout "$(limit 60)" ninja -C "$BUILD" -k 0 -j "$(nproc)"
+} >"$BUILD_LOG" 2>&1
+BUILD_RC=$?
+BUILD_S=$(( $(date +%s) - t0 ))
+if [[ $BUILD_RC -eq 0 ]]; then
+  note "build: ok (${BUILD_S} s)"
+else
+  STATUS=1
+  note "build: FAILED (rc $BUILD_RC, ${BUILD_S} s); first errors:"
+  while IFS= read -r line; do note "  ${line:0:200}"; done < <(grep -E "error|FAILED|Error" "$BUILD_LOG" | head -12)
+fi
+say "build rc=$BUILD_RC in ${BUILD_S}s"
+# A program counts only when this run built (or confirmed) it, never a stale one.
+fresh() { [[ -x "$1" && ( $BUILD_RC -eq 0 || "$1" -nt "$MARKER" ) ]]; }
+
+# ---- tests on CUDA ----
+TEST_BIN="$BUILD/tests/flame_tests"
+if [[ $RUN_TESTS -eq 1 && $SHARDS -gt 0 ]]; then
+  # The fast mode: GoogleTest's own sharding, N processes at once, one log (tests.log).
+  TLOG="$LOGS/tests.log"
+  if fresh "$TEST_BIN"; then
+    T=$(limit "$(reserve_after_tests)")
+    say "flame_tests on CUDA in $SHARDS shards, limit ${T}s (log: $TLOG)"
+    t0=$(date +%s)
+    SHARD_DIR="$BUILD/shards"
+    rm -rf "$SHARD_DIR"
+    mkdir -p "$SHARD_DIR"
+    GFILTER=()
+    [[ -n "$TEST_REGEX" ]] && GFILTER=(--gtest_filter="$TEST_REGEX")
+    for (( i = 0; i < SHARDS; i++ )); do
+      ( FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i \
+          timeout "$T" "$TEST_BIN" --gtest_brief=1 "${GFILTER[@]}" >"$SHARD_DIR/$i.log" 2>&1
+        echo "shard $i rc=$?" >>"$SHARD_DIR/$i.log" ) &
+    done
+    wait
+    TESTS_S=$(( $(date +%s) - t0 ))
+    cat "$SHARD_DIR"/*.log >"$TLOG"
+    RAN=0; PASSED=0; SKIPPED=0; FAILED=0; BROKEN=0
+    for (( i = 0; i < SHARDS; i++ )); do
+      f="$SHARD_DIR/$i.log"
+      if ! grep -qE '^\[==========\] [0-9]+ tests? from .* ran' "$f"; then
+        BROKEN=$(( BROKEN + 1 ))
+        note "  shard $i did not finish: $(tail -1 "$f")"
+        continue
+      fi
+      RAN=$(( RAN + $(grep -oE '^\[==========\] [0-9]+ tests? from' "$f" | grep -oE '[0-9]+' | head -1) ))
+      n=$(grep -oE '^\[  PASSED  \] [0-9]+' "$f" | grep -oE '[0-9]+$' | head -1)
+      PASSED=$(( PASSED + ${n:-0} ))
+      n=$(grep -oE '^\[  SKIPPED \] [0-9]+ tests?[,.]' "$f" | grep -oE '[0-9]+' | head -1)
+      SKIPPED=$(( SKIPPED + ${n:-0} ))
+      n=$(grep -oE '^\[  FAILED  \] [0-9]+ tests?[,.]' "$f" | grep -oE '[0-9]+' | head -1)
+      FAILED=$(( FAILED + ${n:-0} ))
+    done
+    note "tests (cuda, $SHARDS gtest shards, not ctest): ran $RAN, passed $PASSED, failed $FAILED, skipped $SKIPPED; ${TESTS_S} s"
+    [[ $FAILED -ne 0 || $BROKEN -ne 0 ]] && STATUS=1
+    while IFS= read -r line; do note "  failed: $line"; done < <(
+      grep -hE '^\[  FAILED  \] [A-Za-z_]' "$SHARD_DIR"/*.log | sed -E 's/^\[  FAILED  \] //; s/ \([0-9]+ ms\)$//' | sort -u | head -15)
+    say "tests in ${TESTS_S}s: ran $RAN, failed $FAILED, skipped $SKIPPED, unfinished shards $BROKEN"
+  else
+    STATUS=1
+    note "tests (cuda): not run, $TEST_BIN was not built"
+  fi
+elif [[ $RUN_TESTS -eq 1 ]]; then
+  CTEST_LOG="$LOGS/ctest.log"
+  if fresh "$TEST_BIN"; then
+    T=$(limit "$(reserve_after_tests)")
+    say "ctest on CUDA, -j $JOBS${TEST_REGEX:+, -R $TEST_REGEX}, limit ${T}s (log: $CTEST_LOG)"
+    t0=$(date +%s)
+    (
+      cd "$BUILD" &&
+        FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" \
+          timeout "$T" "$CTEST" --output-on-failure -j "$JOBS" ${TEST_REGEX:+-R "$TEST_REGEX"}
+    ) >"$CTEST_LOG" 2>&1
+    CTEST_RC=$?
+    TESTS_S=$(( $(date +%s) - t0 ))
+    # "100% tests passed, 0 tests failed out of N" or, from newer CTest, "100% tests passed out of N".
+    SUMLINE=$(grep -E "[0-9]+% tests passed(, [0-9]+ tests? failed)? out of [0-9]+" "$CTEST_LOG" | tail -1)
+    SKIPPED=$(grep -cE '^[[:space:]]*[0-9]+ - .*\(Skipped\)[[:space:]]*$' "$CTEST_LOG")
+    if [[ -n "$SUMLINE" ]]; then
+      TOTAL=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$SUMLINE")
+      FAILED=0
+      [[ "$SUMLINE" == *failed* ]] && FAILED=$(sed -E 's/.* ([0-9]+) tests? failed.*/\1/' <<<"$SUMLINE")
+      PASSED=$(( TOTAL - FAILED - SKIPPED ))
+      note "tests (cuda): $SUMLINE  [passed $PASSED, failed $FAILED, skipped $SKIPPED; ${TESTS_S} s]"
+      [[ "$FAILED" -ne 0 ]] && STATUS=1
+      while IFS= read -r line; do note "  failed: ${line}"; done < <(
+        sed -n '/The following tests FAILED:/,$p' "$CTEST_LOG" | grep -E '^[[:space:]]+[0-9]+ - ' | sed -E 's/^[[:space:]]+//' | head -15)
+      NFAILED_LISTED=$(sed -n '/The following tests FAILED:/,$p' "$CTEST_LOG" | grep -cE '^[[:space:]]+[0-9]+ - ')
+      [[ $NFAILED_LISTED -gt 15 ]] && note "  ... and $(( NFAILED_LISTED - 15 )) more (see ctest.log)"
+    else
+      STATUS=1
+      DONE=$(grep -cE 'Test +#[0-9]+: ' "$CTEST_LOG")
+      NFAIL=$(grep -E 'Test +#[0-9]+: ' "$CTEST_LOG" | grep -cvE 'Passed|Skipped')
+      note "tests (cuda): NO ctest summary (rc $CTEST_RC; timed out after ${TESTS_S} s?): $DONE finished, $NFAIL not passed"
+    fi
+    say "ctest rc=$CTEST_RC in ${TESTS_S}s: ${SUMLINE:-no summary}"
+  else
+    STATUS=1
+    note "tests (cuda): not run, $TEST_BIN was not built"
+  fi
+fi
+
+# ---- compute-sanitizer memcheck on a subset ----
+if [[ $SANITIZE -eq 1 ]]; then
+  SAN_LOG="$LOGS/sanitize.log"
+  if ! command -v compute-sanitizer >/dev/null; then
+    note "sanitize: compute-sanitizer not found"
+  elif fresh "$TEST_BIN"; then
+    T=$(limit $(( (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) )))
+    say "compute-sanitizer memcheck, --gtest_filter=$SAN_FILTER, limit ${T}s (log: $SAN_LOG)"
+    t0=$(date +%s)
+    FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" timeout "$T" \
+      compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
+      "$TEST_BIN" --gtest_filter="$SAN_FILTER" --gtest_brief=1 >"$SAN_LOG" 2>&1
+    SAN_RC=$?
+    ERRSUM=$(grep -E "ERROR SUMMARY: [0-9]+ errors?[[:space:]]*$" "$SAN_LOG" | tail -1 | sed -E 's/^=+ *//')
+    GT=$(grep -E '^\[  (PASSED|FAILED) +\]' "$SAN_LOG" | head -2 | tr '\n' ' ')
+    note "sanitize (memcheck, $SAN_FILTER): rc $SAN_RC, ${ERRSUM:-no error summary (timed out?)}; gtest: ${GT:-?} ($(( $(date +%s) - t0 )) s)"
+    while IFS= read -r line; do note "  $line"; done < <(
+      grep -E '^=+ (Invalid|Program hit|Uninitialized|Race|Barrier|Leaked|Error)' "$SAN_LOG" | sed -E 's/^=+ //' |
+        sort | uniq -c | sort -rn | head -4 | cut -c1-200)
+    [[ $SAN_RC -ne 0 ]] && STATUS=1
+  else
+    note "sanitize: not run, $TEST_BIN was not built"
+  fi
+fi
+
+# ---- the custom-kernel example, twice: the second run must come from the disk cache ----
+if [[ $RUN_EXAMPLE -eq 1 ]]; then
+  EX="$BUILD/examples/custom_kernel"
+  EX_LOG="$LOGS/example.log"
+  if fresh "$EX"; then
+    rm -rf "$BUILD/example-kernel-cache"
+    {
+      echo "== first run (cold cache) =="
+      FLAME_KERNEL_CACHE="$BUILD/example-kernel-cache" timeout 60 "$EX"
+      echo "rc=$?"
+      echo "== second run (new process, same cache) =="
+      FLAME_KERNEL_CACHE="$BUILD/example-kernel-cache" timeout 60 "$EX"
+      echo "rc=$?"
+    } >"$EX_LOG" 2>&1
+    RCS=$(grep -E '^rc=' "$EX_LOG" | tr '\n' ' ')
+    STATS=$(grep -E 'kernel cache' "$EX_LOG" | sed -E 's/.*: (compiles=.*)/\1/' | tr '\n' '|')
+    MISMATCH=$(grep -c MISMATCH "$EX_LOG")
+    note "example custom_kernel: ${RCS}mismatches $MISMATCH; cache stats cold|warm: ${STATS:-none}"
+    [[ "$RCS" != "rc=0 rc=0 " || "$MISMATCH" -ne 0 ]] && STATUS=1
+  else
+    note "example custom_kernel: not built"
+  fi
+fi
+
+# ---- benchmarks: FLAME, then PyTorch, joined ----
+if [[ $RUN_BENCH -eq 1 ]]; then
+  BF="$LOGS/bench_flame.txt"
+  BT="$LOGS/bench_torch.txt"
+  BC="$LOGS/bench_compare.txt"
+  if fresh "$BUILD/bench/bench_ops"; then
+    T=$(limit 75)
+    say "bench_ops, limit ${T}s"
+    timeout "$T" "$BUILD/bench/bench_ops" >"$BF" 2>&1 || echo "# bench_ops rc=$?" >>"$BF"
+  else
+    echo "# bench_ops was not built" >"$BF"
+  fi
+  T=$(limit 5)
+  say "bench_torch.py, limit ${T}s"
+  PYTHONUNBUFFERED=1 timeout "$T" python3 bench/bench_torch.py >"$BT" 2>&1 || echo "# bench_torch rc=$?" >>"$BT"
+  python3 bench/compare.py "$BF" "$BT" >"$BC" 2>&1
+  note "benchmarks (FLAME vs PyTorch, same GPU, same run):"
+  while IFS= read -r line; do note "  $line"; done <"$BC"
+  while IFS= read -r line; do note "  ${line:2} (see $(basename "$BF"), $(basename "$BT"))"; done < <(grep -h '^# bench_.* rc=' "$BF" "$BT")
+fi
+
+# ---- summary, last ----
+{
+  echo
+  echo "===== FLAME gpu_run summary ($(( $(date +%s) - START )) s; logs in $LOGS) ====="
+  for line in "${SUMMARY[@]}"; do echo "$line"; done
+  echo "overall: $([[ $STATUS -eq 0 ]] && echo OK || echo FAILED)"
+} | tee "$LOGS/summary.txt"
+exit $STATUS
