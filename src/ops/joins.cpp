@@ -19,6 +19,7 @@
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
+#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -55,14 +56,6 @@ Tensor reversed(const Tensor& t, int64_t d) {
 
 bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0; }
 
-// Records the node of a one-input op whose input gradient is back(g) (Note [Join gradients]).
-Tensor& record_one(Tensor& out, const char* name, const Tensor& in,
-                   std::function<Tensor(const Tensor&)> back) {
-  if (!is_floating(out.dtype()) || !needs_grad({in})) return out;
-  record(out, name, {in}, [back = std::move(back)](const Tensor& g) { return TensorList{back(g)}; });
-  return out;
-}
-
 // t with `before` and `after` zeros added along dim d.
 Tensor zero_pad_dim(const Tensor& t, int64_t d, int64_t before, int64_t after) {
   if (before == 0 && after == 0) return t;
@@ -77,7 +70,7 @@ Tensor zero_pad_dim(const Tensor& t, int64_t d, int64_t before, int64_t after) {
 void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shape& right, const Shape& crop_lo,
                      const Shape& kept, PadMode mode) {
   const Shape x_shape = x.sizes();
-  record_one(out, "pad", x, [x_shape, left, right, crop_lo, kept, mode](const Tensor& grad) {
+  rules::with_grad(out, "pad", x, [x_shape, left, right, crop_lo, kept, mode](const Tensor& grad) {
     const int64_t n = static_cast<int64_t>(x_shape.size());
     Tensor g = grad;
     // Undo the padding dim by dim, last first (the forward padded dim 0 first).
@@ -105,23 +98,6 @@ void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shap
   });
 }
 
-// starts[i]: where input i begins along dim d of out; -1 for a skipped [0] input.
-void record_cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d) {
-  if (!is_floating(out.dtype()) || !needs_grad(tensors)) return;
-  Shape lens;
-  for (std::size_t i = 0; i < tensors.size(); ++i) lens.push_back(starts[i] < 0 ? 0 : tensors[i].sizes()[d]);
-  record(out, "cat", tensors, [starts, lens, d](const Tensor& g) {
-    TensorList grads;
-    for (std::size_t i = 0; i < starts.size(); ++i) {
-      // A skipped [0] input gets an empty (defined) gradient, so that what produced it still
-      // runs its rule and passes zeros on.
-      grads.push_back(starts[i] < 0 ? Tensor::zeros({0}, {g.dtype(), g.device()})
-                                    : g.narrow(d, starts[i], lens[i]));
-    }
-    return grads;
-  });
-}
-
 }  // namespace
 
 // ---- flip, repeat ----
@@ -140,7 +116,7 @@ Tensor flip(const Tensor& x, const Shape& dims) {
   }
   Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
   copy_into(out, src);
-  return record_one(out, "flip", x, [dims](const Tensor& g) { return g.flip(dims); });
+  return rules::with_grad(out, "flip", x, [dims](const Tensor& g) { return g.flip(dims); });
 }
 
 Tensor repeat(const Tensor& x, const Shape& repeats) {
@@ -159,7 +135,7 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
   for (int64_t i = 0; i < m; ++i) out_shape[i] = in_sizes[i] * repeats[i];
   Tensor out = make_empty(out_shape, x.dtype(), x.device());
   const Shape x_shape = x.sizes();
-  record_one(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
+  rules::with_grad(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
     if (repeats.empty()) return g;  // 0-d
     Shape blocks, repeat_dims;  // g as (repeat, size) pairs; sum over the repeats
     for (std::size_t i = 0; i < repeats.size(); ++i) {
@@ -260,7 +236,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
   }
   if (!first) {  // only [0] tensors: an empty result
     Tensor out = make_empty({0}, dt, tensors[0].device());
-    record_cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
+    rules::cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
     return out;
   }
   const int64_t nd = first->dim();
@@ -291,7 +267,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     copy_into(out.narrow(d, offset, len), t);
     offset += len;
   }
-  record_cat(out, tensors, starts, d);
+  rules::cat(out, tensors, starts, d);
   return out;
 }
 
@@ -311,15 +287,7 @@ Tensor stack(const TensorList& tensors, int64_t dim) {
   parts.reserve(tensors.size());
   for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
   Tensor out = cat(parts, d);
-  // Recorded here (replacing cat's node, if any) so that the gradient does not depend on views.
-  if (is_floating(out.dtype()) && needs_grad(tensors)) {
-    const std::size_t count = tensors.size();
-    record(out, "stack", tensors, [d, count](const Tensor& g) {
-      TensorList grads;
-      for (std::size_t i = 0; i < count; ++i) grads.push_back(g.select(d, static_cast<int64_t>(i)));
-      return grads;
-    });
-  }
+  rules::stack(out, tensors, d);  // replaces cat's node: the gradient does not go through views
   return out;
 }
 

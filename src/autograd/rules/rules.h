@@ -2,6 +2,7 @@
 // Entry points of the gradient rules, called by the op layer right after an op computed its
 // result. Each records a node on `out` when needs_grad(inputs). The formulas live only here.
 #include <functional>
+#include <vector>
 
 #include "flame/tensor.h"
 #include "src/backend/backend.h"
@@ -36,4 +37,10 @@ void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log);
 
 namespace flame::rules {
 void matmul(Tensor& out, const Tensor& a, const Tensor& b);  // also bmm
+}  // namespace flame::rules
+
+namespace flame::rules {
+// cat: starts[i] is where input i begins along dim d of out, -1 for a skipped [0] input.
+void cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d);
+void stack(Tensor& out, const TensorList& tensors, int64_t d);
 }  // namespace flame::rules
