@@ -2,6 +2,7 @@
 // Note [Dtype dispatch]
 // dispatch_dtype(t, op, f) calls f(type_tag<T>{}) with T the element type of t. Host and device
 // code share it; `op` names the caller in the error for an unsupported dtype.
+#include <cstddef>
 #include <cstdint>
 
 #include "flame/dtype.h"
@@ -39,6 +40,20 @@ decltype(auto) dispatch_floating(DType t, const char* op, F&& f) {
     default: break;
   }
   FLAME_FAIL(op, "expected a floating dtype, got ", dtype_name(t));
+}
+
+// Kernels that move elements bit for bit (gathers, scatters, selections) dispatch on the element
+// size only: f(type_tag<uintN_t>{}).
+template <class F>
+decltype(auto) dispatch_by_size(std::size_t size, const char* op, F&& f) {
+  switch (size) {
+    case 1: return f(type_tag<uint8_t>{});
+    case 2: return f(type_tag<uint16_t>{});
+    case 4: return f(type_tag<uint32_t>{});
+    case 8: return f(type_tag<uint64_t>{});
+    default: break;
+  }
+  FLAME_FAIL(op, "unsupported element size ", size);
 }
 
 }  // namespace flame

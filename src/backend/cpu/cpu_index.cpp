@@ -12,19 +12,6 @@
 namespace flame::backend::cpu {
 namespace {
 
-// Selections move elements bit for bit, so they dispatch on the element size only.
-template <class F>
-void dispatch_by_size(std::size_t size, const char* op, F&& f) {
-  switch (size) {
-    case 1: return f(type_tag<uint8_t>{});
-    case 2: return f(type_tag<uint16_t>{});
-    case 4: return f(type_tag<uint32_t>{});
-    case 8: return f(type_tag<uint64_t>{});
-    default: break;
-  }
-  FLAME_FAIL(op, "unsupported element size ", size);
-}
-
 // Every index must lie in [0, size): PyTorch rejects negative indices for these ops.
 void check_indices(const Tensor& index, int64_t size, int64_t dim, const char* op) {
   const int64_t* p = index.data<int64_t>();

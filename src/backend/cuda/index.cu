@@ -331,19 +331,6 @@ OffsetMap rows_map(const Tensor& t, int64_t dim) {
   return make_map(s, st);
 }
 
-// Selections move elements bit for bit, so they dispatch on the element size only.
-template <class F>
-void dispatch_by_size(std::size_t size, const char* op, F&& f) {
-  switch (size) {
-    case 1: return f(type_tag<uint8_t>{});
-    case 2: return f(type_tag<uint16_t>{});
-    case 4: return f(type_tag<uint32_t>{});
-    case 8: return f(type_tag<uint64_t>{});
-    default: break;
-  }
-  FLAME_FAIL(op, "unsupported element size ", size);
-}
-
 Tensor contiguous_copy(CudaBackend& be, const Tensor& t) {
   Tensor c = Tensor::empty(t.sizes(), {t.dtype(), Device::cuda(be.device())});
   be.copy(c, t);
