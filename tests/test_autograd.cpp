@@ -249,6 +249,18 @@ TEST(Autograd, OpWithoutGradientRuleIsNeverSilent) {
   for (double v : x.floor().sum().backward().get(x).to_vec<double>()) EXPECT_EQ(v, 0.0);
 }
 
+TEST(Autograd, TiesShareTheGradientAndCastsPassItBack) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  // amax over [1, 3, 3, 2]: the two 3s share the gradient equally (as PyTorch's amax).
+  Tensor x = Tensor::from_vec(std::vector<float>{1, 3, 3, 2}, {4}, test_device()).requires_grad_(true);
+  EXPECT_EQ(amax(x).backward().get(x).to_vec<float>(), (std::vector<float>{0, 0.5f, 0.5f, 0}));
+  // A cast sends the gradient back in the input's dtype.
+  Tensor h = x.to(DType::bf16);
+  Gradients gc = (h * 2.0).sum().backward();
+  EXPECT_EQ(gc.get(x).dtype(), DType::f32);
+  EXPECT_EQ(gc.get(x).to_vec<float>(), (std::vector<float>{2, 2, 2, 2}));
+}
+
 TEST(GradTools, ClipNormValueNoiseAndStats) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor a = leaf({3}, 26), b = leaf({4}, 27);
