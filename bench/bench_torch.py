@@ -145,8 +145,11 @@ def main():
             a + b
         t1 = time.perf_counter()
         torch.cuda.synchronize()
+        t2 = time.perf_counter()
         us = (t1 - t0) * 1e6 / args.small_calls
         emit("add_small_host", us, "us/call", us * 1e-3)
+        us = (t2 - t0) * 1e6 / args.small_calls
+        emit("add_small_gpu", us, "us/call", us * 1e-3)
     return 0
 
 

@@ -13,7 +13,8 @@ import json
 import sys
 
 ORDER = ["d2d_copy", "add", "mul", "gelu", "copy", "transpose_contiguous", "sum", "softmax",
-         "gemm_bf16", "add_small_host"]
+         "gemm_bf16", "add_small_host", "add_small_gpu", "launch_empty_host", "launch_empty_gpu",
+         "pool_alloc_free_host"]
 LOWER_IS_BETTER_UNITS = {"us/call", "ms"}
 
 

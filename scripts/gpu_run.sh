@@ -273,6 +273,10 @@ if [[ $RUN_BENCH -eq 1 ]]; then
     T=$(limit 75)
     say "bench_ops, limit ${T}s"
     timeout "$T" "$BUILD/bench/bench_ops" >"$BF" 2>&1 || echo "# bench_ops rc=$?" >>"$BF"
+    # The CUDA runtime's own launch and pool costs: the floor under add_small_host.
+    if [[ -x "$BUILD/bench/host_floor" ]]; then
+      timeout 60 "$BUILD/bench/host_floor" >>"$BF" 2>&1 || echo "# host_floor rc=$?" >>"$BF"
+    fi
   else
     echo "# bench_ops was not built" >"$BF"
   fi
@@ -282,7 +286,7 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   python3 bench/compare.py "$BF" "$BT" >"$BC" 2>&1
   note "benchmarks (FLAME vs PyTorch, same GPU, same run):"
   while IFS= read -r line; do note "  $line"; done <"$BC"
-  while IFS= read -r line; do note "  ${line:2} (see $(basename "$BF"), $(basename "$BT"))"; done < <(grep -h '^# bench_.* rc=' "$BF" "$BT")
+  while IFS= read -r line; do note "  ${line:2} (see $(basename "$BF"), $(basename "$BT"))"; done < <(grep -hE '^# (bench_|host_floor).* rc=' "$BF" "$BT")
 fi
 
 # ---- summary, last ----

@@ -53,6 +53,7 @@ TEST(CudaMemory, OutOfMemoryRaisesAndTheProcessGoesOn) {
   expect_error([&] { cuda_empty({one_pib}, DType::u8); }, {"out of memory", "1125899906842624 bytes", "cuda:0", "reserved"});
   const cuda::MemoryStats after = cuda::memory_stats();
   EXPECT_EQ(after.num_ooms, before.num_ooms + 1);
+  EXPECT_EQ(after.cached_bytes, 0u);  // the block cache was handed back before the retry
   EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
   // Allocation and kernels still work afterwards.
   Tensor t = Tensor::full({1000}, 3.5f, Device::cuda(0));
@@ -109,6 +110,49 @@ TEST(CudaMemory, EmptyCacheLowersReserved) {
   // And the pool grows again on demand.
   Tensor again = Tensor::full({1 << 20}, 2.0, Device::cuda(0));
   EXPECT_EQ(again.to_vec<float>()[12345], 2.0f);
+}
+
+TEST(CudaMemory, BlockCacheReusesFreedBlocksOfTheSameRoundedSize) {
+  FLAME_SKIP_IF_NO_CUDA();
+  // Note [Block cache]: 1000 and 1020 f32 (4000 and 4080 bytes) both round up to 4096 bytes.
+  const cuda::MemoryStats before = cuda::memory_stats();
+  void* first = nullptr;
+  {
+    Tensor t = cuda_empty({1000});
+    first = t.data_ptr();
+  }
+  const cuda::MemoryStats freed = cuda::memory_stats();
+  EXPECT_EQ(freed.cached_bytes, before.cached_bytes + 4096);
+  EXPECT_EQ(freed.allocated_bytes, before.allocated_bytes);
+  EXPECT_GE(freed.reserved_bytes, freed.cached_bytes + freed.allocated_bytes);
+  {
+    Tensor t = cuda_empty({1020});
+    EXPECT_EQ(t.data_ptr(), first);
+    EXPECT_EQ(cuda::memory_stats().cached_bytes, before.cached_bytes);
+    EXPECT_EQ(cuda::memory_stats().allocated_bytes, before.allocated_bytes + 4080);
+  }
+  // Larger blocks than the cache keeps go straight back to the pool.
+  { Tensor big = cuda_empty({static_cast<int64_t>(32 * kMiB)}, DType::u8); }
+  EXPECT_EQ(cuda::memory_stats().cached_bytes, before.cached_bytes + 4096);
+  cuda::empty_cache();
+  EXPECT_EQ(cuda::memory_stats().cached_bytes, 0u);
+}
+
+TEST(CudaMemory, ReusedBlocksHoldTheNewOwnersValues) {
+  FLAME_SKIP_IF_NO_CUDA();
+  // A block is handed to a new tensor while ops that read it as the old one may still be queued:
+  // stream order must keep both right. Each round frees a and b with their product still queued.
+  std::vector<Tensor> results;
+  for (int i = 0; i < 200; ++i) {
+    Tensor a = Tensor::full({4097}, static_cast<float>(i), Device::cuda(0));
+    Tensor b = Tensor::full({4097}, 2.0f, Device::cuda(0));
+    results.push_back(a * b + 1.0f);
+  }
+  for (int i = 0; i < 200; ++i) {
+    const std::vector<float> v = results[i].to_vec<float>();
+    ASSERT_EQ(v.front(), 2.0f * i + 1.0f) << "round " << i;
+    ASSERT_EQ(v.back(), 2.0f * i + 1.0f) << "round " << i;
+  }
 }
 
 TEST(CudaMemory, ZeroSizeAllocationsWork) {

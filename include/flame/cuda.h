@@ -9,6 +9,7 @@ namespace flame::cuda {
 struct MemoryStats {
   std::size_t allocated_bytes = 0;       // held by live tensors (requested sizes)
   std::size_t reserved_bytes = 0;        // held by the pool from the driver (allocated + cached)
+  std::size_t cached_bytes = 0;          // part of reserved: freed blocks kept for reuse by size
   std::size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
   uint64_t num_allocs = 0;               // allocations served since process start
   uint64_t num_frees = 0;

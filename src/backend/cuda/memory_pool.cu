@@ -9,10 +9,21 @@
 //    by the process and is handed out again without a driver call. It goes back to the driver
 //    only in empty_cache() (synchronize, then cudaMemPoolTrimTo(pool, 0)) or when an allocation
 //    fails (below).
-//  - Out of memory. A failed allocation clears CUDA's last-error state, waits for the stream,
-//    trims the cache to zero and tries once more (like PyTorch's allocator freeing its cached
+//  - Out of memory. A failed allocation clears CUDA's last-error state, hands the block cache
+//    (below) back to the pool, waits for the stream, trims the pool to zero and tries once more (like PyTorch's allocator freeing its cached
 //    blocks). If that fails too it raises flame::Error naming the requested bytes and the pool's
 //    state; the process can go on allocating.
+//  - Note [Block cache]. In front of the pool sits a host-side cache of freed blocks: a block of at
+//    most kMaxCachedBlock (16 MiB) bytes, when freed, goes into a free list keyed by its size
+//    rounded up to kGranule (512 B) instead of to cudaFreeAsync, and the next allocation of that
+//    rounded size takes it back without any CUDA call (a lock, a hash lookup), where
+//    cudaMallocFromPoolAsync + cudaFreeAsync take about a microsecond or more of host time together
+//    (bench/host_floor.cu measures both).
+//    Reuse is safe for the same reason as the pool's own: every op runs on the one stream, so work
+//    queued with the new owner runs after all work queued with the old one. The cache holds at
+//    most kMaxCachedTotal (1 GiB); beyond that, and for larger blocks, frees go to the pool.
+//    Cached blocks count in reserved_bytes and cached_bytes, not in allocated_bytes; empty_cache()
+//    and the out-of-memory path hand them back to the pool first.
 //  - Zero bytes: a null pointer, never dereferenced; its deleter only counts the free.
 //  - Statistics (flame::cuda::MemoryStats) are atomics updated at allocate and at free:
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
@@ -75,20 +86,11 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes) {
     num_allocs_.fetch_add(1, std::memory_order_relaxed);
     return std::shared_ptr<void>(nullptr, [this](void*) { num_frees_.fetch_add(1, std::memory_order_relaxed); });
   }
-  DeviceGuard guard(device_);
-  void* ptr = nullptr;
-  cudaError_t err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it so later checks pass
-    if (err == cudaErrorMemoryAllocation) {
-      // Give the cached memory back to the driver and try once more.
-      FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
-      err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
-      if (err != cudaSuccess) (void)cudaGetLastError();
-    }
-    if (err != cudaSuccess) raise_out_of_memory(nbytes, err);
-  }
+  // Note [Block cache]: cacheable sizes are rounded up so that nearby sizes share blocks.
+  const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
+  const bool cacheable = rounded <= kMaxCachedBlock;
+  void* ptr = cacheable ? take_cached(rounded) : nullptr;
+  if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes);
   num_allocs_.fetch_add(1, std::memory_order_relaxed);
   const std::size_t now = allocated_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
   std::size_t peak = peak_.load(std::memory_order_relaxed);
@@ -97,14 +99,68 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes) {
   return std::shared_ptr<void>(ptr, [this, nbytes](void* p) { release(p, nbytes); });
 }
 
+void* MemoryPool::allocate_from_pool(std::size_t nbytes) {
+  DeviceGuard guard(device_);
+  void* ptr = nullptr;
+  cudaError_t err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it so later checks pass
+    if (err == cudaErrorMemoryAllocation) {
+      // Give the cached memory (the block cache's and the pool's) back to the driver and try once more.
+      flush_cache();
+      FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
+      err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
+      if (err != cudaSuccess) (void)cudaGetLastError();
+    }
+    if (err != cudaSuccess) raise_out_of_memory(nbytes, err);
+  }
+  return ptr;
+}
+
+void* MemoryPool::take_cached(std::size_t rounded) {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  const auto it = cache_.find(rounded);
+  if (it == cache_.end() || it->second.empty()) return nullptr;
+  void* ptr = it->second.back();
+  it->second.pop_back();
+  cached_bytes_.fetch_sub(rounded, std::memory_order_relaxed);
+  return ptr;
+}
+
 void MemoryPool::release(void* ptr, std::size_t nbytes) noexcept {
   num_frees_.fetch_add(1, std::memory_order_relaxed);
   allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
+  const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
+  if (rounded <= kMaxCachedBlock) {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (cached_bytes_.load(std::memory_order_relaxed) + rounded <= kMaxCachedTotal) {
+      try {
+        cache_[rounded].push_back(ptr);
+        cached_bytes_.fetch_add(rounded, std::memory_order_relaxed);
+        return;
+      } catch (...) {  // no host memory for the list: free the block to the pool instead
+      }
+    }
+  }
   // Stream-ordered free: the memory returns to the pool after every op queued so far has run.
   int previous = -1;
   if (cudaGetDevice(&previous) == cudaSuccess && previous != device_) (void)cudaSetDevice(device_);
   if (cudaFreeAsync(ptr, stream_) != cudaSuccess) (void)cudaGetLastError();  // e.g. runtime unloading
   if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
+}
+
+void MemoryPool::flush_cache() {
+  std::unordered_map<std::size_t, std::vector<void*>> blocks;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    blocks.swap(cache_);
+    cached_bytes_.store(0, std::memory_order_relaxed);
+  }
+  DeviceGuard guard(device_);
+  for (auto& [size, list] : blocks) {
+    for (void* p : list) FLAME_CUDA_CHECK(cudaFreeAsync(p, stream_));
+  }
 }
 
 std::size_t MemoryPool::reserved_bytes() const {
@@ -117,6 +173,7 @@ std::size_t MemoryPool::reserved_bytes() const {
   ::flame::cuda::MemoryStats s;
   s.allocated_bytes = allocated_.load(std::memory_order_relaxed);
   s.reserved_bytes = reserved_bytes();
+  s.cached_bytes = cached_bytes_.load(std::memory_order_relaxed);
   s.peak_allocated_bytes = peak_.load(std::memory_order_relaxed);
   s.num_allocs = num_allocs_.load(std::memory_order_relaxed);
   s.num_frees = num_frees_.load(std::memory_order_relaxed);
@@ -127,6 +184,7 @@ std::size_t MemoryPool::reserved_bytes() const {
 void MemoryPool::reset_peak() { peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed); }
 
 void MemoryPool::empty_cache() {
+  flush_cache();
   DeviceGuard guard(device_);
   FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
   FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));

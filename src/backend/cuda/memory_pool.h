@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
 
 #include "flame/cuda.h"
 
@@ -30,11 +33,23 @@ class MemoryPool {
   // Returns every cached, unused byte to the driver; waits for the stream first.
   void empty_cache();
 
+  // Note [Block cache]: freed blocks of at most kMaxCachedBlock bytes are kept, keyed by their
+  // size rounded up to kGranule, while the cache holds at most kMaxCachedTotal bytes.
+  static constexpr std::size_t kGranule = 512;
+  static constexpr std::size_t kMaxCachedBlock = std::size_t{16} << 20;
+  static constexpr std::size_t kMaxCachedTotal = std::size_t{1} << 30;
+
   cudaMemPool_t handle() const { return pool_; }
   int device() const { return device_; }
 
  private:
   void release(void* ptr, std::size_t nbytes) noexcept;
+  // A block from the cache (nullptr when none of that size is cached).
+  void* take_cached(std::size_t rounded);
+  // Hands every cached block back to the pool (stream-ordered); the host does not wait.
+  void flush_cache();
+  // cudaMallocFromPoolAsync, and on failure the out-of-memory path of Note [Stream-ordered pool].
+  void* allocate_from_pool(std::size_t nbytes);
   std::size_t reserved_bytes() const;
   [[noreturn]] void raise_out_of_memory(std::size_t nbytes, cudaError_t err);
 
@@ -46,6 +61,9 @@ class MemoryPool {
   std::atomic<uint64_t> num_allocs_{0};
   std::atomic<uint64_t> num_frees_{0};
   std::atomic<uint64_t> num_ooms_{0};
+  std::mutex cache_mutex_;
+  std::unordered_map<std::size_t, std::vector<void*>> cache_;  // rounded size -> free blocks
+  std::atomic<std::size_t> cached_bytes_{0};
 };
 
 }  // namespace flame::backend::cuda
