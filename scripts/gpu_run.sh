@@ -3,14 +3,16 @@
 # LAST. Run it from the repository root (docs/gpu-runner.md):
 #
 #   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests REGEX]
-#                      [--sanitize-filter GTEST_FILTER] [--jobs N] [--gtest-shards N]
+#                      [--sanitize-filter GTEST_FILTER] [--racecheck-filter GTEST_FILTER]
+#                      [--jobs N] [--gtest-shards N]
 #                      [--budget SECONDS] [--build-dir DIR]
 #
 # Steps: configure + build (Release, sm_90, ninja on all cores); the whole test suite on CUDA
 # (FLAME_TEST_DEVICE=cuda ctest -j N; or, with --gtest-shards N, the test binary itself in N
-# parallel shards: one CUDA context per shard instead of one per test, much faster); with --sanitize, compute-sanitizer memcheck on a subset;
-# the custom_kernel example twice (the second run must load from the kernel disk cache); the
-# benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py). Logs go to $OUT when set (the
+# parallel shards: one CUDA context per shard instead of one per test, much faster); with
+# --sanitize, compute-sanitizer memcheck on a subset (and racecheck on another with
+# --racecheck-filter); the custom_kernel example twice (the second run must load from the kernel
+# disk cache); the benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py). Logs go to $OUT when set (the
 # device tool brings $OUT back), else to <build-dir>/logs. With --budget, every step gets a time
 # limit so that the summary is still printed before the budget runs out.
 #
@@ -25,11 +27,12 @@ RUN_BENCH=1
 RUN_EXAMPLE=1
 TEST_REGEX=""
 SAN_FILTER="CudaJit*:*CudaMatchesCpu*"
+RACE_FILTER=""
 JOBS=8
 SHARDS=0
 BUDGET=0
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --sanitize) SANITIZE=1 ;;
@@ -38,6 +41,7 @@ while [[ $# -gt 0 ]]; do
     --no-example) RUN_EXAMPLE=0 ;;
     --tests) TEST_REGEX="$2"; shift ;;  # ctest -R regex; a --gtest_filter in shard mode
     --sanitize-filter) SAN_FILTER="$2"; shift ;;
+    --racecheck-filter) RACE_FILTER="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --gtest-shards) SHARDS="$2"; shift ;;
     --budget) BUDGET="$2"; shift ;;
@@ -215,28 +219,43 @@ elif [[ $RUN_TESTS -eq 1 ]]; then
   fi
 fi
 
-# ---- compute-sanitizer memcheck on a subset ----
-if [[ $SANITIZE -eq 1 ]]; then
-  SAN_LOG="$LOGS/sanitize.log"
+# ---- compute-sanitizer on subsets: memcheck, and racecheck for shared-memory kernels ----
+# sanitize TOOL FILTER LEAVE: runs the tool over the tests of FILTER, leaving LEAVE seconds after it.
+sanitize() {
+  local tool="$1" filter="$2" leave="$3"
+  local log="$LOGS/sanitize-$tool.log"
   if ! command -v compute-sanitizer >/dev/null; then
     note "sanitize: compute-sanitizer not found"
-  elif fresh "$TEST_BIN"; then
-    T=$(limit $(( (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) )))
-    say "compute-sanitizer memcheck, --gtest_filter=$SAN_FILTER, limit ${T}s (log: $SAN_LOG)"
-    t0=$(date +%s)
-    FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" timeout "$T" \
-      compute-sanitizer --tool memcheck --error-exitcode 99 --print-limit 20 \
-      "$TEST_BIN" --gtest_filter="$SAN_FILTER" --gtest_brief=1 >"$SAN_LOG" 2>&1
-    SAN_RC=$?
-    ERRSUM=$(grep -E "ERROR SUMMARY: [0-9]+ errors?[[:space:]]*$" "$SAN_LOG" | tail -1 | sed -E 's/^=+ *//')
-    GT=$(grep -E '^\[  (PASSED|FAILED) +\]' "$SAN_LOG" | head -2 | tr '\n' ' ')
-    note "sanitize (memcheck, $SAN_FILTER): rc $SAN_RC, ${ERRSUM:-no error summary (timed out?)}; gtest: ${GT:-?} ($(( $(date +%s) - t0 )) s)"
-    while IFS= read -r line; do note "  $line"; done < <(
-      grep -E '^=+ (Invalid|Program hit|Uninitialized|Race|Barrier|Leaked|Error)' "$SAN_LOG" | sed -E 's/^=+ //' |
-        sort | uniq -c | sort -rn | head -4 | cut -c1-200)
-    [[ $SAN_RC -ne 0 ]] && STATUS=1
-  else
+    return
+  fi
+  if ! fresh "$TEST_BIN"; then
     note "sanitize: not run, $TEST_BIN was not built"
+    return
+  fi
+  local T t0 rc errsum gt
+  T=$(limit "$leave")
+  say "compute-sanitizer $tool, --gtest_filter=$filter, limit ${T}s (log: $log)"
+  t0=$(date +%s)
+  # Without the block cache every tensor is its own pool allocation, checked one by one.
+  FLAME_CUDA_BLOCK_CACHE=0 FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" timeout "$T" \
+    compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 \
+    "$TEST_BIN" --gtest_filter="$filter" --gtest_brief=1 >"$log" 2>&1
+  rc=$?
+  errsum=$(grep -E "(ERROR|RACECHECK) SUMMARY: [0-9]+ (errors?|hazards?)" "$log" | tail -1 | sed -E 's/^=+ *//')
+  gt=$(grep -E '^\[  (PASSED|FAILED) +\]' "$log" | head -2 | tr '\n' ' ')
+  note "sanitize ($tool, $filter): rc $rc, ${errsum:-no error summary (timed out?)}; gtest: ${gt:-?} ($(( $(date +%s) - t0 )) s)"
+  while IFS= read -r line; do note "  $line"; done < <(
+    grep -E '^=+ (Invalid|Program hit|Uninitialized|Race|Barrier|Leaked|Error)' "$log" | sed -E 's/^=+ //' |
+      sort | uniq -c | sort -rn | head -4 | cut -c1-200)
+  [[ $rc -ne 0 ]] && STATUS=1
+}
+if [[ $SANITIZE -eq 1 ]]; then
+  AFTER=$(( (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) ))
+  if [[ -n "$RACE_FILTER" ]]; then
+    sanitize memcheck "$SAN_FILTER" $(( AFTER + 60 ))
+    sanitize racecheck "$RACE_FILTER" "$AFTER"
+  else
+    sanitize memcheck "$SAN_FILTER" "$AFTER"
   fi
 fi
 

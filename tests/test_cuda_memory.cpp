@@ -1,5 +1,7 @@
 // The CUDA memory pool: statistics, out-of-memory errors, caching and empty_cache
 // (src/backend/cuda/memory_pool.cu, docs/memory-pool.md). Skipped without a GPU.
+#include <cstdlib>
+#include <string>
 #include <thread>
 
 #include "test_util.h"
@@ -114,6 +116,8 @@ TEST(CudaMemory, EmptyCacheLowersReserved) {
 
 TEST(CudaMemory, BlockCacheReusesFreedBlocksOfTheSameRoundedSize) {
   FLAME_SKIP_IF_NO_CUDA();
+  const char* env = std::getenv("FLAME_CUDA_BLOCK_CACHE");
+  if (env != nullptr && std::string(env) == "0") GTEST_SKIP() << "FLAME_CUDA_BLOCK_CACHE=0: the block cache is off";
   // Note [Block cache]: 1000 and 1020 f32 (4000 and 4080 bytes) both round up to 4096 bytes.
   const cuda::MemoryStats before = cuda::memory_stats();
   void* first = nullptr;

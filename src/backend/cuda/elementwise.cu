@@ -56,19 +56,6 @@ struct WhereOp {
   __device__ __forceinline__ T operator()(int64_t, bool c, T a, T b) const { return c ? a : b; }
 };
 
-// Calls f(type_tag<U>) with U the unsigned type of dtype t's element size.
-template <class F>
-void dispatch_bits(DType t, const char* op, F&& f) {
-  switch (dtype_size(t)) {
-    case 1: return f(type_tag<uint8_t>{});
-    case 2: return f(type_tag<uint16_t>{});
-    case 4: return f(type_tag<uint32_t>{});
-    case 8: return f(type_tag<uint64_t>{});
-    default: break;
-  }
-  FLAME_FAIL(op, "unsupported element size ", dtype_size(t));
-}
-
 }  // namespace
 }  // namespace ew
 
@@ -76,6 +63,7 @@ using namespace ew;
 
 void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
   FLAME_CHECK(dst.sizes() == src.sizes(), "cuda copy", "shapes ", dst.sizes(), " and ", src.sizes(), " differ");
+  if (tiled_copy(*this, dst, src)) return;  // transposes: Note [Tiled copy] in copy_tiled.cu
   if (dst.dtype() == src.dtype()) {
     dispatch_bits(dst.dtype(), "cuda copy", [&](auto tag) {
       using U = typename decltype(tag)::type;

@@ -220,7 +220,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Calls f(type_tag<U>) with U the unsigned type of dtype t's element size (for ops that only
+// move bits: same-dtype copies, where).
+template <class F>
+void dispatch_bits(DType t, const char* op, F&& f) {
+  switch (dtype_size(t)) {
+    case 1: return f(type_tag<uint8_t>{});
+    case 2: return f(type_tag<uint16_t>{});
+    case 4: return f(type_tag<uint32_t>{});
+    case 8: return f(type_tag<uint64_t>{});
+    default: break;
+  }
+  FLAME_FAIL(op, "unsupported element size ", dtype_size(t));
+}
+
 // ---- launcher ----
+
+// Copies src into dst through shared-memory tiles when the two have their unit strides on
+// different dims (a transpose); returns false, doing nothing, otherwise (copy_tiled.cu).
+bool tiled_copy(CudaBackend& be, const Tensor& dst, const Tensor& src);
 
 // Multiprocessor count of `device`, read once.
 int sm_count(int device);

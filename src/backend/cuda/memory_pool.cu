@@ -23,7 +23,8 @@
 //    queued with the new owner runs after all work queued with the old one. The cache holds at
 //    most kMaxCachedTotal (1 GiB); beyond that, and for larger blocks, frees go to the pool.
 //    Cached blocks count in reserved_bytes and cached_bytes, not in allocated_bytes; empty_cache()
-//    and the out-of-memory path hand them back to the pool first.
+//    and the out-of-memory path hand them back to the pool first. FLAME_CUDA_BLOCK_CACHE=0 in
+//    the environment turns the cache off (the sanitizer runs of scripts/gpu_run.sh do).
 //  - Zero bytes: a null pointer, never dereferenced; its deleter only counts the free.
 //  - Statistics (flame::cuda::MemoryStats) are atomics updated at allocate and at free:
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
@@ -34,6 +35,7 @@
 #include "src/backend/cuda/memory_pool.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -60,6 +62,10 @@ std::string format_bytes(std::size_t n) {
 }  // namespace
 
 MemoryPool::MemoryPool(int device, cudaStream_t stream) : device_(device), stream_(stream) {
+  // FLAME_CUDA_BLOCK_CACHE=0 turns the block cache off: every tensor is then its own pool
+  // allocation, which compute-sanitizer's memcheck tracks one by one.
+  const char* env = std::getenv("FLAME_CUDA_BLOCK_CACHE");
+  cache_enabled_ = !(env != nullptr && std::string(env) == "0");
   DeviceGuard guard(device);
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;
@@ -88,7 +94,7 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes) {
   }
   // Note [Block cache]: cacheable sizes are rounded up so that nearby sizes share blocks.
   const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
-  const bool cacheable = rounded <= kMaxCachedBlock;
+  const bool cacheable = cache_enabled_ && rounded <= kMaxCachedBlock;
   void* ptr = cacheable ? take_cached(rounded) : nullptr;
   if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes);
   num_allocs_.fetch_add(1, std::memory_order_relaxed);
@@ -132,7 +138,7 @@ void MemoryPool::release(void* ptr, std::size_t nbytes) noexcept {
   num_frees_.fetch_add(1, std::memory_order_relaxed);
   allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
   const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
-  if (rounded <= kMaxCachedBlock) {
+  if (cache_enabled_ && rounded <= kMaxCachedBlock) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (cached_bytes_.load(std::memory_order_relaxed) + rounded <= kMaxCachedTotal) {
       try {

@@ -61,6 +61,7 @@ class MemoryPool {
   std::atomic<uint64_t> num_allocs_{0};
   std::atomic<uint64_t> num_frees_{0};
   std::atomic<uint64_t> num_ooms_{0};
+  bool cache_enabled_ = true;
   std::mutex cache_mutex_;
   std::unordered_map<std::size_t, std::vector<void*>> cache_;  // rounded size -> free blocks
   std::atomic<std::size_t> cached_bytes_{0};
