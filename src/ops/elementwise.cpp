@@ -107,7 +107,11 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
   Tensor out = make_empty(shape, out_dtype, a.device());
   const Tensor ac = a.to(common), bc = b.to(common);
-  if (out.numel() > 0) backend::backend_for(a.device()).binary(op, out, ac.expand(shape), bc.expand(shape));
+  if (out.numel() > 0) {
+    // Operands of the output's shape go as they are; only the others need a broadcast view.
+    backend::backend_for(a.device())
+        .binary(op, out, ac.sizes() == shape ? ac : ac.expand(shape), bc.sizes() == shape ? bc : bc.expand(shape));
+  }
   if (oi.kind != OpKind::predicate) rules::binary(out, op, a, b, ac, bc);
   return out;
 }

@@ -3,7 +3,7 @@
 // permute(0, 1, 3, 2).contiguous(), a copy into a transposed view, with or without a dtype
 // conversion) cannot be coalesced on both sides by the elementwise kernels: one side is read or
 // written with a large stride, and only a quarter of the copy bandwidth is reached. Here the two
-// dims are tiled by kTile x kTile: a block reads a tile along the source's unit-stride dim into
+// dims are tiled by kTile x kTile (64 x 64; 256 threads, 16 elements each): a block reads a tile along the source's unit-stride dim into
 // shared memory, then writes it along the destination's unit-stride dim, so both sides are
 // coalesced. Every other dim is a batch dim, decoded per tile. The tile row has one pad element
 // so that column reads of the tile avoid shared-memory bank conflicts. Used when both tiled dims
@@ -17,8 +17,9 @@ namespace flame::backend::cuda {
 namespace ew {
 namespace {
 
-constexpr int kTile = 32;
-constexpr int kTileRows = 8;  // threads per block: kTile x kTileRows, each moving kTile/kTileRows elements
+constexpr int kTile = 64;
+constexpr int kWarp = 32;
+constexpr int kTileRows = 8;  // threads per block: kWarp x kTileRows, each moving kTile^2/256 elements
 constexpr int64_t kMinSide = 16;
 
 // Dims (after coalescing) of a tiled copy: A is the destination's unit-stride dim, B the source's.
@@ -34,12 +35,12 @@ struct TileGeom {
 };
 
 template <class D, class S>
-__global__ void __launch_bounds__(kTile* kTileRows)
+__global__ void __launch_bounds__(kWarp* kTileRows)
     tiled_copy_kernel(D* __restrict__ dst, const S* __restrict__ src, const __grid_constant__ TileGeom g) {
   using Bits = bits_t<S>;  // half types have constructors, which __shared__ arrays may not
   __shared__ Bits tile[kTile][kTile + 1];  // tile[a][b]
   const Bits* src_bits = reinterpret_cast<const Bits*>(src);
-  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;
+  const int tx = threadIdx.x % kWarp, ty = threadIdx.x / kWarp;
   for (int64_t t = blockIdx.x; t < g.tiles; t += gridDim.x) {
     int64_t q = t;
     const int64_t a0 = (q % g.tiles_a) * kTile;
@@ -53,23 +54,30 @@ __global__ void __launch_bounds__(kTile* kTileRows)
       src_off += r * g.batch_src[d];
       dst_off += r * g.batch_dst[d];
     }
-    // Read along B (the source's unit stride): consecutive threads, consecutive addresses.
-    const int64_t b_read = b0 + tx;
+    // Read along B (the source's unit stride): consecutive threads, consecutive addresses. All
+    // loads of a thread are issued before any is used, to keep many bytes in flight.
 #pragma unroll
     for (int r = ty; r < kTile; r += kTileRows) {
       const int64_t a = a0 + r;
-      if (a < g.size_a && b_read < g.size_b) tile[r][tx] = src_bits[src_off + a * g.src_stride_a + b_read];
+#pragma unroll
+      for (int c = tx; c < kTile; c += kWarp) {
+        const int64_t b = b0 + c;
+        if (a < g.size_a && b < g.size_b) tile[r][c] = src_bits[src_off + a * g.src_stride_a + b];
+      }
     }
     __syncthreads();
     // Write along A (the destination's unit stride).
-    const int64_t a_write = a0 + tx;
 #pragma unroll
     for (int r = ty; r < kTile; r += kTileRows) {
       const int64_t b = b0 + r;
-      if (a_write < g.size_a && b < g.size_b) {
-        S v;
-        memcpy(&v, &tile[tx][r], sizeof(S));
-        dst[dst_off + b * g.dst_stride_b + a_write] = dconvert<D>(v);
+#pragma unroll
+      for (int c = tx; c < kTile; c += kWarp) {
+        const int64_t a = a0 + c;
+        if (a < g.size_a && b < g.size_b) {
+          S v;
+          memcpy(&v, &tile[c][r], sizeof(S));
+          dst[dst_off + b * g.dst_stride_b + a] = dconvert<D>(v);
+        }
       }
     }
     __syncthreads();  // the tile is rewritten by the next iteration
@@ -109,9 +117,9 @@ bool tile_geometry(const Tensor& dst, const Tensor& src, TileGeom& out) {
 template <class D, class S>
 void launch_tiled(CudaBackend& be, const Tensor& dst, const Tensor& src, const TileGeom& g) {
   // Enough blocks for every SM to hold several; the grid-stride loop covers the rest.
-  const int64_t cap = static_cast<int64_t>(sm_count(be.device())) * 16;
+  const int64_t cap = static_cast<int64_t>(sm_count(be.device())) * 8;
   const unsigned int blocks = static_cast<unsigned int>(std::min<int64_t>(g.tiles, cap));
-  tiled_copy_kernel<D, S><<<blocks, kTile * kTileRows, 0, be.stream()>>>(
+  tiled_copy_kernel<D, S><<<blocks, kWarp * kTileRows, 0, be.stream()>>>(
       static_cast<D*>(dst.data_ptr()), static_cast<const S*>(src.data_ptr()), g);
   FLAME_CUDA_CHECK_LAUNCH();
 }
