@@ -203,6 +203,11 @@ int main(int argc, char** argv) {
          Tensor x = Tensor::rand({kSquare, kSquare}, gpu);
          return std::function<void()>([x] { (void)x.t().contiguous(); });
        }},
+      {"transpose_bf16", 2 * S,
+       [&] {
+         Tensor x = Tensor::rand({2 * kSquare, kSquare}, gpu).to(DType::bf16);
+         return std::function<void()>([x] { (void)x.t().contiguous(); });
+       }},
       {"sum", S,
        [&] {
          Tensor x = Tensor::rand({kElems}, gpu);
@@ -211,6 +216,11 @@ int main(int argc, char** argv) {
       {"softmax", 2 * S,
        [&] {
          Tensor x = Tensor::randn({kSoftmaxRows, kSoftmaxCols}, 0.0, 1.0, gpu);
+         return std::function<void()>([x] { (void)x.softmax(-1); });
+       }},
+      {"softmax_bf16", 2 * S,
+       [&] {
+         Tensor x = Tensor::randn({kSoftmaxRows, 2 * kSoftmaxCols}, 0.0, 1.0, gpu).to(DType::bf16);
          return std::function<void()>([x] { (void)x.softmax(-1); });
        }},
   };

@@ -103,6 +103,14 @@ def main():
         x = torch.rand(SQUARE, SQUARE, device=dev)
         return lambda: x.t().contiguous()
 
+    def setup_transpose_bf16():
+        x = torch.rand(2 * SQUARE, SQUARE, device=dev).to(torch.bfloat16)
+        return lambda: x.t().contiguous()
+
+    def setup_softmax_bf16():
+        x = torch.randn(SOFTMAX_ROWS, 2 * SOFTMAX_COLS, device=dev).to(torch.bfloat16)
+        return lambda: torch.softmax(x, dim=-1)
+
     def setup_sum():
         x = torch.rand(ELEMS, device=dev)
         return lambda: x.sum()
@@ -113,7 +121,8 @@ def main():
 
     mem_ops = [("add", 3 * S, setup_add), ("mul", 3 * S, setup_mul), ("gelu", 2 * S, setup_gelu),
                ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
-               ("sum", S, setup_sum), ("softmax", 2 * S, setup_softmax)]
+               ("transpose_bf16", 2 * S, setup_transpose_bf16), ("sum", S, setup_sum),
+               ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16)]
     for name, nbytes, setup in mem_ops:
         if not wants(name):
             continue
