@@ -10,8 +10,6 @@
 namespace flame::test {
 namespace {
 
-using Run = std::function<Tensor(const TensorList&)>;
-using Ref = std::function<RefTensor(const std::vector<RefTensor>&)>;
 
 const std::vector<DType> kAll = {DType::f32, DType::f64, DType::bf16, DType::f16,
                                  DType::i32, DType::i64, DType::u8,   DType::boolean};
@@ -29,18 +27,6 @@ InputSpec idx(Shape s, int64_t lo, int64_t hi, DType dt = DType::i64, Layout l =
 }
 InputSpec mask(Shape s, Layout l = Layout::contiguous) { return InputSpec{std::move(s), DType::boolean, l}; }
 
-std::string dim_tag(int64_t d) { return d < 0 ? "dimm" + std::to_string(-d) : "dim" + std::to_string(d); }
-
-void add(CaseList& cases, const std::string& op, std::vector<InputSpec> in, const std::string& extra, Run run,
-         Ref ref, bool differentiable) {
-  OpCase c;
-  c.name = case_name(op, in, extra);
-  c.inputs = std::move(in);
-  c.run = std::move(run);
-  c.reference = std::move(ref);
-  c.differentiable = differentiable;
-  cases.push_back(std::move(c));
-}
 
 int64_t wrap(int64_t d, std::size_t ndim) { return d < 0 ? d + static_cast<int64_t>(std::max<std::size_t>(ndim, 1)) : d; }
 
@@ -204,7 +190,7 @@ RefTensor ref_sort(const RefTensor& x, int64_t dim, bool descending, bool want_i
 void add_index_select(CaseList& cases) {
   auto one = [&](InputSpec x, int64_t dim, InputSpec i) {
     const bool diff = is_floating(x.dtype);
-    add(cases, "index_select", {x, i}, dim_tag(dim),
+    add_case(cases, "index_select", {x, i}, dim_tag(dim),
         [dim](const TensorList& t) { return t[0].index_select(dim, t[1]); },
         [dim](const std::vector<RefTensor>& r) { return ref_index_select(r[0], dim, r[1]); }, diff);
   };
@@ -227,7 +213,7 @@ void add_index_select(CaseList& cases) {
 void add_gather(CaseList& cases) {
   auto one = [&](InputSpec x, int64_t dim, InputSpec i) {
     const bool diff = is_floating(x.dtype);
-    add(cases, "gather", {x, i}, dim_tag(dim), [dim](const TensorList& t) { return t[0].gather(dim, t[1]); },
+    add_case(cases, "gather", {x, i}, dim_tag(dim), [dim](const TensorList& t) { return t[0].gather(dim, t[1]); },
         [dim](const std::vector<RefTensor>& r) { return ref_gather(r[0], dim, r[1]); }, diff);
   };
   for (DType dt : kAll) one(data({4, 6}, dt), 1, idx({4, 3}, 0, 6));
@@ -249,7 +235,7 @@ void add_scatter(CaseList& cases) {
   // not depend on which duplicate wins (unspecified on CUDA). scatter_add: duplicates on purpose.
   auto one = [&](bool accumulate, InputSpec x, int64_t dim, InputSpec i, InputSpec s) {
     const bool diff = is_floating(x.dtype);
-    add(cases, accumulate ? "scatter_add" : "scatter", {x, i, s}, dim_tag(dim),
+    add_case(cases, accumulate ? "scatter_add" : "scatter", {x, i, s}, dim_tag(dim),
         [dim, accumulate](const TensorList& t) {
           return accumulate ? t[0].scatter_add(dim, t[1], t[2]) : t[0].scatter(dim, t[1], t[2]);
         },
@@ -279,7 +265,7 @@ void add_scatter(CaseList& cases) {
   // (argsort of random keys), narrowed to 4 of 6 rows.
   for (DType dt : {DType::f32, DType::i32}) {
     std::vector<InputSpec> in = {data({6, 3}, dt), data({6, 3}, DType::f64), data({5, 3}, dt)};
-    add(cases, "scatter", in, "permutation",
+    add_case(cases, "scatter", in, "permutation",
         [](const TensorList& t) { return t[0].scatter(0, t[1].argsort(0).narrow(0, 0, 4), t[2]); },
         [](const std::vector<RefTensor>& r) {
           RefTensor order = ref_sort(r[1], 0, false, true);
@@ -294,7 +280,7 @@ void add_scatter(CaseList& cases) {
 void add_masked_select(CaseList& cases) {
   auto one = [&](InputSpec x, InputSpec m) {
     const bool diff = is_floating(x.dtype);
-    add(cases, "masked_select", {x, m}, "", [](const TensorList& t) { return t[0].masked_select(t[1]); },
+    add_case(cases, "masked_select", {x, m}, "", [](const TensorList& t) { return t[0].masked_select(t[1]); },
         [](const std::vector<RefTensor>& r) { return ref_masked_select(r[0], r[1]); }, diff);
   };
   for (DType dt : kAll) one(data({4, 5}, dt), mask({4, 5}));
@@ -313,7 +299,7 @@ void add_masked_select(CaseList& cases) {
 void add_take(CaseList& cases) {
   auto one = [&](InputSpec x, InputSpec i) {
     const bool diff = is_floating(x.dtype);
-    add(cases, "take", {x, i}, "", [](const TensorList& t) { return t[0].take(t[1]); },
+    add_case(cases, "take", {x, i}, "", [](const TensorList& t) { return t[0].take(t[1]); },
         [](const std::vector<RefTensor>& r) { return ref_take(r[0], r[1]); }, diff);
   };
   for (DType dt : kAll) one(data({4, 5}, dt), idx({3, 2}, -20, 20));
@@ -330,7 +316,7 @@ void add_triangles(CaseList& cases) {
   auto one = [&](bool upper, InputSpec x, int64_t diagonal) {
     const bool diff = is_floating(x.dtype);
     const std::string extra = diagonal < 0 ? "diagm" + std::to_string(-diagonal) : "diag" + std::to_string(diagonal);
-    add(cases, upper ? "triu" : "tril", {x}, extra,
+    add_case(cases, upper ? "triu" : "tril", {x}, extra,
         [upper, diagonal](const TensorList& t) { return upper ? t[0].triu(diagonal) : t[0].tril(diagonal); },
         [upper, diagonal](const std::vector<RefTensor>& r) { return ref_triangle(r[0], diagonal, upper); }, diff);
   };
@@ -353,7 +339,7 @@ void add_triangles(CaseList& cases) {
 
 void add_one_hot(CaseList& cases) {
   auto one = [&](InputSpec i, int64_t classes) {
-    add(cases, "one_hot", {i}, classes < 0 ? "infer" : "c" + std::to_string(classes),
+    add_case(cases, "one_hot", {i}, classes < 0 ? "infer" : "c" + std::to_string(classes),
         [classes](const TensorList& t) { return one_hot(t[0], classes); },
         [classes](const std::vector<RefTensor>& r) { return ref_one_hot(r[0], classes); }, false);
   };
@@ -369,7 +355,7 @@ void add_one_hot(CaseList& cases) {
 void add_embedding(CaseList& cases) {
   auto one = [&](InputSpec w, InputSpec i) {
     const bool diff = is_floating(w.dtype);
-    add(cases, "embedding", {w, i}, "", [](const TensorList& t) { return embedding(t[0], t[1]); },
+    add_case(cases, "embedding", {w, i}, "", [](const TensorList& t) { return embedding(t[0], t[1]); },
         [](const std::vector<RefTensor>& r) { return ref_embedding(r[0], r[1]); }, diff);
   };
   for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16}) one(data({7, 4}, dt), idx({2, 3}, 0, 7));
@@ -385,10 +371,10 @@ void add_sort(CaseList& cases) {
   auto one = [&](InputSpec x, int64_t dim, bool descending) {
     const bool diff = is_floating(x.dtype);
     const std::string extra = dim_tag(dim) + (descending ? "_desc" : "_asc");
-    add(cases, "sort_values", {x}, extra,
+    add_case(cases, "sort_values", {x}, extra,
         [dim, descending](const TensorList& t) { return t[0].sort(dim, descending).first; },
         [dim, descending](const std::vector<RefTensor>& r) { return ref_sort(r[0], dim, descending, false); }, diff);
-    add(cases, "argsort", {x}, extra,
+    add_case(cases, "argsort", {x}, extra,
         [dim, descending](const TensorList& t) { return t[0].argsort(dim, descending); },
         [dim, descending](const std::vector<RefTensor>& r) { return ref_sort(r[0], dim, descending, true); }, false);
   };
@@ -414,10 +400,10 @@ void add_topk(CaseList& cases) {
     const bool diff = is_floating(x.dtype);
     const std::string extra =
         "k" + std::to_string(k) + "_" + dim_tag(dim) + (largest ? "_largest" : "_smallest");
-    add(cases, "topk_values", {x}, extra,
+    add_case(cases, "topk_values", {x}, extra,
         [k, dim, largest](const TensorList& t) { return t[0].topk(k, dim, largest).first; },
         [k, dim, largest](const std::vector<RefTensor>& r) { return ref_sort(r[0], dim, largest, false, k); }, diff);
-    add(cases, "topk_indices", {x}, extra,
+    add_case(cases, "topk_indices", {x}, extra,
         [k, dim, largest](const TensorList& t) { return t[0].topk(k, dim, largest).second; },
         [k, dim, largest](const std::vector<RefTensor>& r) { return ref_sort(r[0], dim, largest, true, k); }, false);
   };

@@ -7,7 +7,6 @@
 namespace flame::test {
 namespace {
 
-using RefFn = std::function<RefTensor(const std::vector<RefTensor>&)>;
 
 // out[idx] = round_to(dt, f(idx)) for every multi-index of `shape`.
 RefTensor ref_build(const Shape& shape, DType dt, const std::function<double(const Shape&)>& f) {
@@ -20,18 +19,6 @@ double at(const RefTensor& t, const Shape& idx) { return t.v[t.flat(idx)]; }
 
 int64_t wrap(int64_t d, int64_t n) { return d < 0 ? d + n : d; }
 
-std::string dim_name(int64_t d) { return d < 0 ? "dimm" + std::to_string(-d) : "dim" + std::to_string(d); }
-
-void add_case(CaseList& cases, const std::string& op, std::vector<InputSpec> inputs, const std::string& extra,
-              std::function<Tensor(const TensorList&)> run, RefFn reference, bool floating) {
-  OpCase c;
-  c.name = case_name(op, inputs, extra);
-  c.inputs = std::move(inputs);
-  c.run = std::move(run);
-  c.reference = std::move(reference);
-  c.differentiable = floating;
-  cases.push_back(std::move(c));
-}
 
 bool all_floating(const std::vector<InputSpec>& in) {
   return std::all_of(in.begin(), in.end(), [](const InputSpec& s) { return is_floating(s.dtype); });
@@ -96,7 +83,7 @@ void add_cat(CaseList& cases) {
   for (const Def& d : defs) {
     const int64_t dim = d.dim;
     const DType out = d.out;
-    add_case(cases, "cat", d.in, dim_name(dim),
+    add_case(cases, "cat", d.in, dim_tag(dim),
              [dim](const TensorList& t) { return cat(t, dim); },
              [dim, out](const std::vector<RefTensor>& r) { return ref_cat(r, dim, out); }, all_floating(d.in));
   }
@@ -127,7 +114,7 @@ void add_stack(CaseList& cases) {
   for (const Def& d : defs) {
     const int64_t dim = d.dim;
     const DType out = d.out;
-    add_case(cases, "stack", d.in, dim_name(dim),
+    add_case(cases, "stack", d.in, dim_tag(dim),
              [dim](const TensorList& t) { return stack(t, dim); },
              [dim, out](const std::vector<RefTensor>& r) {
                const Shape& s = r[0].shape;

@@ -26,6 +26,19 @@ const CaseList& op_table() {
   return cases;
 }
 
+void add_case(CaseList& cases, const std::string& op, std::vector<InputSpec> inputs, const std::string& extra,
+              RunFn run, RefFn reference, bool differentiable) {
+  OpCase c;
+  c.name = case_name(op, inputs, extra);
+  c.inputs = std::move(inputs);
+  c.run = std::move(run);
+  c.reference = std::move(reference);
+  c.differentiable = differentiable;
+  cases.push_back(std::move(c));
+}
+
+std::string dim_tag(int64_t d) { return d < 0 ? "dimm" + std::to_string(-d) : "dim" + std::to_string(d); }
+
 std::string case_name(const std::string& op, const std::vector<InputSpec>& inputs, const std::string& extra) {
   std::string n = op;
   for (const auto& in : inputs) {

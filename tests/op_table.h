@@ -36,6 +36,13 @@ void add_linalg_cases(CaseList& cases);
 void add_loss_cases(CaseList& cases);
 
 // Helpers for writing cases.
+using RunFn = std::function<Tensor(const TensorList&)>;
+using RefFn = std::function<RefTensor(const std::vector<RefTensor>&)>;
+// Appends a case named case_name(op, inputs, extra).
+void add_case(CaseList& cases, const std::string& op, std::vector<InputSpec> inputs, const std::string& extra,
+              RunFn run, RefFn reference, bool differentiable);
+// "dim2" for 2, "dimm1" for -1 (case names allow letters, digits and '_' only).
+std::string dim_tag(int64_t d);
 std::string case_name(const std::string& op, const std::vector<InputSpec>& inputs, const std::string& extra = "");
 // Elementwise reference over broadcast inputs: out[i] = f(a[i']) with the given result dtype.
 RefTensor ref_map(const RefTensor& a, DType out, const std::function<double(double)>& f);

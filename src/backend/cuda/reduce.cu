@@ -296,39 +296,28 @@ __device__ __forceinline__ typename R::Acc reduce_span(const T* __restrict__ p, 
   return acc;
 }
 
-// Row path, one warp per work unit (8 per block). A unit is (row, split): row = u / splits.
-template <class T, class R>
-__global__ void __launch_bounds__(256) reduce_rows_warp_kernel(const T* __restrict__ src, OffsetMap rows, int64_t n_rows,
-                                                               int64_t len, int64_t splits, int64_t chunk, void* dst,
-                                                               DType dt, typename R::Acc* partial) {
-  const int lane = threadIdx.x & 31;
-  const int64_t units = n_rows * splits;
-  for (int64_t u = static_cast<int64_t>(blockIdx.x) * 8 + (threadIdx.x >> 5); u < units;
-       u += static_cast<int64_t>(gridDim.x) * 8) {
-    const int64_t row = u / splits, s = u - row * splits;
-    const int64_t begin = s * chunk, end = min(len, begin + chunk);
-    auto acc = reduce_span<T, R, 32>(src + rows(row) + begin, begin, (end > begin ? end - begin : int64_t(0)), lane);
-    acc = warp_reduce<R>(acc);
-    if (lane == 0) {
-      if (splits == 1) R::finish(acc, len, dst, row, dt);
-      else partial[u] = acc;
-    }
-  }
-}
-
-// Row path, one 256-thread block per work unit.
-template <class T, class R>
-__global__ void __launch_bounds__(256) reduce_rows_block_kernel(const T* __restrict__ src, OffsetMap rows, int64_t n_rows,
-                                                                int64_t len, int64_t splits, int64_t chunk, void* dst,
-                                                                DType dt, typename R::Acc* partial) {
+// Row path: kG threads per work unit (kG = 32: a warp, 8 units per block; kG = 256: the whole
+// block). A unit is (row, split): row = u / splits.
+template <class T, class R, int kG>
+__global__ void __launch_bounds__(256) reduce_rows_kernel(const T* __restrict__ src, OffsetMap rows, int64_t n_rows,
+                                                          int64_t len, int64_t splits, int64_t chunk, void* dst,
+                                                          DType dt, typename R::Acc* partial) {
+  static_assert(kG == 32 || kG == 256, "a row is reduced by a warp or by the block");
+  constexpr int kUnitsPerBlock = 256 / kG;
   __shared__ typename R::Acc smem[32];
+  const int t = threadIdx.x % kG;
   const int64_t units = n_rows * splits;
-  for (int64_t u = blockIdx.x; u < units; u += gridDim.x) {
+  for (int64_t u = static_cast<int64_t>(blockIdx.x) * kUnitsPerBlock + threadIdx.x / kG; u < units;
+       u += static_cast<int64_t>(gridDim.x) * kUnitsPerBlock) {
     const int64_t row = u / splits, s = u - row * splits;
     const int64_t begin = s * chunk, end = min(len, begin + chunk);
-    auto acc = reduce_span<T, R, 256>(src + rows(row) + begin, begin, (end > begin ? end - begin : int64_t(0)), threadIdx.x);
-    acc = block_reduce<R>(acc, smem);
-    if (threadIdx.x == 0) {
+    auto acc = reduce_span<T, R, kG>(src + rows(row) + begin, begin, (end > begin ? end - begin : int64_t(0)), t);
+    if constexpr (kG == 32) {
+      acc = warp_reduce<R>(acc);
+    } else {
+      acc = block_reduce<R>(acc, smem);
+    }
+    if (t == 0) {
       if (splits == 1) R::finish(acc, len, dst, row, dt);
       else partial[u] = acc;
     }
@@ -773,11 +762,6 @@ OffsetMap make_offset_map(const Dims& d) {
   return m;
 }
 
-int64_t product(const std::vector<int64_t>& v) {
-  int64_t p = 1;
-  for (int64_t x : v) p *= x;
-  return p;
-}
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 unsigned int grid_for(int64_t units, int64_t per_block, int64_t cap = INT32_MAX) {
   return static_cast<unsigned int>(std::clamp<int64_t>(ceil_div(units, per_block), 1, cap));
@@ -836,9 +820,9 @@ void launch_reduce(CudaBackend& be, const Tensor& dst, const Tensor& src, int64_
     }
     const int64_t units = n_out * splits;
     if (n_red <= 2048 && splits == 1) {
-      reduce_rows_warp_kernel<T, R><<<grid_for(units, 8, 1 << 20), 256, 0, st>>>(sp, outs, n_out, n_red, splits, chunk, dp, dt, pp);
+      reduce_rows_kernel<T, R, 32><<<grid_for(units, 8, 1 << 20), 256, 0, st>>>(sp, outs, n_out, n_red, splits, chunk, dp, dt, pp);
     } else {
-      reduce_rows_block_kernel<T, R><<<grid_for(units, 1, 1 << 20), 256, 0, st>>>(sp, outs, n_out, n_red, splits, chunk, dp, dt, pp);
+      reduce_rows_kernel<T, R, 256><<<grid_for(units, 1, 1 << 20), 256, 0, st>>>(sp, outs, n_out, n_red, splits, chunk, dp, dt, pp);
     }
     FLAME_CUDA_CHECK_LAUNCH();
     if (splits > 1) {
