@@ -213,6 +213,11 @@ int main(int argc, char** argv) {
          Tensor x = Tensor::rand({kElems}, gpu);
          return std::function<void()>([x] { (void)x.sum(); });
        }},
+      {"sum_columns", S,
+       [&] {
+         Tensor x = Tensor::rand({kSoftmaxRows, kSoftmaxCols}, gpu);
+         return std::function<void()>([x] { (void)x.sum({0}); });
+       }},
       {"softmax", 2 * S,
        [&] {
          Tensor x = Tensor::randn({kSoftmaxRows, kSoftmaxCols}, 0.0, 1.0, gpu);

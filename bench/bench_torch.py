@@ -115,6 +115,10 @@ def main():
         x = torch.rand(ELEMS, device=dev)
         return lambda: x.sum()
 
+    def setup_sum_columns():
+        x = torch.rand(SOFTMAX_ROWS, SOFTMAX_COLS, device=dev)
+        return lambda: x.sum(0)
+
     def setup_softmax():
         x = torch.randn(SOFTMAX_ROWS, SOFTMAX_COLS, device=dev)
         return lambda: torch.softmax(x, dim=-1)
@@ -122,6 +126,7 @@ def main():
     mem_ops = [("add", 3 * S, setup_add), ("mul", 3 * S, setup_mul), ("gelu", 2 * S, setup_gelu),
                ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
                ("transpose_bf16", 2 * S, setup_transpose_bf16), ("sum", S, setup_sum),
+               ("sum_columns", S, setup_sum_columns),
                ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16)]
     for name, nbytes, setup in mem_ops:
         if not wants(name):

@@ -164,7 +164,10 @@ TEST(CudaKernels, ReduceColumnsAndStrided) {
   };
   const Case cases[] = {
       {{100000, 7}, {0}, Layout::contiguous},     // column path, split over the reduced extent
-      {{33, 4096}, {0}, Layout::contiguous},      // column path, many outputs
+      {{33, 4096}, {0}, Layout::contiguous},      // column path, many outputs, vector loads
+      {{1000, 12}, {0}, Layout::contiguous},      // vector loads of every dtype, split columns
+      {{257, 6}, {0}, Layout::contiguous},        // 6 outputs: vector loads for 8-byte types only
+      {{7, 3, 64}, {0, 1}, Layout::contiguous},   // two reduced dims that merge, vector loads
       {{4096, 5}, {0}, Layout::contiguous},       // tiny outputs, long columns
       {{64, 32, 17}, {0, 2}, Layout::contiguous}, // two reduced dims that do not merge: general path
       {{9, 40, 31}, {1, 2}, Layout::transposed},  // permuted reduced dims merge after sorting
@@ -181,6 +184,13 @@ TEST(CudaKernels, ReduceColumnsAndStrided) {
       const Pair x = inputs(c.shape, dt, seed, c.layout, -4.0, 4.0);
       check_reductions(x, c.dims, dt, ctx(std::string("layout ") + layout_name(c.layout), c.shape, dt, seed));
     }
+  }
+  // Outputs adjacent in memory but not 16-byte aligned (a narrowed view): scalar loads.
+  for (DType dt : {DType::f32, DType::bf16}) {
+    const uint64_t seed = fresh_seed();
+    const Pair x = inputs({300, 12}, dt, seed);
+    const Pair n{x.cpu.narrow(1, 1, 8), x.gpu.narrow(1, 1, 8)};
+    check_reductions(n, {0}, dt, ctx("narrowed columns", {300, 8}, dt, seed));
   }
   // Empty reduced extents give the identity.
   const Pair e = inputs({4, 0}, DType::f32, 1);

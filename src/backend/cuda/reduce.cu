@@ -10,7 +10,9 @@
 //      256-thread block (long rows) reduces one row with 16-byte vector loads and shuffles;
 //  (b) column path: the reduced extent is one strided dim. Threads run over outputs (consecutive
 //      outputs are adjacent in memory for a contiguous tensor, so loads coalesce), a block's
-//      threadIdx.y splits the reduced extent and shared memory combines the pieces;
+//      threadIdx.y splits the reduced extent and shared memory combines the pieces. When the
+//      outputs are one unit-stride dim and alignment allows, a thread owns V = min(4, 16 bytes /
+//      element) adjacent outputs and loads them as one vector per reduced index;
 //  (c) general path: like (b) but the reduced offset comes from StridedInfo (divisions per element).
 // When there are too few outputs to fill the GPU, each output's reduced extent is split into
 // `splits` chunks reduced by different blocks into a float/double/int64 partial buffer, and a
@@ -324,43 +326,67 @@ __global__ void __launch_bounds__(256) reduce_rows_kernel(const T* __restrict__ 
   }
 }
 
+// V elements loaded together (V adjacent outputs of the column path).
+template <class T, int V>
+struct alignas(sizeof(T) * V) ColVec {
+  T v[V];
+};
+
 // Column / general path. threadIdx.x runs over outputs, threadIdx.y over the reduced extent,
-// blockIdx.y over splits of it. `red` maps a logical reduced index to its offset.
-template <class T, class R>
+// blockIdx.y over splits of it. `red` maps a logical reduced index to its offset. With V > 1 a
+// thread owns V adjacent outputs (the kept dims are one unit-stride dim) and loads them with one
+// V-element vector per reduced index.
+template <class T, class R, int V>
 __global__ void __launch_bounds__(256) reduce_cols_kernel(const T* __restrict__ src, OffsetMap outs, OffsetMap red,
                                                           int64_t n_out, int64_t n_red, int64_t chunk, void* dst,
                                                           DType dt, typename R::Acc* partial) {
   using C = compute_t<T>;
   using Acc = typename R::Acc;
-  __shared__ Acc smem[256];
+  using Vec = ColVec<T, V>;
+  __shared__ Acc smem[256 * V];
   const int64_t splits = gridDim.y, s = blockIdx.y;
   const int64_t begin = s * chunk, end = min(n_red, begin + chunk);
+  const int64_t n_groups = n_out / V;
   const int tx = threadIdx.x, ty = threadIdx.y, bx = blockDim.x, by = blockDim.y;
-  for (int64_t o0 = static_cast<int64_t>(blockIdx.x) * bx; o0 < n_out; o0 += static_cast<int64_t>(gridDim.x) * bx) {
-    const int64_t o = o0 + tx;
-    Acc acc = R::identity();
-    if (o < n_out) {
-      const T* p = src + outs(o);
+  for (int64_t o0 = static_cast<int64_t>(blockIdx.x) * bx; o0 < n_groups; o0 += static_cast<int64_t>(gridDim.x) * bx) {
+    const int64_t o = o0 + tx;  // outputs o * V ... o * V + V - 1
+    Acc acc[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[j] = R::identity();
+    if (o < n_groups) {
+      const T* p = src + outs(o * V);
       int64_t r = begin + ty;
       for (; r + 3 * by < end; r += 4 * by) {  // 4 loads in flight per thread
-        T x[4];
+        Vec x[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) x[u] = p[red(r + u * by)];
+        for (int u = 0; u < 4; ++u) x[u] = *reinterpret_cast<const Vec*>(p + red(r + u * by));
 #pragma unroll
-        for (int u = 0; u < 4; ++u) acc = R::combine(acc, R::make(load_as<C>(x[u]), r + u * by));
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] = R::combine(acc[j], R::make(load_as<C>(x[u].v[j]), r + u * by));
       }
-      for (; r < end; r += by) acc = R::combine(acc, R::make(load_as<C>(p[red(r)]), r));
+      for (; r < end; r += by) {
+        const Vec x = *reinterpret_cast<const Vec*>(p + red(r));
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j] = R::combine(acc[j], R::make(load_as<C>(x.v[j]), r));
+      }
     }
     if (by > 1) {
-      smem[ty * bx + tx] = acc;
+#pragma unroll
+      for (int j = 0; j < V; ++j) smem[(ty * bx + tx) * V + j] = acc[j];
       __syncthreads();
       if (ty == 0)
-        for (int k = 1; k < by; ++k) acc = R::combine(acc, smem[k * bx + tx]);
+        for (int k = 1; k < by; ++k)
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] = R::combine(acc[j], smem[(k * bx + tx) * V + j]);
       __syncthreads();
     }
-    if (ty == 0 && o < n_out) {
-      if (splits == 1) R::finish(acc, n_red, dst, o, dt);
-      else partial[o * splits + s] = acc;
+    if (ty == 0 && o < n_groups) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (splits == 1) R::finish(acc[j], n_red, dst, o * V + j, dt);
+        else partial[(o * V + j) * splits + s] = acc[j];
+      }
     }
   }
 }
@@ -832,10 +858,16 @@ void launch_reduce(CudaBackend& be, const Tensor& dst, const Tensor& src, int64_
     return;
   }
 
-  // (b)/(c) column and general paths
+  // (b)/(c) column and general paths. Vector loads when the kept dims are one unit-stride dim
+  // (outputs adjacent in memory) and every reduced step keeps V-element alignment.
+  constexpr int kV = std::min<int>(4, static_cast<int>(16 / sizeof(T)));
+  bool vec = kV > 1 && kept.sizes.size() == 1 && kept.strides[0] == 1 && n_out % kV == 0 &&
+             reinterpret_cast<uintptr_t>(sp) % (kV * sizeof(T)) == 0;
+  for (int64_t st_r : red.strides) vec = vec && st_r % kV == 0;
+  const int V = vec ? kV : 1;
   const int bx = n_red <= 16 ? 256 : 32, by = 256 / bx;
-  const int64_t blocks_x = std::min<int64_t>(ceil_div(n_out, bx), 1 << 20);
-  // Scalar loads: fill every SM (8 blocks of 256 threads) to keep enough bytes in flight.
+  const int64_t blocks_x = std::min<int64_t>(ceil_div(n_out / V, bx), 1 << 20);
+  // Fill every SM (8 blocks of 256 threads) to keep enough bytes in flight.
   int64_t splits = 1;
   if (blocks_x < 2 * target_blocks && n_red >= 2048) {
     splits = std::min({ceil_div(2 * target_blocks, blocks_x), ceil_div(n_red, int64_t(512)), int64_t(65535)});
@@ -850,7 +882,11 @@ void launch_reduce(CudaBackend& be, const Tensor& dst, const Tensor& src, int64_
   }
   const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(splits));
   const dim3 block(bx, by);
-  reduce_cols_kernel<T, R><<<grid, block, 0, st>>>(sp, outs, redm, n_out, n_red, chunk, dp, dt, pp);
+  if (vec) {
+    reduce_cols_kernel<T, R, kV><<<grid, block, 0, st>>>(sp, outs, redm, n_out, n_red, chunk, dp, dt, pp);
+  } else {
+    reduce_cols_kernel<T, R, 1><<<grid, block, 0, st>>>(sp, outs, redm, n_out, n_red, chunk, dp, dt, pp);
+  }
   FLAME_CUDA_CHECK_LAUNCH();
   if (splits > 1) {
     reduce_finish_kernel<R><<<grid_for(n_out, 8, 1 << 20), 256, 0, st>>>(pp, n_out, splits, n_red, dp, dt);
