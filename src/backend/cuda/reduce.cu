@@ -539,7 +539,8 @@ __global__ void cumsum_scan_strided_kernel(const T* __restrict__ src, OffsetMap 
 // ---------------------------------------------------------------------------------------------
 // Note [CUDA softmax]
 // Unit-stride rows that fit in registers (up to 16384 elements of 4 bytes or less): kTPR threads per
-// row, each holding kVPT vectors of W elements in compute precision; one read, one write. The
+// row, each holding kVPT vectors of W elements (in compute precision; 2-byte types as loaded,
+// packed, converted on use); one read, one write. The
 // row max and the sum of exp(x - max) are reduced with shuffles (and shared memory when a row
 // spans several warps). Longer rows: a block per row with an online (max, sum) pass and a
 // writing pass (two reads). Rows along a strided dim: threadIdx.x runs over adjacent rows
@@ -607,13 +608,23 @@ __device__ __forceinline__ A row_allreduce(A v, A* smem) {
 }
 
 // Register-resident rows. W elements per vector (1 or 16/sizeof(T)); kVPT vectors per thread.
+// Rows in vectors are whole vectors (len % W == 0), so a vector is either in the row or padding.
+// 2-byte types keep their vectors packed as loaded (half the registers of float copies, so more
+// rows fit on an SM at once) and convert on each of the three passes, computing exp twice.
+template <class T, int W, int kTPR>
+constexpr int softmax_min_blocks() {
+  // Packed rows: 1024 threads per SM (at most 64 registers; 54 are used, no spills; asking for
+  // 1280 threads made ptxas spill). Float copies of the same rows needed 74 (768 threads per SM).
+  return (W > 1 && sizeof(T) == 2) ? 1024 / (kTPR < 128 ? 128 : kTPR) : 1;
+}
 template <class T, int W, int kVPT, int kTPR>
-__global__ void __launch_bounds__(kTPR < 128 ? 128 : kTPR) softmax_rows_kernel(const T* __restrict__ src, OffsetMap src_rows,
+__global__ void __launch_bounds__(kTPR < 128 ? 128 : kTPR, (softmax_min_blocks<T, W, kTPR>())) softmax_rows_kernel(const T* __restrict__ src, OffsetMap src_rows,
                                                                               T* __restrict__ dst, OffsetMap dst_rows,
                                                                               int64_t n_rows, int64_t len, bool log) {
   using A = compute_t<T>;
   constexpr int kBlock = kTPR < 128 ? 128 : kTPR;
   constexpr int kRowsPerBlock = kBlock / kTPR;
+  constexpr bool kPacked = W > 1 && sizeof(T) == 2;
   __shared__ A smem[32];
   const int t = threadIdx.x % kTPR;
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < n_rows;
@@ -621,60 +632,79 @@ __global__ void __launch_bounds__(kTPR < 128 ? 128 : kTPR) softmax_rows_kernel(c
     const int64_t row = row0 + threadIdx.x / kTPR;
     const bool valid = row < n_rows;  // uniform per warp (kTPR >= 32) so shuffles stay full
     const T* p = src + (valid ? src_rows(row) : 0);
-    A x[kVPT][W];
+    uint4 raw[kPacked ? kVPT : 1];
+    A x[kPacked ? 1 : kVPT][W];
+    bool in[kVPT];
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
       const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-      if (valid && e < len) {
+      in[k] = valid && e < len;
+      if constexpr (kPacked) {
+        if (in[k]) raw[k] = __ldg(reinterpret_cast<const uint4*>(p + e));
+      } else if (in[k]) {
         if constexpr (W > 1) {
-          const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p + e));
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(p + e));
 #pragma unroll
-          for (int j = 0; j < W; ++j) x[k][j] = load_as<A>(vec_elem<T>(raw, j));
+          for (int j = 0; j < W; ++j) x[k][j] = load_as<A>(vec_elem<T>(v, j));
         } else {
           x[k][0] = load_as<A>(p[e]);
         }
-      } else {
-#pragma unroll
-        for (int j = 0; j < W; ++j) x[k][j] = -static_cast<A>(INFINITY);
       }
     }
+    // Element j of vector k in compute precision (only for in[k]).
+    auto value = [&](int k, int j) -> A {
+      if constexpr (kPacked) {
+        return load_as<A>(vec_elem<T>(raw[k], j));
+      } else {
+        return x[k][j];
+      }
+    };
     A m = -static_cast<A>(INFINITY);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
+      if (in[k])
 #pragma unroll
-      for (int j = 0; j < W; ++j) m = nan_max(m, x[k][j]);
+        for (int j = 0; j < W; ++j) m = nan_max(m, value(k, j));
     m = row_allreduce<kTPR, MaxOpF>(m, smem);
     A s = A(0);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
+      if (in[k])  // padding would give nan when m is -inf
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W + j;
-        if (e < len) {  // padding (-inf) would give nan when m is -inf
-          const A ex = math::exp(x[k][j] - m);
+        for (int j = 0; j < W; ++j) {
+          const A ex = math::exp(value(k, j) - m);
           s += ex;
-          if (!log) x[k][j] = ex;
+          if constexpr (!kPacked) {
+            if (!log) x[k][j] = ex;
+          }
         }
-      }
     s = row_allreduce<kTPR, SumOpF>(s, smem);
     const A scale = A(1) / s, log_s = math::log(s);
     if (!valid) continue;
+    // The result for element j of vector k (x holds exp(x - m) already when unpacked and !log).
+    auto result = [&](int k, int j) -> A {
+      if (log) return value(k, j) - m - log_s;
+      if constexpr (kPacked) {
+        return math::exp(value(k, j) - m) * scale;
+      } else {
+        return x[k][j] * scale;
+      }
+    };
     T* q = dst + dst_rows(row);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
+      if (!in[k]) continue;
       const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-      if (e < len) {
-        if constexpr (W > 1) {
-          uint4 out;
+      if constexpr (W > 1) {
+        uint4 out;
 #pragma unroll
-          for (int j = 0; j < W; ++j) {
-            const T y = store_as<T>(log ? x[k][j] - m - log_s : x[k][j] * scale);
-            memcpy(reinterpret_cast<char*>(&out) + j * sizeof(T), &y, sizeof(T));
-          }
-          *reinterpret_cast<uint4*>(q + e) = out;
-        } else {
-          q[e] = store_as<T>(log ? x[k][0] - m - log_s : x[k][0] * scale);
+        for (int j = 0; j < W; ++j) {
+          const T y = store_as<T>(result(k, j));
+          memcpy(reinterpret_cast<char*>(&out) + j * sizeof(T), &y, sizeof(T));
         }
+        *reinterpret_cast<uint4*>(q + e) = out;
+      } else {
+        q[e] = store_as<T>(result(k, 0));
       }
     }
   }
