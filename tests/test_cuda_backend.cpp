@@ -89,6 +89,8 @@ TEST(CudaBackend, TransposingCopiesOfEveryDtypeAndLayout) {
       {{67, 45}, {1, 0}},              {{3, 40, 33}, {0, 2, 1}},         {{33, 5, 70}, {2, 1, 0}},
       {{2, 17, 3, 19}, {0, 3, 2, 1}},  {{16, 16}, {1, 0}},               {{300, 1, 129}, {2, 1, 0}},
       {{4, 64, 2, 48}, {3, 0, 1, 2}},  {{15, 200}, {1, 0}},  // a side below 16: elementwise path
+      // Even sizes and strides: 2-byte types move element pairs (one and two batch dims).
+      {{6, 34, 66}, {0, 2, 1}},        {{2, 3, 48, 40}, {1, 0, 3, 2}},
   };
   for (const Case& c : cases) {
     for (DType from : kAllDTypes) {
@@ -108,6 +110,15 @@ TEST(CudaBackend, TransposingCopiesOfEveryDtypeAndLayout) {
         EXPECT_TRUE(same_values(dst, src_cpu.to(to)));
       }
     }
+  }
+  // A 2-byte source at an odd element offset, or with odd strides, cannot move pairs.
+  for (DType dt : {DType::bf16, DType::f16}) {
+    const Tensor cpu = make_input({{40, 42}, dt, Layout::contiguous, 0, 120}, Device::cpu(), 32);
+    const Tensor gpu = cpu.to(kCuda);
+    EXPECT_TRUE(same_values(gpu.narrow(1, 1, 40).t().contiguous(), cpu.narrow(1, 1, 40).t().contiguous()));
+    EXPECT_TRUE(same_values(gpu.narrow(1, 2, 40).t().contiguous(), cpu.narrow(1, 2, 40).t().contiguous()));
+    const Tensor odd = make_input({{40, 41}, dt, Layout::contiguous, 0, 120}, Device::cpu(), 33);  // row stride 41
+    EXPECT_TRUE(same_values(odd.to(kCuda).narrow(1, 0, 40).t().contiguous(), odd.narrow(1, 0, 40).t().contiguous()));
   }
 }
 
