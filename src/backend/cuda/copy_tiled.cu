@@ -97,9 +97,11 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
 }
 
 // The same for 2-byte elements copied as they are, moved in pairs: a thread reads two
-// neighbours along B and writes two neighbours along A as one 32-bit word each, which halves the
-// instructions per byte (the 2-byte copy was instruction-bound at 64% of the copy rate). Needs
-// even sizes along A and B, even strides and 4-byte aligned pointers (pairs_fit).
+// neighbours along B and writes two neighbours along A as one 32-bit word each, half the memory
+// instructions. Measured on H200 ([16384, 8192] bf16): 64% of the copy rate element by element,
+// 67% in pairs; the 2-byte tiles hold half the bytes of f32 ones (88%), so fewer bytes are in
+// flight per SM. Needs even sizes along A and B, even strides and 4-byte aligned pointers
+// (pairs_fit).
 template <class Index>
 __global__ void __launch_bounds__(kWarp* kTileRows)
     tiled_copy_pairs_kernel(uint16_t* __restrict__ dst, const uint16_t* __restrict__ src,
