@@ -39,6 +39,23 @@ struct TileGeom {
   Index batch_dst[kMaxDims];
 };
 
+// Element offsets of batch index z in the source and the destination.
+template <class Index>
+__device__ __forceinline__ void batch_offsets(const TileGeom<Index>& g, int64_t z, Index& src_off, Index& dst_off) {
+  if (g.nbatch == 1) {  // no division for the common case
+    src_off = static_cast<Index>(z) * g.batch_src[0];
+    dst_off = static_cast<Index>(z) * g.batch_dst[0];
+    return;
+  }
+  src_off = dst_off = 0;
+  for (int d = 0; d < g.nbatch; ++d) {
+    const int64_t r = z % g.batch_sizes[d];
+    z /= g.batch_sizes[d];
+    src_off += static_cast<Index>(r) * g.batch_src[d];
+    dst_off += static_cast<Index>(r) * g.batch_dst[d];
+  }
+}
+
 // One 64 x 64 tile per block and grid step: blockIdx.x runs over tiles along A, blockIdx.y
 // along B, blockIdx.z over the batch, so no division is needed to find a tile (64-bit divisions
 // per tile cost a quarter of the bandwidth), and the batch offset needs them only when more than
@@ -52,19 +69,8 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
   const int tx = threadIdx.x % kWarp, ty = threadIdx.x / kWarp;
   const Index a0 = static_cast<Index>(blockIdx.x) * kTile;
   for (int64_t z = blockIdx.z; z < g.batch; z += gridDim.z) {
-    Index src_off = 0, dst_off = 0;
-    if (g.nbatch == 1) {
-      src_off = static_cast<Index>(z) * g.batch_src[0];
-      dst_off = static_cast<Index>(z) * g.batch_dst[0];
-    } else {
-      int64_t q = z;
-      for (int d = 0; d < g.nbatch; ++d) {
-        const int64_t r = q % g.batch_sizes[d];
-        q /= g.batch_sizes[d];
-        src_off += static_cast<Index>(r) * g.batch_src[d];
-        dst_off += static_cast<Index>(r) * g.batch_dst[d];
-      }
-    }
+    Index src_off, dst_off;
+    batch_offsets(g, z, src_off, dst_off);
     for (Index b0 = static_cast<Index>(blockIdx.y) * kTile; b0 < g.size_b; b0 += static_cast<Index>(gridDim.y) * kTile) {
       // Read along B (the source's unit stride): consecutive threads, consecutive addresses.
 #pragma unroll
@@ -113,14 +119,8 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
   const uint32_t* __restrict__ src32 = reinterpret_cast<const uint32_t*>(src);
   uint32_t* __restrict__ dst32 = reinterpret_cast<uint32_t*>(dst);
   for (int64_t z = blockIdx.z; z < g.batch; z += gridDim.z) {
-    Index src_off = 0, dst_off = 0;
-    int64_t q = z;
-    for (int d = 0; d < g.nbatch; ++d) {
-      const int64_t r = q % g.batch_sizes[d];
-      q /= g.batch_sizes[d];
-      src_off += static_cast<Index>(r) * g.batch_src[d];
-      dst_off += static_cast<Index>(r) * g.batch_dst[d];
-    }
+    Index src_off, dst_off;
+    batch_offsets(g, z, src_off, dst_off);
     for (Index b0 = static_cast<Index>(blockIdx.y) * kTile; b0 < g.size_b; b0 += static_cast<Index>(gridDim.y) * kTile) {
       const Index b_pair = b0 + 2 * tx;  // this thread's pair along B: b_pair, b_pair + 1
 #pragma unroll
