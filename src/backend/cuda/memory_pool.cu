@@ -92,8 +92,7 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes) {
     num_allocs_.fetch_add(1, std::memory_order_relaxed);
     return std::shared_ptr<void>(nullptr, [this](void*) { num_frees_.fetch_add(1, std::memory_order_relaxed); });
   }
-  // Note [Block cache]: cacheable sizes are rounded up so that nearby sizes share blocks.
-  const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
+  const std::size_t rounded = cache_size(nbytes);
   const bool cacheable = cache_enabled_ && rounded <= kMaxCachedBlock;
   void* ptr = cacheable ? take_cached(rounded) : nullptr;
   if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes);
@@ -137,7 +136,7 @@ void* MemoryPool::take_cached(std::size_t rounded) {
 void MemoryPool::release(void* ptr, std::size_t nbytes) noexcept {
   num_frees_.fetch_add(1, std::memory_order_relaxed);
   allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
-  const std::size_t rounded = (nbytes + kGranule - 1) / kGranule * kGranule;
+  const std::size_t rounded = cache_size(nbytes);
   if (cache_enabled_ && rounded <= kMaxCachedBlock) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (cached_bytes_.load(std::memory_order_relaxed) + rounded <= kMaxCachedTotal) {

@@ -38,6 +38,8 @@ class MemoryPool {
   static constexpr std::size_t kGranule = 512;
   static constexpr std::size_t kMaxCachedBlock = std::size_t{16} << 20;
   static constexpr std::size_t kMaxCachedTotal = std::size_t{1} << 30;
+  // The size a block of `nbytes` is cached under: rounded up so that nearby sizes share blocks.
+  static constexpr std::size_t cache_size(std::size_t nbytes) { return (nbytes + kGranule - 1) / kGranule * kGranule; }
 
   cudaMemPool_t handle() const { return pool_; }
   int device() const { return device_; }
