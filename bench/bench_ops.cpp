@@ -144,6 +144,116 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
+
+// Note [Chain benchmark]
+// Host cost of autograd, forward and backward: a chain of kChainOps small ops (kChainOps / 2 steps
+// of y = y * c + d on 1024-element tensors). Reported per op (one launched kernel each), medians of
+// kChainRounds rounds:
+//   chain_fwd_nograd  forward under NoGradGuard, host time to queue the ops;
+//   chain_fwd_record  forward with c and d requiring grad (every op records a node);
+//   chain_bwd         (forward + backward + sync) minus (forward + sync), per forward op.
+constexpr int kChainOps = 1000;
+constexpr int kChainRounds = 15;
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+double us_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void bench_chain(Device gpu) {
+  const Tensor x = Tensor::rand({kSmall}, gpu);
+  Tensor c = Tensor::uniform({kSmall}, 0.9, 1.1, gpu), d = Tensor::uniform({kSmall}, -0.1, 0.1, gpu);
+  auto forward = [&] {
+    Tensor y = x;
+    for (int i = 0; i < kChainOps / 2; ++i) y = y * c + d;
+    return y;
+  };
+  std::vector<double> nograd, record, fwd_sync, fwd_bwd_sync;
+  for (int r = 0; r < kChainRounds + 2; ++r) {
+    const bool keep = r >= 2;  // two warm-up rounds
+    {
+      flame::NoGradGuard no_grad;
+      flame::cuda::synchronize(0);
+      const auto t0 = std::chrono::steady_clock::now();
+      Tensor y = forward();
+      const double us = us_since(t0);
+      flame::cuda::synchronize(0);
+      if (keep) nograd.push_back(us);
+    }
+    c.requires_grad_(true);
+    d.requires_grad_(true);
+    {
+      flame::cuda::synchronize(0);
+      const auto t0 = std::chrono::steady_clock::now();
+      Tensor y = forward();
+      const double us = us_since(t0);
+      flame::cuda::synchronize(0);
+      const double us_sync = us_since(t0);
+      if (keep) {
+        record.push_back(us);
+        fwd_sync.push_back(us_sync);
+      }
+    }
+    {
+      flame::cuda::synchronize(0);
+      const auto t0 = std::chrono::steady_clock::now();
+      Tensor loss = forward().sum();
+      flame::Gradients g = loss.backward();
+      flame::cuda::synchronize(0);
+      if (keep) fwd_bwd_sync.push_back(us_since(t0));
+    }
+    c.requires_grad_(false);
+    d.requires_grad_(false);
+  }
+  const double n = kChainOps;
+  const double nog = median_of(nograd) / n, rec = median_of(record) / n;
+  const double bwd = (median_of(fwd_bwd_sync) - median_of(fwd_sync)) / n;
+  print_result("chain_fwd_nograd", nog, "us/call", nog * 1e-3, -1);
+  print_result("chain_fwd_record", rec, "us/call", rec * 1e-3, -1);
+  print_result("chain_bwd", bwd, "us/call", bwd * 1e-3, -1);
+}
+
+// A training step of a 4-layer MLP (1024 wide, ReLU, batch 64, MSE), forward + backward + SGD on
+// every weight and bias, synchronised each step; the median over steps.
+void bench_mlp_step(Device gpu) {
+  constexpr int64_t kWidth = 1024, kBatch = 64, kLayers = 4;
+  constexpr int kSteps = 50, kWarm = 5;
+  std::vector<Tensor> ws, bs;
+  for (int64_t l = 0; l < kLayers; ++l) {
+    ws.push_back(Tensor::uniform({kWidth, kWidth}, -0.03, 0.03, gpu).requires_grad_());
+    bs.push_back(Tensor::uniform({kWidth}, -0.03, 0.03, gpu).requires_grad_());
+  }
+  const Tensor x = Tensor::randn({kBatch, kWidth}, 0.0, 1.0, gpu);
+  const Tensor target = Tensor::randn({kBatch, kWidth}, 0.0, 1.0, gpu);
+  std::vector<double> us;
+  for (int s = 0; s < kSteps + kWarm; ++s) {
+    flame::cuda::synchronize(0);
+    const auto t0 = std::chrono::steady_clock::now();
+    Tensor h = x;
+    for (int64_t l = 0; l < kLayers; ++l) {
+      h = h.matmul(ws[l].t()) + bs[l];
+      if (l + 1 < kLayers) h = h.relu();
+    }
+    flame::Gradients g = flame::mse_loss(h, target).backward();
+    {
+      flame::NoGradGuard no_grad;
+      for (int64_t l = 0; l < kLayers; ++l) {
+        ws[l].add_(g.get(ws[l]), -1e-3);
+        bs[l].add_(g.get(bs[l]), -1e-3);
+      }
+    }
+    flame::cuda::synchronize(0);
+    if (s >= kWarm) us.push_back(us_since(t0));
+  }
+  const double med = median_of(us);
+  print_result("mlp_step", med, "us/call", med * 1e-3, -1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,6 +390,20 @@ int main(int argc, char** argv) {
       print_result("add_small_gpu", us_gpu, "us/call", us_gpu * 1e-3, -1);
     } catch (const std::exception& e) {
       print_error("add_small_host", e.what());
+    }
+  }
+  if (opt.wants("chain")) {
+    try {
+      bench_chain(gpu);
+    } catch (const std::exception& e) {
+      print_error("chain", e.what());
+    }
+  }
+  if (opt.wants("mlp_step")) {
+    try {
+      bench_mlp_step(gpu);
+    } catch (const std::exception& e) {
+      print_error("mlp_step", e.what());
     }
   }
   BENCH_CUDA_CHECK(cudaDeviceSynchronize());

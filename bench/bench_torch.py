@@ -52,6 +52,87 @@ def median_ms(torch, fn, reps, warmup):
     return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
 
 
+CHAIN_OPS = 1000             # bench_ops.cpp Note [Chain benchmark]
+CHAIN_ROUNDS = 15
+
+
+def bench_chain(torch, dev):
+    x = torch.rand(SMALL, device=dev)
+    c = torch.empty(SMALL, device=dev).uniform_(0.9, 1.1)
+    d = torch.empty(SMALL, device=dev).uniform_(-0.1, 0.1)
+
+    def forward():
+        y = x
+        for _ in range(CHAIN_OPS // 2):
+            y = y * c + d
+        return y
+
+    nograd, record, fwd_sync, fwd_bwd_sync = [], [], [], []
+    for r in range(CHAIN_ROUNDS + 2):
+        keep = r >= 2
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            y = forward()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            if keep:
+                nograd.append((t1 - t0) * 1e6)
+        c.requires_grad_(True)
+        d.requires_grad_(True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        y = forward()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if keep:
+            record.append((t1 - t0) * 1e6)
+            fwd_sync.append((t2 - t0) * 1e6)
+        del y
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gc, gd = torch.autograd.grad(forward().sum(), [c, d])
+        torch.cuda.synchronize()
+        if keep:
+            fwd_bwd_sync.append((time.perf_counter() - t0) * 1e6)
+        c.requires_grad_(False)
+        d.requires_grad_(False)
+    n = float(CHAIN_OPS)
+    nog, rec = statistics.median(nograd) / n, statistics.median(record) / n
+    bwd = (statistics.median(fwd_bwd_sync) - statistics.median(fwd_sync)) / n
+    emit("chain_fwd_nograd", nog, "us/call", nog * 1e-3)
+    emit("chain_fwd_record", rec, "us/call", rec * 1e-3)
+    emit("chain_bwd", bwd, "us/call", bwd * 1e-3)
+
+
+def bench_mlp_step(torch, dev):
+    width, batch, layers, steps, warm = 1024, 64, 4, 50, 5
+    ws = [torch.empty(width, width, device=dev).uniform_(-0.03, 0.03).requires_grad_() for _ in range(layers)]
+    bs = [torch.empty(width, device=dev).uniform_(-0.03, 0.03).requires_grad_() for _ in range(layers)]
+    x = torch.randn(batch, width, device=dev)
+    target = torch.randn(batch, width, device=dev)
+    params = ws + bs
+    times = []
+    for s in range(steps + warm):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        h = x
+        for i in range(layers):
+            h = h @ ws[i].t() + bs[i]
+            if i + 1 < layers:
+                h = torch.relu(h)
+        grads = torch.autograd.grad(torch.nn.functional.mse_loss(h, target), params)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.add_(g, alpha=-1e-3)
+        torch.cuda.synchronize()
+        if s >= warm:
+            times.append((time.perf_counter() - t0) * 1e6)
+    us = statistics.median(times)
+    emit("mlp_step", us, "us/call", us * 1e-3)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -173,6 +254,10 @@ def main():
         t2 = time.perf_counter()
         us = (t2 - t0) * 1e6 / args.small_calls
         emit("add_small_gpu", us, "us/call", us * 1e-3)
+    if wants("chain"):
+        bench_chain(torch, dev)
+    if wants("mlp_step"):
+        bench_mlp_step(torch, dev)
     return 0
 
 
