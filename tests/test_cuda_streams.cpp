@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "flame/cuda/kernels.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -298,6 +300,31 @@ TEST(CudaStream, SynchronizeAndQueryOfAStream) {
   // Wrapping a handle gives the same stream.
   EXPECT_EQ(cuda::Stream::from_handle(s.handle(), 0), s);
   expect_error([&] { cuda::record_stream(Tensor::ones({2}), s); }, {"record_stream", "CUDA tensor"});
+}
+
+// FLAME_CUDA_LAUNCH_BLOCKING=1: a kernel that faults is named by the error of its own launch. The
+// fault destroys the CUDA context, so it runs in a child process (death-test style threadsafe
+// re-runs this binary); the child exits 0 only if the launch itself raised with the kernel's name.
+TEST(CudaStreamLaunchBlocking, AFaultingKernelIsNamedAtItsLaunch) {
+  FLAME_SKIP_IF_NO_CUDA();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto child = [] {
+    setenv("FLAME_CUDA_LAUNCH_BLOCKING", "1", 1);  // before anything reads it in this process
+    try {
+      const cuda::Kernel k = cuda::ensure_kernel("flame_fault_probe", R"(
+extern "C" __global__ void flame_fault_probe(long long address) { *reinterpret_cast<volatile int*>(address) = 1; }
+)");
+      cuda::launch(k, cuda::LaunchConfig{cuda::Dim3(1), cuda::Dim3(1), 0}, static_cast<int64_t>(16));
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      const bool named = msg.find("flame_fault_probe") != std::string::npos &&
+                         msg.find("failed while running") != std::string::npos;
+      std::fprintf(stderr, "%s\n", msg.c_str());
+      std::exit(named ? 0 : 3);
+    }
+    std::exit(2);  // the launch returned although the kernel faulted
+  };
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "") << "the faulting launch was not named";
 }
 
 }  // namespace
