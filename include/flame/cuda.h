@@ -1,16 +1,28 @@
 #pragma once
-// CUDA runtime controls: memory-pool statistics, synchronisation, math-mode flags.
-// In a build without CUDA every call except the flags raises flame::Error.
+// CUDA runtime controls: memory-pool statistics, streams, events, graph capture, synchronisation,
+// math-mode flags. In a build without CUDA every call except the flags raises flame::Error.
+// docs/streams.md explains streams, events, record_stream and the graph-capture rules.
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <memory>
+
+namespace flame {
+class Tensor;
+}
 
 namespace flame::cuda {
 
 struct MemoryStats {
   std::size_t allocated_bytes = 0;       // held by live tensors (requested sizes)
-  std::size_t reserved_bytes = 0;        // held by the pool from the driver (allocated + cached)
+  std::size_t reserved_bytes = 0;        // held from the driver: pool (allocated + cached) + graph pools
   std::size_t cached_bytes = 0;          // part of reserved: freed blocks kept for reuse by size
   std::size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
+  // reserved_bytes - allocated_bytes: memory held but not used by a live tensor (cached blocks,
+  // size rounding, pool slack, graph-private blocks not in use).
+  std::size_t fragmentation_bytes = 0;
+  std::size_t graph_pool_bytes = 0;      // part of reserved: private pools of live cuda::Graphs
+  std::size_t pending_stream_bytes = 0;  // freed blocks waiting for other streams (record_stream)
   uint64_t num_allocs = 0;               // allocations served since process start
   uint64_t num_frees = 0;
   uint64_t num_ooms = 0;                 // out-of-memory errors raised
@@ -20,10 +32,149 @@ MemoryStats memory_stats(int device = 0);
 void reset_peak_memory_stats(int device = 0);
 // Returns cached, unused memory to the driver (waits for the device first).
 void empty_cache(int device = 0);
-// Waits until all work queued on the device's stream has finished.
+// Waits until all work queued on every stream of the device has finished. Raises if the calling
+// thread is capturing a graph on the device.
 void synchronize(int device = 0);
-// The one non-default stream all FLAME ops on `device` are queued on (a cudaStream_t).
+
+class Event;
+
+// A CUDA stream of one device (a cudaStream_t underneath). Copies share the stream. Streams made by
+// Stream::create are recycled, never destroyed, so memory cached for a stream stays valid.
+class Stream {
+ public:
+  // The default FLAME stream of `device`: a non-blocking stream all ops use unless a StreamGuard
+  // or set_current_stream says otherwise.
+  static Stream default_stream(int device = 0);
+  // The stream FLAME ops of this thread run on for `device`.
+  static Stream current(int device = 0);
+  // A new stream. priority: lower numbers run first (CUDA's convention; 0 is the default, -1 or
+  // lower is high priority, clamped to the device's range). non_blocking: no implicit
+  // synchronisation with the legacy default stream (cudaStreamNonBlocking).
+  static Stream create(int device = 0, int priority = 0, bool non_blocking = true);
+  // Wraps a cudaStream_t created elsewhere (a library's); it must outlive every use by FLAME,
+  // including tensors allocated while it was current.
+  static Stream from_handle(void* cuda_stream, int device = 0);
+
+  void* handle() const;  // the cudaStream_t
+  int device() const { return device_; }
+  int priority() const;
+  // True when all work queued on the stream has finished; never waits.
+  bool query() const;
+  // Waits for all work queued so far (raises if the stream is being captured).
+  void synchronize() const;
+  // Work queued on this stream from now on waits for `event` (recorded earlier on any stream).
+  void wait(const Event& event) const;
+  // Work queued on this stream from now on waits for all work queued on `other` so far.
+  void wait(const Stream& other) const;
+
+  bool operator==(const Stream& o) const { return handle_ == o.handle_ && device_ == o.device_; }
+  bool operator!=(const Stream& o) const { return !(*this == o); }
+
+ private:
+  Stream(void* handle, int device, std::shared_ptr<void> owner) : handle_(handle), device_(device), owner_(std::move(owner)) {}
+  void* handle_ = nullptr;
+  int device_ = 0;
+  std::shared_ptr<void> owner_;  // returns a created stream to the recycling list when the last copy goes
+};
+
+// Makes `stream` the current stream of its device for the calling thread.
+void set_current_stream(const Stream& stream);
+
+// Makes `stream` current for its device on this thread for the scope, then restores the previous one.
+class StreamGuard {
+ public:
+  explicit StreamGuard(const Stream& stream);
+  ~StreamGuard();
+  StreamGuard(const StreamGuard&) = delete;
+  StreamGuard& operator=(const StreamGuard&) = delete;
+
+ private:
+  Stream previous_;
+  Stream current_;  // kept alive while it is current
+};
+
+// A CUDA event. Without timing (the default) it is cheaper to record and wait on.
+class Event {
+ public:
+  explicit Event(bool enable_timing = false);
+  ~Event();
+  Event(Event&&) noexcept;
+  Event& operator=(Event&&) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+
+  // Captures the work queued on `stream` so far (the current stream of device 0 by default).
+  void record();
+  void record(const Stream& stream);
+  // Makes `stream` wait for the recorded work (the GPU waits; the host does not).
+  void wait(const Stream& stream) const;
+  // True when the recorded work has finished (or nothing was recorded).
+  bool query() const;
+  // The host waits for the recorded work.
+  void synchronize() const;
+  // Milliseconds between this event and `end`, both recorded with timing enabled and completed.
+  float elapsed_time(const Event& end) const;
+  bool recorded() const { return recorded_; }
+  int device() const { return device_; }
+  void* handle() const { return event_; }
+
+ private:
+  void* event_ = nullptr;  // cudaEvent_t, created on first record (on the stream's device)
+  int device_ = -1;
+  bool timing_ = false;
+  bool recorded_ = false;
+};
+
+// record_stream: `tensor` (a CUDA tensor) is used by work queued on `stream`, which is not the
+// stream it was allocated on. When the tensor's memory is freed it is not reused until the work
+// queued on `stream` up to the free has finished (an event recorded at free time), like
+// torch.Tensor.record_stream.
+void record_stream(const Tensor& tensor, const Stream& stream);
+
+// The current stream of `device` for this thread, as a cudaStream_t.
 void* current_stream(int device = 0);
+
+// A CUDA graph of FLAME ops: capture once, replay many times with no host cost per op.
+//   cuda::Graph g;
+//   g.capture_begin();  ... ops on CUDA tensors ...  g.capture_end();
+//   for (...) { x_static.copy_(next_batch); g.replay(); }
+// Rules (docs/streams.md): tensors the captured ops read (inputs, parameters) must stay alive and
+// keep their memory while the graph is replayed; refill them in place. Memory allocated during
+// capture comes from a private pool that lives as long as the graph: outputs keep their addresses,
+// and every replay rewrites them. Anything that would wait for the GPU or copy from/to the host
+// during capture (to_vec, item, printing, synchronize, uploads) raises flame::Error. Random ops
+// read their Philox seed and offset from device memory, so each replay draws fresh numbers: the
+// k-th replay matches an eager run of the same ops at the generator's offset at that replay.
+class Graph {
+ public:
+  Graph();
+  ~Graph();
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+
+  // Starts capturing the calling thread's FLAME ops on `device`: they are recorded, not run. The
+  // capture runs on a side stream made current for the thread until capture_end.
+  void capture_begin(int device = 0);
+  void capture_end();
+  // Runs the captured work on the current stream of the graph's device.
+  void replay();
+  // Frees the graph and its private pool (waits for its replays first).
+  void reset();
+  bool captured() const;
+  // Number of random draws (generator offsets) one replay consumes.
+  uint64_t random_offsets_per_replay() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+// Captures fn() into `graph` (capture_begin/capture_end around it; the capture is aborted if fn throws).
+void capture(Graph& graph, const std::function<void()>& fn, int device = 0);
+
+// True when the calling thread is capturing a CUDA graph on `device`.
+bool is_capturing(int device = 0);
 
 // f32 matmuls may use TF32 tensor cores (like torch.backends.cuda.matmul.allow_tf32). Default off.
 void set_allow_tf32(bool allow);

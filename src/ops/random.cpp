@@ -3,6 +3,7 @@
 #include "flame/random.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/random/graph_rng.h"
 
 namespace flame {
 
@@ -12,11 +13,28 @@ Generator& default_generator() {
 }
 void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 
+namespace random_detail {
+GraphRng*& current_graph_rng() {
+  thread_local GraphRng* rng = nullptr;
+  return rng;
+}
+}  // namespace random_detail
+
 namespace {
 Tensor random_tensor(backend::RandomKind kind, const Shape& shape, DType dt, Device dev, Generator* gen,
                      double a, double b) {
   Generator& g = gen ? *gen : default_generator();
   Tensor t = make_empty(shape, dt, dev);
+  // Note [Graph-safe RNG]: under capture the draw reads its seed and offset from device memory.
+  random_detail::GraphRng* capture = random_detail::current_graph_rng();
+  if (capture != nullptr && dev.is_cuda() && dev.index == capture->device()) {
+    if (t.numel() > 0) {
+      capture->random(kind, t, g, a, b);
+    } else {
+      (void)g.next_offset();  // an empty draw still advances the generator, as in eager mode
+    }
+    return t;
+  }
   const uint64_t seed = g.seed(), offset = g.next_offset();
   if (t.numel() > 0) backend::backend_for(dev).random(kind, t, seed, offset, a, b);
   return t;

@@ -177,8 +177,8 @@ void launch_args(const Kernel& kernel, const LaunchConfig& config, const KernelA
                  std::size_t count);
 }  // namespace detail
 
-// Queues `kernel` on FLAME's stream of the kernel's device (Note [One stream per device]), so it
-// is ordered after every FLAME op queued before and before every one queued after; it does not
+// Queues `kernel` on the current stream of the kernel's device (Note [Current stream]), so it
+// is ordered after every FLAME op queued there before and before every one queued after; it does not
 // wait for the GPU. Tensor arguments must be CUDA tensors on the kernel's device; the argument
 // count and every argument's size must match the kernel's parameters. Errors name the argument
 // (counted from 0). Launch-configuration errors raise flame::Error; errors inside the kernel

@@ -11,6 +11,9 @@
 namespace flame::backend::cuda {
 
 [[noreturn]] void raise_cuda_error(cudaError_t err, const char* what, const char* file, int line);
+// Checks the last launch; with FLAME_CUDA_LAUNCH_BLOCKING=1 also waits for the current stream and
+// names `where` if the kernel faulted (Note [Launch blocking], cuda_backend.cu).
+void check_launch(const char* where, const char* file, int line);
 
 }  // namespace flame::backend::cuda
 
@@ -21,8 +24,8 @@ namespace flame::backend::cuda {
     if (flame_err_ != cudaSuccess)                                                          \
       ::flame::backend::cuda::raise_cuda_error(flame_err_, #call, __FILE__, __LINE__);      \
   } while (0)
-// After every kernel launch.
-#define FLAME_CUDA_CHECK_LAUNCH() FLAME_CUDA_CHECK(cudaGetLastError())
+// After every kernel launch; names the launching function (its template arguments name the kernel).
+#define FLAME_CUDA_CHECK_LAUNCH() ::flame::backend::cuda::check_launch(__PRETTY_FUNCTION__, __FILE__, __LINE__)
 
 namespace flame::backend::cuda {
 

@@ -6,6 +6,9 @@
 // asynchronously and the user's buffer, pageable or not, is never read or written by the device.
 //  - Host to device. The host bytes are memcpy'd into a 64 MiB pinned ring, in chunks of at most
 //    16 MiB, and each chunk is queued with cudaMemcpyAsync on the stream followed by an event.
+//    Copies are queued on the current stream (Note [Current stream]): an upload made under a
+//    StreamGuard of a side stream overlaps compute on another stream, and an event recorded
+//    after it orders the consumer.
 //    copy_from_host returns as soon as the last chunk is queued: the caller may reuse or free its
 //    buffer at once, and the host does not wait for the GPU. A region of the ring is reused only
 //    after the event of the copy that read it has completed; the host waits (on that event only)
@@ -154,6 +157,9 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* host) {
   if (n == 0) return;
   FLAME_CHECK(dst.is_contiguous(), "copy_from_host", "destination must be contiguous (shape ", dst.sizes(), ")");
   DeviceGuard guard(device_);
+  const cudaStream_t st = stream();
+  // A captured copy would re-read the staging ring at every replay, long after it was reused.
+  check_not_capturing(st, "copy_from_host", "copy host memory to the device");
   UploadRing& ring = staging(device_).up;
   std::lock_guard<std::mutex> lock(ring.mutex);
   char* d = static_cast<char*>(dst.data_ptr());
@@ -162,13 +168,15 @@ void CudaBackend::copy_from_host(const Tensor& dst, const void* host) {
     const std::size_t len = std::min(kChunkBytes, n - off);
     char* pinned = ring.reserve(len);
     std::memcpy(pinned, h + off, len);
-    FLAME_CUDA_CHECK(cudaMemcpyAsync(d + off, pinned, len, cudaMemcpyHostToDevice, stream_));
-    ring.commit(len, stream_);
+    FLAME_CUDA_CHECK(cudaMemcpyAsync(d + off, pinned, len, cudaMemcpyHostToDevice, st));
+    ring.commit(len, st);
   }
 }
 
 void CudaBackend::copy_to_host(void* host, const Tensor& src) {
   const std::size_t n = src.nbytes();
+  const cudaStream_t st = stream();
+  check_not_capturing(st, "copy_to_host", "read a tensor to the host (to_vec, item, printing, to(cpu))");
   if (n > 0) {
     FLAME_CHECK(src.is_contiguous(), "copy_to_host", "source must be contiguous (shape ", src.sizes(), ")");
     DeviceGuard guard(device_);
@@ -180,8 +188,8 @@ void CudaBackend::copy_to_host(void* host, const Tensor& src) {
     const std::size_t chunks = (n + kChunkBytes - 1) / kChunkBytes;
     auto enqueue = [&](std::size_t c) {
       const std::size_t off = c * kChunkBytes, len = std::min(kChunkBytes, n - off);
-      FLAME_CUDA_CHECK(cudaMemcpyAsync(down.buf[c % 2], s + off, len, cudaMemcpyDeviceToHost, stream_));
-      FLAME_CUDA_CHECK(cudaEventRecord(down.done[c % 2], stream_));
+      FLAME_CUDA_CHECK(cudaMemcpyAsync(down.buf[c % 2], s + off, len, cudaMemcpyDeviceToHost, st));
+      FLAME_CUDA_CHECK(cudaEventRecord(down.done[c % 2], st));
     };
     enqueue(0);
     if (chunks > 1) enqueue(1);

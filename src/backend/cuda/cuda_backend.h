@@ -1,13 +1,19 @@
 #pragma once
-// The CUDA backend. One CudaBackend per device; all its work is queued on one non-default stream
-// (Note [One stream per device]) and memory comes from its stream-ordered pool.
+// The CUDA backend. One CudaBackend per device; its work is queued on the calling thread's current
+// stream (Note [Current stream]) and memory comes from its stream-ordered pool.
 //
-// Note [One stream per device]
-// Every kernel, copy and library call of a device goes to CudaBackend::stream(). Ordering between
-// ops therefore needs no events, and freeing a tensor returns its memory to the pool in stream
-// order: a later op may reuse it only after every earlier queued op has run. The host waits only
-// at explicit reads (copy_to_host: to_vec/item/printing), masked_select (data-dependent size),
-// cuda::synchronize and empty_cache.
+// Note [Current stream]
+// Every kernel, copy, cuBLASLt call and pool allocation/free of a device goes to
+// CudaBackend::stream(): the calling thread's current stream for the device (set by
+// cuda::StreamGuard / cuda::set_current_stream, a thread-local per device), else the backend's own
+// non-blocking default stream. Ops of one thread on one stream need no events between them, and
+// freeing a tensor returns its memory in the order of the stream it was allocated on: a later op
+// on that stream may reuse it only after every earlier queued op has run. Work on two streams is
+// ordered only by events (cuda::Event, Stream::wait); a tensor used on a stream other than its
+// allocation stream must be recorded there (cuda::record_stream, Note [Record stream]).
+// The host waits only at explicit reads (copy_to_host: to_vec/item/printing), masked_select
+// (data-dependent size), synchronize and empty_cache; all of them raise while the stream they
+// would wait on is being captured into a CUDA graph (check_not_capturing).
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -18,6 +24,21 @@
 namespace flame::backend::cuda {
 
 class MemoryPool;  // src/backend/cuda/memory_pool.*
+
+// The calling thread's current stream of `device`, or nullptr for the backend's default stream.
+cudaStream_t current_stream_override(int device);
+void set_current_stream_override(int device, cudaStream_t stream);
+
+// Raises flame::Error "<op>: cannot <what> while a CUDA graph is being captured" when `stream` is
+// being captured (by FLAME or by anyone else): the call would wait for the GPU or read the host.
+void check_not_capturing(cudaStream_t stream, const char* op, const char* what);
+
+// Note [Launch blocking]: FLAME_CUDA_LAUNCH_BLOCKING=1 in the environment makes every launch check
+// wait for the stream and name the kernel that faulted (read once).
+bool launch_blocking();
+
+// Creates what a capture on `device` must not create itself (library handles); matmul.cu.
+void prepare_capture(int device);
 
 // Note [Deferred device errors]
 // A kernel that finds invalid data (an index out of range) cannot throw. It records the first such
@@ -38,7 +59,12 @@ class CudaBackend final : public Backend {
   explicit CudaBackend(int device);
   ~CudaBackend() override;
   int device() const { return device_; }
-  cudaStream_t stream() const { return stream_; }
+  // The stream this thread's ops on this device run on (Note [Current stream]).
+  cudaStream_t stream() const {
+    const cudaStream_t s = current_stream_override(device_);
+    return s != nullptr ? s : stream_;
+  }
+  cudaStream_t default_stream() const { return stream_; }
   MemoryPool& pool() { return *pool_; }
   // Device pointer to this backend's DeviceErrorRecord (Note [Deferred device errors]).
   DeviceErrorRecord* error_record() const { return error_record_; }
@@ -49,7 +75,10 @@ class CudaBackend final : public Backend {
   void copy(const Tensor& dst, const Tensor& src) override;
   void copy_from_host(const Tensor& dst, const void* host) override;
   void copy_to_host(void* host, const Tensor& src) override;
+  // Waits for the current stream (Backend contract), then raises any deferred device error.
   void synchronize() override;
+  // Waits for every stream of the device (cuda::synchronize).
+  void synchronize_device();
   void fill(const Tensor& dst, Scalar value) override;
   void iota(const Tensor& dst, double start, double step) override;
   void unary(UnaryOp op, const Tensor& dst, const Tensor& src, const UnaryParams& p) override;
@@ -65,8 +94,15 @@ class CudaBackend final : public Backend {
   Tensor masked_select(const Tensor& src, const Tensor& mask) override;
   void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
   void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+  // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
+  // read by the kernel when it runs. `state` is device memory.
+  void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,
+                                double a, double b);
 
  private:
+  void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,
+                   double b);
+
   int device_;
   cudaStream_t stream_ = nullptr;
   std::unique_ptr<MemoryPool> pool_;

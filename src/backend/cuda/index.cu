@@ -504,7 +504,7 @@ void CudaBackend::scatter(const Tensor& dst, int64_t dim, const Tensor& index, c
 }
 
 // Sync point: the result's size depends on the mask, so the count is read back to the host
-// (Note [One stream per device]); deferred index errors are raised here too.
+// (Note [Current stream]); deferred index errors are raised here too.
 Tensor CudaBackend::masked_select(const Tensor& src, const Tensor& mask) {
   FLAME_CHECK(mask.dtype() == DType::boolean && mask.sizes() == src.sizes(), "masked_select",
               "the CUDA kernel expects a bool mask of the source's shape");
@@ -513,6 +513,7 @@ Tensor CudaBackend::masked_select(const Tensor& src, const Tensor& mask) {
   const Tensor s = src.is_contiguous() ? src : contiguous_copy(*this, src);
   const Tensor m = mask.is_contiguous() ? mask : contiguous_copy(*this, mask);
   cudaStream_t st = stream();
+  check_not_capturing(st, "masked_select", "read the selected count to the host");
   auto scratch = allocate(2 * sizeof(unsigned long long));
   auto* count_dev = static_cast<unsigned long long*>(scratch.get());
   unsigned long long count = 0;

@@ -39,6 +39,7 @@
 #include "flame/cuda.h"
 #include "flame/cuda/kernels.h"
 #include "src/backend/cuda/common.cuh"
+#include "src/backend/cuda/cuda_backend.h"
 
 namespace flame::cuda {
 namespace {
@@ -849,6 +850,17 @@ void launch_args(const Kernel& kernel, const LaunchConfig& c, const KernelArg* a
     FLAME_FAIL("launch", "kernel '", k.name, "' on cuda:", k.device, " with grid [", g.x, ", ", g.y, ", ", g.z,
                "], block [", b.x, ", ", b.y, ", ", b.z, "], ", c.shared_mem,
                " bytes of shared memory failed: ", cudaGetErrorString(e));
+  }
+  // Note [Launch blocking] (cuda_backend.cu): wait, so a fault is blamed on this kernel.
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (::flame::backend::cuda::launch_blocking() && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    const cudaError_t r = cudaStreamSynchronize(stream);
+    if (r != cudaSuccess) {
+      clear_last_cuda_error();
+      FLAME_FAIL("launch", "kernel '", k.name, "' on cuda:", k.device, " failed while running: ", cudaGetErrorName(r),
+                 ": ", cudaGetErrorString(r));
+    }
   }
 }
 

@@ -13,24 +13,37 @@
 // batch and row dims merge, the batch is folded into M (one larger GEMM, the common Linear case).
 //
 // Note [cuBLASLt plans]
-// One cublasLt handle per device, created on first use. A plan (operation and layout descriptors
-// plus the heuristic's first algorithm and its workspace size) is cached per device, dtype,
-// compute type, transposes, sizes, leading dims, batch strides and pointer alignment, in a map
-// guarded by a mutex; the descriptors are created once and only read afterwards. The workspace
-// (at most 32 MiB, as the heuristic asks) comes from the device's stream-ordered pool per call.
+// One cublasLt handle per device, created on first use (cuBLASLt handles are thread-safe for
+// cublasLtMatmul). A plan (operation and layout descriptors plus the heuristic's first algorithm
+// and its workspace size) is cached per device, dtype, compute type, transposes, sizes, leading
+// dims, batch strides and pointer alignment, in a map under a shared_mutex: lookups of known
+// shapes take the shared lock only and run in parallel; a miss builds the plan outside any lock
+// and inserts it under the exclusive lock (a racing duplicate is dropped). Plans are never
+// erased, so a reference stays valid. No lock is held while cuBLASLt runs.
+//
+// Note [Matmul workspace]
+// The workspace (kMaxWorkspace = 32 MiB, the most the heuristic may ask) is allocated once per
+// (device, stream) with cudaMalloc and kept: a stream's matmuls run one after another, so they
+// can share it, and no call allocates. Streams are never destroyed (Note [Recycled streams]), so
+// the key stays meaningful. Under graph capture the workspace comes from the graph's private
+// pool instead (allocate()), because replays may run on another stream than the capture's.
 // Compute types: bf16/f16 accumulate in f32 (CUBLAS_COMPUTE_32F); f32 uses TF32 tensor cores only
 // when flame::cuda::allow_tf32() is set; f64 uses CUBLAS_COMPUTE_64F.
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <unordered_map>
 
 #include "flame/cuda.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/memory_pool.h"
 #include "src/core/dispatch.h"
 #include "src/ops/scalar_math.h"
 
@@ -96,13 +109,21 @@ __global__ void __launch_bounds__(256) matmul_int_kernel(const T* __restrict__ a
 // cuBLASLt plumbing
 // ---------------------------------------------------------------------------------------------
 
+constexpr int kMaxMatmulDevices = 64;
+
 cublasLtHandle_t lt_handle(int device) {
-  static std::mutex mu;
-  static cublasLtHandle_t handles[64] = {};
-  FLAME_CHECK(device >= 0 && device < 64, "matmul", "device index ", device, " out of range");
-  std::lock_guard<std::mutex> lock(mu);
-  if (!handles[device]) FLAME_CUBLAS_CHECK(cublasLtCreate(&handles[device]));  // never destroyed
-  return handles[device];
+  static std::array<std::atomic<cublasLtHandle_t>, kMaxMatmulDevices> handles{};
+  static std::mutex create_mutex;
+  FLAME_CHECK(device >= 0 && device < kMaxMatmulDevices, "matmul", "device index ", device, " out of range");
+  cublasLtHandle_t h = handles[device].load(std::memory_order_acquire);
+  if (h != nullptr) return h;
+  std::lock_guard<std::mutex> lock(create_mutex);
+  h = handles[device].load(std::memory_order_acquire);
+  if (h == nullptr) {
+    FLAME_CUBLAS_CHECK(cublasLtCreate(&h));  // never destroyed
+    handles[device].store(h, std::memory_order_release);
+  }
+  return h;
 }
 
 // A row-major [R, C] operand as cuBLAS sees it (Note [Row-major GEMM through cuBLASLt]).
@@ -170,12 +191,53 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, uint64_t rows, uint64_t 
   return l;
 }
 
+// Note [Matmul workspace]: one per (device, stream), created on first use, never freed.
+void* stream_workspace(int device, cudaStream_t stream) {
+  struct Key {
+    int device;
+    cudaStream_t stream;
+    bool operator==(const Key& o) const { return device == o.device && stream == o.stream; }
+  };
+  struct KeyHash {
+    std::size_t operator()(const Key& k) const { return std::hash<const void*>()(k.stream) ^ std::size_t(k.device); }
+  };
+  static std::shared_mutex mu;
+  static auto* workspaces = new std::unordered_map<Key, void*, KeyHash>();  // never destroyed
+  const Key key{device, stream};
+  {
+    std::shared_lock<std::shared_mutex> lock(mu);
+    const auto it = workspaces->find(key);
+    if (it != workspaces->end()) return it->second;
+  }
+  std::unique_lock<std::shared_mutex> lock(mu);
+  const auto it = workspaces->find(key);
+  if (it != workspaces->end()) return it->second;
+  void* ws = nullptr;
+  const cudaError_t err = cudaMalloc(&ws, kMaxWorkspace);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    FLAME_FAIL("matmul", "cannot allocate the ", kMaxWorkspace >> 20, " MiB cuBLASLt workspace of cuda:", device, ": ",
+               cudaGetErrorName(err));
+  }
+  workspaces->emplace(key, ws);
+  return ws;
+}
+
+std::shared_mutex& plan_mutex() {
+  static std::shared_mutex mu;
+  return mu;
+}
+std::unordered_map<PlanKey, Plan, PlanKeyHash>& plan_cache() {
+  static auto* cache = new std::unordered_map<PlanKey, Plan, PlanKeyHash>();  // never destroyed
+  return *cache;
+}
+
 const Plan& get_plan(const PlanKey& key, cudaDataType_t type, cublasComputeType_t compute, cudaDataType_t scale) {
-  static std::mutex mu;
-  static std::unordered_map<PlanKey, Plan, PlanKeyHash> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
+  {
+    std::shared_lock<std::shared_mutex> lock(plan_mutex());
+    const auto it = plan_cache().find(key);
+    if (it != plan_cache().end()) return it->second;
+  }
   Plan plan;
   FLAME_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, compute, scale));
   const cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -211,7 +273,15 @@ const Plan& get_plan(const PlanKey& key, cudaDataType_t type, cublasComputeType_
   }
   plan.algo = result.algo;
   plan.workspace = result.workspaceSize;
-  return cache.emplace(key, plan).first->second;
+  std::unique_lock<std::shared_mutex> lock(plan_mutex());
+  const auto [it, inserted] = plan_cache().emplace(key, plan);
+  if (!inserted) {  // another thread built the same plan meanwhile: keep theirs
+    cublasLtMatrixLayoutDestroy(plan.la);
+    cublasLtMatrixLayoutDestroy(plan.lb);
+    cublasLtMatrixLayoutDestroy(plan.lc);
+    cublasLtMatmulDescDestroy(plan.op);
+  }
+  return it->second;
 }
 
 // A contiguous copy of t (same dtype and device), for operands cuBLAS cannot read in place.
@@ -280,15 +350,37 @@ void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b) {
   key.align_c = alignment_of(dst.data_ptr(), key.stride_c * es);
   const Plan& plan = get_plan(key, type, compute, scale);
 
-  std::shared_ptr<void> workspace;
-  if (plan.workspace > 0) workspace = be.allocate(plan.workspace);
+  // Note [Matmul workspace]
+  const cudaStream_t stream = be.stream();
+  std::shared_ptr<void> captured_workspace;
+  void* workspace = nullptr;
+  if (plan.workspace > 0) {
+    if (thread_is_capturing(be.device())) {
+      captured_workspace = be.allocate(plan.workspace);
+      workspace = captured_workspace.get();
+    } else {
+      workspace = stream_workspace(be.device(), stream);
+    }
+  }
   const float one_f = 1.0f, zero_f = 0.0f;
   const double one_d = 1.0, zero_d = 0.0;
   const void* alpha = dt == DType::f64 ? static_cast<const void*>(&one_d) : static_cast<const void*>(&one_f);
   const void* beta = dt == DType::f64 ? static_cast<const void*>(&zero_d) : static_cast<const void*>(&zero_f);
   FLAME_CUBLAS_CHECK(cublasLtMatmul(lt_handle(be.device()), plan.op, alpha, b.data_ptr(), plan.la, a.data_ptr(), plan.lb,
-                                    beta, dst.data_ptr(), plan.lc, dst.data_ptr(), plan.lc, &plan.algo, workspace.get(),
-                                    plan.workspace, be.stream()));
+                                    beta, dst.data_ptr(), plan.lc, dst.data_ptr(), plan.lc, &plan.algo, workspace,
+                                    plan.workspace, stream));
+  if (launch_blocking()) {  // Note [Launch blocking]: name the GEMM if it faults
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+    if (status == cudaStreamCaptureStatusNone) {
+      const cudaError_t err = cudaStreamSynchronize(stream);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        FLAME_FAIL("matmul", "cuBLASLt GEMM m=", key.m, " n=", key.n, " k=", key.k, " batch=", key.batch,
+                   " failed on the GPU: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+      }
+    }
+  }
 }
 
 template <class T>
@@ -307,6 +399,11 @@ void int_matmul(CudaBackend& be, const Tensor& dst, const Tensor& a, const Tenso
 }
 
 }  // namespace
+
+void prepare_capture(int device) {
+  DeviceGuard guard(device);
+  (void)lt_handle(device);  // cublasLtCreate allocates: never inside a capture
+}
 
 // Contract (Note [Backend seam]): dst [B, M, N] contiguous; a [B, M, K] and b [B, K, N] of dst's
 // dtype, any strides (a batch stride of 0 broadcasts).

@@ -1,39 +1,72 @@
 // Note [Stream-ordered pool]
 // Each device has one MemoryPool: a cudaMemPool_t of its own (not the device's default pool, so
 // that its statistics count FLAME's memory only) served through cudaMallocFromPoolAsync and
-// cudaFreeAsync on the device's one stream (Note [One stream per device]).
-//  - Stream order. An allocation may be used by any work queued on the stream after it; a free is
-//    queued behind every op already queued, so the memory is reused only once those ops have run.
-//    Neither call waits for the GPU, and no op ever calls cudaMalloc.
+// cudaFreeAsync, plus a host-side block cache in front of it and a private pool per CUDA graph.
+//  - Stream order. A block is allocated on the allocating thread's current stream (its "alloc
+//    stream", Note [Current stream] in cuda_backend.h) and may be used by any work queued on that
+//    stream after it. When freed, it is freed on its alloc stream: behind every op queued there
+//    so far, so it is reused only once those ops have run. Neither call waits for the GPU, and no
+//    op ever calls cudaMalloc (graph-private pools aside, below). The cudaMemPool_t hands memory
+//    freed on one stream to another only once the free is known complete (its default reuse
+//    policy: event dependencies, opportunistic reuse).
 //  - Caching. The pool's release threshold is UINT64_MAX: memory freed to the pool stays reserved
 //    by the process and is handed out again without a driver call. It goes back to the driver
 //    only in empty_cache() (synchronize, then cudaMemPoolTrimTo(pool, 0)) or when an allocation
 //    fails (below).
-//  - Out of memory. A failed allocation clears CUDA's last-error state, hands the block cache
-//    (below) back to the pool, waits for the stream, trims the pool to zero and tries once more (like PyTorch's allocator freeing its cached
-//    blocks). If that fails too it raises flame::Error naming the requested bytes and the pool's
-//    state; the process can go on allocating.
-//  - Note [Block cache]. In front of the pool sits a host-side cache of freed blocks: a block of at
-//    most kMaxCachedBlock (16 MiB) bytes, when freed, goes into a free list keyed by its size
-//    rounded up to kGranule (512 B) instead of to cudaFreeAsync, and the next allocation of that
-//    rounded size takes it back without any CUDA call (a lock, a hash lookup), where
-//    cudaMallocFromPoolAsync + cudaFreeAsync take about a microsecond or more of host time together
-//    (bench/host_floor.cu measures both).
-//    Reuse is safe for the same reason as the pool's own: every op runs on the one stream, so work
-//    queued with the new owner runs after all work queued with the old one. The cache holds at
-//    most kMaxCachedTotal (1 GiB); beyond that, and for larger blocks, frees go to the pool.
-//    Cached blocks count in reserved_bytes and cached_bytes, not in allocated_bytes; empty_cache()
-//    and the out-of-memory path hand them back to the pool first. FLAME_CUDA_BLOCK_CACHE=0 in
-//    the environment turns the cache off (the sanitizer runs of scripts/gpu_run.sh do).
+//  - Out of memory. A failed allocation clears CUDA's last-error state, waits for the pending
+//    record_stream blocks, hands the block cache back to the pool, waits for the device, trims
+//    the pool to zero and tries once more (like PyTorch's allocator freeing its cached blocks).
+//    If that fails too (or a graph capture forbids waiting) it raises flame::Error naming the
+//    requested bytes and the pool's state; the process can go on allocating.
+//  - Note [Block cache]. A freed block of at most kMaxCachedBlock (16 MiB) bytes goes into a free
+//    list keyed by (alloc stream, size rounded up to kGranule = 512 B) instead of to cudaFreeAsync,
+//    and the next allocation of that rounded size *on the same stream* takes it back without any
+//    CUDA call (a lock, a hash lookup), where cudaMallocFromPoolAsync + cudaFreeAsync take about a
+//    microsecond or more of host time together (bench/host_floor.cu measures both).
+//    Who may be handed a cached block (the exact-size reuse rule):
+//      * only an allocation on the block's alloc stream: work queued for the new owner runs after
+//        all work queued for the old one on that stream, so no event is needed;
+//      * never while another stream may still use it: a block recorded on other streams
+//        (cuda::record_stream, Note [Record stream]) waits in `pending_` until events recorded on
+//        those streams at free time have completed, and only then enters the cache;
+//      * never while a CUDA graph may still write it: blocks allocated during a capture belong to
+//        the graph's private pool and never enter this cache; blocks of the shared pool freed
+//        while a capture is running are retained by the graph until it is destroyed (its replays
+//        may read them), then recycled as above (Note [Graph-private pool]).
+//    The cache holds at most kMaxCachedTotal (1 GiB); beyond that, and for larger blocks, frees go
+//    to the pool. Cached blocks count in reserved_bytes and cached_bytes, not in
+//    allocated_bytes; empty_cache() and the out-of-memory path hand them back to the pool first.
+//    FLAME_CUDA_BLOCK_CACHE=0 in the environment turns the cache off (the sanitizer runs of
+//    scripts/gpu_run.sh do).
+//  - Note [Record stream]. record_stream(base, s) notes that the block is used on stream s. At free
+//    time the pool records one event on each such stream other than the alloc stream and parks
+//    the block in `pending_`; allocations that miss the cache poll the events (cudaEventQuery, no
+//    waiting) and move finished blocks into the cache. Like PyTorch's CUDACachingAllocator, this
+//    adds no dependency between streams: the alloc stream never waits for the others.
+//  - Note [Graph-private pool]. While a thread captures a cuda::Graph on this device, its
+//    allocations come from the graph's GraphPool: blocks cudaMalloc'd (the capture mode is
+//    relaxed for that one call), reused within the capture by exact rounded size (the captured
+//    work is one stream, so replays run it in capture order), and kept by the graph after the
+//    capture: a block freed after the capture goes back to the graph's free list, not to the
+//    shared cache, because replays still write it. When the graph is destroyed (after its last
+//    replay finished), unused private blocks are cudaFree'd and blocks still held by tensors are
+//    cudaFree'd when those are freed. A capture never calls cudaMallocFromPoolAsync or
+//    cudaFreeAsync on the capturing stream (that would add allocation nodes to the graph).
+//  - Note [Poisoned allocations]. With FLAME_POISON_ALLOC set (the test suite sets it), every
+//    allocation is filled with 0xFF bytes (NaN in every float dtype) by a cudaMemsetAsync on its
+//    stream, so a kernel that leaves an output element unwritten cannot pass because a cached
+//    block already held the right answer (the CPU allocator does the same).
 //  - Zero bytes: a null pointer, never dereferenced; its deleter only counts the free.
 //  - Statistics (flame::cuda::MemoryStats) are atomics updated at allocate and at free:
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
-//    reset, reserved = the pool's cudaMemPoolAttrReservedMemCurrent (read on demand, no sync).
+//    reset, reserved = the pool's cudaMemPoolAttrReservedMemCurrent (read on demand, no sync)
+//    plus the graph pools' bytes, fragmentation = reserved - allocated.
 // The backend that owns the pool is never destroyed (see cuda_backend.cu), so deleters of tensors
 // freed during static destruction still find it; their cudaFreeAsync may then fail because the
 // CUDA runtime is unloading, which is ignored (the process is exiting).
 #include "src/backend/cuda/memory_pool.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
@@ -45,6 +78,10 @@
 namespace flame::backend::cuda {
 
 namespace {
+
+constexpr int kMaxPoolDevices = 64;
+// The graph pool the calling thread captures into, per device (Note [Graph-private pool]).
+thread_local GraphPool* t_capture_pool[kMaxPoolDevices] = {};
 
 std::string format_bytes(std::size_t n) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -59,13 +96,45 @@ std::string format_bytes(std::size_t n) {
   return buf;
 }
 
+// Runs a call that captures forbid (cudaMalloc) with this thread's capture mode relaxed.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCaptureMode() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// Restores the device current before a deleter ran; never throws.
+class QuietDeviceGuard {
+ public:
+  explicit QuietDeviceGuard(int device) : device_(device) {
+    if (cudaGetDevice(&previous_) == cudaSuccess && previous_ != device) (void)cudaSetDevice(device);
+  }
+  ~QuietDeviceGuard() {
+    if (previous_ >= 0 && previous_ != device_) (void)cudaSetDevice(previous_);
+  }
+
+ private:
+  int device_;
+  int previous_ = -1;
+};
+
 }  // namespace
 
-MemoryPool::MemoryPool(int device, cudaStream_t stream) : device_(device), stream_(stream) {
+bool thread_is_capturing(int device) {
+  return device >= 0 && device < kMaxPoolDevices && t_capture_pool[device] != nullptr;
+}
+
+MemoryPool::MemoryPool(int device, cudaStream_t default_stream) : device_(device), default_stream_(default_stream) {
   // FLAME_CUDA_BLOCK_CACHE=0 turns the block cache off: every tensor is then its own pool
   // allocation, which compute-sanitizer's memcheck tracks one by one.
   const char* env = std::getenv("FLAME_CUDA_BLOCK_CACHE");
   cache_enabled_ = !(env != nullptr && std::string(env) == "0");
+  const char* poison = std::getenv("FLAME_POISON_ALLOC");
+  poison_ = poison != nullptr && std::string(poison) != "0";
+  FLAME_CHECK(device >= 0 && device < kMaxPoolDevices, "cuda", "device index ", device, " out of range");
   DeviceGuard guard(device);
   cudaMemPoolProps props{};
   props.allocType = cudaMemAllocationTypePinned;
@@ -81,41 +150,113 @@ MemoryPool::MemoryPool(int device, cudaStream_t stream) : device_(device), strea
 MemoryPool::~MemoryPool() {
   // Not reached in practice (backends live until exit); best effort, never throws.
   if (pool_ != nullptr) {
-    (void)cudaStreamSynchronize(stream_);
+    (void)cudaDeviceSynchronize();
+    for (cudaEvent_t e : free_events_) (void)cudaEventDestroy(e);
     (void)cudaMemPoolDestroy(pool_);
     (void)cudaGetLastError();
   }
 }
 
-std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes) {
-  if (nbytes == 0) {
-    num_allocs_.fetch_add(1, std::memory_order_relaxed);
-    return std::shared_ptr<void>(nullptr, [this](void*) { num_frees_.fetch_add(1, std::memory_order_relaxed); });
-  }
-  const std::size_t rounded = cache_size(nbytes);
-  const bool cacheable = cache_enabled_ && rounded <= kMaxCachedBlock;
-  void* ptr = cacheable ? take_cached(rounded) : nullptr;
-  if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes);
+void MemoryPool::count_alloc(std::size_t nbytes) {
   num_allocs_.fetch_add(1, std::memory_order_relaxed);
   const std::size_t now = allocated_.fetch_add(nbytes, std::memory_order_relaxed) + nbytes;
   std::size_t peak = peak_.load(std::memory_order_relaxed);
   while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
   }
-  return std::shared_ptr<void>(ptr, [this, nbytes](void* p) { release(p, nbytes); });
 }
 
-void* MemoryPool::allocate_from_pool(std::size_t nbytes) {
+void MemoryPool::poison(void* ptr, std::size_t nbytes, cudaStream_t stream) {
+  // Note [Poisoned allocations]: 0xFF bytes are NaN in f16, bf16, f32 and f64.
+  if (poison_) FLAME_CUDA_CHECK(cudaMemsetAsync(ptr, 0xFF, nbytes, stream));
+}
+
+std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes, cudaStream_t stream) {
+  if (nbytes == 0) {
+    num_allocs_.fetch_add(1, std::memory_order_relaxed);
+    return std::shared_ptr<void>(nullptr, [this](void*) { num_frees_.fetch_add(1, std::memory_order_relaxed); });
+  }
+  if (GraphPool* gp = t_capture_pool[device_]) {
+    std::shared_ptr<GraphPool> owner;
+    {
+      std::lock_guard<std::mutex> lock(cache_mutex_);
+      for (const auto& p : capture_pools_) {
+        if (p.get() == gp) owner = p;
+      }
+    }
+    if (owner) return allocate_private(*gp, owner, nbytes, stream);
+  }
+  const std::size_t rounded = cache_size(nbytes);
+  const bool cacheable = cache_enabled_ && rounded <= kMaxCachedBlock;
+  void* ptr = cacheable ? take_cached(stream, rounded) : nullptr;
+  if (ptr == nullptr && pending_bytes_.load(std::memory_order_relaxed) > 0) {
+    process_pending(false);
+    if (cacheable) ptr = take_cached(stream, rounded);
+  }
+  if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes, stream);
+  count_alloc(nbytes);
+  poison(ptr, nbytes, stream);
+  return std::shared_ptr<void>(ptr, [this, nbytes, stream](void* p) { release(p, nbytes, stream); });
+}
+
+std::shared_ptr<void> MemoryPool::allocate_private(GraphPool& gp, const std::shared_ptr<GraphPool>& owner,
+                                                   std::size_t nbytes, cudaStream_t stream) {
+  const std::size_t rounded = cache_size(nbytes);
+  void* ptr = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(gp.mutex);
+    auto it = gp.free_blocks.find(rounded);
+    if (it != gp.free_blocks.end() && !it->second.empty()) {
+      ptr = it->second.back();
+      it->second.pop_back();
+    }
+  }
+  if (ptr == nullptr) {
+    DeviceGuard guard(device_);
+    RelaxedCaptureMode relaxed;  // cudaMalloc is not stream work: legal during capture in relaxed mode
+    const cudaError_t err = cudaMalloc(&ptr, rounded);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      raise_out_of_memory(rounded, err);
+    }
+    std::lock_guard<std::mutex> lock(gp.mutex);
+    gp.reserved += rounded;
+    graph_reserved_.fetch_add(rounded, std::memory_order_relaxed);
+  }
+  count_alloc(nbytes);
+  poison(ptr, nbytes, stream);  // captured: every replay re-poisons
+  return std::shared_ptr<void>(ptr, [this, owner, nbytes, rounded](void* p) {
+    num_frees_.fetch_add(1, std::memory_order_relaxed);
+    allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(owner->mutex);
+    if (owner->graph_alive) {
+      try {
+        owner->free_blocks[rounded].push_back(p);
+        return;
+      } catch (...) {  // no host memory for the list: the block is lost to the graph until exit
+        return;
+      }
+    }
+    QuietDeviceGuard guard(device_);
+    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+    owner->reserved -= rounded;
+    graph_reserved_.fetch_sub(rounded, std::memory_order_relaxed);
+  });
+}
+
+void* MemoryPool::allocate_from_pool(std::size_t nbytes, cudaStream_t stream) {
   DeviceGuard guard(device_);
   void* ptr = nullptr;
-  cudaError_t err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
+  cudaError_t err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // an allocation failure is not sticky: clear it so later checks pass
-    if (err == cudaErrorMemoryAllocation) {
-      // Give the cached memory (the block cache's and the pool's) back to the driver and try once more.
+    // Waiting for the device would break a capture running on some thread: no retry then.
+    if (err == cudaErrorMemoryAllocation && !capture_active()) {
+      // Give the cached memory (pending, the block cache's and the pool's) back and try once more.
+      process_pending(true);
       flush_cache();
-      FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      FLAME_CUDA_CHECK(cudaDeviceSynchronize());
       FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
-      err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream_);
+      err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream);
       if (err != cudaSuccess) (void)cudaGetLastError();
     }
     if (err != cudaSuccess) raise_out_of_memory(nbytes, err);
@@ -123,9 +264,9 @@ void* MemoryPool::allocate_from_pool(std::size_t nbytes) {
   return ptr;
 }
 
-void* MemoryPool::take_cached(std::size_t rounded) {
+void* MemoryPool::take_cached(cudaStream_t stream, std::size_t rounded) {
   std::lock_guard<std::mutex> lock(cache_mutex_);
-  const auto it = cache_.find(rounded);
+  const auto it = cache_.find(CacheKey{stream, rounded});
   if (it == cache_.end() || it->second.empty()) return nullptr;
   void* ptr = it->second.back();
   it->second.pop_back();
@@ -133,15 +274,88 @@ void* MemoryPool::take_cached(std::size_t rounded) {
   return ptr;
 }
 
-void MemoryPool::release(void* ptr, std::size_t nbytes) noexcept {
+void MemoryPool::record_stream(void* base, cudaStream_t stream) {
+  if (base == nullptr) return;
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  auto& streams = recorded_[base];
+  if (std::find(streams.begin(), streams.end(), stream) == streams.end()) streams.push_back(stream);
+  any_recorded_.store(true, std::memory_order_release);
+}
+
+void MemoryPool::release(void* ptr, std::size_t nbytes, cudaStream_t stream) noexcept {
   num_frees_.fetch_add(1, std::memory_order_relaxed);
   allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
+  recycle(ptr, nbytes, stream);
+}
+
+void MemoryPool::recycle(void* ptr, std::size_t nbytes, cudaStream_t stream) noexcept {
+  std::vector<cudaStream_t> streams;
+  if (any_recorded_.load(std::memory_order_acquire) || captures_active_.load(std::memory_order_acquire) > 0) {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    auto it = recorded_.find(ptr);
+    if (it != recorded_.end()) {
+      streams = std::move(it->second);
+      recorded_.erase(it);
+      if (recorded_.empty()) any_recorded_.store(false, std::memory_order_release);
+    }
+    if (!capture_pools_.empty()) {
+      // Note [Graph-private pool]: a running capture may have recorded reads of this block.
+      GraphPool* mine = t_capture_pool[device_];
+      std::shared_ptr<GraphPool> gp = capture_pools_.front();
+      for (const auto& p : capture_pools_) {
+        if (p.get() == mine) gp = p;
+      }
+      try {
+        std::lock_guard<std::mutex> glock(gp->mutex);
+        gp->retained.push_back({ptr, nbytes, stream});
+        // The recorded streams still matter after the graph: keep them with the block.
+        if (!streams.empty()) {
+          recorded_[ptr] = std::move(streams);
+          any_recorded_.store(true, std::memory_order_release);
+        }
+        return;
+      } catch (...) {  // no host memory: fall through and free it (best effort)
+      }
+    }
+    streams.erase(std::remove(streams.begin(), streams.end(), stream), streams.end());
+    if (!streams.empty()) {
+      // Note [Record stream]: one event per other stream, recorded now, polled later.
+      QuietDeviceGuard guard(device_);
+      try {
+        Pending p{ptr, nbytes, stream, {}};
+        for (cudaStream_t s : streams) {
+          cudaEvent_t ev = nullptr;
+          if (!free_events_.empty()) {
+            ev = free_events_.back();
+            free_events_.pop_back();
+          } else if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+            (void)cudaGetLastError();
+            continue;  // cannot track this stream: wait for it instead below
+          }
+          if (cudaEventRecord(ev, s) != cudaSuccess) {
+            (void)cudaGetLastError();
+            free_events_.push_back(ev);
+            continue;
+          }
+          p.events.push_back(ev);
+        }
+        pending_bytes_.fetch_add(cache_size(nbytes), std::memory_order_relaxed);
+        pending_.push_back(std::move(p));
+        return;
+      } catch (...) {
+      }
+    }
+  }
+  cache_or_free(ptr, nbytes, stream);
+}
+
+void MemoryPool::cache_or_free(void* ptr, std::size_t nbytes, cudaStream_t stream) noexcept {
   const std::size_t rounded = cache_size(nbytes);
   if (cache_enabled_ && rounded <= kMaxCachedBlock) {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (cached_bytes_.load(std::memory_order_relaxed) + rounded <= kMaxCachedTotal) {
       try {
-        cache_[rounded].push_back(ptr);
+        cache_[CacheKey{stream, rounded}].push_back(ptr);
         cached_bytes_.fetch_add(rounded, std::memory_order_relaxed);
         return;
       } catch (...) {  // no host memory for the list: free the block to the pool instead
@@ -149,29 +363,95 @@ void MemoryPool::release(void* ptr, std::size_t nbytes) noexcept {
     }
   }
   // Stream-ordered free: the memory returns to the pool after every op queued so far has run.
-  int previous = -1;
-  if (cudaGetDevice(&previous) == cudaSuccess && previous != device_) (void)cudaSetDevice(device_);
-  if (cudaFreeAsync(ptr, stream_) != cudaSuccess) (void)cudaGetLastError();  // e.g. runtime unloading
-  if (previous >= 0 && previous != device_) (void)cudaSetDevice(previous);
+  QuietDeviceGuard guard(device_);
+  if (cudaFreeAsync(ptr, stream) != cudaSuccess) (void)cudaGetLastError();  // e.g. runtime unloading
+}
+
+void MemoryPool::process_pending(bool wait) {
+  std::vector<Pending> done;
+  {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    DeviceGuard guard(device_);
+    for (std::size_t i = 0; i < pending_.size();) {
+      bool finished = true;
+      for (cudaEvent_t ev : pending_[i].events) {
+        const cudaError_t err = wait ? cudaEventSynchronize(ev) : cudaEventQuery(ev);
+        if (err == cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          finished = false;
+          break;
+        }
+        if (err != cudaSuccess) FLAME_CUDA_CHECK(err);
+      }
+      if (finished) {
+        for (cudaEvent_t ev : pending_[i].events) free_events_.push_back(ev);
+        pending_bytes_.fetch_sub(cache_size(pending_[i].nbytes), std::memory_order_relaxed);
+        done.push_back(std::move(pending_[i]));
+        pending_[i] = std::move(pending_.back());
+        pending_.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (const Pending& p : done) cache_or_free(p.ptr, p.nbytes, p.stream);
 }
 
 void MemoryPool::flush_cache() {
-  std::unordered_map<std::size_t, std::vector<void*>> blocks;
+  std::unordered_map<CacheKey, std::vector<void*>, CacheKeyHash> blocks;
   {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     blocks.swap(cache_);
     cached_bytes_.store(0, std::memory_order_relaxed);
   }
   DeviceGuard guard(device_);
-  for (auto& [size, list] : blocks) {
-    for (void* p : list) FLAME_CUDA_CHECK(cudaFreeAsync(p, stream_));
+  for (auto& [key, list] : blocks) {
+    for (void* p : list) FLAME_CUDA_CHECK(cudaFreeAsync(p, key.stream));
   }
+}
+
+void MemoryPool::begin_capture(const std::shared_ptr<GraphPool>& pool) {
+  FLAME_CHECK(t_capture_pool[device_] == nullptr, "cuda::Graph::capture_begin",
+              "this thread is already capturing a graph on cuda:", device_);
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  capture_pools_.push_back(pool);
+  captures_active_.fetch_add(1, std::memory_order_acq_rel);
+  t_capture_pool[device_] = pool.get();
+}
+
+void MemoryPool::end_capture(const std::shared_ptr<GraphPool>& pool) {
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  const auto it = std::find(capture_pools_.begin(), capture_pools_.end(), pool);
+  if (it == capture_pools_.end()) return;
+  capture_pools_.erase(it);
+  captures_active_.fetch_sub(1, std::memory_order_acq_rel);
+  if (t_capture_pool[device_] == pool.get()) t_capture_pool[device_] = nullptr;
+}
+
+void MemoryPool::release_graph_pool(const std::shared_ptr<GraphPool>& pool) {
+  std::vector<GraphPool::Retained> retained;
+  {
+    std::lock_guard<std::mutex> lock(pool->mutex);
+    if (!pool->graph_alive) return;
+    pool->graph_alive = false;
+    QuietDeviceGuard guard(device_);
+    for (auto& [size, list] : pool->free_blocks) {
+      for (void* p : list) {
+        if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+        pool->reserved -= size;
+        graph_reserved_.fetch_sub(size, std::memory_order_relaxed);
+      }
+    }
+    pool->free_blocks.clear();
+    retained.swap(pool->retained);
+  }
+  for (const auto& r : retained) recycle(r.ptr, r.nbytes, r.stream);
 }
 
 std::size_t MemoryPool::reserved_bytes() const {
   uint64_t reserved = 0;
   FLAME_CUDA_CHECK(cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &reserved));
-  return static_cast<std::size_t>(reserved);
+  return static_cast<std::size_t>(reserved) + graph_reserved_.load(std::memory_order_relaxed);
 }
 
 ::flame::cuda::MemoryStats MemoryPool::stats() const {
@@ -180,6 +460,9 @@ std::size_t MemoryPool::reserved_bytes() const {
   s.reserved_bytes = reserved_bytes();
   s.cached_bytes = cached_bytes_.load(std::memory_order_relaxed);
   s.peak_allocated_bytes = peak_.load(std::memory_order_relaxed);
+  s.fragmentation_bytes = s.reserved_bytes > s.allocated_bytes ? s.reserved_bytes - s.allocated_bytes : 0;
+  s.graph_pool_bytes = graph_reserved_.load(std::memory_order_relaxed);
+  s.pending_stream_bytes = pending_bytes_.load(std::memory_order_relaxed);
   s.num_allocs = num_allocs_.load(std::memory_order_relaxed);
   s.num_frees = num_frees_.load(std::memory_order_relaxed);
   s.num_ooms = num_ooms_.load(std::memory_order_relaxed);
@@ -189,9 +472,12 @@ std::size_t MemoryPool::reserved_bytes() const {
 void MemoryPool::reset_peak() { peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed); }
 
 void MemoryPool::empty_cache() {
-  flush_cache();
+  FLAME_CHECK(!capture_active(), "cuda::empty_cache",
+              "cannot empty the cache while a CUDA graph is being captured on cuda:", device_);
   DeviceGuard guard(device_);
-  FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  process_pending(true);
+  flush_cache();
+  FLAME_CUDA_CHECK(cudaDeviceSynchronize());
   FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
 }
 
@@ -208,9 +494,11 @@ void MemoryPool::raise_out_of_memory(std::size_t nbytes, cudaError_t err) {
   std::size_t reserved = 0;
   uint64_t r = 0;
   if (cudaMemPoolGetAttribute(pool_, cudaMemPoolAttrReservedMemCurrent, &r) == cudaSuccess) reserved = r;
+  reserved += graph_reserved_.load();
   os << "; the pool holds " << allocated_.load() << " bytes (" << format_bytes(allocated_.load())
-     << ") allocated by live tensors and " << reserved << " bytes (" << format_bytes(reserved)
-     << ") reserved" << (err == cudaErrorMemoryAllocation ? " after releasing its cache and retrying" : "");
+     << ") allocated by live tensors and " << reserved << " bytes (" << format_bytes(reserved) << ") reserved"
+     << (err == cudaErrorMemoryAllocation && !capture_active() ? " after releasing its cache and retrying" : "");
+  if (capture_active()) os << " (a CUDA graph capture is running: the cache was not released)";
   std::size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
     os << "; the device has " << format_bytes(free_bytes) << " free of " << format_bytes(total_bytes);
