@@ -2,14 +2,15 @@
 # Builds, tests and benchmarks FLAME on a GPU machine in one call, and prints a short summary
 # LAST. Run it from the repository root (docs/gpu-runner.md):
 #
-#   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests REGEX]
-#                      [--sanitize-filter GTEST_FILTER] [--racecheck-filter GTEST_FILTER]
+#   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests GTEST_FILTER]
+#                      [--allow-skip REGEX] [--sanitize-filter GTEST_FILTER] [--racecheck-filter GTEST_FILTER]
 #                      [--jobs N] [--gtest-shards N]
 #                      [--budget SECONDS] [--build-dir DIR]
 #
 # Steps: configure + build (Release, sm_90, ninja on all cores); the whole test suite on CUDA
-# (FLAME_TEST_DEVICE=cuda ctest -j N; or, with --gtest-shards N, the test binary itself in N
-# parallel shards: one CUDA context per shard instead of one per test, much faster); with
+# (FLAME_TEST_DEVICE=cuda ctest -j N over the shards CMake registers; or, with --gtest-shards N,
+# the test binary itself in N parallel shards), failing when fewer cases ran than listed or a
+# case skipped outside the allow-list (Note [Counting CUDA cases]); with
 # --sanitize, compute-sanitizer memcheck on a subset (and racecheck on another with
 # --racecheck-filter); the custom_kernel example twice (the second run must load from the kernel
 # disk cache); the benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py). Logs go to $OUT when set (the
@@ -26,20 +27,23 @@ RUN_TESTS=1
 RUN_BENCH=1
 RUN_EXAMPLE=1
 TEST_REGEX=""
+# Cases that skip in a CUDA build by design (Note [Counting CUDA cases]); --allow-skip adds more.
+ALLOW_SKIP="CudaJitConfig\.WithoutCudaEveryCallRaises"
 SAN_FILTER="CudaJit*:*CudaMatchesCpu*"
 RACE_FILTER=""
 JOBS=8
 SHARDS=0
 BUDGET=0
 
-usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^set -uo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --sanitize) SANITIZE=1 ;;
     --no-tests) RUN_TESTS=0 ;;
     --no-bench) RUN_BENCH=0 ;;
     --no-example) RUN_EXAMPLE=0 ;;
-    --tests) TEST_REGEX="$2"; shift ;;  # ctest -R regex; a --gtest_filter in shard mode
+    --tests) TEST_REGEX="$2"; shift ;;  # a --gtest_filter (GTEST_FILTER for ctest's processes)
+    --allow-skip) ALLOW_SKIP="$ALLOW_SKIP|$2"; shift ;;  # an extended regex of Suite.Case names
     --sanitize-filter) SAN_FILTER="$2"; shift ;;
     --racecheck-filter) RACE_FILTER="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
@@ -133,85 +137,130 @@ say "build rc=$BUILD_RC in ${BUILD_S}s"
 fresh() { [[ -x "$1" && ( $BUILD_RC -eq 0 || "$1" -nt "$MARKER" ) ]]; }
 
 # ---- tests on CUDA ----
+# Note [Counting CUDA cases]: a CUDA run passes only when every case that should run did run and
+# passed. Each test process writes its counts and the names of its skipped cases to
+# $SUMMARY_DIR (FLAME_TEST_SUMMARY_DIR, tests/main.cpp); the sum over the shards must equal the
+# number of cases `flame_tests --gtest_list_tests` lists for the filter, and a skipped case fails
+# the run unless it matches ALLOW_SKIP (cases that cannot run in a CUDA build by design). A test
+# binary that finds no GPU under FLAME_TEST_DEVICE=cuda exits non-zero before running anything.
 TEST_BIN="$BUILD/tests/flame_tests"
+SUMMARY_DIR="$BUILD/test-summaries"
+# check_counts LABEL SECONDS: adds up $SUMMARY_DIR and notes the verdict.
+check_counts() {
+  local label="$1" secs="$2" expected ran=0 passed=0 failed=0 skipped=0 whole_bad=0 files=0 f r
+  # Listed cases minus disabled ones (a suite or case name DISABLED_* or */DISABLED_*, as GoogleTest).
+  expected=$(FLAME_TEST_DEVICE=cuda "$TEST_BIN" --gtest_list_tests ${TEST_REGEX:+--gtest_filter="$TEST_REGEX"} 2>/dev/null |
+    awk '/^[^ ]/ { suite = $1; sub(/\.$/, "", suite); next }
+         /^  [^ ]/ { t = $1; if (suite ~ /(^|\/)DISABLED_/ || t ~ /(^|\/)DISABLED_/) next; n++ }
+         END { print n + 0 }')
+  for f in "$SUMMARY_DIR"/*.txt; do
+    [[ -f "$f" ]] || continue
+    files=$(( files + 1 ))
+    r=$(awk '$1 == "ran" {print $2}' "$f")
+    failed=$(( failed + $(awk '$1 == "failed" {print $2}' "$f") ))
+    if head -1 "$f" | grep -q '^shard - of -'; then
+      # A whole-suite process (suite.shuffled): it alone must run every case.
+      [[ "${r:-0}" -ne "$expected" ]] && whole_bad=$(( whole_bad + 1 ))
+    else
+      ran=$(( ran + ${r:-0} ))
+      passed=$(( passed + $(awk '$1 == "passed" {print $2}' "$f") ))
+      skipped=$(( skipped + $(awk '$1 == "skipped" {print $2}' "$f") ))
+    fi
+  done
+  local unexpected
+  unexpected=$(cat "$SUMMARY_DIR"/*.txt 2>/dev/null | awk '$1 == "skipped-case" {print $2}' | sort -u |
+    grep -vE "^(${ALLOW_SKIP})$" || true)
+  local n_unexpected
+  n_unexpected=$(grep -c . <<<"$unexpected")
+  note "tests (cuda, $label): expected $expected cases, ran $ran in shards, passed $passed, skipped $skipped ($n_unexpected not allowed); failed $failed (shards and whole-suite runs); ${secs} s"
+  if [[ $files -eq 0 ]]; then
+    STATUS=1
+    note "  FAILED: no test process wrote a summary (no GPU found? the binary exits non-zero without one)"
+  fi
+  if [[ $ran -ne $expected ]]; then
+    STATUS=1
+    note "  FAILED: $ran cases ran in the shards, $expected expected"
+  fi
+  if [[ $whole_bad -ne 0 ]]; then
+    STATUS=1
+    note "  FAILED: $whole_bad whole-suite run(s) did not run all $expected cases"
+  fi
+  if [[ $n_unexpected -ne 0 ]]; then
+    STATUS=1
+    note "  FAILED: skipped cases outside the allow-list:"
+    while IFS= read -r line; do note "    $line"; done < <(head -10 <<<"$unexpected")
+    [[ $n_unexpected -gt 10 ]] && note "    ... and $(( n_unexpected - 10 )) more"
+  fi
+  [[ $failed -ne 0 ]] && STATUS=1
+}
+
 if [[ $RUN_TESTS -eq 1 && $SHARDS -gt 0 ]]; then
-  # The fast mode: GoogleTest's own sharding, N processes at once, one log (tests.log).
+  # GoogleTest's own sharding, N processes at once, one log (tests.log).
   TLOG="$LOGS/tests.log"
   if fresh "$TEST_BIN"; then
     T=$(limit "$(reserve_after_tests)")
     say "flame_tests on CUDA in $SHARDS shards, limit ${T}s (log: $TLOG)"
     t0=$(date +%s)
     SHARD_DIR="$BUILD/shards"
-    rm -rf "$SHARD_DIR"
-    mkdir -p "$SHARD_DIR"
+    rm -rf "$SHARD_DIR" "$SUMMARY_DIR"
+    mkdir -p "$SHARD_DIR" "$SUMMARY_DIR"
     GFILTER=()
     [[ -n "$TEST_REGEX" ]] && GFILTER=(--gtest_filter="$TEST_REGEX")
     for (( i = 0; i < SHARDS; i++ )); do
-      ( FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i \
+      ( FLAME_TEST_DEVICE=cuda FLAME_POISON_ALLOC=1 FLAME_TEST_SUMMARY_DIR="$SUMMARY_DIR" \
+          FLAME_KERNEL_CACHE="$BUILD/kernel-cache" GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i \
           timeout "$T" "$TEST_BIN" --gtest_brief=1 "${GFILTER[@]}" >"$SHARD_DIR/$i.log" 2>&1
         echo "shard $i rc=$?" >>"$SHARD_DIR/$i.log" ) &
     done
     wait
     TESTS_S=$(( $(date +%s) - t0 ))
     cat "$SHARD_DIR"/*.log >"$TLOG"
-    RAN=0; PASSED=0; SKIPPED=0; FAILED=0; BROKEN=0
     for (( i = 0; i < SHARDS; i++ )); do
-      f="$SHARD_DIR/$i.log"
-      if ! grep -qE '^\[==========\] [0-9]+ tests? from .* ran' "$f"; then
-        BROKEN=$(( BROKEN + 1 ))
-        note "  shard $i did not finish: $(tail -1 "$f")"
-        continue
+      rc_line=$(tail -1 "$SHARD_DIR/$i.log")
+      if [[ "$rc_line" != "shard $i rc=0" ]]; then
+        STATUS=1
+        note "  shard $i: $rc_line; $(grep -vE '^shard ' "$SHARD_DIR/$i.log" | tail -1 | cut -c1-160)"
       fi
-      RAN=$(( RAN + $(grep -oE '^\[==========\] [0-9]+ tests? from' "$f" | grep -oE '[0-9]+' | head -1) ))
-      n=$(grep -oE '^\[  PASSED  \] [0-9]+' "$f" | grep -oE '[0-9]+$' | head -1)
-      PASSED=$(( PASSED + ${n:-0} ))
-      n=$(grep -oE '^\[  SKIPPED \] [0-9]+ tests?[,.]' "$f" | grep -oE '[0-9]+' | head -1)
-      SKIPPED=$(( SKIPPED + ${n:-0} ))
-      n=$(grep -oE '^\[  FAILED  \] [0-9]+ tests?[,.]' "$f" | grep -oE '[0-9]+' | head -1)
-      FAILED=$(( FAILED + ${n:-0} ))
     done
-    note "tests (cuda, $SHARDS gtest shards, not ctest): ran $RAN, passed $PASSED, failed $FAILED, skipped $SKIPPED; ${TESTS_S} s"
-    [[ $FAILED -ne 0 || $BROKEN -ne 0 ]] && STATUS=1
+    check_counts "$SHARDS gtest shards" "$TESTS_S"
     while IFS= read -r line; do note "  failed: $line"; done < <(
       grep -hE '^\[  FAILED  \] [A-Za-z_]' "$SHARD_DIR"/*.log | sed -E 's/^\[  FAILED  \] //; s/ \([0-9]+ ms\)$//' | sort -u | head -15)
-    say "tests in ${TESTS_S}s: ran $RAN, failed $FAILED, skipped $SKIPPED, unfinished shards $BROKEN"
+    say "tests in ${TESTS_S}s"
   else
     STATUS=1
     note "tests (cuda): not run, $TEST_BIN was not built"
   fi
 elif [[ $RUN_TESTS -eq 1 ]]; then
+  # ctest: the shards CMake registered (Note [Test sharding] in tests/CMakeLists.txt), the shuffled
+  # whole-suite run and the install test. --tests becomes GTEST_FILTER for every test process.
   CTEST_LOG="$LOGS/ctest.log"
   if fresh "$TEST_BIN"; then
     T=$(limit "$(reserve_after_tests)")
-    say "ctest on CUDA, -j $JOBS${TEST_REGEX:+, -R $TEST_REGEX}, limit ${T}s (log: $CTEST_LOG)"
+    say "ctest on CUDA, -j $JOBS${TEST_REGEX:+, GTEST_FILTER=$TEST_REGEX}, limit ${T}s (log: $CTEST_LOG)"
     t0=$(date +%s)
+    rm -rf "$SUMMARY_DIR"
+    mkdir -p "$SUMMARY_DIR"
     (
       cd "$BUILD" &&
-        FLAME_TEST_DEVICE=cuda FLAME_KERNEL_CACHE="$BUILD/kernel-cache" \
-          timeout "$T" "$CTEST" --output-on-failure -j "$JOBS" ${TEST_REGEX:+-R "$TEST_REGEX"}
+        FLAME_TEST_DEVICE=cuda FLAME_TEST_SUMMARY_DIR="$SUMMARY_DIR" FLAME_KERNEL_CACHE="$BUILD/kernel-cache" \
+          env ${TEST_REGEX:+GTEST_FILTER="$TEST_REGEX"} timeout "$T" "$CTEST" --output-on-failure -j "$JOBS"
     ) >"$CTEST_LOG" 2>&1
     CTEST_RC=$?
     TESTS_S=$(( $(date +%s) - t0 ))
     # "100% tests passed, 0 tests failed out of N" or, from newer CTest, "100% tests passed out of N".
     SUMLINE=$(grep -E "[0-9]+% tests passed(, [0-9]+ tests? failed)? out of [0-9]+" "$CTEST_LOG" | tail -1)
-    SKIPPED=$(grep -cE '^[[:space:]]*[0-9]+ - .*\(Skipped\)[[:space:]]*$' "$CTEST_LOG")
     if [[ -n "$SUMLINE" ]]; then
-      TOTAL=$(sed -E 's/.*out of ([0-9]+).*/\1/' <<<"$SUMLINE")
-      FAILED=0
-      [[ "$SUMLINE" == *failed* ]] && FAILED=$(sed -E 's/.* ([0-9]+) tests? failed.*/\1/' <<<"$SUMLINE")
-      PASSED=$(( TOTAL - FAILED - SKIPPED ))
-      note "tests (cuda): $SUMLINE  [passed $PASSED, failed $FAILED, skipped $SKIPPED; ${TESTS_S} s]"
-      [[ "$FAILED" -ne 0 ]] && STATUS=1
+      note "ctest: $SUMLINE (rc $CTEST_RC)"
+      [[ $CTEST_RC -ne 0 ]] && STATUS=1
       while IFS= read -r line; do note "  failed: ${line}"; done < <(
         sed -n '/The following tests FAILED:/,$p' "$CTEST_LOG" | grep -E '^[[:space:]]+[0-9]+ - ' | sed -E 's/^[[:space:]]+//' | head -15)
-      NFAILED_LISTED=$(sed -n '/The following tests FAILED:/,$p' "$CTEST_LOG" | grep -cE '^[[:space:]]+[0-9]+ - ')
-      [[ $NFAILED_LISTED -gt 15 ]] && note "  ... and $(( NFAILED_LISTED - 15 )) more (see ctest.log)"
+      while IFS= read -r line; do note "  failed case: $line"; done < <(
+        grep -hE '^\[  FAILED  \] [A-Za-z_]' "$CTEST_LOG" | sed -E 's/^\[  FAILED  \] //; s/ \([0-9]+ ms\)$//' | sort -u | head -15)
     else
       STATUS=1
-      DONE=$(grep -cE 'Test +#[0-9]+: ' "$CTEST_LOG")
-      NFAIL=$(grep -E 'Test +#[0-9]+: ' "$CTEST_LOG" | grep -cvE 'Passed|Skipped')
-      note "tests (cuda): NO ctest summary (rc $CTEST_RC; timed out after ${TESTS_S} s?): $DONE finished, $NFAIL not passed"
+      note "ctest: NO summary (rc $CTEST_RC; timed out after ${TESTS_S} s?)"
     fi
+    check_counts "ctest shards" "$TESTS_S"
     say "ctest rc=$CTEST_RC in ${TESTS_S}s: ${SUMLINE:-no summary}"
   else
     STATUS=1

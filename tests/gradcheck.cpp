@@ -56,6 +56,12 @@ GradcheckResult gradcheck(const std::function<Tensor(const TensorList&)>& fn, co
     }
   }
   r.message = os.str();
+  if (r.checked == 0) {
+    // Nothing compared is not a pass: an op case whose differentiable inputs are all empty (or not
+    // floating) would otherwise succeed whatever its backward does.
+    r.ok = false;
+    r.message = "no input element was checked (no floating input with elements)";
+  }
   return r;
 }
 

@@ -5,7 +5,8 @@
 // vector-Jacobian product from backward() is compared with
 //   d<v, f(x)> / dx_i[j]  ~=  (<v, f(x + eps e_j)> - <v, f(x - eps e_j)>) / (2 eps)
 // with eps = 1e-6, and |analytic - numeric| <= atol + rtol * |numeric|, atol = 1e-5, rtol = 1e-3
-// (PyTorch's gradcheck uses the same scheme and similar tolerances).
+// (PyTorch's gradcheck uses the same scheme and similar tolerances). A call that checks no element
+// at all (every floating input empty, or none floating) fails: it would prove nothing.
 #include <functional>
 #include <string>
 

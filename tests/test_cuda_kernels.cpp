@@ -61,20 +61,6 @@ std::string ctx(const std::string& what, const Shape& shape, DType dt, uint64_t 
   return os.str();
 }
 
-// ||got - want|| / ||want|| over finite reference values (NaN must match NaN).
-double rel_err(const Tensor& got, const Tensor& want) {
-  const auto g = got.to_vec<double>(), w = want.to_vec<double>();
-  if (g.size() != w.size()) return kInf;
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (std::isnan(w[i]) != std::isnan(g[i])) return kInf;
-    if (std::isnan(w[i])) continue;
-    num += (g[i] - w[i]) * (g[i] - w[i]);
-    den += w[i] * w[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
 const DType kFloats[] = {DType::f32, DType::f64, DType::bf16, DType::f16};
 const DType kAll[] = {DType::f32, DType::f64, DType::bf16, DType::f16, DType::i32, DType::i64, DType::u8, DType::boolean};
 
@@ -331,6 +317,31 @@ double matmul_tol(DType dt, bool tf32) {
   }
 }
 
+// Element-by-element matmul check against the float64 product of the CPU operands: each element
+// must satisfy |got - want| <= tol * (|a| @ |b|) at that element, the error bound of a sum of
+// products, so one wrong element fails even in a large matrix (a whole-matrix norm would hide it).
+// Integer products must match the CPU's exactly (both wrap).
+::testing::AssertionResult matmul_close(const Tensor& got, const Tensor& a_cpu, const Tensor& b_cpu, double tol) {
+  if (!is_floating(got.dtype())) return all_close(got, matmul(a_cpu, b_cpu), 0.0, 0.0);
+  const Tensor a = a_cpu.to(DType::f64), b = b_cpu.to(DType::f64);
+  const Tensor want_t = matmul(a, b);
+  if (got.sizes() != want_t.sizes()) {
+    return ::testing::AssertionFailure() << "shape " << shape_str(got.sizes()) << " != " << shape_str(want_t.sizes());
+  }
+  const std::vector<double> g = got.to_vec<double>(), w = want_t.to_vec<double>();
+  const std::vector<double> scale = matmul(a.abs(), b.abs()).to_vec<double>();
+  int bad = 0;
+  std::ostringstream os;
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    const double bound = tol * scale[i];
+    if (!(std::fabs(g[i] - w[i]) <= bound) && bad++ < 5) {
+      os << "\n  [" << i << "] got " << g[i] << ", expected " << w[i] << " (bound " << bound << ")";
+    }
+  }
+  if (bad) return ::testing::AssertionFailure() << bad << " of " << g.size() << " elements off" << os.str();
+  return ::testing::AssertionSuccess();
+}
+
 struct TF32Scope {
   bool prev;
   explicit TF32Scope(bool on) : prev(cuda::allow_tf32()) { cuda::set_allow_tf32(on); }
@@ -355,10 +366,8 @@ TEST(CudaKernels, MatmulLayoutsAndDtypes) {
             const bool fl = is_floating(dt);
             const Pair a = inputs({c.m, c.k}, dt, seed, la, fl ? -1.0 : 0.0, fl ? 1.0 : 4.0);
             const Pair b = inputs({c.k, c.n}, dt, seed + 7, lb, fl ? -1.0 : 0.0, fl ? 1.0 : 4.0);
-            const Tensor got = matmul(a.gpu, b.gpu), want = matmul(a.cpu, b.cpu);
-            ASSERT_EQ(got.sizes(), want.sizes());
-            const double err = rel_err(got, want);
-            EXPECT_LE(err, matmul_tol(dt, tf32))
+            const Tensor got = matmul(a.gpu, b.gpu);
+            EXPECT_TRUE(matmul_close(got, a.cpu, b.cpu, matmul_tol(dt, tf32)))
                 << "matmul " << c.m << "x" << c.k << "x" << c.n << " " << dtype_name(dt) << " tf32 " << tf32 << " "
                 << layout_name(la) << "/" << layout_name(lb) << " seed " << seed;
           }
@@ -377,25 +386,25 @@ TEST(CudaKernels, MatmulBatchedBroadcastAndEmpty) {
     // bmm, both batched; transposed batch members.
     const Pair a = inputs({6, 33, 20}, dt, seed, Layout::contiguous, lo, hi);
     const Pair b = inputs({6, 20, 45}, dt, seed + 1, Layout::transposed, lo, hi);
-    EXPECT_LE(rel_err(bmm(a.gpu, b.gpu), bmm(a.cpu, b.cpu)), tol) << "bmm " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(bmm(a.gpu, b.gpu), a.cpu, b.cpu, tol)) << "bmm " << dtype_name(dt);
     // b shared by the batch (weights): the batch folds into M.
     const Pair w = inputs({20, 45}, dt, seed + 2, Layout::contiguous, lo, hi);
-    EXPECT_LE(rel_err(matmul(a.gpu, w.gpu), matmul(a.cpu, w.cpu)), tol) << "fold " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(a.gpu, w.gpu), a.cpu, w.cpu, tol)) << "fold " << dtype_name(dt);
     const Pair wt = inputs({20, 45}, dt, seed + 3, Layout::transposed, lo, hi);
-    EXPECT_LE(rel_err(matmul(a.gpu, wt.gpu), matmul(a.cpu, wt.cpu)), tol) << "fold, b^T " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(a.gpu, wt.gpu), a.cpu, wt.cpu, tol)) << "fold, b^T " << dtype_name(dt);
     // a shared by the batch: batch stride 0 for a.
     const Pair a1 = inputs({33, 20}, dt, seed + 4, Layout::contiguous, lo, hi);
-    EXPECT_LE(rel_err(matmul(a1.gpu, b.gpu), matmul(a1.cpu, b.cpu)), tol) << "a broadcast " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(a1.gpu, b.gpu), a1.cpu, b.cpu, tol)) << "a broadcast " << dtype_name(dt);
     // Broadcast batch dims [4, 1] x [1, 3] and an expanded, non-foldable a.
     const Pair a4 = inputs({4, 1, 9, 20}, dt, seed + 5, Layout::contiguous, lo, hi);
     const Pair b3 = inputs({1, 3, 20, 11}, dt, seed + 6, Layout::contiguous, lo, hi);
-    EXPECT_LE(rel_err(matmul(a4.gpu, b3.gpu), matmul(a4.cpu, b3.cpu)), tol) << "broadcast " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(a4.gpu, b3.gpu), a4.cpu, b3.cpu, tol)) << "broadcast " << dtype_name(dt);
     const Pair ae = inputs({5, 9, 20}, dt, seed + 7, Layout::expanded, lo, hi);
-    EXPECT_LE(rel_err(matmul(ae.gpu, w.gpu), matmul(ae.cpu, w.cpu)), tol) << "expanded a " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(ae.gpu, w.gpu), ae.cpu, w.cpu, tol)) << "expanded a " << dtype_name(dt);
     // Vector forms.
     const Pair v = inputs({20}, dt, seed + 8, Layout::contiguous, lo, hi);
-    EXPECT_LE(rel_err(matmul(a.gpu, v.gpu), matmul(a.cpu, v.cpu)), tol) << "matrix-vector " << dtype_name(dt);
-    EXPECT_LE(rel_err(matmul(v.gpu, w.gpu), matmul(v.cpu, w.cpu)), tol) << "vector-matrix " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(a.gpu, v.gpu), a.cpu, v.cpu, tol)) << "matrix-vector " << dtype_name(dt);
+    EXPECT_TRUE(matmul_close(matmul(v.gpu, w.gpu), v.cpu, w.cpu, tol)) << "vector-matrix " << dtype_name(dt);
   }
   // K = 0 gives zeros; M = 0 gives an empty result.
   const Tensor z = matmul(Tensor::ones({4, 0}, gpu()), Tensor::ones({0, 3}, gpu()));
@@ -412,8 +421,7 @@ TEST(CudaKernels, MatmulLarge) {
       const uint64_t seed = fresh_seed();
       const Pair a = inputs({512, 1536}, dt, seed, Layout::contiguous, -1.0, 1.0);
       const Pair b = inputs({1536, 640}, dt, seed + 1, Layout::transposed, -1.0, 1.0);
-      const double err = rel_err(matmul(a.gpu, b.gpu), matmul(a.cpu.to(DType::f64), b.cpu.to(DType::f64)));
-      EXPECT_LE(err, matmul_tol(dt, tf32)) << dtype_name(dt) << " tf32 " << tf32 << " seed " << seed;
+      EXPECT_TRUE(matmul_close(matmul(a.gpu, b.gpu), a.cpu, b.cpu, matmul_tol(dt, tf32))) << dtype_name(dt) << " tf32 " << tf32 << " seed " << seed;
     }
   }
 }

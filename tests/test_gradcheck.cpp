@@ -45,7 +45,32 @@ class Gradcheck : public ::testing::TestWithParam<OpCase> {};
 
 TEST_P(Gradcheck, MatchesFiniteDifferences) {
   const OpCase& c = GetParam();
-  const GradcheckResult r = gradcheck(c.run, f64_inputs(c, Device::cpu()));
+  const TensorList in = f64_inputs(c, Device::cpu());
+  bool any_elements = false;
+  for (const Tensor& t : in) any_elements = any_elements || (is_floating(t.dtype()) && t.numel() > 0);
+  if (!any_elements) {
+    // Nothing to perturb (gradcheck refuses such a call): backward must still run and give each
+    // floating input a gradient of its own shape, or none.
+    TensorList xs;
+    for (const Tensor& t : in) {
+      Tensor x = t.detach();
+      if (is_floating(x.dtype())) x.requires_grad_(true);
+      xs.push_back(x);
+    }
+    const Tensor y = c.run(xs);
+    ASSERT_TRUE(y.requires_grad());
+    BackwardOptions opts;
+    opts.grad_output = Tensor::zeros(y.sizes(), {y.dtype(), y.device()});
+    Gradients g = y.backward(opts);
+    for (const Tensor& x : xs) {
+      if (!is_floating(x.dtype())) continue;
+      const Tensor gx = g.get(x);
+      if (gx.defined()) EXPECT_EQ(gx.sizes(), x.sizes());
+    }
+    return;
+  }
+  const GradcheckResult r = gradcheck(c.run, in);
+  EXPECT_GT(r.checked, 0);
   EXPECT_TRUE(r.ok) << r.message;
 }
 
@@ -74,6 +99,57 @@ TEST_P(Gradcheck, CudaGradientsMatchCpu) {
     ASSERT_TRUE(gpu[i].defined()) << "input " << i;
     EXPECT_TRUE(all_close(gpu[i], cpu[i], 1e-4, 1e-5)) << "input " << i;
   }
+}
+
+// gradcheck itself must be able to fail: a custom op whose backward is wrong by a factor, by a
+// missing term, or by a swapped input, is caught; its correct twin passes.
+TEST(GradcheckSelfTest, CatchesWrongBackwardRules) {
+  Generator gen(11);
+  const Tensor a = Tensor::uniform({3, 4}, -1.0, 1.0, DType::f64, &gen);
+  const Tensor b = Tensor::uniform({3, 4}, 0.5, 1.5, DType::f64, &gen);
+  auto custom = [](std::function<TensorList(const TensorList&, const Tensor&, const Tensor&)> bwd) {
+    CustomFunction f;
+    f.name = "mul_sin";
+    f.forward = [](const TensorList& in) { return in[0].sin() * in[1]; };  // y = sin(a) * b
+    f.backward = std::move(bwd);
+    return f;
+  };
+  const CustomFunction right = custom([](const TensorList& in, const Tensor&, const Tensor& g) {
+    return TensorList{g * in[0].cos() * in[1], g * in[0].sin()};
+  });
+  const CustomFunction doubled = custom([](const TensorList& in, const Tensor&, const Tensor& g) {
+    return TensorList{g * in[0].cos() * in[1] * 2.0, g * in[0].sin()};
+  });
+  const CustomFunction no_chain = custom([](const TensorList& in, const Tensor&, const Tensor& g) {
+    return TensorList{g * in[0].cos(), g * in[0].sin()};  // forgets the factor b
+  });
+  const CustomFunction swapped = custom([](const TensorList& in, const Tensor&, const Tensor& g) {
+    return TensorList{g * in[0].sin(), g * in[0].cos() * in[1]};
+  });
+  const CustomFunction missing = custom([](const TensorList& in, const Tensor&, const Tensor& g) {
+    return TensorList{g * in[0].cos() * in[1], Tensor()};  // no gradient for b
+  });
+  auto check = [&](const CustomFunction& f) {
+    return gradcheck([&](const TensorList& in) { return apply_custom(f, in); }, {a, b});
+  };
+  const GradcheckResult ok = check(right);
+  EXPECT_TRUE(ok.ok) << ok.message;
+  EXPECT_EQ(ok.checked, 24);
+  for (const CustomFunction* wrong : {&doubled, &no_chain, &swapped, &missing}) {
+    const GradcheckResult r = check(*wrong);
+    EXPECT_FALSE(r.ok) << "a wrong backward passed gradcheck";
+    EXPECT_NE(r.message.find("analytic"), std::string::npos) << r.message;
+  }
+}
+
+TEST(GradcheckSelfTest, NoElementsIsAFailure) {
+  const Tensor empty = Tensor::zeros({0, 3}, DType::f64);
+  const GradcheckResult r = gradcheck([](const TensorList& in) { return in[0] * 2.0; }, {empty});
+  EXPECT_FALSE(r.ok);
+  EXPECT_EQ(r.checked, 0);
+  EXPECT_NE(r.message.find("no input element"), std::string::npos) << r.message;
+  const Tensor ints = Tensor::arange(0, 4, 1, DType::i64);
+  EXPECT_FALSE(gradcheck([](const TensorList& in) { return in[0].to(DType::f64); }, {ints}).ok);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ops, Gradcheck, ::testing::ValuesIn(gradient_cases()),

@@ -1,6 +1,7 @@
 #pragma once
 // Umbrella header: include this to use FLAME.
 #include "flame/autograd.h"
+#include "flame/cpu.h"
 #include "flame/cuda.h"
 #include "flame/device.h"
 #include "flame/dtype.h"

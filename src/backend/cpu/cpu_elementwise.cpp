@@ -1,22 +1,8 @@
-// CPU reference: memory, copies, fills, elementwise unary/binary/where, random numbers.
-#include <cstdlib>
-#include <new>
-
+// CPU reference: copies, fills, elementwise unary/binary/where, random numbers.
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/random/philox.h"
 
 namespace flame::backend::cpu {
-
-std::shared_ptr<void> CpuBackend::allocate(std::size_t nbytes) {
-  // 64-byte alignment keeps vector loads aligned; aligned_alloc needs a multiple of the alignment.
-  const std::size_t rounded = (std::max<std::size_t>(nbytes, 1) + 63) / 64 * 64;
-  void* p = std::aligned_alloc(64, rounded);
-  FLAME_CHECK(p != nullptr, "allocate", "out of host memory allocating ", nbytes, " bytes");
-  // Tests set FLAME_POISON_ALLOC=1 so that output elements a kernel forgets to write read as NaN.
-  static const bool poison = std::getenv("FLAME_POISON_ALLOC") != nullptr;
-  if (poison) std::memset(p, 0xFF, rounded);
-  return std::shared_ptr<void>(p, [](void* q) { std::free(q); });
-}
 
 namespace {
 

@@ -61,6 +61,9 @@ inline StridedInfo strided_info(const Tensor& t) {
   return s;
 }
 
+// Multiprocessor count of `device`, read once (elementwise.cu).
+int sm_count(int device);
+
 inline unsigned int blocks_for(int64_t n, int threads, int64_t max_blocks = 65535LL * 32) {
   int64_t b = (n + threads - 1) / threads;
   if (b > max_blocks) b = max_blocks;

@@ -238,7 +238,7 @@ bool tiled_copy(CudaBackend& be, const Tensor& dst, const Tensor& src) {
   if ((geo.sizes[a] + kTile - 1) / kTile > INT32_MAX) return false;
   DeviceGuard guard(be.device());
   if (dst.dtype() == src.dtype()) {
-    dispatch_bits(dst.dtype(), "cuda copy", [&](auto tag) {
+    dispatch_by_size(dtype_size(dst.dtype()), "cuda copy", [&](auto tag) {
       using U = typename decltype(tag)::type;
       launch_tiled<U, U>(be, dst, src, geo, a, b);
     });

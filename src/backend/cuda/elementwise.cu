@@ -9,7 +9,6 @@
 #include "src/backend/cuda/elementwise.cuh"
 
 namespace flame::backend::cuda {
-namespace ew {
 
 int sm_count(int device) {
   static std::array<std::atomic<int>, 64> cache{};
@@ -21,6 +20,8 @@ int sm_count(int device) {
   }
   return v;
 }
+
+namespace ew {
 
 unsigned int max_blocks(int device) {
   constexpr int kBlocksPerSm = 2048 / kThreads;  // resident blocks per SM at full occupancy
@@ -65,7 +66,7 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
   FLAME_CHECK(dst.sizes() == src.sizes(), "cuda copy", "shapes ", dst.sizes(), " and ", src.sizes(), " differ");
   if (tiled_copy(*this, dst, src)) return;  // transposes: Note [Tiled copy] in copy_tiled.cu
   if (dst.dtype() == src.dtype()) {
-    dispatch_bits(dst.dtype(), "cuda copy", [&](auto tag) {
+    dispatch_by_size(dtype_size(dst.dtype()), "cuda copy", [&](auto tag) {
       using U = typename decltype(tag)::type;
       launch_elementwise<1, U, U, NoArg, NoArg>(*this, dst, {&src}, CopyOp<U, U>{});
     });
@@ -109,7 +110,7 @@ void CudaBackend::where(const Tensor& dst, const Tensor& cond, const Tensor& a, 
   FLAME_CHECK(cond.dtype() == DType::boolean, "cuda where", "condition must be bool, got ", dtype_name(cond.dtype()));
   FLAME_CHECK(a.dtype() == dst.dtype() && b.dtype() == dst.dtype(), "cuda where", "operands must have the output's dtype ",
               dtype_name(dst.dtype()), ", got ", dtype_name(a.dtype()), " and ", dtype_name(b.dtype()));
-  dispatch_bits(dst.dtype(), "cuda where", [&](auto tag) {
+  dispatch_by_size(dtype_size(dst.dtype()), "cuda where", [&](auto tag) {
     using U = typename decltype(tag)::type;
     launch_elementwise<3, U, bool, U, U>(*this, dst, {&cond, &a, &b}, WhereOp<U>{});
   });

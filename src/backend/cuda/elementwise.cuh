@@ -37,6 +37,7 @@
 
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/device_utils.cuh"
 #include "src/core/dispatch.h"
 #include "src/ops/scalar_math.h"
 
@@ -47,39 +48,12 @@ constexpr int kThreads = 256;
 constexpr int64_t kVectorChunk = int64_t{1} << 30;  // elements per vector-kernel launch
 constexpr int kStridedWaves = 4;                    // grid cap of the strided kernel, in waves
 
-// ---- device conversions (bit-identical to flame::convert, with hardware rounding) ----
-template <class T>
-inline constexpr bool is_half_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>;
-
-__device__ __forceinline__ float half_to_float(bfloat16 v) {
-  return __uint_as_float(static_cast<uint32_t>(v.bits) << 16);
-}
-__device__ __forceinline__ float half_to_float(float16 v) { return __half2float(__ushort_as_half(v.bits)); }
-
-template <class H>
-__device__ __forceinline__ H float_to_half(float f) {
-  if constexpr (std::is_same_v<H, bfloat16>) {
-    return bfloat16::from_bits(__bfloat16_as_ushort(__float2bfloat16_rn(f)));
-  } else {
-    return float16::from_bits(__half_as_ushort(__float2half_rn(f)));
-  }
-}
-
-// As flame::convert: half types go through float, bool is v != 0, the rest static_cast.
-template <class To, class From>
-__device__ __forceinline__ To dconvert(From v) {
-  if constexpr (std::is_same_v<To, From>) {
-    return v;
-  } else if constexpr (is_half_v<From>) {
-    return dconvert<To>(half_to_float(v));
-  } else if constexpr (std::is_same_v<To, bool>) {
-    return v != From(0);
-  } else if constexpr (is_half_v<To>) {
-    return float_to_half<To>(static_cast<float>(v));
-  } else {
-    return static_cast<To>(v);
-  }
-}
+// Device conversions (dconvert, half_to_float, float_to_half) live in device_utils.cuh; random.cu
+// and other files name them as ew::dconvert.
+using cuda::dconvert;
+using cuda::float_to_half;
+using cuda::half_to_float;
+using cuda::is_half_v;
 
 // ---- operands ----
 struct NoArg {};
@@ -220,28 +194,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Calls f(type_tag<U>) with U the unsigned type of dtype t's element size (for ops that only
-// move bits: same-dtype copies, where).
-template <class F>
-void dispatch_bits(DType t, const char* op, F&& f) {
-  switch (dtype_size(t)) {
-    case 1: return f(type_tag<uint8_t>{});
-    case 2: return f(type_tag<uint16_t>{});
-    case 4: return f(type_tag<uint32_t>{});
-    case 8: return f(type_tag<uint64_t>{});
-    default: break;
-  }
-  FLAME_FAIL(op, "unsupported element size ", dtype_size(t));
-}
-
 // ---- launcher ----
 
 // Copies src into dst through shared-memory tiles when the two have their unit strides on
 // different dims (a transpose); returns false, doing nothing, otherwise (copy_tiled.cu).
 bool tiled_copy(CudaBackend& be, const Tensor& dst, const Tensor& src);
 
-// Multiprocessor count of `device`, read once.
-int sm_count(int device);
 // Grid cap of the strided kernel: kStridedWaves full waves of kThreads-thread blocks.
 unsigned int max_blocks(int device);
 

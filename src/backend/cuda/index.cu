@@ -33,19 +33,12 @@
 
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/launch_geometry.cuh"
 #include "src/core/dispatch.h"
 #include "src/ops/scalar_math.h"
 
 namespace flame::backend::cuda {
 namespace {
-
-// Offset of logical index i over a set of dims (i * stride when they collapsed to one).
-struct OffsetMap {
-  bool linear;
-  int64_t stride;
-  StridedInfo info;
-  __device__ __forceinline__ int64_t operator()(int64_t i) const { return linear ? i * stride : info.offset(i); }
-};
 
 __device__ __forceinline__ void record_index_error(DeviceErrorRecord* rec, int32_t op, int32_t dim, int64_t value,
                                                    int64_t limit) {
@@ -285,34 +278,9 @@ __global__ void segment_offsets_kernel(int* offsets, int64_t n_rows, int64_t len
 // Host side
 // ---------------------------------------------------------------------------------------------
 
-unsigned int grid_for(int64_t n, int threads) {
-  return static_cast<unsigned int>(std::clamp<int64_t>((n + threads - 1) / threads, 1, 1 << 20));
-}
-
-// Drops size-1 dims and merges dims contiguous with each other (row-major logical order kept).
+// Drops size-1 dims and merges dims contiguous with each other (launch_geometry.cuh).
 OffsetMap make_map(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
-  std::vector<int64_t> s, t;
-  for (std::size_t d = 0; d < sizes.size(); ++d) {
-    if (sizes[d] == 1) continue;
-    if (!s.empty() && t.back() == strides[d] * sizes[d]) {
-      s.back() *= sizes[d];
-      t.back() = strides[d];
-    } else {
-      s.push_back(sizes[d]);
-      t.push_back(strides[d]);
-    }
-  }
-  FLAME_CHECK(s.size() <= static_cast<std::size_t>(kMaxDims), "cuda", "tensors with more than ", kMaxDims,
-              " dims are not supported");
-  OffsetMap m{};
-  m.linear = s.size() <= 1;
-  m.stride = s.empty() ? 0 : t[0];
-  m.info.ndim = static_cast<int>(s.size());
-  for (std::size_t i = 0; i < s.size(); ++i) {
-    m.info.sizes[i] = s[i];
-    m.info.strides[i] = t[i];
-  }
-  return m;
+  return make_offset_map(collapse(sizes.data(), strides.data(), static_cast<int64_t>(sizes.size())));
 }
 // The map of `sizes` walked with t's strides, t's stride along `zero_dim` (if >= 0) set to 0.
 OffsetMap walk_map(const Shape& sizes, const Tensor& t, int64_t zero_dim = -1) {

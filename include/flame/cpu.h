@@ -1,0 +1,27 @@
+#pragma once
+// CPU allocator controls: block-cache statistics and release (Note [CPU block cache] in
+// src/backend/cpu/cpu_allocator.cpp).
+#include <cstddef>
+#include <cstdint>
+
+namespace flame::cpu {
+
+struct MemoryStats {
+  std::size_t allocated_bytes = 0;       // held by live tensors (rounded block sizes)
+  std::size_t cached_bytes = 0;          // freed blocks kept for reuse, by rounded size
+  std::size_t cache_limit_bytes = 0;     // the most the cache keeps (0: the cache is off)
+  std::size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
+  uint64_t num_allocs = 0;               // allocations served since process start
+  uint64_t num_cache_hits = 0;           // of those, served from the cache (no system call)
+  uint64_t num_frees = 0;
+};
+
+MemoryStats memory_stats();
+void reset_peak_memory_stats();
+// Returns every cached block to the system.
+void empty_cache();
+// Sets the most the cache keeps (default 1 GiB, FLAME_CPU_BLOCK_CACHE=0 in the environment starts
+// it at 0); lowering it frees cached blocks until they fit. Returns the previous limit.
+std::size_t set_cache_limit(std::size_t bytes);
+
+}  // namespace flame::cpu
