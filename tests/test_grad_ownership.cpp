@@ -106,6 +106,20 @@ TEST(GradOwnership, AccumulateAddsInPlaceUnlessSomeoneHoldsTheBuffer) {
   EXPECT_FALSE(store.get(w).shares_storage(held));
 }
 
+TEST(GradOwnership, AccumulatedEntriesStaySeparate) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  Tensor a = leaf({6}, 15), b = leaf({6}, 16);
+  Gradients store;
+  BackwardOptions o;
+  o.accumulate_into = &store;
+  for (int step = 0; step < 3; ++step) (void)(a + b).sum().backward(o);
+  EXPECT_FALSE(store.get(a).shares_storage(store.get(b)));
+  const Tensor three = Tensor::full({6}, 3.0, test_device());
+  store.at(a).mul_(2.0);
+  EXPECT_TRUE(all_close(store.get(a), three * 2.0, 0, 0));
+  EXPECT_TRUE(all_close(store.get(b), three, 0, 0));
+}
+
 TEST(GradOwnership, SetCopiesWhatTheCallerHoldsAndAdoptsRvalues) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor p = leaf({3}, 12);

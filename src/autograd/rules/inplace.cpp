@@ -14,7 +14,9 @@
 //   the gradient of that region. The view takes a fresh "as_strided" history over the base's new
 //   one. Other views of the same base, created before the write, notice that their base moved on
 //   (base_meta_seen) and regenerate their history from the base the next time an op reads them
-//   (refresh_view_history), as PyTorch does.
+//   (refresh_view_history), as PyTorch does. Regeneration writes the view's TensorImpl, so one
+//   stale view must not be first read from two threads at once; views made after the write, and
+//   views of bases never written in place, are never regenerated.
 // - The old value is cloned before the out-of-place op reads it: a rule may save its input, and
 //   that input's storage is about to be overwritten (the clone only happens while recording).
 // - PyTorch's errors are kept: a leaf that requires grad (or a view of one) cannot be written in
