@@ -56,6 +56,20 @@ TEST(AutogradInplace, CopyIntoNarrowOfBufferJoinsTheGraph) {
   EXPECT_TRUE(all_close(buf.narrow(0, 2, 2), Tensor::zeros({2, 3}, {DType::f64, test_device()}), 0, 0));
 }
 
+TEST(AutogradInplace, OlderExpandedAndTransposedViewsSeeTheNewHistory) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  Tensor a = leaf({1, 3}, 24);
+  Tensor buf = Tensor::zeros({1, 3}, {DType::f64, test_device()});
+  Tensor wide = buf.expand({4, 3});     // stride 0: its gradient sums over the 4 rows
+  Tensor turned = buf.transpose(0, 1);  // [3, 1]
+  buf.copy_(a);
+  EXPECT_TRUE(wide.requires_grad());
+  Tensor c = values({4, 3}, 25), d = values({3, 1}, 26);
+  Gradients g = ((wide * c).sum() + (turned * d).sum()).backward();
+  NoGradGuard ng;
+  EXPECT_TRUE(all_close(g.get(a), c.sum({0}, true) + d.transpose(0, 1), 1e-12, 1e-12));
+}
+
 TEST(AutogradInplace, InPlaceOnNonLeafIsRecorded) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor x = leaf({5}, 7);
