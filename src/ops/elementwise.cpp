@@ -317,8 +317,12 @@ Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other, const cha
   FLAME_CHECK(can_cast(common, self.dtype()), name, "result type ", dtype_name(common),
               " cannot be written in place into a ", dtype_name(self.dtype()), " tensor");
   FLAME_CHECK(!(is_bool(self.dtype()) && rejects_bool(op)), name, "not supported for bool tensors");
-  if (recorded) {  // Note [In-place recording]; the clone keeps the old value for the rule
-    rules::inplace_commit(self, binary_op(op, rules::inplace_current(self).clone(), other), name);
+  if (recorded) {  // Note [In-place recording]
+    // Rules that read the old value get a clone of it (the write is about to overwrite it); the
+    // add and sub rules read no operand, so `h += a` costs no extra copy.
+    Tensor old = rules::inplace_current(self);
+    if (op != BinaryOp::add && op != BinaryOp::sub) old = old.clone();
+    rules::inplace_commit(self, binary_op(op, old, other), name);
     return self;
   }
   if (self.numel() == 0) return self;

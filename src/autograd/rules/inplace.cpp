@@ -17,8 +17,9 @@
 //   (refresh_view_history), as PyTorch does. Regeneration writes the view's TensorImpl, so one
 //   stale view must not be first read from two threads at once; views made after the write, and
 //   views of bases never written in place, are never regenerated.
-// - The old value is cloned before the out-of-place op reads it: a rule may save its input, and
-//   that input's storage is about to be overwritten (the clone only happens while recording).
+// - The old value is cloned before an out-of-place op whose rule may read it (its storage is
+//   about to be overwritten); add_/sub_ with a tensor skip the clone, their rules read no operand.
+//   The clone only happens while recording.
 // - PyTorch's errors are kept: a leaf that requires grad (or a view of one) cannot be written in
 //   place while grad mode is on; a tensor saved for backward and later overwritten makes backward
 //   raise (SavedTensor's version check). Under NoGradGuard nothing is recorded (optimizer steps).
