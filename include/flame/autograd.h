@@ -4,6 +4,7 @@
 // The graph lives on the tensors: a result of an op whose inputs require gradients holds the op's
 // node, and the node holds what its gradient rule needs. There is no global tape or registry, so
 // graphs built in different tests or threads never interfere.
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,26 +22,58 @@ struct AutogradMeta;
 
 // Gradients produced by backward(), keyed by tensor identity (never reused while the store lives).
 // Entries are mutable: a trainer may clip, scale or replace them before an optimizer reads them.
+//
+// The store owns its buffers (docs/autograd.md, "Gradient ownership"): no two entries share
+// storage and no entry aliases a tensor the caller holds, so editing one gradient in place never
+// moves another or a tensor outside the store. A gradient handed over as an rvalue that nobody
+// else holds (no other handle, no other view of its storage) is adopted without a copy; anything
+// else is copied. accumulate() adds in place into an entry's buffer while the store is its only
+// holder, and into a fresh buffer otherwise (a handle the caller took from get() keeps its values).
 class Gradients {
  public:
-  Tensor get(const Tensor& t) const;  // undefined Tensor when t received no gradient
-  Tensor& at(const Tensor& t);        // mutable access; error when absent
-  bool contains(const Tensor& t) const;
-  void set(const Tensor& t, const Tensor& grad);         // replaces; shape and device are checked
-  void accumulate(const Tensor& t, const Tensor& grad);  // adds (or inserts)
-  void erase(const Tensor& t);
-  void clear();
-  std::size_t size() const { return entries_.size(); }
-  bool empty() const { return entries_.empty(); }
-  // (tensor, gradient) pairs in the order gradients first arrived.
   struct Entry {
     Tensor tensor;
     Tensor grad;
   };
-  std::vector<Entry>& entries() { return entries_; }
-  const std::vector<Entry>& entries() const { return entries_; }
+  // A read-only range over the entries: iterating it cannot change what the index points at.
+  class EntryRange {
+   public:
+    using const_iterator = std::vector<Entry>::const_iterator;
+    const_iterator begin() const { return begin_; }
+    const_iterator end() const { return end_; }
+    std::size_t size() const { return static_cast<std::size_t>(end_ - begin_); }
+    bool empty() const { return begin_ == end_; }
+    const Entry& operator[](std::size_t i) const { return begin_[static_cast<std::ptrdiff_t>(i)]; }
+    const Entry& front() const { return *begin_; }
+
+   private:
+    friend class Gradients;
+    EntryRange(const_iterator b, const_iterator e) : begin_(b), end_(e) {}
+    const_iterator begin_, end_;
+  };
+
+  Tensor get(const Tensor& t) const;  // the entry's buffer (a handle on it); undefined when absent
+  // Mutable access to an entry's gradient; error when absent. Assigning through it replaces the
+  // buffer (the caller then hands that tensor over: prefer set(), which keeps ownership).
+  Tensor& at(const Tensor& t);
+  bool contains(const Tensor& t) const;
+  // Replaces (or inserts) t's gradient; shape and device are checked. Copies `grad` (the caller
+  // still holds it); the rvalue form adopts a tensor that nothing else holds.
+  void set(const Tensor& t, const Tensor& grad);
+  void set(const Tensor& t, Tensor&& grad);
+  // Adds `grad` to t's gradient (or inserts it, as set() does).
+  void accumulate(const Tensor& t, const Tensor& grad);
+  void accumulate(const Tensor& t, Tensor&& grad);
+  void erase(const Tensor& t);
+  void clear();
+  std::size_t size() const { return entries_.size(); }
+  bool empty() const { return entries_.empty(); }
+  // (tensor, gradient) pairs in the order gradients first arrived; edit through at()/set().
+  EntryRange entries() const { return EntryRange(entries_.cbegin(), entries_.cend()); }
 
  private:
+  void insert_or_replace(const Tensor& t, Tensor grad, bool adoptable, const char* op);
+  void add_into(const Tensor& t, Tensor grad, bool adoptable);
   std::unordered_map<const AutogradMeta*, std::size_t> index_;
   std::vector<Entry> entries_;
 };

@@ -5,6 +5,7 @@
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
+#include "src/autograd/rules/inplace.h"
 
 namespace flame {
 
@@ -24,6 +25,7 @@ Node::Node(std::string name, const TensorList& inputs, BackwardFn fn) : name_(st
   for (const Tensor& t : inputs) {
     Edge e;
     if (t.defined()) {
+      rules::refresh_view_history(t);  // a view whose base was written in place (Note [In-place recording])
       e.shape = t.sizes();
       e.dtype = t.dtype();
       e.device = t.device();
@@ -52,7 +54,7 @@ void Node::release() {
 bool needs_grad(const TensorList& inputs) {
   if (!t_grad_enabled) return false;
   for (const Tensor& t : inputs) {
-    if (t.defined() && t.impl()->autograd && t.impl()->autograd->requires_grad) return true;
+    if (t.requires_grad()) return true;  // (refreshes a view whose base was written in place)
   }
   return false;
 }
@@ -62,12 +64,6 @@ void record(Tensor& out, const char* name, const TensorList& inputs, Node::Backw
   meta->requires_grad = true;
   meta->grad_fn = std::make_shared<Node>(name, inputs, std::move(fn));
   out.impl()->autograd = std::move(meta);
-}
-
-void check_inplace_allowed(const Tensor& t, const char* op) {
-  FLAME_CHECK(!(t_grad_enabled && t.requires_grad()), op,
-              "in-place op on a tensor that requires grad (shape ", t.sizes(),
-              ") is not recorded by autograd; use the out-of-place op, or run it under NoGradGuard");
 }
 
 SavedTensor::SavedTensor(const Tensor& t, const char* op) : op_(op) {
@@ -97,10 +93,40 @@ Tensor sum_to(const Tensor& grad, const Shape& shape) {
 }
 
 // ---- Gradients ----
+// Note [Gradient ownership]
+// Every entry's buffer belongs to the store alone: a plain contiguous tensor with no autograd
+// state, whose storage no other tensor handle, view or store entry reaches. Buffers come in two
+// ways: adopted, when the gradient was handed over as an rvalue and exclusively_held() says
+// nothing else can reach it (the usual case in backward: a rule's fresh result, e.g. a matmul's
+// weight gradient, costs no copy), or copied otherwise (a gradient that is also another input's,
+// a view of the caller's grad_output, a tensor a hook keeps, anything passed as const&).
+// Accumulation adds in place while the entry is exclusively held, else into a fresh buffer, so a
+// handle the caller took from get() is never changed behind its back by a later backward.
 namespace {
 const AutogradMeta* key_of(const Tensor& t, const char* op) {
   FLAME_CHECK(t.defined(), op, "undefined tensor");
   return t.impl()->autograd.get();
+}
+
+// `g` is the only way to reach its bytes, and it spans them as a plain contiguous tensor. A view
+// whose base nothing else holds (a rule's final reshape of its fresh result) counts as well.
+bool exclusively_held(const Tensor& g) {
+  const std::shared_ptr<TensorImpl>& impl = g.impl_ptr();
+  if (impl.use_count() != 1 || impl->autograd) return false;
+  if (impl->base && (impl->base.use_count() != 1 || impl->base->autograd)) return false;
+  const long holders = impl->base ? 2 : 1;  // this handle's impl, and its base's
+  return impl->storage.use_count() == holders && impl->offset == 0 && g.is_contiguous() &&
+         g.nbytes() == impl->storage->nbytes;
+}
+
+// A buffer for the store: `grad` itself when it may be adopted (re-wrapped without its view base),
+// else a fresh contiguous copy.
+Tensor owned_buffer(Tensor grad, bool adoptable) {
+  if (adoptable && exclusively_held(grad)) return grad.impl()->base ? make_alias(grad) : grad;
+  NoGradGuard no_grad;
+  Tensor copy = make_empty(grad.sizes(), grad.dtype(), grad.device());
+  copy.copy_(grad);
+  return copy;
 }
 }  // namespace
 
@@ -123,26 +149,49 @@ bool Gradients::contains(const Tensor& t) const {
   return k && index_.count(k);
 }
 
-void Gradients::set(const Tensor& t, const Tensor& grad) {
-  const AutogradMeta* k = key_of(t, "Gradients::set");
-  FLAME_CHECK(k != nullptr, "Gradients::set", "the tensor does not take part in autograd (call requires_grad_())");
-  FLAME_CHECK(grad.defined() && grad.sizes() == t.sizes() && grad.device() == t.device(), "Gradients::set",
+void Gradients::insert_or_replace(const Tensor& t, Tensor grad, bool adoptable, const char* op) {
+  const AutogradMeta* k = key_of(t, op);
+  FLAME_CHECK(k != nullptr, op, "the tensor does not take part in autograd (call requires_grad_())");
+  FLAME_CHECK(grad.defined() && grad.sizes() == t.sizes() && grad.device() == t.device(), op,
               "gradient of shape ", grad.defined() ? grad.sizes() : Shape{}, " on ",
               grad.defined() ? grad.device().str() : "?", " does not match the tensor's shape ", t.sizes(), " on ",
               t.device().str());
+  Tensor owned = owned_buffer(std::move(grad), adoptable);
   auto it = index_.find(k);
   if (it == index_.end()) {
     index_[k] = entries_.size();
-    entries_.push_back({t, grad});
+    entries_.push_back({t, std::move(owned)});
   } else {
-    entries_[it->second].grad = grad;
+    entries_[it->second].grad = std::move(owned);
   }
 }
 
-void Gradients::accumulate(const Tensor& t, const Tensor& grad) {
-  Tensor existing = get(t);
-  set(t, existing.defined() ? existing + grad.to(existing.dtype()) : grad);
+void Gradients::set(const Tensor& t, const Tensor& grad) { insert_or_replace(t, grad, false, "Gradients::set"); }
+void Gradients::set(const Tensor& t, Tensor&& grad) { insert_or_replace(t, std::move(grad), true, "Gradients::set"); }
+
+void Gradients::add_into(const Tensor& t, Tensor grad, bool adoptable) {
+  const AutogradMeta* k = key_of(t, "Gradients::accumulate");
+  auto it = k ? index_.find(k) : index_.end();
+  if (it == index_.end()) {
+    insert_or_replace(t, std::move(grad), adoptable, "Gradients::accumulate");
+    return;
+  }
+  Tensor& existing = entries_[it->second].grad;
+  FLAME_CHECK(grad.defined() && grad.sizes() == existing.sizes() && grad.device() == existing.device(),
+              "Gradients::accumulate", "gradient of shape ", grad.defined() ? grad.sizes() : Shape{}, " on ",
+              grad.defined() ? grad.device().str() : "?", " does not match the stored gradient's shape ",
+              existing.sizes(), " on ", existing.device().str());
+  NoGradGuard no_grad;
+  const Tensor addend = grad.dtype() == existing.dtype() ? grad : grad.to(existing.dtype());
+  if (exclusively_held(existing)) {
+    existing.add_(addend);
+  } else {
+    existing = existing + addend;  // a fresh buffer: whoever holds the old one keeps its values
+  }
 }
+
+void Gradients::accumulate(const Tensor& t, const Tensor& grad) { add_into(t, grad, false); }
+void Gradients::accumulate(const Tensor& t, Tensor&& grad) { add_into(t, std::move(grad), true); }
 
 void Gradients::erase(const Tensor& t) {
   const AutogradMeta* k = key_of(t, "Gradients::erase");
@@ -163,6 +212,7 @@ void Gradients::clear() {
 
 // ---- Tensor autograd methods ----
 bool Tensor::requires_grad() const {
+  if (defined()) rules::refresh_view_history(*this);  // Note [In-place recording]
   return defined() && impl_->autograd && impl_->autograd->requires_grad;
 }
 
@@ -181,11 +231,14 @@ Tensor& Tensor::requires_grad_(bool on) {
   return *this;
 }
 
-bool Tensor::is_leaf() const { return !(defined() && impl_->autograd && impl_->autograd->grad_fn); }
+bool Tensor::is_leaf() const {
+  if (defined()) rules::refresh_view_history(*this);
+  return !(defined() && impl_->autograd && impl_->autograd->grad_fn);
+}
 
 Tensor Tensor::detach() const {
   FLAME_CHECK(defined(), "detach", "undefined tensor");
-  return make_view(*this, sizes(), strides(), storage_offset());
+  return make_alias(*this);  // not a view for autograd: writes through it are never recorded
 }
 
 std::string Tensor::grad_fn_name() const {
@@ -283,7 +336,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     }
     if (!m->grad_fn) {
       // Stored gradients are plain contiguous tensors a trainer may edit in place.
-      store.accumulate(leaf_handle.at(m), g.is_contiguous() ? g : g.contiguous());
+      store.accumulate(leaf_handle.at(m), std::move(g));  // Note [Gradient ownership]
       continue;
     }
     Node& node = *m->grad_fn;

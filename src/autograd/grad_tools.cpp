@@ -1,21 +1,23 @@
 // Gradient tools a trainer applies to a Gradients store between backward() and the optimizer.
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "flame/autograd.h"
 #include "flame/ops.h"
 
 namespace flame {
 
-double global_grad_norm(const Gradients& grads, double norm_type) {
-  if (grads.empty()) return 0.0;
+namespace {
+// The norm over a list of gradients (all on one device or moved to the first one's).
+double norm_of(const std::vector<Tensor>& grads, double norm_type) {
   const bool inf = std::isinf(norm_type);
   Tensor total;
-  for (const auto& e : grads.entries()) {
-    if (!e.grad.defined() || e.grad.numel() == 0) continue;
-    Tensor g = e.grad.to(DType::f32);
+  for (const Tensor& grad : grads) {
+    if (!grad.defined() || grad.numel() == 0) continue;
+    Tensor g = grad.to(DType::f32);
     Tensor part = inf ? g.abs().max_all() : g.abs().pow(norm_type).sum_all();
-    if (part.device() != grads.entries().front().grad.device()) part = part.to(grads.entries().front().grad.device());
+    if (total.defined() && part.device() != total.device()) part = part.to(total.device());
     total = !total.defined() ? part : (inf ? total.maximum(part) : total + part);
   }
   if (!total.defined()) return 0.0;
@@ -23,48 +25,65 @@ double global_grad_norm(const Gradients& grads, double norm_type) {
   return inf ? v : std::pow(v, 1.0 / norm_type);
 }
 
-double clip_grad_norm_(Gradients& grads, double max_norm, double norm_type) {
-  const double norm = global_grad_norm(grads, norm_type);
+std::vector<Tensor> all_grads(const Gradients& grads) {
+  std::vector<Tensor> out;
+  out.reserve(grads.size());
+  for (const auto& e : grads.entries()) out.push_back(e.grad);
+  return out;
+}
+
+// Scales the stored buffers in place (Note [Gradient ownership]: they belong to the store).
+double clip_in_place(Gradients& grads, const TensorList& keys, double max_norm, double norm_type) {
+  std::vector<Tensor> gs;
+  for (const Tensor& k : keys) gs.push_back(grads.get(k));
+  const double norm = norm_of(gs, norm_type);
   const double scale = max_norm / (norm + 1e-6);
   if (scale < 1.0) {
-    for (auto& e : grads.entries()) {
-      if (e.grad.defined()) e.grad = e.grad * scale;
+    NoGradGuard no_grad;
+    for (const Tensor& k : keys) {
+      if (grads.contains(k)) grads.at(k).mul_(scale);
     }
   }
   return norm;
 }
 
+TensorList all_keys(const Gradients& grads) {
+  TensorList keys;
+  for (const auto& e : grads.entries()) keys.push_back(e.tensor);
+  return keys;
+}
+}  // namespace
+
+double global_grad_norm(const Gradients& grads, double norm_type) {
+  return grads.empty() ? 0.0 : norm_of(all_grads(grads), norm_type);
+}
+
+double clip_grad_norm_(Gradients& grads, double max_norm, double norm_type) {
+  return clip_in_place(grads, all_keys(grads), max_norm, norm_type);
+}
+
 double clip_grad_norm_(Gradients& grads, const TensorList& params, double max_norm, double norm_type) {
-  Gradients subset;
-  for (const Tensor& p : params) {
-    Tensor g = grads.get(p);
-    if (g.defined()) subset.set(p, g);
-  }
-  const double norm = clip_grad_norm_(subset, max_norm, norm_type);
-  for (const auto& e : subset.entries()) grads.set(e.tensor, e.grad);
-  return norm;
+  return clip_in_place(grads, params, max_norm, norm_type);
 }
 
 void clip_grad_value_(Gradients& grads, double clip_value) {
   FLAME_CHECK(clip_value >= 0, "clip_grad_value_", "clip value must be non-negative, got ", clip_value);
-  for (auto& e : grads.entries()) {
-    if (e.grad.defined()) e.grad = e.grad.clamp(-clip_value, clip_value);
-  }
+  NoGradGuard no_grad;
+  for (const Tensor& k : all_keys(grads)) grads.at(k).clamp_(-clip_value, clip_value);
 }
 
 void normalize_grads_(Gradients& grads, double eps) {
   const double norm = global_grad_norm(grads, 2.0);
-  for (auto& e : grads.entries()) {
-    if (e.grad.defined()) e.grad = e.grad / (norm + eps);
-  }
+  NoGradGuard no_grad;
+  for (const Tensor& k : all_keys(grads)) grads.at(k).div_(norm + eps);
 }
 
 void add_grad_noise_(Gradients& grads, double std, Generator* gen) {
   FLAME_CHECK(std >= 0, "add_grad_noise_", "std must be non-negative, got ", std);
-  for (auto& e : grads.entries()) {
-    if (!e.grad.defined()) continue;
-    Tensor noise = Tensor::randn(e.grad.sizes(), 0.0, std, {e.grad.dtype(), e.grad.device()}, gen);
-    e.grad = e.grad + noise;
+  NoGradGuard no_grad;
+  for (const Tensor& k : all_keys(grads)) {
+    Tensor& g = grads.at(k);
+    g.add_(Tensor::randn(g.sizes(), 0.0, std, {g.dtype(), g.device()}, gen));
   }
 }
 

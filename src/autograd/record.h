@@ -31,8 +31,6 @@ inline bool needs_grad(std::initializer_list<std::reference_wrapper<const Tensor
 }
 // Attaches a node computing the inputs' gradients to `out` (which becomes a non-leaf).
 void record(Tensor& out, const char* name, const TensorList& inputs, Node::BackwardFn fn);
-// Raises if grad mode is on and t requires grad (in-place ops are not recorded).
-void check_inplace_allowed(const Tensor& t, const char* op);
 
 class SavedTensor {
  public:

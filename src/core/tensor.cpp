@@ -1,5 +1,23 @@
 // Tensor handle: metadata, views helpers, conversions between devices and dtypes.
+//
+// Note [Internal overlap]
+// An in-place write into a tensor two of whose indices address one element would race (CUDA) or
+// depend on the visiting order (CPU), so in-place ops refuse such destinations. The decision is
+// exact: dims of size 1 are irrelevant, a size-0 tensor has no elements, and a stride of 0 on a
+// dim of size > 1 overlaps. Otherwise, with |strides| sorted ascending, a dim whose stride exceeds
+// the span (sum of |stride| * (size - 1)) of all smaller-stride dims keeps its copies of the smaller
+// block disjoint, so it can be dropped. Dims are dropped from the largest stride down while that
+// holds; when every dim is dropped there is no overlap. In what remains, a stride that is m times
+// another with m < that dim's size is a witness of overlap (index e_i equals m * e_j): this is
+// how unfold with step < size overlaps, at any size. Anything else is decided by enumerating the
+// remainder's offsets (sorted, then checked for duplicates). A remainder too large to enumerate
+// (more than kOverlapEnumerationLimit elements) is refused with a message saying so, not guessed.
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
 
 #include "flame/ops.h"
 #include "src/autograd/rules/rules.h"
@@ -53,8 +71,17 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
 }
 
 Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset) {
-  return Tensor(std::make_shared<TensorImpl>(t.impl()->storage, std::move(sizes),
-                                             std::move(strides), offset, t.dtype()));
+  auto impl = std::make_shared<TensorImpl>(t.impl()->storage, std::move(sizes), std::move(strides), offset,
+                                           t.dtype());
+  // Note [View base]: the root of the chain, so that base->base is always null.
+  impl->base = t.impl()->base ? t.impl()->base : t.impl_ptr();
+  impl->base_history_seen = impl->base->history_version;
+  return Tensor(std::move(impl));
+}
+
+Tensor make_alias(const Tensor& t) {
+  return Tensor(std::make_shared<TensorImpl>(t.impl()->storage, t.sizes(), t.strides(), t.storage_offset(),
+                                             t.dtype()));
 }
 
 Tensor make_empty(const Shape& sizes, DType dtype, Device device) {
@@ -66,12 +93,74 @@ Tensor make_empty(const Shape& sizes, DType dtype, Device device) {
 
 void bump_version(const Tensor& t) { t.impl()->storage->version.fetch_add(1); }
 
-void check_no_internal_overlap(const Tensor& t, const char* op) {
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    FLAME_CHECK(!(t.stride(d) == 0 && t.size(d) > 1), op,
-                "cannot write in place into a tensor whose elements overlap (expanded view of shape ",
-                t.sizes(), ", strides ", t.strides(), "); call contiguous() or clone() first");
+namespace {
+constexpr int64_t kOverlapEnumerationLimit = int64_t{1} << 22;
+
+enum class Overlap { no, yes, too_large };
+
+// Note [Internal overlap].
+Overlap internal_overlap(const Shape& sizes, const Shape& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (|stride|, size) of dims with size > 1
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return Overlap::no;
+    if (sizes[d] == 1) continue;
+    if (strides[d] == 0) return Overlap::yes;
+    dims.emplace_back(std::llabs(strides[d]), sizes[d]);
   }
+  std::sort(dims.begin(), dims.end());
+  // Span of the first k dims (in element units; overflow-safe: a span past int64 cannot be
+  // exceeded by any stride, so it ends the peeling).
+  auto span_below = [&](std::size_t k) {
+    int64_t span = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      int64_t term = 0;
+      if (__builtin_mul_overflow(dims[i].first, dims[i].second - 1, &term) ||
+          __builtin_add_overflow(span, term, &span)) {
+        return std::numeric_limits<int64_t>::max();
+      }
+    }
+    return span;
+  };
+  std::size_t keep = dims.size();
+  while (keep > 0 && dims[keep - 1].first > span_below(keep - 1)) --keep;
+  if (keep == 0) return Overlap::no;
+  for (std::size_t i = 0; i < keep; ++i) {
+    for (std::size_t j = 0; j < keep; ++j) {
+      if (i != j && dims[i].first % dims[j].first == 0 && dims[i].first / dims[j].first < dims[j].second) {
+        return Overlap::yes;
+      }
+    }
+  }
+  int64_t count = 1;
+  for (std::size_t i = 0; i < keep; ++i) {
+    if (__builtin_mul_overflow(count, dims[i].second, &count) || count > kOverlapEnumerationLimit) {
+      return Overlap::too_large;
+    }
+  }
+  std::vector<int64_t> offsets = {0};
+  offsets.reserve(static_cast<std::size_t>(count));
+  for (std::size_t i = 0; i < keep; ++i) {
+    const std::size_t n = offsets.size();
+    for (int64_t k = 1; k < dims[i].second; ++k) {
+      for (std::size_t j = 0; j < n; ++j) offsets.push_back(offsets[j] + k * dims[i].first);
+    }
+  }
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end() ? Overlap::yes : Overlap::no;
+}
+}  // namespace
+
+bool has_internal_overlap(const Shape& sizes, const Shape& strides) {
+  return internal_overlap(sizes, strides) != Overlap::no;
+}
+
+void check_no_internal_overlap(const Tensor& t, const char* op) {
+  const Overlap o = internal_overlap(t.sizes(), t.strides());
+  FLAME_CHECK(o != Overlap::yes, op, "cannot write in place into a tensor whose elements overlap (shape ", t.sizes(),
+              ", strides ", t.strides(), ": an expanded or overlapping-window view); call clone() first");
+  FLAME_CHECK(o != Overlap::too_large, op, "cannot prove that the elements of the destination (shape ", t.sizes(),
+              ", strides ", t.strides(), ") do not overlap (more than ", kOverlapEnumerationLimit,
+              " offsets to compare); call clone() first");
 }
 
 void check_same_device(const char* op, const Tensor& a, const Tensor& b) {

@@ -31,20 +31,36 @@ class TensorImpl {
   DType dtype;
   int64_t numel;
   std::shared_ptr<AutogradMeta> autograd;  // null: no gradient is tracked for this tensor
+  // Note [View base]: the tensor this one is a view of (always the root of the view chain, never
+  // a view itself); null for tensors that own their geometry. An in-place write through a view
+  // gives the base its new autograd history (src/autograd/rules/inplace.cpp).
+  std::shared_ptr<TensorImpl> base;
+  // On a base: counts the autograd histories in-place writes gave it. On a view: the base's count
+  // when the view's history was made; a view whose base moved on regenerates its history on next
+  // use (Note [In-place recording]).
+  uint64_t history_version = 0;
+  uint64_t base_history_seen = 0;
 };
 
 Shape contiguous_strides(const Shape& sizes);
 int64_t shape_numel(const Shape& sizes, const char* op = "shape");
 // Wraps a possibly negative dim into [0, ndim); error names the op.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
-// A view of t's storage with new geometry.
+// A view of t's storage with new geometry; remembers t's base (or t) as its view base.
 Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset);
+// A new handle on t's storage and geometry that is nobody's view and has no autograd state
+// (detach(), saved tensors, and the in-place recorder's handles on old histories).
+Tensor make_alias(const Tensor& t);
 // A new uninitialised contiguous tensor.
 Tensor make_empty(const Shape& sizes, DType dtype, Device device);
 // Bumps the storage's version counter (call after every in-place write).
 void bump_version(const Tensor& t);
-// Errors when two elements of t share one memory location (expanded views); used by in-place ops.
+// Errors when two elements of t share one memory location (expanded views, overlapping windows
+// such as unfold with step < size); used by in-place ops. Decides exactly (Note [Internal overlap]).
 void check_no_internal_overlap(const Tensor& t, const char* op);
+// The decision behind check_no_internal_overlap, on raw geometry: true when two distinct indices
+// address one element. Exposed for tests.
+bool has_internal_overlap(const Shape& sizes, const Shape& strides);
 // Errors unless all tensors are on one device.
 void check_same_device(const char* op, const Tensor& a, const Tensor& b);
 

@@ -6,6 +6,7 @@
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 #include "src/autograd/record.h"
+#include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
 #include "src/ops/elementwise.h"
 
@@ -305,17 +306,25 @@ Tensor inplace_operand(const Tensor& self, const Tensor& src, const char* op) {
   return s.expand(self.sizes());
 }
 
-Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other) {
+Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other, const char* name) {
   const OpInfo oi = info(op);
-  check_defined(self, oi.name);
-  check_no_internal_overlap(self, oi.name);
-  check_inplace_allowed(self, oi.name);
-  Tensor o = inplace_operand(self, other, oi.name);
+  check_defined(self, name);
+  check_no_internal_overlap(self, name);
+  const bool recorded = rules::inplace_records(self, {other}, name);
+  Tensor o = inplace_operand(self, other, name);
   DType common = result_type(self, other);
   if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
-  FLAME_CHECK(can_cast(common, self.dtype()), oi.name, "result type ", dtype_name(common),
+  FLAME_CHECK(can_cast(common, self.dtype()), name, "result type ", dtype_name(common),
               " cannot be written in place into a ", dtype_name(self.dtype()), " tensor");
-  FLAME_CHECK(!(is_bool(self.dtype()) && rejects_bool(op)), oi.name, "not supported for bool tensors");
+  FLAME_CHECK(!(is_bool(self.dtype()) && rejects_bool(op)), name, "not supported for bool tensors");
+  if (recorded) {  // Note [In-place recording]
+    // Rules that read the old value get a clone of it (the write is about to overwrite it); the
+    // add and sub rules read no operand, so `h += a` costs no extra copy.
+    Tensor old = rules::inplace_current(self);
+    if (op != BinaryOp::add && op != BinaryOp::sub) old = old.clone();
+    rules::inplace_commit(self, binary_op(op, old, other), name);
+    return self;
+  }
   if (self.numel() == 0) return self;
   if (common == self.dtype()) {
     backend::backend_for(self.device()).binary(op, self, self, o.to(common));
@@ -327,15 +336,19 @@ Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other) {
   return self;
 }
 
-Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s) {
+Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s, const char* name) {
   const OpInfo oi = info(op);
-  check_defined(self, oi.name);
-  check_no_internal_overlap(self, oi.name);
-  check_inplace_allowed(self, oi.name);
+  check_defined(self, name);
+  check_no_internal_overlap(self, name);
+  const bool recorded = rules::inplace_records(self, {}, name);
   DType dt = promote_with_scalar(self.dtype(), s);
   if (oi.kind == OpKind::floating && !is_floating(dt)) dt = kDefaultFloat;
-  FLAME_CHECK(can_cast(dt, self.dtype()), oi.name, "result type ", dtype_name(dt),
+  FLAME_CHECK(can_cast(dt, self.dtype()), name, "result type ", dtype_name(dt),
               " cannot be written in place into a ", dtype_name(self.dtype()), " tensor");
+  if (recorded) {  // Note [In-place recording]
+    rules::inplace_commit(self, scalar_op(op, rules::inplace_current(self).clone(), s), name);
+    return self;
+  }
   if (self.numel() == 0) return self;
   backend::backend_for(self.device()).unary(op, self, self, UnaryParams{s.to_double()});
   bump_version(self);
@@ -347,9 +360,14 @@ Tensor& Tensor::copy_(const Tensor& src) {
   check_defined(*this, "copy_");
   check_defined(src, "copy_");
   check_no_internal_overlap(*this, "copy_");
-  check_inplace_allowed(*this, "copy_");
   FLAME_CHECK(broadcast_shapes(sizes(), src.sizes(), "copy_") == sizes(), "copy_", "source of shape ",
               src.sizes(), " does not broadcast to the destination's shape ", sizes());
+  if (rules::inplace_records(*this, {src}, "copy_")) {  // Note [In-place recording]
+    Tensor s = src.device() == device() ? src : src.to(device());
+    if (s.dtype() != dtype()) s = s.to(dtype());
+    rules::inplace_commit(*this, s.sizes() == sizes() ? s : s.expand(sizes()), "copy_");
+    return *this;
+  }
   if (numel() == 0) return *this;
   Tensor s = src.device() == device() ? src : src.to(device());
   const bool identical = s.impl()->offset == impl()->offset && s.sizes() == sizes() && s.strides() == strides();
@@ -365,7 +383,10 @@ Tensor& Tensor::copy_(const Tensor& src) {
 Tensor& Tensor::fill_(Scalar value) {
   check_defined(*this, "fill_");
   check_no_internal_overlap(*this, "fill_");
-  check_inplace_allowed(*this, "fill_");
+  if (rules::inplace_records(*this, {}, "fill_")) {  // the old value gets no gradient
+    rules::inplace_commit(*this, Tensor::full(sizes(), value, {dtype(), device()}), "fill_");
+    return *this;
+  }
   if (numel() > 0) backend::backend_for(device()).fill(*this, value);
   bump_version(*this);
   return *this;
@@ -374,18 +395,25 @@ Tensor& Tensor::zero_() { return fill_(0); }
 
 Tensor& Tensor::add_(const Tensor& o, Scalar alpha) {
   const bool unit = alpha.is_floating() ? alpha.to_double() == 1.0 : alpha.to_int() == 1;
-  return inplace_binary(*this, BinaryOp::add, unit ? o : flame::mul_scalar(o, alpha));
+  return inplace_binary(*this, BinaryOp::add, unit ? o : flame::mul_scalar(o, alpha), "add_");
 }
-Tensor& Tensor::sub_(const Tensor& o) { return inplace_binary(*this, BinaryOp::sub, o); }
-Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::mul, o); }
-Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o); }
-Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s); }
+Tensor& Tensor::sub_(const Tensor& o) { return inplace_binary(*this, BinaryOp::sub, o, "sub_"); }
+Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::mul, o, "mul_"); }
+Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o, "div_"); }
+Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s, "add_"); }
 Tensor& Tensor::sub_(Scalar s) {
-  return inplace_scalar(*this, UnaryOp::add_scalar, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+  return inplace_scalar(*this, UnaryOp::add_scalar, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()),
+                        "sub_");
 }
-Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s); }
-Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s); }
+Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s, "mul_"); }
+Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s, "div_"); }
 Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
+  check_defined(*this, "clamp_");
+  check_no_internal_overlap(*this, "clamp_");
+  if (rules::inplace_records(*this, {}, "clamp_")) {  // Note [In-place recording]
+    rules::inplace_commit(*this, flame::clamp(rules::inplace_current(*this).clone(), min, max), "clamp_");
+    return *this;
+  }
   return copy_(flame::clamp(*this, min, max));
 }
 

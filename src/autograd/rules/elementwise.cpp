@@ -118,8 +118,9 @@ void binary(Tensor& out, BinaryOp op, const Tensor& a, const Tensor& b, const Te
 void where(Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b) {
   if (!is_floating(out.dtype()) || !needs_grad({a, b})) return;
   const Shape as = a.sizes(), bs = b.sizes();
-  Tensor c = cond;  // bool: never modified by autograd; kept by value
-  record(out, "where", {cond, a, b}, [c, as, bs](const Tensor& g) {
+  SavedTensor sc(cond, "where");  // Note [Saved indices] (rules/index.cpp): a mask buffer may be refilled
+  record(out, "where", {cond, a, b}, [sc, as, bs](const Tensor& g) {
+    Tensor c = sc.get();
     Tensor zero = zeros_like(g);
     return TensorList{Tensor(), sum_to(where(c, g, zero), as), sum_to(where(c, zero, g), bs)};
   });

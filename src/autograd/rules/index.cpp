@@ -1,4 +1,10 @@
 // Gradient rules of the indexing family: gradients flow back to the positions that were read.
+//
+// Note [Saved indices]
+// Index tensors (and masks, and sort's indices) are saved as SavedTensors like any other: they
+// often alias a buffer the caller refills every step (a token batch, a label vector), and a
+// refill before backward would send gradients to the wrong rows without a word. With the version
+// check, backward raises instead, naming the op.
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
@@ -19,8 +25,9 @@ Tensor pad_into(const Tensor& small, const Shape& shape) {
 void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
-  Tensor idx = index;  // i64, contiguous, never written: kept by value
-  record(out, "index_select", {x}, [xs, dim, idx](const Tensor& g) {
+  SavedTensor sidx(index, "index_select");  // Note [Saved indices]
+  record(out, "index_select", {x}, [xs, dim, sidx](const Tensor& g) {
+    Tensor idx = sidx.get();
     Tensor z = Tensor::zeros(xs, {g.dtype(), g.device()});
     if (xs.empty()) return TensorList{g.reshape({})};
     Shape view(xs.size(), 1);
@@ -32,8 +39,9 @@ void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index
 void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
-  Tensor idx = index;
-  record(out, "gather", {x}, [xs, dim, idx](const Tensor& g) {
+  SavedTensor sidx(index, "gather");  // Note [Saved indices]
+  record(out, "gather", {x}, [xs, dim, sidx](const Tensor& g) {
+    Tensor idx = sidx.get();
     return TensorList{scatter_add(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
   });
 }
@@ -41,8 +49,9 @@ void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
 void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate) {
   if (!needs_grad({x, src})) return;
   const Shape ss = src.sizes();
-  Tensor idx = index;
-  record(out, accumulate ? "scatter_add" : "scatter", {x, src}, [ss, dim, idx, accumulate](const Tensor& g) {
+  SavedTensor sidx(index, accumulate ? "scatter_add" : "scatter");  // Note [Saved indices]
+  record(out, accumulate ? "scatter_add" : "scatter", {x, src}, [ss, dim, sidx, accumulate](const Tensor& g) {
+    Tensor idx = sidx.get();
     // Overwritten positions pass no gradient to x; src receives the gradient of where it landed.
     Tensor gx = accumulate ? g : scatter(g, dim, idx, Tensor::zeros(idx.sizes(), {g.dtype(), g.device()}));
     return TensorList{gx, pad_into(gather(g, dim, idx), ss)};
@@ -52,8 +61,9 @@ void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, con
 void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded) {
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
-  Tensor mask = mask_expanded.contiguous();
-  record(out, "masked_select", {x}, [xs, mask](const Tensor& g) {
+  SavedTensor smask(mask_expanded.contiguous(), "masked_select");  // Note [Saved indices]
+  record(out, "masked_select", {x}, [xs, smask](const Tensor& g) {
+    Tensor mask = smask.get();
     // Element k of the output came from the k-th true position: position p takes g[cumsum(mask)[p] - 1].
     Tensor flat = mask.reshape({-1});
     Tensor zero = Tensor::zeros(mask.sizes(), {g.dtype(), g.device()});
@@ -67,9 +77,10 @@ void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded) {
 void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& indices) {
   if (!needs_grad({x}) || !is_floating(values.dtype())) return;
   const Shape xs = x.sizes();
-  Tensor idx = indices;
-  record(values, "sort", {x}, [xs, dim, idx](const Tensor& g) {
+  SavedTensor sidx(indices, "sort");  // Note [Saved indices]: the caller may write the returned indices
+  record(values, "sort", {x}, [xs, dim, sidx](const Tensor& g) {
     if (xs.empty()) return TensorList{g};
+    Tensor idx = sidx.get();
     return TensorList{scatter(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
   });
 }
