@@ -83,10 +83,11 @@ void Node::release() {
 }
 
 std::size_t Node::save(const Tensor& t, bool is_output) {
-  // Leaves that are not this node's output are held as they are (no cycle, no extra handle);
-  // anything with a history is held detached (Note [Node saved tensors]).
-  const bool detach = is_output || !t.is_leaf();
-  saved_.emplace_back(t, name_, detach);
+  // Inputs are held as they are: their history was complete before this node existed, so it
+  // cannot lead back here. The node's own output is held detached, or it would own itself
+  // (Note [Node saved tensors]).
+  if (saved_.empty()) saved_.reserve(2);
+  saved_.emplace_back(t, name_, /*detach=*/is_output);
   return saved_.size() - 1;
 }
 

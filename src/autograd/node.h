@@ -38,7 +38,8 @@ struct AutogradMeta {
 
 // A tensor a rule reads during backward, with the storage version at save time. Held detached by
 // default (a handle outside any graph: no reference cycle through the output's node); Node::save
-// holds leaf inputs as they are (their history cannot lead back to the node).
+// holds inputs as they are (their history cannot lead back to the node) and only the node's own
+// output detached.
 class SavedTensor {
  public:
   SavedTensor() = default;
