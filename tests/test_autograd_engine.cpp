@@ -176,6 +176,19 @@ TEST(AutogradEngine, CumsumBackwardKeepsPrecision) {
   }
 }
 
+// elu's gradient for x <= 0 is alpha * exp(x); from the output (y + alpha) it cancels to zero.
+TEST(AutogradEngine, EluBackwardKeepsPrecisionForNegativeInputs) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  std::vector<float> xv = {-20.0f, -15.0f, -12.5f, -9.0f, 0.5f};
+  Tensor x = Tensor::from_vec(xv, {5}, test_device()).requires_grad_(true);
+  Gradients g = x.elu(1.5).sum().backward();
+  const auto got = g.get(x).to_vec<double>();
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    const double want = xv[i] > 0 ? 1.0 : 1.5 * std::exp(static_cast<double>(xv[i]));
+    EXPECT_NEAR(got[i], want, 1e-5 * want) << "x = " << xv[i];
+  }
+}
+
 // Gradients cannot be differentiated again: asking raises instead of returning a partial answer.
 TEST(AutogradEngine, HigherOrderGradientsRaise) {
   FLAME_SKIP_IF_NO_DEVICE();

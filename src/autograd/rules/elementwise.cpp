@@ -39,8 +39,7 @@ Reads unary_reads(UnaryOp op) {
     case UnaryOp::reciprocal:
     case UnaryOp::tanh:
     case UnaryOp::sigmoid: return Reads::y;
-    case UnaryOp::rdiv_scalar:
-    case UnaryOp::elu: return Reads::xy;
+    case UnaryOp::rdiv_scalar: return Reads::xy;
     case UnaryOp::gelu_grad:
     case UnaryOp::gelu_tanh_grad:
     case UnaryOp::silu_grad:
@@ -106,7 +105,8 @@ Tensor derivative(UnaryOp op, const Tensor& x, const Tensor& y, const UnaryParam
     case UnaryOp::tanh: return 1.0 - y * y;
     case UnaryOp::sigmoid: return y * (1.0 - y);
     case UnaryOp::leaky_relu: return where(x.gt(scalar_like(0.0, x)), scalar_like(1.0, x), scalar_like(p.a, x));
-    case UnaryOp::elu: return where(x.gt(scalar_like(0.0, x)), scalar_like(1.0, x), y + p.a);
+    // alpha * exp(x) for x <= 0, from x (as PyTorch): y + alpha cancels to 0 where exp(x) is tiny.
+    case UnaryOp::elu: return where(x.gt(scalar_like(0.0, x)), scalar_like(1.0, x), x.exp() * p.a);
     case UnaryOp::gelu: return unary_op(UnaryOp::gelu_grad, x, p);
     case UnaryOp::gelu_tanh: return unary_op(UnaryOp::gelu_tanh_grad, x, p);
     case UnaryOp::silu: return unary_op(UnaryOp::silu_grad, x, p);
