@@ -47,7 +47,7 @@ Tensor apply_custom(const CustomFunction& fn, const TensorList& inputs) {
   }
   if (!needs_grad(inputs)) return out;
   out = out.detach();  // a fresh handle: the forward may have returned one of its inputs
-  const char* name = backward_name(fn.name.empty() ? "custom" : fn.name.c_str());
+  const char* name = intern_backward_name(fn.name.empty() ? "custom" : fn.name);
   std::vector<SavedTensor> saved;
   for (const Tensor& t : inputs) saved.emplace_back(t, name);
   SavedTensor saved_out(out, name);

@@ -122,10 +122,16 @@ const char* backward_name(const char* op) {
   for (const auto& row : table) {
     if (std::strcmp(row[0], op) == 0) return row[1];
   }
+  return intern_backward_name(op);
+}
+
+const char* intern_backward_name(const std::string& op) {
   static std::mutex mu;
   static std::unordered_set<std::string> interned;
+  const std::size_t len = op.size();
+  std::string name = len >= 8 && op.compare(len - 8, 8, "Backward") == 0 ? op : pascal_backward(op.c_str());
   std::lock_guard<std::mutex> lock(mu);
-  return interned.insert(pascal_backward(op)).first->c_str();
+  return interned.insert(std::move(name)).first->c_str();
 }
 
 // ---- recording ----

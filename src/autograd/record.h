@@ -61,8 +61,10 @@ Node& record(Tensor& out, const char* name, std::initializer_list<std::reference
 // "IndexSelectBackward".
 Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::BackwardFn fn);
 // The grad_fn name of an op ("narrow" -> "NarrowBackward"); a name ending in "Backward" is kept.
-// The result lives as long as the process.
+// The result lives as long as the process; `op` must be a static string.
 const char* backward_name(const char* op);
+// The same for a name made at run time (a custom function's): always copied into a process-wide set.
+const char* intern_backward_name(const std::string& op);
 // Raises if grad mode is on and t requires grad (in-place ops are not recorded).
 void check_inplace_allowed(const Tensor& t, const char* op);
 
