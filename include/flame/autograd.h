@@ -82,6 +82,9 @@ struct BackwardOptions {
   Tensor grad_output;                    // seed gradient; required when the output is not a scalar
   bool retain_graph = false;             // keep saved tensors for another backward
   Gradients* accumulate_into = nullptr;  // add into this store (micro-batch accumulation)
+  // When not empty: gradients only for these tensors (leaves or not, like torch.autograd.grad's
+  // inputs); the walk stops at them and does not go on into their history.
+  TensorList inputs;
 };
 
 // Disables graph recording on this thread while alive (thread-local, nestable).
@@ -127,6 +130,13 @@ Tensor apply_custom(const CustomFunction& fn, const TensorList& inputs);
 // generator restored, so dropout masks match) to compute the gradients.
 Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs,
                   Generator* gen = nullptr);
+
+// ---- debugging ----
+// Bytes of the distinct storages that the graph behind `root` keeps in saved tensors (what
+// backward will read); a storage saved by several nodes counts once.
+std::size_t autograd_saved_bytes(const Tensor& root);
+// Number of TensorImpls alive in the process (leak checks in tests).
+int64_t live_tensor_count();
 
 // ---- gradient tools (on a store; optionally restricted to a parameter list) ----
 struct GradStats {

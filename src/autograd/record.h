@@ -1,51 +1,76 @@
 #pragma once
 // What op functions use to take part in autograd.
 //
-//   Tensor y = ...compute...;
+// Preferred form (Note [Node saved tensors] in node.h): a rule is a plain function over the node,
+// the tensors it reads are saved in the node, small parameters go in RuleArgs:
+//
+//   TensorList exp_backward(const Tensor& g, const Node& n) { return {g * n.saved(0)}; }
+//   ...
 //   if (needs_grad({x})) {
-//     SavedTensor sy(y);
-//     record(y, "exp", {x}, [sy](const Tensor& g) { return TensorList{g * sy.get()}; });
+//     Node& n = record(y, "ExpBackward", {x}, exp_backward, {});
+//     n.save(y, /*is_output=*/true);
 //   }
 //
-// Rules capture SavedTensors, never plain Tensors: a SavedTensor holds a detached handle (no
-// reference cycle through the output's node) and the storage version at save time, and get()
-// raises when the tensor was modified in place afterwards.
+// Save only what the formula reads, and only for the inputs that need a gradient. The older form,
+// record(out, name, inputs, lambda), takes a std::function; its lambda must capture SavedTensors,
+// never plain Tensors (a SavedTensor of the output is detached: no reference cycle through the
+// output's node), and what it captures is not seen by autograd_saved_bytes().
 #include <functional>
 #include <initializer_list>
+#include <vector>
 
 #include "flame/autograd.h"
 #include "src/autograd/node.h"
 
 namespace flame {
 
+namespace autograd_detail {
+struct ReadCollector;  // functions.cpp: what a checkpointed function reads (Note [Checkpoint captures])
+// Per-thread autograd state, read inline on every op (recording must cost nothing when off).
+struct ThreadState {
+  bool grad_enabled = true;
+  ReadCollector* collector = nullptr;  // set while a checkpointed function runs its first forward
+  int backward_depth = 0;              // > 0 while gradient rules run (no higher-order gradients)
+};
+extern thread_local ThreadState t_state;
+// Tells the active collector that an op read these tensors (the ones requiring grad are kept).
+void collect_reads(std::initializer_list<std::reference_wrapper<const Tensor>> inputs);
+void collect_reads(const TensorList& inputs);
+}  // namespace autograd_detail
+
 // Grad mode is on and at least one input requires a gradient.
 bool needs_grad(const TensorList& inputs);
 // The same for a braced list of tensors, without building a TensorList (ops call this on every
 // invocation, so it must cost nothing when no gradient is wanted).
 inline bool needs_grad(std::initializer_list<std::reference_wrapper<const Tensor>> inputs) {
-  if (!grad_enabled()) return false;
+  const autograd_detail::ThreadState& st = autograd_detail::t_state;
+  if (!st.grad_enabled) {
+    if (st.collector) autograd_detail::collect_reads(inputs);
+    return false;
+  }
   for (const Tensor& t : inputs) {
     if (t.requires_grad()) return true;
   }
   return false;
 }
-// Attaches a node computing the inputs' gradients to `out` (which becomes a non-leaf).
-void record(Tensor& out, const char* name, const TensorList& inputs, Node::BackwardFn fn);
+// Attaches a node computing the inputs' gradients to `out` (which becomes a non-leaf) and returns
+// it, so that the caller can save the tensors its rule reads. `name` must be a static string.
+Node& record(Tensor& out, const char* name, std::initializer_list<std::reference_wrapper<const Tensor>> inputs,
+             Node::RuleFn rule, RuleArgs args);
+// The std::function form; `op` may be a plain op name ("index_select"): the node is named
+// "IndexSelectBackward".
+Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::BackwardFn fn);
+// The grad_fn name of an op ("narrow" -> "NarrowBackward"); a name ending in "Backward" is kept.
+// The result lives as long as the process; `op` must be a static string.
+const char* backward_name(const char* op);
+// The same for a name made at run time (a custom function's): always copied into a process-wide set.
+const char* intern_backward_name(const std::string& op);
 
-class SavedTensor {
- public:
-  SavedTensor() = default;
-  explicit SavedTensor(const Tensor& t, const char* op = "");
-  Tensor get() const;  // raises if the storage was written in place since it was saved
-  bool defined() const { return tensor_.defined(); }
-
- private:
-  Tensor tensor_;
-  uint64_t version_ = 0;
-  const char* op_ = "";
-};
-
-// Sums `grad` down to `shape` (undoing broadcasting).
+// Sums `grad` down to `shape` (undoing broadcasting); returns grad itself when the shapes match.
 Tensor sum_to(const Tensor& grad, const Shape& shape);
+
+// Debug accounting: bytes of distinct storages held by saved tensors of the graph behind `root`
+// (each storage counted once, however many nodes save it). Declared in flame/autograd.h too.
+std::size_t autograd_saved_bytes(const Tensor& root);
 
 }  // namespace flame

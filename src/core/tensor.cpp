@@ -13,12 +13,14 @@
 // remainder's offsets (sorted, then checked for duplicates). A remainder too large to enumerate
 // (more than kOverlapEnumerationLimit elements) is refused with a message saying so, not guessed.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <utility>
 #include <vector>
 
+#include "flame/autograd.h"
 #include "flame/ops.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
@@ -35,6 +37,11 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+namespace {
+// Live TensorImpls, for leak checks (live_tensor_count in flame/autograd.h).
+std::atomic<int64_t> g_live_impls{0};
+}  // namespace
+
 TensorImpl::TensorImpl(std::shared_ptr<Storage> storage_, Shape sizes_, Shape strides_,
                        int64_t offset_, DType dtype_)
     : storage(std::move(storage_)),
@@ -42,7 +49,13 @@ TensorImpl::TensorImpl(std::shared_ptr<Storage> storage_, Shape sizes_, Shape st
       strides(std::move(strides_)),
       offset(offset_),
       dtype(dtype_),
-      numel(shape_numel(sizes)) {}
+      numel(shape_numel(sizes)) {
+  g_live_impls.fetch_add(1, std::memory_order_relaxed);
+}
+
+TensorImpl::~TensorImpl() { g_live_impls.fetch_sub(1, std::memory_order_relaxed); }
+
+int64_t live_tensor_count() { return g_live_impls.load(std::memory_order_relaxed); }
 
 Shape contiguous_strides(const Shape& sizes) {
   Shape strides(sizes.size());

@@ -24,6 +24,9 @@ class TensorImpl {
  public:
   TensorImpl(std::shared_ptr<Storage> storage_, Shape sizes_, Shape strides_, int64_t offset_,
              DType dtype_);
+  ~TensorImpl();
+  TensorImpl(const TensorImpl&) = delete;
+  TensorImpl& operator=(const TensorImpl&) = delete;
   std::shared_ptr<Storage> storage;
   Shape sizes;
   Shape strides;

@@ -1,5 +1,6 @@
 // Gradient rules of the reductions, cumsum and softmax. `out` has the kept dims only (the keepdim
 // view is recorded separately as a view); keep_shape is x's shape with reduced dims set to 1.
+// Saved tensors: sum and mean none; prod, amax and amin x and y; softmax y; cumsum none.
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
@@ -7,70 +8,104 @@
 namespace flame::rules {
 using backend::ReduceOp;
 
+namespace {
+// The dims of x that the reduction removed (size-1 dims in keep_shape that were not size 1).
+Shape reduced_dims(const Shape& xs, const Shape& keep_shape) {
+  Shape dims;
+  for (std::size_t d = 0; d < xs.size(); ++d) {
+    if (keep_shape[d] == 1 && xs[d] != 1) dims.push_back(static_cast<int64_t>(d));
+  }
+  return dims;
+}
+
+TensorList reduce_backward(const Tensor& g, const Node& n) {
+  const RuleArgs& a = n.args();
+  const Shape& xs = n.edges()[0].shape;
+  const Shape& keep_shape = a.shape;
+  Tensor gk = g.reshape(keep_shape);
+  switch (static_cast<ReduceOp>(a.op)) {
+    // An expanded view, not a copy: the consumer reads it as it is (the store makes it contiguous).
+    case ReduceOp::sum: return {gk.expand(xs)};
+    case ReduceOp::mean: return {(gk / static_cast<double>(a.count)).expand(xs)};
+    case ReduceOp::prod: {
+      // d prod / d x_i = prod of the others: y / x_i when x_i != 0; with exactly one zero in the
+      // slice, the zero's gradient is the product of the non-zeros; with two or more, all zero.
+      Tensor xv = n.saved(0), yk = n.saved(1).reshape(keep_shape);
+      const Shape dims = reduced_dims(xs, keep_shape);
+      if (dims.empty()) return {gk.expand(xs).contiguous()};
+      Tensor zero = Tensor::scalar(0.0, {xv.dtype(), xv.device()});
+      Tensor is_zero = xv.eq(zero);
+      Tensor zeros_in_slice = sum(is_zero, dims, true);
+      Tensor others = prod(where(is_zero, Tensor::scalar(1.0, {xv.dtype(), xv.device()}), xv), dims, true);
+      Tensor one_zero = zeros_in_slice.eq(Tensor::scalar(1, zeros_in_slice.device()));
+      Tensor at_zero = where(one_zero, others, zero);
+      Tensor d = where(is_zero, at_zero.expand(xs), yk / xv);
+      return {gk * d};
+    }
+    default: {  // max/min: shared equally by the elements that attain the extreme
+      Tensor xv = n.saved(0), yk = n.saved(1).reshape(keep_shape);
+      Tensor hit = xv.eq(yk).to(g.dtype());
+      const Shape dims = reduced_dims(xs, keep_shape);
+      Tensor cnt = dims.empty() ? hit : sum(hit, dims, true);
+      return {gk * hit / cnt};
+    }
+  }
+}
+
+const char* reduce_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return "SumBackward";
+    case ReduceOp::mean: return "MeanBackward";
+    case ReduceOp::prod: return "ProdBackward";
+    case ReduceOp::max: return "AmaxBackward";
+    case ReduceOp::min: return "AminBackward";
+    default: return "ReduceBackward";
+  }
+}
+
+TensorList cumsum_backward(const Tensor& g, const Node& n) {
+  if (g.dim() == 0) return {g};
+  // Reverse cumulative sum, sum_{j >= i} g_j, summed from the end (as PyTorch): no cancellation
+  // between a large total and a large prefix.
+  const int64_t dim = n.args().dim;
+  return {g.flip({dim}).cumsum(dim).flip({dim})};
+}
+
+TensorList softmax_backward(const Tensor& g, const Node& n) {
+  Tensor y = n.saved(0);
+  const Shape dims = y.dim() == 0 ? Shape{} : Shape{n.args().dim};
+  if (n.args().op == 1) return {g - y.exp() * sum(g, dims, true)};  // log_softmax
+  return {y * (g - sum(g * y, dims, true))};
+}
+}  // namespace
+
 void reduce(Tensor& out, ReduceOp op, const Tensor& x, const Shape& keep_shape, int64_t count) {
   if (!is_floating(out.dtype()) || !needs_grad({x})) return;
-  const Shape xs = x.sizes();
-  SavedTensor sx, sy;
+  RuleArgs args;
+  args.op = static_cast<int>(op);
+  args.shape = keep_shape;
+  args.count = count;
+  Node& n = record(out, reduce_name(op), {x}, &reduce_backward, std::move(args));
   if (op == ReduceOp::prod || op == ReduceOp::max || op == ReduceOp::min) {
-    sx = SavedTensor(x, "reduce");
-    sy = SavedTensor(out, "reduce");
+    n.save(x);
+    n.save(out, /*is_output=*/true);
   }
-  const char* name = op == ReduceOp::sum ? "sum" : op == ReduceOp::mean ? "mean" : op == ReduceOp::prod ? "prod" : "amax/amin";
-  record(out, name, {x}, [=](const Tensor& g) {
-    Tensor gk = g.reshape(keep_shape);
-    switch (op) {
-      case ReduceOp::sum: return TensorList{gk.expand(xs).contiguous()};
-      case ReduceOp::mean: return TensorList{(gk / static_cast<double>(count)).expand(xs).contiguous()};
-      case ReduceOp::prod: {
-        // d prod / d x_i = prod of the others: y / x_i when x_i != 0; with exactly one zero in the
-        // slice, the zero's gradient is the product of the non-zeros; with two or more, all zero.
-        Tensor xv = sx.get(), yk = sy.get().reshape(keep_shape);
-        Shape dims;
-        for (std::size_t d = 0; d < xs.size(); ++d) {
-          if (keep_shape[d] == 1 && xs[d] != 1) dims.push_back(static_cast<int64_t>(d));
-        }
-        if (dims.empty()) return TensorList{gk.expand(xs).contiguous()};
-        Tensor zero = Tensor::scalar(0.0, {xv.dtype(), xv.device()});
-        Tensor is_zero = xv.eq(zero);
-        Tensor zeros_in_slice = sum(is_zero, dims, true);
-        Tensor others = prod(where(is_zero, Tensor::scalar(1.0, {xv.dtype(), xv.device()}), xv), dims, true);
-        Tensor one_zero = zeros_in_slice.eq(Tensor::scalar(1, zeros_in_slice.device()));
-        Tensor at_zero = where(one_zero, others, zero);
-        Tensor d = where(is_zero, at_zero.expand(xs), yk / xv);
-        return TensorList{gk * d};
-      }
-      default: {  // max/min: shared equally by the elements that attain the extreme
-        Tensor xv = sx.get(), yk = sy.get().reshape(keep_shape);
-        Tensor hit = xv.eq(yk).to(g.dtype());
-        Shape dims;
-        for (std::size_t d = 0; d < xs.size(); ++d) {
-          if (keep_shape[d] == 1 && xs[d] != 1) dims.push_back(static_cast<int64_t>(d));
-        }
-        Tensor n = dims.empty() ? hit : sum(hit, dims, true);
-        return TensorList{gk * hit / n};
-      }
-    }
-  });
 }
 
 void cumsum(Tensor& out, const Tensor& x, int64_t dim) {
   if (!is_floating(out.dtype()) || !needs_grad({x})) return;
-  record(out, "cumsum", {x}, [dim](const Tensor& g) {
-    if (g.dim() == 0) return TensorList{g};
-    // Reverse cumulative sum: sum_{j >= i} g_j = total - cumsum(g)_i + g_i.
-    return TensorList{sum(g, {dim}, true) - g.cumsum(dim) + g};
-  });
+  RuleArgs args;
+  args.dim = dim;
+  record(out, "CumsumBackward", {x}, &cumsum_backward, std::move(args));
 }
 
 void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log) {
   if (!needs_grad({x})) return;
-  SavedTensor sy(out, log ? "log_softmax" : "softmax");
-  record(out, log ? "log_softmax" : "softmax", {x}, [sy, dim, log](const Tensor& g) {
-    Tensor y = sy.get();
-    const Shape dims = y.dim() == 0 ? Shape{} : Shape{dim};
-    if (log) return TensorList{g - y.exp() * sum(g, dims, true)};
-    return TensorList{y * (g - sum(g * y, dims, true))};
-  });
+  RuleArgs args;
+  args.dim = dim;
+  args.op = log ? 1 : 0;
+  Node& n = record(out, log ? "LogSoftmaxBackward" : "SoftmaxBackward", {x}, &softmax_backward, std::move(args));
+  n.save(out, /*is_output=*/true);
 }
 
 }  // namespace flame::rules

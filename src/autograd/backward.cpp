@@ -1,0 +1,259 @@
+// The backward pass: reverse topological walk of the graph behind a tensor, plus the saved-bytes
+// accounting of a graph.
+//
+// Note [Backward order]
+// Vertices are tensors taking part in autograd. A vertex is processed once every consumer of it in
+// the reachable graph has delivered its contribution (dependency counts), so gradients of tensors
+// used more than once are summed before hooks run or they reach the store or their node.
+// Non-leaf vertices keep their count and pending sum in their node (Node::Scratch, tagged with the
+// run id), leaves in a vector indexed through the edge's slot: the walk allocates nothing per
+// vertex beyond the gradients themselves. A pending sum this pass made is added to in place; one
+// that is still some rule's output (a pass-through such as add) is never written.
+#include <atomic>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "flame/ops.h"
+#include "src/autograd/record.h"
+
+namespace flame {
+
+namespace {
+
+std::atomic<uint64_t> g_next_run{1};
+
+struct LeafState {
+  AutogradMeta* meta = nullptr;
+  Tensor handle;  // the store's key
+  Tensor pending;
+  bool owned = false;
+  bool stored = true;  // false: a leaf outside BackwardOptions::inputs (walked, not stored)
+  int32_t deps = 0;
+};
+
+// pending += g: in place into a buffer this pass made, otherwise out of place.
+void add_into(Tensor& pending, bool& owned, const Tensor& g) {
+  if (!g.defined()) return;
+  if (!pending.defined()) {
+    pending = g;
+    owned = false;
+  } else if (owned && pending.sizes() == g.sizes() && pending.dtype() == g.dtype()) {
+    pending.add_(g);
+  } else {
+    pending = pending + g;
+    owned = true;
+  }
+}
+
+Tensor run_hooks(AutogradMeta* m, Tensor g) {
+  for (std::size_t i = 0; i < m->hooks.size(); ++i) {
+    Tensor replaced = m->hooks[i](g);
+    if (replaced.defined()) {
+      FLAME_CHECK(replaced.sizes() == g.sizes(), "backward", "a hook returned a gradient of shape ", replaced.sizes(),
+                  " for a tensor of shape ", g.sizes());
+      FLAME_CHECK(!replaced.requires_grad(), "backward",
+                  "a hook returned a gradient that requires grad: higher-order gradients are not supported");
+      g = std::move(replaced);
+    }
+  }
+  return g;
+}
+
+// Marks the thread as running gradient rules (see record(): nodes recorded meanwhile raise).
+struct BackwardDepthGuard {
+  BackwardDepthGuard() { ++autograd_detail::t_state.backward_depth; }
+  ~BackwardDepthGuard() { --autograd_detail::t_state.backward_depth; }
+};
+
+}  // namespace
+
+Gradients Tensor::backward() const { return backward(BackwardOptions{}); }
+
+Gradients Tensor::backward(const BackwardOptions& options) const {
+  FLAME_CHECK(requires_grad(), "backward", "the tensor (shape ", sizes(),
+              ") does not require grad and has no grad_fn");
+  Tensor seed = options.grad_output;
+  if (seed.defined()) {
+    FLAME_CHECK(seed.sizes() == sizes() && seed.device() == device(), "backward", "grad_output of shape ",
+                seed.sizes(), " on ", seed.device().str(), " does not match the output's shape ", sizes(), " on ",
+                device().str());
+    FLAME_CHECK(!seed.requires_grad(), "backward",
+                "grad_output requires grad: higher-order gradients are not supported (detach it)");
+    if (seed.dtype() != dtype()) seed = seed.to(dtype());
+  } else {
+    FLAME_CHECK(numel() == 1, "backward", "grad can be implicitly created only for scalar outputs (shape ",
+                sizes(), "); pass BackwardOptions::grad_output");
+    seed = ones_like(*this);
+  }
+
+  // Tensors the caller wants gradients for (the walk stops there); empty: every leaf.
+  std::unordered_map<AutogradMeta*, Tensor> stops;
+  for (const Tensor& t : options.inputs) {
+    FLAME_CHECK(t.defined() && t.requires_grad(), "backward",
+                "BackwardOptions::inputs holds a tensor that does not require grad (shape ",
+                t.defined() ? t.sizes() : Shape{}, ")");
+    stops.emplace(t.impl()->autograd.get(), t);
+  }
+  const bool only_inputs = !options.inputs.empty();
+
+  const uint64_t run = g_next_run.fetch_add(1, std::memory_order_relaxed);
+  std::vector<LeafState> leaves;
+  std::unordered_map<AutogradMeta*, int32_t> leaf_index;
+  auto leaf_slot = [&](AutogradMeta* m, const Tensor& handle) {
+    auto [it, inserted] = leaf_index.try_emplace(m, static_cast<int32_t>(leaves.size()));
+    if (inserted) {
+      LeafState& l = leaves.emplace_back();
+      l.meta = m;
+      auto s = stops.find(m);
+      l.handle = s != stops.end() ? s->second : handle;
+      l.stored = !only_inputs || s != stops.end();
+    }
+    return it->second;
+  };
+  auto is_stop = [&](AutogradMeta* m) { return only_inputs && stops.count(m) != 0; };
+
+  // Discover the reachable graph and count the consumers of each vertex.
+  AutogradMeta* root = impl_->autograd.get();
+  std::vector<Node*> discovered;
+  int32_t root_leaf = -1;
+  if (!root->grad_fn || is_stop(root)) {
+    root_leaf = leaf_slot(root, *this);
+  } else {
+    Node* n = root->grad_fn.get();
+    FLAME_CHECK(!n->released(), "backward", "trying to backward through the graph a second time (op ", n->name(),
+                "): pass retain_graph = true to the first backward");
+    n->scratch = Node::Scratch{run, 0, false, Tensor(), root};
+    discovered.push_back(n);
+    for (std::size_t k = 0; k < discovered.size(); ++k) {
+      for (const Node::Edge& e : discovered[k]->edges()) {
+        AutogradMeta* m = e.meta.get();
+        if (!m) continue;
+        if (!m->grad_fn || is_stop(m)) {
+          e.slot = leaf_slot(m, e.leaf);
+          ++leaves[static_cast<std::size_t>(e.slot)].deps;
+          continue;
+        }
+        e.slot = -1;
+        Node* c = m->grad_fn.get();
+        if (c->scratch.run != run) {
+          FLAME_CHECK(!c->released(), "backward", "trying to backward through the graph a second time (op ",
+                      c->name(), "): pass retain_graph = true to the first backward");
+          c->scratch = Node::Scratch{run, 0, false, Tensor(), m};
+          discovered.push_back(c);
+        }
+        ++c->scratch.deps;
+      }
+    }
+  }
+
+  Gradients local;
+  Gradients& store = options.accumulate_into ? *options.accumulate_into : local;
+  NoGradGuard no_grad;  // gradient rules are not recorded (no higher-order gradients)
+
+  auto finish_leaf = [&](LeafState& l) {
+    Tensor g = std::move(l.pending);
+    l.pending = Tensor();
+    if (!g.defined()) return;
+    g = run_hooks(l.meta, std::move(g));
+    if (!l.stored) return;
+    // Stored gradients are plain contiguous tensors a trainer may edit in place.
+    store.accumulate(l.handle, g.is_contiguous() ? std::move(g) : g.contiguous());
+  };
+
+  std::vector<Node*> ready;
+  auto deliver = [&](const Node::Edge& e, const Tensor& gi) {
+    if (e.slot >= 0) {
+      LeafState& l = leaves[static_cast<std::size_t>(e.slot)];
+      add_into(l.pending, l.owned, gi);
+      if (--l.deps == 0) finish_leaf(l);
+      return;
+    }
+    Node* c = e.meta->grad_fn.get();
+    add_into(c->scratch.pending, c->scratch.owned, gi);
+    if (--c->scratch.deps == 0) ready.push_back(c);
+  };
+
+  try {
+    if (root_leaf >= 0) {
+      leaves[static_cast<std::size_t>(root_leaf)].pending = seed;
+      finish_leaf(leaves[static_cast<std::size_t>(root_leaf)]);
+    } else {
+      discovered.front()->scratch.pending = seed;
+      ready.push_back(discovered.front());
+    }
+    while (!ready.empty()) {
+      Node& node = *ready.back();
+      ready.pop_back();
+      Tensor g = std::move(node.scratch.pending);
+      node.scratch.pending = Tensor();
+      AutogradMeta* m = node.scratch.meta;
+      if (g.defined()) g = run_hooks(m, std::move(g));
+      if (!options.retain_graph && !m->hooks.empty()) {
+        // The graph is freed: so are the hooks of its non-leaf tensors (a hook capturing its own
+        // tensor would otherwise keep it alive through its own autograd state).
+        std::vector<GradHook> dropped = std::move(m->hooks);
+        m->hooks.clear();
+      }
+      const std::vector<Node::Edge>& edges = node.edges();
+      if (!g.defined()) {
+        // Nothing arrived: pass "nothing" on, so that the counts of the inputs still reach zero
+        // and their other contributions are not lost.
+        for (const Node::Edge& e : edges) {
+          if (e.meta) deliver(e, Tensor());
+        }
+      } else {
+        TensorList grads;
+        {
+          BackwardDepthGuard depth;
+          grads = node.apply(g);
+        }
+        g = Tensor();
+        FLAME_CHECK(grads.size() == edges.size(), "backward", "gradient rule of ", node.name(), " returned ",
+                    grads.size(), " gradients for ", edges.size(), " inputs");
+        for (std::size_t i = 0; i < grads.size(); ++i) {
+          const Node::Edge& e = edges[i];
+          if (!e.meta) continue;
+          Tensor& gi = grads[i];
+          if (gi.defined()) {
+            FLAME_CHECK(gi.sizes() == e.shape, "backward", "gradient rule of ", node.name(), " produced shape ",
+                        gi.sizes(), " for input ", i, " of shape ", e.shape);
+            if (gi.dtype() != e.dtype) gi = gi.to(e.dtype);
+          }
+          deliver(e, gi);
+        }
+      }
+      if (!options.retain_graph) node.release();
+    }
+  } catch (...) {
+    // Leave no gradient behind in the nodes of a graph that may live on.
+    for (Node* n : discovered) n->scratch.pending = Tensor();
+    throw;
+  }
+  if (options.accumulate_into) return Gradients();
+  return local;
+}
+
+std::size_t autograd_saved_bytes(const Tensor& root) {
+  FLAME_CHECK(root.defined(), "autograd_saved_bytes", "undefined tensor");
+  const AutogradMeta* m = root.impl()->autograd.get();
+  if (!m || !m->grad_fn) return 0;
+  std::unordered_set<const Node*> seen = {m->grad_fn.get()};
+  std::vector<const Node*> stack = {m->grad_fn.get()};
+  std::unordered_set<const Storage*> storages;
+  std::size_t bytes = 0;
+  while (!stack.empty()) {
+    const Node* n = stack.back();
+    stack.pop_back();
+    for (const SavedTensor& s : n->saved_tensors()) {
+      if (!s.defined()) continue;
+      const Storage* st = s.raw().impl()->storage.get();
+      if (storages.insert(st).second) bytes += st->nbytes;
+    }
+    for (const Node::Edge& e : n->edges()) {
+      if (e.meta && e.meta->grad_fn && seen.insert(e.meta->grad_fn.get()).second) stack.push_back(e.meta->grad_fn.get());
+    }
+  }
+  return bytes;
+}
+
+}  // namespace flame
