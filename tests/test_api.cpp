@@ -148,6 +148,14 @@ TEST(Api, AddAlphaDtypeRules) {
   Tensor r = a.add(b, 8);
   EXPECT_EQ(r.dtype(), DType::i64);
   EXPECT_EQ(r.to_vec<int64_t>(), (std::vector<int64_t>{1 + (int64_t{1} << 33), 38, -53}));
+  // The in-place forms follow the same rules.
+  Tensor ai = a.clone();
+  ai.add_(b, 8);
+  EXPECT_EQ(ai.to_vec<int64_t>(), r.to_vec<int64_t>());
+  ai.sub_(b, 8);
+  EXPECT_EQ(ai.to_vec<int64_t>(), a.to_vec<int64_t>());
+  expect_error([&] { ai.add_(b, 0.5); }, {"add_", "alpha", "0.5"});
+  expect_error([&] { ai.sub_(b, 2.5); }, {"sub_", "alpha", "2.5"});
   // Integer alpha with a float tensor.
   Tensor f = Tensor::from_vec<float>({0.5f, 1.5f, -2.f}, {3}, dev);
   EXPECT_EQ(f.add(a, 2).to_vec<float>(), (std::vector<float>{2.5f, -2.5f, 4.f}));

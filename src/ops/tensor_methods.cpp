@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "flame/ops.h"
+#include "src/ops/alpha.h"
 #include "src/ops/method_lists.h"
 
 namespace flame {
@@ -70,9 +71,9 @@ namespace {
 bool is_unit(Scalar alpha) {
   return alpha.is_floating() ? alpha.to_double() == 1.0 : alpha.to_int() == 1;
 }
+}  // namespace
 
-// alpha * b in the result type of (a, b), with torch.add's alpha rules.
-Tensor scaled_operand(const char* op, const Tensor& a, const Tensor& b, Scalar alpha) {
+Tensor alpha_scaled(const char* op, const Tensor& a, const Tensor& b, Scalar alpha) {
   FLAME_CHECK(a.defined() && b.defined(), op, "got an undefined tensor");
   const DType common = result_type(a, b);
   FLAME_CHECK(is_floating(common) || !alpha.is_floating(), op, "alpha ", alpha.to_double(),
@@ -85,20 +86,19 @@ Tensor scaled_operand(const char* op, const Tensor& a, const Tensor& b, Scalar a
   // Scale in the result type, so an integer b is not scaled (and wrapped) in its narrower type.
   return flame::mul_scalar(b.to(common), alpha);
 }
-}  // namespace
 
 Tensor add(const Tensor& a, const Tensor& b, Scalar alpha) {
-  return flame::add(a, scaled_operand("add", a, b, alpha));
+  return flame::add(a, alpha_scaled("add", a, b, alpha));
 }
 Tensor sub(const Tensor& a, const Tensor& b, Scalar alpha) {
   FLAME_CHECK(!alpha.is_bool(), "sub", "a bool alpha is not supported");
-  return flame::sub(a, scaled_operand("sub", a, b, alpha));
+  return flame::sub(a, alpha_scaled("sub", a, b, alpha));
 }
 Tensor Tensor::add(const Tensor& o, Scalar alpha) const { return flame::add(*this, o, alpha); }
 Tensor Tensor::sub(const Tensor& o, Scalar alpha) const { return flame::sub(*this, o, alpha); }
 Tensor& Tensor::sub_(const Tensor& o, Scalar alpha) {
   FLAME_CHECK(!alpha.is_bool(), "sub_", "a bool alpha is not supported");
-  return sub_(scaled_operand("sub_", *this, o, alpha));
+  return sub_(alpha_scaled("sub_", *this, o, alpha));
 }
 
 Tensor Tensor::randn(const Shape& shape, TensorOptions opts, Generator* gen) {
