@@ -409,7 +409,7 @@ Tensor operator/=(Tensor&& a, Scalar b);
 
 // Comparisons are elementwise and give bool tensors (as in PyTorch): (x > 0) is a mask, not a
 // truth value. Tensor identity is x.is_same(y). A scalar operand is compared in the tensor's
-// dtype when that is floating, else exactly (i64, or f32 for a floating scalar, as PyTorch).
+// dtype when that is floating (as PyTorch), else exactly: in i64, or f64 for a floating scalar.
 #define FLAME_COMPARISON_OPERATORS(X) X(==, eq) X(!=, ne) X(<, lt) X(<=, le) X(>, gt) X(>=, ge)
 #define FLAME_DECLARE_COMPARISON(op, name)          \
   Tensor operator op(const Tensor& a, const Tensor& b); \
