@@ -28,7 +28,7 @@ TEST(AutogradInplace, AddIntoTensorWithoutGradJoinsTheGraph) {
   h += a;
   EXPECT_TRUE(h.requires_grad());
   EXPECT_FALSE(h.is_leaf());
-  EXPECT_EQ(h.grad_fn_name(), "add_");
+  EXPECT_EQ(h.grad_fn_name(), "AddBackward");
   Tensor c = values({3, 4}, 2);
   Gradients g = (h * c).sum().backward();
   ASSERT_TRUE(g.contains(a));

@@ -88,6 +88,9 @@ Tensor gt(const Tensor& a, const Tensor& b);
 Tensor ge(const Tensor& a, const Tensor& b);
 Tensor logical_and(const Tensor& a, const Tensor& b);
 Tensor logical_or(const Tensor& a, const Tensor& b);
+// a + alpha * b and a - alpha * b (torch.add/sub with alpha; see Tensor::add).
+Tensor add(const Tensor& a, const Tensor& b, Scalar alpha);
+Tensor sub(const Tensor& a, const Tensor& b, Scalar alpha);
 Tensor add_scalar(const Tensor& a, Scalar s);
 Tensor sub_scalar(const Tensor& a, Scalar s);
 Tensor mul_scalar(const Tensor& a, Scalar s);
@@ -112,6 +115,23 @@ Tensor norm(const Tensor& x, double p = 2.0, const Shape& dims = {}, bool keepdi
 Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim = false);
 Tensor any(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
 Tensor all(const Tensor& x, const Shape& dims = {}, bool keepdim = false);
+// Single-dim forms: flame::sum(x, 1), flame::amax(x, -1, true) (see DimIndex in tensor.h).
+#define FLAME_SINGLE_DIM_REDUCTIONS(X) X(sum) X(mean) X(prod) X(amax) X(amin) X(logsumexp) X(any) X(all)
+#define FLAME_DECLARE_SINGLE_DIM_REDUCTION(name)                     \
+  template <DimIndex I>                                              \
+  Tensor name(const Tensor& x, I dim, bool keepdim = false) {        \
+    return name(x, Shape{static_cast<int64_t>(dim)}, keepdim);       \
+  }
+FLAME_SINGLE_DIM_REDUCTIONS(FLAME_DECLARE_SINGLE_DIM_REDUCTION)
+#undef FLAME_DECLARE_SINGLE_DIM_REDUCTION
+template <DimIndex I>
+Tensor var(const Tensor& x, I dim, int64_t correction = 1, bool keepdim = false) {
+  return var(x, Shape{static_cast<int64_t>(dim)}, correction, keepdim);
+}
+template <DimIndex I>
+Tensor std(const Tensor& x, I dim, int64_t correction = 1, bool keepdim = false) {
+  return std(x, Shape{static_cast<int64_t>(dim)}, correction, keepdim);
+}
 Tensor cumsum(const Tensor& x, int64_t dim);
 Tensor softmax(const Tensor& x, int64_t dim);
 Tensor log_softmax(const Tensor& x, int64_t dim);

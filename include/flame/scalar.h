@@ -2,6 +2,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "flame/half.h"
+
 namespace flame {
 
 // A number passed to an op (fill value, scalar operand). It remembers whether it was a bool, an
@@ -24,6 +26,10 @@ class Scalar {
       d_ = static_cast<double>(v);
     }
   }
+
+  // The half types are floating scalars of their exact value: Scalar(bfloat16(1.5f)), x * float16(2.f).
+  Scalar(bfloat16 v) : kind_(Kind::floating), d_(static_cast<float>(v)) {}  // NOLINT: implicit
+  Scalar(float16 v) : kind_(Kind::floating), d_(static_cast<float>(v)) {}   // NOLINT: implicit
 
   Kind kind() const { return kind_; }
   bool is_floating() const { return kind_ == Kind::floating; }

@@ -2,12 +2,15 @@
 // The Tensor handle. A Tensor is a cheap, shared handle to a TensorImpl (sizes, strides, offset,
 // dtype) over a Storage (the bytes on one device). Copying a Tensor never copies data; views
 // (reshape, transpose, slice, expand, ...) share the Storage. See docs/tensor-model.md.
+#include <concepts>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -25,6 +28,17 @@ class Tensor;
 class Gradients;
 struct BackwardOptions;
 using TensorList = std::vector<Tensor>;
+
+// An integer dim index (bool excluded). Single-dim overloads (x.sum(1), x.mean(-1, true)) take it as
+// a template parameter because a braced list never deduces one: x.sum({}) stays "all dims" and
+// x.sum({0, 1}) stays a Shape, where an int64_t overload would silently take {} as dim 0.
+template <class T>
+concept DimIndex = std::integral<T> && !std::same_as<T, bool>;
+
+// Reductions that also take one dim: x.NAME(dim, keepdim = false) == x.NAME({dim}, keepdim).
+// max/min give the values (as torch.amax/amin), not torch.max(x, dim)'s (values, indices) pair.
+#define FLAME_SINGLE_DIM_REDUCTION_METHODS(X) \
+  X(sum) X(mean) X(prod) X(max) X(min) X(logsumexp) X(any) X(all)
 
 // dtype (unset: the factory's default, f32 for most) and device (default CPU) of a new tensor.
 // Converts implicitly from a Device or a DType: Tensor::ones({2}, Device::cuda()).
@@ -78,8 +92,9 @@ class Tensor {
   bool is_leaf() const;                           // not produced by a recorded op
   Tensor detach() const;                          // same storage, outside any graph
   std::string grad_fn_name() const;               // "" for leaves
-  Gradients backward() const;                     // scalar output; gradients of all leaves
-  Gradients backward(const BackwardOptions& options) const;
+  [[nodiscard]] Gradients backward() const;       // scalar output; gradients of all leaves
+  // With options.accumulate_into the store returned is empty: discard it with (void).
+  [[nodiscard]] Gradients backward(const BackwardOptions& options) const;
   // Runs during backward with the gradient arriving at this tensor; may return a replacement.
   void register_hook(std::function<Tensor(const Tensor&)> hook);
   Tensor grad(const Gradients& grads) const;      // grads.get(*this)
@@ -276,8 +291,85 @@ class Tensor {
   std::pair<Tensor, Tensor> sort(int64_t dim = -1, bool descending = false) const;
   Tensor argsort(int64_t dim = -1, bool descending = false) const;
 
+  // ---- libtorch spellings (see docs/api.md) ----
+  // Single-dim reductions, generated from FLAME_SINGLE_DIM_REDUCTION_METHODS above:
+  // sum, mean, prod, max, min, logsumexp, any, all (dim, keepdim = false).
+#define FLAME_DECLARE_SINGLE_DIM_REDUCTION(name)                         \
+  template <DimIndex I>                                                  \
+  Tensor name(I dim, bool keepdim = false) const {                       \
+    return name(Shape{static_cast<int64_t>(dim)}, keepdim);              \
+  }
+  FLAME_SINGLE_DIM_REDUCTION_METHODS(FLAME_DECLARE_SINGLE_DIM_REDUCTION)
+#undef FLAME_DECLARE_SINGLE_DIM_REDUCTION
+  template <DimIndex I>
+  Tensor var(I dim, int64_t correction = 1, bool keepdim = false) const {
+    return var(Shape{static_cast<int64_t>(dim)}, correction, keepdim);
+  }
+  template <DimIndex I>
+  Tensor std(I dim, int64_t correction = 1, bool keepdim = false) const {
+    return std(Shape{static_cast<int64_t>(dim)}, correction, keepdim);
+  }
+  Tensor max() const;  // whole tensor, 0-d (as torch.max(x)); same as max_all()
+  Tensor min() const;
+  // self + alpha * other / self - alpha * other, as torch.add/sub: a floating alpha needs a
+  // floating result type, bool inputs take only a bool alpha.
+  Tensor add(const Tensor& o, Scalar alpha) const;
+  Tensor sub(const Tensor& o, Scalar alpha) const;
+  Tensor& sub_(const Tensor& o, Scalar alpha);
+  // N(0, 1) with dtype/device from opts: Tensor::randn({2, 3}, Device::cuda()).
+  static Tensor randn(const Shape& shape, TensorOptions opts, Generator* gen = nullptr);
+
+  // Literal factory: Tensor::tensor({1, 2, 3}) is i64, Tensor::tensor({1.5, 2.0}) f32 (as
+  // torch.tensor), bool literals give bool; opts.dtype converts. 2-d and 3-d from nested lists
+  // (rows must have equal lengths). All elements of one literal have one C++ type.
+  template <class T>
+  static Tensor tensor(std::initializer_list<T> values, TensorOptions opts = {}) {
+    return tensor_literal(values.begin(), values.size(), Shape{static_cast<int64_t>(values.size())}, opts);
+  }
+  template <class T>
+  static Tensor tensor(std::initializer_list<std::initializer_list<T>> rows, TensorOptions opts = {}) {
+    const std::size_t cols = rows.size() ? rows.begin()->size() : 0;
+    std::unique_ptr<T[]> flat(new T[rows.size() * cols]);
+    std::size_t n = 0;
+    for (const auto& r : rows) {
+      FLAME_CHECK(r.size() == cols, "tensor", "ragged literal: a row of ", r.size(),
+                  " elements where the first has ", cols);
+      for (const T& v : r) flat[n++] = v;
+    }
+    return tensor_literal(flat.get(), n, Shape{static_cast<int64_t>(rows.size()), static_cast<int64_t>(cols)},
+                          opts);
+  }
+  template <class T>
+  static Tensor tensor(std::initializer_list<std::initializer_list<std::initializer_list<T>>> planes,
+                       TensorOptions opts = {}) {
+    TensorList parts;
+    for (const auto& p : planes) parts.push_back(tensor(p, opts).unsqueeze(0));
+    FLAME_CHECK(!parts.empty(), "tensor", "empty 3-d literal");
+    return cat_literal_planes(parts);
+  }
+
  private:
   Tensor host_copy(DType dtype) const;  // contiguous CPU copy converted to dtype
+  template <class T>
+  static Tensor tensor_literal(const T* values, std::size_t count, const Shape& shape, TensorOptions opts) {
+    if constexpr (std::is_same_v<T, bool>) {
+      std::vector<uint8_t> v(values, values + count);
+      return literal_from_host(v.data(), DType::boolean, count, shape, opts);
+    } else if constexpr (std::is_integral_v<T>) {
+      std::vector<int64_t> v(values, values + count);
+      return literal_from_host(v.data(), DType::i64, count, shape, opts);
+    } else if constexpr (std::is_same_v<T, bfloat16> || std::is_same_v<T, float16>) {
+      return literal_from_host(values, dtype_of_v<T>, count, shape, opts);
+    } else {
+      static_assert(std::is_floating_point_v<T>, "Tensor::tensor: elements must be numbers or bool");
+      std::vector<double> v(values, values + count);
+      return literal_from_host(v.data(), DType::f64, count, shape, opts, DType::f32);
+    }
+  }
+  // Copies host values of `dtype` and converts to opts.dtype (else `fallback`, else `dtype`).
+  static Tensor literal_from_host(const void* host, DType dtype, std::size_t count, const Shape& shape,
+                                  TensorOptions opts, std::optional<DType> fallback = std::nullopt);
+  static Tensor cat_literal_planes(const TensorList& planes);
   std::shared_ptr<TensorImpl> impl_;
 };
 
@@ -305,5 +397,29 @@ Tensor& operator+=(Tensor& a, Scalar b);
 Tensor& operator-=(Tensor& a, Scalar b);
 Tensor& operator*=(Tensor& a, Scalar b);
 Tensor& operator/=(Tensor& a, Scalar b);
+// Compound assignment on a temporary writes through it: x.narrow(0, 0, 1) += 1 changes x.
+Tensor operator+=(Tensor&& a, const Tensor& b);
+Tensor operator-=(Tensor&& a, const Tensor& b);
+Tensor operator*=(Tensor&& a, const Tensor& b);
+Tensor operator/=(Tensor&& a, const Tensor& b);
+Tensor operator+=(Tensor&& a, Scalar b);
+Tensor operator-=(Tensor&& a, Scalar b);
+Tensor operator*=(Tensor&& a, Scalar b);
+Tensor operator/=(Tensor&& a, Scalar b);
+
+// Comparisons are elementwise and give bool tensors (as in PyTorch): (x > 0) is a mask, not a
+// truth value. Tensor identity is x.is_same(y). A scalar operand is compared in the tensor's
+// dtype when that is floating (as PyTorch), else exactly: in i64, or f64 for a floating scalar.
+#define FLAME_COMPARISON_OPERATORS(X) X(==, eq) X(!=, ne) X(<, lt) X(<=, le) X(>, gt) X(>=, ge)
+#define FLAME_DECLARE_COMPARISON(op, name)          \
+  Tensor operator op(const Tensor& a, const Tensor& b); \
+  Tensor operator op(const Tensor& a, Scalar b);        \
+  Tensor operator op(Scalar a, const Tensor& b);
+FLAME_COMPARISON_OPERATORS(FLAME_DECLARE_COMPARISON)
+#undef FLAME_DECLARE_COMPARISON
+Tensor operator!(const Tensor& a);                   // logical_not (any dtype)
+Tensor operator&(const Tensor& a, const Tensor& b);  // logical_and of bool tensors
+Tensor operator|(const Tensor& a, const Tensor& b);  // logical_or of bool tensors
+Tensor operator^(const Tensor& a, const Tensor& b);  // logical xor of bool tensors
 
 }  // namespace flame

@@ -1,9 +1,16 @@
 // Printing, in the spirit of PyTorch's repr: nested brackets, a common number format, and
 // summarised rows ("...") for large tensors.
+//
+// Note [Summarised printing]
+// Above kSummariseAbove elements only the first and last kEdgeItems entries of each longer dim
+// are shown. Those corners are gathered on the tensor's own device (narrow views joined by cat)
+// and only they are copied to the host, so printing a large CUDA tensor moves a few hundred
+// bytes, and printing a huge expanded view allocates nothing of its logical size.
 #include <cmath>
 #include <cstdio>
 #include <sstream>
 
+#include "flame/ops.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -38,6 +45,20 @@ struct Formatter {
   }
 };
 
+bool summarised_dim(int64_t n, bool summarise) { return summarise && n > 2 * kEdgeItems; }
+
+// The elements shown: `t` itself, or (summarising) the corners of `t` joined into one small tensor
+// holding, for each summarised dim, its first and last kEdgeItems entries (Note [Summarised printing]).
+Tensor shown_elements(const Tensor& t, int64_t dim, bool summarise) {
+  if (dim == t.dim()) return t;
+  const int64_t n = t.size(dim);
+  if (!summarised_dim(n, summarise)) return shown_elements(t, dim + 1, summarise);
+  return cat({shown_elements(t.narrow(dim, 0, kEdgeItems), dim + 1, summarise),
+              shown_elements(t.narrow(dim, n - kEdgeItems, kEdgeItems), dim + 1, summarise)},
+             dim);
+}
+
+// `v` holds the shown elements (contiguous, strides `strides`); `sizes` are the full tensor's.
 void print_rec(std::ostringstream& os, const std::vector<double>& v, const Shape& sizes,
                const Shape& strides, int64_t dim, int64_t base, const Formatter& f, std::size_t width,
                bool summarise, int indent) {
@@ -48,18 +69,20 @@ void print_rec(std::ostringstream& os, const std::vector<double>& v, const Shape
   }
   os << "[";
   const int64_t n = sizes[dim];
+  const bool cut = summarised_dim(n, summarise);
   for (int64_t i = 0; i < n; ++i) {
-    if (summarise && n > 2 * kEdgeItems && i == kEdgeItems) {
+    if (cut && i == kEdgeItems) {
       os << (dim == ndim - 1 ? "..., " : "...,\n" + std::string(indent + 1, ' '));
       i = n - kEdgeItems;
     }
+    const int64_t shown_i = cut && i >= kEdgeItems ? i - (n - 2 * kEdgeItems) : i;
     if (dim == ndim - 1) {
-      std::string s = f.format(v[base + i * strides[dim]]);
+      std::string s = f.format(v[base + shown_i * strides[dim]]);
       if (s.size() < width) s = std::string(width - s.size(), ' ') + s;
       os << s;
       if (i + 1 < n) os << ", ";
     } else {
-      print_rec(os, v, sizes, strides, dim + 1, base + i * strides[dim], f, width, summarise, indent + 1);
+      print_rec(os, v, sizes, strides, dim + 1, base + shown_i * strides[dim], f, width, summarise, indent + 1);
       if (i + 1 < n) os << "," << std::string(ndim - dim - 1, '\n') << std::string(indent + 1, ' ');
     }
   }
@@ -70,7 +93,9 @@ void print_rec(std::ostringstream& os, const std::vector<double>& v, const Shape
 
 std::string Tensor::to_string() const {
   if (!defined()) return "tensor(undefined)";
-  const std::vector<double> v = to_vec<double>();
+  const bool summarise = numel() > kSummariseAbove;
+  const Tensor shown = numel() == 0 ? *this : shown_elements(detach(), 0, summarise);
+  const std::vector<double> v = shown.to_vec<double>();
   Formatter f;
   f.floating = is_floating(dtype());
   f.boolean = is_bool(dtype());
@@ -94,7 +119,7 @@ std::string Tensor::to_string() const {
     os << "[]";
     if (dim() != 1) os << ", size=" << shape_str(sizes());
   } else {
-    print_rec(os, v, sizes(), contiguous_strides(sizes()), 0, 0, f, width, numel() > kSummariseAbove, 7);
+    print_rec(os, v, sizes(), contiguous_strides(shown.sizes()), 0, 0, f, width, summarise, 7);
   }
   os << ", dtype=" << dtype_name(dtype());
   if (!device().is_cpu()) os << ", device=" << device().str();

@@ -8,6 +8,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
+#include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
 
 namespace flame {
@@ -394,8 +395,7 @@ Tensor& Tensor::fill_(Scalar value) {
 Tensor& Tensor::zero_() { return fill_(0); }
 
 Tensor& Tensor::add_(const Tensor& o, Scalar alpha) {
-  const bool unit = alpha.is_floating() ? alpha.to_double() == 1.0 : alpha.to_int() == 1;
-  return inplace_binary(*this, BinaryOp::add, unit ? o : flame::mul_scalar(o, alpha), "add_");
+  return inplace_binary(*this, BinaryOp::add, alpha_scaled("add_", *this, o, alpha), "add_");
 }
 Tensor& Tensor::sub_(const Tensor& o) { return inplace_binary(*this, BinaryOp::sub, o, "sub_"); }
 Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::mul, o, "mul_"); }
