@@ -103,7 +103,8 @@ class Event {
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
 
-  // Captures the work queued on `stream` so far (the current stream of device 0 by default).
+  // Captures the work queued on `stream` so far (by default: the current stream of the calling
+  // thread's current CUDA device, device 0 unless cudaSetDevice changed it).
   void record();
   void record(const Stream& stream);
   // Makes `stream` wait for the recorded work (the GPU waits; the host does not).
