@@ -195,18 +195,22 @@ TEST(AutogradEngine, HigherOrderGradientsRaise) {
   Tensor x = leaf({4}, 17);
   // A backward that re-enables grad mode and reads a tensor requiring grad: the nodes it records
   // would make a partial second-order graph.
+  Tensor inner;  // what the custom backward computed, with the history it recorded
   CustomFunction sq{"square_with_grad_mode",
                     [](const TensorList& in) { return in[0] * in[0]; },
-                    [&x](const TensorList&, const Tensor&, const Tensor& g) {
+                    [&x, &inner](const TensorList&, const Tensor&, const Tensor& g) {
                       EnableGradGuard enable;
-                      return TensorList{g * x * 2.0};
+                      inner = g * x * 2.0;
+                      return TensorList{inner};
                     }};
   Gradients g = apply_custom(sq, {x}).sum().backward();
   Tensor gx = g.get(x);
   ASSERT_TRUE(gx.defined());
   EXPECT_TRUE(all_close(gx, x.detach() * 2.0, 1e-6, 1e-6));
-  ASSERT_TRUE(gx.requires_grad());
-  expect_error([&] { (void)gx.sum().backward(); }, {"higher-order", "MulBackward"});
+  // The store holds a plain buffer (Note [Gradient ownership]); the recorded history raises.
+  EXPECT_FALSE(gx.requires_grad());
+  ASSERT_TRUE(inner.requires_grad());
+  expect_error([&] { (void)inner.sum().backward(); }, {"higher-order", "MulBackward"});
   // A seed that requires grad would be silently cut off from the result: raise.
   BackwardOptions o;
   o.grad_output = leaf({4}, 18);

@@ -32,10 +32,12 @@ struct LeafState {
 };
 
 // pending += g: in place into a buffer this pass made, otherwise out of place.
-void add_into(Tensor& pending, bool& owned, const Tensor& g) {
+// g is taken by value and moved in, so a rule's fresh result reaches the store with no other
+// holder and is adopted without a copy (Note [Gradient ownership]).
+void add_into(Tensor& pending, bool& owned, Tensor g) {
   if (!g.defined()) return;
   if (!pending.defined()) {
-    pending = g;
+    pending = std::move(g);
     owned = false;
   } else if (owned && pending.sizes() == g.sizes() && pending.dtype() == g.dtype()) {
     pending.add_(g);
@@ -161,15 +163,15 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
   };
 
   std::vector<Node*> ready;
-  auto deliver = [&](const Node::Edge& e, const Tensor& gi) {
+  auto deliver = [&](const Node::Edge& e, Tensor gi) {
     if (e.slot >= 0) {
       LeafState& l = leaves[static_cast<std::size_t>(e.slot)];
-      add_into(l.pending, l.owned, gi);
+      add_into(l.pending, l.owned, std::move(gi));
       if (--l.deps == 0) finish_leaf(l);
       return;
     }
     Node* c = e.meta->grad_fn.get();
-    add_into(c->scratch.pending, c->scratch.owned, gi);
+    add_into(c->scratch.pending, c->scratch.owned, std::move(gi));
     if (--c->scratch.deps == 0) ready.push_back(c);
   };
 
@@ -219,7 +221,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
                         gi.sizes(), " for input ", i, " of shape ", e.shape);
             if (gi.dtype() != e.dtype) gi = gi.to(e.dtype);
           }
-          deliver(e, gi);
+          deliver(e, std::move(gi));
         }
       }
       if (!options.retain_graph) node.release();
