@@ -101,9 +101,9 @@ int Stream::priority() const {
   return p;
 }
 
-bool Stream::query() const {
-  bc::DeviceGuard guard(device_);
-  const cudaError_t err = cudaStreamQuery(static_cast<cudaStream_t>(handle_));
+// The answer of cudaStreamQuery/cudaEventQuery: done, not yet (clearing the sticky "not ready"),
+// or an error raised.
+static bool finished(cudaError_t err) {
   if (err == cudaSuccess) return true;
   if (err == cudaErrorNotReady) {
     (void)cudaGetLastError();
@@ -111,6 +111,11 @@ bool Stream::query() const {
   }
   FLAME_CUDA_CHECK(err);
   return false;
+}
+
+bool Stream::query() const {
+  bc::DeviceGuard guard(device_);
+  return finished(cudaStreamQuery(static_cast<cudaStream_t>(handle_)));
 }
 
 void Stream::synchronize() const {
@@ -205,14 +210,7 @@ void Event::wait(const Stream& stream) const {
 bool Event::query() const {
   if (!recorded_) return true;
   bc::DeviceGuard guard(device_);
-  const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event_));
-  if (err == cudaSuccess) return true;
-  if (err == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  FLAME_CUDA_CHECK(err);
-  return false;
+  return finished(cudaEventQuery(static_cast<cudaEvent_t>(event_)));
 }
 
 void Event::synchronize() const {
