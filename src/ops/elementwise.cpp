@@ -8,6 +8,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
 #include "src/ops/elementwise.h"
+#include "src/ops/scalar_math.h"
 
 namespace flame {
 using backend::BinaryOp;
@@ -53,6 +54,11 @@ DType promote_with_scalar(DType t, Scalar s) {
   return t;
 }
 
+// -s; an integer scalar wraps (-INT64_MIN == INT64_MIN, Note [Defined integer math]).
+Scalar negated(Scalar s) {
+  return s.is_floating() ? Scalar(-s.to_double()) : Scalar(math::wrap_neg(s.to_int()));
+}
+
 // Arithmetic that PyTorch refuses on bool tensors.
 bool rejects_bool(BinaryOp op) {
   return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
@@ -60,7 +66,7 @@ bool rejects_bool(BinaryOp op) {
 
 Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, const UnaryParams& p) {
   Tensor in = x.to(in_dtype);
-  Tensor out = make_empty(x.sizes(), out_dtype, x.device());
+  Tensor out = make_empty(x.sizes(), out_dtype, x.device(), info(op).name);
   if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
   rules::unary(out, op, x, in, p);
   return out;
@@ -105,7 +111,7 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
   const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
   const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
-  Tensor out = make_empty(shape, out_dtype, a.device());
+  Tensor out = make_empty(shape, out_dtype, a.device(), oi.name);
   const Tensor ac = a.to(common), bc = b.to(common);
   if (out.numel() > 0) {
     // Operands of the output's shape go as they are; only the others need a broadcast view.
@@ -244,7 +250,7 @@ FLAME_SIMPLE_BINARY(logical_or)
 Tensor add_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::add_scalar, a, s); }
 Tensor sub_scalar(const Tensor& a, Scalar s) {
   FLAME_CHECK(a.defined() && !is_bool(a.dtype()), "sub", "not supported for bool tensors");
-  return scalar_op(UnaryOp::add_scalar, a, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+  return scalar_op(UnaryOp::add_scalar, a, negated(s));
 }
 Tensor mul_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::mul_scalar, a, s); }
 Tensor div_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::div_scalar, a, s); }
@@ -263,7 +269,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   FLAME_CHECK(is_bool(cond.dtype()), "where", "condition must be bool, got ", dtype_name(cond.dtype()));
   const DType dt = result_type(a, b);
   const Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
-  Tensor out = make_empty(shape, dt, a.device());
+  Tensor out = make_empty(shape, dt, a.device(), "where");
   if (out.numel() > 0) {
     backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
   }
@@ -327,8 +333,10 @@ Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other) {
   return self;
 }
 
-Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s) {
-  const OpInfo oi = info(op);
+// `name`: the public op when it is not the kernel's (sub_ runs add_scalar).
+Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s, const char* name = nullptr) {
+  OpInfo oi = info(op);
+  if (name) oi.name = name;
   check_defined(self, oi.name);
   check_no_internal_overlap(self, oi.name);
   check_inplace_allowed(self, oi.name);
@@ -381,7 +389,7 @@ Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::m
 Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o); }
 Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s); }
 Tensor& Tensor::sub_(Scalar s) {
-  return inplace_scalar(*this, UnaryOp::add_scalar, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+  return inplace_scalar(*this, UnaryOp::add_scalar, negated(s), "sub_");
 }
 Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s); }
 Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s); }
