@@ -117,10 +117,13 @@ TEST(Robustness, NarrowSliceUnfoldLargeArguments) {
   EXPECT_EQ(s.contiguous().to_vec<int64_t>(), (std::vector<int64_t>{start, n + start, 2 * n + start}));
   Tensor s2 = x.slice(0, 1, 3, int64_t(1) << 61);
   ASSERT_EQ(s2.sizes(), (Shape{1, n}));
+  EXPECT_LE(s2.stride(0), kMax / 8);  // byte strides must not overflow in the kernels
+  EXPECT_EQ(x.slice(0, 0, 1, 5).stride(0), 5 * n);  // PyTorch's stride x step where it fits
   EXPECT_EQ(s2.sum().item<int64_t>(), n * n + n * (n - 1) / 2);
   // Ordinary steps are unchanged: every step-th element.
   Tensor s3 = x.slice(1, 1, n, 3);
   EXPECT_EQ(s3.size(1), (n - 1 + 2) / 3);
+  EXPECT_EQ(s3.stride(1), 3);
   EXPECT_EQ(s3.select(0, 2).contiguous().to_vec<int64_t>()[1], 2 * n + 4);
   // unfold with a huge step: one window, correct values.
   Tensor u = x.unfold(1, 2, kMax);

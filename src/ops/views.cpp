@@ -66,6 +66,16 @@ std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strid
 }
 
 
+// stride x step for a dim that takes every step-th element (slice, unfold), as PyTorch. A dim of
+// size <= 1 never moves by its stride: when the product (in bytes) would not fit, it keeps the
+// old stride rather than one that overflows in the kernels' byte arithmetic. A longer dim has
+// step < its input size, so the product stays inside the storage.
+int64_t stepped_stride(int64_t stride, int64_t step, int64_t size, const char* op) {
+  if (size > 1) return checked_mul(stride, step, op, "stride x step");
+  const auto s = mul_overflows(stride, step);
+  return s && *s <= kMaxTensorBytes / 8 && *s >= -kMaxTensorBytes / 8 ? *s : stride;
+}
+
 // A view of `base` recorded for autograd with gradient back(g) (back captures no tensors).
 Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name,
                  std::function<Tensor(const Tensor&)> back) {
@@ -183,9 +193,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   end = std::clamp<int64_t>(end, start, n);
   Shape sz = sizes(), st = strides();
   sz[d] = ceil_div(end - start, step);
-  // A dim of size <= 1 never moves by its stride, so it keeps the old one; otherwise step < n and
-  // stride x step stays inside the storage (no overflow).
-  if (sz[d] > 1) st[d] = checked_mul(st[d], step, "slice", "stride x step");
+  st[d] = stepped_stride(st[d], step, sz[d], "slice");
   return grad_view(*this, sz, st, storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
 }
 
@@ -313,7 +321,7 @@ Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
   if (dim() == 0) return grad_view(*this, {size}, {1}, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
   sz[d] = (n - size) / step + 1;
   const int64_t base = st[d];
-  if (sz[d] > 1) st[d] = checked_mul(base, step, "unfold", "stride x step");  // as in slice()
+  st[d] = stepped_stride(base, step, sz[d], "unfold");
   sz.push_back(size);
   st.push_back(base);
   return grad_view(*this, sz, st, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
