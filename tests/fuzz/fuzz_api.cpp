@@ -416,6 +416,10 @@ void install_crash_report() {
 }  // namespace flame::fuzz
 
 #if defined(FLAME_LIBFUZZER)
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  flame::fuzz::limit_memory();
+  return 0;
+}
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, std::size_t size) {
   flame::fuzz::Source src(data, size);
   flame::fuzz::Driver driver(src);
