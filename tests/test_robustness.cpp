@@ -294,6 +294,8 @@ TEST(Robustness, MessagesNameTheOp) {
   expect_error([&] { Tensor::rand({-3}, dev()); }, "uniform");
   Tensor x = Tensor::arange(0, 4, 1, dev());
   expect_error([&] { x.sub_(1.5); }, "sub_");
+  expect_error([&] { x.add_(1.5); }, "add_");
+  expect_error([&] { x.mul_(1.5); }, "mul_");
 }
 
 TEST(Robustness, PrintsInt64Extremes) {

@@ -387,12 +387,12 @@ Tensor& Tensor::add_(const Tensor& o, Scalar alpha) {
 Tensor& Tensor::sub_(const Tensor& o) { return inplace_binary(*this, BinaryOp::sub, o); }
 Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::mul, o); }
 Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o); }
-Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s); }
+Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s, "add_"); }
 Tensor& Tensor::sub_(Scalar s) {
   return inplace_scalar(*this, UnaryOp::add_scalar, negated(s), "sub_");
 }
-Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s); }
-Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s); }
+Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s, "mul_"); }
+Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s, "div_"); }
 Tensor& Tensor::clamp_(std::optional<Scalar> min, std::optional<Scalar> max) {
   return copy_(flame::clamp(*this, min, max));
 }

@@ -106,6 +106,8 @@ Scalar scalar_arg(Source& s) {
   }
 }
 
+bool g_show_errors = false;  // --show-errors: print every flame::Error (to review the messages)
+
 struct Stats {
   uint64_t calls = 0, ok = 0, errors = 0;
 };
@@ -152,8 +154,9 @@ class Driver {
         if (!consistent(r, op_)) return false;
         ++stats.ok;
         keep(r);
-      } catch (const Error&) {
+      } catch (const Error& e) {
         ++stats.errors;
+        if (g_show_errors) std::printf("[%s] %s\n", op_, e.what());
       } catch (const std::exception& e) {
         std::fprintf(stderr, "fuzz: %s let a foreign exception escape: %s\n", op_, e.what());
         return false;
@@ -436,8 +439,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--seed")) seed = std::strtoull(argv[i + 1], nullptr, 10);
     else if (!std::strcmp(argv[i], "--seconds")) seconds = std::strtod(argv[i + 1], nullptr);
     else if (!std::strcmp(argv[i], "--programs")) programs = std::strtoull(argv[i + 1], nullptr, 10);
+    else if (!std::strcmp(argv[i], "--show-errors")) flame::fuzz::g_show_errors = argv[i + 1][0] == '1';
     else {
-      std::fprintf(stderr, "usage: flame_fuzz [--seed S] [--seconds T] [--programs N]\n");
+      std::fprintf(stderr, "usage: flame_fuzz [--seed S] [--seconds T] [--programs N] [--show-errors 1]\n");
       return 2;
     }
   }
