@@ -298,6 +298,16 @@ TEST(Robustness, MessagesNameTheOp) {
   expect_error([&] { x.mul_(1.5); }, "mul_");
 }
 
+TEST(Robustness, EmptyBoolTensorsHoldValidBools) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  // Uninitialised bytes other than 0/1 were read as bool (undefined; under FLAME_POISON_ALLOC they
+  // read as true). A bool empty() starts false.
+  const int64_t n = rand_int(1, 300);
+  Tensor e = Tensor::empty({n}, {DType::boolean, dev()});
+  EXPECT_EQ(e.to(DType::i64).sum().item<int64_t>(), 0);
+  EXPECT_EQ(empty_like(e).to(DType::i64).sum().item<int64_t>(), 0);
+}
+
 TEST(Robustness, PrintsInt64Extremes) {
   Tensor x = Tensor::from_vec<int64_t>({kMax, kMin}, {2});
   const std::string s = x.to_string();

@@ -218,7 +218,11 @@ int64_t integer_arange_length(int64_t start, int64_t end, int64_t step) {
 }  // namespace
 
 Tensor Tensor::empty(const Shape& shape, TensorOptions opts) {
-  return make_empty(shape, opts.dtype_or(DType::f32), opts.device, "empty");
+  const DType dt = opts.dtype_or(DType::f32);
+  // A bool byte other than 0 or 1 is undefined behaviour to read, so bool tensors start as false;
+  // other dtypes stay uninitialised (any bit pattern is a valid value).
+  if (is_bool(dt)) return filled(shape, false, opts, "empty");
+  return make_empty(shape, dt, opts.device, "empty");
 }
 Tensor Tensor::full(const Shape& shape, Scalar value, TensorOptions opts) { return filled(shape, value, opts, "full"); }
 Tensor Tensor::zeros(const Shape& shape, TensorOptions opts) { return filled(shape, 0, opts, "zeros"); }
