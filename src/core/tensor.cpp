@@ -100,6 +100,11 @@ void check_view_in_storage(const Tensor& base, const Shape& sizes, const Shape& 
 
 Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset, const char* op) {
   check_view_in_storage(t, sizes, strides, offset, op);
+  // A size-1 dim never moves by its stride, but kernels still scale every stride to bytes: one
+  // too large for that (e.g. kept by a chain of views) becomes 1, so no byte stride overflows.
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 1 && (strides[d] > kMaxTensorBytes / 8 || strides[d] < -kMaxTensorBytes / 8)) strides[d] = 1;
+  }
   return Tensor(std::make_shared<TensorImpl>(t.impl()->storage, std::move(sizes),
                                              std::move(strides), offset, t.dtype()));
 }
