@@ -49,7 +49,10 @@ std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strid
     if (tensor_d == 0 || (old_shape[tensor_d - 1] != 1 &&
                           old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride)) {
       while (view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d] == 1)) {
-        new_strides[view_d] = view_numel * chunk_base_stride;
+        // A size-1 dim's large stride can make this product overflow: then no view is offered.
+        const auto stride = mul_overflows(view_numel, chunk_base_stride);
+        if (!stride) return std::nullopt;
+        new_strides[view_d] = *stride;
         view_numel *= new_shape[view_d];
         --view_d;
       }
