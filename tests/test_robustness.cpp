@@ -284,6 +284,14 @@ TEST(Robustness, FloatToIntegerConversionSaturates) {
   EXPECT_EQ(u8[6], 0);
 }
 
+TEST(Robustness, OneHotInferredClassCountDoesNotOverflow) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  // max + 1 overflowed int64 (undefined; found by the fuzzer under UBSan).
+  expect_error([&] { one_hot(i64({1, kMax})); }, "one_hot");
+  const int64_t c = rand_int(1, 9);
+  EXPECT_EQ(one_hot(i64({0, c})).sizes(), (Shape{2, c + 1}));
+}
+
 // ---- messages name the op ----
 
 TEST(Robustness, MessagesNameTheOp) {
