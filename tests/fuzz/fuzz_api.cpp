@@ -447,6 +447,7 @@ int main(int argc, char** argv) {
   }
   flame::fuzz::limit_memory();
   flame::fuzz::install_crash_report();
+  const bool trace = std::getenv("FLAME_FUZZ_TRACE") != nullptr;
   flame::fuzz::Stats stats;
   const auto start = std::chrono::steady_clock::now();
   uint64_t done = 0;
@@ -454,6 +455,9 @@ int main(int argc, char** argv) {
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (programs ? done >= programs : elapsed >= seconds) break;
     flame::fuzz::g_program = p;
+    // Not every sanitizer runs the death callback (GCC's UBSan does not): FLAME_FUZZ_TRACE=1
+    // names each program before it runs, so the last line before a report is the one to replay.
+    if (trace) std::fprintf(stderr, "fuzz: program %llu\n", static_cast<unsigned long long>(p));
     flame::fuzz::Source src(p);
     flame::fuzz::Driver driver(src);
     if (!driver.run(flame::fuzz::kCallsPerProgram, stats)) {
