@@ -193,6 +193,8 @@ bool Tensor::is_contiguous() const {
 }
 void* Tensor::data_ptr() const {
   FLAME_REQUIRE_DEFINED("data_ptr");
+  // An empty view may carry any offset (make_view checks only views that reach an element).
+  if (impl_->numel == 0) return impl_->storage->data.get();
   return static_cast<char*>(impl_->storage->data.get()) + impl_->offset * static_cast<int64_t>(element_size());
 }
 bool Tensor::shares_storage(const Tensor& o) const {
