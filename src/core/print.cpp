@@ -8,6 +8,7 @@
 // bytes, and printing a huge expanded view allocates nothing of its logical size.
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
 #include "flame/ops.h"
@@ -29,7 +30,11 @@ struct Formatter {
     char buf[64];
     if (boolean) return v != 0 ? "true" : "false";
     if (!floating) {
-      std::snprintf(buf, sizeof(buf), "%lld", static_cast<long long>(v));
+      // Integers reach here as doubles: +-2^63 (INT64_MAX/MIN rounded) must not overflow the cast.
+      const long long i = v >= 9223372036854775807.0 ? std::numeric_limits<long long>::max()
+                          : v <= -9223372036854775808.0 ? std::numeric_limits<long long>::min()
+                                                        : static_cast<long long>(v);
+      std::snprintf(buf, sizeof(buf), "%lld", i);
     } else if (std::isnan(v)) {
       return "nan";
     } else if (std::isinf(v)) {

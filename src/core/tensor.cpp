@@ -14,6 +14,7 @@
 // (more than kOverlapEnumerationLimit elements) is refused with a message saying so, not guessed.
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -24,6 +25,7 @@
 #include "flame/ops.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
+#include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -57,6 +59,8 @@ TensorImpl::~TensorImpl() { g_live_impls.fetch_sub(1, std::memory_order_relaxed)
 
 int64_t live_tensor_count() { return g_live_impls.load(std::memory_order_relaxed); }
 
+// Callers pass sizes that shape_numel accepted, whose strides fit int64 (Note [Checked size
+// arithmetic]).
 Shape contiguous_strides(const Shape& sizes) {
   Shape strides(sizes.size());
   int64_t s = 1;
@@ -68,12 +72,28 @@ Shape contiguous_strides(const Shape& sizes) {
 }
 
 int64_t shape_numel(const Shape& sizes, const char* op) {
-  int64_t n = 1;
+  // The span (the product with size-0 dims counted as 1) bounds the contiguous strides, which
+  // exist even when a size-0 dim makes the element count 0.
+  int64_t n = 1, span = 1;
+  bool ok = true;
   for (int64_t s : sizes) {
     FLAME_CHECK(s >= 0, op, "negative dimension in shape ", sizes);
-    n *= s;
+    if (ok) {
+      const auto nn = mul_overflows(n, s), ss = mul_overflows(span, std::max<int64_t>(s, 1));
+      ok = nn && ss;
+      if (ok) n = *nn, span = *ss;
+    }
   }
+  FLAME_CHECK(ok, op, "shape ", sizes, " has more elements than int64 can count");
   return n;
+}
+
+int64_t shape_nbytes(const Shape& sizes, DType dtype, const char* op) {
+  const int64_t n = shape_numel(sizes, op);
+  const int64_t esize = static_cast<int64_t>(dtype_size(dtype));
+  FLAME_CHECK(n <= kMaxTensorBytes / esize, op, "shape ", sizes, " of dtype ", dtype_name(dtype), " needs ", n,
+              " x ", esize, " bytes, more than the limit of 2^62 bytes");
+  return n * esize;
 }
 
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
@@ -83,7 +103,38 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   return dim < 0 ? dim + std::max<int64_t>(ndim, 1) : dim;
 }
 
-Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset) {
+void check_view_in_storage(const Tensor& base, const Shape& sizes, const Shape& strides, int64_t offset,
+                           const char* op) {
+  FLAME_CHECK(sizes.size() == strides.size(), op, "view sizes ", sizes, " and strides ", strides,
+              " differ in length");
+  // The lowest and highest element the view reaches, in elements of the storage; an empty view
+  // reaches none.
+  shape_numel(sizes, op);  // expanded (stride-0) views can still count too many elements
+  int64_t lo = offset, hi = offset;
+  bool ok = true;
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    FLAME_CHECK(sizes[d] >= 0, op, "negative dimension in view shape ", sizes);
+    if (sizes[d] == 0) return;
+    const auto reach = mul_overflows(sizes[d] - 1, strides[d]);
+    const auto next = reach ? add_overflows(*reach < 0 ? lo : hi, *reach) : std::nullopt;
+    if (!next) ok = false;
+    else if (*reach < 0) lo = *next;
+    else hi = *next;
+  }
+  const int64_t esize = static_cast<int64_t>(base.element_size());
+  const int64_t capacity = static_cast<int64_t>(base.impl()->storage->nbytes) / esize;
+  FLAME_CHECK(ok && lo >= 0 && hi < capacity, op, "view of shape ", sizes, ", strides ", strides,
+              " and offset ", offset, " reaches outside its storage of ", capacity, " elements (base shape ",
+              base.sizes(), ")");
+}
+
+Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset, const char* op) {
+  check_view_in_storage(t, sizes, strides, offset, op);
+  // A size-1 dim never moves by its stride, but kernels still scale every stride to bytes: one
+  // too large for that (e.g. kept by a chain of views) becomes 1, so no byte stride overflows.
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 1 && (strides[d] > kMaxTensorBytes / 8 || strides[d] < -kMaxTensorBytes / 8)) strides[d] = 1;
+  }
   auto impl = std::make_shared<TensorImpl>(t.impl()->storage, std::move(sizes), std::move(strides), offset,
                                            t.dtype());
   // Note [View base]: the root of the chain, so that base->base is always null.
@@ -97,10 +148,16 @@ Tensor make_alias(const Tensor& t) {
                                              t.dtype()));
 }
 
-Tensor make_empty(const Shape& sizes, DType dtype, Device device) {
-  const int64_t n = shape_numel(sizes, "empty");
-  const std::size_t nbytes = static_cast<std::size_t>(n) * dtype_size(dtype);
-  auto storage = std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
+Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op) {
+  const std::size_t nbytes = static_cast<std::size_t>(shape_nbytes(sizes, dtype, op));
+  std::shared_ptr<void> data;
+  try {
+    data = backend::backend_for(device).allocate(nbytes);
+  } catch (const std::exception& e) {  // flame::Error or std::bad_alloc: say which op and shape
+    FLAME_FAIL(op, "cannot allocate a ", dtype_name(dtype), " tensor of shape ", sizes, " (", nbytes,
+               " bytes) on ", device.str(), ": ", e.what());
+  }
+  auto storage = std::make_shared<Storage>(std::move(data), nbytes, device);
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), sizes, contiguous_strides(sizes), 0, dtype));
 }
 
@@ -237,6 +294,8 @@ bool Tensor::is_contiguous() const {
 }
 void* Tensor::data_ptr() const {
   FLAME_REQUIRE_DEFINED("data_ptr");
+  // An empty view may carry any offset (make_view checks only views that reach an element).
+  if (impl_->numel == 0) return impl_->storage->data.get();
   return static_cast<char*>(impl_->storage->data.get()) + impl_->offset * static_cast<int64_t>(element_size());
 }
 bool Tensor::shares_storage(const Tensor& o) const {
@@ -248,21 +307,39 @@ uint64_t Tensor::version() const {
 }
 
 // ---- factories ----
-Tensor Tensor::empty(const Shape& shape, TensorOptions opts) {
-  return make_empty(shape, opts.dtype_or(DType::f32), opts.device);
-}
-Tensor Tensor::full(const Shape& shape, Scalar value, TensorOptions opts) {
-  Tensor t = empty(shape, opts);
+namespace {
+// Each factory passes its own name so that errors say "zeros: ..." rather than "empty: ...".
+Tensor filled(const Shape& shape, Scalar value, TensorOptions opts, const char* op) {
+  Tensor t = make_empty(shape, opts.dtype_or(DType::f32), opts.device, op);
   if (t.numel() > 0) backend::backend_for(t.device()).fill(t, value);
   return t;
 }
-Tensor Tensor::zeros(const Shape& shape, TensorOptions opts) { return full(shape, 0, opts); }
-Tensor Tensor::ones(const Shape& shape, TensorOptions opts) { return full(shape, 1, opts); }
+
+// Length of integer arange [start, end) by step, exactly (no int64 overflow, no double rounding).
+int64_t integer_arange_length(int64_t start, int64_t end, int64_t step) {
+  const __int128 span = static_cast<__int128>(end) - start;
+  const __int128 n = span == 0 ? 0 : (span - (step > 0 ? 1 : -1)) / step + 1;
+  FLAME_CHECK(n <= std::numeric_limits<int64_t>::max(), "arange", "[", start, ", ", end, ") by step ", step,
+              " has more elements than int64 can count");
+  return static_cast<int64_t>(n);
+}
+}  // namespace
+
+Tensor Tensor::empty(const Shape& shape, TensorOptions opts) {
+  const DType dt = opts.dtype_or(DType::f32);
+  // A bool byte other than 0 or 1 is undefined behaviour to read, so bool tensors start as false;
+  // other dtypes stay uninitialised (any bit pattern is a valid value).
+  if (is_bool(dt)) return filled(shape, false, opts, "empty");
+  return make_empty(shape, dt, opts.device, "empty");
+}
+Tensor Tensor::full(const Shape& shape, Scalar value, TensorOptions opts) { return filled(shape, value, opts, "full"); }
+Tensor Tensor::zeros(const Shape& shape, TensorOptions opts) { return filled(shape, 0, opts, "zeros"); }
+Tensor Tensor::ones(const Shape& shape, TensorOptions opts) { return filled(shape, 1, opts, "ones"); }
 Tensor Tensor::scalar(Scalar value, TensorOptions opts) {
   if (!opts.dtype) {
     opts.dtype = value.is_floating() ? DType::f32 : (value.is_bool() ? DType::boolean : DType::i64);
   }
-  return full({}, value, opts);
+  return filled({}, value, opts, "scalar");
 }
 
 Tensor Tensor::arange(Scalar end, TensorOptions opts) { return arange(0, end, 1, opts); }
@@ -270,20 +347,27 @@ Tensor Tensor::arange(Scalar start, Scalar end, Scalar step, TensorOptions opts)
   const bool all_int = !start.is_floating() && !end.is_floating() && !step.is_floating();
   const DType dt = opts.dtype_or(all_int ? DType::i64 : DType::f32);
   const double s = start.to_double(), e = end.to_double(), st = step.to_double();
+  FLAME_CHECK(std::isfinite(s) && std::isfinite(e) && std::isfinite(st), "arange", "start ", s, ", end ", e,
+              " and step ", st, " must be finite");
   FLAME_CHECK(st != 0.0, "arange", "step must be non-zero");
   FLAME_CHECK((st > 0 && e >= s) || (st < 0 && e <= s), "arange", "upper bound ", e,
               " and lower bound ", s, " inconsistent with step sign ", st);
-  const int64_t n = all_int ? (end.to_int() - start.to_int() + step.to_int() - (step.to_int() > 0 ? 1 : -1)) /
-                                  step.to_int()
-                            : static_cast<int64_t>(std::ceil((e - s) / st));
-  Tensor t = make_empty({std::max<int64_t>(n, 0)}, dt, opts.device);
+  int64_t n = 0;
+  if (all_int) {
+    n = integer_arange_length(start.to_int(), end.to_int(), step.to_int());
+  } else {
+    const double len = std::ceil((e - s) / st);
+    FLAME_CHECK(len < 9.2e18, "arange", "[", s, ", ", e, ") by step ", st, " has too many elements (", len, ")");
+    n = static_cast<int64_t>(len);
+  }
+  Tensor t = make_empty({std::max<int64_t>(n, 0)}, dt, opts.device, "arange");
   if (t.numel() > 0) backend::backend_for(t.device()).iota(t, s, st);
   return t;
 }
 
 Tensor Tensor::linspace(double start, double end, int64_t steps, TensorOptions opts) {
   FLAME_CHECK(steps >= 0, "linspace", "number of steps must be non-negative, got ", steps);
-  Tensor t = make_empty({steps}, opts.dtype_or(DType::f32), opts.device);
+  Tensor t = make_empty({steps}, opts.dtype_or(DType::f32), opts.device, "linspace");
   if (steps == 0) return t;
   const double step = steps > 1 ? (end - start) / static_cast<double>(steps - 1) : 0.0;
   backend::backend_for(t.device()).iota(t, start, step);
@@ -293,6 +377,7 @@ Tensor Tensor::linspace(double start, double end, int64_t steps, TensorOptions o
 Tensor Tensor::eye(int64_t n, int64_t m, TensorOptions opts) {
   if (m < 0) m = n;
   FLAME_CHECK(n >= 0, "eye", "n must be non-negative, got ", n);
+  shape_nbytes({n, m}, opts.dtype_or(DType::f32), "eye");
   const Device dev = opts.device;
   Tensor rows = Tensor::arange(n, dev).unsqueeze(1);
   Tensor cols = Tensor::arange(m, dev).unsqueeze(0);
@@ -309,7 +394,7 @@ Tensor Tensor::from_blob_copy(const void* host, DType dtype, std::size_t count, 
   const int64_t n = shape_numel(shape, "from_vec");
   FLAME_CHECK(static_cast<int64_t>(count) == n, "from_vec", "got ", count,
               " values for shape ", shape, " (", n, " elements)");
-  Tensor t = make_empty(shape, dtype, device);
+  Tensor t = make_empty(shape, dtype, device, "from_vec");
   if (n > 0) backend::backend_for(device).copy_from_host(t, host);
   return t;
 }
@@ -318,7 +403,7 @@ Tensor Tensor::from_blob_copy(const void* host, DType dtype, std::size_t count, 
 Tensor Tensor::to(Device device) const {
   if (device == this->device()) return *this;
   Tensor src = contiguous();
-  Tensor dst = make_empty(sizes(), dtype(), device);
+  Tensor dst = make_empty(sizes(), dtype(), device, "to");
   const Device from = this->device();
   rules::with_grad(dst, "to_device", *this, [from](const Tensor& g) { return g.to(from); });
   if (numel() == 0) return dst;
@@ -335,7 +420,7 @@ Tensor Tensor::to(Device device) const {
 
 Tensor Tensor::to(DType dt) const {
   if (dt == dtype()) return *this;
-  Tensor dst = make_empty(sizes(), dt, device());
+  Tensor dst = make_empty(sizes(), dt, device(), "to");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
   const DType from = dtype();
   return rules::with_grad(dst, "to_dtype", *this, [from](const Tensor& g) { return g.to(from); });
@@ -346,7 +431,7 @@ Tensor Tensor::to(DType dt, Device dev) const { return to(dt).to(dev); }
 Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 
 Tensor Tensor::clone() const {
-  Tensor dst = make_empty(sizes(), dtype(), device());
+  Tensor dst = make_empty(sizes(), dtype(), device(), "clone");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
   return rules::with_grad(dst, "clone", *this, [](const Tensor& g) { return g; });
 }

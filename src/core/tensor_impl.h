@@ -46,16 +46,22 @@ class TensorImpl {
 };
 
 Shape contiguous_strides(const Shape& sizes);
+// Element count; errors (naming op) on a negative size or a count or stride that overflows int64.
 int64_t shape_numel(const Shape& sizes, const char* op = "shape");
+// numel x element size; errors past kMaxTensorBytes (see src/core/checked_math.h).
+int64_t shape_nbytes(const Shape& sizes, DType dtype, const char* op);
 // Wraps a possibly negative dim into [0, ndim); error names the op.
 int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op);
-// A view of t's storage with new geometry; remembers t's base (or t) as its view base.
-Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset);
+// A view of t's storage with new geometry; remembers t's base (or t) as its view base. Errors
+// (naming op) unless every element it reaches lies inside the storage, so no view arithmetic can
+// point outside the allocation.
+Tensor make_view(const Tensor& t, Shape sizes, Shape strides, int64_t offset, const char* op = "view");
 // A new handle on t's storage and geometry that is nobody's view and has no autograd state
 // (detach(), saved tensors, and the in-place recorder's handles on old histories).
 Tensor make_alias(const Tensor& t);
-// A new uninitialised contiguous tensor.
-Tensor make_empty(const Shape& sizes, DType dtype, Device device);
+// A new uninitialised contiguous tensor. Overflowing shapes and failed allocations raise an
+// error naming `op` (the public op that asked for the memory) and the shape.
+Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op = "empty");
 // Bumps the storage's version counter (call after every in-place write).
 void bump_version(const Tensor& t);
 // Errors when two elements of t share one memory location (expanded views, overlapping windows

@@ -10,6 +10,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
+#include "src/ops/scalar_math.h"
 
 namespace flame {
 using backend::BinaryOp;
@@ -55,6 +56,11 @@ DType promote_with_scalar(DType t, Scalar s) {
   return t;
 }
 
+// -s; an integer scalar wraps (-INT64_MIN == INT64_MIN, Note [Defined integer math]).
+Scalar negated(Scalar s) {
+  return s.is_floating() ? Scalar(-s.to_double()) : Scalar(math::wrap_neg(s.to_int()));
+}
+
 // Arithmetic that PyTorch refuses on bool tensors.
 bool rejects_bool(BinaryOp op) {
   return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
@@ -62,7 +68,7 @@ bool rejects_bool(BinaryOp op) {
 
 Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, const UnaryParams& p) {
   Tensor in = x.to(in_dtype);
-  Tensor out = make_empty(x.sizes(), out_dtype, x.device());
+  Tensor out = make_empty(x.sizes(), out_dtype, x.device(), info(op).name);
   if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
   rules::unary(out, op, x, in, p);
   return out;
@@ -107,7 +113,7 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
   const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
   const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
-  Tensor out = make_empty(shape, out_dtype, a.device());
+  Tensor out = make_empty(shape, out_dtype, a.device(), oi.name);
   const Tensor ac = a.to(common), bc = b.to(common);
   if (out.numel() > 0) {
     // Operands of the output's shape go as they are; only the others need a broadcast view.
@@ -246,7 +252,7 @@ FLAME_SIMPLE_BINARY(logical_or)
 Tensor add_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::add_scalar, a, s); }
 Tensor sub_scalar(const Tensor& a, Scalar s) {
   FLAME_CHECK(a.defined() && !is_bool(a.dtype()), "sub", "not supported for bool tensors");
-  return scalar_op(UnaryOp::add_scalar, a, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()));
+  return scalar_op(UnaryOp::add_scalar, a, negated(s));
 }
 Tensor mul_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::mul_scalar, a, s); }
 Tensor div_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::div_scalar, a, s); }
@@ -265,7 +271,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   FLAME_CHECK(is_bool(cond.dtype()), "where", "condition must be bool, got ", dtype_name(cond.dtype()));
   const DType dt = result_type(a, b);
   const Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
-  Tensor out = make_empty(shape, dt, a.device());
+  Tensor out = make_empty(shape, dt, a.device(), "where");
   if (out.numel() > 0) {
     backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
   }
@@ -402,8 +408,7 @@ Tensor& Tensor::mul_(const Tensor& o) { return inplace_binary(*this, BinaryOp::m
 Tensor& Tensor::div_(const Tensor& o) { return inplace_binary(*this, BinaryOp::div, o, "div_"); }
 Tensor& Tensor::add_(Scalar s) { return inplace_scalar(*this, UnaryOp::add_scalar, s, "add_"); }
 Tensor& Tensor::sub_(Scalar s) {
-  return inplace_scalar(*this, UnaryOp::add_scalar, s.is_floating() ? Scalar(-s.to_double()) : Scalar(-s.to_int()),
-                        "sub_");
+  return inplace_scalar(*this, UnaryOp::add_scalar, negated(s), "sub_");
 }
 Tensor& Tensor::mul_(Scalar s) { return inplace_scalar(*this, UnaryOp::mul_scalar, s, "mul_"); }
 Tensor& Tensor::div_(Scalar s) { return inplace_scalar(*this, UnaryOp::div_scalar, s, "div_"); }

@@ -203,6 +203,8 @@ Tensor one_hot(const Tensor& index, int64_t num_classes) {
     }
     if (!v.empty()) {
       FLAME_CHECK(lo >= 0, "one_hot", "class values must be non-negative, got ", lo);
+      FLAME_CHECK(num_classes != -1 || hi < std::numeric_limits<int64_t>::max(), "one_hot", "class value ", hi,
+                  " leaves no room for num_classes = max + 1");
       if (num_classes == -1) num_classes = hi + 1;
       FLAME_CHECK(hi < num_classes, "one_hot", "class value ", hi, " is out of range for num_classes ",
                   num_classes);

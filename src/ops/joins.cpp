@@ -21,6 +21,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
+#include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -52,6 +53,15 @@ Tensor reversed(const Tensor& t, int64_t d) {
   const int64_t offset = t.storage_offset() + (n - 1) * st[d];
   st[d] = -st[d];
   return make_view(t, t.sizes(), st, offset);
+}
+
+// The most pieces split/chunk return: each is a tensor handle, and a list longer than this is a
+// mistaken argument, not a use (it would take gigabytes before the first piece is used).
+constexpr int64_t kMaxPieces = int64_t(1) << 24;
+
+void check_piece_count(int64_t pieces, const char* op, const Tensor& x, int64_t d) {
+  FLAME_CHECK(pieces <= kMaxPieces, op, "would return ", pieces, " pieces of dim ", d, " of the input of shape ",
+              x.sizes(), ", more than the limit of ", kMaxPieces);
 }
 
 bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0; }
@@ -114,7 +124,7 @@ Tensor flip(const Tensor& x, const Shape& dims) {
     seen[w] = true;
     if (n > 0) src = reversed(src, w);
   }
-  Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
+  Tensor out = make_empty(x.sizes(), x.dtype(), x.device(), "flip");
   copy_into(out, src);
   return rules::with_grad(out, "flip", x, [dims](const Tensor& g) { return g.flip(dims); });
 }
@@ -132,8 +142,8 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
   in_sizes.insert(in_sizes.end(), x.sizes().begin(), x.sizes().end());
   in_strides.insert(in_strides.end(), x.strides().begin(), x.strides().end());
   Shape out_shape(m);
-  for (int64_t i = 0; i < m; ++i) out_shape[i] = in_sizes[i] * repeats[i];
-  Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  for (int64_t i = 0; i < m; ++i) out_shape[i] = checked_mul(in_sizes[i], repeats[i], "repeat", "the output size");
+  Tensor out = make_empty(out_shape, x.dtype(), x.device(), "repeat");
   const Shape x_shape = x.sizes();
   rules::with_grad(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
     if (repeats.empty()) return g;  // 0-d
@@ -176,7 +186,8 @@ TensorList split(const Tensor& x, int64_t split_size, int64_t dim) {
   const int64_t n = x.sizes()[d];
   FLAME_CHECK(split_size > 0 || n == 0, "split", "split_size can only be 0 if the dimension size is 0, got dim ",
               d, " of size ", n, " (shape ", x.sizes(), ")");
-  const int64_t pieces = split_size == 0 ? 1 : std::max<int64_t>((n + split_size - 1) / split_size, 1);
+  const int64_t pieces = split_size == 0 ? 1 : std::max<int64_t>(ceil_div(n, split_size), 1);
+  check_piece_count(pieces, "split", x, d);
   TensorList out;
   out.reserve(static_cast<std::size_t>(pieces));
   for (int64_t i = 0; i < pieces; ++i) {
@@ -194,7 +205,7 @@ TensorList split_with_sizes(const Tensor& x, const Shape& sizes, int64_t dim) {
   int64_t total = 0;
   for (int64_t s : sizes) {
     FLAME_CHECK(s >= 0, "split_with_sizes", "split sizes must be non-negative, got ", sizes);
-    total += s;
+    total = checked_add(total, s, "split_with_sizes", "the sum of the split sizes");
   }
   FLAME_CHECK(total == n, "split_with_sizes", "split sizes ", sizes, " must sum exactly to the size ", n,
               " of dim ", d, " of the input of shape ", x.sizes(), ", but sum to ", total);
@@ -216,8 +227,11 @@ TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim) {
   const int64_t n = x.sizes()[d];
   // Like PyTorch: pieces of ceil(n / chunks), so there may be fewer than `chunks`; an empty dim
   // gives `chunks` empty pieces.
-  if (n == 0) return split_with_sizes(x, Shape(static_cast<std::size_t>(chunks), 0), d);
-  return split(x, (n + chunks - 1) / chunks, d);
+  if (n == 0) {
+    check_piece_count(chunks, "chunk", x, d);
+    return split_with_sizes(x, Shape(static_cast<std::size_t>(chunks), 0), d);
+  }
+  return split(x, ceil_div(n, chunks), d);
 }
 
 // ---- cat, stack ----
@@ -235,7 +249,7 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
     if (!first && !is_legacy_empty(t)) first = &t;
   }
   if (!first) {  // only [0] tensors: an empty result
-    Tensor out = make_empty({0}, dt, tensors[0].device());
+    Tensor out = make_empty({0}, dt, tensors[0].device(), "cat");
     rules::cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
     return out;
   }
@@ -252,9 +266,9 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
       FLAME_CHECK(k == d || t.sizes()[k] == first->sizes()[k], "cat", "sizes of tensors must match except in dim ",
                   d, ", got shapes ", first->sizes(), " and ", t.sizes(), " (position ", i, ")");
     }
-    out_shape[d] += t.sizes()[d];
+    out_shape[d] = checked_add(out_shape[d], t.sizes()[d], "cat", "the concatenated size");
   }
-  Tensor out = make_empty(out_shape, dt, first->device());
+  Tensor out = make_empty(out_shape, dt, first->device(), "cat");
   std::vector<int64_t> starts;  // where each input starts along d; -1: skipped
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
@@ -309,12 +323,16 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
   }
   for (int64_t d = 0; d < n; ++d) {
     const int64_t size = x.sizes()[d];
+    FLAME_CHECK(left[d] >= -size && right[d] >= -size, "pad", "padding ", pads, " crops more than dim ", d,
+                " of size ", size, " (input shape ", x.sizes(), ")");
     const int64_t crop_l = std::max<int64_t>(-left[d], 0), crop_r = std::max<int64_t>(-right[d], 0);
-    FLAME_CHECK(crop_l + crop_r <= size && size + left[d] + right[d] >= 0, "pad", "padding ", pads,
+    const int64_t out_size = checked_add(checked_add(size, left[d], "pad", "the padded size"), right[d], "pad",
+                                         "the padded size");
+    FLAME_CHECK(crop_l <= size - crop_r && out_size >= 0, "pad", "padding ", pads,
                 " crops more than dim ", d, " of size ", size, " (input shape ", x.sizes(), ")");
     crop_lo[d] = crop_l;
     kept[d] = size - crop_l - crop_r;
-    out_shape[d] = size + left[d] + right[d];
+    out_shape[d] = out_size;
     left[d] = std::max<int64_t>(left[d], 0);
     right[d] = std::max<int64_t>(right[d], 0);
     src = src.narrow(d, crop_l, kept[d]);
@@ -328,7 +346,7 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
                   x.sizes(), ", padding ", pads, ")");
     }
   }
-  Tensor out = make_empty(out_shape, x.dtype(), x.device());
+  Tensor out = make_empty(out_shape, x.dtype(), x.device(), "pad");
   record_pad_grad(out, x, left, right, crop_lo, kept, mode);
   if (out.numel() == 0) return out;
   Tensor interior = out;

@@ -51,7 +51,7 @@ Tensor batched_matmul(const Tensor& a, const Tensor& b, const Shape& batch, int6
   Shape out_shape = batch;
   out_shape.push_back(m);
   out_shape.push_back(n);
-  Tensor out = make_empty(out_shape, a.dtype(), a.device());
+  Tensor out = make_empty(out_shape, a.dtype(), a.device(), "matmul");
   if (out.numel() == 0) return out;
   backend::Backend& be = backend::backend_for(a.device());
   if (k == 0) {

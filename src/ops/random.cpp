@@ -1,4 +1,6 @@
 // Random factories. Each draws one generator offset; see random.h and src/random/philox.h.
+#include <limits>
+
 #include "flame/ops.h"
 #include "flame/random.h"
 #include "src/backend/backend.h"
@@ -22,9 +24,9 @@ GraphRng*& current_graph_rng() {
 
 namespace {
 Tensor random_tensor(backend::RandomKind kind, const Shape& shape, DType dt, Device dev, Generator* gen,
-                     double a, double b) {
+                     const char* op, double a, double b) {
   Generator& g = gen ? *gen : default_generator();
-  Tensor t = make_empty(shape, dt, dev);
+  Tensor t = make_empty(shape, dt, dev, op);
   // Note [Graph-safe RNG]: under capture the draw reads its seed and offset from device memory.
   random_detail::GraphRng* capture = random_detail::current_graph_rng();
   if (capture != nullptr && dev.is_cuda() && dev.index == capture->device()) {
@@ -49,21 +51,36 @@ Tensor Tensor::uniform(const Shape& shape, double low, double high, TensorOption
   const DType dt = opts.dtype_or(DType::f32);
   FLAME_CHECK(is_floating(dt), "uniform", "expected a floating dtype, got ", dtype_name(dt));
   FLAME_CHECK(low <= high, "uniform", "low (", low, ") must not exceed high (", high, ")");
-  return random_tensor(backend::RandomKind::uniform, shape, dt, opts.device, gen, low, high);
+  return random_tensor(backend::RandomKind::uniform, shape, dt, opts.device, gen, "uniform", low, high);
 }
 
 Tensor Tensor::randn(const Shape& shape, double mean, double std, TensorOptions opts, Generator* gen) {
   const DType dt = opts.dtype_or(DType::f32);
   FLAME_CHECK(is_floating(dt), "randn", "expected a floating dtype, got ", dtype_name(dt));
   FLAME_CHECK(std >= 0, "randn", "std must be non-negative, got ", std);
-  return random_tensor(backend::RandomKind::normal, shape, dt, opts.device, gen, mean, std);
+  return random_tensor(backend::RandomKind::normal, shape, dt, opts.device, gen, "randn", mean, std);
 }
 
 Tensor Tensor::randint(int64_t low, int64_t high, const Shape& shape, TensorOptions opts, Generator* gen) {
   FLAME_CHECK(high > low, "randint", "empty range [", low, ", ", high, ")");
   const DType dt = opts.dtype_or(DType::i64);
   FLAME_CHECK(!is_bool(dt), "randint", "bool dtype is not supported");
-  return random_tensor(backend::RandomKind::integer, shape, dt, opts.device, gen,
+  // The backends take the bounds as doubles: they must survive the round trip exactly, or two
+  // distinct bounds could meet (a range of 0) and samples could leave [low, high).
+  constexpr int64_t kExact = int64_t(1) << 53;
+  FLAME_CHECK(low >= -kExact && high <= kExact, "randint", "bounds [", low, ", ", high,
+              ") must lie within [-2^53, 2^53]");
+  if (!is_floating(dt)) {  // as PyTorch: every value of [low, high) must fit the dtype
+    int64_t lo = 0, hi = 0;
+    switch (dt) {
+      case DType::u8: lo = 0, hi = 255; break;
+      case DType::i32: lo = std::numeric_limits<int32_t>::min(), hi = std::numeric_limits<int32_t>::max(); break;
+      default: lo = -kExact, hi = kExact; break;
+    }
+    FLAME_CHECK(low >= lo && high - 1 <= hi, "randint", "range [", low, ", ", high, ") does not fit dtype ",
+                dtype_name(dt), " ([", lo, ", ", hi, "])");
+  }
+  return random_tensor(backend::RandomKind::integer, shape, dt, opts.device, gen, "randint",
                        static_cast<double>(low), static_cast<double>(high));
 }
 

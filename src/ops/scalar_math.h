@@ -2,8 +2,23 @@
 // Scalar math shared by the CPU reference and the CUDA kernels (FLAME_HD). Each functor works on
 // the compute type of Note [Compute types]: float, double or int64_t. This header is the single
 // place the elementwise formulas live.
+//
+// Note [Defined integer math]
+// Integer compute is int64_t, where overflow would be undefined behaviour. Every integer formula
+// here is defined for every input, as PyTorch's results on its usual platforms:
+//  - +, -, *, neg, abs, square, pow and the scalar forms wrap modulo 2^64 (two's complement), by
+//    computing in uint64_t: INT64_MAX + 1 == INT64_MIN, -INT64_MIN == INT64_MIN, abs(INT64_MIN)
+//    == INT64_MIN. Narrower integer dtypes then wrap on the conversion back (modular in C++20).
+//  - x / 0 and fmod(x, 0) give 0 (the CPU would trap); x / -1 is a wrapping negation and
+//    fmod(x, -1) is 0, so INT64_MIN / -1 and INT64_MIN % -1 never trap.
+//  - float -> integer conversion saturates: NaN -> 0, values beyond the integer range -> its
+//    minimum or maximum, others truncate toward zero. This is what the GPU's conversion
+//    instruction does, so the CPU reference and CUDA agree; PyTorch leaves it platform-defined.
+//  - double parameters (scalar operands, clamp bounds) reach integer formulas through the same
+//    saturating conversion.
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "flame/half.h"
@@ -17,7 +32,8 @@ template <> struct compute_type<bfloat16> { using type = float; };
 template <> struct compute_type<float16> { using type = float; };
 template <class T> using compute_t = typename compute_type<T>::type;
 
-// Converts between element and compute types (half types go through float; bool is v != 0).
+// Converts between element and compute types (half types go through float; bool is v != 0;
+// floating -> integer saturates, Note [Defined integer math]).
 template <class To, class From>
 FLAME_INLINE To convert(From v) {
   if constexpr (std::is_same_v<From, bfloat16> || std::is_same_v<From, float16>) {
@@ -26,6 +42,14 @@ FLAME_INLINE To convert(From v) {
     return v != From(0);
   } else if constexpr (std::is_same_v<To, bfloat16> || std::is_same_v<To, float16>) {
     return To(static_cast<float>(v));
+  } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
+    // Integer limits are exact powers of two in From (min) or round up to one (max), so the
+    // comparisons below are exact; in between, the cast truncates a value that fits.
+    constexpr To lo = std::numeric_limits<To>::min(), hi = std::numeric_limits<To>::max();
+    if (v != v) return To(0);
+    if (v <= static_cast<From>(lo)) return lo;
+    if (v >= static_cast<From>(hi)) return hi;
+    return static_cast<To>(v);
   } else {
     return static_cast<To>(v);
   }
@@ -66,17 +90,42 @@ FLAME_INLINE bool isinf(C x) {
   if constexpr (std::is_floating_point_v<C>) return x - x != x - x && x == x;
   else return false;
 }
-// Integer power by squaring; negative exponents are rejected by the op layer except for |base|=1.
+// Wrapping integer arithmetic (Note [Defined integer math]); floating types use the operators.
+template <class C>
+FLAME_INLINE C wrap_add(C a, C b) {
+  if constexpr (std::is_integral_v<C>) return static_cast<C>(static_cast<uint64_t>(a) + static_cast<uint64_t>(b));
+  else return a + b;
+}
+template <class C>
+FLAME_INLINE C wrap_sub(C a, C b) {
+  if constexpr (std::is_integral_v<C>) return static_cast<C>(static_cast<uint64_t>(a) - static_cast<uint64_t>(b));
+  else return a - b;
+}
+template <class C>
+FLAME_INLINE C wrap_mul(C a, C b) {
+  if constexpr (std::is_integral_v<C>) return static_cast<C>(static_cast<uint64_t>(a) * static_cast<uint64_t>(b));
+  else return a * b;
+}
+template <class C>
+FLAME_INLINE C wrap_neg(C a) {
+  if constexpr (std::is_integral_v<C>) return static_cast<C>(uint64_t(0) - static_cast<uint64_t>(a));
+  else return -a;
+}
+// Integer power by squaring, wrapping; negative exponents are rejected by the op layer except
+// for |base| = 1.
 FLAME_INLINE int64_t ipow(int64_t base, int64_t e) {
   if (e < 0) return base == 1 ? 1 : (base == -1 ? ((e & 1) ? -1 : 1) : 0);
   int64_t r = 1;
   while (e) {
-    if (e & 1) r *= base;
-    base *= base;
+    if (e & 1) r = wrap_mul(r, base);
+    base = wrap_mul(base, base);
     e >>= 1;
   }
   return r;
 }
+// a / b and a % b for integers, defined for b == 0 (0) and b == -1 (no INT64_MIN trap).
+FLAME_INLINE int64_t idiv(int64_t a, int64_t b) { return b == 0 ? 0 : (b == -1 ? wrap_neg(a) : a / b); }
+FLAME_INLINE int64_t imod(int64_t a, int64_t b) { return (b == 0 || b == -1) ? 0 : a % b; }
 }  // namespace math
 
 namespace backend {
@@ -89,6 +138,9 @@ namespace fn {
 using backend::UnaryParams;
 template <class C>
 inline constexpr bool is_fp = std::is_floating_point_v<C>;
+// A double parameter in compute type C (saturating for integers, Note [Defined integer math]).
+template <class C>
+FLAME_INLINE C param(double v) { return convert<C>(v); }
 
 #define FLAME_UNARY_FN(Name, ...)                                       \
   struct Name {                                                         \
@@ -102,21 +154,21 @@ inline constexpr bool is_fp = std::is_floating_point_v<C>;
 #define FLAME_FLOAT_FN(Name, expr) \
   FLAME_UNARY_FN(Name, if constexpr (is_fp<C>) { return expr; } else { return x; })
 
-FLAME_UNARY_FN(Neg, return -x;)
-FLAME_UNARY_FN(Abs, if constexpr (is_fp<C>) { return math::fabs(x); } else { return x < 0 ? -x : x; })
+FLAME_UNARY_FN(Neg, return math::wrap_neg(x);)
+FLAME_UNARY_FN(Abs, if constexpr (is_fp<C>) { return math::fabs(x); } else { return x < 0 ? math::wrap_neg(x) : x; })
 FLAME_UNARY_FN(Sign, if constexpr (is_fp<C>) { if (x != x) return x; }
                return static_cast<C>((C(0) < x) - (x < C(0)));)
-FLAME_UNARY_FN(Square, return x * x;)
+FLAME_UNARY_FN(Square, return math::wrap_mul(x, x);)
 FLAME_UNARY_FN(Relu, return x < C(0) ? C(0) : x;)
 FLAME_UNARY_FN(Floor, if constexpr (is_fp<C>) { return math::floor(x); } else { return x; })
 FLAME_UNARY_FN(Ceil, if constexpr (is_fp<C>) { return math::ceil(x); } else { return x; })
 FLAME_UNARY_FN(Round, if constexpr (is_fp<C>) { return math::rint(x); } else { return x; })
 FLAME_UNARY_FN(Trunc, if constexpr (is_fp<C>) { return math::trunc(x); } else { return x; })
 // clamp(x, min=a, max=b); NaN stays NaN, min > max gives max (as PyTorch).
-FLAME_UNARY_FN(Clamp, if (math::isnan(x)) return x; C lo = static_cast<C>(p.a);
-               C hi = static_cast<C>(p.b); x = x < lo ? lo : x; return x > hi ? hi : x;)
+FLAME_UNARY_FN(Clamp, if (math::isnan(x)) return x; C lo = param<C>(p.a);
+               C hi = param<C>(p.b); x = x < lo ? lo : x; return x > hi ? hi : x;)
 FLAME_UNARY_FN(PowScalar, if constexpr (is_fp<C>) { return math::pow(x, static_cast<C>(p.a)); }
-               else { return math::ipow(x, static_cast<int64_t>(p.a)); })
+               else { return math::ipow(x, param<int64_t>(p.a)); })
 FLAME_UNARY_FN(IsNan, return math::isnan(x) ? C(1) : C(0);)
 FLAME_UNARY_FN(IsInf, return math::isinf(x) ? C(1) : C(0);)
 FLAME_UNARY_FN(LogicalNot, return x == C(0) ? C(1) : C(0);)
@@ -125,9 +177,9 @@ FLAME_UNARY_FN(NanToNum, if (math::isnan(x)) return static_cast<C>(p.a);
                if (math::isinf(x)) return x > C(0) ? static_cast<C>(p.b) : static_cast<C>(p.c);
                return x;)
 // Tensor-scalar arithmetic; the scalar (p.a) stays in the compute type, as PyTorch keeps it.
-FLAME_UNARY_FN(AddScalar, return x + static_cast<C>(p.a);)
-FLAME_UNARY_FN(MulScalar, return x * static_cast<C>(p.a);)
-FLAME_UNARY_FN(RsubScalar, return static_cast<C>(p.a) - x;)
+FLAME_UNARY_FN(AddScalar, return math::wrap_add(x, param<C>(p.a));)
+FLAME_UNARY_FN(MulScalar, return math::wrap_mul(x, param<C>(p.a));)
+FLAME_UNARY_FN(RsubScalar, return math::wrap_sub(param<C>(p.a), x);)
 FLAME_FLOAT_FN(DivScalar, x / static_cast<C>(p.a))
 FLAME_FLOAT_FN(RdivScalar, static_cast<C>(p.a) / x)
 
@@ -183,17 +235,17 @@ FLAME_FLOAT_FN(SoftplusGrad, x * static_cast<C>(p.a) > static_cast<C>(p.b)
     template <class C>                                    \
     FLAME_INLINE C operator()(C a, C b) const { body }    \
   };
-FLAME_BINARY_FN(Add, return a + b;)
-FLAME_BINARY_FN(Sub, return a - b;)
-FLAME_BINARY_FN(Mul, return a * b;)
-FLAME_BINARY_FN(Div, if constexpr (is_fp<C>) { return a / b; } else { return b == 0 ? 0 : a / b; })
+FLAME_BINARY_FN(Add, return math::wrap_add(a, b);)
+FLAME_BINARY_FN(Sub, return math::wrap_sub(a, b);)
+FLAME_BINARY_FN(Mul, return math::wrap_mul(a, b);)
+FLAME_BINARY_FN(Div, if constexpr (is_fp<C>) { return a / b; } else { return math::idiv(a, b); })
 FLAME_BINARY_FN(Pow, if constexpr (is_fp<C>) { return math::pow(a, b); } else { return math::ipow(a, b); })
 FLAME_BINARY_FN(Maximum, if (math::isnan(a) || math::isnan(b)) return math::isnan(a) ? a : b;
                 return a > b ? a : b;)
 FLAME_BINARY_FN(Minimum, if (math::isnan(a) || math::isnan(b)) return math::isnan(a) ? a : b;
                 return a < b ? a : b;)
 FLAME_BINARY_FN(Atan2, if constexpr (is_fp<C>) { return math::atan2(a, b); } else { return a; })
-FLAME_BINARY_FN(Fmod, if constexpr (is_fp<C>) { return math::fmod(a, b); } else { return b == 0 ? 0 : a % b; })
+FLAME_BINARY_FN(Fmod, if constexpr (is_fp<C>) { return math::fmod(a, b); } else { return math::imod(a, b); })
 FLAME_BINARY_FN(Eq, return a == b ? C(1) : C(0);)
 FLAME_BINARY_FN(Ne, return a != b ? C(1) : C(0);)
 FLAME_BINARY_FN(Lt, return a < b ? C(1) : C(0);)

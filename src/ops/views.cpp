@@ -6,6 +6,7 @@
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
+#include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -21,7 +22,7 @@ Shape infer_shape(const Shape& shape, int64_t numel, const char* op, const Shape
       infer = static_cast<int64_t>(i);
     } else {
       FLAME_CHECK(out[i] >= 0, op, "invalid shape ", shape);
-      known *= out[i];
+      known = checked_mul(known, out[i], op, "the product of the sizes");
     }
   }
   if (infer >= 0) {
@@ -48,7 +49,10 @@ std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strid
     if (tensor_d == 0 || (old_shape[tensor_d - 1] != 1 &&
                           old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride)) {
       while (view_d >= 0 && (view_numel < tensor_numel || new_shape[view_d] == 1)) {
-        new_strides[view_d] = view_numel * chunk_base_stride;
+        // A size-1 dim's large stride can make this product overflow: then no view is offered.
+        const auto stride = mul_overflows(view_numel, chunk_base_stride);
+        if (!stride) return std::nullopt;
+        new_strides[view_d] = *stride;
         view_numel *= new_shape[view_d];
         --view_d;
       }
@@ -65,10 +69,20 @@ std::optional<Shape> view_strides(const Shape& old_shape, const Shape& old_strid
 }
 
 
+// stride x step for a dim that takes every step-th element (slice, unfold), as PyTorch. A dim of
+// size <= 1 never moves by its stride: when the product (in bytes) would not fit, it keeps the
+// old stride rather than one that overflows in the kernels' byte arithmetic. A longer dim has
+// step < its input size, so the product stays inside the storage.
+int64_t stepped_stride(int64_t stride, int64_t step, int64_t size, const char* op) {
+  if (size > 1) return checked_mul(stride, step, op, "stride x step");
+  const auto s = mul_overflows(stride, step);
+  return s && *s <= kMaxTensorBytes / 8 && *s >= -kMaxTensorBytes / 8 ? *s : stride;
+}
+
 // A view of `base` recorded for autograd with gradient back(g) (back captures no tensors).
 Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name,
                  std::function<Tensor(const Tensor&)> back) {
-  Tensor v = make_view(base, std::move(sizes), std::move(strides), offset);
+  Tensor v = make_view(base, std::move(sizes), std::move(strides), offset, name);
   return rules::with_grad(v, name, base, std::move(back));
 }
 
@@ -163,7 +177,8 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
   d = wrap_dim(d, dim(), "narrow");
   const int64_t n = sizes()[d];
   if (start < 0) start += n;
-  FLAME_CHECK(start >= 0 && length >= 0 && start + length <= n, "narrow", "start ", start,
+  // length <= n - start, not start + length <= n: the sum can overflow.
+  FLAME_CHECK(start >= 0 && start <= n && length >= 0 && length <= n - start, "narrow", "start ", start,
               " + length ", length, " exceeds dimension ", d, " of size ", n, " (shape ", sizes(), ")");
   Shape sz = sizes();
   sz[d] = length;
@@ -180,8 +195,8 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   start = std::clamp<int64_t>(start, 0, n);
   end = std::clamp<int64_t>(end, start, n);
   Shape sz = sizes(), st = strides();
-  sz[d] = (end - start + step - 1) / step;
-  st[d] *= step;
+  sz[d] = ceil_div(end - start, step);
+  st[d] = stepped_stride(st[d], step, sz[d], "slice");
   return grad_view(*this, sz, st, storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
 }
 
@@ -253,7 +268,7 @@ Tensor Tensor::squeeze(int64_t d) const {
 Tensor Tensor::unsqueeze(int64_t d) const {
   d = wrap_dim(d, dim() + 1, "unsqueeze");
   Shape sz = sizes(), st = strides();
-  const int64_t new_stride = d < dim() ? sizes()[d] * strides()[d] : 1;
+  const int64_t new_stride = d < dim() ? mul_overflows(sizes()[d], strides()[d]).value_or(1) : 1;
   sz.insert(sz.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
   return grad_view(*this, sz, st, storage_offset(), "unsqueeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
@@ -266,7 +281,7 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
   FLAME_CHECK(start_dim <= end_dim, "flatten", "start_dim ", start_dim, " must not exceed end_dim ", end_dim);
   Shape sz(sizes().begin(), sizes().begin() + start_dim);
   int64_t n = 1;
-  for (int64_t i = start_dim; i <= end_dim; ++i) n *= sizes()[i];
+  for (int64_t i = start_dim; i <= end_dim; ++i) n = checked_mul(n, sizes()[i], "flatten", "the flattened size");
   sz.push_back(n);
   sz.insert(sz.end(), sizes().begin() + end_dim + 1, sizes().end());
   return reshape(sz);
@@ -287,11 +302,11 @@ Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
       infer = static_cast<int64_t>(i);
     } else {
       FLAME_CHECK(p[i] >= 0, "unflatten", "invalid sizes ", parts);
-      known *= p[i];
+      known = checked_mul(known, p[i], "unflatten", "the product of the sizes");
     }
   }
   if (infer >= 0 && known != 0 && n % known == 0) p[infer] = n / known;
-  FLAME_CHECK((infer < 0 || p[infer] != -1) && shape_numel(p) == n, "unflatten", "sizes ", parts,
+  FLAME_CHECK((infer < 0 || p[infer] != -1) && shape_numel(p, "unflatten") == n, "unflatten", "sizes ", parts,
               " don't multiply up to the size ", n, " of dim ", d, " (input shape ", sizes(), ")");
   Shape sz(sizes().begin(), sizes().begin() + d);
   sz.insert(sz.end(), p.begin(), p.end());
@@ -309,7 +324,7 @@ Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
   if (dim() == 0) return grad_view(*this, {size}, {1}, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
   sz[d] = (n - size) / step + 1;
   const int64_t base = st[d];
-  st[d] = base * step;
+  st[d] = stepped_stride(base, step, sz[d], "unfold");
   sz.push_back(size);
   st.push_back(base);
   return grad_view(*this, sz, st, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });

@@ -61,10 +61,11 @@ FLAME_INLINE C normal(const Words& r) {
 }
 
 // Integer in [low, high) (high > low); modulo bias is below 2^-32 for ranges under 2^32.
+// Unsigned arithmetic: high - low may exceed INT64_MAX (randint checks that high > low).
 FLAME_INLINE int64_t integer(const Words& r, int64_t low, int64_t high) {
-  const uint64_t range = static_cast<uint64_t>(high - low);
+  const uint64_t range = static_cast<uint64_t>(high) - static_cast<uint64_t>(low);
   const uint64_t bits = static_cast<uint64_t>(r.w[0]) << 32 | r.w[1];
-  return low + static_cast<int64_t>(bits % range);
+  return static_cast<int64_t>(static_cast<uint64_t>(low) + bits % range);
 }
 
 }  // namespace flame::philox

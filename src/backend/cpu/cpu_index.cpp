@@ -59,7 +59,7 @@ void scatter_loop(const Tensor& dst, int64_t dim, const Tensor& index, const Ten
                         const T s = *reinterpret_cast<const T*>(p[2]);
                         if constexpr (kAccumulate) {
                           using C = compute_t<T>;
-                          *d = convert<T>(convert<C>(*d) + convert<C>(s));
+                          *d = convert<T>(fn::Add{}(convert<C>(*d), convert<C>(s)));  // wraps for integers
                         } else {
                           *d = s;
                         }
