@@ -9,6 +9,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "src/backend/cuda/common.cuh"
@@ -49,6 +50,14 @@ __device__ __forceinline__ To dconvert(From v) {
     return v != From(0);
   } else if constexpr (is_half_v<To>) {
     return float_to_half<To>(static_cast<float>(v));
+  } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
+    // Saturating, NaN -> 0, exactly as flame::convert (Note [Defined integer math]): the
+    // hardware conversion turns NaN into the integer minimum and narrow types may wrap.
+    constexpr To lo = std::numeric_limits<To>::min(), hi = std::numeric_limits<To>::max();
+    if (v != v) return To(0);
+    if (v <= static_cast<From>(lo)) return lo;
+    if (v >= static_cast<From>(hi)) return hi;
+    return static_cast<To>(v);
   } else {
     return static_cast<To>(v);
   }
