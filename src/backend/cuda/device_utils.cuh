@@ -51,13 +51,9 @@ __device__ __forceinline__ To dconvert(From v) {
   } else if constexpr (is_half_v<To>) {
     return float_to_half<To>(static_cast<float>(v));
   } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
-    // Saturating, NaN -> 0, exactly as flame::convert (Note [Defined integer math]): the
-    // hardware conversion turns NaN into the integer minimum and narrow types may wrap.
-    constexpr To lo = std::numeric_limits<To>::min(), hi = std::numeric_limits<To>::max();
-    if (v != v) return To(0);
-    if (v <= static_cast<From>(lo)) return lo;
-    if (v >= static_cast<From>(hi)) return hi;
-    return static_cast<To>(v);
+    // Saturating, NaN -> 0 (Note [Defined integer math]): the hardware conversion turns NaN into
+    // the integer minimum and narrow types may wrap.
+    return ::flame::convert<To>(v);
   } else {
     return static_cast<To>(v);
   }
