@@ -17,8 +17,8 @@
 # device tool brings $OUT back), else to <build-dir>/logs. With --budget, every step gets a time
 # limit so that the summary is still printed before the budget runs out.
 #
-# GoogleTest comes from .deps/googletest when the machine has no package (carry ".deps"):
-#   mkdir -p .deps && cp -r /usr/src/googletest .deps/
+# GoogleTest, nlohmann-json and cudnn-frontend come from .deps/ when the machine has no package
+# (carry ".deps"; fill it with scripts/prepare_carry.sh).
 set -uo pipefail
 
 BUILD=build-gpu
@@ -351,6 +351,22 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   T=$(limit 5)
   say "bench_torch.py, limit ${T}s"
   PYTHONUNBUFFERED=1 timeout "$T" python3 bench/bench_torch.py >"$BT" 2>&1 || echo "# bench_torch rc=$?" >>"$BT"
+  # Layer families: bench/bench_nn_<family>.cpp beside its twin bench/bench_nn_<family>_torch.py,
+  # both printing "BENCH {json}" lines into the same two files.
+  for twin in bench/bench_nn_*_torch.py; do
+    [[ -f "$twin" ]] || continue
+    fam=$(basename "$twin" _torch.py)
+    if fresh "$BUILD/bench/$fam"; then
+      T=$(limit 5)
+      say "$fam, limit ${T}s"
+      timeout "$T" "$BUILD/bench/$fam" >>"$BF" 2>&1 || echo "# $fam rc=$?" >>"$BF"
+    else
+      echo "# $fam was not built" >>"$BF"
+    fi
+    T=$(limit 5)
+    say "$(basename "$twin"), limit ${T}s"
+    PYTHONUNBUFFERED=1 timeout "$T" python3 "$twin" >>"$BT" 2>&1 || echo "# $(basename "$twin") rc=$?" >>"$BT"
+  done
   python3 bench/compare.py "$BF" "$BT" >"$BC" 2>&1
   note "benchmarks (FLAME vs PyTorch, same GPU, same run):"
   while IFS= read -r line; do note "  $line"; done <"$BC"

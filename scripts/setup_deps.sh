@@ -11,6 +11,7 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -f /usr/include/x86_64-linux-gnu/openblas-pthread/cblas.h ] || [ -f /usr/include/openblas/cblas.h ] ||
   ls /usr/include/*/openblas*/cblas.h >/dev/null 2>&1 || need+=(libopenblas-dev)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
+[ -f /usr/include/nlohmann/json.hpp ] || need+=(nlohmann-json3-dev)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup_deps: installing ${need[*]}" >&2
@@ -37,6 +38,24 @@ if ! cmake_ok && { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/n
     ln -sf "$CMAKE_DIR"/py/cmake/data/bin/* "$CMAKE_DIR/bin/"
   fi
   echo "export PATH=$CMAKE_DIR/bin:\$PATH"
+fi
+
+# cuDNN's header-only C++ frontend (PyPI nvidia-cudnn-frontend) for the CUDA convolution and
+# attention paths: only its include/ folder is kept, in the repository's ignored .deps/ folder
+# (CMake looks there; the GPU runner carries .deps/).
+CFE_VERSION=1.32.0
+CFE_DIR="$(cd "$(dirname "$0")/.." && pwd)/.deps/cudnn_frontend"
+if { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; } &&
+   [ ! -f "$CFE_DIR/include/cudnn_frontend.h" ]; then
+  echo "setup_deps: fetching nvidia-cudnn-frontend $CFE_VERSION headers into $CFE_DIR" >&2
+  tmp=$(mktemp -d)
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --implementation cp --platform manylinux_2_28_x86_64 \
+    -d "$tmp" "nvidia-cudnn-frontend==$CFE_VERSION" >&2
+  mkdir -p "$CFE_DIR"
+  python3 -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("include/")])' \
+    "$tmp"/nvidia_cudnn_frontend-*.whl "$CFE_DIR"
+  rm -rf "$tmp"
 fi
 
 # nvcc is often installed but not on PATH.

@@ -9,5 +9,6 @@
 #include "flame/ops.h"
 #include "flame/random.h"
 #include "flame/scalar.h"
+#include "flame/state_dict.h"
 #include "flame/tensor.h"
 #include "flame/version.h"
