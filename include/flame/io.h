@@ -1,0 +1,3 @@
+#pragma once
+// Umbrella header of flame::io (reading and writing tensors to files).
+#include "flame/io/safetensors.h"
