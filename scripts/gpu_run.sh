@@ -332,6 +332,23 @@ if [[ $RUN_EXAMPLE -eq 1 ]]; then
   fi
 fi
 
+# ---- safetensors interop: Python safetensors + PyTorch <-> FLAME on the GPU, both directions ----
+if [[ $RUN_EXAMPLE -eq 1 ]]; then
+  IX="$BUILD/examples/safetensors_interop"
+  IX_LOG="$LOGS/interop_safetensors.log"
+  if fresh "$IX"; then
+    t0=$(date +%s)
+    timeout 120 python3 scripts/interop_safetensors.py --flame-bin "$IX" --device cuda \
+      --workdir "$BUILD/interop-safetensors" >"$IX_LOG" 2>&1
+    rc=$?
+    note "interop safetensors (cuda): rc $rc; steps: $(grep -E '^INTEROP' "$IX_LOG" | sed -E 's/^INTEROP ([a-c]): ([A-Z]+).*/\1 \2/' | tr '\n' ' ')($(( $(date +%s) - t0 )) s)"
+    while IFS= read -r line; do note "  ${line:0:200}"; done < <(grep -E '^INTEROP [a-c]: FAIL|^mlp:|error' "$IX_LOG" | head -8)
+    [[ $rc -ne 0 ]] && STATUS=1
+  else
+    note "interop safetensors: not run, $IX was not built"
+  fi
+fi
+
 # ---- benchmarks: FLAME, then PyTorch, joined ----
 if [[ $RUN_BENCH -eq 1 ]]; then
   BF="$LOGS/bench_flame.txt"
