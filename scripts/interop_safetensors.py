@@ -84,12 +84,12 @@ def make_tensors(rng):
     result = {}
     for name, (_, d, a) in out.items():
         if torch is not None:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+            t = torch.from_numpy(np.array(a, order="C"))
             if d == "BF16":
                 t = t.to(torch.bfloat16)
             result[name] = t.contiguous()
         else:
-            result[name] = np.ascontiguousarray(a)
+            result[name] = np.array(a, order="C")  # keeps 0-d (ascontiguousarray makes it 1-d)
     return result
 
 
