@@ -229,8 +229,8 @@ void mutate(std::string& f, const std::string& other, Rng& rng) {
       }
     }
     if (fix_length && f.size() >= 8) {
-      const int64_t delta = static_cast<int64_t>(f.size()) - static_cast<int64_t>(sz);
-      f.replace(0, 8, le64(static_cast<uint64_t>(static_cast<int64_t>(hl) + delta)));
+      // Unsigned, so a length field that was already extreme wraps instead of overflowing.
+      f.replace(0, 8, le64(hl + static_cast<uint64_t>(f.size()) - static_cast<uint64_t>(sz)));
     }
   }
 }
