@@ -25,6 +25,7 @@
 // cuDNN has an engine for it (else the call raises flame::Error naming the op and shapes).
 #include <cudnn.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <memory>
@@ -139,18 +140,32 @@ struct ConvPlan {
   std::mutex run_mutex;
 };
 
-// Dims and strides as cuDNN sees them: 1-d gets a leading spatial dim of size 1.
+// Dims and strides as cuDNN sees them: 1-d gets a leading spatial dim of size 1, and the strides
+// are the dense strides of the call's layout computed from the sizes, so that size-1 dims (whose
+// stride is arbitrary in FLAME) look like the rest of the layout to cuDNN. The op layer hands
+// every operand dense in that layout (Backend::ConvParams), so the description is exact.
 struct Geometry {
   std::vector<int64_t> dim, stride;
 };
-Geometry geometry(const Tensor& t, int64_t nsp) {
+Geometry geometry(const Tensor& t, int64_t nsp, bool cl) {
   Geometry g;
   g.dim = t.sizes();
-  g.stride = t.strides();
-  if (nsp == 1) {
-    // [N, C, L] -> [N, C, 1, L]; the new dim's stride is that of the dim it precedes times its size.
-    g.dim.insert(g.dim.begin() + 2, 1);
-    g.stride.insert(g.stride.begin() + 2, t.strides()[2] * t.sizes()[2]);
+  if (nsp == 1) g.dim.insert(g.dim.begin() + 2, 1);
+  const std::size_t nd = g.dim.size();
+  g.stride.assign(nd, 1);
+  // Innermost first: contiguous W, H, (D), C, N; channels-last C, W, H, (D), N.
+  std::vector<std::size_t> order;
+  if (cl) {
+    order.push_back(1);
+    for (std::size_t d = nd - 1; d >= 2; --d) order.push_back(d);
+  } else {
+    for (std::size_t d = nd - 1; d >= 1; --d) order.push_back(d);
+  }
+  order.push_back(0);
+  int64_t run = 1;
+  for (std::size_t d : order) {
+    g.stride[d] = run;
+    run *= std::max<int64_t>(g.dim[d], 1);
   }
   return g;
 }
@@ -185,14 +200,14 @@ void check_fe(const fe::error_t& e, const char* step, const std::string& op, con
 }
 
 std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w, const Tensor& y, const ConvParams& p,
-                                     cudnnHandle_t handle, const std::string& name) {
+                                     const Geometry& gx, const Geometry& gw, const Geometry& gy, cudnnHandle_t handle,
+                                     const std::string& name) {
   const std::string what = describe(op, x, w, y, p);
   const fe::DataType_t io = fe_type(x.dtype(), name);
   const fe::DataType_t compute = x.dtype() == DType::f64 ? fe::DataType_t::DOUBLE : fe::DataType_t::FLOAT;
   auto graph = std::make_shared<fe::graph::Graph>();
   graph->set_io_data_type(io).set_intermediate_data_type(compute).set_compute_data_type(compute);
 
-  const Geometry gx = geometry(x, p.nsp), gw = geometry(w, p.nsp), gy = geometry(y, p.nsp);
   std::vector<int64_t> stride, pad_lo, pad_hi, dilation;
   if (p.nsp == 1) {
     stride.push_back(1);
@@ -263,24 +278,28 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
   return plan;
 }
 
-void fill_geometry(int64_t* dims, int64_t* strides, const Tensor& t) {
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    dims[d] = t.sizes()[d];
-    strides[d] = t.strides()[d];
+void fill_geometry(int64_t* dims, int64_t* strides, const Geometry& g) {
+  for (std::size_t d = 0; d < g.dim.size(); ++d) {
+    dims[d] = g.dim[d];
+    strides[d] = g.stride[d];
   }
 }
 
 ConvPlan& get_plan(int device, ConvOp op, const Tensor& x, const Tensor& w, const Tensor& y, const ConvParams& p,
                    cudnnHandle_t handle, const std::string& name) {
+  // One layout for the call: channels-last when any operand is strictly channels-last (the op
+  // layer then gave all of them dense channels-last), else contiguous.
+  const bool cl = conv_detail::channels_last(x) || conv_detail::channels_last(w) || conv_detail::channels_last(y);
+  const Geometry gx = geometry(x, p.nsp, cl), gw = geometry(w, p.nsp, cl), gy = geometry(y, p.nsp, cl);
   ConvKey key;
   std::memset(&key, 0, sizeof(key));
   key.device = device;
   key.op = static_cast<int32_t>(op);
   key.dtype = static_cast<int32_t>(x.dtype());
-  key.nd = static_cast<int32_t>(x.dim());
-  fill_geometry(key.x_dim, key.x_stride, x);
-  fill_geometry(key.w_dim, key.w_stride, w);
-  fill_geometry(key.y_dim, key.y_stride, y);
+  key.nd = static_cast<int32_t>(gx.dim.size());
+  fill_geometry(key.x_dim, key.x_stride, gx);
+  fill_geometry(key.w_dim, key.w_stride, gw);
+  fill_geometry(key.y_dim, key.y_stride, gy);
   for (int64_t i = 0; i < p.nsp; ++i) {
     key.stride[i] = p.stride[i];
     key.pad_lo[i] = p.pad_lo[i];
@@ -296,7 +315,7 @@ ConvPlan& get_plan(int device, ConvOp op, const Tensor& x, const Tensor& w, cons
     auto it = cache->find(key);
     if (it != cache->end()) return *it->second;
   }
-  std::unique_ptr<ConvPlan> plan = build_plan(op, x, w, y, p, handle, name);
+  std::unique_ptr<ConvPlan> plan = build_plan(op, x, w, y, p, gx, gw, gy, handle, name);
   std::unique_lock<std::shared_mutex> lock(mutex);
   auto [it, inserted] = cache->emplace(key, std::move(plan));
   return *it->second;
