@@ -231,6 +231,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
       auto W = make("w", gw, kUidW);
       auto attrs = fe::graph::Conv_fprop_attributes()
                        .set_name("fprop")
+                       .set_compute_data_type(compute)
                        .set_pre_padding(pad_lo)
                        .set_post_padding(pad_hi)
                        .set_stride(stride)
@@ -244,6 +245,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
       auto W = make("w", gw, kUidW);
       auto attrs = fe::graph::Conv_dgrad_attributes()
                        .set_name("dgrad")
+                       .set_compute_data_type(compute)
                        .set_pre_padding(pad_lo)
                        .set_post_padding(pad_hi)
                        .set_stride(stride)
@@ -257,6 +259,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
       auto X = make("x", gx, kUidX);
       auto attrs = fe::graph::Conv_wgrad_attributes()
                        .set_name("wgrad")
+                       .set_compute_data_type(compute)
                        .set_pre_padding(pad_lo)
                        .set_post_padding(pad_hi)
                        .set_stride(stride)
