@@ -253,13 +253,28 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
   }
 
   const bool cl = conv_detail::channels_last(x);
+  // "same" with an even dilated kernel pads one more zero after than before. As PyTorch, the
+  // extra zeros are made explicit (a pad op, with its own gradient) and the kernels only ever see
+  // symmetric padding, which every cuDNN engine supports.
+  Tensor xin = x;
+  Shape extra;
+  bool asymmetric = false;
+  for (int64_t i = nsp - 1; i >= 0; --i) {
+    extra.push_back(0);
+    extra.push_back(p.pad_hi[i] - p.pad_lo[i]);
+    asymmetric = asymmetric || p.pad_hi[i] != p.pad_lo[i];
+  }
+  if (asymmetric) {
+    xin = flame::pad(x, extra);
+    for (int64_t i = 0; i < nsp; ++i) p.pad_hi[i] = p.pad_lo[i];
+  }
   Tensor y;
   {
     NoGradGuard no_grad;  // the layout copies below are not part of the graph; the rule is
     if (!c.transposed) {
-      y = conv_detail::conv_forward(x, weight, p, ys, cl);
+      y = conv_detail::conv_forward(xin, weight, p, ys, cl);
     } else {
-      y = conv_detail::conv_backward_data(x, weight, p, ys, cl);
+      y = conv_detail::conv_backward_data(xin, weight, p, ys, cl);
     }
     if (bias.defined() && y.numel() > 0) {
       // In place through the broadcast add kernel; y is fresh, so nothing else sees the write.
@@ -273,7 +288,7 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
   rec.params = p;
   rec.transposed = c.transposed;
   rec.channels_last = cl;
-  rules::conv(y, x, weight, bias, rec);
+  rules::conv(y, xin, weight, bias, rec);
   return unbatched ? y.squeeze(0) : y;
 }
 
