@@ -10,6 +10,8 @@
 // racing duplicate is dropped). Plans are never erased, so references stay valid. Real strides go
 // to cuDNN, so contiguous and channels-last tensors get their own plans and no copies. A 1-d conv
 // runs as a 2-d one with a leading spatial dim of size 1 (cuDNN wants 4-d or 5-d tensors).
+// A problem cuDNN cannot build a plan for is cached as a failure; a channels-last one is then run
+// contiguous through staging copies (Note [cuDNN layout fallback]), a contiguous one raises.
 //
 // Note [cuDNN handles]
 // cuDNN handles are not safe to share between threads that set different streams, so each thread
@@ -138,7 +140,8 @@ struct ConvKeyHash {
 constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3;
 
 struct ConvPlan {
-  std::shared_ptr<fe::graph::Graph> graph;
+  std::shared_ptr<fe::graph::Graph> graph;  // null: cuDNN could not build this one (error below)
+  std::string error;
   int64_t workspace = 0;
   std::mutex run_mutex;
 };
@@ -321,7 +324,14 @@ ConvPlan& get_plan(int device, ConvOp op, const Tensor& x, const Tensor& w, cons
     auto it = cache->find(key);
     if (it != cache->end()) return *it->second;
   }
-  std::unique_ptr<ConvPlan> plan = build_plan(op, x, w, y, p, gx, gw, gy, handle, name);
+  // A failure is cached too (graph null), so that a layout cuDNN rejects costs one build attempt.
+  std::unique_ptr<ConvPlan> plan;
+  try {
+    plan = build_plan(op, x, w, y, p, gx, gw, gy, handle, name);
+  } catch (const Error& e) {
+    plan = std::make_unique<ConvPlan>();
+    plan->error = e.what();
+  }
   std::unique_lock<std::shared_mutex> lock(mutex);
   auto [it, inserted] = cache->emplace(key, std::move(plan));
   return *it->second;
@@ -363,6 +373,25 @@ void run_conv(CudaBackend& be, ConvOp op, const Tensor& x, const Tensor& w, cons
   const cudaStream_t stream = be.stream();
   cudnnHandle_t handle = thread_handle(be.device(), stream, name);
   ConvPlan& plan = get_plan(be.device(), op, x, w, y, p, handle, name);
+  if (plan.graph == nullptr) {
+    const bool cl = conv_detail::channels_last(x) || conv_detail::channels_last(w) || conv_detail::channels_last(y);
+    if (!cl) throw Error(plan.error);
+    // Note [cuDNN layout fallback]: no engine for this channels-last problem; run it contiguous
+    // through staging copies (correct, slower) rather than fail. Reached once per call, as the
+    // failure is cached.
+    auto contiguous = [&](const Tensor& t, bool written) {
+      Tensor c = conv_detail::empty_in_layout(t.sizes(), t.dtype(), t.device(), false);
+      if (!written) be.copy(c, t);
+      return c;
+    };
+    const Tensor xc = contiguous(x, op == ConvOp::dgrad), wc = contiguous(w, op == ConvOp::wgrad),
+                 yc = contiguous(y, op == ConvOp::fprop);
+    run_conv(be, op, xc, wc, yc, p);
+    if (op == ConvOp::fprop) be.copy(y, yc);
+    else if (op == ConvOp::dgrad) be.copy(x, xc);
+    else be.copy(w, wc);
+    return;
+  }
   std::shared_ptr<void> workspace;
   if (plan.workspace > 0) workspace = be.allocate(static_cast<std::size_t>(plan.workspace));
   std::unordered_map<int64_t, void*> pack{{kUidX, x.data_ptr()}, {kUidW, w.data_ptr()}, {kUidY, y.data_ptr()}};
