@@ -7,6 +7,9 @@
 //   conv3x3_bf16_fwdbwd     forward + backward (input and weight gradients), NCHW
 //   conv3x3_bf16_cl_fwd     the same two in channels-last
 //   conv3x3_bf16_cl_fwdbwd
+//   conv3x3_bf16_cl_fwdbwd_contig_grads  the same FLAME run; the twin also makes its returned
+//                           gradients contiguous, which FLAME's gradient store does for every
+//                           leaf (backward.cpp), so the line isolates the conv kernels' share
 // Method (as bench_ops): random inputs; warm-up calls (plans, handles and pool blocks stay out of
 // the numbers); then `reps` calls queued back to back with a CUDA event between consecutive calls
 // on FLAME's stream; the median per-call time in ms.
@@ -130,12 +133,14 @@ int main(int argc, char** argv) {
     });
     x.requires_grad_(true);
     w.requires_grad_(true);
-    run_case(prefix + "fwdbwd", opt, [&] {
+    const auto fwdbwd = [&] {
       Tensor y = F::conv2d(x, w, {}, {1}, {1});
       flame::BackwardOptions o;
       o.grad_output = gy;
       flame::Gradients g = y.backward(o);
-    });
+    };
+    run_case(prefix + "fwdbwd", opt, fwdbwd);
+    if (cl) run_case(prefix + "fwdbwd_contig_grads", opt, fwdbwd);
   }
   return 0;
 }

@@ -5,7 +5,8 @@ in ms), printing the same "BENCH {json}" lines.
 
 conv3x3_bf16_{fwd,fwdbwd} and conv3x3_bf16_cl_{fwd,fwdbwd}: F.conv2d, bf16, N=32, 256 -> 256
 channels, 64x64, padding 1, no bias; fwdbwd computes the input and weight gradients through
-torch.autograd.grad. cuDNN with its default settings (benchmark off), as FLAME uses heuristics.
+torch.autograd.grad. conv3x3_bf16_cl_fwdbwd_contig_grads also makes those gradients contiguous, as
+FLAME's gradient store does for every leaf, to separate that copy from the conv kernels. cuDNN with its default settings (benchmark off), as FLAME uses heuristics.
 
 Usage: python3 bench/bench_nn_conv_torch.py [--reps N] [--warmup N]
 """
@@ -75,7 +76,16 @@ def main():
             y = F.conv2d(xg, wg, None, 1, 1)
             torch.autograd.grad(y, (xg, wg), gy)
 
-        for name, fn in ((prefix + "fwd", fwd), (prefix + "fwdbwd", fwdbwd)):
+        def fwdbwd_contig_grads():
+            # FLAME's gradient store keeps every leaf gradient contiguous; this mirrors that copy.
+            y = F.conv2d(xg, wg, None, 1, 1)
+            for g in torch.autograd.grad(y, (xg, wg), gy):
+                g.contiguous()
+
+        cases = [(prefix + "fwd", fwd), (prefix + "fwdbwd", fwdbwd)]
+        if cl:
+            cases.append((prefix + "fwdbwd_contig_grads", fwdbwd_contig_grads))
+        for name, fn in cases:
             try:
                 emit(name, median_ms(torch, fn, args.reps, args.warmup))
             except Exception as e:  # noqa: BLE001 - report and go on, as the C++ side does
