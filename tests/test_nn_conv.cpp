@@ -3,6 +3,7 @@
 // against the CPU (dtypes, NCHW and channels-last), memory formats and error messages.
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "flame/nn/conv.h"
@@ -183,7 +184,7 @@ TEST(ConvForward, MatchesDirectLoops) {
   const Device dev = test_device();
   uint64_t seed = 100;
   for (const ConvCase& c : cases()) {
-    for (DType dt : {DType::f32, DType::f64, DType::bf16}) {
+    for (DType dt : {DType::f32, DType::f64, DType::bf16, DType::f16}) {
       SCOPED_TRACE(c.name + " " + dtype_name(dt));
       // Inputs drawn in f64, rounded to dt; the reference reads the rounded values.
       const Tensor x = rand(input_shape(c, c.n), seed++, dt, dev);
@@ -392,6 +393,46 @@ TEST(ConvCuda, EmptyBatchAndMisalignedView) {
   const Tensor y_cpu = F::conv2d(x, w, {}, {1}, {1});
   const Tensor y = F::conv2d(flat.to(cuda).narrow(0, 1, 150).view({2, 3, 5, 5}), w.to(cuda), {}, {1}, {1});
   EXPECT_TRUE(all_close(y, y_cpu, 5e-3, 5e-3));
+}
+
+TEST(ConvCuda, RunsOnTheCurrentStream) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device cuda = Device::cuda(0);
+  const Tensor x = rand({2, 8, 9, 7}, 4200, DType::f32, Device::cpu()), w = rand({6, 8, 3, 3}, 4201, DType::f32, Device::cpu());
+  const Tensor y_cpu = F::conv2d(x, w, {}, {1}, {1});
+  const Tensor xg = x.to(cuda), wg = w.to(cuda);
+  const cuda::Stream side = cuda::Stream::create(0);
+  const cuda::Stream main = cuda::Stream::current(0);
+  Tensor y;
+  {
+    cuda::StreamGuard guard(side);
+    side.wait(main);  // the uploads above were queued on the main stream
+    y = F::conv2d(xg, wg, {}, {1}, {1});
+  }
+  main.wait(side);
+  EXPECT_TRUE(all_close(y, y_cpu, 5e-3, 5e-3));
+}
+
+TEST(ConvThreads, ConcurrentCallsFromTwoThreadsAgree) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x = rand({2, 4, 8, 8}, 4300, DType::f32, dev), w = rand({4, 4, 3, 3}, 4301, DType::f32, dev);
+  const std::vector<double> want = F::conv2d(x, w, {}, {1}, {1}).to_vec<double>();
+  std::vector<std::vector<double>> got(2);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&, t] {
+      // A fresh shape per thread as well, so both threads build and look up plans at once.
+      const Tensor xt = rand({1 + t, 4, 6, 5}, 4400 + t, DType::f32, dev);
+      for (int i = 0; i < 5; ++i) (void)F::conv2d(xt, w, {}, {2}, {1});
+      got[t] = F::conv2d(x, w, {}, {1}, {1}).to_vec<double>();
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const auto& g : got) {
+    ASSERT_EQ(g.size(), want.size());
+    for (std::size_t i = 0; i < g.size(); ++i) EXPECT_NEAR(g[i], want[i], 1e-6 + 1e-6 * std::abs(want[i]));
+  }
 }
 
 // ---- errors ----
