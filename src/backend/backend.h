@@ -58,6 +58,26 @@ class Backend {
   // uniform: [a, b); normal: mean a, std b; integer: [a, b). See random.h for the stream.
   virtual void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a,
                       double b) = 0;
+
+  // ---- conv ----
+  // N-d cross-correlation (PyTorch's conv) over 1..3 spatial dims. Every tensor is logical
+  // [N, C, *spatial] (weight [K, C/groups, *kernel]) with nsp + 2 dims, and is either contiguous
+  // or dense channels-last (C innermost, then spatial, then N); the op layer guarantees it, checks
+  // shapes and never calls with an empty tensor. Half types accumulate in float.
+  struct ConvParams {
+    int64_t nsp = 2;
+    int64_t stride[3] = {1, 1, 1};
+    int64_t pad_lo[3] = {0, 0, 0};  // zeros before each spatial dim
+    int64_t pad_hi[3] = {0, 0, 0};  // zeros after ("same" with an even kernel pads asymmetrically)
+    int64_t dilation[3] = {1, 1, 1};
+    int64_t groups = 1;
+  };
+  // y = conv(x, w).
+  virtual void conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) = 0;
+  // dx = d<dy, conv(x, w)>/dx (overwrites dx; positions no window reaches get 0).
+  virtual void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) = 0;
+  // dw = d<dy, conv(x, w)>/dw (overwrites dw).
+  virtual void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) = 0;
 };
 
 Backend& backend_for(Device device);

@@ -73,6 +73,10 @@ class CpuBackend final : public Backend {
   Tensor masked_select(const Tensor& src, const Tensor& mask) override;
   void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
   void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+  // ---- conv ---- (cpu_conv.cpp / conv/)
+  void conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) override;
+  void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) override;
+  void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) override;
 };
 
 }  // namespace flame::backend::cpu

@@ -94,6 +94,10 @@ class CudaBackend final : public Backend {
   Tensor masked_select(const Tensor& src, const Tensor& mask) override;
   void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
   void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+  // ---- conv ---- (cpu_conv.cpp / conv/)
+  void conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) override;
+  void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) override;
+  void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) override;
   // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
   // read by the kernel when it runs. `state` is device memory.
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,
