@@ -73,6 +73,13 @@ class CpuBackend final : public Backend {
   Tensor masked_select(const Tensor& src, const Tensor& mask) override;
   void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
   void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+
+  // ---- attention ---- (cpu_attention.cpp)
+  void sdpa_forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& bias, double scale, bool causal) override;
+  void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats, const Tensor& bias,
+                     double scale, bool causal) override;
 };
 
 }  // namespace flame::backend::cpu
