@@ -212,13 +212,17 @@ Tensor make_bias(const Tensor& mask, const Dims& d, DType dtype) {
       for (int64_t i = 0; i < nd - 3; ++i) shape[i] = d.lead[i];
   }
   m = m.expand(shape);
-  Tensor bias;
-  if (is_bool(m.dtype())) {
-    bias = masked_fill(Tensor::zeros(m.sizes(), {dtype, m.device()}), logical_not(m), lowest_finite(dtype));
-  } else {
-    bias = m.detach().contiguous();
-  }
-  return as4d(bias.contiguous());
+  // Rows of the bias start 16-byte aligned (cuDNN's requirement for its strides): the buffer's
+  // last dim is S rounded up to 8 elements, and the bias is its [..., :S] view.
+  Shape padded = shape;
+  padded[nd - 1] = (d.s + 7) / 8 * 8;
+  Tensor buf = make_empty(padded, dtype, m.device(), kOp);
+  Tensor bias = buf.narrow(nd - 1, 0, d.s);
+  const Tensor values = is_bool(m.dtype())
+                            ? masked_fill(Tensor::zeros(m.sizes(), {dtype, m.device()}), logical_not(m), lowest_finite(dtype))
+                            : m.detach();
+  backend::backend_for(m.device()).copy(bias, values);
+  return as4d(bias);
 }
 
 // Output buffer laid out [B, L, H, Ev], returned as its [B, H, L, Ev] view.
@@ -348,7 +352,15 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     FLAME_CHECK(why == nullptr || choice != SdpaBackend::fused, kOp, "the fused path was requested but cannot run: ",
                 why ? why : "", " (query ", describe(q), ", key ", describe(k), ", value ", describe(v), ")");
     const bool take_fused = why == nullptr && (choice == SdpaBackend::fused || q.device().is_cuda());
-    if (take_fused) return fused_path(q, k, v, attn_mask, is_causal, sc, d);
+    if (take_fused) {
+      if (choice == SdpaBackend::fused) return fused_path(q, k, v, attn_mask, is_causal, sc, d);
+      // automatic: a configuration this cuDNN rejects (its support check runs when the plan is
+      // built, in the forward) falls back to the math path; sdpa_last_path() then says "math".
+      try {
+        return fused_path(q, k, v, attn_mask, is_causal, sc, d);
+      } catch (const Error&) {
+      }
+    }
   }
   t_last_path = "math";
   return math_path(q, k, v, attn_mask, dropout_p, is_causal, sc, gen);
