@@ -311,21 +311,23 @@ struct FusedVsMath {
 // Runs fwd + bwd with a fixed upstream gradient on CUDA, with the chosen backend, in `dt`.
 FusedVsMath run_cuda(const CudaCase& c, DType dt, SdpaBackend backend, uint64_t seed) {
   const Device dev = Device::cuda();
-  Tensor q = rnd({c.b, c.h, c.l, c.d}, seed, dt, dev).requires_grad_();
-  Tensor k = rnd({c.b, c.h, c.s, c.d}, seed + 1, dt, dev).requires_grad_();
-  Tensor v = rnd({c.b, c.h, c.s, c.d}, seed + 2, dt, dev).requires_grad_();
+  // Values pass through the case's dtype first, so the f32 math run sees exactly the same inputs.
+  auto input = [&](const Shape& shape, uint64_t sd) { return rnd(shape, sd, c.dt, dev).to(dt); };
+  Tensor q = input({c.b, c.h, c.l, c.d}, seed).requires_grad_();
+  Tensor k = input({c.b, c.h, c.s, c.d}, seed + 1).requires_grad_();
+  Tensor v = input({c.b, c.h, c.s, c.d}, seed + 2).requires_grad_();
   Tensor mask;
   if (c.mask == 1) {
     // Keep the diagonal-ish key 0 visible so no row is fully hidden.
     Tensor m = bool_mask({c.b, 1, c.l, c.s}, seed + 3, 0.6);
     mask = logical_or(m, Tensor::arange(c.s, {DType::i64, Device::cpu()}) == 0).to(dev);
   }
-  if (c.mask == 2) mask = rnd({1, c.h, c.l, c.s}, seed + 3, dt, dev);
+  if (c.mask == 2) mask = input({1, c.h, c.l, c.s}, seed + 3);
   if (c.mask == 3) {
     mask = logical_or(bool_mask({c.b, 1, 1, c.s}, seed + 3, 0.7), Tensor::arange(c.s, {DType::i64, Device::cpu()}) == 0)
                .to(dev);
   }
-  const Tensor gout = rnd({c.b, c.h, c.l, c.d}, seed + 4, dt, dev);
+  const Tensor gout = input({c.b, c.h, c.l, c.d}, seed + 4);
   SdpaBackendGuard guard(backend);
   FusedVsMath r;
   r.out = F::scaled_dot_product_attention(q, k, v, mask, 0.0, c.causal);
@@ -392,6 +394,7 @@ TEST(SdpaCudaRoutes, GraphCaptureOfLongNonCausalKv) {
   const CudaCase c{DType::bf16, 1, 2, 256, 2048, 64, false, 0};
   const FusedVsMath m = run_cuda(c, DType::f32, SdpaBackend::math, 11);
   const Device dev = Device::cuda();
+  // The same values as run_cuda draws for seed 11.
   Tensor q = rnd({1, 2, 256, 64}, 11, DType::bf16, dev).requires_grad_();
   Tensor k = rnd({1, 2, 2048, 64}, 12, DType::bf16, dev).requires_grad_();
   Tensor v = rnd({1, 2, 2048, 64}, 13, DType::bf16, dev).requires_grad_();
