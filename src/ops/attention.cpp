@@ -234,7 +234,7 @@ Tensor make_output(const Tensor& q4, int64_t ev) {
 // The logsumexp rows: f32, or f64 for f64 inputs (the CPU reference), as the kernels accumulate.
 DType stats_dtype(const Tensor& q) { return q.dtype() == DType::f64 ? DType::f64 : DType::f32; }
 
-Tensor last_dim_dense(const Tensor& t) { return t.stride(-1) == 1 || t.size(-1) <= 1 ? t : t.contiguous(); }
+Tensor last_dim_dense(const Tensor& t) { return rules::fused_operand(t); }
 
 // One fused call on 4-d operands, with its autograd node.
 Tensor fused_core(const Tensor& q4, const Tensor& k4, const Tensor& v4, const Tensor& bias4, double scale, bool causal) {

@@ -4,6 +4,7 @@
 #include "src/autograd/rules/attention.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
@@ -12,9 +13,14 @@
 
 namespace flame::rules {
 
+Tensor fused_operand(const Tensor& t) {
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ok && d + 1 < t.dim(); ++d) ok = t.size(d) == 1 || (t.stride(d) > 0 && t.stride(d) % 8 == 0);
+  return ok ? t : t.contiguous();
+}
+
 namespace {
-// The backend writes through any strides whose last one is 1; anything else is copied first.
-Tensor last_dim_dense(const Tensor& t) { return t.stride(-1) == 1 || t.size(-1) <= 1 ? t : t.contiguous(); }
+Tensor last_dim_dense(const Tensor& t) { return fused_operand(t); }
 
 TensorList sdpa_fused_rule(const Tensor& g, const Node& n) {
   const bool has_bias = n.args().count != 0;

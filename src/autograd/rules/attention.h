@@ -6,6 +6,11 @@
 
 namespace flame::rules {
 
+// `t` itself when the fused kernels can read it in place (last-dim stride 1, other strides
+// positive multiples of 8 elements, 16-byte aligned start: cuDNN's layout rules), else a
+// contiguous copy (autograd-aware, as Tensor::contiguous).
+Tensor fused_operand(const Tensor& t);
+
 // Records the node of out = fused_sdpa(q, k, v, bias) on `out` ([B, H, L, Dv]) when q, k or v needs a
 // gradient. Saves q, k, v, out, stats (the f32 logsumexp rows) and bias (when defined): O(L + S)
 // memory besides the bias. The rule calls Backend::sdpa_backward, over kv chunks of `kv_chunk`
