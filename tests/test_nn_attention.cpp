@@ -286,6 +286,27 @@ TEST(SdpaFusedRefSaved, KeepsNoProbabilities) {
   EXPECT_GE(autograd_saved_bytes(F::scaled_dot_product_attention(q, k, v)), 64u * 64u * 8u);
 }
 
+TEST(SdpaFusedRefLayouts, ExpandedTransposedAndFewDims) {
+  // Operands the kernels cannot read in place (stride-0 batch, transposed heads) are copied; 3-d
+  // and 5-d inputs are merged to [B, H, L, E] and back.
+  const Tensor q = rnd({3, 5, 2, 4}, 63).transpose(1, 2);  // [3, 2, 5, 4] with heads inside rows
+  const Tensor k = rnd({1, 2, 7, 4}, 64).expand({3, 2, 7, 4}), v = rnd({1, 2, 7, 4}, 65).expand({3, 2, 7, 4});
+  const Tensor want = reference(q, k, v, {}, true, 0.5);
+  SdpaBackendGuard fused(SdpaBackend::fused);
+  EXPECT_TRUE(close_rel(F::scaled_dot_product_attention(q, k, v, {}, 0.0, true), want, 1e-12));
+  EXPECT_STREQ(F::sdpa_last_path(), "fused");
+  EXPECT_TRUE(close_rel(F::scaled_dot_product_attention(q.select(0, 1), k.select(0, 1), v.select(0, 1), {}, 0.0, true),
+                        want.select(0, 1), 1e-12));
+  const Tensor m = bool_mask({3, 1, 5, 7}, 66).unsqueeze(0);
+  const Tensor q5 = q.unsqueeze(0), k5 = k.contiguous().unsqueeze(0), v5 = v.contiguous().unsqueeze(0);
+  Tensor want5;
+  {
+    SdpaBackendGuard math(SdpaBackend::math);
+    want5 = F::scaled_dot_product_attention(q5, k5, v5, m);
+  }
+  EXPECT_TRUE(close_rel(F::scaled_dot_product_attention(q5, k5, v5, m), want5, 1e-12));
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA: the cuDNN fused path against the f32 math path on the same inputs.
 // ---------------------------------------------------------------------------------------------
