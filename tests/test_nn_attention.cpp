@@ -398,9 +398,9 @@ INSTANTIATE_TEST_SUITE_P(
                       CudaCase{DType::f16, 2, 2, 320, 320, 64, false, 3}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return case_name(i.param); });
 
-TEST(SdpaCudaRoutes, ForcedFusedWithoutPaddingMatchesMathAtTrapLength) {
-  // Reports (not asserts) whether this cuDNN's unpadded masked backward at L = S = 192 is finite:
-  // the padded route is what FLAME runs; this keeps the raw behaviour visible in the GPU log.
+TEST(SdpaCudaRoutes, MaskedTrapLengthTakesPaddedRoute) {
+  // Note [cuDNN masked backward at seq % 128 == 64]: L = S = 192 with an additive mask goes padded
+  // and its dq matches the math path (no NaN).
   FLAME_SKIP_IF_NO_CUDA();
   const CudaCase c{DType::bf16, 1, 2, 192, 192, 64, false, 2};
   const FusedVsMath m = run_cuda(c, DType::f32, SdpaBackend::math, 7);
