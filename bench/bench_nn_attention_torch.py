@@ -40,8 +40,9 @@ def bench_shape(torch, base, b, h, s, d, causal, reps, warmup):
         t.requires_grad_(True)
 
     def fwdbwd():
+        # autograd.grad returns fresh gradients like FLAME's backward (no accumulation into .grad).
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        out.backward(gout)
+        torch.autograd.grad(out, (q, k, v), gout)
 
     emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
 
