@@ -35,7 +35,18 @@ TensorList sdpa_fused_rule(const Tensor& g, const Node& n) {
 TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                                const Tensor& stats, const Tensor& bias, double scale, bool causal, int64_t kv_chunk) {
   auto& be = backend::backend_for(q.device());
-  const Tensor g = last_dim_dense(dout.dtype() == out.dtype() ? dout : dout.to(out.dtype()));
+  // dO in O's exact layout: cuDNN's backward reads the two as one layout (and a mismatch has
+  // been a source of wrong gradients elsewhere); one copy of O's size when they differ.
+  Tensor g = dout;
+  if (g.dtype() != out.dtype() || g.strides() != out.strides()) {
+    Tensor like = make_empty({out.size(0), out.size(2), out.size(1), out.size(3)}, out.dtype(), out.device(),
+                             "scaled_dot_product_attention")
+                      .transpose(1, 2);
+    if (like.strides() != out.strides()) like = make_empty(out.sizes(), out.dtype(), out.device(), "scaled_dot_product_attention");
+    be.copy(like, g);
+    g = like;
+  }
+  g = last_dim_dense(g);
   Tensor dq = make_empty(q.sizes(), q.dtype(), q.device(), "scaled_dot_product_attention");
   Tensor dk = make_empty(k.sizes(), k.dtype(), k.device(), "scaled_dot_product_attention");
   Tensor dv = make_empty(v.sizes(), v.dtype(), v.device(), "scaled_dot_product_attention");
