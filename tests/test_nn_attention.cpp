@@ -379,7 +379,8 @@ TEST_P(SdpaCuda, FusedMatchesMath) {
   FLAME_SKIP_IF_NO_CUDA();
   const CudaCase c = GetParam();
   const bool padded = c.mask != 0 && (c.l % 128 == 64 || c.s % 128 == 64);
-  expect_fused_matches_math(c, padded ? "fused_padded" : "fused");
+  // cuDNN rejects s_q = s_kv = 1: that shape runs on the math path.
+  expect_fused_matches_math(c, c.l == 1 && c.s == 1 ? "math" : padded ? "fused_padded" : "fused");
 }
 
 INSTANTIATE_TEST_SUITE_P(

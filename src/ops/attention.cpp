@@ -15,9 +15,9 @@
 // The fused kernels see q [B, H, L, E], k [B, H, S, E], v [B, H, S, Ev] (leading dims merged or
 // padded to two), last-dim stride 1, and an optional additive bias [B or 1, H or 1, L, S] in q's
 // dtype: a bool mask becomes 0 / lowest-finite (never -inf, whose fully hidden rows would give
-// NaN in the kernel). The output is allocated as [B, L, H, Ev] in memory and returned as the
-// [B, H, L, Ev] view, as PyTorch's flash path does, so out.transpose(1, 2).reshape(B, L, H*Ev)
-// costs no copy.
+// NaN in the kernel). The output is allocated in q's layout (make_output): for q split from a
+// fused [B, L, 3, H, E] projection that is [B, L, H, Ev] memory, so out.transpose(1, 2).reshape(B,
+// L, H*Ev) costs no copy and the gradient coming back needs no layout change either.
 //
 // Note [cuDNN masked backward at seq % 128 == 64]
 // cuDNN's sm90 SDPA backward has given NaN dQ with an explicit bias when a sequence length is
@@ -181,6 +181,7 @@ const char* fused_unsupported(const Tensor& q, const Tensor& k, const Tensor& v,
     if (q.dtype() != DType::bf16 && q.dtype() != DType::f16) return "the CUDA fused path takes bf16 and f16 only";
     if (d.e != d.ev) return "the CUDA fused path needs E == Ev";
     if (d.e % 8 != 0 || d.e > 128) return "the CUDA fused path needs a head dim that is a multiple of 8, at most 128";
+    if (d.l == 1 && d.s == 1) return "cuDNN rejects s_q = s_kv = 1";
   }
   return nullptr;
 }
@@ -225,8 +226,13 @@ Tensor make_bias(const Tensor& mask, const Dims& d, DType dtype) {
   return as4d(bias);
 }
 
-// Output buffer laid out [B, L, H, Ev], returned as its [B, H, L, Ev] view.
+// Output buffer in q's layout (as PyTorch's cuDNN path): [B, H, L, Ev] when q's heads are outer
+// to its rows, else [B, L, H, Ev] memory returned as its [B, H, L, Ev] view. The upstream gradient
+// then usually arrives in the output's layout (a contiguous one for contiguous q; the
+// [B, L, H*Ev] merge of heads for a q split from a fused projection), and backward copies nothing.
 Tensor make_output(const Tensor& q4, int64_t ev) {
+  if (q4.size(1) == 1 || q4.size(2) == 1 || q4.stride(1) >= q4.stride(2))
+    return make_empty({q4.size(0), q4.size(1), q4.size(2), ev}, q4.dtype(), q4.device(), kOp);
   const Tensor blhd = make_empty({q4.size(0), q4.size(2), q4.size(1), ev}, q4.dtype(), q4.device(), kOp);
   return blhd.transpose(1, 2);
 }

@@ -39,10 +39,11 @@ TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor
   // been a source of wrong gradients elsewhere); one copy of O's size when they differ.
   Tensor g = dout;
   if (g.dtype() != out.dtype() || g.strides() != out.strides()) {
-    Tensor like = make_empty({out.size(0), out.size(2), out.size(1), out.size(3)}, out.dtype(), out.device(),
-                             "scaled_dot_product_attention")
-                      .transpose(1, 2);
-    if (like.strides() != out.strides()) like = make_empty(out.sizes(), out.dtype(), out.device(), "scaled_dot_product_attention");
+    const bool heads_inner = out.stride(1) < out.stride(2);  // out is [B, L, H, Ev] memory (make_output)
+    Tensor like = heads_inner ? make_empty({out.size(0), out.size(2), out.size(1), out.size(3)}, out.dtype(),
+                                           out.device(), "scaled_dot_product_attention")
+                                    .transpose(1, 2)
+                              : make_empty(out.sizes(), out.dtype(), out.device(), "scaled_dot_product_attention");
     be.copy(like, g);
     g = like;
   }
