@@ -78,6 +78,20 @@ class Backend {
   virtual void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) = 0;
   // dw = d<dy, conv(x, w)>/dw (overwrites dw).
   virtual void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) = 0;
+  // ---- attention ----
+  // Fused scaled dot-product attention (flash-class: memory O(L + S), Note [Fused SDPA contract] in
+  // src/ops/attention.cpp). q [B, H, L, D], k [B, H, S, D], v [B, H, S, Dv], each with stride 1 in
+  // the last dim; bias (undefined = none) [B or 1, H or 1, L, S] in q's dtype, added to the scaled
+  // scores; causal masks key j > query i. out [B, H, L, Dv] (any strides, last dim 1) and stats
+  // [B, H, L, 1] contiguous, f32 (f64 for f64 inputs): the logsumexp of each row of scaled, biased
+  // scores (-inf for a row whose every key is hidden).
+  virtual void sdpa_forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k,
+                            const Tensor& v, const Tensor& bias, double scale, bool causal) = 0;
+  // Gradients of the forward above given out, its stats and dout (out's shape, last-dim stride 1);
+  // dq, dk, dv have q's, k's, v's shapes (any strides, last dim 1).
+  virtual void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q,
+                             const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
+                             const Tensor& stats, const Tensor& bias, double scale, bool causal) = 0;
 };
 
 Backend& backend_for(Device device);

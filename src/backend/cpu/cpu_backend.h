@@ -77,6 +77,13 @@ class CpuBackend final : public Backend {
   void conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) override;
   void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) override;
   void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) override;
+
+  // ---- attention ---- (cpu_attention.cpp)
+  void sdpa_forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& bias, double scale, bool causal) override;
+  void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats, const Tensor& bias,
+                     double scale, bool causal) override;
 };
 
 }  // namespace flame::backend::cpu

@@ -103,6 +103,13 @@ class CudaBackend final : public Backend {
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,
                                 double a, double b);
 
+  // ---- attention ---- (attention/sdpa_cudnn.cpp: cuDNN SDPA through cudnn-frontend)
+  void sdpa_forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v,
+                    const Tensor& bias, double scale, bool causal) override;
+  void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
+                     const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats, const Tensor& bias,
+                     double scale, bool causal) override;
+
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,
                    double b);

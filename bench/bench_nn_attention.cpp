@@ -1,0 +1,113 @@
+// scaled_dot_product_attention benchmark (bf16, CUDA), twin of bench_nn_attention_torch.py: the
+// same names, shapes and timing. Method (bench_ops.cpp): random inputs, warm-up calls first, then
+// `reps` calls back to back on FLAME's current stream with a CUDA event between consecutive calls;
+// the median per-call time in ms.
+//   sdpa_bf16_s4096_d128_{fwd,fwdbwd}[_causal]: B8 H16 S4096 D128
+//   sdpa_bf16_s256_d64_{fwd,fwdbwd}:           B32 H16 S256 D64
+// fwdbwd = forward + backward with a fixed upstream gradient (q, k, v require grad).
+// Usage: bench_nn_attention [--reps N] [--warmup N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flame/cuda.h"
+#include "flame/flame.h"
+#include "flame/nn/attention.h"
+
+namespace {
+using flame::Device;
+using flame::DType;
+using flame::Tensor;
+namespace F = flame::nn::functional;
+
+#define BENCH_CUDA_CHECK(call)                                                                  \
+  do {                                                                                          \
+    cudaError_t e_ = (call);                                                                    \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "bench_nn_attention: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                             \
+    }                                                                                           \
+  } while (0)
+
+double median_ms(int reps, int warmup, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  flame::cuda::synchronize();
+  auto stream = static_cast<cudaStream_t>(flame::cuda::current_stream());
+  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(reps) + 1);
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int r = 0; r < reps; ++r) {
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    float t = 0;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
+    ms.push_back(t);
+  }
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void emit(const std::string& name, double ms) {
+  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"ms\", \"ms\": %.4f}\n", name.c_str(), ms, ms);
+  std::fflush(stdout);
+}
+
+void bench_shape(const std::string& base, int64_t b, int64_t h, int64_t s, int64_t d, bool causal, int reps,
+                 int warmup) {
+  const Device dev = Device::cuda();
+  flame::Generator g(1234);
+  Tensor q = Tensor::randn({b, h, s, d}, 0.0, 1.0, {DType::bf16, dev}, &g);
+  Tensor k = Tensor::randn({b, h, s, d}, 0.0, 1.0, {DType::bf16, dev}, &g);
+  Tensor v = Tensor::randn({b, h, s, d}, 0.0, 1.0, {DType::bf16, dev}, &g);
+  const Tensor gout = Tensor::randn({b, h, s, d}, 0.0, 1.0, {DType::bf16, dev}, &g);
+  const std::string suffix = causal ? "_causal" : "";
+  try {
+    {
+      flame::NoGradGuard no_grad;
+      emit(base + "_fwd" + suffix,
+           median_ms(reps, warmup, [&] { (void)F::scaled_dot_product_attention(q, k, v, {}, 0.0, causal); }));
+      if (std::string(F::sdpa_last_path()) != "fused")
+        std::printf("# %s: ran the %s path\n", base.c_str(), F::sdpa_last_path());
+    }
+    q.requires_grad_();
+    k.requires_grad_();
+    v.requires_grad_();
+    flame::BackwardOptions opt;
+    opt.grad_output = gout;
+    emit(base + "_fwdbwd" + suffix, median_ms(reps, warmup, [&] {
+           (void)F::scaled_dot_product_attention(q, k, v, {}, 0.0, causal).backward(opt);
+         }));
+  } catch (const std::exception& e) {
+    std::printf("BENCH {\"name\": \"%s\", \"error\": \"see stderr\"}\n", (base + suffix).c_str());
+    std::fprintf(stderr, "bench_nn_attention: %s: %s\n", base.c_str(), e.what());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20, warmup = 3;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--warmup" && i + 1 < argc) warmup = std::max(0, std::atoi(argv[++i]));
+  }
+  if (!flame::cuda_is_available()) {
+    std::printf("# bench_nn_attention: no CUDA device\n");
+    return 0;
+  }
+  bench_shape("sdpa_bf16_s4096_d128", 8, 16, 4096, 128, false, reps, warmup);
+  bench_shape("sdpa_bf16_s4096_d128", 8, 16, 4096, 128, true, reps, warmup);
+  bench_shape("sdpa_bf16_s256_d64", 32, 16, 256, 64, false, reps, warmup);
+  return 0;
+}
