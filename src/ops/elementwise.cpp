@@ -112,8 +112,11 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
   FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
   const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
-  const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
-  Tensor out = make_empty(shape, out_dtype, a.device(), oi.name);
+  // Operands of one shape (the usual case) need no broadcast shape made for them.
+  Tensor out = a.sizes() == b.sizes() ? make_empty(a.sizes(), out_dtype, a.device(), oi.name)
+                                      : make_empty(broadcast_shapes(a.sizes(), b.sizes(), oi.name), out_dtype,
+                                                   a.device(), oi.name);
+  const Shape& shape = out.sizes();
   const Tensor ac = a.to(common), bc = b.to(common);
   if (out.numel() > 0) {
     // Operands of the output's shape go as they are; only the others need a broadcast view.
@@ -304,13 +307,13 @@ bool can_cast(DType from, DType to) {
 Tensor inplace_operand(const Tensor& self, const Tensor& src, const char* op) {
   check_defined(src, op);
   check_same_device(op, self, src);
-  FLAME_CHECK(broadcast_shapes(self.sizes(), src.sizes(), op) == self.sizes(), op, "output of shape ",
+  const bool same_shape = src.sizes() == self.sizes();
+  FLAME_CHECK(same_shape || broadcast_shapes(self.sizes(), src.sizes(), op) == self.sizes(), op, "output of shape ",
               self.sizes(), " does not match the broadcast shape with ", src.sizes());
   Tensor s = src;
-  const bool identical = src.impl()->offset == self.impl()->offset && src.sizes() == self.sizes() &&
-                         src.strides() == self.strides();
+  const bool identical = src.impl()->offset == self.impl()->offset && same_shape && src.strides() == self.strides();
   if (src.shares_storage(self) && !identical) s = src.clone();
-  return s.expand(self.sizes());
+  return same_shape ? s : s.expand(self.sizes());  // an operand of self's shape needs no view
 }
 
 Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other, const char* name) {
