@@ -375,6 +375,17 @@ Tensor Tensor::arange(Scalar start, Scalar end, Scalar step, TensorOptions opts)
     n = static_cast<int64_t>(len);
   }
   Tensor t = make_empty({std::max<int64_t>(n, 0)}, dt, opts.device, "arange");
+  constexpr int64_t lim = int64_t{1} << 53;  // doubles hold every integer up to here
+  auto beyond = [](int64_t v) { return v < -lim || v > lim; };
+  if (all_int && !is_floating(dt) && t.numel() > 0 &&
+      (beyond(start.to_int()) || beyond(end.to_int()) || beyond(step.to_int()))) {
+    // Values past 2^53 are not exact in iota's doubles: start + i * step in i64 (the index count
+    // itself is far below 2^53), then converted (Note [Exact integer scalars] in elementwise.cpp).
+    Tensor idx = make_empty({n}, DType::i64, opts.device, "arange");
+    backend::backend_for(idx.device()).iota(idx, 0.0, 1.0);
+    t.copy_(idx * step + start);
+    return t;
+  }
   if (t.numel() > 0) backend::backend_for(t.device()).iota(t, s, st);
   return t;
 }
