@@ -137,6 +137,19 @@ TEST(HostCostCpu, BackwardAllocatesAtMostEightPerOp) {
   EXPECT_LE((both - fwd) / (2 * Chain::kSteps), 8.0);
 }
 
+TEST(HostCostCpu, UnrecordedViewsBuildNoGradientFunction) {
+  FLAME_SKIP_WITHOUT_COUNTER();
+  // A view is its TensorImpl, sizes and strides (plus the shapes its arguments need); the gradient
+  // lambda becomes a std::function only when the view is recorded.
+  const Tensor x = Tensor::uniform({4, 8}, -1.0, 1.0, DType::f32);
+  EXPECT_LE(allocations([&] { (void)x.transpose(0, 1); }), 3.0);
+  EXPECT_LE(allocations([&] { (void)x.narrow(1, 2, 3); }), 4.0);  // + the shape its rule would keep
+  const Tensor xg = x.detach().requires_grad_(true);
+  Tensor kept;
+  EXPECT_GT(allocations([&] { kept = xg.transpose(0, 1); }), 3.0);  // recorded: node, meta, function
+  EXPECT_EQ(kept.grad_fn_name(), "TransposeBackward");
+}
+
 TEST(HostCostCpu, StorageInItsBlockIsReturnedWithIt) {
   // The Storage and its control block live in the data block's header: freeing the last handle
   // (a view that outlived its base) gives the whole block back, and the data stays usable until then.
