@@ -29,6 +29,7 @@
 #include <memory>
 #include <ostream>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -98,7 +99,12 @@ class InlineShape {
   const int64_t* begin() const { return data(); }
   const int64_t* end() const { return data() + size_; }
   int64_t operator[](std::size_t i) const { return data()[i]; }
-  int64_t at(std::size_t i) const { return vec().at(i); }
+  int64_t at(std::size_t i) const {
+    if (i >= size_) throw std::out_of_range("InlineShape::at");
+    return data()[i];
+  }
+  int64_t front() const { return data()[0]; }
+  int64_t back() const { return data()[size_ - 1]; }
   friend bool operator==(const InlineShape& a, const Shape& b) {
     return std::equal(a.begin(), a.end(), b.begin(), b.end());
   }
