@@ -6,21 +6,97 @@
 // is the thread's CPU time (a shared, loaded build machine makes wall time mostly scheduling
 // noise); on CUDA it is wall time.
 //
-// Output: one line per figure, "BENCH {json}" like bench_ops.
-//   BENCH {"name": "chain_fwd_norecord", "device": "cpu", "us_per_op": 0.51}
+// Beside each time it prints the heap allocations per op of that region: calls of the global
+// operator new (replaced in this binary only, Note [Allocation counter]) plus the CPU block
+// cache's misses (blocks it had to take from the system).
 //
-// Usage: bench_autograd [--cuda] [--steps N] [--numel N] [--reps N]
+// Output: one line per figure, "BENCH {json}" like bench_ops.
+//   BENCH {"name": "chain_fwd_norecord", "device": "cpu", "us_per_op": 0.51, "allocs_per_op": 3}
+//
+// Usage: bench_autograd [--cuda] [--steps N] [--numel N] [--reps N] [--trace-allocs]
+//   --trace-allocs: after the figures, lists the call stacks of the allocations made by one
+//   recorded forward + backward of a short chain, most frequent first (where the cost comes from).
+//
+// Note [Allocation counter]
+// Replacing operator new/delete counts every C++ heap allocation of the process (std::vector,
+// make_shared, std::function, ...) without touching the library. malloc called directly is not
+// counted; the library calls it only for tensor data, behind the block cache, whose misses are
+// counted from flame::cpu::memory_stats(). The counter is one relaxed atomic increment, so the
+// timed regions run with it on.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <cxxabi.h>
+#include <execinfo.h>
+#include <atomic>
 #include <functional>
+#include <map>
+#include <new>
 #include <string>
 #include <vector>
 
+#include "flame/cpu.h"
 #include "flame/flame.h"
+
+namespace {
+
+std::atomic<uint64_t> g_news{0};
+// --trace-allocs: while set, each allocation's call stack is recorded (outside the timed regions).
+bool g_tracing = false;
+struct Trace {
+  void* frames[12];
+  int n;
+};
+std::vector<Trace>* g_traces = nullptr;
+
+void* counted_new(std::size_t n, std::size_t align) {
+  g_news.fetch_add(1, std::memory_order_relaxed);
+  if (g_tracing && g_traces != nullptr) {
+    g_tracing = false;  // the vector's own growth and backtrace() are not traced
+    Trace t{};
+    t.n = backtrace(t.frames, 12);
+    g_traces->push_back(t);
+    g_tracing = true;
+  }
+  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
+                                              : std::malloc(n == 0 ? 1 : n);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) { return counted_new(n, 0); }
+void* operator new[](std::size_t n) { return counted_new(n, 0); }
+void* operator new(std::size_t n, std::align_val_t a) { return counted_new(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counted_new(n, static_cast<std::size_t>(a)); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_new(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_new(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 namespace {
 
@@ -29,6 +105,7 @@ using flame::Tensor;
 
 struct Args {
   bool cuda = false;
+  bool trace = false;
   int steps = 500;  // 1000 ops
   int64_t numel = 1024;
   int reps = 30;
@@ -63,9 +140,57 @@ double median_us(const Args& a, const std::function<void()>& fn) {
   return t[t.size() / 2];
 }
 
-void report(const Args& a, const char* name, double us_per_op) {
-  std::printf("BENCH {\"name\": \"%s\", \"device\": \"%s\", \"numel\": %lld, \"ops\": %d, \"us_per_op\": %.4g}\n",
-              name, a.cuda ? "cuda" : "cpu", static_cast<long long>(a.numel), 2 * a.steps, us_per_op);
+// Heap allocations (operator new calls plus CPU block-cache misses) made by one call of fn.
+uint64_t heap_allocs() {
+  const flame::cpu::MemoryStats s = flame::cpu::memory_stats();
+  return g_news.load(std::memory_order_relaxed) + (s.num_allocs - s.num_cache_hits);
+}
+
+double allocs_per_call(const std::function<void()>& fn) {
+  fn();  // warm: caches filled, lazily made state made
+  const uint64_t before = heap_allocs();
+  fn();
+  return static_cast<double>(heap_allocs() - before);
+}
+
+void report(const Args& a, const char* name, double us_per_op, double allocs_per_op) {
+  std::printf(
+      "BENCH {\"name\": \"%s\", \"device\": \"%s\", \"numel\": %lld, \"ops\": %d, \"us_per_op\": %.4g, "
+      "\"allocs_per_op\": %.3g}\n",
+      name, a.cuda ? "cuda" : "cpu", static_cast<long long>(a.numel), 2 * a.steps, us_per_op, allocs_per_op);
+}
+
+// Prints the distinct call stacks of the allocations fn makes, most frequent first.
+void trace_allocs(const std::function<void()>& fn) {
+  fn();
+  std::vector<Trace> traces;
+  traces.reserve(1 << 16);
+  g_traces = &traces;
+  g_tracing = true;
+  fn();
+  g_tracing = false;
+  g_traces = nullptr;
+  std::map<std::vector<void*>, int> count;
+  for (const Trace& t : traces) count[std::vector<void*>(t.frames + 2, t.frames + t.n)]++;
+  std::vector<std::pair<int, std::vector<void*>>> order;
+  for (auto& [k, v] : count) order.emplace_back(v, k);
+  std::sort(order.begin(), order.end(), [](const auto& x, const auto& y) { return x.first > y.first; });
+  for (const auto& [n, frames] : order) {
+    std::printf("---- %d allocations\n", n);
+    char** names = backtrace_symbols(frames.data(), static_cast<int>(frames.size()));
+    for (std::size_t i = 0; i < frames.size() && i < 7; ++i) {
+      std::string s = names[i];
+      const auto l = s.find('('), r = s.find('+', l);
+      if (l != std::string::npos && r != std::string::npos) {
+        int st = 0;
+        char* d = abi::__cxa_demangle(s.substr(l + 1, r - l - 1).c_str(), nullptr, nullptr, &st);
+        if (st == 0 && d) s = d;
+        std::free(d);
+      }
+      std::printf("    %s\n", s.substr(0, 160).c_str());
+    }
+    std::free(names);
+  }
 }
 
 }  // namespace
@@ -74,6 +199,7 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--cuda")) a.cuda = true;
+    else if (!std::strcmp(argv[i], "--trace-allocs")) a.trace = true;
     else if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) a.steps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--numel") && i + 1 < argc) a.numel = std::atoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) a.reps = std::atoi(argv[++i]);
@@ -90,18 +216,29 @@ int main(int argc, char** argv) {
     return y;
   };
   const double ops = 2.0 * a.steps;
-  const double fwd = median_us(a, [&] { (void)chain(c, d); });
+  const auto run_fwd = [&] { (void)chain(c, d); };
   Tensor cg = c.detach().requires_grad_(true), dg = d.detach().requires_grad_(true);
-  const double fwd_rec = median_us(a, [&] { (void)chain(cg, dg); });
-  const double fwd_bwd = median_us(a, [&] {
+  const auto run_rec = [&] { (void)chain(cg, dg); };
+  const auto run_bwd = [&] {
     flame::BackwardOptions o;
     o.grad_output = flame::Tensor::ones({a.numel}, dev);
     flame::Gradients g = chain(cg, dg).backward(o);
     (void)g;
-  });
-  report(a, "chain_fwd_norecord", fwd / ops);
-  report(a, "chain_fwd_record", fwd_rec / ops);
-  report(a, "chain_fwd_bwd", fwd_bwd / ops);
-  report(a, "chain_bwd_share", (fwd_bwd - fwd_rec) / ops);
+  };
+  const double fwd = median_us(a, run_fwd);
+  const double fwd_rec = median_us(a, run_rec);
+  const double fwd_bwd = median_us(a, run_bwd);
+  const double n_fwd = allocs_per_call(run_fwd), n_rec = allocs_per_call(run_rec), n_bwd = allocs_per_call(run_bwd);
+  report(a, "chain_fwd_norecord", fwd / ops, n_fwd / ops);
+  report(a, "chain_fwd_record", fwd_rec / ops, n_rec / ops);
+  report(a, "chain_fwd_bwd", fwd_bwd / ops, n_bwd / ops);
+  report(a, "chain_bwd_share", (fwd_bwd - fwd_rec) / ops, (n_bwd - n_rec) / ops);
+  if (a.trace) {
+    const int steps = a.steps;
+    a.steps = 4;
+    std::printf("==== allocations of a recorded forward + backward of %d ops\n", 2 * a.steps);
+    trace_allocs(run_bwd);
+    a.steps = steps;
+  }
   return 0;
 }

@@ -196,7 +196,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
         std::vector<GradHook> dropped = std::move(m->hooks);
         m->hooks.clear();
       }
-      const std::vector<Node::Edge>& edges = node.edges();
+      const std::span<const Node::Edge> edges = node.edges();
       if (!g.defined()) {
         // Nothing arrived: pass "nothing" on, so that the counts of the inputs still reach zero
         // and their other contributions are not lost.

@@ -54,7 +54,7 @@ Node::Node(const char* name, std::initializer_list<std::reference_wrapper<const 
 // Note [Graph release]: unlink the chain iteratively instead of one destructor frame per op.
 Node::~Node() {
   std::vector<std::shared_ptr<AutogradMeta>> stack;
-  auto take_edges = [&stack](std::vector<Edge>& edges) {
+  auto take_edges = [&stack](SmallVec<Edge, 2>& edges) {
     for (Edge& e : edges) {
       if (e.meta && e.meta.use_count() == 1) stack.push_back(std::move(e.meta));
     }
@@ -80,7 +80,6 @@ TensorList Node::apply(const Tensor& grad) {
 void Node::release() {
   fn_ = nullptr;
   saved_.clear();
-  saved_.shrink_to_fit();
   released_ = true;
 }
 
@@ -88,8 +87,7 @@ std::size_t Node::save(const Tensor& t, bool is_output) {
   // Inputs are held as they are: their history was complete before this node existed, so it
   // cannot lead back here. The node's own output is held detached, or it would own itself
   // (Note [Node saved tensors]).
-  if (saved_.empty()) saved_.reserve(2);
-  saved_.emplace_back(t, name_, /*detach=*/is_output);
+  saved_.emplace_back() = SavedTensor(t, name_, /*detach=*/is_output);
   return saved_.size() - 1;
 }
 

@@ -8,6 +8,13 @@
 // (RuleFn: saved tensors and small parameters in the node, no allocation beyond the node) or, for
 // one-line view rules and user code, a std::function (BackwardFn) that captures no tensors.
 //
+// Note [Node storage]
+// Recording is on the per-op host path, so a node keeps what it owns inline: its edges and saved
+// tensors in SmallVecs (two of each inline, a heap vector only beyond), and each edge's input shape
+// in an InlineShape (up to six dims inline). A recorded binary op then costs two heap objects
+// besides its output tensor: the node and the output's AutogradMeta. InlineShape converts to
+// Shape wherever a rule wants one (`const Shape& s = n.edges()[0].shape;` keeps working).
+//
 // Note [Graph release]
 // A graph is a chain of shared_ptrs (tensor -> meta -> node -> edge meta -> node ...). Freeing
 // it by plain destructor recursion takes one stack frame per op and overflows on long chains, so
@@ -15,9 +22,14 @@
 // stack and taken apart there. Shared parts (another graph or tensor still holds them) are left
 // to their other owner, whose destructor does the same; use_count() == 1 means no other thread
 // can reach the object, so this is race-free.
+#include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <ostream>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,6 +39,94 @@
 namespace flame {
 
 class Node;
+
+// A vector of at most N elements inline, on the heap beyond (Note [Node storage]). Only what the
+// node needs: append, index, iterate, clear.
+template <class T, std::size_t N>
+class SmallVec {
+ public:
+  T& emplace_back() {
+    if (heap_.empty() && size_ < N) return inline_[size_++];
+    if (heap_.empty()) {  // spill the inline elements first, keeping their order
+      heap_.reserve(2 * N);
+      for (std::size_t i = 0; i < size_; ++i) heap_.push_back(std::move(inline_[i]));
+      for (std::size_t i = 0; i < size_; ++i) inline_[i] = T();
+    }
+    ++size_;
+    return heap_.emplace_back();
+  }
+  void reserve(std::size_t n) {
+    if (n > N) heap_.reserve(n);  // the spill keeps this capacity
+  }
+  void clear() {
+    for (std::size_t i = 0; i < std::min(size_, N); ++i) inline_[i] = T();
+    heap_ = std::vector<T>();
+    size_ = 0;
+  }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* data() { return heap_.empty() ? inline_.data() : heap_.data(); }
+  const T* data() const { return heap_.empty() ? inline_.data() : heap_.data(); }
+  T& operator[](std::size_t i) { return data()[i]; }
+  const T& operator[](std::size_t i) const { return data()[i]; }
+  T* begin() { return data(); }
+  T* end() { return data() + size_; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size_; }
+  T& back() { return data()[size_ - 1]; }
+
+ private:
+  std::array<T, N> inline_{};
+  std::vector<T> heap_;  // in use (holding every element) once more than N were added
+  std::size_t size_ = 0;
+};
+
+// A shape with up to kInline dims stored inline (Note [Node storage]); converts to Shape.
+class InlineShape {
+ public:
+  static constexpr std::size_t kInline = 6;
+  InlineShape() = default;
+  InlineShape(const Shape& s) { assign(s); }  // NOLINT: implicit, as a Shape
+  InlineShape& operator=(const Shape& s) {
+    assign(s);
+    return *this;
+  }
+  operator Shape() const { return Shape(begin(), end()); }  // NOLINT: implicit, used as a Shape
+  Shape vec() const { return Shape(begin(), end()); }
+  std::size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const int64_t* data() const { return size_ <= kInline ? dims_ : heap_.data(); }
+  const int64_t* begin() const { return data(); }
+  const int64_t* end() const { return data() + size_; }
+  int64_t operator[](std::size_t i) const { return data()[i]; }
+  int64_t at(std::size_t i) const {
+    if (i >= size_) throw std::out_of_range("InlineShape::at");
+    return data()[i];
+  }
+  int64_t front() const { return data()[0]; }
+  int64_t back() const { return data()[size_ - 1]; }
+  friend bool operator==(const InlineShape& a, const Shape& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend bool operator==(const InlineShape& a, const InlineShape& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+  friend std::ostream& operator<<(std::ostream& os, const InlineShape& s) { return os << shape_str(s.vec()); }
+
+ private:
+  void assign(const Shape& s) {
+    size_ = s.size();
+    if (size_ <= kInline) {
+      std::copy(s.begin(), s.end(), dims_);
+      heap_.clear();
+    } else {
+      heap_ = s;
+    }
+  }
+  int64_t dims_[kInline] = {};
+  std::size_t size_ = 0;
+  Shape heap_;  // used only beyond kInline dims
+};
 
 // Per-tensor autograd state. Leaves (grad_fn == null) that require grad receive entries in the
 // Gradients store; non-leaves pass their gradient on to grad_fn.
@@ -70,7 +170,7 @@ class Node {
   struct Edge {
     std::shared_ptr<AutogradMeta> meta;  // null: this input needs no gradient
     Tensor leaf;                         // the input itself when it is a leaf (the store's key)
-    Shape shape;
+    InlineShape shape;
     DType dtype = DType::f32;
     Device device;
     mutable int32_t slot = -1;  // engine scratch: the leaf's slot in the running backward
@@ -86,7 +186,7 @@ class Node {
   Node& operator=(const Node&) = delete;
 
   const char* name() const { return name_; }
-  const std::vector<Edge>& edges() const { return edges_; }
+  std::span<const Edge> edges() const { return {edges_.data(), edges_.size()}; }
   bool released() const { return released_; }
   TensorList apply(const Tensor& grad);
   void release();  // drops saved tensors (after a backward without retain_graph)
@@ -94,7 +194,7 @@ class Node {
   // Saved tensors (Note [Node saved tensors]); save() returns the slot.
   std::size_t save(const Tensor& t, bool is_output = false);
   Tensor saved(std::size_t i) const { return saved_[i].get(); }
-  const std::vector<SavedTensor>& saved_tensors() const { return saved_; }
+  std::span<const SavedTensor> saved_tensors() const { return {saved_.data(), saved_.size()}; }
   const RuleArgs& args() const { return args_; }
 
   // State of the backward pass walking this node (Note [Backward order] in backward.cpp). A
@@ -112,8 +212,8 @@ class Node {
   void add_edge(const Tensor& t);
 
   const char* name_;  // static or interned (backward_name): the grad_fn name ("MulBackward")
-  std::vector<Edge> edges_;
-  std::vector<SavedTensor> saved_;
+  SmallVec<Edge, 2> edges_;         // Note [Node storage]
+  SmallVec<SavedTensor, 2> saved_;
   BackwardFn fn_;
   RuleFn rule_ = nullptr;
   RuleArgs args_;

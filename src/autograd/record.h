@@ -68,6 +68,10 @@ const char* intern_backward_name(const std::string& op);
 
 // Sums `grad` down to `shape` (undoing broadcasting); returns grad itself when the shapes match.
 Tensor sum_to(const Tensor& grad, const Shape& shape);
+// The same for an edge's shape; no Shape is made when grad already has it.
+inline Tensor sum_to(const Tensor& grad, const InlineShape& shape) {
+  return shape == grad.sizes() ? grad : sum_to(grad, shape.vec());
+}
 
 // Debug accounting: bytes of distinct storages held by saved tensors of the graph behind `root`
 // (each storage counted once, however many nodes save it). Declared in flame/autograd.h too.

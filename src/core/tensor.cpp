@@ -25,6 +25,7 @@
 #include "flame/ops.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
+#include "src/backend/cpu/cpu_backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 
@@ -148,17 +149,29 @@ Tensor make_alias(const Tensor& t) {
                                              t.dtype()));
 }
 
-Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op) {
+namespace {
+std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device device, const char* op) {
   const std::size_t nbytes = static_cast<std::size_t>(shape_nbytes(sizes, dtype, op));
-  std::shared_ptr<void> data;
   try {
-    data = backend::backend_for(device).allocate(nbytes);
+    // On the CPU the Storage lives in its data block (Note [Storage in its block]).
+    if (device.is_cpu()) return backend::cpu::allocate_storage(nbytes);
+    return std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
   } catch (const std::exception& e) {  // flame::Error or std::bad_alloc: say which op and shape
     FLAME_FAIL(op, "cannot allocate a ", dtype_name(dtype), " tensor of shape ", sizes, " (", nbytes,
                " bytes) on ", device.str(), ": ", e.what());
   }
-  auto storage = std::make_shared<Storage>(std::move(data), nbytes, device);
+}
+}  // namespace
+
+Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op) {
+  auto storage = new_storage(sizes, dtype, device, op);
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), sizes, contiguous_strides(sizes), 0, dtype));
+}
+
+Tensor make_empty(Shape&& sizes, DType dtype, Device device, const char* op) {
+  auto storage = new_storage(sizes, dtype, device, op);
+  Shape strides = contiguous_strides(sizes);
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), std::move(sizes), std::move(strides), 0, dtype));
 }
 
 void bump_version(const Tensor& t) { t.impl()->storage->version.fetch_add(1); }
@@ -225,6 +238,7 @@ bool has_internal_overlap(const Shape& sizes, const Shape& strides) {
 }
 
 void check_no_internal_overlap(const Tensor& t, const char* op) {
+  if (t.is_contiguous()) return;  // the common destination: decided without building the dim list
   const Overlap o = internal_overlap(t.sizes(), t.strides());
   FLAME_CHECK(o != Overlap::yes, op, "cannot write in place into a tensor whose elements overlap (shape ", t.sizes(),
               ", strides ", t.strides(), ": an expanded or overlapping-window view); call clone() first");
@@ -361,6 +375,17 @@ Tensor Tensor::arange(Scalar start, Scalar end, Scalar step, TensorOptions opts)
     n = static_cast<int64_t>(len);
   }
   Tensor t = make_empty({std::max<int64_t>(n, 0)}, dt, opts.device, "arange");
+  constexpr int64_t lim = int64_t{1} << 53;  // doubles hold every integer up to here
+  auto beyond = [](int64_t v) { return v < -lim || v > lim; };
+  if (all_int && !is_floating(dt) && t.numel() > 0 &&
+      (beyond(start.to_int()) || beyond(end.to_int()) || beyond(step.to_int()))) {
+    // Values past 2^53 are not exact in iota's doubles: start + i * step in i64 (the index count
+    // itself is far below 2^53), then converted (Note [Exact integer scalars] in elementwise.cpp).
+    Tensor idx = make_empty({n}, DType::i64, opts.device, "arange");
+    backend::backend_for(idx.device()).iota(idx, 0.0, 1.0);
+    t.copy_(idx * step + start);
+    return t;
+  }
   if (t.numel() > 0) backend::backend_for(t.device()).iota(t, s, st);
   return t;
 }

@@ -62,6 +62,8 @@ Tensor make_alias(const Tensor& t);
 // A new uninitialised contiguous tensor. Overflowing shapes and failed allocations raise an
 // error naming `op` (the public op that asked for the memory) and the shape.
 Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op = "empty");
+// The same, taking over a shape the caller no longer needs (no copy of it).
+Tensor make_empty(Shape&& sizes, DType dtype, Device device, const char* op = "empty");
 // Bumps the storage's version counter (call after every in-place write).
 void bump_version(const Tensor& t);
 // Errors when two elements of t share one memory location (expanded views, overlapping windows

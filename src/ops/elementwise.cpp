@@ -56,6 +56,24 @@ DType promote_with_scalar(DType t, Scalar s) {
   return t;
 }
 
+// Note [Exact integer scalars]
+// Scalar kernels take their operand as a double (UnaryParams), exact only up to 2^53: an i64
+// tensor plus 2^53 + 1 would add 2^53. An integral scalar beyond that on an integer tensor takes
+// the exact path instead: a 0-d i64 tensor filled from the Scalar's int64 (fill is exact) and the
+// binary kernel, computed in i64 and converted to the tensor's dtype (wrapping, as the scalar
+// kernels do). Every smaller value keeps the one-kernel scalar path.
+bool exact_in_double(int64_t v) {
+  constexpr int64_t lim = int64_t{1} << 53;
+  return v >= -lim && v <= lim;
+}
+
+// True when `t op s` in dtype dt must not go through a double (Note [Exact integer scalars]).
+bool needs_exact_int(DType dt, Scalar s) {
+  return !is_floating(dt) && !s.is_floating() && !exact_in_double(s.to_int());
+}
+
+Tensor i64_scalar(Scalar s, Device device) { return Tensor::full({}, s, {DType::i64, device}); }
+
 // -s; an integer scalar wraps (-INT64_MIN == INT64_MIN, Note [Defined integer math]).
 Scalar negated(Scalar s) {
   return s.is_floating() ? Scalar(-s.to_double()) : Scalar(math::wrap_neg(s.to_int()));
@@ -98,6 +116,18 @@ Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
   check_defined(x, oi.name);
   DType dt = promote_with_scalar(x.dtype(), s);
   if (oi.kind == OpKind::floating && !is_floating(dt)) dt = kDefaultFloat;
+  if (needs_exact_int(dt, s) && (op == UnaryOp::add_scalar || op == UnaryOp::mul_scalar ||
+                                 op == UnaryOp::rsub_scalar || op == UnaryOp::pow_scalar)) {
+    const Tensor xs = x.to(DType::i64), ss = i64_scalar(s, x.device());
+    Tensor r;
+    switch (op) {
+      case UnaryOp::add_scalar: r = binary_op(BinaryOp::add, xs, ss); break;
+      case UnaryOp::mul_scalar: r = binary_op(BinaryOp::mul, xs, ss); break;
+      case UnaryOp::rsub_scalar: r = binary_op(BinaryOp::sub, ss, xs); break;
+      default: r = binary_op(BinaryOp::pow, xs, ss); break;
+    }
+    return r.to(dt);
+  }
   UnaryParams p;
   p.a = s.to_double();
   return run_unary(op, x, dt, dt, p);
@@ -112,8 +142,11 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
   if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
   FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
   const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
-  const Shape shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
-  Tensor out = make_empty(shape, out_dtype, a.device(), oi.name);
+  // Operands of one shape (the usual case) need no broadcast shape made for them.
+  Tensor out = a.sizes() == b.sizes() ? make_empty(a.sizes(), out_dtype, a.device(), oi.name)
+                                      : make_empty(broadcast_shapes(a.sizes(), b.sizes(), oi.name), out_dtype,
+                                                   a.device(), oi.name);
+  const Shape& shape = out.sizes();
   const Tensor ac = a.to(common), bc = b.to(common);
   if (out.numel() > 0) {
     // Operands of the output's shape go as they are; only the others need a broadcast view.
@@ -196,6 +229,13 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
   DType dt = x.dtype();
   if (min) dt = promote_with_scalar(dt, *min);
   if (max) dt = promote_with_scalar(dt, *max);
+  if ((min && needs_exact_int(dt, *min)) || (max && needs_exact_int(dt, *max))) {
+    // Note [Exact integer scalars]: bounds beyond 2^53 compared exactly, in i64.
+    Tensor r = x.to(DType::i64);
+    if (min) r = maximum(r, i64_scalar(*min, x.device()));
+    if (max) r = minimum(r, i64_scalar(*max, x.device()));
+    return r.to(dt);
+  }
   UnaryParams p{min ? min->to_double() : -INFINITY, max ? max->to_double() : INFINITY};
   if (!is_floating(dt)) {
     // An absent bound must stay inside int64 after the kernel's cast from double (2^63 is not).
@@ -213,6 +253,7 @@ Tensor pow(const Tensor& x, Scalar exponent) {
   }
   DType dt = promote_with_scalar(x.dtype(), exponent);
   if (is_bool(dt)) dt = DType::i64;
+  if (needs_exact_int(dt, exponent)) return scalar_op(UnaryOp::pow_scalar, x, exponent);  // exact path
   UnaryParams p{exponent.to_double()};
   return run_unary(UnaryOp::pow_scalar, x, dt, dt, p);
 }
@@ -304,13 +345,13 @@ bool can_cast(DType from, DType to) {
 Tensor inplace_operand(const Tensor& self, const Tensor& src, const char* op) {
   check_defined(src, op);
   check_same_device(op, self, src);
-  FLAME_CHECK(broadcast_shapes(self.sizes(), src.sizes(), op) == self.sizes(), op, "output of shape ",
+  const bool same_shape = src.sizes() == self.sizes();
+  FLAME_CHECK(same_shape || broadcast_shapes(self.sizes(), src.sizes(), op) == self.sizes(), op, "output of shape ",
               self.sizes(), " does not match the broadcast shape with ", src.sizes());
   Tensor s = src;
-  const bool identical = src.impl()->offset == self.impl()->offset && src.sizes() == self.sizes() &&
-                         src.strides() == self.strides();
+  const bool identical = src.impl()->offset == self.impl()->offset && same_shape && src.strides() == self.strides();
   if (src.shares_storage(self) && !identical) s = src.clone();
-  return s.expand(self.sizes());
+  return same_shape ? s : s.expand(self.sizes());  // an operand of self's shape needs no view
 }
 
 Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other, const char* name) {
@@ -357,6 +398,9 @@ Tensor& inplace_scalar(Tensor& self, UnaryOp op, Scalar s, const char* name) {
     return self;
   }
   if (self.numel() == 0) return self;
+  if (needs_exact_int(dt, s)) {  // Note [Exact integer scalars]; an integer dt is self's dtype here
+    return self.copy_(scalar_op(op, self, s));
+  }
   backend::backend_for(self.device()).unary(op, self, self, UnaryParams{s.to_double()});
   bump_version(self);
   return self;

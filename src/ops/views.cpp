@@ -79,11 +79,14 @@ int64_t stepped_stride(int64_t stride, int64_t step, int64_t size, const char* o
   return s && *s <= kMaxTensorBytes / 8 && *s >= -kMaxTensorBytes / 8 ? *s : stride;
 }
 
-// A view of `base` recorded for autograd with gradient back(g) (back captures no tensors).
-Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name,
-                 std::function<Tensor(const Tensor&)> back) {
+// A view of `base` recorded for autograd with gradient back(g) (back captures no tensors). The
+// lambda becomes a std::function (a heap allocation for most captures) only when the view is
+// recorded: an unrecorded view is on the per-op host path.
+template <class F>
+Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name, F&& back) {
   Tensor v = make_view(base, std::move(sizes), std::move(strides), offset, name);
-  return rules::with_grad(v, name, base, std::move(back));
+  if (!is_floating(v.dtype()) || !needs_grad({base})) return v;  // what with_grad would decide
+  return rules::with_grad(v, name, base, std::function<Tensor(const Tensor&)>(std::forward<F>(back)));
 }
 
 // Zeros of `shape` with g written into the region that `region` selects (slice/narrow/select).
@@ -121,17 +124,17 @@ Tensor unfold_backward(const Tensor& g, const Shape& xs, int64_t d, int64_t size
 }  // namespace
 
 Tensor Tensor::view(const Shape& shape) const {
-  const Shape target = infer_shape(shape, numel(), "view", sizes());
+  Shape target = infer_shape(shape, numel(), "view", sizes());
   auto strides = view_strides(sizes(), this->strides(), target);
   FLAME_CHECK(strides.has_value(), "view", "shape ", target, " is not compatible with input of shape ",
               sizes(), " and strides ", this->strides(), "; use reshape() (which may copy)");
-  return grad_view(*this, target, *strides, storage_offset(), "view", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "view", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
-  const Shape target = infer_shape(shape, numel(), "reshape", sizes());
+  Shape target = infer_shape(shape, numel(), "reshape", sizes());
   if (auto strides = view_strides(sizes(), this->strides(), target)) {
-    return grad_view(*this, target, *strides, storage_offset(), "reshape", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+    return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "reshape", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
   }
   return clone().view(target);
 }
@@ -148,7 +151,7 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   Shape sz = sizes(), st = strides();
   std::swap(sz[d0], sz[d1]);
   std::swap(st[d0], st[d1]);
-  return grad_view(*this, sz, st, storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
 }
 
 Tensor Tensor::t() const {
@@ -169,7 +172,7 @@ Tensor Tensor::permute(const Shape& dims) const {
     sz[i] = sizes()[d];
     st[i] = strides()[d];
   }
-  return grad_view(*this, sz, st, storage_offset(), "permute", [inv = inverse_permutation(dims, dim())](const Tensor& g) { return g.permute(inv); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "permute", [inv = inverse_permutation(dims, dim())](const Tensor& g) { return g.permute(inv); });
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
@@ -182,7 +185,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
               " + length ", length, " exceeds dimension ", d, " of size ", n, " (shape ", sizes(), ")");
   Shape sz = sizes();
   sz[d] = length;
-  return grad_view(*this, sz, strides(), storage_offset() + start * strides()[d], "narrow", [xs = sizes(), d, start, length](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.narrow(d, start, length); }); });
+  return grad_view(*this, std::move(sz), strides(), storage_offset() + start * strides()[d], "narrow", [xs = sizes(), d, start, length](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.narrow(d, start, length); }); });
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
@@ -197,7 +200,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   Shape sz = sizes(), st = strides();
   sz[d] = ceil_div(end - start, step);
   st[d] = stepped_stride(st[d], step, sz[d], "slice");
-  return grad_view(*this, sz, st, storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -211,7 +214,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   const int64_t offset = storage_offset() + index * st[d];
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return grad_view(*this, sz, st, offset, "select", [xs = sizes(), d, index](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.select(d, index); }); });
+  return grad_view(*this, std::move(sz), std::move(st), offset, "select", [xs = sizes(), d, index](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.select(d, index); }); });
 }
 
 Tensor Tensor::expand(const Shape& shape) const {
@@ -238,7 +241,7 @@ Tensor Tensor::expand(const Shape& shape) const {
       st[i] = 0;
     }
   }
-  return grad_view(*this, sz, st, storage_offset(), "expand", [xs = sizes()](const Tensor& g) { return sum_to(g, xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "expand", [xs = sizes()](const Tensor& g) { return sum_to(g, xs); });
 }
 
 Tensor Tensor::squeeze() const {
@@ -249,7 +252,7 @@ Tensor Tensor::squeeze() const {
       st.push_back(strides()[i]);
     }
   }
-  return grad_view(*this, sz, st, storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
@@ -262,7 +265,7 @@ Tensor Tensor::squeeze(int64_t d) const {
   Shape sz = sizes(), st = strides();
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return grad_view(*this, sz, st, storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -271,7 +274,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t new_stride = d < dim() ? mul_overflows(sizes()[d], strides()[d]).value_or(1) : 1;
   sz.insert(sz.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
-  return grad_view(*this, sz, st, storage_offset(), "unsqueeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unsqueeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
@@ -327,7 +330,7 @@ Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
   st[d] = stepped_stride(base, step, sz[d], "unfold");
   sz.push_back(size);
   st.push_back(base);
-  return grad_view(*this, sz, st, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
 }
 
 }  // namespace flame

@@ -199,7 +199,7 @@ TensorList binary_backward(const Tensor& g, const Node& n) {
       break;
     default: FLAME_FAIL(n.name(), "this op has no gradient");  // comparisons: bool, never recorded
   }
-  const std::vector<Node::Edge>& e = n.edges();
+  const std::span<const Node::Edge> e = n.edges();
   return {ga.defined() && need_a ? sum_to(ga, e[0].shape) : Tensor(),
           gb.defined() && need_b ? sum_to(gb, e[1].shape) : Tensor()};
 }

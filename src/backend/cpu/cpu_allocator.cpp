@@ -19,6 +19,17 @@
 //    and reused on another is ordered by that mutex.
 //  - Lifetime: the cache is never destroyed, so tensors freed during static destruction still
 //    find it.
+//
+// Note [Storage in its block]
+// make_empty on the CPU would otherwise make three heap objects per tensor besides the data: the
+// Storage (make_shared), and the control block of its shared_ptr<void> data with the deleter.
+// allocate_storage instead takes one block of nbytes + kStorageHeader from the cache and builds
+// the Storage's shared_ptr control block (with the Storage inside, std::allocate_shared) in the
+// header; Storage::data is then a non-owning pointer to the bytes after the header. The
+// allocator used for the control block hands out the header and, when the control block is
+// deallocated (after the last shared_ptr and weak_ptr to the Storage are gone, i.e. after the
+// Storage itself was destroyed), returns the whole block to the cache. Nothing may hold
+// Storage::data beyond the Storage's life (nothing does: kernels borrow the raw pointer).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -174,6 +185,54 @@ BlockCache& cache() {
 }
 
 }  // namespace
+
+namespace {
+
+// Header in front of the data: room for the control block of allocate_shared<Storage>. A multiple
+// of the alignment, so the data stays 64-byte aligned.
+constexpr std::size_t kStorageHeader = 128;
+
+// Hands out the header of one block (once) and gives the whole block back to the cache when the
+// control block is deallocated (Note [Storage in its block]).
+template <class T>
+struct HeaderAllocator {
+  using value_type = T;
+  void* block;
+  std::size_t cls;
+  HeaderAllocator(void* b, std::size_t c) : block(b), cls(c) {}
+  template <class U>
+  HeaderAllocator(const HeaderAllocator<U>& o) : block(o.block), cls(o.cls) {}  // NOLINT: rebinding
+  T* allocate(std::size_t n) {
+    // Holds for the one control block allocate_shared makes (checked at compile time below).
+    if (n * sizeof(T) > kStorageHeader) throw std::bad_alloc();
+    return static_cast<T*>(block);
+  }
+  void deallocate(T*, std::size_t) { cache().release(block, cls); }
+  template <class U>
+  bool operator==(const HeaderAllocator<U>& o) const { return block == o.block; }
+  template <class U>
+  bool operator!=(const HeaderAllocator<U>& o) const { return block != o.block; }
+};
+
+}  // namespace
+
+std::shared_ptr<Storage> allocate_storage(std::size_t nbytes) {
+  FLAME_CHECK(nbytes <= (std::size_t{1} << 62), "allocate", "cannot allocate ", nbytes,
+              " bytes of host memory (size overflows)");
+  std::size_t cls = 0;
+  void* block = cache().allocate(nbytes + kStorageHeader, cls);
+  void* data = static_cast<char*>(block) + kStorageHeader;
+  try {
+    // Storage::data does not own the bytes (an aliasing shared_ptr with no owner): the control
+    // block in the header does.
+    return std::allocate_shared<Storage>(HeaderAllocator<Storage>(block, cls),
+                                         std::shared_ptr<void>(std::shared_ptr<void>(), data), nbytes,
+                                         Device::cpu());
+  } catch (...) {
+    cache().release(block, cls);
+    throw;
+  }
+}
 
 std::shared_ptr<void> CpuBackend::allocate(std::size_t nbytes) {
   std::size_t cls = 0;

@@ -51,6 +51,12 @@ void for_each_element(const Shape& shape, std::array<char*, N> base,
 inline char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 
+// A CPU Storage of nbytes whose bookkeeping (the Storage object and its shared_ptr control block)
+// lives in a header in front of the data, in one block of the block cache: creating a tensor
+// costs no heap allocation once the cache holds a block of its class (Note [Storage in its block]
+// in cpu_allocator.cpp).
+std::shared_ptr<Storage> allocate_storage(std::size_t nbytes);
+
 class CpuBackend final : public Backend {
  public:
   std::shared_ptr<void> allocate(std::size_t nbytes) override;
