@@ -133,6 +133,78 @@ __global__ void __launch_bounds__(kChannelBlock)
   }
 }
 
+// The same with a warp per channel, for groups of at least as many channels as the block has
+// warps: the per-channel sums are warp shuffles, and a row costs two block reductions instead
+// of two per channel.
+template <class T, int W>
+__global__ void __launch_bounds__(kChannelBlock)
+    group_backward_warp_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                               const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
+                               const T* __restrict__ w, T* __restrict__ dx, compute_t<T>* __restrict__ part_w,
+                               compute_t<T>* __restrict__ part_b, int64_t rows, int64_t groups, int64_t cg,
+                               int64_t S) {
+  using A = compute_t<T>;
+  __shared__ A smem[32];
+  __shared__ A bc[2];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int64_t len = cg * S, svec = S / W;
+  const A inv_len = A(1) / static_cast<A>(len);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const A m = mean[row], rs = rstd[row];
+    const int64_t n = row / groups, c0 = (row % groups) * cg, C = groups * cg;
+    A my_g = A(0), my_gx = A(0);  // lane 0's: this warp's channels
+    for (int64_t ci = warp; ci < cg; ci += nwarps) {  // warp-uniform
+      const int64_t off = row * len + ci * S;
+      A a_dy = A(0), a_dyx = A(0);
+#pragma unroll 4
+      for (int64_t v = lane; v < svec; v += 32) {
+        A xe[W], de[W];
+        load_vec<T, W>(x + off + v * W, xe);
+        load_vec<T, W>(dy + off + v * W, de);
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          a_dy += de[j];
+          a_dyx += de[j] * (xe[j] - m) * rs;
+        }
+      }
+      a_dy = warp_reduce<NormSum<A>>(a_dy);
+      a_dyx = warp_reduce<NormSum<A>>(a_dyx);
+      if (lane == 0) {
+        const int64_t c = c0 + ci;
+        if (part_w) {
+          part_w[n * C + c] = a_dyx;
+          part_b[n * C + c] = a_dy;
+        }
+        const A wc = w ? load_as<A>(w[c]) : A(1);
+        my_g += wc * a_dy;
+        my_gx += wc * a_dyx;
+      }
+    }
+    const A sum_g = block_reduce<NormSum<A>>(my_g, smem);
+    const A sum_gx = block_reduce<NormSum<A>>(my_gx, smem);
+    if (threadIdx.x == 0) {
+      bc[0] = sum_g * inv_len;
+      bc[1] = sum_gx * inv_len;
+    }
+    __syncthreads();
+    const A mg = bc[0], mgx = bc[1];
+    if (dx) {
+      const int64_t nvec = len / W;
+      for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) {
+        const int64_t c = c0 + (v * W) / S;
+        const A wc = w ? load_as<A>(w[c]) : A(1);
+        A xe[W], de[W];
+        load_vec<T, W>(x + row * len + v * W, xe);
+        load_vec<T, W>(dy + row * len + v * W, de);
+#pragma unroll
+        for (int j = 0; j < W; ++j) xe[j] = rs * (wc * de[j] - mg - (xe[j] - m) * rs * mgx);
+        store_vec<T, W>(dx + row * len + v * W, xe);
+      }
+    }
+    __syncthreads();  // bc is rewritten by the next row
+  }
+}
+
 // ---- batch_norm ----
 
 // Element k of channel c's N * S values.
@@ -289,13 +361,20 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
-  if (vec) {
-    group_backward_kernel<T, W><<<channel_grid(rows), kChannelBlock, 0, st>>>(
-        dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, pb, rows, groups, cg, d.s);
+  const bool by_warp = cg >= kChannelBlock / 32;
+#define FLAME_GN_BWD(KERNEL, VW)                                                        \
+  KERNEL<T, VW><<<channel_grid(rows), kChannelBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, \
+                                                              pb, rows, groups, cg, d.s)
+  if (vec && by_warp) {
+    FLAME_GN_BWD(group_backward_warp_kernel, W);
+  } else if (vec) {
+    FLAME_GN_BWD(group_backward_kernel, W);
+  } else if (by_warp) {
+    FLAME_GN_BWD(group_backward_warp_kernel, 1);
   } else {
-    group_backward_kernel<T, 1><<<channel_grid(rows), kChannelBlock, 0, st>>>(
-        dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, pb, rows, groups, cg, d.s);
+    FLAME_GN_BWD(group_backward_kernel, 1);
   }
+#undef FLAME_GN_BWD
   FLAME_CUDA_CHECK_LAUNCH();
   if (params) {
     column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);

@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>())
   constexpr int kBlock = rows_bwd_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
   __shared__ A smem[32];
-  extern __shared__ unsigned char dyn_smem[];  // [2][cols] when several rows share the block
+  extern __shared__ __align__(16) unsigned char dyn_smem[];  // [2][cols] when several rows share the block
   A* acc_smem = reinterpret_cast<A*>(dyn_smem);
   const int t = threadIdx.x % kTPR;
   const bool want_params = part_w != nullptr;
