@@ -386,7 +386,9 @@ TEST(NormCuda, GroupNormMatchesCpu) {
   for (const C& c : std::vector<C>{{{2, 6, 5}, 3}, {{3, 8, 4, 4}, 4}, {{2, 32, 16, 16}, 8}, {{1, 4, 1}, 2},
                                    {{5, 6}, 3}, {{2, 4, 4099}, 2}, {{0, 4, 8}, 2},
                                    // 16 and more channels per group: a warp per channel in the backward
-                                   {{2, 64, 8, 8}, 4}, {{1, 48, 33}, 2}, {{3, 40, 1}, 1}}) {
+                                   {{2, 64, 8, 8}, 4}, {{1, 48, 33}, 2}, {{3, 40, 1}, 1},
+                                   // groups of 65536 values: several vectors per thread on a cluster
+                                   {{2, 32, 64, 64}, 2}}) {
     for (bool affine : {true, false}) {
       compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
         return F::group_norm(x, c.groups, w, b);

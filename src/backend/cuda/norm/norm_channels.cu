@@ -1,5 +1,7 @@
 // CUDA group_norm and batch_norm kernels and launchers (Note [CUDA norm kernels] in
 // norm_kernels.cuh); x is [N, C, S] contiguous.
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <memory>
 
@@ -205,6 +207,199 @@ __global__ void __launch_bounds__(kChannelBlock)
   }
 }
 
+// ---- group_norm on a thread-block cluster (Note [GroupNorm clusters]) ----
+//
+// Note [GroupNorm clusters]
+// A block per group must read a group twice (statistics, then the output), and with a few hundred
+// groups of 128 KiB in flight the second read misses L2. Instead a cluster of kCluster blocks
+// holds one group in registers (up to kVPT vectors per thread): each block sums its slice, the
+// blocks exchange their partial sums through distributed shared memory (cluster.sync between the
+// steps), and every value is read once and written once. Mean first, then the centred sum of
+// squares from the registers (exact two passes). The backward holds x and dy the same way; its
+// per-channel sums (the weight/bias gradients) go to shared-memory accumulators of the group's
+// channels (a warp adds its sum once when all its lanes are in one channel), and block rank 0
+// adds the cluster's accumulators into the per-(n, c) partials. Every thread of every block
+// reaches every cluster.sync; the last one keeps each block's shared memory alive until the
+// others have read it.
+constexpr int kCluster = 8;
+constexpr int kClusterBlock = 512;
+constexpr int kClusterMaxChannels = 256;  // per group, for the backward's accumulators
+
+// Cluster-wide sum of one value per thread (valid in every thread). `slot` is this block's
+// shared word for the exchange, `smem` the block_reduce scratch.
+template <class A>
+__device__ __forceinline__ A cluster_sum(A v, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
+  v = block_reduce<NormSum<A>>(v, smem);
+  if (threadIdx.x == 0) *slot = v;
+  cluster.sync();
+  A total = A(0);
+#pragma unroll
+  for (int r = 0; r < kCluster; ++r) total += *cluster.map_shared_rank(slot, r);
+  return total;
+}
+
+template <class T, int W, int kVPT>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock)
+    group_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                                 T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
+                                 compute_t<T>* __restrict__ rstd_out, int64_t groups, int64_t cg, int64_t S,
+                                 compute_t<T> eps) {
+  using A = compute_t<T>;
+  namespace coop = cooperative_groups;
+  coop::cluster_group cluster = coop::this_cluster();
+  __shared__ A smem[32];
+  __shared__ A slots[2];
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / kCluster;
+  const int64_t len = cg * S, nvec = len / W;
+  const int64_t per = (nvec + kCluster - 1) / kCluster;
+  const int64_t v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+  const T* p = x + row * len;
+  A v[kVPT][W];
+  A s = A(0);
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+    if (vi < v1) {
+      load_vec<T, W>(p + vi * W, v[k]);
+#pragma unroll
+      for (int j = 0; j < W; ++j) s += v[k][j];
+    }
+  }
+  const A inv_len = A(1) / static_cast<A>(len);
+  const A m = cluster_sum(s, &slots[0], smem, cluster) * inv_len;
+  A q = A(0);
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+    if (vi < v1)
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const A d = v[k][j] - m;
+        q += d * d;
+      }
+  }
+  const A rs = rsqrt_acc(cluster_sum(q, &slots[1], smem, cluster) * inv_len + eps);
+  if (rank == 0 && threadIdx.x == 0) {
+    mean_out[row] = m;
+    rstd_out[row] = rs;
+  }
+  const int64_t c0 = (row % groups) * cg;
+  T* out = y + row * len;
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+    if (vi < v1) {
+      const int64_t c = c0 + (vi * W) / S;
+      const A scale = w ? rs * load_as<A>(w[c]) : rs;
+      const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
+#pragma unroll
+      for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * scale + off;
+      store_vec<T, W>(out + vi * W, v[k]);
+    }
+  }
+  cluster.sync();  // the other blocks have read this block's slots
+}
+
+template <class T, int W, int kVPT>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock)
+    group_backward_cluster_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                                  const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
+                                  const T* __restrict__ w, T* __restrict__ dx, compute_t<T>* __restrict__ part_w,
+                                  compute_t<T>* __restrict__ part_b, int64_t groups, int64_t cg, int64_t S) {
+  using A = compute_t<T>;
+  namespace coop = cooperative_groups;
+  coop::cluster_group cluster = coop::this_cluster();
+  __shared__ A smem[32];
+  __shared__ A slots[2];
+  __shared__ A acc[2][kClusterMaxChannels];  // per channel of the group: sums of dy * xhat, dy
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int lane = threadIdx.x & 31;
+  const int64_t row = blockIdx.x / kCluster;
+  const int64_t len = cg * S, nvec = len / W;
+  const int64_t per = (nvec + kCluster - 1) / kCluster;
+  const int64_t v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+  const int64_t n = row / groups, c0 = (row % groups) * cg, C = groups * cg;
+  const A m = mean[row], rs = rstd[row];
+  const bool params = part_w != nullptr;
+  for (int64_t i = threadIdx.x; i < 2 * cg; i += kClusterBlock) acc[i / cg][i % cg] = A(0);
+  __syncthreads();
+  A xv[kVPT][W], gv[kVPT][W];
+  A sg = A(0), sgx = A(0);
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+    const bool in = vi < v1;
+    const int64_t ci = in ? (vi * W) / S : -1;  // the group's channel of this vector
+    A a_dy = A(0), a_dyx = A(0);
+    if (in) {
+      A de[W];
+      load_vec<T, W>(x + row * len + vi * W, xv[k]);
+      load_vec<T, W>(dy + row * len + vi * W, de);
+      const A wc = w ? load_as<A>(w[c0 + ci]) : A(1);
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const A xh = (xv[k][j] - m) * rs;
+        xv[k][j] = xh;
+        a_dy += de[j];
+        a_dyx += de[j] * xh;
+        gv[k][j] = de[j] * wc;
+      }
+      sg += wc * a_dy;
+      sgx += wc * a_dyx;
+    }
+    if (params) {
+      // Whole warps in one channel add once; otherwise each lane adds its own.
+      const int64_t c_first = __shfl_sync(0xffffffffu, ci, 0);
+      if (__all_sync(0xffffffffu, ci == c_first)) {
+        a_dy = warp_reduce<NormSum<A>>(a_dy);
+        a_dyx = warp_reduce<NormSum<A>>(a_dyx);
+        if (lane == 0 && ci >= 0) {
+          atomicAdd(&acc[0][ci], a_dyx);
+          atomicAdd(&acc[1][ci], a_dy);
+        }
+      } else if (ci >= 0) {
+        atomicAdd(&acc[0][ci], a_dyx);
+        atomicAdd(&acc[1][ci], a_dy);
+      }
+    }
+  }
+  const A inv_len = A(1) / static_cast<A>(len);
+  const A mg = cluster_sum(sg, &slots[0], smem, cluster) * inv_len;  // its cluster.sync also orders acc
+  const A mgx = cluster_sum(sgx, &slots[1], smem, cluster) * inv_len;
+  if (params && rank == 0) {
+    for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
+      A tw = A(0), tb = A(0);
+      for (int r = 0; r < kCluster; ++r) {
+        tw += cluster.map_shared_rank(&acc[0][0], r)[ci];
+        tb += cluster.map_shared_rank(&acc[1][0], r)[ci];
+      }
+      part_w[n * C + c0 + ci] = tw;
+      part_b[n * C + c0 + ci] = tb;
+    }
+  }
+  if (dx) {
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+      if (vi < v1) {
+        A o[W];
+#pragma unroll
+        for (int j = 0; j < W; ++j) o[j] = rs * (gv[k][j] - mg - xv[k][j] * mgx);
+        store_vec<T, W>(dx + row * len + vi * W, o);
+      }
+    }
+  }
+  cluster.sync();  // the other blocks have read this block's slots and accumulators
+}
+
+// Vectors per thread for a group of `nvec` vectors on a cluster (0: too long).
+inline int cluster_vpt(int64_t nvec, int max_vpt) {
+  for (int v = 1; v <= max_vpt; v *= 2)
+    if (nvec <= static_cast<int64_t>(v) * kCluster * kClusterBlock) return v;
+  return 0;
+}
+
 // ---- batch_norm ----
 
 // Element k of channel c's N * S values.
@@ -332,6 +527,25 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
+  // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
+  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
+  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
+    const unsigned grid = static_cast<unsigned>(rows * kCluster);
+#define FLAME_GN_FWD_CLUSTER(VPT)                                                                    \
+  if constexpr (VPT * W <= 32) {                                                                    \
+    if (vpt == VPT) {                                                                               \
+      group_forward_cluster_kernel<T, W, VPT><<<grid, kClusterBlock, 0, st>>>(                      \
+          xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), groups, cg, d.s, static_cast<A>(eps));      \
+      FLAME_CUDA_CHECK_LAUNCH();                                                                    \
+      return;                                                                                       \
+    }                                                                                               \
+  }
+    FLAME_GN_FWD_CLUSTER(1)
+    FLAME_GN_FWD_CLUSTER(2)
+    FLAME_GN_FWD_CLUSTER(4)
+    FLAME_GN_FWD_CLUSTER(8)
+#undef FLAME_GN_FWD_CLUSTER
+  }
   if (vec) {
     group_forward_kernel<T, W><<<channel_grid(rows), kChannelBlock, 0, st>>>(
         xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
@@ -361,6 +575,29 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
+  // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (16 values per thread).
+  const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, 16 / W) : 0;
+  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
+    const unsigned grid = static_cast<unsigned>(rows * kCluster);
+#define FLAME_GN_BWD_CLUSTER(VPT)                                                                         \
+  if constexpr (VPT * W <= 16) {                                                                         \
+    if (vpt == VPT) {                                                                                    \
+      group_backward_cluster_kernel<T, W, VPT><<<grid, kClusterBlock, 0, st>>>(                          \
+          dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, pb, groups, cg, d.s);                      \
+      FLAME_CUDA_CHECK_LAUNCH();                                                                         \
+      if (params) {                                                                                      \
+        column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);    \
+        FLAME_CUDA_CHECK_LAUNCH();                                                                       \
+      }                                                                                                  \
+      return;                                                                                            \
+    }                                                                                                    \
+  }
+    FLAME_GN_BWD_CLUSTER(1)
+    FLAME_GN_BWD_CLUSTER(2)
+    FLAME_GN_BWD_CLUSTER(4)
+    FLAME_GN_BWD_CLUSTER(8)
+#undef FLAME_GN_BWD_CLUSTER
+  }
   const bool by_warp = cg >= kChannelBlock / 32;
 #define FLAME_GN_BWD(KERNEL, VW)                                                        \
   KERNEL<T, VW><<<channel_grid(rows), kChannelBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, \
