@@ -190,9 +190,11 @@ __global__ void __launch_bounds__(1024)
 }
 
 // ---- rows backward ----
+// Short rows share 512-thread blocks: the grid is the resident blocks (every block writes one
+// partial row), so bigger blocks mean fewer partial rows for the second stage to sum.
 template <int kTPR>
 constexpr int rows_bwd_block() {
-  return kTPR < 256 ? 256 : kTPR;
+  return kTPR < 256 ? 512 : kTPR;
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
