@@ -295,8 +295,10 @@ Run run_op(const std::function<Tensor(const Tensor&, const Tensor&, const Tensor
   Tensor x = transposed ? x0.transpose(0, 1).contiguous().to(dt).to(dev).transpose(0, 1) : x0.to(dt).to(dev);
   Tensor xl = x.detach().requires_grad_();
   Tensor xin = xl;
-  Tensor w = w0.defined() ? w0.to(dt).to(dev).requires_grad_() : Tensor();
-  Tensor b = b0.defined() ? b0.to(dt).to(dev).requires_grad_() : Tensor();
+  // Fresh leaves: .to() returns the caller's tensor itself when nothing changes, which must not
+  // start requiring grad (the next dtype's .to() would then be recorded).
+  Tensor w = w0.defined() ? w0.to(dt).to(dev).detach().requires_grad_() : Tensor();
+  Tensor b = b0.defined() ? b0.to(dt).to(dev).detach().requires_grad_() : Tensor();
   Run r;
   r.y = op(xin, w, b);
   BackwardOptions o;
