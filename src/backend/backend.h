@@ -92,6 +92,30 @@ class Backend {
   virtual void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
                              const Tensor& stats, const Tensor& bias, double scale, bool causal) = 0;
+  // ---- norm ----
+  // Note [Norm kernels] in src/ops/norm.cpp. Every tensor is contiguous; weight/bias may be
+  // undefined (no affine); mean/rstd/var are the statistics dtype (f64 for f64 input, else f32).
+  // Rows: x is [rows, cols], statistics per row; rms (mean undefined) divides by sqrt(mean(x^2)+eps).
+  virtual void norm_rows_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                                 const Tensor& weight, const Tensor& bias, double eps) = 0;
+  // dx, dweight, dbias each only when defined; mean undefined means rms.
+  virtual void norm_rows_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                                  const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight) = 0;
+  // Groups: x is [N, C, S]; statistics per (n, group) of C / groups channels; weight/bias per channel.
+  virtual void group_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                                  const Tensor& weight, const Tensor& bias, int64_t groups, double eps) = 0;
+  virtual void group_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                                   const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
+                                   int64_t groups) = 0;
+  // Channels: x is [N, C, S]; mean and biased var per channel over N and S.
+  virtual void batch_norm_stats(const Tensor& mean, const Tensor& var, const Tensor& x) = 0;
+  // y = (x - mean[c]) * rstd[c] * weight[c] + bias[c].
+  virtual void batch_norm_apply(const Tensor& y, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                                const Tensor& weight, const Tensor& bias) = 0;
+  // training: mean/rstd are the batch's (their gradient flows into dx); else constants.
+  virtual void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                                   const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
+                                   bool training) = 0;
 };
 
 Backend& backend_for(Device device);

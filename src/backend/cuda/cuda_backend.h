@@ -109,6 +109,22 @@ class CudaBackend final : public Backend {
   void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
                      const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats, const Tensor& bias,
                      double scale, bool causal) override;
+  // ---- norm ----
+  void norm_rows_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& weight,
+                         const Tensor& bias, double eps) override;
+  void norm_rows_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                          const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight) override;
+  void group_norm_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                          const Tensor& weight, const Tensor& bias, int64_t groups, double eps) override;
+  void group_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                           const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
+                           int64_t groups) override;
+  void batch_norm_stats(const Tensor& mean, const Tensor& var, const Tensor& x) override;
+  void batch_norm_apply(const Tensor& y, const Tensor& x, const Tensor& mean, const Tensor& rstd,
+                        const Tensor& weight, const Tensor& bias) override;
+  void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
+                           const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
+                           bool training) override;
 
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,

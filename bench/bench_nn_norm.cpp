@@ -1,0 +1,134 @@
+// Normalisation benchmarks (FLAME side; bench/bench_nn_norm_torch.py is the PyTorch twin, same
+// names, shapes, dtypes and timing).
+//
+// Method (as bench/bench_ops.cpp): random inputs; warm-up calls; `reps` calls back to back on
+// FLAME's stream with a CUDA event between consecutive calls; the median per-call time. GB/s
+// counts the bytes the op must move: forward reads x (and the affine parameters) and writes y;
+// forward+backward adds reading x and dy and writing dx (and the parameter gradients).
+// pct_d2d is that rate over a 256 MiB device-to-device copy timed the same way
+// (norm_d2d_copy). Every line also carries ms.
+//
+// Usage: bench_nn_norm [--reps N] [--warmup N]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "flame/flame.h"
+#include "flame/nn/norm.h"
+
+namespace {
+
+using flame::BackwardOptions;
+using flame::Device;
+using flame::DType;
+using flame::Tensor;
+namespace F = flame::nn::functional;
+
+#define BENCH_CUDA_CHECK(call)                                                           \
+  do {                                                                                   \
+    cudaError_t e_ = (call);                                                             \
+    if (e_ != cudaSuccess) {                                                             \
+      std::fprintf(stderr, "bench_nn_norm: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
+      std::exit(2);                                                                      \
+    }                                                                                    \
+  } while (0)
+
+double median_ms(cudaStream_t stream, int reps, int warmup, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(reps) + 1);
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int r = 0; r < reps; ++r) {
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    float t = 0;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
+    ms.push_back(t);
+  }
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+void emit(const std::string& name, double gbps, double ms, double d2d) {
+  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f, \"pct_d2d\": %.1f}\n",
+              name.c_str(), gbps, ms, 100.0 * gbps / d2d);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int reps = 20, warmup = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--reps") reps = std::max(1, std::atoi(argv[i + 1]));
+    else if (a == "--warmup") warmup = std::max(0, std::atoi(argv[i + 1]));
+  }
+  if (!flame::cuda_is_available()) {
+    std::printf("# bench_nn_norm: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  const Device gpu = Device::cuda(0);
+  auto stream = static_cast<cudaStream_t>(flame::cuda::current_stream(0));
+  std::printf("# bench_nn_norm: reps %d, warm-up %d\n", reps, warmup);
+
+  double d2d = 0;
+  {
+    const int64_t bytes = 256LL << 20;
+    const Tensor src = Tensor::rand({bytes / 4}, gpu), dst = Tensor::empty({bytes / 4}, gpu);
+    const double ms = median_ms(stream, reps, warmup, [&] {
+      BENCH_CUDA_CHECK(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    d2d = 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+    std::printf("BENCH {\"name\": \"norm_d2d_copy\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f, \"pct_d2d\": 100.0}\n",
+                d2d, ms);
+  }
+
+  const flame::TensorOptions bf16{DType::bf16, gpu};
+  // bytes: x-sized tensors moved (fwd: x, y; fwd+bwd: + x, dy, dx), parameters as given.
+  auto run = [&](const std::string& name, const flame::Shape& shape, int64_t params, bool bias,
+                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op) {
+    try {
+      const Tensor x0 = Tensor::randn(shape, 0.5, 2.0, bf16);
+      const Tensor w = Tensor::randn({params}, 1.0, 0.2, bf16).requires_grad_();
+      const Tensor b = bias ? Tensor::randn({params}, 0.0, 0.2, bf16).requires_grad_() : Tensor();
+      const Tensor dy = Tensor::randn(shape, 0.0, 1.0, bf16);
+      const double xb = static_cast<double>(x0.nbytes());
+      const double pb = static_cast<double>(params) * 2.0 * (bias ? 2 : 1);
+      {
+        flame::NoGradGuard no_grad;
+        const double ms = median_ms(stream, reps, warmup, [&] { (void)op(x0, w, b); });
+        emit(name + "_fwd", (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      }
+      Tensor x = x0.detach().requires_grad_();
+      BackwardOptions o;
+      o.grad_output = dy;
+      const double ms = median_ms(stream, reps, warmup, [&] {
+        Tensor y = op(x, w, b);
+        (void)y.backward(o);
+      });
+      emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+    } catch (const std::exception& e) {
+      std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
+    }
+  };
+  run("layer_norm_bf16", {32768, 1024}, 1024, true,
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
+  run("rms_norm_bf16", {32768, 1024}, 1024, false,
+      [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
+  run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
+  return 0;
+}

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""PyTorch twin of bench/bench_nn_norm.cpp: layer_norm, rms_norm and group_norm in bf16, forward and
+forward+backward, same shapes, names and timing (CUDA events between back-to-back calls, warm-up,
+median). GB/s counts the bytes the op must move (forward: x, y and the affine parameters;
+forward+backward adds x, dy and dx and the parameter gradients); pct_d2d is that rate over a
+256 MiB device-to-device copy timed the same way (norm_d2d_copy). Gradients come from
+torch.autograd.grad (no accumulation into .grad), as FLAME's backward returns a fresh store.
+
+Usage: python3 bench/bench_nn_norm_torch.py [--reps N] [--warmup N]
+"""
+import argparse
+import json
+import statistics
+
+
+def emit(name, gbps, ms, d2d):
+    print("BENCH " + json.dumps({"name": name, "value": float(f"{gbps:.4g}"), "unit": "GB/s",
+                                 "ms": round(ms, 4), "pct_d2d": round(100.0 * gbps / d2d, 1)}), flush=True)
+
+
+def median_ms(torch, fn, reps, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+    events[0].record()
+    for r in range(reps):
+        fn()
+        events[r + 1].record()
+    torch.cuda.synchronize()
+    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    if not torch.cuda.is_available():
+        print("# bench_nn_norm_torch: no CUDA device; nothing to measure")
+        return 0
+    dev = torch.device("cuda", 0)
+    print(f"# bench_nn_norm_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
+          f"reps {args.reps}, warm-up {args.warmup}", flush=True)
+    reps, warmup = args.reps, args.warmup
+
+    nbytes = 256 << 20
+    src = torch.rand(nbytes // 4, device=dev)
+    dst = torch.empty_like(src)
+    ms = median_ms(torch, lambda: dst.copy_(src), reps, warmup)
+    d2d = 2.0 * nbytes / (ms * 1e-3) / 1e9
+    print("BENCH " + json.dumps({"name": "norm_d2d_copy", "value": float(f"{d2d:.4g}"), "unit": "GB/s",
+                                 "ms": round(ms, 4), "pct_d2d": 100.0}), flush=True)
+    del src, dst
+
+    def run(name, shape, params, bias, op):
+        x0 = (torch.randn(shape, device=dev) * 2.0 + 0.5).to(torch.bfloat16)
+        w = (torch.randn(params, device=dev) * 0.2 + 1.0).to(torch.bfloat16).requires_grad_()
+        b = (torch.randn(params, device=dev) * 0.2).to(torch.bfloat16).requires_grad_() if bias else None
+        dy = torch.randn(shape, device=dev).to(torch.bfloat16)
+        xb = float(x0.numel() * 2)
+        pb = float(params * 2 * (2 if bias else 1))
+        with torch.no_grad():
+            ms = median_ms(torch, lambda: op(x0, w, b), reps, warmup)
+        emit(name + "_fwd", (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d)
+        x = x0.detach().requires_grad_()
+        inputs = [x, w] + ([b] if bias else [])
+
+        def step():
+            y = op(x, w, b)
+            torch.autograd.grad(y, inputs, dy)
+
+        ms = median_ms(torch, step, reps, warmup)
+        emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d)
+
+    run("layer_norm_bf16", (32768, 1024), 1024, True, lambda x, w, b: F.layer_norm(x, (1024,), w, b))
+    if hasattr(F, "rms_norm"):
+        run("rms_norm_bf16", (32768, 1024), 1024, False, lambda x, w, b: F.rms_norm(x, (1024,), w, 1e-6))
+    else:
+        print("# bench_nn_norm_torch: this PyTorch has no F.rms_norm")
+    run("group_norm_bf16", (32, 512, 64, 64), 512, True, lambda x, w, b: F.group_norm(x, 32, w, b))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
