@@ -94,6 +94,18 @@ class CudaBackend final : public Backend {
   Tensor masked_select(const Tensor& src, const Tensor& mask) override;
   void sort(const Tensor& values, const Tensor& indices, const Tensor& src, int64_t dim, bool descending) override;
   void random(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, double a, double b) override;
+
+  // ---- pool ----
+  void pool2d(const Tensor& out, const Tensor& indices, const Tensor& x, const Pool2dParams& p) override;
+  void pool2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Tensor& indices,
+                       const Pool2dParams& p) override;
+  void upsample2d(const Tensor& out, const Tensor& x, const Upsample2dParams& p) override;
+  void upsample2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Upsample2dParams& p) override;
+  void cross_entropy(const Tensor& loss, const Tensor& lse, const Tensor& logits, const Tensor& target,
+                     int64_t ignore_index, double label_smoothing) override;
+  void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
+                              const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                              double label_smoothing) override;
   // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
   // read by the kernel when it runs. `state` is device memory.
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,
