@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "flame/ops.h"
+#include "src/autograd/record.h"
 #include "src/autograd/rules/pool.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
@@ -77,7 +78,7 @@ std::pair<Tensor, Tensor> run_pool(const Tensor& x, const Tensor& x4, const Pool
   Tensor out = make_empty(out_shape, x.dtype(), x.device());
   const bool is_max = p.mode == PoolMode::max;
   Tensor indices;
-  if (is_max && (want_indices || x.requires_grad())) indices = make_empty(out_shape, DType::i64, x.device());
+  if (is_max && (want_indices || needs_grad({x}))) indices = make_empty(out_shape, DType::i64, x.device());
   if (out.numel() > 0) backend::backend_for(x.device()).pool2d(out, indices, x4, p);
   rules::pool2d(out, x4, indices, p);
   Tensor y = from_4d(out, x, spatial);
