@@ -98,6 +98,16 @@ TEST(CrossEntropyFused, OneDimLogitsAndAllIgnored) {
   for (float v : g.to(Device::cpu()).to_vec<float>()) EXPECT_EQ(v, 0.0f);
 }
 
+TEST(CrossEntropyFused, EmptyBatch) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x = Tensor::zeros({0, 5}, {DType::f32, dev});
+  const Tensor t = Tensor::zeros({0}, {DType::i64, dev});
+  EXPECT_EQ(cross_entropy(x, t, Reduction::none).sizes(), (Shape{0}));
+  EXPECT_EQ(cross_entropy(x, t, Reduction::sum).item<float>(), 0.0f);
+  EXPECT_TRUE(std::isnan(cross_entropy(x, t).item<float>()));  // 0/0, as PyTorch
+}
+
 TEST(CrossEntropyFused, GradcheckFloat64) {
   const Tensor x = rnd({6, 11}, DType::f64, Device::cpu(), 10);
   const Tensor t = make_targets(6, 11, Device::cpu(), true, 11);

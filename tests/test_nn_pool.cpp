@@ -232,6 +232,18 @@ TEST(Pool, MaxPoolPropagatesNan) {
   EXPECT_EQ(y[3], 15.0f);
 }
 
+TEST(Pool, EmptyBatchGivesEmptyResultsAndGradients) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Tensor x = rnd({0, 3, 5, 5}, DType::f32, test_device(), 1);
+  EXPECT_EQ(F::max_pool2d(x, 2).sizes(), (Shape{0, 3, 2, 2}));
+  EXPECT_EQ(F::avg_pool2d(x, 3, 2, 1).sizes(), (Shape{0, 3, 3, 3}));
+  EXPECT_EQ(F::interpolate(x, F::InterpolateOptions().with_scale(2)).sizes(), (Shape{0, 3, 10, 10}));
+  const Tensor g = grad_of([](const Tensor& t) { return F::max_pool2d(t, 2); }, x,
+                           Tensor::zeros({0, 3, 2, 2}, {DType::f32, test_device()}));
+  ASSERT_TRUE(g.defined());
+  EXPECT_EQ(g.sizes(), x.sizes());
+}
+
 // ---- average and adaptive pooling ----
 
 TEST(Pool, AvgPool2dMatchesReference) {
