@@ -22,30 +22,40 @@
 
 namespace flame::backend {
 
+// a / b for a >= 0, b > 0 in 32-bit arithmetic when both fit: 64-bit division is a long
+// instruction sequence on the GPU, and the kernels divide for every element.
+FLAME_INLINE int64_t pdiv(int64_t a, int64_t b) {
+  if (a >= 0 && a <= 0x7fffffff && b <= 0x7fffffff) {
+    return static_cast<int64_t>(static_cast<uint32_t>(a) / static_cast<uint32_t>(b));
+  }
+  return a / b;
+}
+
 struct PoolDim {
   int64_t in = 1, out = 1, kernel = 1, stride = 1, pad = 0, dilation = 1;
   bool adaptive = false;
 
-  FLAME_INLINE int64_t start(int64_t o) const { return adaptive ? (o * in) / out : o * stride - pad; }
+  FLAME_INLINE int64_t start(int64_t o) const { return adaptive ? pdiv(o * in, out) : o * stride - pad; }
   FLAME_INLINE int64_t len(int64_t o) const {
-    return adaptive ? ((o + 1) * in + out - 1) / out - (o * in) / out : kernel;
+    return adaptive ? pdiv((o + 1) * in + out - 1, out) - pdiv(o * in, out) : kernel;
   }
   FLAME_INLINE int64_t step() const { return adaptive ? 1 : dilation; }
   // Outputs whose window may contain input i: [first_out, last_out).
   FLAME_INLINE int64_t first_out(int64_t i) const {
-    if (adaptive) return (i * out) / in;
+    if (adaptive) return pdiv(i * out, in);
     const int64_t lo = i + pad - (kernel - 1) * dilation;
-    return lo <= 0 ? 0 : (lo + stride - 1) / stride;
+    return lo <= 0 ? 0 : pdiv(lo + stride - 1, stride);
   }
   FLAME_INLINE int64_t last_out(int64_t i) const {
-    const int64_t hi = adaptive ? ((i + 1) * out + in - 1) / in : (i + pad) / stride + 1;
+    const int64_t hi = adaptive ? pdiv((i + 1) * out + in - 1, in) : pdiv(i + pad, stride) + 1;
     return hi < out ? hi : out;
   }
   // Whether input i is one of output o's taps (inside [0, in) is the caller's).
   FLAME_INLINE bool covers(int64_t o, int64_t i) const {
     const int64_t d = i - start(o);
     if (d < 0) return false;
-    return (d % step()) == 0 && d / step() < len(o);
+    const int64_t q = pdiv(d, step());
+    return q * step() == d && q < len(o);
   }
 };
 
@@ -108,20 +118,20 @@ struct UpsampleDim {
       last = i == 0 ? out : 0;
       return;
     }
-    const double di = static_cast<double>(i);
+    const double di = static_cast<double>(i), inv = 1.0 / scale;
     double lo, hi;  // real-valued o with src(o) in the range that reads i
     if (mode == UpsampleMode::nearest) {
-      lo = di / scale;
-      hi = (di + 1.0) / scale;
+      lo = di * inv;
+      hi = (di + 1.0) * inv;
     } else if (mode == UpsampleMode::nearest_exact) {
-      lo = di / scale - 0.5;
-      hi = (di + 1.0) / scale - 0.5;
+      lo = di * inv - 0.5;
+      hi = (di + 1.0) * inv - 0.5;
     } else if (align_corners) {
-      lo = (di - 1.0) / scale;
-      hi = (di + 1.0) / scale;
+      lo = (di - 1.0) * inv;
+      hi = (di + 1.0) * inv;
     } else {
-      lo = (di - 0.5) / scale - 0.5;
-      hi = (di + 1.5) / scale - 0.5;
+      lo = (di - 0.5) * inv - 0.5;
+      hi = (di + 1.5) * inv - 0.5;
     }
     lo -= 1.0;
     hi += 1.0;

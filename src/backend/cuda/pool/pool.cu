@@ -14,7 +14,10 @@ namespace {
 // Element strides of an [N, C, H, W] tensor; plane(b) is the offset of plane b = n*C + c.
 struct Strides4 {
   int64_t n, c, h, w, channels;
-  __device__ __forceinline__ int64_t plane(int64_t b) const { return (b / channels) * n + (b % channels) * c; }
+  __device__ __forceinline__ int64_t plane(int64_t b) const {
+    const int64_t q = pdiv(b, channels);
+    return q * n + (b - q * channels) * c;
+  }
 };
 Strides4 strides4(const Tensor& t) {
   return {t.strides()[0], t.strides()[1], t.strides()[2], t.strides()[3], t.size(1)};
@@ -30,8 +33,8 @@ __global__ void pool2d_kernel(const T* __restrict__ x, Strides4 xs, T* __restric
                               Pool2dParams p, int64_t total) {
   using A = compute_t<T>;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
-    const int64_t ow = i % p.w.out, t = i / p.w.out;
-    const int64_t oh = t % p.h.out, b = t / p.h.out;
+    const int64_t t = pdiv(i, p.w.out), ow = i - t * p.w.out;
+    const int64_t b = pdiv(t, p.h.out), oh = t - b * p.h.out;
     const T* plane = x + xs.plane(b);
     const int64_t hs = p.h.start(oh), hl = p.h.len(oh), ws = p.w.start(ow), wl = p.w.len(ow);
     const int64_t hstep = p.h.step(), wstep = p.w.step();
@@ -65,8 +68,8 @@ __global__ void pool2d_backward_kernel(T* __restrict__ gin, const T* __restrict_
   using A = compute_t<T>;
   const int64_t H = p.h.in, W = p.w.in, OH = p.h.out, OW = p.w.out;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
-    const int64_t iw = i % W, t = i / W;
-    const int64_t ih = t % H, b = t / H;
+    const int64_t t = pdiv(i, W), iw = i - t * W;
+    const int64_t b = pdiv(t, H), ih = t - b * H;
     const int64_t oh0 = p.h.first_out(ih), oh1 = p.h.last_out(ih);
     const int64_t ow0 = p.w.first_out(iw), ow1 = p.w.last_out(iw);
     const T* g = gout + gs.plane(b);
@@ -115,8 +118,8 @@ __global__ void upsample2d_kernel(const T* __restrict__ x, Strides4 xs, T* __res
                                   int64_t total) {
   using A = compute_t<T>;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
-    const int64_t ow = i % p.w.out, t = i / p.w.out;
-    const int64_t oh = t % p.h.out, b = t / p.h.out;
+    const int64_t t = pdiv(i, p.w.out), ow = i - t * p.w.out;
+    const int64_t b = pdiv(t, p.h.out), oh = t - b * p.h.out;
     const T* plane = x + xs.plane(b);
     int64_t hi[2], wi[2];
     A hw[2], ww[2];
@@ -135,8 +138,8 @@ __global__ void upsample2d_backward_kernel(T* __restrict__ gin, const T* __restr
   using A = compute_t<T>;
   const int64_t H = p.h.in, W = p.w.in;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
-    const int64_t iw = i % W, t = i / W;
-    const int64_t ih = t % H, b = t / H;
+    const int64_t t = pdiv(i, W), iw = i - t * W;
+    const int64_t b = pdiv(t, H), ih = t - b * H;
     int64_t oh0, oh1, ow0, ow1;
     p.h.out_range(ih, p.mode, oh0, oh1);
     p.w.out_range(iw, p.mode, ow0, ow1);
