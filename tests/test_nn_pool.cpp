@@ -121,6 +121,9 @@ std::vector<double> ref_interp(const std::vector<double>& x, int64_t B, int64_t 
       t.push_back({i0, 1 - l});
       t.push_back({i1, l});
     } else {
+      // PyTorch's CPU 'nearest' copies when out == in and halves when out == 2*in.
+      if (s.mode == "nearest" && out == in) return decltype(t){{o, 1.0}};
+      if (s.mode == "nearest" && out == 2 * in) return decltype(t){{o / 2, 1.0}};
       const float scale = static_cast<float>(s.sf ? 1.0 / *s.sf : double(in) / double(out));
       const float src = s.mode == "nearest-exact" ? (float(o) + 0.5f) * scale : float(o) * scale;
       t.push_back({std::min<int64_t>(static_cast<int64_t>(std::floor(src)), in - 1), 1.0});
@@ -348,6 +351,7 @@ TEST(Upsample, NearestAndBilinearMatchReference) {
   const std::vector<C> cases = {
       {"nearest", {}, F::Size2{10, 14}, {}, false},          {"nearest", {}, F::Size2{8, 3}, {}, false},
       {"nearest", {}, {}, std::pair{1.7, 2.5}, false},        {"nearest", {}, {}, std::pair{1.7, 2.5}, true},
+      {"nearest", {}, {}, std::pair{1.1, 2.0}, false},
       {"nearest-exact", {}, F::Size2{9, 4}, {}, false},       {"nearest-exact", {}, {}, std::pair{2.0, 0.6}, false},
       {"bilinear", false, F::Size2{10, 14}, {}, false},       {"bilinear", true, F::Size2{10, 14}, {}, false},
       {"bilinear", false, F::Size2{3, 4}, {}, false},         {"bilinear", true, F::Size2{1, 5}, {}, false},
@@ -392,6 +396,13 @@ TEST(UpsampleGradcheck, AllModes) {
   };
   check("nearest 2x", F::InterpolateOptions().with_scale(2.0));
   check("nearest odd", F::InterpolateOptions().with_size({7, 3}));
+  {
+    // floor(23 * 1.04) == 23 and 5 * 2 == 10: the copy / halving maps of legacy nearest.
+    const GradcheckResult r = gradcheck(
+        [](const TensorList& t) { return F::interpolate(t[0], F::InterpolateOptions().with_scale(1.04, 2.0)); },
+        {rnd({1, 2, 23, 5}, DType::f64, Device::cpu(), 42)});
+    EXPECT_TRUE(r.ok) << "nearest copy/halve: " << r.message;
+  }
   check("nearest-exact 1.6", F::InterpolateOptions().with_scale(1.6, 2.3).with_mode("nearest-exact"));
   check("bilinear 1.7", F::InterpolateOptions().with_scale(1.7, 2.6).with_mode("bilinear"));
   check("bilinear down", F::InterpolateOptions().with_size({3, 3}).with_mode("bilinear"));
@@ -474,6 +485,8 @@ std::vector<DevCase> device_cases() {
       {"avg1d", {3, 4, 17}, [](const Tensor& t) { return F::avg_pool1d(t, 3, 2, 1); }},
       {"nearest2x", {2, 3, 9, 7}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(2)); }},
       {"nearest_odd", {2, 3, 9, 7}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_size({13, 5})); }},
+      {"nearest_copy", {2, 3, 23, 7},
+       [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(1.04, 2.0)); }},
       {"nearest_exact", {2, 3, 9, 7},
        [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(1.7, 0.6).with_mode("nearest-exact")); }},
       {"bilinear2x", {2, 3, 9, 7},

@@ -12,10 +12,12 @@
 // window; max: the saved argmax equals i).
 //
 // Note [Upsample source index]
-// As PyTorch's upsample kernels, with the coordinate arithmetic in the accumulate type A (float for
-// f32/bf16/f16, double for f64): `scale` is 1/scale_factor when the user gave a scale factor (and
-// did not ask to recompute it), else in/out; align_corners uses (in-1)/(out-1). Backward gathers
-// over a slightly widened range of outputs and re-evaluates the forward map to pick exact hits.
+// As PyTorch's upsample kernels: nearest indices in float (legacy 'nearest' copies when out == in
+// and halves when out == 2*in, as PyTorch's CPU kernel), linear coordinates in the accumulate type
+// A (float for f32/bf16/f16, double for f64); `scale` is 1/scale_factor when the user gave a scale
+// factor (and did not ask to recompute it), else in/out; align_corners uses (in-1)/(out-1).
+// Backward gathers over a slightly widened range of outputs and re-evaluates the forward map to
+// pick exact hits.
 #include <cstdint>
 
 #include "flame/macros.h"
@@ -92,10 +94,14 @@ struct UpsampleDim {
   double scale = 1.0;  // see Note [Upsample source index]
   bool align_corners = false;
 
+  // Nearest source index in float for every dtype, as PyTorch (its nearest kernels take float
+  // scales), so that f64 inputs pick the same pixels.
   template <class A>
   FLAME_INLINE int64_t nearest(int64_t o, bool exact) const {
-    const A s = static_cast<A>(scale);
-    const A src = exact ? (static_cast<A>(o) + A(0.5)) * s : static_cast<A>(o) * s;
+    if (!exact && out == in) return o;
+    if (!exact && out == 2 * in) return o >> 1;
+    const float s = static_cast<float>(scale);
+    const float src = exact ? (static_cast<float>(o) + 0.5f) * s : static_cast<float>(o) * s;
     int64_t i = static_cast<int64_t>(src);  // src >= 0: truncation is floor
     return i < in - 1 ? i : in - 1;
   }
@@ -113,6 +119,11 @@ struct UpsampleDim {
   // Outputs that may read input i, [first_out, last_out): the exact range of the real-valued map
   // widened by one on each side (float rounding); the caller re-checks each with the forward map.
   FLAME_INLINE void out_range(int64_t i, UpsampleMode mode, int64_t& first, int64_t& last) const {
+    if (mode == UpsampleMode::nearest && (out == in || out == 2 * in)) {  // the exact maps of nearest()
+      first = out == in ? i : 2 * i;
+      last = out == in ? i + 1 : 2 * i + 2;
+      return;
+    }
     if (scale <= 0.0) {  // align_corners with out == 1: everything reads input 0
       first = 0;
       last = i == 0 ? out : 0;
