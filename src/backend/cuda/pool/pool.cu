@@ -15,6 +15,7 @@ namespace {
 struct Strides4 {
   int64_t n, c, h, w, channels;
   __device__ __forceinline__ int64_t plane(int64_t b) const {
+    if (n == channels * c) return b * c;  // planes evenly spaced (NCHW, or any N-C-mergeable layout)
     const int64_t q = pdiv(b, channels);
     return q * n + (b - q * channels) * c;
   }
@@ -87,30 +88,34 @@ __global__ void pool2d_backward_kernel(T* __restrict__ gin, const T* __restrict_
   }
 }
 
-// Taps of output o along one dim: up to two (index, weight) pairs.
+// The two taps of output o along one dim (nearest: one tap, given twice with weight 0 the second
+// time). Scalars, not arrays: a runtime-length tap loop would put the arrays in local memory.
 template <class A>
-__device__ __forceinline__ int upsample_taps(const UpsampleDim& d, UpsampleMode mode, int64_t o, int64_t* i, A* w) {
+struct Taps {
+  int64_t i0, i1;
+  A w0, w1;
+};
+template <class A>
+__device__ __forceinline__ Taps<A> upsample_taps(const UpsampleDim& d, UpsampleMode mode, int64_t o) {
+  Taps<A> t;
   if (mode == UpsampleMode::linear) {
     A l1;
-    d.linear<A>(o, i[0], i[1], l1);
-    w[0] = A(1) - l1;
-    w[1] = l1;
-    return 2;
+    d.linear<A>(o, t.i0, t.i1, l1);
+    t.w0 = A(1) - l1;
+    t.w1 = l1;
+  } else {
+    t.i0 = t.i1 = d.nearest<A>(o, mode == UpsampleMode::nearest_exact);
+    t.w0 = A(1);
+    t.w1 = A(0);
   }
-  i[0] = d.nearest<A>(o, mode == UpsampleMode::nearest_exact);
-  w[0] = A(1);
-  return 1;
+  return t;
 }
 
+// Weight with which output o reads input i along one dim (0 when it does not).
 template <class A>
 __device__ __forceinline__ A upsample_weight(const UpsampleDim& d, UpsampleMode mode, int64_t o, int64_t i) {
-  int64_t idx[2];
-  A wt[2];
-  const int n = upsample_taps<A>(d, mode, o, idx, wt);
-  A w = 0;
-  for (int k = 0; k < n; ++k)
-    if (idx[k] == i) w += wt[k];
-  return w;
+  const Taps<A> t = upsample_taps<A>(d, mode, o);
+  return (t.i0 == i ? t.w0 : A(0)) + (t.i1 == i ? t.w1 : A(0));
 }
 
 template <class T>
@@ -121,13 +126,16 @@ __global__ void upsample2d_kernel(const T* __restrict__ x, Strides4 xs, T* __res
     const int64_t t = pdiv(i, p.w.out), ow = i - t * p.w.out;
     const int64_t b = pdiv(t, p.h.out), oh = t - b * p.h.out;
     const T* plane = x + xs.plane(b);
-    int64_t hi[2], wi[2];
-    A hw[2], ww[2];
-    const int nh = upsample_taps<A>(p.h, p.mode, oh, hi, hw);
-    const int nw = upsample_taps<A>(p.w, p.mode, ow, wi, ww);
-    A acc = 0;
-    for (int a = 0; a < nh; ++a)
-      for (int c = 0; c < nw; ++c) acc += hw[a] * ww[c] * load_as<A>(plane[hi[a] * xs.h + wi[c] * xs.w]);
+    const Taps<A> th = upsample_taps<A>(p.h, p.mode, oh), tw = upsample_taps<A>(p.w, p.mode, ow);
+    A acc;
+    if (p.mode == UpsampleMode::linear) {  // the CPU reference's order of the four terms
+      acc = th.w0 * tw.w0 * load_as<A>(plane[th.i0 * xs.h + tw.i0 * xs.w]);
+      acc += th.w0 * tw.w1 * load_as<A>(plane[th.i0 * xs.h + tw.i1 * xs.w]);
+      acc += th.w1 * tw.w0 * load_as<A>(plane[th.i1 * xs.h + tw.i0 * xs.w]);
+      acc += th.w1 * tw.w1 * load_as<A>(plane[th.i1 * xs.h + tw.i1 * xs.w]);
+    } else {
+      acc = load_as<A>(plane[th.i0 * xs.h + tw.i0 * xs.w]);
+    }
     out[i] = store_as<T>(acc);
   }
 }
