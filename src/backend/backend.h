@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "flame/tensor.h"
+#include "src/backend/pool_params.h"
 #include "src/ops/op_list.h"
 
 namespace flame::backend {
@@ -116,6 +117,24 @@ class Backend {
   virtual void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                                    const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
                                    bool training) = 0;
+  // ---- pool ----
+  // Note [Pool windows] in pool_params.h. x: [N, C, H, W] any strides; out (and indices, i64, flat
+  // h*W+w of each max; may be undefined) contiguous [N, C, OH, OW].
+  virtual void pool2d(const Tensor& out, const Tensor& indices, const Tensor& x, const Pool2dParams& p) = 0;
+  // grad_in contiguous [N, C, H, W] (overwritten); grad_out [N, C, OH, OW] any strides; indices
+  // contiguous (max only).
+  virtual void pool2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Tensor& indices,
+                               const Pool2dParams& p) = 0;
+  virtual void upsample2d(const Tensor& out, const Tensor& x, const Upsample2dParams& p) = 0;
+  virtual void upsample2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Upsample2dParams& p) = 0;
+  // Fused cross-entropy over rows of contiguous logits [N, V] and i64 targets [N]: loss and lse
+  // [N] (f32, f64 for f64 logits); ignored rows give loss 0. Backward writes grad_logits [N, V]
+  // (logits' dtype) = (softmax - smoothed one-hot) * grad_loss[row].
+  virtual void cross_entropy(const Tensor& loss, const Tensor& lse, const Tensor& logits, const Tensor& target,
+                             int64_t ignore_index, double label_smoothing) = 0;
+  virtual void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
+                                      const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                                      double label_smoothing) = 0;
 };
 
 Backend& backend_for(Device device);

@@ -12,6 +12,7 @@
 
 #include "flame/ops.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/cross_entropy.h"
 
 namespace flame {
 namespace {
@@ -117,6 +118,16 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction r, in
   const int64_t class_dim = check_class_target("cross_entropy", logits, target, ignore_index);
   FLAME_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy",
               "label_smoothing must be in [0, 1], got ", label_smoothing);
+  // Note [Fused cross-entropy]: [C] and [N, C] scores take the fused row kernels (no [N, C]
+  // log-softmax is materialised); scores with extra dims [N, C, d...] keep the composite below.
+  if (logits.dim() <= 2) {
+    const Tensor x2 = logits.dim() == 1 ? logits.unsqueeze(0) : logits;
+    const Tensor t1 = target.reshape({x2.size(0)});
+    const Tensor rows = detail::cross_entropy_rows(x2, t1, ignore_index, label_smoothing);
+    const Tensor valid = ne(t1, Tensor::scalar(ignore_index, {DType::i64, target.device()}));
+    if (r == Reduction::none) return rows.to(logits.dtype()).reshape(target.sizes());
+    return reduce_class_loss(rows, valid, r).to(logits.dtype());
+  }
   const Tensor logp = log_softmax(logits, class_dim);
   auto [loss, valid] = pick_negated(logp, target, class_dim, ignore_index);
   if (label_smoothing > 0.0) {

@@ -107,6 +107,18 @@ class CpuBackend final : public Backend {
   void batch_norm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dbias, const Tensor& dy,
                            const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
                            bool training) override;
+
+  // ---- pool ----
+  void pool2d(const Tensor& out, const Tensor& indices, const Tensor& x, const Pool2dParams& p) override;
+  void pool2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Tensor& indices,
+                       const Pool2dParams& p) override;
+  void upsample2d(const Tensor& out, const Tensor& x, const Upsample2dParams& p) override;
+  void upsample2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Upsample2dParams& p) override;
+  void cross_entropy(const Tensor& loss, const Tensor& lse, const Tensor& logits, const Tensor& target,
+                     int64_t ignore_index, double label_smoothing) override;
+  void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
+                              const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                              double label_smoothing) override;
 };
 
 }  // namespace flame::backend::cpu

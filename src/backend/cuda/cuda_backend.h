@@ -98,6 +98,18 @@ class CudaBackend final : public Backend {
   void conv_forward(const Tensor& y, const Tensor& x, const Tensor& w, const ConvParams& p) override;
   void conv_backward_data(const Tensor& dx, const Tensor& dy, const Tensor& w, const ConvParams& p) override;
   void conv_backward_filter(const Tensor& dw, const Tensor& x, const Tensor& dy, const ConvParams& p) override;
+
+  // ---- pool ----
+  void pool2d(const Tensor& out, const Tensor& indices, const Tensor& x, const Pool2dParams& p) override;
+  void pool2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Tensor& indices,
+                       const Pool2dParams& p) override;
+  void upsample2d(const Tensor& out, const Tensor& x, const Upsample2dParams& p) override;
+  void upsample2d_backward(const Tensor& grad_in, const Tensor& grad_out, const Upsample2dParams& p) override;
+  void cross_entropy(const Tensor& loss, const Tensor& lse, const Tensor& logits, const Tensor& target,
+                     int64_t ignore_index, double label_smoothing) override;
+  void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
+                              const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                              double label_smoothing) override;
   // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
   // read by the kernel when it runs. `state` is device memory.
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,

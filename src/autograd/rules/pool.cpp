@@ -1,0 +1,50 @@
+// Gradient rules of the pool family. The backward passes are backend kernels (gathers over the
+// outputs that read each input, Note [Pool windows]); their results need no further gradient.
+#include "src/autograd/rules/pool.h"
+
+#include "src/autograd/record.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame::rules {
+
+void pool2d(Tensor& out, const Tensor& x4, const Tensor& indices, const backend::Pool2dParams& p) {
+  if (!needs_grad({x4})) return;
+  const Shape xs = x4.sizes();
+  SavedTensor sidx = indices.defined() ? SavedTensor(indices, "max_pool") : SavedTensor();
+  record(out, p.mode == backend::PoolMode::max ? "max_pool2d" : "avg_pool2d", {x4}, [xs, sidx, p](const Tensor& g) {
+    Tensor gi = make_empty(xs, g.dtype(), g.device());
+    if (gi.numel() > 0) {
+      const Tensor idx = sidx.defined() ? sidx.get() : Tensor();
+      backend::backend_for(g.device()).pool2d_backward(gi, g, idx, p);
+    }
+    return TensorList{gi};
+  });
+}
+
+void upsample2d(Tensor& out, const Tensor& x4, const backend::Upsample2dParams& p) {
+  if (!needs_grad({x4})) return;
+  const Shape xs = x4.sizes();
+  record(out, p.mode == backend::UpsampleMode::linear ? "upsample_bilinear2d" : "upsample_nearest2d", {x4},
+         [xs, p](const Tensor& g) {
+           Tensor gi = make_empty(xs, g.dtype(), g.device());
+           if (gi.numel() > 0) backend::backend_for(g.device()).upsample2d_backward(gi, g, p);
+           return TensorList{gi};
+         });
+}
+
+void cross_entropy(Tensor& loss, const Tensor& logits, const Tensor& target, const Tensor& lse, int64_t ignore_index,
+                   double label_smoothing) {
+  if (!needs_grad({logits})) return;
+  SavedTensor sx(logits, "cross_entropy"), st(target, "cross_entropy"), sl(lse, "cross_entropy");
+  record(loss, "cross_entropy", {logits}, [sx, st, sl, ignore_index, label_smoothing](const Tensor& g) {
+    const Tensor x = sx.get();
+    Tensor gx = make_empty(x.sizes(), x.dtype(), x.device());
+    if (gx.numel() > 0) {
+      backend::backend_for(x.device())
+          .cross_entropy_backward(gx, g.to(sl.raw().dtype()).contiguous(), x, st.get(), sl.get(), ignore_index, label_smoothing);
+    }
+    return TensorList{gx};
+  });
+}
+
+}  // namespace flame::rules
