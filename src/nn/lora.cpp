@@ -78,7 +78,12 @@ Tensor Linear::forward(const Tensor& x) {
   const Tensor adapter = lora_B_->forward(lora_A_->forward(xd)) * scaling_;
   if (!lora_options_.use_dora) return functional::linear(x, weight_, bias_) + adapter;
   // Note [LoRA forward], DoRA rows.
-  const Tensor g = magnitude_ / dora_weight_norm(lora_delta_weight());
+  Tensor norm;
+  {
+    NoGradGuard no_grad;  // the norm is a constant for the gradient: record nothing for it
+    norm = dora_weight_norm(lora_delta_weight());
+  }
+  const Tensor g = magnitude_ / norm;
   if (!dropping) {
     Tensor y = (functional::linear(x, weight_) + adapter) * g;
     return bias_.defined() ? y + bias_ : y;
@@ -137,7 +142,7 @@ bool inside_adapter(const std::string& name) {
   std::size_t start = 0;
   while (start <= name.size()) {
     const std::size_t dot = std::min(name.find('.', start), name.size());
-    if (name.compare(start, dot - start, "lora_", 0, 5) == 0) return true;
+    if (dot - start >= 5 && name.compare(start, 5, "lora_") == 0) return true;
     start = dot + 1;
   }
   return false;

@@ -76,18 +76,6 @@ void Module::register_module_impl(const std::string& n, ModulePtr module) {
   children_.emplace_back(n, std::move(module));
 }
 
-void Module::replace_parameter(const std::string& n, Tensor t) {
-  for (auto* v : {&params_, &buffers_}) {
-    for (auto& s : *v) {
-      if (s.name == n) {
-        s.tensor = std::move(t);
-        return;
-      }
-    }
-  }
-  FLAME_FAIL("replace_parameter", "module ", name(), " has no parameter or buffer named '", n, "'");
-}
-
 // ---- traversal ----
 void Module::collect_named(std::vector<std::pair<std::string, Tensor>>& out, const std::string& prefix,
                            bool params, bool recurse, std::vector<const void*>& seen) const {

@@ -86,9 +86,6 @@ class Module : public std::enable_shared_from_this<Module> {
     register_module_impl(name, std::static_pointer_cast<Module>(module));
     return module;
   }
-  // Replaces a registered parameter's or buffer's tensor (the old handle is dropped from the
-  // registry; prefer Tensor::set_data to keep identity).
-  void replace_parameter(const std::string& name, Tensor t);
 
   // ---- traversal (registration order; shared tensors and modules listed once) ----
   TensorList parameters(bool recurse = true) const;
