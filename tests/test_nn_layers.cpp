@@ -115,7 +115,8 @@ TEST(NnLayer, EmbeddingLooksUpRows) {
   const Tensor bw = big.weight();
   EXPECT_NEAR(bw.mean_all().item<double>(), 0.0, 0.03);
   EXPECT_NEAR(bw.std().item<double>(), 1.0, 0.03);
-  expect_error([&] { emb(Tensor::from_vec<int64_t>({6}, {1}, dev)).to_vec<float>(); }, {"6"});
+  Embedding host(6, 3);  // the index range is checked by the op on the CPU (by the kernel on CUDA)
+  expect_error([&] { host(Tensor::from_vec<int64_t>({6}, {1})); }, {"embedding", "index 6"});
   expect_error([&] { Embedding(4, 2, 4); }, {"Embedding", "padding_idx 4"});
 }
 

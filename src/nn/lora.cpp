@@ -113,7 +113,8 @@ void Linear::unmerge() {
   const Tensor delta = lora_delta_weight();
   Tensor w = weight_;
   if (lora_options_.use_dora) {
-    w.copy_(weight_.detach() / dora_factor_ - delta);
+    // The factor follows the weight if the module was converted while merged.
+    w.copy_(weight_.detach() / dora_factor_.to(weight_.dtype(), weight_.device()) - delta);
     dora_factor_ = Tensor();
   } else {
     w.sub_(delta);

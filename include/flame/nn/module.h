@@ -132,7 +132,7 @@ class Module : public std::enable_shared_from_this<Module> {
  protected:
   // Called by train(); a container or a layer with mode-dependent state may extend it.
   virtual void on_train(bool /*on*/) {}
-  // For containers: the children in order, and a name check shared by every register_*.
+  // For containers: the children in registration order.
   const std::vector<std::pair<std::string, ModulePtr>>& child_slots() const { return children_; }
 
  private:
