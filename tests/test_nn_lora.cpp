@@ -290,6 +290,27 @@ TEST(Lora, AdapterStateDictLoadsIntoAnotherModel) {
   EXPECT_TRUE(all_close(b(x), before_merge, 1e-5, 1e-5));
 }
 
+TEST(Lora, HalfPrecisionBaseAndConversionWhileMerged) {
+  // A bf16 model: the adapter takes the base's dtype, and its output follows the f32 reference.
+  Linear lin(8, 4);
+  lin.add_lora({.rank = 2, .alpha = 2, .use_dora = true});
+  set_(lin.lora_B()->weight(), randn_like_seeded(lin.lora_B()->weight(), 60, 0.5));
+  lin.eval();
+  Generator g(61);
+  const Tensor x = Tensor::randn({3, 8}, 0.0, 1.0, {}, &g);
+  const Tensor ref = lin(x);
+  lin.merge();
+  lin.to(DType::bf16);  // converting a merged DoRA layer, then unmerging, must still work
+  EXPECT_EQ(lin.lora_A()->weight().dtype(), DType::bf16);
+  EXPECT_EQ(lin.lora_magnitude_vector().dtype(), DType::bf16);
+  EXPECT_TRUE(all_close(lin(x.to(DType::bf16)).to(DType::f32), ref, 3e-2, 3e-2));
+  lin.unmerge();
+  EXPECT_TRUE(all_close(lin(x.to(DType::bf16)).to(DType::f32), ref, 3e-2, 3e-2));
+  Gradients grads = lin(x.to(DType::bf16)).sum().backward();
+  EXPECT_EQ(grads.get(lin.lora_B()->weight()).dtype(), DType::bf16);
+  EXPECT_FALSE(grads.contains(lin.weight()));
+}
+
 TEST(LoraCuda, AdapterMatchesCpuForwardAndGradients) {
   FLAME_SKIP_IF_NO_CUDA();
   for (bool dora : {false, true}) {
