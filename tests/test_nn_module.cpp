@@ -98,6 +98,23 @@ TEST(NnModule, NamedModulesAndChildren) {
   EXPECT_EQ(net->modules().size(), want.size());
 }
 
+TEST(NnModule, ApplyVisitsChildrenBeforeParents) {
+  Net net(2);
+  std::vector<std::string> order;
+  net.apply([&](Module& m) { order.push_back(m.name()); });
+  EXPECT_EQ(order, (std::vector<std::string>{"Embedding", "Linear", "Linear", "Attention", "Block", "Linear", "Linear",
+                                             "Attention", "Block", "ModuleList", "Linear", "Net"}));
+  // A custom init through apply reaches every Linear.
+  net.apply([](Module& m) {
+    if (auto* l = dynamic_cast<Linear*>(&m)) {
+      Tensor w = l->weight();
+      init::constant_(w, 0.5);
+    }
+  });
+  EXPECT_EQ(net.head->weight().to_vec<float>(), std::vector<float>(8, 0.5f));
+  EXPECT_EQ(net.blocks->at<Block>(1)->attn->proj->weight().to_vec<float>(), std::vector<float>(16, 0.5f));
+}
+
 TEST(NnModule, NestedContainersNameChildrenLikePyTorch) {
   auto inner = std::make_shared<Sequential>(
       std::initializer_list<ModulePtr>{std::make_shared<Linear>(3, 4), std::make_shared<ReLU>(), std::make_shared<Linear>(4, 2)});

@@ -194,6 +194,12 @@ ModulePtr Module::submodule(const std::string& path) {
   return cur;
 }
 
+Module& Module::apply(const std::function<void(Module&)>& fn) {
+  for (auto& [n, c] : children_) c->apply(fn);
+  fn(*this);
+  return *this;
+}
+
 // ---- modes ----
 Module& Module::train(bool on) {
   training_ = on;

@@ -20,6 +20,7 @@
 // same TensorImpl; to(device/dtype) rebinds its data in place (Tensor::set_data), which keeps that
 // identity, and load_state_dict copies values into the existing tensors.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -103,6 +104,9 @@ class Module : public std::enable_shared_from_this<Module> {
   ModulePtr child(const std::string& name) const;
   // Dotted path lookup from this module ("blocks.3.attn"); error naming the first missing part.
   ModulePtr submodule(const std::string& path);
+  // Calls fn on every descendant and then on this module (PyTorch's Module.apply order), e.g. a
+  // custom init: model.apply([](Module& m) { if (auto* l = dynamic_cast<Linear*>(&m)) ... }).
+  Module& apply(const std::function<void(Module&)>& fn);
 
   // ---- modes ----
   // Sets training mode on this module and every descendant.
