@@ -136,6 +136,12 @@ class Tensor {
   Tensor to(DType dtype) const;    // returns *this when already that dtype
   Tensor to(DType dtype, Device device) const;
   Tensor contiguous() const;       // returns *this when already contiguous
+  // Makes this handle hold `data`'s storage and geometry (PyTorch's `param.data = data`): the same
+  // TensorImpl, so anything keyed by this tensor (an optimizer's state, a module's registry) stays
+  // attached. Keeps requires_grad. Raises unless this tensor is a leaf and not a view. The version
+  // seen through this handle strictly increases (the new storage's counter is raised, which other
+  // handles on `data` share); views taken earlier keep the old storage, as in PyTorch.
+  void set_data(const Tensor& data);
   Tensor clone() const;            // always a fresh contiguous copy
   // Element values converted to T (to_vec<double>() of an f32 tensor is allowed).
   template <class T>

@@ -1,0 +1,75 @@
+#pragma once
+// Helpers for the nn tests: a finite-difference gradient check through a module's own parameters.
+#include <cmath>
+#include <functional>
+#include <sstream>
+#include <string>
+
+#include "flame/nn.h"
+#include "test_util.h"
+
+namespace flame::test {
+
+// Checks d<v, f(x)>/d(theta) from backward() against central differences, for x (when it is
+// floating and requires grad) and every trainable parameter of `m` (all f64 on the CPU). The
+// parameters are perturbed in place, so the module's own forward is what is checked.
+inline ::testing::AssertionResult module_gradcheck(nn::Module& m, const Tensor& x,
+                                                   const std::function<Tensor(const Tensor&)>& fwd,
+                                                   double eps = 1e-6, double atol = 1e-5, double rtol = 1e-3) {
+  Tensor xin = x.detach();
+  if (is_floating(xin.dtype())) xin.requires_grad_(true);
+  Tensor y = fwd(xin);
+  Generator gen(11);
+  Tensor v = Tensor::randn(y.sizes(), 0.0, 1.0, {DType::f64, y.device()}, &gen);
+  BackwardOptions bo;
+  bo.grad_output = v.to(y.dtype());
+  Gradients grads = y.backward(bo);
+  auto objective = [&] {
+    NoGradGuard ng;
+    return (fwd(xin).to(DType::f64) * v).sum().item<double>();
+  };
+  TensorList targets;
+  std::vector<std::string> names;
+  if (is_floating(xin.dtype())) {
+    targets.push_back(xin);
+    names.push_back("input");
+  }
+  for (auto& [n, p] : m.named_parameters()) {
+    if (!p.requires_grad()) continue;
+    targets.push_back(p);
+    names.push_back(n);
+  }
+  int checked = 0;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    Tensor t = targets[i];
+    Tensor g = grads.get(t);
+    std::vector<double> an = g.defined() ? g.to_vec<double>() : std::vector<double>(t.numel(), 0.0);
+    std::vector<double> vals = t.to_vec<double>();
+    for (int64_t j = 0; j < t.numel(); ++j) {
+      auto eval = [&](double delta) {
+        std::vector<double> p = vals;
+        p[j] += delta;
+        {
+          NoGradGuard ng;
+          t.copy_(Tensor::from_vec(p, t.sizes()).to(t.dtype()));
+        }
+        return objective();
+      };
+      const double numeric = (eval(eps) - eval(-eps)) / (2 * eps);
+      {
+        NoGradGuard ng;
+        t.copy_(Tensor::from_vec(vals, t.sizes()).to(t.dtype()));
+      }
+      ++checked;
+      if (std::fabs(an[j] - numeric) > atol + rtol * std::fabs(numeric)) {
+        std::ostringstream os;
+        os << names[i] << " element " << j << ": analytic " << an[j] << ", numeric " << numeric;
+        return ::testing::AssertionFailure() << os.str();
+      }
+    }
+  }
+  if (checked == 0) return ::testing::AssertionFailure() << "nothing was checked";
+  return ::testing::AssertionSuccess() << checked << " elements checked";
+}
+
+}  // namespace flame::test
