@@ -1,7 +1,12 @@
 #pragma once
-// Umbrella header for flame::nn: modules, containers, layers, init, LoRA. See docs/nn.md.
+// Umbrella header for flame::nn: modules, containers, layers, functional ops, init, LoRA.
+// See docs/nn.md (modules) and docs/nn-layers.md (the layer list).
 #include "flame/nn/activation.h"
+#include "flame/nn/attention.h"
+#include "flame/nn/attention_layers.h"
 #include "flame/nn/containers.h"
+#include "flame/nn/conv.h"
+#include "flame/nn/conv_layers.h"
 #include "flame/nn/dropout.h"
 #include "flame/nn/embedding.h"
 #include "flame/nn/flatten.h"
@@ -9,3 +14,8 @@
 #include "flame/nn/linear.h"
 #include "flame/nn/lora.h"
 #include "flame/nn/module.h"
+#include "flame/nn/norm.h"
+#include "flame/nn/norm_layers.h"
+#include "flame/nn/pool.h"
+#include "flame/nn/pool_layers.h"
+#include "flame/nn/serialization.h"
