@@ -6,20 +6,8 @@ its default backend choice.
 """
 import argparse
 import json
-import statistics
 
-
-def median_ms(torch, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for r in range(reps):
-        fn()
-        events[r + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
+from bench_timing import median_ms
 
 
 def emit(name, ms):

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.h"
 #include "flame/flame.h"
 #include "flame/nn/conv.h"
 
@@ -34,41 +35,13 @@ using flame::DType;
 using flame::Tensor;
 namespace F = flame::nn::functional;
 
-#define BENCH_CUDA_CHECK(call)                                                               \
-  do {                                                                                       \
-    cudaError_t e_ = (call);                                                                 \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "bench_nn_conv: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                          \
-    }                                                                                        \
-  } while (0)
-
 struct Options {
   int reps = 20;
   int warmup = 3;
 };
 
 double median_ms(cudaStream_t stream, const Options& opt, const std::function<void()>& fn) {
-  for (int i = 0; i < opt.warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(opt.reps) + 1);
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
-  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int r = 0; r < opt.reps; ++r) {
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
-  }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int r = 0; r < opt.reps; ++r) {
-    float t = 0;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
-    ms.push_back(t);
-  }
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  return flame::bench::median_ms(stream, opt.reps, opt.warmup, fn);
 }
 
 void print_result(const std::string& name, double ms) {

@@ -12,7 +12,8 @@ Usage: python3 bench/bench_nn_conv_torch.py [--reps N] [--warmup N]
 """
 import argparse
 import json
-import statistics
+
+from bench_timing import median_ms
 
 
 def emit(name, ms=None, error=None):
@@ -22,19 +23,6 @@ def emit(name, ms=None, error=None):
     else:
         rec.update({"value": float(f"{ms:.4g}"), "unit": "ms", "ms": round(ms, 4)})
     print("BENCH " + json.dumps(rec), flush=True)
-
-
-def median_ms(torch, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for r in range(reps):
-        fn()
-        events[r + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
 
 
 def main():

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.h"
 #include "flame/flame.h"
 #include "flame/nn/norm.h"
 
@@ -29,37 +30,7 @@ using flame::DType;
 using flame::Tensor;
 namespace F = flame::nn::functional;
 
-#define BENCH_CUDA_CHECK(call)                                                           \
-  do {                                                                                   \
-    cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                             \
-      std::fprintf(stderr, "bench_nn_norm: %s failed: %s\n", #call, cudaGetErrorString(e_)); \
-      std::exit(2);                                                                      \
-    }                                                                                    \
-  } while (0)
-
-double median_ms(cudaStream_t stream, int reps, int warmup, const std::function<void()>& fn) {
-  for (int i = 0; i < warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(reps) + 1);
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
-  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int r = 0; r < reps; ++r) {
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
-  }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int r = 0; r < reps; ++r) {
-    float t = 0;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
-    ms.push_back(t);
-  }
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
-}
+using flame::bench::median_ms;
 
 void emit(const std::string& name, double gbps, double ms, double d2d) {
   std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f, \"pct_d2d\": %.1f}\n",

@@ -10,25 +10,13 @@ Usage: python3 bench/bench_nn_norm_torch.py [--reps N] [--warmup N]
 """
 import argparse
 import json
-import statistics
+
+from bench_timing import median_ms
 
 
 def emit(name, gbps, ms, d2d):
     print("BENCH " + json.dumps({"name": name, "value": float(f"{gbps:.4g}"), "unit": "GB/s",
                                  "ms": round(ms, 4), "pct_d2d": round(100.0 * gbps / d2d, 1)}), flush=True)
-
-
-def median_ms(torch, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for r in range(reps):
-        fn()
-        events[r + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
 
 
 def main():

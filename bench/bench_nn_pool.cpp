@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.h"
 #include "flame/flame.h"
 #include "flame/nn/pool.h"
 
@@ -27,39 +28,9 @@ using flame::DType;
 using flame::Tensor;
 namespace F = flame::nn::functional;
 
-#define BENCH_CUDA_CHECK(call)                                                                 \
-  do {                                                                                         \
-    cudaError_t e_ = (call);                                                                   \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "bench_nn_pool: %s failed: %s\n", #call, cudaGetErrorString(e_));   \
-      std::exit(2);                                                                            \
-    }                                                                                          \
-  } while (0)
-
 int g_reps = 20, g_warmup = 3;
 
-double median_ms(const std::function<void()>& fn) {
-  auto stream = static_cast<cudaStream_t>(flame::cuda::current_stream());
-  for (int i = 0; i < g_warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(g_reps) + 1);
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
-  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int r = 0; r < g_reps; ++r) {
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
-  }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> t;
-  for (int r = 0; r < g_reps; ++r) {
-    float ms = 0;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
-    t.push_back(ms);
-  }
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
-}
+double median_ms(const std::function<void()>& fn) { return flame::bench::median_ms(g_reps, g_warmup, fn); }
 
 void emit(const std::string& name, const std::function<void()>& fn) {
   try {

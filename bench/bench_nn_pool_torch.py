@@ -7,21 +7,13 @@ Usage: python3 bench/bench_nn_pool_torch.py [--reps N] [--warmup N]
 """
 import argparse
 import json
-import statistics
+
+from bench_timing import median_ms
 
 
 def emit(name, fn, torch, reps, warmup):
     try:
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-        ev[0].record()
-        for r in range(reps):
-            fn()
-            ev[r + 1].record()
-        torch.cuda.synchronize()
-        ms = statistics.median(ev[r].elapsed_time(ev[r + 1]) for r in range(reps))
+        ms = median_ms(torch, fn, reps, warmup)
         print("BENCH " + json.dumps({"name": name, "value": float(f"{ms:.4g}"), "unit": "ms", "ms": round(ms, 4)}),
               flush=True)
     except Exception as e:  # noqa: BLE001 - reported, the run goes on

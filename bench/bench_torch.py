@@ -16,6 +16,8 @@ import statistics
 import sys
 import time
 
+from bench_timing import median_ms
+
 MIB = 1 << 20
 BYTES = 256 * MIB            # each big tensor
 ELEMS = BYTES // 4           # f32 elements
@@ -37,19 +39,6 @@ def emit(name, value=None, unit=None, ms=None, pct_d2d=None, error=None):
         if pct_d2d is not None:
             rec["pct_d2d"] = round(pct_d2d, 1)
     print("BENCH " + json.dumps(rec), flush=True)
-
-
-def median_ms(torch, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-    events[0].record()
-    for r in range(reps):
-        fn()
-        events[r + 1].record()
-    torch.cuda.synchronize()
-    return statistics.median(events[r].elapsed_time(events[r + 1]) for r in range(reps))
 
 
 CHAIN_OPS = 1000             # bench_ops.cpp Note [Chain benchmark]

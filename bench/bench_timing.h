@@ -1,0 +1,56 @@
+#pragma once
+// Timing shared by the CUDA benchmarks (bench/bench_nn_*.cpp): the method every PyTorch twin
+// repeats in bench/bench_timing.py. Warm-up calls, then `reps` calls queued back to back on the
+// stream with an event recorded between consecutive calls; the result is the median per-call time
+// in milliseconds (no host synchronisation inside the timed region).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "flame/cuda.h"
+
+// Exits with the failing call named: a benchmark has nothing sensible to do after a CUDA error.
+#define BENCH_CUDA_CHECK(call)                                                                 \
+  do {                                                                                         \
+    cudaError_t e_ = (call);                                                                   \
+    if (e_ != cudaSuccess) {                                                                   \
+      std::fprintf(stderr, "%s: %s failed: %s\n", __FILE__, #call, cudaGetErrorString(e_));   \
+      std::exit(2);                                                                            \
+    }                                                                                          \
+  } while (0)
+
+namespace flame::bench {
+
+inline double median_ms(cudaStream_t stream, int reps, int warmup, const std::function<void()>& fn) {
+  for (int i = 0; i < warmup; ++i) fn();
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(reps) + 1);
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
+  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
+  for (int r = 0; r < reps; ++r) {
+    fn();
+    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
+  }
+  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<double> ms;
+  for (int r = 0; r < reps; ++r) {
+    float t = 0;
+    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
+    ms.push_back(t);
+  }
+  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
+  std::sort(ms.begin(), ms.end());
+  const std::size_t n = ms.size();
+  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+}
+
+// On the current FLAME stream.
+inline double median_ms(int reps, int warmup, const std::function<void()>& fn) {
+  return median_ms(static_cast<cudaStream_t>(flame::cuda::current_stream()), reps, warmup, fn);
+}
+
+}  // namespace flame::bench
