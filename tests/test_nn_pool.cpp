@@ -498,6 +498,15 @@ std::vector<DevCase> device_cases() {
       {"bilinear_frac", {2, 3, 9, 7},
        [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(1.37, 0.71).with_mode("bilinear")); }},
       {"pixel_shuffle", {2, 8, 5, 3}, [](const Tensor& t) { return F::pixel_shuffle(t, 2); }},
+      // Widths that are whole 16-byte vectors select the vectorised nearest paths (Note [Pool fast
+      // paths]): factor 2 x 2, 3 x 4 (f64 falls back: 4 does not divide its 2-element vector),
+      // nearest-exact 2 x 2, and 2 x 1.
+      {"nearest2x_vec", {2, 3, 5, 16}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(2)); }},
+      {"nearest_3x4_vec", {2, 3, 5, 8}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_size({15, 32})); }},
+      {"nearest_exact2x_vec", {2, 3, 6, 8},
+       [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(2).with_mode("nearest-exact")); }},
+      {"nearest_2x1_vec", {2, 3, 5, 16},
+       [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(2.0, 1.0)); }},
   };
 }
 
@@ -529,6 +538,37 @@ TEST(PoolCuda, ChannelsLastAndLargePlanes) {
     const Tensor gout = rnd(c.f(cl_cpu).sizes(), DType::bf16, Device::cpu(), 72);
     EXPECT_TRUE(all_close(grad_of(c.f, cl_gpu, gout.to(Device::cuda())), grad_of(c.f, cl_cpu, gout), 1e-2, 1e-2))
         << c.name << " grad";
+  }
+}
+
+// The fast paths at the benchmark's kind of shape (several planes, even sizes) and the int64
+// indices they write when asked for them (the backward may keep int32 ones internally).
+TEST(PoolCuda, FastPathsMatchCpuOnLargerShapes) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Tensor x = rnd({2, 16, 32, 40}, DType::bf16, Device::cpu(), 81);
+  const Tensor xc = x.to(Device::cuda());
+  const std::vector<DevCase> cases = {
+      {"max3x3s2p1", {}, [](const Tensor& t) { return F::max_pool2d(t, 3, 2, 1); }},
+      {"max2x2", {}, [](const Tensor& t) { return F::max_pool2d(t, 2); }},
+      {"avg3x3s2p1", {}, [](const Tensor& t) { return F::avg_pool2d(t, 3, 2, 1); }},
+      {"avg3x3s1p1_nopad", {}, [](const Tensor& t) { return F::avg_pool2d(t, 3, 1, 1, false, false); }},
+      {"nearest2x", {}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(2)); }},
+      {"nearest4x", {}, [](const Tensor& t) { return F::interpolate(t, F::InterpolateOptions().with_scale(4)); }},
+  };
+  for (const DevCase& c : cases) {
+    const Tensor y_cpu = c.f(x);
+    EXPECT_TRUE(all_close(c.f(xc), y_cpu, 1e-2, 1e-2)) << c.name;
+    const Tensor gout = rnd(y_cpu.sizes(), DType::bf16, Device::cpu(), 82);
+    EXPECT_TRUE(all_close(grad_of(c.f, xc, gout.to(Device::cuda())), grad_of(c.f, x, gout), 1e-2, 1e-2))
+        << c.name << " grad";
+  }
+  for (const Tensor& in : {xc, xc.permute({0, 1, 3, 2})}) {  // fast (contiguous) and generic (strided)
+    const Tensor in_cpu = in.to(Device::cpu());
+    auto [v, idx] = F::max_pool2d_with_indices(in, 3, 2, 1);
+    auto [v_cpu, idx_cpu] = F::max_pool2d_with_indices(in_cpu, 3, 2, 1);
+    ASSERT_EQ(idx.dtype(), DType::i64);
+    EXPECT_TRUE(all_close(v, v_cpu, 0, 0));
+    EXPECT_TRUE(all_close(idx, idx_cpu, 0, 0));
   }
 }
 

@@ -4,6 +4,8 @@
 #include "flame/nn/pool.h"
 
 #include <cmath>
+#include <cstdint>
+#include <limits>
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
@@ -78,7 +80,13 @@ std::pair<Tensor, Tensor> run_pool(const Tensor& x, const Tensor& x4, const Pool
   Tensor out = make_empty(out_shape, x.dtype(), x.device());
   const bool is_max = p.mode == PoolMode::max;
   Tensor indices;
-  if (is_max && (want_indices || needs_grad({x}))) indices = make_empty(out_shape, DType::i64, x.device());
+  if (is_max && (want_indices || needs_grad({x}))) {
+    // Indices kept only for the backward may be int32 on CUDA (half the bytes written and read
+    // again; Note [Pool fast paths] in src/backend/cuda/pool/pool_fast.cu); the public ones are int64.
+    const bool compact = !want_indices && x.device().is_cuda() &&
+                         x4.size(2) * x4.size(3) <= std::numeric_limits<int32_t>::max();
+    indices = make_empty(out_shape, compact ? DType::i32 : DType::i64, x.device());
+  }
   if (out.numel() > 0) backend::backend_for(x.device()).pool2d(out, indices, x4, p);
   rules::pool2d(out, x4, indices, p);
   Tensor y = from_4d(out, x, spatial);

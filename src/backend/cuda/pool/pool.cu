@@ -3,9 +3,11 @@
 // One thread per output element (forward) or per input element (backward: a gather over the
 // outputs that read it, so the gradient is deterministic and needs no atomics). Half types
 // compute in float; reads honour any input strides (channels-last included); results are
-// contiguous NCHW.
+// contiguous NCHW. Contiguous inputs of the common cases take the fast paths of pool_fast.cu
+// (Note [Pool fast paths]).
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
+#include "src/backend/cuda/pool/pool_fast.h"
 #include "src/backend/pool_params.h"
 
 namespace flame::backend::cuda {
@@ -29,8 +31,9 @@ __device__ __forceinline__ int64_t thread_index() {
 }
 __device__ __forceinline__ int64_t thread_count() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
-template <class T>
-__global__ void pool2d_kernel(const T* __restrict__ x, Strides4 xs, T* __restrict__ out, int64_t* __restrict__ idx,
+// I: the saved argmax type, int64 (the public indices) or int32 (internal, Note [Pool fast paths]).
+template <class T, class I>
+__global__ void pool2d_kernel(const T* __restrict__ x, Strides4 xs, T* __restrict__ out, I* __restrict__ idx,
                               Pool2dParams p, int64_t total) {
   using A = compute_t<T>;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
@@ -59,13 +62,13 @@ __global__ void pool2d_kernel(const T* __restrict__ x, Strides4 xs, T* __restric
     }
     if (!is_max) acc /= static_cast<A>(p.divisor(oh, ow));
     out[i] = store_as<T>(acc);
-    if (idx) idx[i] = arg;
+    if (idx) idx[i] = static_cast<I>(arg);
   }
 }
 
-template <class T>
+template <class T, class I>
 __global__ void pool2d_backward_kernel(T* __restrict__ gin, const T* __restrict__ gout, Strides4 gs,
-                                       const int64_t* __restrict__ idx, Pool2dParams p, int64_t total) {
+                                       const I* __restrict__ idx, Pool2dParams p, int64_t total) {
   using A = compute_t<T>;
   const int64_t H = p.h.in, W = p.w.in, OH = p.h.out, OW = p.w.out;
   for (int64_t i = thread_index(); i < total; i += thread_count()) {
@@ -78,7 +81,7 @@ __global__ void pool2d_backward_kernel(T* __restrict__ gin, const T* __restrict_
     for (int64_t oh = oh0; oh < oh1; ++oh) {
       for (int64_t ow = ow0; ow < ow1; ++ow) {
         if (idx) {
-          if (idx[(b * OH + oh) * OW + ow] == ih * W + iw) acc += load_as<A>(g[oh * gs.h + ow * gs.w]);
+          if (static_cast<int64_t>(idx[(b * OH + oh) * OW + ow]) == ih * W + iw) acc += load_as<A>(g[oh * gs.h + ow * gs.w]);
         } else if (p.h.covers(oh, ih) && p.w.covers(ow, iw)) {
           acc += load_as<A>(g[oh * gs.h + ow * gs.w]) / static_cast<A>(p.divisor(oh, ow));
         }
@@ -173,11 +176,19 @@ void CudaBackend::pool2d(const Tensor& out, const Tensor& indices, const Tensor&
   const int64_t total = out.numel();
   if (total == 0) return;
   DeviceGuard guard(device());
+  if (pool2d_fast(out, indices, x, p, stream())) return;
   dispatch_floating(x.dtype(), "pool2d", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    int64_t* ip = indices.defined() ? static_cast<int64_t*>(indices.data_ptr()) : nullptr;
-    pool2d_kernel<T><<<blocks_for(total, kThreads), kThreads, 0, stream()>>>(
-        static_cast<const T*>(x.data_ptr()), strides4(x), static_cast<T*>(out.data_ptr()), ip, p, total);
+    const unsigned int blocks = blocks_for(total, kThreads);
+    if (indices.defined() && indices.dtype() == DType::i32) {
+      pool2d_kernel<T, int32_t><<<blocks, kThreads, 0, stream()>>>(
+          static_cast<const T*>(x.data_ptr()), strides4(x), static_cast<T*>(out.data_ptr()),
+          static_cast<int32_t*>(indices.data_ptr()), p, total);
+    } else {
+      int64_t* ip = indices.defined() ? static_cast<int64_t*>(indices.data_ptr()) : nullptr;
+      pool2d_kernel<T, int64_t><<<blocks, kThreads, 0, stream()>>>(
+          static_cast<const T*>(x.data_ptr()), strides4(x), static_cast<T*>(out.data_ptr()), ip, p, total);
+    }
     FLAME_CUDA_CHECK_LAUNCH();
   });
 }
@@ -188,12 +199,19 @@ void CudaBackend::pool2d_backward(const Tensor& grad_in, const Tensor& grad_out,
   if (total == 0) return;
   FLAME_CHECK(p.mode != PoolMode::max || indices.defined(), "max_pool2d_backward", "the saved indices are missing");
   DeviceGuard guard(device());
+  if (pool2d_backward_fast(grad_in, grad_out, indices, p, stream())) return;
   dispatch_floating(grad_in.dtype(), "pool2d_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const int64_t* ip = p.mode == PoolMode::max ? static_cast<const int64_t*>(indices.data_ptr()) : nullptr;
-    pool2d_backward_kernel<T><<<blocks_for(total, kThreads), kThreads, 0, stream()>>>(
-        static_cast<T*>(grad_in.data_ptr()), static_cast<const T*>(grad_out.data_ptr()), strides4(grad_out), ip, p,
-        total);
+    const unsigned int blocks = blocks_for(total, kThreads);
+    T* gi = static_cast<T*>(grad_in.data_ptr());
+    const T* go = static_cast<const T*>(grad_out.data_ptr());
+    if (p.mode == PoolMode::max && indices.dtype() == DType::i32) {
+      pool2d_backward_kernel<T, int32_t><<<blocks, kThreads, 0, stream()>>>(
+          gi, go, strides4(grad_out), static_cast<const int32_t*>(indices.data_ptr()), p, total);
+    } else {
+      const int64_t* ip = p.mode == PoolMode::max ? static_cast<const int64_t*>(indices.data_ptr()) : nullptr;
+      pool2d_backward_kernel<T, int64_t><<<blocks, kThreads, 0, stream()>>>(gi, go, strides4(grad_out), ip, p, total);
+    }
     FLAME_CUDA_CHECK_LAUNCH();
   });
 }
@@ -202,6 +220,7 @@ void CudaBackend::upsample2d(const Tensor& out, const Tensor& x, const Upsample2
   const int64_t total = out.numel();
   if (total == 0) return;
   DeviceGuard guard(device());
+  if (upsample2d_nearest_fast(out, x, p, stream())) return;
   dispatch_floating(x.dtype(), "upsample2d", [&](auto tag) {
     using T = typename decltype(tag)::type;
     upsample2d_kernel<T><<<blocks_for(total, kThreads), kThreads, 0, stream()>>>(
@@ -214,6 +233,7 @@ void CudaBackend::upsample2d_backward(const Tensor& grad_in, const Tensor& grad_
   const int64_t total = grad_in.numel();
   if (total == 0) return;
   DeviceGuard guard(device());
+  if (upsample2d_nearest_backward_fast(grad_in, grad_out, p, stream())) return;
   dispatch_floating(grad_in.dtype(), "upsample2d_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     upsample2d_backward_kernel<T><<<blocks_for(total, kThreads), kThreads, 0, stream()>>>(
