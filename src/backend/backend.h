@@ -118,8 +118,9 @@ class Backend {
                                    const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
                                    bool training) = 0;
   // ---- pool ----
-  // Note [Pool windows] in pool_params.h. x: [N, C, H, W] any strides; out (and indices, i64, flat
-  // h*W+w of each max; may be undefined) contiguous [N, C, OH, OW].
+  // Note [Pool windows] in pool_params.h. x: [N, C, H, W] any strides; out (and indices: flat
+  // h*W+w of each max, i64, or i32 where the CUDA op layer keeps them internal; may be undefined)
+  // contiguous [N, C, OH, OW].
   virtual void pool2d(const Tensor& out, const Tensor& indices, const Tensor& x, const Pool2dParams& p) = 0;
   // grad_in contiguous [N, C, H, W] (overwritten); grad_out [N, C, OH, OW] any strides; indices
   // contiguous (max only).
