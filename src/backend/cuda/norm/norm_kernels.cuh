@@ -197,11 +197,12 @@ template <int kTPR>
 constexpr int rows_bwd_block() {
   return kTPR < 256 ? 512 : kTPR;
 }
-// 2-byte types keep x and dy packed (Note [Row backward pipeline]): 64 registers are enough, so
-// two 512-thread blocks stay resident per SM. Wider types need more and get no bound.
-template <class T, int kTPR>
+// 2-byte types in 16-byte vectors keep x and dy packed (Note [Row backward pipeline]): 64
+// registers hold them without spilling (ptxas -v), so two 512-thread blocks stay resident per SM.
+// Wider types and the scalar fallback (8 separate values per thread) need more and get no bound.
+template <class T, int W, int kTPR>
 constexpr int rows_bwd_min_blocks() {
-  return sizeof(T) == 2 && rows_bwd_block<kTPR>() == 512 ? 2 : 1;
+  return sizeof(T) == 2 && W > 1 && rows_bwd_block<kTPR>() == 512 ? 2 : 1;
 }
 
 // Note [Row backward pipeline]
@@ -261,7 +262,7 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
 // part_w/part_b (null when not wanted): [gridDim.x, cols] partial sums of dy * xhat and dy.
 template <class T, int W, int kVPT, int kTPR, bool kRms>
-__global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, kTPR>()))
+__global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, W, kTPR>()))
     rows_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const compute_t<T>* __restrict__ mean,
                          const compute_t<T>* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
                          compute_t<T>* __restrict__ part_w, compute_t<T>* __restrict__ part_b, int64_t rows,
