@@ -361,7 +361,21 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   const bool params = part_w != nullptr;
   for (int64_t i = threadIdx.x; i < 2 * cg; i += kClusterBlock) acc[i / cg][i % cg] = A(0);
   __syncthreads();
-  A xv[kVPT][W], gv[kVPT][W];
+  // x and dy stay packed as loaded (half the registers of compute precision for 2-byte types, so
+  // more blocks fit an SM), and every load is issued before the per-channel reductions below.
+  using Raw = typename RawVec<T, W>::type;
+  Raw xr[kVPT], dr[kVPT];
+  A wck[kVPT];
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+    wck[k] = A(1);
+    if (vi < v1) {
+      xr[k] = load_raw<T, W>(x + row * len + vi * W);
+      dr[k] = load_raw<T, W>(dy + row * len + vi * W);
+      if (w) wck[k] = load_as<A>(w[c0 + (vi * W) / S]);
+    }
+  }
   A sg = A(0), sgx = A(0);
 #pragma unroll
   for (int k = 0; k < kVPT; ++k) {
@@ -370,20 +384,14 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     const int64_t ci = in ? (vi * W) / S : -1;  // the group's channel of this vector
     A a_dy = A(0), a_dyx = A(0);
     if (in) {
-      A de[W];
-      load_vec<T, W>(x + row * len + vi * W, xv[k]);
-      load_vec<T, W>(dy + row * len + vi * W, de);
-      const A wc = w ? load_as<A>(w[c0 + ci]) : A(1);
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const A xh = (xv[k][j] - m) * rs;
-        xv[k][j] = xh;
-        a_dy += de[j];
-        a_dyx += de[j] * xh;
-        gv[k][j] = de[j] * wc;
+        const A d = raw_elem<T, W, A>(dr[k], j);
+        a_dy += d;
+        a_dyx += d * ((raw_elem<T, W, A>(xr[k], j) - m) * rs);
       }
-      sg += wc * a_dy;
-      sgx += wc * a_dyx;
+      sg += wck[k] * a_dy;
+      sgx += wck[k] * a_dyx;
     }
     if (params) {
       // Whole warps in one channel add once; otherwise each lane adds its own.
@@ -422,7 +430,10 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       if (vi < v1) {
         A o[W];
 #pragma unroll
-        for (int j = 0; j < W; ++j) o[j] = rs * (gv[k][j] - mg - xv[k][j] * mgx);
+        for (int j = 0; j < W; ++j) {
+          const A xh = (raw_elem<T, W, A>(xr[k], j) - m) * rs;
+          o[j] = rs * (raw_elem<T, W, A>(dr[k], j) * wck[k] - mg - xh * mgx);
+        }
         store_vec<T, W>(dx + row * len + vi * W, o);
       }
     }
