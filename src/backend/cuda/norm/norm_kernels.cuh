@@ -15,7 +15,8 @@
 //    registers, plus the weight/bias gradient accumulators). Each thread owns fixed columns of
 //    every row it visits, so it accumulates dy*xhat and dy for them in registers over all its
 //    rows; a block adds its rows' accumulators in shared memory and writes one partial row;
-//    a second kernel sums the partial rows per column (two stages, no global atomics).
+//    a second kernel sums the partial rows per column (two stages, no global atomics). The row
+//    loop is pipelined (Note [Row backward pipeline]).
 //    Longer rows: dx by a block per row, the parameter gradients by a column kernel.
 // Channels (group_norm, batch_norm), x [N, C, S] contiguous: a block per (n, group) or per
 // channel. GroupNorm's statistics are one pass of shifted sums (sum of x - K and its square, K
