@@ -412,17 +412,6 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   const A inv_len = A(1) / static_cast<A>(len);
   cluster_sum2(sg, sgx, slots, smem, cluster);  // its cluster.sync also orders acc
   const A mg = sg * inv_len, mgx = sgx * inv_len;
-  if (params && rank == 0) {
-    for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
-      A tw = A(0), tb = A(0);
-      for (int r = 0; r < kCluster; ++r) {
-        tw += cluster.map_shared_rank(&acc[0][0], r)[ci];
-        tb += cluster.map_shared_rank(&acc[1][0], r)[ci];
-      }
-      part_w[n * C + c0 + ci] = tw;
-      part_b[n * C + c0 + ci] = tb;
-    }
-  }
   if (dx) {
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
@@ -436,6 +425,19 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
         }
         store_vec<T, W>(dx + row * len + vi * W, o);
       }
+    }
+  }
+  // After dx: x and dy are dead by then, so the cluster addresses below do not add to the
+  // registers live across the kernel.
+  if (params && rank == 0) {
+    for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
+      A tw = A(0), tb = A(0);
+      for (int r = 0; r < kCluster; ++r) {
+        tw += cluster.map_shared_rank(&acc[0][0], r)[ci];
+        tb += cluster.map_shared_rank(&acc[1][0], r)[ci];
+      }
+      part_w[n * C + c0 + ci] = tw;
+      part_b[n * C + c0 + ci] = tb;
     }
   }
   cluster.sync();  // the other blocks have read this block's slots and accumulators
