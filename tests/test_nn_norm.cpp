@@ -441,6 +441,45 @@ TEST(NormCuda, BatchNormRunningStatsMatchCpu) {
   EXPECT_TRUE(close_scaled(rv_g, rv_c, 1e-5));
 }
 
+// The row backward runs a grid of resident blocks that walk the rows with a stride and prefetch
+// the next row (Note [Row backward pipeline]): enough rows for several strides per block, a
+// count that leaves the last stride partly empty, and each geometry (a warp per row with many
+// rows per block, a 128-thread row slot, a block per row).
+TEST(NormCuda, RowsManyStridesMatchCpu) {
+  FLAME_SKIP_IF_NO_CUDA();
+  uint64_t seed = 700;
+  struct C {
+    int64_t rows, cols;
+  };
+  for (const C& c : std::vector<C>{{20011, 64}, {6341, 1024}, {2503, 3000}}) {
+    compare_cuda("layer_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+      return F::layer_norm(x, {c.cols}, w, b);
+    }, {c.rows, c.cols}, {c.cols}, true, false, seed++);
+    compare_cuda("rms_norm", [&](const Tensor& x, const Tensor& w, const Tensor&) {
+      return F::rms_norm(x, {c.cols}, w, 1e-6);
+    }, {c.rows, c.cols}, {c.cols}, true, false, seed++);
+  }
+  // Without weight: the pipeline's unit weights.
+  compare_cuda("layer_norm", [](const Tensor& x, const Tensor& w, const Tensor& b) {
+    return F::layer_norm(x, {1024}, w, b);
+  }, {4099, 1024}, {1024}, false, false, seed++);
+}
+
+// GroupNorm on a cluster combines per-block statistics (Note [GroupNorm cluster statistics]):
+// slices of unequal size (9 vectors over 8 blocks for 2-byte types: 2, 2, 2, 2, 1 and three
+// empty ranks), and a big group whose blocks all hold several vectors.
+TEST(NormCuda, GroupNormClusterSlicesMatchCpu) {
+  FLAME_SKIP_IF_NO_CUDA();
+  uint64_t seed = 800;
+  for (const Shape& shape : std::vector<Shape>{{2, 6, 24}, {3, 12, 40}, {2, 16, 96, 96}}) {
+    for (int64_t groups : {1, 2}) {
+      compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+        return F::group_norm(x, groups, w, b);
+      }, shape, {shape[1]}, true, false, seed++);
+    }
+  }
+}
+
 TEST(NormCuda, OnlyWeightGradient) {
   FLAME_SKIP_IF_NO_CUDA();
   for (int64_t cols : {1024, 5000}) {

@@ -15,7 +15,8 @@
 //    registers, plus the weight/bias gradient accumulators). Each thread owns fixed columns of
 //    every row it visits, so it accumulates dy*xhat and dy for them in registers over all its
 //    rows; a block adds its rows' accumulators in shared memory and writes one partial row;
-//    a second kernel sums the partial rows per column (two stages, no global atomics).
+//    a second kernel sums the partial rows per column (two stages, no global atomics). The row
+//    loop is pipelined (Note [Row backward pipeline]).
 //    Longer rows: dx by a block per row, the parameter gradients by a column kernel.
 // Channels (group_norm, batch_norm), x [N, C, S] contiguous: a block per (n, group) or per
 // channel. GroupNorm's statistics are one pass of shifted sums (sum of x - K and its square, K
@@ -25,6 +26,7 @@
 // channel, two exact passes for the statistics, an elementwise apply, and a backward block per
 // channel that writes the channel's weight/bias gradient itself.
 #include <cstdint>
+#include <type_traits>
 
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
@@ -196,71 +198,161 @@ template <int kTPR>
 constexpr int rows_bwd_block() {
   return kTPR < 256 ? 512 : kTPR;
 }
+// 2-byte types in 16-byte vectors keep x and dy packed (Note [Row backward pipeline]): 64
+// registers hold them without spilling (ptxas -v), so two 512-thread blocks stay resident per SM.
+// Wider types and the scalar fallback (8 separate values per thread) need more and get no bound.
+template <class T, int W, int kTPR>
+constexpr int rows_bwd_min_blocks() {
+  return sizeof(T) == 2 && W > 1 && rows_bwd_block<kTPR>() == 512 ? 2 : 1;
+}
+
+// Note [Row backward pipeline]
+// The backward is bound by how many bytes each SM has in flight. Every row step needs a
+// row-wide reduction (sum g, sum g * xhat), which, for rows wider than a warp, is a block
+// barrier: without care no load is outstanding while a block waits there. So each thread
+//  - keeps its row's x and dy packed as loaded (16-byte vectors: 8 registers per vector pair),
+//    and issues the loads of its NEXT row before reducing the current one (a software pipeline
+//    of depth 2), so the barrier wait overlaps the next row's memory latency;
+//  - reduces both sums in one round (one barrier pair instead of two);
+//  - loads its weights once (a thread owns fixed columns of every row it visits);
+//  - recomputes xhat and g from the packed values after the reduction (cheap arithmetic instead
+//    of 16 more live registers).
+template <class T, int W>
+struct RawVec {
+  using type = std::conditional_t<(W > 1), uint4, T>;
+};
+template <class T, int W>
+__device__ __forceinline__ typename RawVec<T, W>::type load_raw(const T* p) {
+  if constexpr (W > 1) return __ldg(reinterpret_cast<const uint4*>(p));
+  else return p[0];
+}
+template <class T, int W, class A>
+__device__ __forceinline__ A raw_elem(const typename RawVec<T, W>::type& v, int j) {
+  if constexpr (W > 1) return load_as<A>(vec_elem<T>(v, j));
+  else return load_as<A>(v);
+}
+
+// Both row sums in one round: a and b over the kTPR threads of a row (smem: 64 entries).
+template <int kTPR, class A>
+__device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
+  constexpr int width = kTPR < 32 ? kTPR : 32;
+#pragma unroll
+  for (int m = width / 2; m > 0; m >>= 1) {
+    a += __shfl_xor_sync(0xffffffffu, a, m);
+    b += __shfl_xor_sync(0xffffffffu, b, m);
+  }
+  if constexpr (kTPR > 32) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
+    __syncthreads();  // the previous round's reads are done
+    if (lane == 0) {
+      smem[warp] = a;
+      smem[32 + warp] = b;
+    }
+    __syncthreads();
+    a = smem[first];
+    b = smem[32 + first];
+#pragma unroll
+    for (int w = 1; w < kTPR / 32; ++w) {
+      a += smem[first + w];
+      b += smem[32 + first + w];
+    }
+  }
+}
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
 // part_w/part_b (null when not wanted): [gridDim.x, cols] partial sums of dy * xhat and dy.
 template <class T, int W, int kVPT, int kTPR, bool kRms>
-__global__ void __launch_bounds__(rows_bwd_block<kTPR>())
+__global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, W, kTPR>()))
     rows_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const compute_t<T>* __restrict__ mean,
                          const compute_t<T>* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
                          compute_t<T>* __restrict__ part_w, compute_t<T>* __restrict__ part_b, int64_t rows,
                          int64_t cols) {
   using A = compute_t<T>;
+  using Raw = typename RawVec<T, W>::type;
   constexpr int kBlock = rows_bwd_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
-  __shared__ A smem[32];
+  __shared__ A smem[64];
   extern __shared__ __align__(16) unsigned char dyn_smem[];  // [2][cols] when several rows share the block
   A* acc_smem = reinterpret_cast<A*>(dyn_smem);
   const int t = threadIdx.x % kTPR;
+  const int slot = threadIdx.x / kTPR;
   const bool want_params = part_w != nullptr;
   const A inv_cols = A(1) / static_cast<A>(cols);
-  A aw[kVPT][W], ab[kVPT][W];
+  A aw[kVPT][W], ab[kVPT][W], wv[kVPT][W];
+  bool in_cols[kVPT];
 #pragma unroll
-  for (int k = 0; k < kVPT; ++k)
+  for (int k = 0; k < kVPT; ++k) {
+    const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
+    in_cols[k] = e < cols;
+    if (w && in_cols[k]) load_vec<T, W>(w + e, wv[k]);
 #pragma unroll
-    for (int j = 0; j < W; ++j) aw[k][j] = ab[k][j] = A(0);
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < rows;
-       row0 += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
-    const int64_t row = row0 + threadIdx.x / kTPR;
+    for (int j = 0; j < W; ++j) {
+      aw[k][j] = ab[k][j] = A(0);
+      if (!(w && in_cols[k])) wv[k][j] = A(1);
+    }
+  }
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
+  // Stage of the pipeline: packed x, dy and the row's statistics of the row about to be used.
+  Raw nx[kVPT] = {}, nd[kVPT] = {};
+  A nm = A(0), nrs = A(0);
+  auto fetch = [&](int64_t row) {
+    if (row >= rows) return;
+    if constexpr (!kRms) nm = mean[row];
+    nrs = rstd[row];
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k)
+      if (in_cols[k]) {
+        const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
+        nx[k] = load_raw<T, W>(x + e);
+        nd[k] = load_raw<T, W>(dy + e);
+      }
+  };
+  int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
+  fetch(row0 + slot);
+  for (; row0 < rows; row0 += stride) {
+    const int64_t row = row0 + slot;
     const bool valid = row < rows;
-    const int64_t r = valid ? row : 0;
-    const A m = kRms ? A(0) : mean[r], rs = rstd[r];
-    A xv[kVPT][W], gv[kVPT][W];
-    bool in[kVPT];
-    A sg = A(0), sgx = A(0);
+    Raw cx[kVPT], cd[kVPT];
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-      in[k] = valid && e < cols;
-      if (!in[k]) continue;
-      A dv[W], wv[W];
-      load_vec<T, W>(x + r * cols + e, xv[k]);
-      load_vec<T, W>(dy + r * cols + e, dv);
-      if (w) load_vec<T, W>(w + e, wv);
+      cx[k] = nx[k];
+      cd[k] = nd[k];
+    }
+    const A m = nm, rs = nrs;
+    fetch(row + stride);  // in flight while this row is reduced
+    A sg = A(0), sgx = A(0);
+    if (valid) {
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const A xh = (xv[k][j] - m) * rs;
-        xv[k][j] = xh;
-        aw[k][j] += dv[j] * xh;
-        ab[k][j] += dv[j];
-        const A g = w ? dv[j] * wv[j] : dv[j];
-        gv[k][j] = g;
-        sg += g;
-        sgx += g * xh;
+      for (int k = 0; k < kVPT; ++k) {
+        if (!in_cols[k]) continue;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const A d = raw_elem<T, W, A>(cd[k], j);
+          const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
+          aw[k][j] += d * xh;
+          ab[k][j] += d;
+          const A g = d * wv[k][j];
+          sg += g;
+          sgx += g * xh;
+        }
       }
     }
-    if constexpr (!kRms) sg = row_allreduce<kTPR, SumOpF>(sg, smem);
-    sgx = row_allreduce<kTPR, SumOpF>(sgx, smem);
+    if constexpr (kRms) sgx = row_allreduce<kTPR, SumOpF>(sgx, smem);
+    else row_allreduce2<kTPR>(sg, sgx, smem);
     if (!valid || dx == nullptr) continue;
     const A mg = kRms ? A(0) : sg * inv_cols, mgx = sgx * inv_cols;
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      if (!in[k]) continue;
+      if (!in_cols[k]) continue;
       const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
       A o[W];
 #pragma unroll
-      for (int j = 0; j < W; ++j) o[j] = rs * (gv[k][j] - mg - xv[k][j] * mgx);
-      store_vec<T, W>(dx + r * cols + e, o);
+      for (int j = 0; j < W; ++j) {
+        const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
+        o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wv[k][j] - mg - xh * mgx);
+      }
+      store_vec<T, W>(dx + row * cols + e, o);
     }
   }
   if (!want_params) return;

@@ -90,12 +90,16 @@ struct RowsBwdPtrs {
   int64_t rows, cols;
 };
 
-// Blocks resident at once (a full SM holds 2048 threads): every block writes one partial row,
-// so the grid is the machine's width, not the row count.
-template <int kBlock>
-int64_t rows_bwd_grid(int device, int64_t row_groups) {
-  const int64_t resident = static_cast<int64_t>(sm_count(device)) * (2048 / kBlock);
-  return std::max<int64_t>(1, std::min(row_groups, resident));
+// Blocks resident per SM for a kernel: every block writes one partial row, so the grid is the
+// machine's width, not the row count. The occupancy is the kernel's own (its registers decide it).
+template <class K>
+int rows_bwd_per_sm(K kernel, int block, std::size_t max_smem) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, block, max_smem) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky; fall back to a full SM's threads
+    n = 2048 / block;
+  }
+  return std::max(n, 1);
 }
 
 template <class T, int W, int kVPT, int kTPR, bool kRms>
@@ -104,9 +108,14 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   using A = compute_t<T>;
   constexpr int kBlock = rows_bwd_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
+  const auto kernel = &rows_backward_kernel<T, W, kVPT, kTPR, kRms>;
   cudaStream_t st = be.stream();
   const bool params = dw != nullptr || db != nullptr;
-  const int64_t grid = rows_bwd_grid<kBlock>(be.device(), ceil_div(rows, kRowsPerBlock));
+  const std::size_t max_smem = kRowsPerBlock > 1 ? 2 * static_cast<std::size_t>(kVPT * kTPR * W) * sizeof(A) : 0;
+  // Asked once per configuration, with the largest shared memory it may use.
+  static const int per_sm = rows_bwd_per_sm(kernel, kBlock, max_smem);
+  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
+  const int64_t grid = std::max<int64_t>(1, std::min(ceil_div(rows, kRowsPerBlock), resident));
   std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
   A *pw = nullptr, *pb = nullptr;
   if (params) {
@@ -115,7 +124,7 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
     pb = pw + grid * cols;
   }
   const std::size_t smem = (params && kRowsPerBlock > 1) ? 2 * static_cast<std::size_t>(cols) * sizeof(A) : 0;
-  rows_backward_kernel<T, W, kVPT, kTPR, kRms><<<static_cast<unsigned>(grid), kBlock, smem, st>>>(
+  kernel<<<static_cast<unsigned>(grid), kBlock, smem, st>>>(
       dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
   if (params) {
