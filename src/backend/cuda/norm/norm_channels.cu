@@ -214,9 +214,8 @@ __global__ void __launch_bounds__(kChannelBlock)
 // groups of 128 KiB in flight the second read misses L2. Instead a cluster of kCluster blocks
 // holds one group in registers (up to kVPT vectors per thread): each block sums its slice, the
 // blocks exchange their partial sums through distributed shared memory (cluster.sync between the
-// steps), and every value is read once and written once. Each block takes its slice's mean and
-// centred sum of squares from the registers (exact two passes, block barriers only), and one
-// cluster exchange combines them (Note [GroupNorm cluster statistics]). The backward holds x and dy the same way; its
+// steps), and every value is read once and written once. Mean first, then the centred sum of
+// squares from the registers (exact two passes). The backward holds x and dy the same way; its
 // per-channel sums (the weight/bias gradients) go to shared-memory accumulators of the group's
 // channels (a warp adds its sum once when all its lanes are in one channel), and block rank 0
 // adds the cluster's accumulators into the per-(n, c) partials. Every thread of every block
@@ -226,25 +225,17 @@ constexpr int kCluster = 8;
 constexpr int kClusterBlock = 512;
 constexpr int kClusterMaxChannels = 256;  // per group, for the backward's accumulators
 
-// Cluster-wide sums of two values per thread in one exchange (one cluster.sync instead of two).
-// `slots` is this block's two shared words, `smem` 64 words of scratch.
+// Cluster-wide sum of one value per thread (valid in every thread). `slot` is this block's
+// shared word for the exchange, `smem` the block_reduce scratch.
 template <class A>
-__device__ __forceinline__ void cluster_sum2(A& a, A& b, A* slots, A* smem, cooperative_groups::cluster_group& cluster) {
-  row_allreduce2<kClusterBlock>(a, b, smem);
-  if (threadIdx.x == 0) {
-    slots[0] = a;
-    slots[1] = b;
-  }
+__device__ __forceinline__ A cluster_sum(A v, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
+  v = block_reduce<NormSum<A>>(v, smem);
+  if (threadIdx.x == 0) *slot = v;
   cluster.sync();
-  A ta = A(0), tb = A(0);
+  A total = A(0);
 #pragma unroll
-  for (int r = 0; r < kCluster; ++r) {
-    const A* remote = cluster.map_shared_rank(slots, r);
-    ta += remote[0];
-    tb += remote[1];
-  }
-  a = ta;
-  b = tb;
+  for (int r = 0; r < kCluster; ++r) total += *cluster.map_shared_rank(slot, r);
+  return total;
 }
 
 template <class T, int W, int kVPT>
@@ -275,17 +266,8 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       for (int j = 0; j < W; ++j) s += v[k][j];
     }
   }
-  // Note [GroupNorm cluster statistics]: each block's exact two-pass sums over its own values,
-  // then one cluster exchange of (sum, centred sum of squares) combined as in Chan et al.:
-  // M2 = sum_r (M2_r + n_r (mean_r - mean)^2). One cluster barrier instead of two.
   const A inv_len = A(1) / static_cast<A>(len);
-  auto count_of = [&](int r) -> int64_t {  // values held by block rank r
-    const int64_t a = static_cast<int64_t>(r) * per, e = a + per < nvec ? a + per : nvec;
-    return e > a ? (e - a) * W : 0;
-  };
-  const int64_t nb = count_of(rank);
-  const A sb = row_allreduce<kClusterBlock, SumOpF>(s, smem);
-  const A mb = nb > 0 ? sb / static_cast<A>(nb) : A(0);
+  const A m = cluster_sum(s, &slots[0], smem, cluster) * inv_len;
   A q = A(0);
 #pragma unroll
   for (int k = 0; k < kVPT; ++k) {
@@ -293,30 +275,11 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     if (vi < v1)
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const A d = v[k][j] - mb;
+        const A d = v[k][j] - m;
         q += d * d;
       }
   }
-  q = block_reduce<NormSum<A>>(q, smem);
-  if (threadIdx.x == 0) {
-    slots[0] = sb;
-    slots[1] = q;
-  }
-  cluster.sync();
-  A total = A(0);
-#pragma unroll
-  for (int r = 0; r < kCluster; ++r) total += cluster.map_shared_rank(&slots[0], r)[0];
-  const A m = total * inv_len;
-  A m2 = A(0);
-#pragma unroll
-  for (int r = 0; r < kCluster; ++r) {
-    const int64_t nr = count_of(r);
-    if (nr == 0) continue;
-    const A* remote = cluster.map_shared_rank(&slots[0], r);
-    const A d = remote[0] / static_cast<A>(nr) - m;
-    m2 += remote[1] + static_cast<A>(nr) * d * d;
-  }
-  const A rs = rsqrt_acc(m2 * inv_len + eps);
+  const A rs = rsqrt_acc(cluster_sum(q, &slots[1], smem, cluster) * inv_len + eps);
   if (rank == 0 && threadIdx.x == 0) {
     mean_out[row] = m;
     rstd_out[row] = rs;
@@ -347,7 +310,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   using A = compute_t<T>;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
-  __shared__ A smem[64];
+  __shared__ A smem[32];
   __shared__ A slots[2];
   __shared__ A acc[2][kClusterMaxChannels];  // per channel of the group: sums of dy * xhat, dy
   const int rank = static_cast<int>(cluster.block_rank());
@@ -361,21 +324,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   const bool params = part_w != nullptr;
   for (int64_t i = threadIdx.x; i < 2 * cg; i += kClusterBlock) acc[i / cg][i % cg] = A(0);
   __syncthreads();
-  // x and dy stay packed as loaded (half the registers of compute precision for 2-byte types, so
-  // more blocks fit an SM), and every load is issued before the per-channel reductions below.
-  using Raw = typename RawVec<T, W>::type;
-  Raw xr[kVPT], dr[kVPT];
-  A wck[kVPT];
-#pragma unroll
-  for (int k = 0; k < kVPT; ++k) {
-    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-    wck[k] = A(1);
-    if (vi < v1) {
-      xr[k] = load_raw<T, W>(x + row * len + vi * W);
-      dr[k] = load_raw<T, W>(dy + row * len + vi * W);
-      if (w) wck[k] = load_as<A>(w[c0 + (vi * W) / S]);
-    }
-  }
+  A xv[kVPT][W], gv[kVPT][W];
   A sg = A(0), sgx = A(0);
 #pragma unroll
   for (int k = 0; k < kVPT; ++k) {
@@ -384,14 +333,20 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     const int64_t ci = in ? (vi * W) / S : -1;  // the group's channel of this vector
     A a_dy = A(0), a_dyx = A(0);
     if (in) {
+      A de[W];
+      load_vec<T, W>(x + row * len + vi * W, xv[k]);
+      load_vec<T, W>(dy + row * len + vi * W, de);
+      const A wc = w ? load_as<A>(w[c0 + ci]) : A(1);
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        const A d = raw_elem<T, W, A>(dr[k], j);
-        a_dy += d;
-        a_dyx += d * ((raw_elem<T, W, A>(xr[k], j) - m) * rs);
+        const A xh = (xv[k][j] - m) * rs;
+        xv[k][j] = xh;
+        a_dy += de[j];
+        a_dyx += de[j] * xh;
+        gv[k][j] = de[j] * wc;
       }
-      sg += wck[k] * a_dy;
-      sgx += wck[k] * a_dyx;
+      sg += wc * a_dy;
+      sgx += wc * a_dyx;
     }
     if (params) {
       // Whole warps in one channel add once; otherwise each lane adds its own.
@@ -410,25 +365,8 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     }
   }
   const A inv_len = A(1) / static_cast<A>(len);
-  cluster_sum2(sg, sgx, slots, smem, cluster);  // its cluster.sync also orders acc
-  const A mg = sg * inv_len, mgx = sgx * inv_len;
-  if (dx) {
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k) {
-      const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-      if (vi < v1) {
-        A o[W];
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          const A xh = (raw_elem<T, W, A>(xr[k], j) - m) * rs;
-          o[j] = rs * (raw_elem<T, W, A>(dr[k], j) * wck[k] - mg - xh * mgx);
-        }
-        store_vec<T, W>(dx + row * len + vi * W, o);
-      }
-    }
-  }
-  // After dx: x and dy are dead by then, so the cluster addresses below do not add to the
-  // registers live across the kernel.
+  const A mg = cluster_sum(sg, &slots[0], smem, cluster) * inv_len;  // its cluster.sync also orders acc
+  const A mgx = cluster_sum(sgx, &slots[1], smem, cluster) * inv_len;
   if (params && rank == 0) {
     for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
       A tw = A(0), tb = A(0);
@@ -438,6 +376,18 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       }
       part_w[n * C + c0 + ci] = tw;
       part_b[n * C + c0 + ci] = tb;
+    }
+  }
+  if (dx) {
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
+      if (vi < v1) {
+        A o[W];
+#pragma unroll
+        for (int j = 0; j < W; ++j) o[j] = rs * (gv[k][j] - mg - xv[k][j] * mgx);
+        store_vec<T, W>(dx + row * len + vi * W, o);
+      }
     }
   }
   cluster.sync();  // the other blocks have read this block's slots and accumulators
