@@ -29,6 +29,9 @@ struct AutogradMeta;
 // else holds (no other handle, no other view of its storage) is adopted without a copy; anything
 // else is copied. accumulate() adds in place into an entry's buffer while the store is its only
 // holder, and into a fresh buffer otherwise (a handle the caller took from get() keeps its values).
+// Each buffer is dense in its tensor's layout ("Gradient layout"): a non-overlapping dense tensor
+// (channels-last, transposed) gets a gradient with its own strides, any other a contiguous one;
+// a gradient in another layout is copied into that layout.
 class Gradients {
  public:
   struct Entry {
@@ -52,7 +55,8 @@ class Gradients {
     const_iterator begin_, end_;
   };
 
-  Tensor get(const Tensor& t) const;  // the entry's buffer (a handle on it); undefined when absent
+  // The entry's buffer (a handle on it; dense, in t's layout as above); undefined when absent.
+  Tensor get(const Tensor& t) const;
   // Mutable access to an entry's gradient; error when absent. Assigning through it replaces the
   // buffer (the caller then hands that tensor over: prefer set(), which keeps ownership).
   Tensor& at(const Tensor& t);
@@ -68,7 +72,8 @@ class Gradients {
   void clear();
   std::size_t size() const { return entries_.size(); }
   bool empty() const { return entries_.empty(); }
-  // (tensor, gradient) pairs in the order gradients first arrived; edit through at()/set().
+  // (tensor, gradient) pairs in the order gradients first arrived; each gradient is laid out as
+  // get() returns it. Edit through at()/set().
   EntryRange entries() const { return EntryRange(entries_.cbegin(), entries_.cend()); }
 
  private:

@@ -158,8 +158,9 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     if (!g.defined()) return;
     g = run_hooks(l.meta, std::move(g));
     if (!l.stored) return;
-    // Stored gradients are plain contiguous tensors a trainer may edit in place.
-    store.accumulate(l.handle, g.is_contiguous() ? std::move(g) : g.contiguous());
+    // The store keeps it in the leaf's layout (Note [Gradient layout] in engine.cpp): adopted
+    // when it already is and nothing else holds it, copied otherwise.
+    store.accumulate(l.handle, std::move(g));
   };
 
   std::vector<Node*> ready;

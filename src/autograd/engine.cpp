@@ -10,37 +10,58 @@ namespace flame {
 
 // ---- Gradients ----
 // Note [Gradient ownership]
-// Every entry's buffer belongs to the store alone: a plain contiguous tensor with no autograd
-// state, whose storage no other tensor handle, view or store entry reaches. Buffers come in two
-// ways: adopted, when the gradient was handed over as an rvalue and exclusively_held() says
-// nothing else can reach it (the usual case in backward: a rule's fresh result, e.g. a matmul's
-// weight gradient, costs no copy), or copied otherwise (a gradient that is also another input's,
-// a view of the caller's grad_output, a tensor a hook keeps, anything passed as const&).
+// Every entry's buffer belongs to the store alone: a non-overlapping dense tensor with no autograd
+// state, whose storage no other tensor handle, view or store entry reaches, and which spans that
+// storage exactly. Buffers come in two ways: adopted, when the gradient was handed over as an
+// rvalue, exclusively_held() says nothing else can reach it and it already has the entry's layout
+// (the usual case in backward: a rule's fresh result, e.g. a matmul's weight gradient or a
+// channels-last conv's weight gradient, costs no copy), or copied otherwise (a gradient that is
+// also another input's, a view of the caller's grad_output, a tensor a hook keeps, anything
+// passed as const&, a gradient in another layout).
 // Accumulation adds in place while the entry is exclusively held, else into a fresh buffer, so a
 // handle the caller took from get() is never changed behind its back by a later backward.
+//
+// Note [Gradient layout]
+// As PyTorch's AccumulateGrad: a tensor that is non-overlapping and dense (its strides a
+// permutation of a contiguous layout's, e.g. channels-last NCHW or a transposed matrix) gets its
+// gradient in its own strides; any other tensor (a view with gaps, an expanded one) gets a
+// contiguous gradient. An incoming gradient in the wanted layout is adopted as it is (when
+// exclusively held), one in another layout is copied into a fresh buffer in the wanted layout.
+// So an optimizer's elementwise update of a channels-last weight walks both in one order, and a
+// channels-last conv's weight gradient from cuDNN is stored without a transposing copy. The
+// in-place accumulation keeps whatever layout the entry has (a buffer assigned through at() is
+// the caller's choice); the out-of-place one builds the sum in the tensor's layout.
 namespace {
 const AutogradMeta* key_of(const Tensor& t, const char* op) {
   FLAME_CHECK(t.defined(), op, "undefined tensor");
   return t.impl()->autograd.get();
 }
 
-// `g` is the only way to reach its bytes, and it spans them as a plain contiguous tensor. A view
-// whose base nothing else holds (a rule's final reshape of its fresh result) counts as well.
+// `g` is the only way to reach its bytes, and it spans them as a non-overlapping dense tensor. A
+// view whose base nothing else holds (a rule's final reshape of its fresh result) counts as well.
 bool exclusively_held(const Tensor& g) {
   const std::shared_ptr<TensorImpl>& impl = g.impl_ptr();
   if (impl.use_count() != 1 || impl->autograd) return false;
   if (impl->base && (impl->base.use_count() != 1 || impl->base->autograd)) return false;
   const long holders = impl->base ? 2 : 1;  // this handle's impl, and its base's
-  return impl->storage.use_count() == holders && impl->offset == 0 && g.is_contiguous() &&
+  return impl->storage.use_count() == holders && impl->offset == 0 && is_non_overlapping_and_dense(g) &&
          g.nbytes() == impl->storage->nbytes;
 }
 
-// A buffer for the store: `grad` itself when it may be adopted (re-wrapped without its view base),
-// else a fresh contiguous copy.
-Tensor owned_buffer(Tensor grad, bool adoptable) {
-  if (adoptable && exclusively_held(grad)) return grad.impl()->base ? make_alias(grad) : grad;
+// True when g is laid out as the store keeps t's gradient (Note [Gradient layout]).
+bool in_gradient_layout(const Tensor& g, const Tensor& t) {
+  if (!t.is_contiguous() && is_non_overlapping_and_dense(t)) return same_dense_layout(g, t);
+  return g.is_contiguous();
+}
+
+// A buffer for t's entry: `grad` itself when it may be adopted (re-wrapped without its view base),
+// else a fresh copy in t's gradient layout.
+Tensor owned_buffer(const Tensor& t, Tensor grad, bool adoptable) {
+  if (adoptable && exclusively_held(grad) && in_gradient_layout(grad, t)) {
+    return grad.impl()->base ? make_alias(grad) : grad;
+  }
   NoGradGuard no_grad;
-  Tensor copy = make_empty(grad.sizes(), grad.dtype(), grad.device());
+  Tensor copy = make_empty_in_layout_of(t, grad.dtype(), grad.device(), "Gradients");
   copy.copy_(grad);
   return copy;
 }
@@ -72,7 +93,7 @@ void Gradients::insert_or_replace(const Tensor& t, Tensor grad, bool adoptable, 
               "gradient of shape ", grad.defined() ? grad.sizes() : Shape{}, " on ",
               grad.defined() ? grad.device().str() : "?", " does not match the tensor's shape ", t.sizes(), " on ",
               t.device().str());
-  Tensor owned = owned_buffer(std::move(grad), adoptable);
+  Tensor owned = owned_buffer(t, std::move(grad), adoptable);
   auto it = index_.find(k);
   if (it == index_.end()) {
     index_[k] = entries_.size();
@@ -102,7 +123,11 @@ void Gradients::add_into(const Tensor& t, Tensor grad, bool adoptable) {
   if (exclusively_held(existing)) {
     existing.add_(addend);
   } else {
-    existing = existing + addend;  // a fresh buffer: whoever holds the old one keeps its values
+    // A fresh buffer in t's layout: whoever holds the old one keeps its values.
+    Tensor sum = make_empty_in_layout_of(t, existing.dtype(), existing.device(), "Gradients::accumulate");
+    sum.copy_(existing);
+    sum.add_(addend);
+    existing = std::move(sum);
   }
 }
 

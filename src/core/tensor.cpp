@@ -174,6 +174,54 @@ Tensor make_empty(Shape&& sizes, DType dtype, Device device, const char* op) {
   return Tensor(std::make_shared<TensorImpl>(std::move(storage), std::move(sizes), std::move(strides), 0, dtype));
 }
 
+bool is_non_overlapping_and_dense(const Shape& sizes, const Shape& strides) {
+  if (sizes.size() != strides.size()) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dims with size > 1
+  for (std::size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] == 0) return true;
+    if (sizes[d] != 1) dims.emplace_back(strides[d], sizes[d]);
+  }
+  // Equal strides on two dims of size > 1 overlap, whatever the order the sort leaves them in.
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (stride != expected) return false;
+    if (__builtin_mul_overflow(expected, size, &expected)) return false;
+  }
+  return true;
+}
+
+bool is_non_overlapping_and_dense(const Tensor& t) {
+  FLAME_CHECK(t.defined(), "is_non_overlapping_and_dense", "called on an undefined tensor");
+  return is_non_overlapping_and_dense(t.sizes(), t.strides());
+}
+
+bool same_dense_layout(const Tensor& a, const Tensor& b) {
+  if (!a.defined() || !b.defined() || a.sizes() != b.sizes()) return false;
+  if (!is_non_overlapping_and_dense(a) || !is_non_overlapping_and_dense(b)) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.sizes()[d] != 1 && a.strides()[d] != b.strides()[d]) return false;
+  }
+  return true;
+}
+
+Tensor make_empty_strided(const Shape& sizes, const Shape& strides, DType dtype, Device device, const char* op) {
+  FLAME_CHECK(is_non_overlapping_and_dense(sizes, strides), op, "strides ", strides,
+              " are not a non-overlapping dense layout of shape ", sizes);
+  // Dense: the elements fill exactly numel() slots starting at offset 0, so the storage of a
+  // contiguous tensor of this shape holds them.
+  auto storage = new_storage(sizes, dtype, device, op);
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), sizes, strides, 0, dtype));
+}
+
+Tensor make_empty_in_layout_of(const Tensor& t, DType dtype, Device device, const char* op) {
+  FLAME_CHECK(t.defined(), op, "called on an undefined tensor");
+  if (!t.is_contiguous() && is_non_overlapping_and_dense(t)) {
+    return make_empty_strided(t.sizes(), t.strides(), dtype, device, op);
+  }
+  return make_empty(t.sizes(), dtype, device, op);
+}
+
 void bump_version(const Tensor& t) { t.impl()->storage->version.fetch_add(1); }
 
 namespace {

@@ -64,6 +64,23 @@ Tensor make_alias(const Tensor& t);
 Tensor make_empty(const Shape& sizes, DType dtype, Device device, const char* op = "empty");
 // The same, taking over a shape the caller no longer needs (no copy of it).
 Tensor make_empty(Shape&& sizes, DType dtype, Device device, const char* op = "empty");
+// A new uninitialised tensor with the given strides, which must be non-overlapping and dense
+// (a permutation of a contiguous layout's; error naming op otherwise). Not a view: nothing else
+// holds its storage, which spans exactly its elements.
+Tensor make_empty_strided(const Shape& sizes, const Shape& strides, DType dtype, Device device,
+                          const char* op = "empty_strided");
+// PyTorch's is_non_overlapping_and_dense: the elements fill a block of numel() slots with no gaps
+// and no sharing, i.e. the strides, sorted, are a contiguous layout's for the sizes in that order.
+// Strides of size-1 dims are ignored (any value); negative strides are not dense; a tensor with
+// no elements is dense.
+bool is_non_overlapping_and_dense(const Shape& sizes, const Shape& strides);
+bool is_non_overlapping_and_dense(const Tensor& t);
+// True when a and b have one shape and are laid out alike: both non-overlapping and dense with
+// equal strides on every dim of size > 1 (so an elementwise walk visits them in one order).
+bool same_dense_layout(const Tensor& a, const Tensor& b);
+// A new uninitialised tensor shaped like t, in t's layout when t is non-overlapping and dense (a
+// channels-last or transposed tensor keeps its strides), else contiguous.
+Tensor make_empty_in_layout_of(const Tensor& t, DType dtype, Device device, const char* op = "empty_like");
 // Bumps the storage's version counter (call after every in-place write).
 void bump_version(const Tensor& t);
 // Errors when two elements of t share one memory location (expanded views, overlapping windows

@@ -29,16 +29,11 @@ namespace flame {
 namespace conv_detail {
 
 namespace {
-// The permutation [N, C, *sp] -> [N, *sp, C] and its inverse.
+// The permutation [N, C, *sp] -> [N, *sp, C].
 Shape to_last_perm(int64_t nd) {
   Shape p{0};
   for (int64_t d = 2; d < nd; ++d) p.push_back(d);
   p.push_back(1);
-  return p;
-}
-Shape from_last_perm(int64_t nd) {
-  Shape p{0, nd - 1};
-  for (int64_t d = 1; d < nd - 1; ++d) p.push_back(d);
   return p;
 }
 }  // namespace
@@ -64,11 +59,16 @@ bool channels_last(const Tensor& t) { return !t.is_contiguous() && dense_channel
 Tensor empty_in_layout(const Shape& sizes, DType dtype, Device device, bool cl) {
   const int64_t nd = static_cast<int64_t>(sizes.size());
   if (!cl) return make_empty(sizes, dtype, device, "conv");
-  Shape last;
-  for (int64_t d : to_last_perm(nd)) last.push_back(sizes[d]);
-  Tensor t = make_empty(last, dtype, device, "conv");
-  NoGradGuard no_grad;
-  return t.permute(from_last_perm(nd));
+  // Channels-last strides: C innermost, then the spatial dims, then N. The tensor owns its
+  // storage (not a permuted view), so the autograd store can adopt it as a gradient as it is.
+  const Shape perm = to_last_perm(nd);
+  Shape strides(sizes.size(), 1);
+  int64_t stride = 1;
+  for (int64_t i = nd - 1; i >= 0; --i) {
+    strides[perm[i]] = stride;
+    stride *= std::max<int64_t>(sizes[perm[i]], 1);
+  }
+  return make_empty_strided(sizes, strides, dtype, device, "conv");
 }
 
 Tensor in_layout(const Tensor& t, bool cl) {
