@@ -1,6 +1,6 @@
 #pragma once
 // Umbrella header for flame::nn: modules, containers, layers, functional ops, init, LoRA.
-// See docs/nn.md (modules) and docs/nn-layers.md (the layer list).
+// See docs/nn.md (modules and the layer list).
 #include "flame/nn/activation.h"
 #include "flame/nn/attention.h"
 #include "flame/nn/attention_layers.h"
