@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_timing.h"
 #include "flame/flame.h"
 
 namespace {
@@ -35,15 +36,6 @@ namespace {
 using flame::Device;
 using flame::DType;
 using flame::Tensor;
-
-#define BENCH_CUDA_CHECK(call)                                                                  \
-  do {                                                                                          \
-    cudaError_t e_ = (call);                                                                    \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "bench_ops: %s failed: %s\n", #call, cudaGetErrorString(e_));        \
-      std::exit(2);                                                                             \
-    }                                                                                           \
-  } while (0)
 
 constexpr int64_t kBytes = 256LL << 20;            // each big tensor: 256 MiB
 constexpr int kSmallBurst = 200;                   // small-op calls per timed burst
@@ -92,28 +84,9 @@ void print_error(const std::string& name, const std::string& what) {
   std::fflush(stdout);
 }
 
-// Median milliseconds per call of `fn` on `stream` (see the method above).
+// Median milliseconds per call of `fn` on `stream` (see the method above; bench_timing.h).
 double median_ms(cudaStream_t stream, const Options& opt, const std::function<void()>& fn) {
-  for (int i = 0; i < opt.warmup; ++i) fn();
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<cudaEvent_t> ev(static_cast<std::size_t>(opt.reps) + 1);
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventCreate(&e));
-  BENCH_CUDA_CHECK(cudaEventRecord(ev[0], stream));
-  for (int r = 0; r < opt.reps; ++r) {
-    fn();
-    BENCH_CUDA_CHECK(cudaEventRecord(ev[static_cast<std::size_t>(r) + 1], stream));
-  }
-  BENCH_CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> ms;
-  for (int r = 0; r < opt.reps; ++r) {
-    float t = 0;
-    BENCH_CUDA_CHECK(cudaEventElapsedTime(&t, ev[static_cast<std::size_t>(r)], ev[static_cast<std::size_t>(r) + 1]));
-    ms.push_back(t);
-  }
-  for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
-  std::sort(ms.begin(), ms.end());
-  const std::size_t n = ms.size();
-  return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+  return flame::bench::median_ms(stream, opt.reps, opt.warmup, fn);
 }
 
 Options parse(int argc, char** argv) {
