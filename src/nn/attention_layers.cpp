@@ -136,10 +136,12 @@ std::pair<Tensor, Tensor> MultiheadAttention::attention(const Tensor& query, con
   }
   const double p = is_training() ? options_.dropout : 0.0;
   bool causal = fo.is_causal;
-  if (causal && mask.defined()) {
-    // SDPA takes either a mask or is_causal: fold the causal part into the mask.
+  // SDPA takes either a mask or is_causal, and the explicit-weights path takes masks only: there
+  // the causal part becomes an additive mask too.
+  if (causal && (mask.defined() || fo.need_weights)) {
     Tensor tri = Tensor::ones({l, s}, TensorOptions(DType::boolean, q.device())).triu(1);
-    mask = mask + additive_mask(tri, qh.dtype());
+    Tensor causal_mask = additive_mask(tri, qh.dtype());
+    mask = mask.defined() ? mask + causal_mask : causal_mask;
     causal = false;
   }
 
@@ -149,10 +151,6 @@ std::pair<Tensor, Tensor> MultiheadAttention::attention(const Tensor& query, con
     // The probabilities are wanted, so compute them explicitly (PyTorch does the same).
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
     Tensor scores = qh.matmul(kh.transpose(-2, -1)) * scale;
-    if (causal) {
-      Tensor tri = Tensor::ones({l, s}, TensorOptions(DType::boolean, q.device())).triu(1);
-      scores = scores + additive_mask(tri, scores.dtype());
-    }
     if (mask.defined()) scores = scores + mask;
     Tensor probs = scores.softmax(-1);
     weights = fo.average_attn_weights ? probs.mean(1) : probs;

@@ -10,16 +10,13 @@
 #include "flame/nn/flatten.h"
 #include "flame/nn/init.h"
 #include "flame/ops.h"
+#include "src/ops/conv.h"
 
 namespace flame::nn {
 namespace {
 
-// One value for every spatial dim, or one per dim.
-Shape expand_arg(const Shape& v, int64_t nsp, const char* what, const char* op) {
-  FLAME_CHECK(v.size() == 1 || static_cast<int64_t>(v.size()) == nsp, op, what, " takes 1 or ", nsp,
-              " values, got ", v);
-  return v.size() == 1 ? Shape(static_cast<size_t>(nsp), v[0]) : v;
-}
+using conv_detail::expand_arg;
+
 
 std::string tuple_str(const Shape& v) {
   std::ostringstream s;
@@ -42,12 +39,12 @@ ConvNd::ConvNd(int64_t nsp, bool transposed, int64_t in_channels, int64_t out_ch
               ", out_channels=", out_channels);
   FLAME_CHECK(groups > 0 && in_channels % groups == 0 && out_channels % groups == 0, op, "groups=", groups,
               " must divide in_channels=", in_channels, " and out_channels=", out_channels);
-  kernel_ = expand_arg(kernel_size, nsp, "kernel_size", op);
-  stride_ = expand_arg(stride, nsp, "stride", op);
-  dilation_ = expand_arg(dilation, nsp, "dilation", op);
-  output_padding_ = expand_arg(output_padding, nsp, "output_padding", op);
+  kernel_ = expand_arg(kernel_size, nsp, op, "kernel_size");
+  stride_ = expand_arg(stride, nsp, op, "stride");
+  dilation_ = expand_arg(dilation, nsp, op, "dilation");
+  output_padding_ = expand_arg(output_padding, nsp, op, "output_padding");
   if (padding_.mode == functional::Padding::Mode::explicit_sizes)
-    padding_.sizes = expand_arg(padding_.sizes, nsp, "padding", op);
+    padding_.sizes = expand_arg(padding_.sizes, nsp, op, "padding");
   for (int64_t k : kernel_) FLAME_CHECK(k > 0, op, "kernel_size must be > 0, got ", kernel_);
 
   const TensorOptions o(opts.dtype_or(DType::f32), opts.device);

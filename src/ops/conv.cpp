@@ -110,6 +110,12 @@ Tensor conv_backward_filter(const Tensor& x, const Tensor& dy, const ConvParams&
   return dw;
 }
 
+Shape expand_arg(const Shape& v, int64_t nsp, const char* op, const char* what) {
+  FLAME_CHECK(v.size() == 1 || static_cast<int64_t>(v.size()) == nsp, op, what, " must have 1 or ", nsp,
+              " values, got ", v);
+  return v.size() == 1 ? Shape(static_cast<std::size_t>(nsp), v[0]) : v;
+}
+
 }  // namespace conv_detail
 
 namespace nn::functional {
@@ -138,13 +144,7 @@ Tensor to_channels_last(const Tensor& t) {
 
 namespace {
 using conv_detail::ConvParams;
-
-// One value per spatial dim from a user list of 1 or nsp values.
-Shape expand_arg(const Shape& v, int64_t nsp, const char* op, const char* what) {
-  FLAME_CHECK(v.size() == 1 || static_cast<int64_t>(v.size()) == nsp, op, what, " must have 1 or ", nsp,
-              " values, got ", v);
-  return v.size() == 1 ? Shape(static_cast<std::size_t>(nsp), v[0]) : v;
-}
+using conv_detail::expand_arg;
 
 struct ConvCall {
   const char* op;

@@ -9,6 +9,10 @@ namespace flame::conv_detail {
 
 using ConvParams = backend::Backend::ConvParams;
 
+// One value per spatial dim from a user list of 1 or nsp values (torch's int-or-tuple arguments);
+// the error names `op` and the argument `what`.
+Shape expand_arg(const Shape& v, int64_t nsp, const char* op, const char* what);
+
 // Layout of every tensor given to a conv kernel: contiguous, or dense channels-last.
 bool channels_last(const Tensor& t);
 // t in the requested layout (t itself when it already is); no autograd recorded.

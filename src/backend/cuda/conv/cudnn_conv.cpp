@@ -231,17 +231,21 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
     return graph->tensor(
         fe::graph::Tensor_attributes().set_name(n).set_dim(g.dim).set_stride(g.stride).set_uid(uid).set_data_type(io));
   };
+  // The attributes every conv node shares (fprop, dgrad and wgrad have the same setters).
+  auto with_params = [&](auto attrs, const char* n) {
+    attrs.set_name(n)
+        .set_compute_data_type(compute)
+        .set_pre_padding(pad_lo)
+        .set_post_padding(pad_hi)
+        .set_stride(stride)
+        .set_dilation(dilation);
+    return attrs;
+  };
   switch (op) {
     case ConvOp::fprop: {
       auto X = make("x", gx, kUidX);
       auto W = make("w", gw, kUidW);
-      auto attrs = fe::graph::Conv_fprop_attributes()
-                       .set_name("fprop")
-                       .set_compute_data_type(compute)
-                       .set_pre_padding(pad_lo)
-                       .set_post_padding(pad_hi)
-                       .set_stride(stride)
-                       .set_dilation(dilation);
+      auto attrs = with_params(fe::graph::Conv_fprop_attributes(), "fprop");
       auto Y = graph->conv_fprop(X, W, attrs);
       Y->set_output(true).set_dim(gy.dim).set_stride(gy.stride).set_uid(kUidY).set_data_type(io);
       break;
@@ -249,13 +253,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
     case ConvOp::dgrad: {
       auto DY = make("dy", gy, kUidY);
       auto W = make("w", gw, kUidW);
-      auto attrs = fe::graph::Conv_dgrad_attributes()
-                       .set_name("dgrad")
-                       .set_compute_data_type(compute)
-                       .set_pre_padding(pad_lo)
-                       .set_post_padding(pad_hi)
-                       .set_stride(stride)
-                       .set_dilation(dilation);
+      auto attrs = with_params(fe::graph::Conv_dgrad_attributes(), "dgrad");
       auto DX = graph->conv_dgrad(DY, W, attrs);
       DX->set_output(true).set_dim(gx.dim).set_stride(gx.stride).set_uid(kUidX).set_data_type(io);
       break;
@@ -263,13 +261,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
     case ConvOp::wgrad: {
       auto DY = make("dy", gy, kUidY);
       auto X = make("x", gx, kUidX);
-      auto attrs = fe::graph::Conv_wgrad_attributes()
-                       .set_name("wgrad")
-                       .set_compute_data_type(compute)
-                       .set_pre_padding(pad_lo)
-                       .set_post_padding(pad_hi)
-                       .set_stride(stride)
-                       .set_dilation(dilation);
+      auto attrs = with_params(fe::graph::Conv_wgrad_attributes(), "wgrad");
       auto DW = graph->conv_wgrad(DY, X, attrs);
       DW->set_output(true).set_dim(gw.dim).set_stride(gw.stride).set_uid(kUidW).set_data_type(io);
       break;
