@@ -1,0 +1,54 @@
+#pragma once
+// Optimizer base: parameter groups with per-group hyperparameters, step(Gradients), state as a
+// StateDict (flame/stateful.h). Learning-rate schedulers (flame/optim/scheduler.h) drive an
+// optimizer only through num_param_groups(), lr()/set_lr() and momentum()/set_momentum().
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "flame/autograd.h"
+#include "flame/stateful.h"
+#include "flame/tensor.h"
+
+namespace flame::optim {
+
+// One group of parameters and its hyperparameters (PyTorch's param_groups entries). Fields an
+// optimizer does not use are ignored by it.
+struct ParamGroup {
+  TensorList params;
+  double lr = 1e-3;
+  double weight_decay = 0.0;
+  double momentum = 0.0;  // SGD
+  double beta1 = 0.9;     // Adam, AdamW, Lion (betas[0]); Adafactor's optional first moment
+  double beta2 = 0.999;   // Adam, AdamW, Lion (betas[1])
+  double eps = 1e-8;
+};
+
+class Optimizer : public Stateful {
+ public:
+  ~Optimizer() override = default;
+
+  // Updates every parameter that has a gradient in `grads`; parameters without one are skipped
+  // (their state does not advance).
+  virtual void step(const Gradients& grads) = 0;
+  virtual std::string name() const = 0;
+
+  std::size_t num_param_groups() const { return groups_.size(); }
+  std::vector<ParamGroup>& param_groups() { return groups_; }
+  const std::vector<ParamGroup>& param_groups() const { return groups_; }
+  double lr(std::size_t group = 0) const;
+  void set_lr(double lr, std::size_t group);
+  void set_lr(double lr);  // every group
+  // The momentum-like hyperparameter a cyclic schedule varies: SGD's momentum, the Adam family's
+  // beta1 (PyTorch's OneCycleLR cycle_momentum); none for an optimizer without one.
+  enum class MomentumKind { none, momentum, beta1 };
+  virtual MomentumKind momentum_kind() const { return MomentumKind::none; }
+  bool has_momentum() const { return momentum_kind() != MomentumKind::none; }
+  double momentum(std::size_t group = 0) const;
+  void set_momentum(double value, std::size_t group);
+
+ protected:
+  std::vector<ParamGroup> groups_;
+};
+
+}  // namespace flame::optim

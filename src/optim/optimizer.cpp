@@ -1,0 +1,48 @@
+#include "flame/optim/optimizer.h"
+
+#include "flame/error.h"
+
+namespace flame::optim {
+
+namespace {
+void check_group(const Optimizer& opt, std::size_t group, const char* what) {
+  FLAME_CHECK(group < opt.num_param_groups(), what, opt.name(), ": group ", group, " out of range (",
+              opt.num_param_groups(), " groups)");
+}
+
+double& momentum_slot(const Optimizer& opt, ParamGroup& g, const char* what) {
+  switch (opt.momentum_kind()) {
+    case Optimizer::MomentumKind::momentum: return g.momentum;
+    case Optimizer::MomentumKind::beta1: return g.beta1;
+    case Optimizer::MomentumKind::none: break;
+  }
+  FLAME_FAIL(what, opt.name(), " has no momentum hyperparameter");
+}
+}  // namespace
+
+double Optimizer::lr(std::size_t group) const {
+  check_group(*this, group, "Optimizer::lr");
+  return groups_[group].lr;
+}
+
+void Optimizer::set_lr(double lr, std::size_t group) {
+  check_group(*this, group, "Optimizer::set_lr");
+  groups_[group].lr = lr;
+}
+
+void Optimizer::set_lr(double lr) {
+  for (auto& g : groups_) g.lr = lr;
+}
+
+double Optimizer::momentum(std::size_t group) const {
+  check_group(*this, group, "Optimizer::momentum");
+  auto& g = const_cast<ParamGroup&>(groups_[group]);
+  return momentum_slot(*this, g, "Optimizer::momentum");
+}
+
+void Optimizer::set_momentum(double value, std::size_t group) {
+  check_group(*this, group, "Optimizer::set_momentum");
+  momentum_slot(*this, groups_[group], "Optimizer::set_momentum") = value;
+}
+
+}  // namespace flame::optim
