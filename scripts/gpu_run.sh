@@ -368,9 +368,9 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   T=$(limit 5)
   say "bench_torch.py, limit ${T}s"
   PYTHONUNBUFFERED=1 timeout "$T" python3 bench/bench_torch.py >"$BT" 2>&1 || echo "# bench_torch rc=$?" >>"$BT"
-  # Layer families: bench/bench_nn_<family>.cpp beside its twin bench/bench_nn_<family>_torch.py,
+  # Families: bench/bench_{nn,train}_<family>.cpp beside its twin bench/bench_..._<family>_torch.py,
   # both printing "BENCH {json}" lines into the same two files.
-  for twin in bench/bench_nn_*_torch.py; do
+  for twin in bench/bench_nn_*_torch.py bench/bench_train_*_torch.py; do
     [[ -f "$twin" ]] || continue
     fam=$(basename "$twin" _torch.py)
     if fresh "$BUILD/bench/$fam"; then
