@@ -3,7 +3,11 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
+#include <map>
+#include <type_traits>
+#include <utility>
 
 #include "src/backend/cuda/norm/norm_kernels.cuh"
 
@@ -221,182 +225,290 @@ __global__ void __launch_bounds__(kChannelBlock)
 // adds the cluster's accumulators into the per-(n, c) partials. Every thread of every block
 // reaches every cluster.sync; the last one keeps each block's shared memory alive until the
 // others have read it.
-constexpr int kCluster = 8;
 constexpr int kClusterBlock = 512;
 constexpr int kClusterMaxChannels = 256;  // per group, for the backward's accumulators
 
 // Cluster-wide sum of one value per thread (valid in every thread). `slot` is this block's
 // shared word for the exchange, `smem` the block_reduce scratch.
-template <class A>
+template <int KC, class A>
 __device__ __forceinline__ A cluster_sum(A v, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
   v = block_reduce<NormSum<A>>(v, smem);
   if (threadIdx.x == 0) *slot = v;
   cluster.sync();
   A total = A(0);
 #pragma unroll
-  for (int r = 0; r < kCluster; ++r) total += *cluster.map_shared_rank(slot, r);
+  for (int r = 0; r < KC; ++r) total += *cluster.map_shared_rank(slot, r);
   return total;
 }
 
+// Cluster-wide sums of two values per thread in one exchange (valid in every thread). `slot`:
+// this block's two words, `smem`: 64 words of block scratch.
+template <int KC, class A>
+__device__ __forceinline__ void cluster_sum2(A& a, A& b, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  a = warp_reduce<NormSum<A>>(a);
+  b = warp_reduce<NormSum<A>>(b);
+  __syncthreads();  // smem may still be read by the previous call
+  if (lane == 0) {
+    smem[warp] = a;
+    smem[32 + warp] = b;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    a = warp_reduce<NormSum<A>>(lane < nwarps ? smem[lane] : A(0));
+    b = warp_reduce<NormSum<A>>(lane < nwarps ? smem[32 + lane] : A(0));
+    if (lane == 0) {
+      slot[0] = a;
+      slot[1] = b;
+    }
+  }
+  cluster.sync();
+  A ta = A(0), tb = A(0);
+#pragma unroll
+  for (int r = 0; r < KC; ++r) {
+    const A* o = cluster.map_shared_rank(slot, r);
+    ta += o[0];
+    tb += o[1];
+  }
+  a = ta;
+  b = tb;
+}
+
+// The clusters are persistent (Note [GroupNorm clusters]): cluster k handles groups k, k + K,
+// k + 2K, ... (K clusters resident), and the raw vectors of its next group are loaded before the
+// current one is reduced, so their memory latency overlaps the exchanges.
 template <class T, int W, int kVPT>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock)
+__device__ __forceinline__ void load_group_slice(const T* p, int v0, int v1,
+                                                 typename RawVec<T, W>::type (&r)[kVPT]) {
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) {
+    const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+    if (vi < v1) r[k] = load_raw<T, W>(p + vi * W);
+  }
+}
+
+template <class T, int W, int kVPT, int KC, int kMinB>
+__global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMinB)
     group_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                                  T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
-                                 compute_t<T>* __restrict__ rstd_out, int64_t groups, int64_t cg, int64_t S,
-                                 compute_t<T> eps) {
+                                 compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t groups, int64_t cg,
+                                 int64_t S, compute_t<T> eps) {
   using A = compute_t<T>;
+  using R = typename RawVec<T, W>::type;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
   __shared__ A smem[32];
   __shared__ A slots[2];
   const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = blockIdx.x / kCluster;
-  const int64_t len = cg * S, nvec = len / W;
-  const int64_t per = (nvec + kCluster - 1) / kCluster;
-  const int64_t v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-  const T* p = x + row * len;
-  A v[kVPT][W];
-  A s = A(0);
-#pragma unroll
-  for (int k = 0; k < kVPT; ++k) {
-    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-    if (vi < v1) {
-      load_vec<T, W>(p + vi * W, v[k]);
-#pragma unroll
-      for (int j = 0; j < W; ++j) s += v[k][j];
-    }
-  }
+  // A group held by a cluster has at most KC * kClusterBlock * kVPT vectors: 32-bit indices.
+  const int64_t len = cg * S;
+  const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
+  const int per = (nvec + KC - 1) / KC;
+  const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+  const int64_t stride = gridDim.x / KC;
   const A inv_len = A(1) / static_cast<A>(len);
-  const A m = cluster_sum(s, &slots[0], smem, cluster) * inv_len;
-  A q = A(0);
+  int64_t row = blockIdx.x / KC;
+  R cur[kVPT], nxt[kVPT];
+  if (row < rows) load_group_slice<T, W, kVPT>(x + row * len, v0, v1, cur);
+  for (; row < rows; row += stride) {
+    if (row + stride < rows) load_group_slice<T, W, kVPT>(x + (row + stride) * len, v0, v1, nxt);
+    A s = A(0);
 #pragma unroll
-  for (int k = 0; k < kVPT; ++k) {
-    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-    if (vi < v1)
+    for (int k = 0; k < kVPT; ++k) {
+      const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+      if (vi < v1)
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const A d = v[k][j] - m;
-        q += d * d;
-      }
-  }
-  const A rs = rsqrt_acc(cluster_sum(q, &slots[1], smem, cluster) * inv_len + eps);
-  if (rank == 0 && threadIdx.x == 0) {
-    mean_out[row] = m;
-    rstd_out[row] = rs;
-  }
-  const int64_t c0 = (row % groups) * cg;
-  T* out = y + row * len;
-#pragma unroll
-  for (int k = 0; k < kVPT; ++k) {
-    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-    if (vi < v1) {
-      const int64_t c = c0 + (vi * W) / S;
-      const A scale = w ? rs * load_as<A>(w[c]) : rs;
-      const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
-#pragma unroll
-      for (int j = 0; j < W; ++j) v[k][j] = v[k][j] * scale + off;
-      store_vec<T, W>(out + vi * W, v[k]);
+        for (int j = 0; j < W; ++j) s += raw_elem<T, W, A>(cur[k], j);
     }
+    // The slots are rewritten only after the next exchange's barrier, which every block reaches
+    // after reading them: two cluster barriers per group.
+    const A m = cluster_sum<KC>(s, &slots[0], smem, cluster) * inv_len;
+    A q = A(0);
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+      if (vi < v1)
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const A d = raw_elem<T, W, A>(cur[k], j) - m;
+          q += d * d;
+        }
+    }
+    const A rs = rsqrt_acc(cluster_sum<KC>(q, &slots[1], smem, cluster) * inv_len + eps);
+    if (rank == 0 && threadIdx.x == 0) {
+      mean_out[row] = m;
+      rstd_out[row] = rs;
+    }
+    const int64_t c0 = (row % groups) * cg;
+    T* out = y + row * len;
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+      if (vi < v1) {
+        const int64_t c = c0 + (vi * W) / si;
+        const A scale = w ? rs * load_as<A>(w[c]) : rs;
+        const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
+        A o[W];
+#pragma unroll
+        for (int j = 0; j < W; ++j) o[j] = raw_elem<T, W, A>(cur[k], j) * scale + off;
+        store_vec<T, W>(out + vi * W, o);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) cur[k] = nxt[k];
   }
   cluster.sync();  // the other blocks have read this block's slots
 }
 
-template <class T, int W, int kVPT>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock)
+template <class T, int W, int kVPT, int KC, int kMinB>
+__global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMinB)
     group_backward_cluster_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                   const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
                                   const T* __restrict__ w, T* __restrict__ dx, compute_t<T>* __restrict__ part_w,
-                                  compute_t<T>* __restrict__ part_b, int64_t groups, int64_t cg, int64_t S) {
+                                  compute_t<T>* __restrict__ part_b, int64_t rows, int64_t groups, int64_t cg,
+                                  int64_t S) {
   using A = compute_t<T>;
+  using R = typename RawVec<T, W>::type;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
-  __shared__ A smem[32];
-  __shared__ A slots[2];
-  __shared__ A acc[2][kClusterMaxChannels];  // per channel of the group: sums of dy * xhat, dy
+  __shared__ A smem[64];
+  __shared__ A slots[2][2];  // by group parity: one exchange per group (see acc)
+  // Per channel of the group: sums of dy * xhat and dy, double-buffered by group parity so that a
+  // block clears one buffer while rank 0 may still read the other (two barriers per group).
+  __shared__ A acc[2][2][kClusterMaxChannels];
   const int rank = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x & 31;
-  const int64_t row = blockIdx.x / kCluster;
-  const int64_t len = cg * S, nvec = len / W;
-  const int64_t per = (nvec + kCluster - 1) / kCluster;
-  const int64_t v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-  const int64_t n = row / groups, c0 = (row % groups) * cg, C = groups * cg;
-  const A m = mean[row], rs = rstd[row];
-  const bool params = part_w != nullptr;
-  for (int64_t i = threadIdx.x; i < 2 * cg; i += kClusterBlock) acc[i / cg][i % cg] = A(0);
-  __syncthreads();
-  A xv[kVPT][W], gv[kVPT][W];
-  A sg = A(0), sgx = A(0);
-#pragma unroll
-  for (int k = 0; k < kVPT; ++k) {
-    const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-    const bool in = vi < v1;
-    const int64_t ci = in ? (vi * W) / S : -1;  // the group's channel of this vector
-    A a_dy = A(0), a_dyx = A(0);
-    if (in) {
-      A de[W];
-      load_vec<T, W>(x + row * len + vi * W, xv[k]);
-      load_vec<T, W>(dy + row * len + vi * W, de);
-      const A wc = w ? load_as<A>(w[c0 + ci]) : A(1);
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const A xh = (xv[k][j] - m) * rs;
-        xv[k][j] = xh;
-        a_dy += de[j];
-        a_dyx += de[j] * xh;
-        gv[k][j] = de[j] * wc;
-      }
-      sg += wc * a_dy;
-      sgx += wc * a_dyx;
-    }
-    if (params) {
-      // Whole warps in one channel add once; otherwise each lane adds its own.
-      const int64_t c_first = __shfl_sync(0xffffffffu, ci, 0);
-      if (__all_sync(0xffffffffu, ci == c_first)) {
-        a_dy = warp_reduce<NormSum<A>>(a_dy);
-        a_dyx = warp_reduce<NormSum<A>>(a_dyx);
-        if (lane == 0 && ci >= 0) {
-          atomicAdd(&acc[0][ci], a_dyx);
-          atomicAdd(&acc[1][ci], a_dy);
-        }
-      } else if (ci >= 0) {
-        atomicAdd(&acc[0][ci], a_dyx);
-        atomicAdd(&acc[1][ci], a_dy);
-      }
-    }
-  }
+  // A group held by a cluster has at most KC * kClusterBlock * kVPT vectors: 32-bit indices.
+  const int64_t len = cg * S;
+  const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
+  const int per = (nvec + KC - 1) / KC;
+  const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+  const int64_t C = groups * cg;
+  const int64_t stride = gridDim.x / KC;
   const A inv_len = A(1) / static_cast<A>(len);
-  const A mg = cluster_sum(sg, &slots[0], smem, cluster) * inv_len;  // its cluster.sync also orders acc
-  const A mgx = cluster_sum(sgx, &slots[1], smem, cluster) * inv_len;
-  if (params && rank == 0) {
-    for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
-      A tw = A(0), tb = A(0);
-      for (int r = 0; r < kCluster; ++r) {
-        tw += cluster.map_shared_rank(&acc[0][0], r)[ci];
-        tb += cluster.map_shared_rank(&acc[1][0], r)[ci];
-      }
-      part_w[n * C + c0 + ci] = tw;
-      part_b[n * C + c0 + ci] = tb;
-    }
+  const bool params = part_w != nullptr;
+  int64_t row = blockIdx.x / KC;
+  R cx[kVPT], cd[kVPT], nx[kVPT], nd[kVPT];
+  if (row < rows) {
+    load_group_slice<T, W, kVPT>(x + row * len, v0, v1, cx);
+    load_group_slice<T, W, kVPT>(dy + row * len, v0, v1, cd);
   }
-  if (dx) {
+  for (int parity = 0; row < rows; row += stride, parity ^= 1) {
+    if (row + stride < rows) {
+      load_group_slice<T, W, kVPT>(x + (row + stride) * len, v0, v1, nx);
+      load_group_slice<T, W, kVPT>(dy + (row + stride) * len, v0, v1, nd);
+    }
+    const int64_t n = row / groups, c0 = (row % groups) * cg;
+    const A m = mean[row], rs = rstd[row];
+    A(&ac)[2][kClusterMaxChannels] = acc[parity];
+    if (params) {
+      for (int64_t i = threadIdx.x; i < 2 * cg; i += kClusterBlock) ac[i / cg][i % cg] = A(0);
+      __syncthreads();
+    }
+    A sg = A(0), sgx = A(0);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      const int64_t vi = v0 + static_cast<int64_t>(k) * kClusterBlock + threadIdx.x;
-      if (vi < v1) {
-        A o[W];
+      const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+      const bool in = vi < v1;
+      const int ci = in ? (vi * W) / si : -1;  // the group's channel of this vector
+      A a_dy = A(0), a_dyx = A(0);
+      if (in) {
 #pragma unroll
-        for (int j = 0; j < W; ++j) o[j] = rs * (gv[k][j] - mg - xv[k][j] * mgx);
-        store_vec<T, W>(dx + row * len + vi * W, o);
+        for (int j = 0; j < W; ++j) {
+          const A de = raw_elem<T, W, A>(cd[k], j);
+          a_dy += de;
+          a_dyx += de * ((raw_elem<T, W, A>(cx[k], j) - m) * rs);
+        }
+        const A wc = w ? load_as<A>(w[c0 + ci]) : A(1);
+        sg += wc * a_dy;
+        sgx += wc * a_dyx;
       }
+      if (params) {
+        // Whole warps in one channel add once; otherwise each lane adds its own.
+        const int c_first = __shfl_sync(0xffffffffu, ci, 0);
+        if (__all_sync(0xffffffffu, ci == c_first)) {
+          a_dy = warp_reduce<NormSum<A>>(a_dy);
+          a_dyx = warp_reduce<NormSum<A>>(a_dyx);
+          if (lane == 0 && ci >= 0) {
+            atomicAdd(&ac[0][ci], a_dyx);
+            atomicAdd(&ac[1][ci], a_dy);
+          }
+        } else if (ci >= 0) {
+          atomicAdd(&ac[0][ci], a_dyx);
+          atomicAdd(&ac[1][ci], a_dy);
+        }
+      }
+    }
+    cluster_sum2<KC>(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
+    const A mg = sg * inv_len, mgx = sgx * inv_len;
+    if (params && rank == 0) {
+      for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
+        A tw = A(0), tb = A(0);
+        for (int r = 0; r < KC; ++r) {
+          tw += cluster.map_shared_rank(&ac[0][0], r)[ci];
+          tb += cluster.map_shared_rank(&ac[1][0], r)[ci];
+        }
+        part_w[n * C + c0 + ci] = tw;
+        part_b[n * C + c0 + ci] = tb;
+      }
+    }
+    if (dx) {
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) {
+        const int vi = v0 + k * kClusterBlock + static_cast<int>(threadIdx.x);
+        if (vi < v1) {
+          const A wc = w ? load_as<A>(w[c0 + (vi * W) / si]) : A(1);
+          A o[W];
+#pragma unroll
+          for (int j = 0; j < W; ++j) {
+            const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
+            o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wc - mg - xh * mgx);
+          }
+          store_vec<T, W>(dx + row * len + vi * W, o);
+        }
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      cx[k] = nx[k];
+      cd[k] = nd[k];
     }
   }
   cluster.sync();  // the other blocks have read this block's slots and accumulators
 }
 
+// Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
+template <class Kernel>
+int64_t resident_clusters(Kernel kernel, int kc) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(kc * 1024);
+  cfg.blockDim = dim3(kClusterBlock);
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+// Grid of a persistent cluster kernel over `rows` groups: the resident clusters (queried once per
+// kernel and device), or one cluster per group when fewer.
+template <class Kernel>
+unsigned cluster_grid(Kernel kernel, int kc, int64_t rows) {
+  static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
+  int dev = 0;
+  FLAME_CUDA_CHECK(cudaGetDevice(&dev));
+  auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel, kc)).first;
+  const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
+  return static_cast<unsigned>(k * kc);
+}
+
 // Vectors per thread for a group of `nvec` vectors on a cluster (0: too long).
-inline int cluster_vpt(int64_t nvec, int max_vpt) {
+inline int cluster_vpt(int64_t nvec, int max_vpt, int kc) {
   for (int v = 1; v <= max_vpt; v *= 2)
-    if (nvec <= static_cast<int64_t>(v) * kCluster * kClusterBlock) return v;
+    if (nvec <= static_cast<int64_t>(v) * kc * kClusterBlock) return v;
   return 0;
 }
 
@@ -514,6 +626,14 @@ NCS ncs(const Tensor& x) {
   return d;
 }
 
+// Measurement switches (temporary): FLAME_GN_MINB_FWD / FLAME_GN_MINB_BWD = 1 or 2 blocks per SM,
+// FLAME_GN_CLUSTER = 4 or 8 blocks per cluster.
+inline int gn_env(int which) {
+  auto get = [](const char* name, int dflt) { return std::getenv(name) ? std::atoi(std::getenv(name)) : dflt; };
+  static const int v[3] = {get("FLAME_GN_MINB_FWD", 2), get("FLAME_GN_MINB_BWD", 1), get("FLAME_GN_CLUSTER", 8)};
+  return v[which];
+}
+
 unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 
 template <class T>
@@ -528,23 +648,36 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
   // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
-  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
-  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
-    const unsigned grid = static_cast<unsigned>(rows * kCluster);
-#define FLAME_GN_FWD_CLUSTER(VPT)                                                                    \
-  if constexpr (VPT * W <= 32) {                                                                    \
-    if (vpt == VPT) {                                                                               \
-      group_forward_cluster_kernel<T, W, VPT><<<grid, kClusterBlock, 0, st>>>(                      \
-          xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), groups, cg, d.s, static_cast<A>(eps));      \
-      FLAME_CUDA_CHECK_LAUNCH();                                                                    \
-      return;                                                                                       \
-    }                                                                                               \
-  }
-    FLAME_GN_FWD_CLUSTER(1)
-    FLAME_GN_FWD_CLUSTER(2)
-    FLAME_GN_FWD_CLUSTER(4)
-    FLAME_GN_FWD_CLUSTER(8)
-#undef FLAME_GN_FWD_CLUSTER
+  // (Measurement switches, bf16 only: FLAME_GN_CLUSTER=4|8, FLAME_GN_MINB_FWD=1|2.)
+  constexpr bool kVariants = std::is_same_v<T, bfloat16>;
+  const int kc = kVariants ? gn_env(2) : 8;
+  const int minb = kVariants ? gn_env(0) : 2;
+  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W, kc) : 0;
+  if (vpt > 0 && rows * kc <= (int64_t{1} << 31) - 1) {
+    bool launched = false;
+    auto launch = [&](auto kernel) {
+      kernel<<<cluster_grid(kernel, kc, rows), kClusterBlock, 0, st>>>(
+          xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
+      FLAME_CUDA_CHECK_LAUNCH();
+      launched = true;
+    };
+    auto pick = [&](auto vpt_tag) {
+      constexpr int VPT = decltype(vpt_tag)::value;
+      if constexpr (VPT * W <= 32) {
+        if (vpt != VPT) return;
+        if constexpr (kVariants) {
+          if (kc == 4) return minb == 1 ? launch(group_forward_cluster_kernel<T, W, VPT, 4, 1>)
+                                        : launch(group_forward_cluster_kernel<T, W, VPT, 4, 2>);
+          if (minb == 1) return launch(group_forward_cluster_kernel<T, W, VPT, 8, 1>);
+        }
+        launch(group_forward_cluster_kernel<T, W, VPT, 8, 2>);
+      }
+    };
+    pick(std::integral_constant<int, 1>{});
+    pick(std::integral_constant<int, 2>{});
+    pick(std::integral_constant<int, 4>{});
+    pick(std::integral_constant<int, 8>{});
+    if (launched) return;
   }
   if (vec) {
     group_forward_kernel<T, W><<<channel_grid(rows), kChannelBlock, 0, st>>>(
@@ -575,28 +708,44 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
-  // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (16 values per thread).
-  const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, 16 / W) : 0;
-  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
-    const unsigned grid = static_cast<unsigned>(rows * kCluster);
-#define FLAME_GN_BWD_CLUSTER(VPT)                                                                         \
-  if constexpr (VPT * W <= 16) {                                                                         \
-    if (vpt == VPT) {                                                                                    \
-      group_backward_cluster_kernel<T, W, VPT><<<grid, kClusterBlock, 0, st>>>(                          \
-          dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw, pb, groups, cg, d.s);                      \
-      FLAME_CUDA_CHECK_LAUNCH();                                                                         \
-      if (params) {                                                                                      \
-        column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);    \
-        FLAME_CUDA_CHECK_LAUNCH();                                                                       \
-      }                                                                                                  \
-      return;                                                                                            \
-    }                                                                                                    \
-  }
-    FLAME_GN_BWD_CLUSTER(1)
-    FLAME_GN_BWD_CLUSTER(2)
-    FLAME_GN_BWD_CLUSTER(4)
-    FLAME_GN_BWD_CLUSTER(8)
-#undef FLAME_GN_BWD_CLUSTER
+  // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (16 values per
+  // thread; 32 on a cluster of 4). (Measurement switches, bf16 only: FLAME_GN_CLUSTER, FLAME_GN_MINB_BWD.)
+  constexpr bool kVariants = std::is_same_v<T, bfloat16>;
+  const int kc = kVariants ? gn_env(2) : 8;
+  const int minb = kVariants ? gn_env(1) : 1;
+  const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, (kc == 4 ? 32 : 16) / W, kc) : 0;
+  if (vpt > 0 && rows * kc <= (int64_t{1} << 31) - 1) {
+    bool launched = false;
+    auto launch = [&](auto kernel) {
+      kernel<<<cluster_grid(kernel, kc, rows), kClusterBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp,
+                                                                       pw, pb, rows, groups, cg, d.s);
+      FLAME_CUDA_CHECK_LAUNCH();
+      launched = true;
+    };
+    auto pick = [&](auto vpt_tag) {
+      constexpr int VPT = decltype(vpt_tag)::value;
+      if (vpt != VPT) return;
+      if constexpr (kVariants && VPT * W <= 32) {
+        if (kc == 4) return minb == 2 ? launch(group_backward_cluster_kernel<T, W, VPT, 4, 2>)
+                                      : launch(group_backward_cluster_kernel<T, W, VPT, 4, 1>);
+      }
+      if constexpr (VPT * W <= 16) {
+        if constexpr (kVariants) {
+          if (minb == 2) return launch(group_backward_cluster_kernel<T, W, VPT, 8, 2>);
+        }
+        launch(group_backward_cluster_kernel<T, W, VPT, 8, 1>);
+      }
+    };
+    pick(std::integral_constant<int, 1>{});
+    pick(std::integral_constant<int, 2>{});
+    pick(std::integral_constant<int, 4>{});
+    if (launched) {
+      if (params) {
+        column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);
+        FLAME_CUDA_CHECK_LAUNCH();
+      }
+      return;
+    }
   }
   const bool by_warp = cg >= kChannelBlock / 32;
 #define FLAME_GN_BWD(KERNEL, VW)                                                        \
