@@ -3,7 +3,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <memory>
 #include <map>
 #include <type_traits>
@@ -225,25 +224,32 @@ __global__ void __launch_bounds__(kChannelBlock)
 // adds the cluster's accumulators into the per-(n, c) partials. Every thread of every block
 // reaches every cluster.sync; the last one keeps each block's shared memory alive until the
 // others have read it.
+// The kernels are bound by the latency of the exchanges (block reduction + cluster barrier), not
+// by memory latency: measured on an H100 ([32, 512, 64, 64] bf16, 32 groups), 8 blocks of 16
+// values per thread reached 50% of copy bandwidth forward and 39% forward + backward, 4 blocks of
+// 32 values per thread 73% and 59% — twice the data per exchange. The clusters are persistent and
+// prefetch their next group; the backward exchanges both of its sums at once (double-buffered
+// slots and accumulators by group parity, so one barrier per group suffices).
+constexpr int kCluster = 4;
 constexpr int kClusterBlock = 512;
 constexpr int kClusterMaxChannels = 256;  // per group, for the backward's accumulators
 
 // Cluster-wide sum of one value per thread (valid in every thread). `slot` is this block's
 // shared word for the exchange, `smem` the block_reduce scratch.
-template <int KC, class A>
+template <class A>
 __device__ __forceinline__ A cluster_sum(A v, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
   v = block_reduce<NormSum<A>>(v, smem);
   if (threadIdx.x == 0) *slot = v;
   cluster.sync();
   A total = A(0);
 #pragma unroll
-  for (int r = 0; r < KC; ++r) total += *cluster.map_shared_rank(slot, r);
+  for (int r = 0; r < kCluster; ++r) total += *cluster.map_shared_rank(slot, r);
   return total;
 }
 
 // Cluster-wide sums of two values per thread in one exchange (valid in every thread). `slot`:
 // this block's two words, `smem`: 64 words of block scratch.
-template <int KC, class A>
+template <class A>
 __device__ __forceinline__ void cluster_sum2(A& a, A& b, A* slot, A* smem, cooperative_groups::cluster_group& cluster) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   a = warp_reduce<NormSum<A>>(a);
@@ -265,7 +271,7 @@ __device__ __forceinline__ void cluster_sum2(A& a, A& b, A* slot, A* smem, coope
   cluster.sync();
   A ta = A(0), tb = A(0);
 #pragma unroll
-  for (int r = 0; r < KC; ++r) {
+  for (int r = 0; r < kCluster; ++r) {
     const A* o = cluster.map_shared_rank(slot, r);
     ta += o[0];
     tb += o[1];
@@ -287,8 +293,8 @@ __device__ __forceinline__ void load_group_slice(const T* p, int v0, int v1,
   }
 }
 
-template <class T, int W, int kVPT, int KC, int kMinB>
-__global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMinB)
+template <class T, int W, int kVPT>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock, 2)
     group_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                                  T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
                                  compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t groups, int64_t cg,
@@ -300,14 +306,14 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
   __shared__ A smem[32];
   __shared__ A slots[2];
   const int rank = static_cast<int>(cluster.block_rank());
-  // A group held by a cluster has at most KC * kClusterBlock * kVPT vectors: 32-bit indices.
+  // A group held by a cluster has at most kCluster * kClusterBlock * kVPT vectors: 32-bit indices.
   const int64_t len = cg * S;
   const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
-  const int per = (nvec + KC - 1) / KC;
+  const int per = (nvec + kCluster - 1) / kCluster;
   const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-  const int64_t stride = gridDim.x / KC;
+  const int64_t stride = gridDim.x / kCluster;
   const A inv_len = A(1) / static_cast<A>(len);
-  int64_t row = blockIdx.x / KC;
+  int64_t row = blockIdx.x / kCluster;
   R cur[kVPT], nxt[kVPT];
   if (row < rows) load_group_slice<T, W, kVPT>(x + row * len, v0, v1, cur);
   for (; row < rows; row += stride) {
@@ -322,7 +328,7 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
     }
     // The slots are rewritten only after the next exchange's barrier, which every block reaches
     // after reading them: two cluster barriers per group.
-    const A m = cluster_sum<KC>(s, &slots[0], smem, cluster) * inv_len;
+    const A m = cluster_sum(s, &slots[0], smem, cluster) * inv_len;
     A q = A(0);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
@@ -334,7 +340,7 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
           q += d * d;
         }
     }
-    const A rs = rsqrt_acc(cluster_sum<KC>(q, &slots[1], smem, cluster) * inv_len + eps);
+    const A rs = rsqrt_acc(cluster_sum(q, &slots[1], smem, cluster) * inv_len + eps);
     if (rank == 0 && threadIdx.x == 0) {
       mean_out[row] = m;
       rstd_out[row] = rs;
@@ -360,8 +366,8 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
   cluster.sync();  // the other blocks have read this block's slots
 }
 
-template <class T, int W, int kVPT, int KC, int kMinB>
-__global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMinB)
+template <class T, int W, int kVPT>
+__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock)
     group_backward_cluster_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                   const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
                                   const T* __restrict__ w, T* __restrict__ dx, compute_t<T>* __restrict__ part_w,
@@ -378,16 +384,16 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
   __shared__ A acc[2][2][kClusterMaxChannels];
   const int rank = static_cast<int>(cluster.block_rank());
   const int lane = threadIdx.x & 31;
-  // A group held by a cluster has at most KC * kClusterBlock * kVPT vectors: 32-bit indices.
+  // A group held by a cluster has at most kCluster * kClusterBlock * kVPT vectors: 32-bit indices.
   const int64_t len = cg * S;
   const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
-  const int per = (nvec + KC - 1) / KC;
+  const int per = (nvec + kCluster - 1) / kCluster;
   const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
   const int64_t C = groups * cg;
-  const int64_t stride = gridDim.x / KC;
+  const int64_t stride = gridDim.x / kCluster;
   const A inv_len = A(1) / static_cast<A>(len);
   const bool params = part_w != nullptr;
-  int64_t row = blockIdx.x / KC;
+  int64_t row = blockIdx.x / kCluster;
   R cx[kVPT], cd[kVPT], nx[kVPT], nd[kVPT];
   if (row < rows) {
     load_group_slice<T, W, kVPT>(x + row * len, v0, v1, cx);
@@ -439,12 +445,12 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
         }
       }
     }
-    cluster_sum2<KC>(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
+    cluster_sum2(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
     const A mg = sg * inv_len, mgx = sgx * inv_len;
     if (params && rank == 0) {
       for (int64_t ci = threadIdx.x; ci < cg; ci += kClusterBlock) {
         A tw = A(0), tb = A(0);
-        for (int r = 0; r < KC; ++r) {
+        for (int r = 0; r < kCluster; ++r) {
           tw += cluster.map_shared_rank(&ac[0][0], r)[ci];
           tb += cluster.map_shared_rank(&ac[1][0], r)[ci];
         }
@@ -479,9 +485,9 @@ __global__ void __cluster_dims__(KC, 1, 1) __launch_bounds__(kClusterBlock, kMin
 
 // Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
 template <class Kernel>
-int64_t resident_clusters(Kernel kernel, int kc) {
+int64_t resident_clusters(Kernel kernel) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kc * 1024);
+  cfg.gridDim = dim3(kCluster * 1024);
   cfg.blockDim = dim3(kClusterBlock);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
@@ -494,21 +500,21 @@ int64_t resident_clusters(Kernel kernel, int kc) {
 // Grid of a persistent cluster kernel over `rows` groups: the resident clusters (queried once per
 // kernel and device), or one cluster per group when fewer.
 template <class Kernel>
-unsigned cluster_grid(Kernel kernel, int kc, int64_t rows) {
+unsigned cluster_grid(Kernel kernel, int64_t rows) {
   static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
   int dev = 0;
   FLAME_CUDA_CHECK(cudaGetDevice(&dev));
   auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
   auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel, kc)).first;
+  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel)).first;
   const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
-  return static_cast<unsigned>(k * kc);
+  return static_cast<unsigned>(k * kCluster);
 }
 
 // Vectors per thread for a group of `nvec` vectors on a cluster (0: too long).
-inline int cluster_vpt(int64_t nvec, int max_vpt, int kc) {
+inline int cluster_vpt(int64_t nvec, int max_vpt) {
   for (int v = 1; v <= max_vpt; v *= 2)
-    if (nvec <= static_cast<int64_t>(v) * kc * kClusterBlock) return v;
+    if (nvec <= static_cast<int64_t>(v) * kCluster * kClusterBlock) return v;
   return 0;
 }
 
@@ -626,14 +632,6 @@ NCS ncs(const Tensor& x) {
   return d;
 }
 
-// Measurement switches (temporary): FLAME_GN_MINB_FWD / FLAME_GN_MINB_BWD = 1 or 2 blocks per SM,
-// FLAME_GN_CLUSTER = 4 or 8 blocks per cluster.
-inline int gn_env(int which) {
-  auto get = [](const char* name, int dflt) { return std::getenv(name) ? std::atoi(std::getenv(name)) : dflt; };
-  static const int v[3] = {get("FLAME_GN_MINB_FWD", 2), get("FLAME_GN_MINB_BWD", 1), get("FLAME_GN_CLUSTER", 8)};
-  return v[which];
-}
-
 unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 
 template <class T>
@@ -648,29 +646,18 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
   // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
-  // (Measurement switches, bf16 only: FLAME_GN_CLUSTER=4|8, FLAME_GN_MINB_FWD=1|2.)
-  constexpr bool kVariants = std::is_same_v<T, bfloat16>;
-  const int kc = kVariants ? gn_env(2) : 8;
-  const int minb = kVariants ? gn_env(0) : 2;
-  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W, kc) : 0;
-  if (vpt > 0 && rows * kc <= (int64_t{1} << 31) - 1) {
+  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
+  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
     bool launched = false;
-    auto launch = [&](auto kernel) {
-      kernel<<<cluster_grid(kernel, kc, rows), kClusterBlock, 0, st>>>(
-          xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
-      FLAME_CUDA_CHECK_LAUNCH();
-      launched = true;
-    };
     auto pick = [&](auto vpt_tag) {
       constexpr int VPT = decltype(vpt_tag)::value;
       if constexpr (VPT * W <= 32) {
         if (vpt != VPT) return;
-        if constexpr (kVariants) {
-          if (kc == 4) return minb == 1 ? launch(group_forward_cluster_kernel<T, W, VPT, 4, 1>)
-                                        : launch(group_forward_cluster_kernel<T, W, VPT, 4, 2>);
-          if (minb == 1) return launch(group_forward_cluster_kernel<T, W, VPT, 8, 1>);
-        }
-        launch(group_forward_cluster_kernel<T, W, VPT, 8, 2>);
+        auto kernel = group_forward_cluster_kernel<T, W, VPT>;
+        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(
+            xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
+        FLAME_CUDA_CHECK_LAUNCH();
+        launched = true;
       }
     };
     pick(std::integral_constant<int, 1>{});
@@ -708,37 +695,25 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
-  // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (16 values per
-  // thread; 32 on a cluster of 4). (Measurement switches, bf16 only: FLAME_GN_CLUSTER, FLAME_GN_MINB_BWD.)
-  constexpr bool kVariants = std::is_same_v<T, bfloat16>;
-  const int kc = kVariants ? gn_env(2) : 8;
-  const int minb = kVariants ? gn_env(1) : 1;
-  const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, (kc == 4 ? 32 : 16) / W, kc) : 0;
-  if (vpt > 0 && rows * kc <= (int64_t{1} << 31) - 1) {
+  // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (32 values per thread).
+  const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, 32 / W) : 0;
+  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
     bool launched = false;
-    auto launch = [&](auto kernel) {
-      kernel<<<cluster_grid(kernel, kc, rows), kClusterBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp,
-                                                                       pw, pb, rows, groups, cg, d.s);
-      FLAME_CUDA_CHECK_LAUNCH();
-      launched = true;
-    };
     auto pick = [&](auto vpt_tag) {
       constexpr int VPT = decltype(vpt_tag)::value;
-      if (vpt != VPT) return;
-      if constexpr (kVariants && VPT * W <= 32) {
-        if (kc == 4) return minb == 2 ? launch(group_backward_cluster_kernel<T, W, VPT, 4, 2>)
-                                      : launch(group_backward_cluster_kernel<T, W, VPT, 4, 1>);
-      }
-      if constexpr (VPT * W <= 16) {
-        if constexpr (kVariants) {
-          if (minb == 2) return launch(group_backward_cluster_kernel<T, W, VPT, 8, 2>);
-        }
-        launch(group_backward_cluster_kernel<T, W, VPT, 8, 1>);
+      if constexpr (VPT * W <= 32) {
+        if (vpt != VPT) return;
+        auto kernel = group_backward_cluster_kernel<T, W, VPT>;
+        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp,
+                                                                     pw, pb, rows, groups, cg, d.s);
+        FLAME_CUDA_CHECK_LAUNCH();
+        launched = true;
       }
     };
     pick(std::integral_constant<int, 1>{});
     pick(std::integral_constant<int, 2>{});
     pick(std::integral_constant<int, 4>{});
+    pick(std::integral_constant<int, 8>{});
     if (launched) {
       if (params) {
         column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);
