@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -71,13 +72,17 @@ struct Saver {
 };
 
 // The child: resumes from the checkpoint at `path` (if any), reports that it is ready, then saves
-// step after step, reporting each step once its save returned. Uses only the CPU.
-[[noreturn]] void child_main(const std::string& path, int fd) {
+// step after step, reporting each step once its save returned. Uses only the CPU. With `rotate`,
+// `path` is a directory: it resumes from latest_checkpoint() and saves with save_rotating().
+[[noreturn]] void child_main(const std::string& path, bool rotate, int fd) {
   int64_t step = 0;
   try {
     Saver s;
-    if (std::filesystem::exists(path)) {
-      s.ckpt.load(path);
+    const std::optional<std::string> last =
+        rotate ? latest_checkpoint(path)
+               : (std::filesystem::exists(path) ? std::optional<std::string>(path) : std::nullopt);
+    if (last) {
+      s.ckpt.load(*last);
       step = s.ckpt.progress().step;
     }
     const int64_t ready = -1;
@@ -87,7 +92,11 @@ struct Saver {
       s.blob.fill(step);
       s.gen.set_state({static_cast<uint64_t>(step), static_cast<uint64_t>(step) * 3});
       s.ckpt.progress().step = step;
-      s.ckpt.save(path);
+      if (rotate) {
+        s.ckpt.save_rotating(path, 2);
+      } else {
+        s.ckpt.save(path);
+      }
       if (::write(fd, &step, sizeof step) != sizeof step) ::_exit(5);
     }
   } catch (...) {
@@ -102,11 +111,12 @@ bool has_temporary(const std::string& dir) {
   return false;
 }
 
-TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) {
+// Runs `iters` kill/resume rounds; see the file comment.
+void kill_rounds(bool rotate, int iters) {
   std::string tmpl = ::testing::TempDir() + "flame_ckpt_kill_XXXXXX";
   ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
   const std::string dir = tmpl;
-  const std::string path = dir + "/ckpt.safetensors";
+  const std::string target = rotate ? dir + "/runs" : dir + "/ckpt.safetensors";
 
   // How long one save takes here: the kills are spread over a few saves.
   double save_ms = 0;
@@ -121,7 +131,7 @@ TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) {
   const unsigned seed = static_cast<unsigned>(std::random_device{}());
   std::mt19937 rng(seed);
   std::uniform_real_distribution<double> delay_ms(0.0, 3.0 * save_ms);
-  const int kIters = 36;
+  const int kIters = iters;
   int64_t known = 0;  // newest step a child reported as saved
   int killed_mid_save = 0;
   for (int it = 0; it < kIters; ++it) {
@@ -131,7 +141,7 @@ TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) {
     ASSERT_GE(pid, 0);
     if (pid == 0) {
       ::close(fds[0]);
-      child_main(path, fds[1]);
+      child_main(target, rotate, fds[1]);
     }
     ::close(fds[1]);
     int64_t msg = 0;
@@ -149,8 +159,14 @@ TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) {
                        << "; 3 = it could not load the previous checkpoint)";
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
         << "iteration " << it << ": the child ended by itself (status " << status << ")";
-    if (has_temporary(dir)) ++killed_mid_save;
-    if (reported == 0 && !std::filesystem::exists(path)) continue;  // killed before any save finished
+    const std::string files = rotate ? target : dir;
+    if (std::filesystem::exists(files) && has_temporary(files)) ++killed_mid_save;
+    const std::optional<std::string> latest =
+        rotate ? latest_checkpoint(target)
+               : (std::filesystem::exists(target) ? std::optional<std::string>(target) : std::nullopt);
+    if (reported == 0 && !latest) continue;  // killed before any save finished
+    ASSERT_TRUE(latest.has_value()) << "iteration " << it << ": no checkpoint after step " << reported << " was saved";
+    const std::string path = *latest;
 
     // The file at the path loads and verifies (checksums), and holds a complete state.
     Saver check;
@@ -170,17 +186,31 @@ TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) {
     ASSERT_EQ(check.gen.seed(), static_cast<uint64_t>(step));
     ASSERT_EQ(check.gen.offset(), static_cast<uint64_t>(step) * 3);
     known = step;
-    remove_stale_temporaries(dir);
-    ASSERT_FALSE(has_temporary(dir)) << "a dead child's temporary was not removed";
+    if (rotate) {
+      ASSERT_EQ(path, checkpoint_path(target, step));
+      int kept = 0;
+      for (const auto& e : std::filesystem::directory_iterator(target)) {
+        kept += e.path().filename().string().rfind("ckpt-", 0) == 0;
+      }
+      ASSERT_LE(kept, 3) << "rotation keeps 2 (3 when killed between a save and the deletion)";
+    }
+    remove_stale_temporaries(files);
+    ASSERT_FALSE(has_temporary(files)) << "a dead child's temporary was not removed";
   }
-  std::printf("[ kill test ] %d kills, %d during a save's write (temporary left), last step %lld, save %.1f ms, "
+  std::printf("[ kill test%s ] %d kills, %d during a save's write (temporary left), last step %lld, save %.1f ms, "
               "seed %u\n",
-              kIters, killed_mid_save, static_cast<long long>(known), save_ms, seed);
+              rotate ? " (rotating)" : "", kIters, killed_mid_save, static_cast<long long>(known), save_ms, seed);
   EXPECT_GT(known, 0) << "no save ever completed: the delays are too short to test anything";
   EXPECT_GE(killed_mid_save, kIters / 6) << "too few kills landed inside a save to test its atomicity";
   std::error_code ec;
   std::filesystem::remove_all(dir, ec);
 }
+
+TEST(CheckpointTestKill, PreviousCheckpointSurvivesSigkillAtRandomMoments) { kill_rounds(false, 36); }
+
+// The same with save_rotating: latest_checkpoint() always finds a complete checkpoint, and the
+// rotation never deletes the newest.
+TEST(CheckpointTestKill, RotatingSavesSurviveSigkill) { kill_rounds(true, 12); }
 
 }  // namespace
 }  // namespace flame::test
