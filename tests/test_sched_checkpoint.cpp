@@ -299,6 +299,38 @@ TEST(CheckpointTest, StrictComponentsAndNothingChangedOnError) {
   }
 }
 
+TEST(CheckpointTest, CudaStateMovesAcrossDevices) {
+  FLAME_SKIP_IF_NO_CUDA();
+  TempDir dir;
+  const std::string path = dir / "c.safetensors";
+  manual_seed(3);
+  Net gpu_net(Device::cuda());
+  Box box;
+  box.value = Tensor::randn({5}, 0.0, 1.0, {DType::f64, Device::cuda()});
+  {
+    Checkpoint ck;
+    ck.add("model", gpu_net).add("box", box);
+    ck.save(path);
+  }
+  // Into a CPU model: the same values; the Stateful gets CPU tensors by default.
+  Net cpu_net(Device::cpu());
+  Box cpu_box;
+  Checkpoint ck;
+  ck.add("model", cpu_net).add("box", cpu_box);
+  ck.load(path);
+  for (std::size_t i = 0; i < gpu_net.parameters().size(); ++i) {
+    EXPECT_EQ(cpu_net.parameters()[i].to_vec<float>(), gpu_net.parameters()[i].to_vec<float>());
+  }
+  EXPECT_TRUE(cpu_box.value.device().is_cpu());
+  EXPECT_EQ(cpu_box.value.to_vec<double>(), box.value.to_vec<double>());
+  // map_location hands them over on the GPU.
+  CheckpointLoadOptions o;
+  o.map_location = Device::cuda();
+  ck.load(path, o);
+  EXPECT_TRUE(cpu_box.value.device().is_cuda());
+  EXPECT_EQ(cpu_box.value.to_vec<double>(), box.value.to_vec<double>());
+}
+
 TEST(CheckpointTest, RegistrationErrors) {
   Checkpoint ck;
   Box a;
