@@ -124,6 +124,7 @@ class Checkpoint {
   };
   class RngState;
   void check_name(const std::string& name) const;
+  void save_unchecked(const std::string& path) const;
   std::vector<Component> components_;
   std::vector<std::pair<std::string, Generator*>> generators_;
   bool include_default_generator_ = true;

@@ -275,6 +275,14 @@ StateDict Checkpoint::state_dict() const {
 }
 
 void Checkpoint::save(const std::string& path) const {
+  try {
+    save_unchecked(path);
+  } catch (const Error& e) {
+    FLAME_FAIL("Checkpoint::save", "saving '", path, "' failed (the previous file, if any, is untouched): ", e.what());
+  }
+}
+
+void Checkpoint::save_unchecked(const std::string& path) const {
   const StateDict sd = state_dict();
   StateDict host;
   Json checksums = Json::object();
