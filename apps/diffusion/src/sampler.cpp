@@ -8,7 +8,10 @@ using flame::DType;
 
 namespace {
 
-Tensor full_t(const Tensor& x, double t) { return Tensor::full({x.size(0)}, t, {DType::f32, x.device()}); }
+// Times are f32 for the models (f64 only when the state is f64, as in the solver tests).
+Tensor full_t(const Tensor& x, double t) {
+  return Tensor::full({x.size(0)}, t, {x.dtype() == DType::f64 ? DType::f64 : DType::f32, x.device()});
+}
 
 void check_steps(const char* who, int64_t steps) {
   FLAME_CHECK(steps >= 1, who, "steps must be >= 1, got ", steps);
