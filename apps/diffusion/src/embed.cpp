@@ -63,7 +63,8 @@ TimestepEmbedder::TimestepEmbedder(int64_t hidden, int64_t frequency_dim) : freq
 }
 
 Tensor TimestepEmbedder::forward(const Tensor& t) {
-  return mlp_->forward(timestep_embedding(t, frequency_dim_));
+  // The table is computed in f32; a model converted to another dtype gets it in its own.
+  return mlp_->forward(timestep_embedding(t, frequency_dim_).to(fc1->weight().dtype()));
 }
 
 LabelEmbedder::LabelEmbedder(int64_t num_classes, int64_t hidden) : num_classes_(num_classes) {
@@ -103,8 +104,7 @@ void DiffusionModel::check_inputs(const Tensor& x, const Tensor& t, const Tensor
   FLAME_CHECK(flame::is_floating(t.dtype()), who.c_str(), "t must be floating (in [0, 1]), got ",
               flame::dtype_name(t.dtype()));
   FLAME_CHECK(y.dim() == 1 && y.size(0) == b, who.c_str(), "y must be [", b, "], got ", y.sizes());
-  FLAME_CHECK(y.dtype() == DType::i64 || y.dtype() == DType::i32, who.c_str(), "y must be an integer tensor, got ",
-              flame::dtype_name(y.dtype()));
+  FLAME_CHECK(y.dtype() == DType::i64, who.c_str(), "y must be an i64 label tensor, got ", flame::dtype_name(y.dtype()));
   // The range check reads the labels, which synchronises: only on the CPU (a GPU caller's labels
   // come from the checked loader or from sample requests validated on the host).
   if (y.device().is_cpu() && b > 0) {

@@ -159,3 +159,29 @@ TEST(ModelCuda, ForwardMatchesCpu) {
     EXPECT_LT(fd_test::max_abs_diff(out.to(flame::Device::cpu()), ref), 5e-3 * scale) << preset;
   }
 }
+
+// A model converted to bf16 runs end to end (the timestep table follows the weights' dtype) and
+// stays close to its f32 self.
+TEST(ModelBf16, ForwardFollowsF32) {
+  FD_SKIP_IF_NO_DEVICE();
+  const flame::Device dev = test_device();
+  for (const char* preset : {"dit-tiny", "unet-tiny"}) {
+    auto f32 = fd::make_model(preset, 31);
+    fd_test::perturb(*f32, 0.02, 32);
+    auto bf16 = fd::make_model(preset, 0);
+    bf16->load_state_dict(f32->state_dict());
+    f32->to(dev);
+    bf16->to(DType::bf16, dev);
+    flame::Generator gen(33);
+    Tensor x = fd_test::rand_images(2, 1, 28, dev, &gen);
+    Tensor t = Tensor::rand({2}, {DType::f32, dev}, &gen);
+    Tensor y = Tensor::tensor({1, 10}).to(dev);
+    flame::NoGradGuard no_grad;
+    Tensor ref = f32->forward(x, t, y);
+    Tensor out = bf16->forward(x.to(DType::bf16), t, y);
+    EXPECT_EQ(out.dtype(), DType::bf16) << preset;
+    const double scale = fd_test::max_abs(ref);
+    ASSERT_GT(scale, 1e-3) << preset;
+    EXPECT_LT(fd_test::max_abs_diff(out.to(DType::f32), ref), 0.1 * scale) << preset;
+  }
+}
