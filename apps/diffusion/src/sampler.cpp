@@ -1,5 +1,6 @@
 #include "sampler.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace flame_diffusion {
