@@ -4,6 +4,9 @@
 
 #include <png.h>
 
+#include "plot.h"
+
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <csetjmp>
@@ -121,11 +124,18 @@ Image make_grid(const flame::Tensor& images, const GridOptions& o) {
   const int64_t cols = std::min<int64_t>(o.cols, n);
   const int64_t rows = (n + o.cols - 1) / o.cols;
   const int64_t tw = w * o.scale, th = h * o.scale;
-  const int64_t gw = cols * tw + (cols + 1) * o.padding, gh = rows * th + (rows + 1) * o.padding;
+  if (!o.row_labels.empty() && (o.label_scale < 1 || o.label_scale > 8)) {
+    throw std::runtime_error("make_grid: label_scale " + std::to_string(o.label_scale) + " not in 1..8");
+  }
+  int64_t label_w = 0;  // the label column, left of the tiles
+  for (const std::string& l : o.row_labels) {
+    label_w = std::max<int64_t>(label_w, text_width(l.substr(0, 64), o.label_scale) + 2 * o.padding + 2);
+  }
+  const int64_t gw = label_w + cols * tw + (cols + 1) * o.padding, gh = rows * th + (rows + 1) * o.padding;
   if (gw > 100000 || gh > 100000) throw std::runtime_error("make_grid: a " + std::to_string(gw) + "x" + std::to_string(gh) + " grid is too large");
   Image img(static_cast<int>(gw), static_cast<int>(gh), static_cast<int>(c), o.background);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t x0 = o.padding + (i % o.cols) * (tw + o.padding);
+    const int64_t x0 = label_w + o.padding + (i % o.cols) * (tw + o.padding);
     const int64_t y0 = o.padding + (i / o.cols) * (th + o.padding);
     for (int64_t y = 0; y < th; ++y) {
       for (int64_t x = 0; x < tw; ++x) {
@@ -135,6 +145,11 @@ Image make_grid(const flame::Tensor& images, const GridOptions& o) {
         }
       }
     }
+  }
+  const uint8_t ink = o.background < 128 ? 255 : 0;
+  for (std::size_t r = 0; r < o.row_labels.size() && static_cast<int64_t>(r) < rows; ++r) {
+    const int64_t y = o.padding + static_cast<int64_t>(r) * (th + o.padding) + (th - 7 * o.label_scale) / 2;
+    draw_text(img, o.padding + 1, static_cast<int>(y), o.row_labels[r].substr(0, 64), Rgb{ink, ink, ink}, o.label_scale);
   }
   return img;
 }

@@ -37,6 +37,10 @@ struct GridOptions {
   int padding = 2;         // pixels between tiles and around the border
   int scale = 1;           // each pixel becomes scale x scale (1, 2, 3 ...; nearest neighbour)
   uint8_t background = 0;  // padding colour (gray level, all channels)
+  // Text left of each row (e.g. the class names of a class-per-row sample grid), in the plot's
+  // bitmap font, white on a dark background and black on a light one. Empty: no label column.
+  std::vector<std::string> row_labels;
+  int label_scale = 1;
 };
 
 // Tiles images [N, C, H, W] (C = 1 or 3; values in [-1, 1], clamped; any device and floating

@@ -141,6 +141,24 @@ TEST(DataPng, GridPlacesEveryTileScaledAndPadded) {
   const fd::Image gr = fd::make_grid(rgb, {.cols = 2, .padding = 0});
   EXPECT_EQ(gr.channels, 3);
   EXPECT_EQ(gr.at(4, 1)[2], fd::to_pixel(rgb.to_vec<float>()[27 + 2 * 9 + 1 * 3 + 1]));
+  // Row labels add a column on the left; the tiles move right by its width, unchanged.
+  fd::GridOptions lo = o;
+  lo.row_labels = {"AB", "T-SHIRT/TOP", "7"};
+  const fd::Image gl = fd::make_grid(x, lo);
+  const int label_w = fd::text_width("T-SHIRT/TOP") + 2 * 2 + 2;
+  ASSERT_EQ(gl.width, g.width + label_w);
+  ASSERT_EQ(gl.height, g.height);
+  for (int y = 0; y < g.height; ++y) {
+    for (int xx = 0; xx < g.width; ++xx) ASSERT_EQ(gl.at(xx + label_w, y)[0], g.at(xx, y)[0]) << xx << "," << y;
+  }
+  int ink = 0;
+  for (int y = 0; y < gl.height; ++y)
+    for (int xx = 0; xx < label_w; ++xx) ink += gl.at(xx, y)[0] == 255;
+  int font_pixels = 0;
+  for (const std::string& l : lo.row_labels)
+    for (char ch : l)
+      for (int r = 0; r < 7; ++r) font_pixels += __builtin_popcount(fd::glyph_rows(ch)[r]);
+  EXPECT_EQ(ink, font_pixels);
   EXPECT_THROW(fd::make_grid(flame::Tensor::zeros({2, 2, 3, 3})), std::runtime_error);  // 2 channels
   EXPECT_THROW(fd::make_grid(flame::Tensor::zeros({2, 3, 3})), std::runtime_error);     // 3-d
 }

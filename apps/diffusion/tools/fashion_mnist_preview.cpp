@@ -51,7 +51,7 @@ int main(int argc, char** argv) {
     }
     const int64_t n = static_cast<int64_t>(v.size()) / 784;
     const flame::Tensor grid = flame::Tensor::from_vec(v, {n, 1, 28, 28});
-    fd::save_grid_png(out + "/fashion_mnist.png", grid, {.cols = per_class, .padding = 2, .scale = scale});
+    fd::save_grid_png(out + "/fashion_mnist.png", grid, {.cols = per_class, .padding = 2, .scale = scale, .row_labels = fd::fashion_mnist_class_names()});
 
     std::vector<double> steps, losses;
     if (!csv.empty()) {
