@@ -304,3 +304,33 @@ TEST(DataLoader, FashionMnistBatchesOnTheTestDevice) {
     EXPECT_LE(b.labels.max().item<int64_t>(), 9);
   }
 }
+
+// On CUDA the batch is uploaded on the loader's side stream; the caller's current stream (here a
+// stream of the test's own) waits for it, so work queued there sees the uploaded values.
+TEST(DataLoader, CudaBatchesAreReadyOnTheCallersStream) {
+  if (!flame::cuda_is_available()) GTEST_SKIP() << "no CUDA device: CUDA case skipped";
+  auto data = make_data(512, 4);
+  fd::LoaderOptions o;
+  o.batch_size = 64;
+  o.seed = 8;
+  o.random_flip = true;
+  o.prefetch = 4;
+  fd::Loader host(data, o);
+  o.device = flame::Device::cuda(0);
+  fd::Loader gpu(data, o);
+  const flame::cuda::Stream compute = flame::cuda::Stream::create(0);
+  flame::cuda::StreamGuard guard(compute);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the worker run ahead
+  for (int i = 0; i < 16; ++i) {
+    fd::Batch g = gpu.next();
+    fd::Batch h = host.next();
+    ASSERT_TRUE(g.images.device().is_cuda());
+    // Queued on `compute`, read back from it.
+    const flame::Tensor doubled = g.images * 2.0;
+    const std::vector<float> got = doubled.to_vec<float>();
+    const std::vector<float> want = h.images.to_vec<float>();
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t k = 0; k < got.size(); ++k) ASSERT_EQ(got[k], want[k] * 2.0f) << "batch " << i << " element " << k;
+    EXPECT_EQ(g.labels.to_vec<int64_t>(), h.labels.to_vec<int64_t>());
+  }
+}
