@@ -26,7 +26,7 @@ struct Hyper {
 };
 
 template <class C>
-inline Hyper<C> make_hyper(const OptimHyper& h) {
+FLAME_INLINE Hyper<C> make_hyper(const OptimHyper& h) {
   return Hyper<C>{static_cast<C>(h.lr),       static_cast<C>(h.weight_decay), static_cast<C>(h.beta1),
                   static_cast<C>(h.beta2),    static_cast<C>(h.eps),          static_cast<C>(h.momentum),
                   static_cast<C>(h.dampening), h.nesterov,                     h.maximize,

@@ -32,7 +32,7 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int64_t kChunk = 32768;  // elements; a multiple of 4 so chunks keep the vector alignment
 constexpr int kMaxTensors = 288;
-constexpr int kMaxEmaTensors = 1000;
+constexpr int kMaxEmaTensors = 800;
 
 struct OptimTensorArgs {
   void* param;
