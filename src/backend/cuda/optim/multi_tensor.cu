@@ -3,8 +3,9 @@
 // packs, for up to kMaxTensors tensors, their pointers, sizes and per-tensor scalars into ONE
 // kernel-argument struct (passed as __grid_constant__, so it stays in the parameter bank: CUDA
 // 12.1+ allows 32,764 bytes of kernel parameters on Volta and later), plus a prefix table of
-// each tensor's first chunk. Each tensor is cut into chunks of kChunk elements; blocks walk the
-// global chunk list grid-stride and find a chunk's tensor by binary search in the prefix table
+// each tensor's first chunk. Each tensor is cut into chunks of kChunk elements; as many blocks
+// as fit on the GPU at once (occupancy, so no block waits for a second wave) walk the global
+// chunk list grid-stride and find a chunk's tensor by binary search in the prefix table
 // (uniform across the block: a broadcast read of the parameter bank). Inside a chunk, threads
 // take 4 elements at a time with vector loads (16 bytes for f32) when every pointer of that
 // tensor is aligned to 4 elements, and one at a time otherwise. Lists longer than kMaxTensors
@@ -272,17 +273,29 @@ bool aligned4(const void* p, std::size_t element_size) {
 
 int32_t chunks_of(int64_t numel) { return static_cast<int32_t>((numel + kChunk - 1) / kChunk); }
 
-unsigned int grid_for(int device, int32_t total_chunks) {
-  // Enough resident blocks to fill the GPU (4 x 512 threads per SM); more chunks are walked
-  // grid-stride.
-  const int64_t cap = static_cast<int64_t>(sm_count(device)) * 4;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(total_chunks, cap)));
+// Blocks of `kernel` that fit on the GPU at once (read once per kernel): a grid-stride grid
+// larger than that would run in uneven waves.
+template <class Kernel>
+int64_t resident_blocks(Kernel kernel, int device) {
+  static std::atomic<int> per_sm{0};
+  int n = per_sm.load(std::memory_order_relaxed);
+  if (n == 0) {
+    FLAME_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+    n = std::max(n, 1);
+    per_sm.store(n, std::memory_order_relaxed);
+  }
+  return static_cast<int64_t>(n) * sm_count(device);
+}
+
+template <class Kernel>
+unsigned int grid_for(Kernel kernel, int device, int32_t total_chunks) {
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(total_chunks, resident_blocks(kernel, device))));
 }
 
 template <class P, class S, OptimKind K, bool kMaster>
 void launch_optim(CudaBackend& be, const OptimLaunchArgs& args) {
-  optim_kernel<P, S, K, kMaster>
-      <<<grid_for(be.device(), args.chunk_start[args.count]), kThreads, 0, be.stream()>>>(args);
+  auto kernel = optim_kernel<P, S, K, kMaster>;
+  kernel<<<grid_for(kernel, be.device(), args.chunk_start[args.count]), kThreads, 0, be.stream()>>>(args);
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
@@ -391,7 +404,8 @@ void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params,
       dispatch_floating(pdt, "ema_update", [&](auto ptag) {
         using P = typename decltype(ptag)::type;
         if constexpr (sizeof(P) <= sizeof(S)) {
-          ema_kernel<S, P><<<grid_for(device(), chunk), kThreads, 0, stream()>>>(args);
+          auto kernel = ema_kernel<S, P>;
+          kernel<<<grid_for(kernel, device(), chunk), kThreads, 0, stream()>>>(args);
           FLAME_CUDA_CHECK_LAUNCH();
         } else {
           FLAME_FAIL("ema_update", "shadow dtype ", dtype_name(sdt), " narrower than the parameters' ", dtype_name(pdt));
