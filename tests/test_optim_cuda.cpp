@@ -155,6 +155,43 @@ TEST(OptimCuda, StochasticRoundingMatchesCpuAndIsUnbiased) {
   EXPECT_NEAR(mean / static_cast<double>(gpu.size()), m, 4e-5);
 }
 
+// After the first step (which creates the state) a step allocates nothing and can be captured
+// into a CUDA graph: SGD's update depends on no host-side counter, so 2 eager steps + a captured
+// step replayed 3 times equal 5 eager steps.
+TEST(OptimCuda, StepAllocatesNothingAndCaptures) {
+  FLAME_SKIP_IF_NO_CUDA();
+  auto make = [] {
+    TensorList ps;
+    for (int64_t n : {5, 1000, 4099}) {
+      Tensor p = Tensor::arange(n, TensorOptions(DType::f32, Device::cuda())).mul_(1e-3);
+      p.requires_grad_(true);
+      ps.push_back(p);
+    }
+    return ps;
+  };
+  auto grads_for = [](const TensorList& ps) {
+    Gradients g;
+    for (const Tensor& p : ps) g.set(p, Tensor::full(p.sizes(), 0.5, TensorOptions(DType::f32, Device::cuda())));
+    return g;
+  };
+  const TensorList eager = make(), graphed = make();
+  const Gradients ge = grads_for(eager), gg = grads_for(graphed);
+  optim::SGD a(eager, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01});
+  optim::SGD b(graphed, {.lr = 0.1, .momentum = 0.9, .weight_decay = 0.01});
+  for (int s = 0; s < 2; ++s) a.step(ge);
+  b.step(gg);
+  flame::cuda::synchronize();
+  const uint64_t allocs = flame::cuda::memory_stats().num_allocs;
+  b.step(gg);
+  flame::cuda::synchronize();
+  EXPECT_EQ(flame::cuda::memory_stats().num_allocs, allocs) << "a step after the first allocates nothing";
+  flame::cuda::Graph graph;
+  flame::cuda::capture(graph, [&] { b.step(gg); });
+  for (int r = 0; r < 3; ++r) graph.replay();
+  for (int s = 0; s < 3; ++s) a.step(ge);
+  for (std::size_t i = 0; i < eager.size(); ++i) expect_close(graphed[i], eager[i], 1e-6, 1e-6, "graph replay");
+}
+
 TEST(OptimCuda, DeviceMixIsAnError) {
   FLAME_SKIP_IF_NO_CUDA();
   Tensor p = Tensor::randn({4}, Device::cuda());
