@@ -143,6 +143,12 @@ void FusedOptimizer::step(const Gradients& grads) {
         st.master = make_empty_in_layout_of(a.param, DType::f32, a.param.device(), "master weights");
         st.master.copy_(a.param);
       }
+      // Slots appear only at a parameter's first step, or when a hyperparameter asks for one
+      // later (SGD's momentum turned on): a parameter with slots has all of them.
+      if (!st.slots.empty()) {
+        ++st.step;
+        continue;
+      }
       for (const Slot& s : slots(groups_[g], a.param))
         if (!find_slot(a.index, s.name).defined()) {
           st.slots.emplace_back(s.name, zeros_for(a.param, s.shape, state_dtype(a.param)));
