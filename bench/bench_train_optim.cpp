@@ -15,6 +15,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
+#include <memory>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -87,6 +89,80 @@ Model make_model(DType dtype, Device dev) {
   return m;
 }
 
+// Note [PyTorch check]: the same 20 steps as the twin's check_against_torch (float64 on the GPU,
+// inputs from a formula, a parameter without a gradient every third step, two groups); both print
+// "# check <name> sum=... absmax=..." so a run shows whether FLAME and torch.optim agree.
+void check_against_torch(Device dev) {
+  const std::vector<flame::Shape> shapes = {{7}, {5, 3}, {2, 3, 5}, {3, 4}};
+  auto values = [](const flame::Shape& s, double phase, double freq) {
+    int64_t n = 1;
+    for (int64_t d : s) n *= d;
+    std::vector<double> v(static_cast<std::size_t>(n));
+    for (int64_t k = 0; k < n; ++k) v[static_cast<std::size_t>(k)] = std::sin(freq * static_cast<double>(k) + phase);
+    return v;
+  };
+  auto run = [&](const std::string& name, auto make) {
+    TensorList ps;
+    for (std::size_t i = 0; i < shapes.size(); ++i) {
+      Tensor p = Tensor::from_vec(values(shapes[i], static_cast<double>(i), 0.37), shapes[i], dev);
+      p.requires_grad_(true);
+      ps.push_back(p);
+    }
+    std::vector<flame::optim::ParamGroup> groups(2);
+    groups[0].params = {ps[0], ps[1]};
+    groups[1].params = {ps[2], ps[3]};
+    auto opt = make(groups);
+    for (int t = 0; t < 20; ++t) {
+      Gradients g;
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        if (i == 3 && t % 3 == 1) continue;
+        g.set(ps[i], Tensor::from_vec(values(shapes[i], 1.0 + static_cast<double>(i), 0.11 * (t + 1)), shapes[i], dev)
+                         .mul_(0.5));
+      }
+      opt->step(g);
+    }
+    double sum = 0, absmax = 0;
+    for (const Tensor& p : ps)
+      for (double x : p.to_vec<double>()) {
+        sum += x;
+        absmax = std::max(absmax, std::abs(x));
+      }
+    std::printf("# check %s sum=%.12e absmax=%.12e\n", name.c_str(), sum, absmax);
+  };
+  namespace O = flame::optim;
+  run("adamw", [](std::vector<O::ParamGroup> g) {
+    O::AdamWOptions o{.lr = 1e-2, .weight_decay = 0.1};
+    g[0] = o.group(g[0].params);
+    g[1] = o.group(g[1].params);
+    g[1].lr = 3e-2;
+    g[1].weight_decay = 0.01;
+    return std::make_unique<O::AdamW>(g, o);
+  });
+  run("adam_amsgrad", [](std::vector<O::ParamGroup> g) {
+    O::AdamOptions o{.lr = 1e-2, .weight_decay = 0.01, .amsgrad = true};
+    g[0] = o.group(g[0].params);
+    g[1] = o.group(g[1].params);
+    g[1].beta1 = 0.8;
+    g[1].beta2 = 0.99;
+    return std::make_unique<O::Adam>(g, o);
+  });
+  run("sgd_nesterov", [](std::vector<O::ParamGroup> g) {
+    O::SGDOptions o{.lr = 1e-2, .momentum = 0.9, .weight_decay = 0.01, .nesterov = true};
+    g[0] = o.group(g[0].params);
+    g[1] = o.group(g[1].params);
+    g[1].momentum = 0.5;
+    return std::make_unique<O::SGD>(g, o);
+  });
+  run("adafactor", [](std::vector<O::ParamGroup> g) {
+    O::AdafactorOptions o{.lr = 1e-2, .weight_decay = 0.01};
+    g[0] = o.group(g[0].params);
+    g[1] = o.group(g[1].params);
+    g[1].lr = 0.5;
+    return std::make_unique<O::Adafactor>(g, o);
+  });
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -116,6 +192,7 @@ int main(int argc, char** argv) {
     std::printf("BENCH {\"name\": \"optim_d2d_copy\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f, \"pct_d2d\": 100.0}\n",
                 d2d, ms);
   }
+  check_against_torch(gpu);
   const double n = static_cast<double>(kTotal);
   auto run = [&](const std::string& name, double bytes, const std::function<void()>& fn) {
     try {

@@ -50,6 +50,40 @@ def emit(name, bytes_per_step, ms, d2d):
                                  "ms": round(ms, 4), "pct_d2d": round(100.0 * gbps / d2d, 1)}), flush=True)
 
 
+def check_against_torch(torch, dev):
+    """Note [PyTorch check] in bench_train_optim.cpp: the same 20 float64 steps with torch.optim."""
+    import math
+    shapes = [(7,), (5, 3), (2, 3, 5), (3, 4)]
+
+    def values(shape, phase, freq):
+        n = math.prod(shape)
+        return torch.tensor([math.sin(freq * k + phase) for k in range(n)], dtype=torch.float64,
+                            device=dev).reshape(shape)
+
+    def run(name, make):
+        ps = [values(s, float(i), 0.37).requires_grad_(True) for i, s in enumerate(shapes)]
+        opt = make(ps)
+        for t in range(20):
+            for i, p in enumerate(ps):
+                p.grad = None if (i == 3 and t % 3 == 1) else values(shapes[i], 1.0 + i, 0.11 * (t + 1)) * 0.5
+            opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in ps])
+        print(f"# check {name} sum={flat.sum().item():.12e} absmax={flat.abs().max().item():.12e}", flush=True)
+
+    run("adamw", lambda ps: torch.optim.AdamW(
+        [{"params": ps[:2]}, {"params": ps[2:], "lr": 3e-2, "weight_decay": 0.01}], lr=1e-2, weight_decay=0.1))
+    run("adam_amsgrad", lambda ps: torch.optim.Adam(
+        [{"params": ps[:2]}, {"params": ps[2:], "betas": (0.8, 0.99)}], lr=1e-2, weight_decay=0.01, amsgrad=True))
+    run("sgd_nesterov", lambda ps: torch.optim.SGD(
+        [{"params": ps[:2]}, {"params": ps[2:], "momentum": 0.5}], lr=1e-2, momentum=0.9, weight_decay=0.01,
+        nesterov=True))
+    if hasattr(torch.optim, "Adafactor"):
+        run("adafactor", lambda ps: torch.optim.Adafactor(
+            [{"params": ps[:2]}, {"params": ps[2:], "lr": 0.5}], lr=1e-2, weight_decay=0.01))
+    else:
+        print("# check adafactor: this PyTorch has no torch.optim.Adafactor", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
@@ -73,6 +107,7 @@ def main():
     print("BENCH " + json.dumps({"name": "optim_d2d_copy", "value": float(f"{d2d:.4g}"), "unit": "GB/s",
                                  "ms": round(ms, 4), "pct_d2d": 100.0}), flush=True)
     del src, dst
+    check_against_torch(torch, dev)
     n = float(TOTAL)
 
     def make_params(dtype):
