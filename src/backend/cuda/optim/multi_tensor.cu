@@ -273,29 +273,25 @@ bool aligned4(const void* p, std::size_t element_size) {
 
 int32_t chunks_of(int64_t numel) { return static_cast<int32_t>((numel + kChunk - 1) / kChunk); }
 
-// Blocks of `kernel` that fit on the GPU at once (read once per kernel): a grid-stride grid
-// larger than that would run in uneven waves.
-template <class Kernel>
-int64_t resident_blocks(Kernel kernel, int device) {
+// Blocks of `Kernel` that fit on the GPU at once (read once per kernel instantiation: their
+// register counts differ): a grid-stride grid larger than that would run in uneven waves.
+template <auto Kernel>
+unsigned int grid_for(int device, int32_t total_chunks) {
   static std::atomic<int> per_sm{0};
   int n = per_sm.load(std::memory_order_relaxed);
   if (n == 0) {
-    FLAME_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+    FLAME_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
     n = std::max(n, 1);
     per_sm.store(n, std::memory_order_relaxed);
   }
-  return static_cast<int64_t>(n) * sm_count(device);
-}
-
-template <class Kernel>
-unsigned int grid_for(Kernel kernel, int device, int32_t total_chunks) {
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(total_chunks, resident_blocks(kernel, device))));
+  const int64_t resident = static_cast<int64_t>(n) * sm_count(device);
+  return static_cast<unsigned int>(std::max<int64_t>(1, std::min<int64_t>(total_chunks, resident)));
 }
 
 template <class P, class S, OptimKind K, bool kMaster>
 void launch_optim(CudaBackend& be, const OptimLaunchArgs& args) {
-  auto kernel = optim_kernel<P, S, K, kMaster>;
-  kernel<<<grid_for(kernel, be.device(), args.chunk_start[args.count]), kThreads, 0, be.stream()>>>(args);
+  constexpr auto kernel = optim_kernel<P, S, K, kMaster>;
+  kernel<<<grid_for<kernel>(be.device(), args.chunk_start[args.count]), kThreads, 0, be.stream()>>>(args);
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
@@ -404,8 +400,8 @@ void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params,
       dispatch_floating(pdt, "ema_update", [&](auto ptag) {
         using P = typename decltype(ptag)::type;
         if constexpr (sizeof(P) <= sizeof(S)) {
-          auto kernel = ema_kernel<S, P>;
-          kernel<<<grid_for(kernel, device(), chunk), kThreads, 0, stream()>>>(args);
+          constexpr auto kernel = ema_kernel<S, P>;
+          kernel<<<grid_for<kernel>(device(), chunk), kThreads, 0, stream()>>>(args);
           FLAME_CUDA_CHECK_LAUNCH();
         } else {
           FLAME_FAIL("ema_update", "shadow dtype ", dtype_name(sdt), " narrower than the parameters' ", dtype_name(pdt));
