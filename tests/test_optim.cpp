@@ -63,8 +63,6 @@ TEST_P(OptimCpuTrajectory, SkipsParametersWithoutGradient) {
   auto opt = make_optimizer(c.kind, c.config, ps);
   const Tensor p3 = ps[3];
   const uint64_t v0 = p3.version();
-  const Tensor* identity = &ps[3];
-  (void)identity;
   opt->step(grads_at(pb, ps, 0));
   const auto after0 = p3.to_vec<double>();
   const uint64_t v1 = p3.version();
@@ -106,11 +104,9 @@ TEST_P(OptimCpuTrajectory, StateDictResumeIsBitExact) {
       resumed.push_back(q);
     }
     auto r = make_optimizer(c.kind, c.config, resumed);
-    Config other = c.config;
     r->set_lr(123.0);  // load restores the hyperparameters too
     r->load_state_dict(sd);
     EXPECT_EQ(r->lr(1), c.config.lr[1]);
-    (void)other;
     run_steps(*r, pb, resumed, 10, pb.steps);
     expect_bitwise_equal(resumed, full, std::string(c.name) + " " + dtype_name(dt));
     // The saved snapshot is a copy: stepping b further does not change it.
