@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "flame/tensor.h"
+#include "src/backend/optim_params.h"
 #include "src/backend/pool_params.h"
 #include "src/ops/op_list.h"
 
@@ -136,6 +137,14 @@ class Backend {
   virtual void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                                       const Tensor& target, const Tensor& lse, int64_t ignore_index,
                                       double label_smoothing) = 0;
+  // ---- optim ----
+  // One fused update of every tensor in `tensors` (src/backend/optim_params.h; Note [Optimizer
+  // element math]): one kernel launch per call on CUDA, whatever the number of tensors.
+  virtual void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) = 0;
+  // shadow[k] += weight * (params[k] - shadow[k]) for every k (torch._foreach_lerp_); shadow and
+  // params pair up by index with equal numel and dense layout; all shadows share one dtype, all
+  // params one dtype.
+  virtual void ema_update(const TensorList& shadow, const TensorList& params, double weight) = 0;
 };
 
 Backend& backend_for(Device device);

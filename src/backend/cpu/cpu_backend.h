@@ -119,6 +119,9 @@ class CpuBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
                               double label_smoothing) override;
+  // ---- optim ---- (cpu_optim.cpp)
+  void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) override;
+  void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
 };
 
 }  // namespace flame::backend::cpu
