@@ -46,13 +46,13 @@ class Sgd : public optim::Optimizer {
   void step(const Gradients& grads) override {
     NoGradGuard no_grad;
     for (const auto& group : groups_) {
-      for (const Tensor& p : group.params) {
+      for (Tensor p : group.params) {
         Tensor g = grads.get(p);
         if (!g.defined()) continue;
         Tensor& buf = buf_[p.impl()];
         if (!buf.defined()) buf = Tensor::zeros(p.sizes(), {p.dtype(), p.device()});
         buf.mul_(group.momentum).add_(g);
-        p.sub_(buf.mul(group.lr));
+        p.sub_(buf * group.lr);
       }
     }
   }

@@ -21,7 +21,7 @@ std::vector<float> random_values(int64_t n, uint64_t seed) {
 Tensor busy_stream() {
   Tensor a = Tensor::uniform({4096, 4096}, -1.0, 1.0, Device::cuda(0));
   Tensor acc = a;
-  for (int i = 0; i < 16; ++i) acc = acc.matmul(a).mul(1e-3);
+  for (int i = 0; i < 16; ++i) acc = acc.matmul(a) * 1e-3;
   return acc;
 }
 
@@ -100,19 +100,19 @@ TEST(OffloadPinned, AsyncRoundTripOfRandomData) {
     Tensor p = x.pin_memory();
     Tensor d = p.to(Device::cuda(0), /*non_blocking=*/true);
     EXPECT_EQ(d.device(), Device::cuda(0));
-    Tensor back = d.mul(2).to(Device::cpu(), /*non_blocking=*/true);
+    Tensor back = (d * 2).to(Device::cpu(), /*non_blocking=*/true);
     EXPECT_TRUE(back.is_pinned());
     cuda::synchronize();  // the non-blocking download is complete only now
-    EXPECT_TRUE(all_close(back, x.mul(2), 0, 0));
+    EXPECT_TRUE(all_close(back, x * 2, 0, 0));
     // copy_ into existing tensors, both directions.
     Tensor d2 = Tensor::empty({37, 129}, {dt, Device::cuda(0)});
     d2.copy_(p, true);
     Tensor h2 = offload::empty_pinned({37, 129}, dt);
     const uint64_t v0 = h2.version();
-    h2.copy_(d2.add(1), true);
+    h2.copy_(d2 + 1, true);
     EXPECT_EQ(h2.version(), v0 + 1);
     cuda::synchronize();
-    EXPECT_TRUE(all_close(h2, x.add(1), 0, 0));
+    EXPECT_TRUE(all_close(h2, x + 1, 0, 0));
   }
   // Pairs the async path does not take still copy correctly (pageable source, a transposed view).
   Tensor x = Tensor::uniform({16, 9}, -1.0, 1.0);
@@ -163,7 +163,7 @@ TEST(OffloadPinned, CopiesOnASideStreamAreOrderedByEvents) {
   }
   compute.wait(uploaded);
   cuda::record_stream(d, compute);
-  Tensor y = d.mul(3).add(1);  // on compute, after the upload
+  Tensor y = d * 3 + 1;  // on compute, after the upload
   // Download on the side stream once compute produced y.
   cuda::Event produced;
   produced.record(compute);

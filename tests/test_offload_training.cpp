@@ -29,16 +29,16 @@ class TestSgd : public optim::Optimizer {
   void step(const Gradients& grads) override {
     NoGradGuard no_grad;
     for (const auto& group : groups_) {
-      for (const Tensor& p : group.params) {
+      for (Tensor p : group.params) {
         Tensor g = grads.get(p);
         if (!g.defined()) continue;
         Tensor upd = g;
         if (group.momentum != 0.0) {
           Tensor& buf = buffers_[p.impl()];
-          buf = buf.defined() ? buf.mul(group.momentum).add(g) : g.clone();
+          buf = buf.defined() ? buf * group.momentum + g : g.clone();
           upd = buf;
         }
-        p.sub_(upd.mul(group.lr));
+        p.sub_(upd * group.lr);
       }
     }
   }
