@@ -309,7 +309,11 @@ TEST(OffloadWeights, AnOptimizerStepIsSeenByTheNextForwardEvenAfterAPrefetch) {
   const int64_t d = 16;
   auto blocks = make_blocks(3, d);
   auto ref = clone_blocks(blocks, d);
-  offload::StreamedBlocks streamed(blocks, dev);
+  nn::ModuleList list;
+  for (const auto& b : blocks) list.push_back(b);
+  offload::StreamedBlocks streamed(list, dev);
+  ASSERT_EQ(streamed.size(), 3u);
+  EXPECT_EQ(streamed.block(2), blocks[2]);
   Tensor x = random_tensor({4, d}, 8, dev);
   (void)streamed.forward(x).sum();  // leaves the last block's upload prefetched for a backward
   {

@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 
+#include "flame/nn/containers.h"
 #include "flame/nn/module.h"
 #include "flame/optim/optimizer.h"
 #include "flame/cuda.h"
@@ -111,6 +112,8 @@ struct StreamedBlocksOptions {
 class StreamedBlocks : public nn::Module {
  public:
   StreamedBlocks(std::vector<nn::ModulePtr> blocks, Device device, StreamedBlocksOptions options = {});
+  // The children of a ModuleList, in order (they are then shared by both containers).
+  StreamedBlocks(const nn::ModuleList& blocks, Device device, StreamedBlocksOptions options = {});
   ~StreamedBlocks() override;
   std::string name() const override { return "StreamedBlocks"; }
   std::string extra_repr() const override;

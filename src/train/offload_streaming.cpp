@@ -221,6 +221,17 @@ StreamedBlocks::StreamedBlocks(std::vector<nn::ModulePtr> blocks, Device device,
   state_->pending.resize(blocks.size());
 }
 
+namespace {
+std::vector<nn::ModulePtr> children_of(const nn::ModuleList& list) {
+  std::vector<nn::ModulePtr> out;
+  for (std::size_t i = 0; i < list.size(); ++i) out.push_back(list[i]);
+  return out;
+}
+}  // namespace
+
+StreamedBlocks::StreamedBlocks(const nn::ModuleList& blocks, Device device, StreamedBlocksOptions options)
+    : StreamedBlocks(children_of(blocks), device, options) {}
+
 StreamedBlocks::~StreamedBlocks() = default;
 
 std::string StreamedBlocks::extra_repr() const {
