@@ -19,6 +19,8 @@
 //    cudaHostAlloc fails (then the free blocks are released and the call retried once).
 //  - Poisoning: under FLAME_POISON_ALLOC every block handed out is filled with 0xFF bytes (as the
 //    CPU allocator does); a pending block is never written, so no queued copy sees the poison.
+//  - Blocks are portable (cudaHostAllocPortable): pinned for every device, so one pinned tensor
+//    can feed copies to any GPU.
 //  - Lifetime: the cache is never destroyed (tensors freed at exit still find it).
 // Async copies refuse graph capture (check_not_capturing), like the staged copies: the events
 // recorded at free time cannot be recorded on a capturing stream.
@@ -75,11 +77,11 @@ class PinnedCache {
       }
     }
     if (ptr == nullptr) {
-      cudaError_t err = cudaHostAlloc(&ptr, cls, cudaHostAllocDefault);
+      cudaError_t err = cudaHostAlloc(&ptr, cls, cudaHostAllocPortable);
       if (err != cudaSuccess) {
         (void)cudaGetLastError();
         empty_cache();
-        err = cudaHostAlloc(&ptr, cls, cudaHostAllocDefault);
+        err = cudaHostAlloc(&ptr, cls, cudaHostAllocPortable);
         if (err != cudaSuccess) {
           (void)cudaGetLastError();
           FLAME_FAIL(op, "cannot allocate ", nbytes, " bytes of pinned host memory: ", cudaGetErrorName(err), ": ",
