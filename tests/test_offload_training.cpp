@@ -306,6 +306,26 @@ TEST(OffloadWeights, StreamedGradientsMatchTheUnstreamedOnes) {
   if (dev.is_cuda()) EXPECT_GT(streamed.prefetched_uploads(), 0);
 }
 
+TEST(OffloadWeights, ComposesWithActivationOffload) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t d = 40;
+  offload::StreamedBlocks streamed(make_blocks(4, d), dev);
+  Tensor x = random_tensor({9, d}, 31, dev).requires_grad_();
+  const Gradients plain = streamed.forward(x).square().mean().backward();
+  Gradients both;
+  {
+    offload::OffloadActivations guard;
+    Tensor loss = streamed.forward(x).square().mean();
+    // The block nodes save only their inputs: blocks 1-3 (x is a leaf) and the loss's input.
+    EXPECT_GE(guard.packed_count(), 3);
+    EXPECT_LE(guard.packed_count(), 5);
+    both = loss.backward();
+  }
+  EXPECT_TRUE(all_close(both.get(x), plain.get(x), 1e-6, 1e-7));
+  for (const Tensor& p : streamed.parameters()) EXPECT_TRUE(all_close(both.get(p), plain.get(p), 1e-6, 1e-7));
+}
+
 TEST(OffloadWeights, AnOptimizerStepIsSeenByTheNextForwardEvenAfterAPrefetch) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
