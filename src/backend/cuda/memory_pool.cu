@@ -64,8 +64,8 @@
 //    trimmed and the out-of-memory error names the cap. Cached blocks (block cache hits) never
 //    grow reserved memory, so the check costs nothing on the hot path; without a cap (0, the
 //    default) nothing changes. Graph-private pools are not capped (a capture cannot wait).
-//    The cap is checked after the fact, so reserved memory is exact only to the driver pool's
-//    granularity (2 MiB chunks).
+//    The cap is checked after the fact against what the driver pool reserved, which grows in
+//    chunks that may be larger than the request (and stays while any block in it is live).
 //  - Zero bytes: a null pointer, never dereferenced; its deleter only counts the free.
 //  - Statistics (flame::cuda::MemoryStats) are atomics updated at allocate and at free:
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
