@@ -6,6 +6,8 @@
 //   offload_step_activations                   the same under OffloadActivations
 //   offload_step_weights                       the blocks streamed (StreamedBlocks), SGD on the host
 //   offload_step_optimizer                     HostOptimizer (SGD with momentum on the host)
+//   offload_fwdbwd_plain / offload_fwdbwd_weights  forward + backward only (no optimizer): the
+//                                              cost of streaming without the host update
 // Each step row carries peak_mib (the pool's peak allocated bytes over one step, everything live
 // counted: parameters, optimizer state, activations, gradients) and saved_mib (the plain step's
 // peak minus this one). The PyTorch twin (bench_train_offload_torch.py) prints the rows PyTorch has an
@@ -146,6 +148,15 @@ int main(int argc, char** argv) {
     }
     sgd->step(g);
   };
+  {  // forward + backward only: the offloads' cost without the optimizer
+    auto fwd_bwd = [&] {
+      Tensor h = x;
+      for (auto& b : blocks) h = b->forward(h);
+      (void)mse_loss(h, target).backward();
+    };
+    const double peak = peak_mib_of(fwd_bwd);
+    emit_step("offload_fwdbwd_plain", bench::median_ms(reps, warmup, fwd_bwd), peak, peak);
+  }
   plain_step(false);  // the momentum buffers exist from here on
   const double plain_peak = peak_mib_of([&] { plain_step(false); });
   emit_step("offload_step_plain", bench::median_ms(reps, warmup, [&] { plain_step(false); }), plain_peak, plain_peak);
@@ -178,6 +189,9 @@ int main(int argc, char** argv) {
     step();
     const double peak = peak_mib_of(step);
     emit_step("offload_step_weights", bench::median_ms(reps, warmup, step), peak, plain_peak);
+    auto fwd_bwd = [&] { (void)mse_loss(streamed.forward(x), target).backward(); };
+    const double fb_peak = peak_mib_of(fwd_bwd);
+    emit_step("offload_fwdbwd_weights", bench::median_ms(reps, warmup, fwd_bwd), fb_peak, plain_peak);
   }
   return 0;
 }

@@ -4,7 +4,9 @@ names, shapes and timing (CUDA events between back-to-back calls, warm-up, media
 offload_pinned_h2d / offload_pinned_d2h (a 256 MiB non_blocking copy from/to pinned memory),
 offload_step_plain (forward, backward, SGD with momentum on a stack of 8 residual blocks
 x + tanh(Linear(x)), width 2048, batch 4096, f32) and offload_step_activations (the same under
-torch.autograd.graph.save_on_cpu(pin_memory=True)). Weight streaming and the host optimizer have
+torch.autograd.graph.save_on_cpu(pin_memory=True)), and offload_fwdbwd_plain (forward and
+backward only; gradients from torch.autograd.grad, as FLAME's backward returns a fresh store).
+Weight streaming and the host optimizer have
 no PyTorch counterpart: the FLAME side reports their memory saved and step time alone.
 peak_mib is torch.cuda.max_memory_allocated over one step (everything live counted).
 
@@ -68,7 +70,9 @@ def main():
         loss.backward()
         opt.step()
 
-    step(False)  # momentum buffers exist from here on
+    def fwd_bwd():
+        loss = F.mse_loss(blocks(x), target)
+        torch.autograd.grad(loss, list(blocks.parameters()))
 
     def peak_mib(fn):
         torch.cuda.synchronize()
@@ -76,6 +80,13 @@ def main():
         fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() / (1 << 20)
+
+    fb_peak = peak_mib(fwd_bwd)
+    ms = median_ms(torch, fwd_bwd, reps, warmup)
+    print("BENCH " + json.dumps({"name": "offload_fwdbwd_plain", "value": float(f"{ms:.4g}"), "unit": "ms",
+                                 "peak_mib": round(fb_peak, 1), "saved_mib": 0.0}), flush=True)
+
+    step(False)  # momentum buffers exist from here on
 
     plain_peak = peak_mib(lambda: step(False))
     for name, off in (("offload_step_plain", False), ("offload_step_activations", True)):
