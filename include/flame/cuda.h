@@ -177,6 +177,13 @@ void capture(Graph& graph, const std::function<void()>& fn, int device = 0);
 // True when the calling thread is capturing a CUDA graph on `device`.
 bool is_capturing(int device = 0);
 
+// ---- memory limit (docs/offload.md, Note [Memory limit] in memory_pool.cu) ----
+// Caps the memory the pool of `device` reserves from the driver at `bytes` (0 removes the cap),
+// like torch.cuda.set_per_process_memory_fraction: an allocation that would take reserved memory
+// above it first releases cached blocks, then raises the pool's out-of-memory error.
+void set_memory_limit(std::size_t bytes, int device = 0);
+std::size_t memory_limit(int device = 0);  // 0: no cap
+
 // f32 matmuls may use TF32 tensor cores (like torch.backends.cuda.matmul.allow_tf32). Default off.
 void set_allow_tf32(bool allow);
 bool allow_tf32();

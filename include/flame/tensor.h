@@ -135,6 +135,13 @@ class Tensor {
   Tensor to(Device device) const;  // returns *this when already there
   Tensor to(DType dtype) const;    // returns *this when already that dtype
   Tensor to(DType dtype, Device device) const;
+  // Pinned host memory and asynchronous copies (include/flame/offload.h, docs/offload.md).
+  // non_blocking: between a pinned CPU tensor and a CUDA tensor, one cudaMemcpyAsync on the CUDA
+  // device's current stream, and the host does not wait (to(cpu, true) returns a pinned tensor
+  // whose values are there once that stream reaches the copy). Any other pair copies as without it.
+  Tensor to(Device device, bool non_blocking) const;
+  Tensor pin_memory() const;  // a pinned CPU copy (*this when already pinned); needs CUDA
+  bool is_pinned() const;     // a CPU tensor in page-locked memory
   Tensor contiguous() const;       // returns *this when already contiguous
   // Makes this handle hold `data`'s storage and geometry (PyTorch's `param.data = data`): the same
   // TensorImpl, so anything keyed by this tensor (an optimizer's state, a module's registry) stays
@@ -245,6 +252,9 @@ class Tensor {
 
   // ---- in-place (bump the version counter; the written tensor may not overlap itself) ----
   Tensor& copy_(const Tensor& src);  // broadcasts src, converts dtype, may cross devices
+  // non_blocking: see to(device, non_blocking); a pinned<->CUDA pair of one dtype and shape,
+  // both contiguous, does not wait for the GPU (offload.h).
+  Tensor& copy_(const Tensor& src, bool non_blocking);
   Tensor& fill_(Scalar value);
   Tensor& zero_();
   Tensor& add_(const Tensor& o, Scalar alpha = 1);

@@ -98,7 +98,8 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   // Captured tensors keep their identity (they key the inner store) and their version: one
   // written in place before backward would make the recompute silently differ.
   std::vector<SavedTensor> captured;
-  for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false);
+  // They are never packed by saved-tensor hooks (Note [Saved tensor hooks]): identity matters.
+  for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false, /*allow_hooks=*/false);
   record(out, "CheckpointBackward", edges, [fn, saved, wants_grad, captured, n_in, g, rng_before](const Tensor& grad) {
     // Recompute the forward with recording on and the generator where it was, then backprop.
     TensorList ins;

@@ -185,13 +185,19 @@ Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::Backwa
   return attach(out, std::make_shared<Node>(name, inputs, std::move(fn)));
 }
 
-SavedTensor::SavedTensor(const Tensor& t, const char* op, bool detach) : op_(op) {
+SavedTensor::SavedTensor(const Tensor& t, const char* op, bool detach, bool allow_hooks) : op_(op) {
   if (!t.defined()) return;
-  tensor_ = detach ? t.detach() : t;
   version_ = t.version();
+  // Note [Saved tensor hooks]: one thread-local read when no hooks are active.
+  if (allow_hooks && autograd_detail::saved_hooks_active() && !(t.is_leaf() && t.requires_grad())) {
+    packed_ = autograd_detail::pack_saved(t);
+    return;
+  }
+  tensor_ = detach ? t.detach() : t;
 }
 
 Tensor SavedTensor::get() const {
+  if (packed_) return autograd_detail::unpack_saved(*packed_, version_, op_);
   if (tensor_.defined()) {
     FLAME_CHECK(tensor_.version() == version_, "backward",
                 "a tensor saved for the gradient of ", op_, " (shape ", tensor_.sizes(),

@@ -140,19 +140,39 @@ struct AutogradMeta {
 // default (a handle outside any graph: no reference cycle through the output's node); Node::save
 // holds inputs as they are (their history cannot lead back to the node) and only the node's own
 // output detached.
+namespace autograd_detail {
+struct PackedSaved;  // saved_hooks.cpp: a tensor packed by autograd::SavedTensorHooks
+}
+
+// Note [Saved tensor hooks] (src/autograd/saved_hooks.cpp): while autograd::SavedTensorHooks are
+// active on the thread, a new SavedTensor hands its tensor to the pack hook and keeps only what it
+// returned (packed_), unless `allow_hooks` is false (a tensor kept for its identity) or the tensor
+// is a leaf that requires grad (a parameter: alive anyway). get() then unpacks it; the version
+// check still applies while the original storage is alive.
 class SavedTensor {
  public:
   SavedTensor() = default;
-  explicit SavedTensor(const Tensor& t, const char* op = "", bool detach = true);
+  explicit SavedTensor(const Tensor& t, const char* op = "", bool detach = true, bool allow_hooks = true);
   Tensor get() const;  // raises if the storage was written in place since it was saved
+  // Holds a tensor here (false when empty or packed by hooks: no bytes held on its device).
   bool defined() const { return tensor_.defined(); }
-  const Tensor& raw() const { return tensor_; }  // no version check (for accounting)
+  const Tensor& raw() const { return tensor_; }  // no version check (for accounting); empty when packed
+  bool packed() const { return packed_ != nullptr; }
 
  private:
   Tensor tensor_;
   uint64_t version_ = 0;
   const char* op_ = "";
+  std::shared_ptr<autograd_detail::PackedSaved> packed_;
 };
+
+namespace autograd_detail {
+// Note [Saved tensor hooks] (saved_hooks.cpp).
+extern thread_local const void* t_saved_hooks;  // the innermost active hooks, or null
+inline bool saved_hooks_active() { return t_saved_hooks != nullptr; }
+std::shared_ptr<PackedSaved> pack_saved(const Tensor& t);
+Tensor unpack_saved(const PackedSaved& p, uint64_t version, const char* op);
+}  // namespace autograd_detail
 
 // Small parameters of a RuleFn (which operation, which inputs need a gradient, scalars).
 struct RuleArgs {

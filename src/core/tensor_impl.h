@@ -16,6 +16,9 @@ struct Storage {
   std::size_t nbytes;
   Device device;
   std::atomic<uint64_t> version{0};
+  // CPU storage in page-locked memory from the pinned host cache (src/memory/pinned.h); the
+  // deleter of `data` hands the block back to that cache.
+  bool pinned = false;
 };
 
 struct AutogradMeta;  // src/autograd/node.h

@@ -41,7 +41,7 @@ void cross_entropy(Tensor& loss, const Tensor& logits, const Tensor& target, con
     Tensor gx = make_empty(x.sizes(), x.dtype(), x.device());
     if (gx.numel() > 0) {
       backend::backend_for(x.device())
-          .cross_entropy_backward(gx, g.to(sl.raw().dtype()).contiguous(), x, st.get(), sl.get(), ignore_index, label_smoothing);
+          .cross_entropy_backward(gx, g.to(sl.get().dtype()).contiguous(), x, st.get(), sl.get(), ignore_index, label_smoothing);
     }
     return TensorList{gx};
   });

@@ -56,6 +56,16 @@
 //    allocation is filled with 0xFF bytes (NaN in every float dtype) by a cudaMemsetAsync on its
 //    stream, so a kernel that leaves an output element unwritten cannot pass because a cached
 //    block already held the right answer (the CPU allocator does the same).
+//  - Note [Memory limit]. cuda::set_memory_limit(bytes) caps the reserved memory of the shared
+//    pool (like torch.cuda.set_per_process_memory_fraction). An allocation served from the
+//    driver pool that leaves reserved_bytes above the cap is freed again and treated as a failed
+//    allocation: the out-of-memory path above releases the pending, cached and trimmable memory
+//    and retries once; if reserved memory is still above the cap the block is freed, the pool
+//    trimmed and the out-of-memory error names the cap. Cached blocks (block cache hits) never
+//    grow reserved memory, so the check costs nothing on the hot path; without a cap (0, the
+//    default) nothing changes. Graph-private pools are not capped (a capture cannot wait).
+//    The cap is checked after the fact against what the driver pool reserved, which grows in
+//    chunks that may be larger than the request (and stays while any block in it is live).
 //  - Zero bytes: a null pointer, never dereferenced; its deleter only counts the free.
 //  - Statistics (flame::cuda::MemoryStats) are atomics updated at allocate and at free:
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
@@ -247,6 +257,11 @@ void* MemoryPool::allocate_from_pool(std::size_t nbytes, cudaStream_t stream) {
   DeviceGuard guard(device_);
   void* ptr = nullptr;
   cudaError_t err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream);
+  if (err == cudaSuccess && over_limit()) {  // Note [Memory limit]: as if the driver had refused
+    give_back_over_limit(ptr, stream);
+    ptr = nullptr;
+    err = cudaErrorMemoryAllocation;
+  }
   if (err != cudaSuccess) {
     (void)cudaGetLastError();  // an allocation failure is not sticky: clear it so later checks pass
     // Waiting for the device would break a capture running on some thread: no retry then.
@@ -258,10 +273,27 @@ void* MemoryPool::allocate_from_pool(std::size_t nbytes, cudaStream_t stream) {
       FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
       err = cudaMallocFromPoolAsync(&ptr, nbytes, pool_, stream);
       if (err != cudaSuccess) (void)cudaGetLastError();
+      if (err == cudaSuccess && over_limit()) {
+        give_back_over_limit(ptr, stream);
+        ptr = nullptr;
+        err = cudaErrorMemoryAllocation;
+      }
     }
     if (err != cudaSuccess) raise_out_of_memory(nbytes, err);
   }
   return ptr;
+}
+
+bool MemoryPool::over_limit() const {
+  const std::size_t cap = limit();
+  return cap != 0 && reserved_bytes() > cap;
+}
+
+void MemoryPool::give_back_over_limit(void* ptr, cudaStream_t stream) {
+  FLAME_CUDA_CHECK(cudaFreeAsync(ptr, stream));
+  if (capture_active()) return;  // cannot wait: the memory stays reserved until the next trim
+  FLAME_CUDA_CHECK(cudaStreamSynchronize(stream));
+  FLAME_CUDA_CHECK(cudaMemPoolTrimTo(pool_, 0));
 }
 
 void* MemoryPool::take_cached(cudaStream_t stream, std::size_t rounded) {
@@ -499,6 +531,9 @@ void MemoryPool::raise_out_of_memory(std::size_t nbytes, cudaError_t err) {
      << ") allocated by live tensors and " << reserved << " bytes (" << format_bytes(reserved) << ") reserved"
      << (err == cudaErrorMemoryAllocation && !capture_active() ? " after releasing its cache and retrying" : "");
   if (capture_active()) os << " (a CUDA graph capture is running: the cache was not released)";
+  if (limit() != 0) {
+    os << "; the memory limit (cuda::set_memory_limit) is " << limit() << " bytes (" << format_bytes(limit()) << ")";
+  }
   std::size_t free_bytes = 0, total_bytes = 0;
   if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
     os << "; the device has " << format_bytes(free_bytes) << " free of " << format_bytes(total_bytes);

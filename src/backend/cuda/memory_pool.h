@@ -75,6 +75,10 @@ class MemoryPool {
   cudaMemPool_t handle() const { return pool_; }
   int device() const { return device_; }
 
+  // Note [Memory limit] (memory_pool.cu): reserved memory may not grow above `bytes` (0: no limit).
+  void set_limit(std::size_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
+  std::size_t limit() const { return limit_.load(std::memory_order_relaxed); }
+
  private:
   struct CacheKey {
     cudaStream_t stream;
@@ -136,6 +140,12 @@ class MemoryPool {
   std::vector<std::shared_ptr<GraphPool>> capture_pools_;  // graphs capturing now
   std::atomic<int> captures_active_{0};
   std::atomic<std::size_t> graph_reserved_{0};
+  // Note [Memory limit]
+  std::atomic<std::size_t> limit_{0};
+  // True when a limit is set and the pool's reserved memory is above it.
+  bool over_limit() const;
+  // Frees a block that took the pool above its limit, waits for that free and trims the pool.
+  void give_back_over_limit(void* ptr, cudaStream_t stream);
 };
 
 }  // namespace flame::backend::cuda

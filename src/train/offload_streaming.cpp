@@ -1,0 +1,294 @@
+// Weight streaming: offload::StreamedBlocks (include/flame/offload.h, docs/offload.md).
+//
+// Note [Weight streaming]
+// Each block's parameters and buffers stay the host tensors the user registered (pinned for a
+// CUDA device). To run block i on the device:
+//  - Upload: under a StreamGuard of the side stream, each host tensor is copied with one
+//    non-blocking copy (pinned -> device) into a fresh device tensor allocated on the side stream,
+//    then an event `ready` is recorded there. acquire() makes the compute stream wait for `ready`
+//    and records each copy on the compute stream (record_stream), so when the Upload is dropped
+//    after the block ran, its memory returns to the pool only once the compute stream passed the
+//    block (Note [Record stream]). Nothing waits on the host.
+//  - Swap: the block's modules read their parameters through the host handles, so for the run the
+//    handles are rebound to the device copies with Tensor::set_data (the same TensorImpl: ops record
+//    the host parameters as the leaves), and rebound to the host data afterwards (also on error).
+//  - Prefetch: forward acquires block i and then uploads block i+1 on the side stream while block
+//    i's kernels run; after the last block it uploads the last block again for backward. Backward
+//    of block i acquires it (prefetched) and uploads block i-1. Stale copies cannot be used: every
+//    forward first drops the uploads left over (the host weights may have changed since).
+//  - Autograd: a block's forward runs with recording off; one node per block (its edges: the
+//    block input and the trainable host parameters) recomputes the block in backward with the
+//    device copies bound and recording on (generator state restored, as checkpoint() does), runs
+//    an inner backward for the input and the parameters, and returns the parameter gradients as
+//    pinned host tensors (non-blocking copies, then one wait on an event: the only host wait of
+//    a step, once per block). The node saves only the block input (a SavedTensor, so activation
+//    offload applies to it).
+// One thread drives a StreamedBlocks at a time.
+#include <optional>
+#include <sstream>
+#include <utility>
+
+#include "flame/cuda.h"
+#include "flame/offload.h"
+#include "flame/random.h"
+#include "src/autograd/record.h"
+
+namespace flame::offload {
+
+namespace {
+struct Upload {
+  TensorList params;   // device copies, in the order of the block's host parameters
+  TensorList buffers;
+  cuda::Event ready;   // recorded on the side stream after the copies (CUDA only)
+  bool prefetched = false;
+};
+
+// Rebinds host handles to device copies for a scope (Note [Weight streaming]).
+class Swap {
+ public:
+  Swap(const TensorList& handles, const TensorList& data) : handles_(handles) {
+    host_.reserve(handles.size());
+    try {
+      for (std::size_t k = 0; k < handles.size(); ++k) {
+        host_.push_back(handles[k].detach());
+        Tensor h = handles[k];
+        h.set_data(data[k]);
+      }
+    } catch (...) {
+      restore();
+      throw;
+    }
+  }
+  ~Swap() { restore(); }
+  Swap(const Swap&) = delete;
+  Swap& operator=(const Swap&) = delete;
+
+ private:
+  void restore() noexcept {
+    for (std::size_t k = 0; k < host_.size(); ++k) {
+      try {
+        Tensor h = handles_[k];
+        h.set_data(host_[k]);
+      } catch (...) {  // set_data on a tensor it accepted before cannot fail
+      }
+    }
+    host_.clear();
+  }
+  const TensorList& handles_;
+  TensorList host_;
+};
+}  // namespace
+
+struct StreamedBlocks::State {
+  struct Block {
+    nn::ModulePtr module;
+    TensorList params;
+    TensorList buffers;
+  };
+  std::vector<Block> blocks;
+  Device device;
+  StreamedBlocksOptions options;
+  std::optional<cuda::Stream> side;
+  std::vector<std::shared_ptr<Upload>> pending;  // per block: an upload started ahead of its use
+  int64_t uploads = 0;
+  int64_t prefetched_uploads = 0;
+
+  // Starts copying block i's tensors to the device (on the side stream for CUDA).
+  std::shared_ptr<Upload> upload(std::size_t i) {
+    auto u = std::make_shared<Upload>();
+    const Block& b = blocks[i];
+    NoGradGuard no_grad;
+    auto copy = [&](const Tensor& t) { return device.is_cpu() ? t.detach().clone() : t.detach().to(device, true); };
+    if (device.is_cuda()) {
+      if (!side) side = cuda::Stream::create(device.index);
+      cuda::StreamGuard guard(*side);
+      for (const Tensor& p : b.params) u->params.push_back(copy(p));
+      for (const Tensor& t : b.buffers) u->buffers.push_back(copy(t));
+      u->ready.record(*side);
+    } else {
+      for (const Tensor& p : b.params) u->params.push_back(copy(p));
+      for (const Tensor& t : b.buffers) u->buffers.push_back(copy(t));
+    }
+    ++uploads;
+    return u;
+  }
+
+  void prefetch(std::size_t i) {
+    if (!options.prefetch || i >= blocks.size() || pending[i]) return;
+    pending[i] = upload(i);
+    pending[i]->prefetched = true;
+    ++prefetched_uploads;
+  }
+
+  // Block i's device copies, ready for work queued on the current stream from now on.
+  std::shared_ptr<Upload> acquire(std::size_t i) {
+    std::shared_ptr<Upload> u = std::move(pending[i]);
+    pending[i] = nullptr;
+    if (!u) u = upload(i);
+    if (device.is_cuda()) {
+      const cuda::Stream compute = cuda::Stream::current(device.index);
+      compute.wait(u->ready);
+      for (const Tensor& t : u->params) cuda::record_stream(t, compute);
+      for (const Tensor& t : u->buffers) cuda::record_stream(t, compute);
+    }
+    return u;
+  }
+
+  Tensor run(std::size_t i, const Upload& u, const Tensor& x) {
+    const Block& b = blocks[i];
+    Swap sp(b.params, u.params);
+    Swap sb(b.buffers, u.buffers);
+    return b.module->forward(x);
+  }
+
+  // The backward of block i (Note [Weight streaming]): gradients for x (when wanted) and for
+  // each trainable parameter, in the node's edge order.
+  TensorList backward(std::size_t i, const Tensor& x, bool x_grad, const std::vector<std::size_t>& trainable,
+                      const Generator::State& rng, const Tensor& grad) {
+    std::shared_ptr<Upload> u = acquire(i);
+    if (i > 0) prefetch(i - 1);
+    const Block& b = blocks[i];
+    Generator& g = default_generator();
+    const Generator::State rng_now = g.get_state();
+    g.set_state(rng);
+    TensorList grads;
+    TensorList device_grads;
+    Tensor xin;
+    {
+      const int depth = autograd_detail::t_state.backward_depth;
+      autograd_detail::t_state.backward_depth = 0;  // the recompute is a forward pass
+      struct Restore {
+        int depth;
+        Generator& g;
+        Generator::State s;
+        ~Restore() {
+          autograd_detail::t_state.backward_depth = depth;
+          g.set_state(s);
+        }
+      } restore{depth, g, rng_now};
+      EnableGradGuard enable;
+      Swap sp(b.params, u->params);
+      Swap sb(b.buffers, u->buffers);
+      xin = x_grad ? x.detach().requires_grad_(true) : x.detach();
+      Tensor y = b.module->forward(xin);
+      BackwardOptions opts;
+      opts.grad_output = grad;
+      if (x_grad) opts.inputs.push_back(xin);
+      for (std::size_t k : trainable) opts.inputs.push_back(b.params[k]);
+      if (y.requires_grad()) {
+        Gradients gs = y.backward(opts);
+        if (x_grad) grads.push_back(gs.get(xin));
+        for (std::size_t k : trainable) device_grads.push_back(gs.get(b.params[k]));
+      } else {
+        if (x_grad) grads.push_back(Tensor());
+        device_grads.resize(trainable.size());
+      }
+    }
+    // Parameter gradients to the host (the parameters' device): pinned copies, one wait.
+    NoGradGuard no_grad;
+    for (Tensor& dg : device_grads) {
+      grads.push_back(dg.defined() ? (device.is_cpu() ? dg : dg.to(Device::cpu(), /*non_blocking=*/true)) : Tensor());
+    }
+    if (device.is_cuda()) {
+      cuda::Event copied;
+      copied.record(cuda::Stream::current(device.index));
+      copied.synchronize();
+    }
+    return grads;
+  }
+};
+
+StreamedBlocks::StreamedBlocks(std::vector<nn::ModulePtr> blocks, Device device, StreamedBlocksOptions options)
+    : state_(std::make_shared<State>()) {
+  state_->device = device;
+  state_->options = options;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    FLAME_CHECK(blocks[i] != nullptr, "offload::StreamedBlocks", "block ", i, " is null");
+    register_module(std::to_string(i), blocks[i]);
+    State::Block b{blocks[i], blocks[i]->parameters(), blocks[i]->buffers()};
+    // Host residence: every tensor of a block moves to the CPU (pinned for a CUDA device), keeping
+    // its identity (set_data), so optimizers and state dicts see the same tensors as before.
+    NoGradGuard no_grad;
+    for (TensorList* list : {&b.params, &b.buffers}) {
+      for (Tensor& t : *list) {
+        Tensor host = t.detach().to(Device::cpu());
+        if (device.is_cuda() && !host.is_pinned()) host = host.pin_memory();
+        if (!host.shares_storage(t)) t.set_data(host.detach());
+      }
+    }
+    state_->blocks.push_back(std::move(b));
+  }
+  state_->pending.resize(blocks.size());
+}
+
+namespace {
+std::vector<nn::ModulePtr> children_of(const nn::ModuleList& list) {
+  std::vector<nn::ModulePtr> out;
+  for (std::size_t i = 0; i < list.size(); ++i) out.push_back(list[i]);
+  return out;
+}
+}  // namespace
+
+StreamedBlocks::StreamedBlocks(const nn::ModuleList& blocks, Device device, StreamedBlocksOptions options)
+    : StreamedBlocks(children_of(blocks), device, options) {}
+
+StreamedBlocks::~StreamedBlocks() = default;
+
+std::string StreamedBlocks::extra_repr() const {
+  std::ostringstream os;
+  os << "blocks=" << state_->blocks.size() << ", device=" << state_->device.str()
+     << ", prefetch=" << (state_->options.prefetch ? "true" : "false");
+  return os.str();
+}
+
+std::size_t StreamedBlocks::size() const { return state_->blocks.size(); }
+nn::ModulePtr StreamedBlocks::block(std::size_t i) const {
+  FLAME_CHECK(i < state_->blocks.size(), "offload::StreamedBlocks", "block ", i, " out of range (",
+              state_->blocks.size(), " blocks)");
+  return state_->blocks[i].module;
+}
+Device StreamedBlocks::device() const { return state_->device; }
+int64_t StreamedBlocks::uploads() const { return state_->uploads; }
+int64_t StreamedBlocks::prefetched_uploads() const { return state_->prefetched_uploads; }
+
+Tensor StreamedBlocks::forward(const Tensor& x) {
+  FLAME_CHECK(x.defined(), "offload::StreamedBlocks", "undefined input");
+  State& s = *state_;
+  FLAME_CHECK(x.device() == s.device, "offload::StreamedBlocks", "the input is on ", x.device().str(),
+              " but the blocks run on ", s.device.str());
+  for (auto& p : s.pending) p = nullptr;  // drop stale uploads: the host weights may have changed
+  Tensor h = x;
+  const std::size_t n = s.blocks.size();
+  for (std::size_t i = 0; i < n; ++i) {
+    std::vector<std::size_t> trainable;
+    for (std::size_t k = 0; k < s.blocks[i].params.size(); ++k) {
+      if (s.blocks[i].params[k].requires_grad()) trainable.push_back(k);
+    }
+    const bool x_grad = h.requires_grad();
+    const bool record = grad_enabled() && (x_grad || !trainable.empty());
+    const Generator::State rng = default_generator().get_state();
+    std::shared_ptr<Upload> u = s.acquire(i);
+    s.prefetch(i + 1);
+    Tensor out;
+    {
+      NoGradGuard no_grad;
+      out = s.run(i, *u, h).detach();
+    }
+    u.reset();  // the copies go back to the pool once the compute stream is past this block
+    if (record) {
+      TensorList edges;
+      if (x_grad) edges.push_back(h);
+      for (std::size_t k : trainable) edges.push_back(s.blocks[i].params[k]);
+      SavedTensor saved_x(h, "StreamedBlock");
+      std::shared_ptr<State> state = state_;
+      flame::record(out, "StreamedBlock", edges, [state, i, saved_x, x_grad, trainable, rng](const Tensor& g) {
+        return state->backward(i, saved_x.get(), x_grad, trainable, rng, g);
+      });
+    }
+    h = out;
+  }
+  if (grad_enabled() && h.requires_grad() && n > 0) s.prefetch(n - 1);  // backward starts there
+  return h;
+}
+
+}  // namespace flame::offload
