@@ -182,15 +182,13 @@ TEST(AmpGradScaler, UnscaleThenClip) {
   const std::vector<double> scaled = host(g.get(w));
   scaler.unscale_(opt, g);
   expect_error([&] { scaler.unscale_(opt, g); }, {"GradScaler::unscale_", "already"});
-  // Clip to max norm 1 with ops, as a trainer would.
+  // The true gradient norm (float64, from the scaled values), then FLAME's clip to max norm 1.
   double sq = 0;
-  for (double v : host(g.get(w))) sq += v * v;
+  for (double v : scaled) sq += (v / 4096.0) * (v / 4096.0);
   const double norm = std::sqrt(sq), max_norm = 1.0;
   ASSERT_GT(norm, max_norm);  // the clip does something
-  {
-    NoGradGuard ng;
-    g.at(w).mul_(max_norm / norm);
-  }
+  const double clip_saw = clip_grad_norm_(g, max_norm);
+  EXPECT_NEAR(clip_saw, norm, 1e-5 * norm);  // the clip saw the unscaled gradients
   EXPECT_TRUE(scaler.step(opt, g));
   const std::vector<double> w1 = host(w);
   for (std::size_t i = 0; i < w1.size(); ++i) {
