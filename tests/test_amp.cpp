@@ -206,6 +206,16 @@ TEST(AmpAutocastPolicyOther, UnlistedOpsPromoteAndF64IsNotCast) {
   EXPECT_EQ(relu(a).dtype(), DType::f32);
   EXPECT_EQ(mean(h).dtype(), DType::bf16);
   EXPECT_EQ(sum(h).dtype(), DType::f32);
+  // Mixed inputs of f32-list ops: a bf16 activation with f32 parameters or targets, which the
+  // ops reject outside autocast (norm parameters must match the input's dtype).
+  const Tensor g = rnd({3}, 56), bta = rnd({3}, 57);
+  EXPECT_EQ(layer_norm(h, {3}, g, bta).dtype(), DType::f32);
+  EXPECT_TRUE(same_values(layer_norm(h, {3}, g, bta), layer_norm(h.to(DType::f32), {3}, g, bta)));
+  EXPECT_EQ(mse_loss(h, rnd({4, 3}, 58)).dtype(), DType::f32);
+  {
+    amp::AutocastGuard off(false, dev_type());
+    expect_error([&] { (void)layer_norm(h, {3}, g, bta); }, {"layer_norm", "dtype"});
+  }
   const Tensor a64 = a.to(DType::f64), b64 = b.to(DType::f64);
   EXPECT_EQ(matmul(a64, b64).dtype(), DType::f64);
   EXPECT_EQ(softmax(a64, 1).dtype(), DType::f64);

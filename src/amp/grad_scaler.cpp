@@ -8,7 +8,10 @@
 // that read is the scaler's only host synchronisation, as PyTorch's step() reads found_inf.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "flame/amp.h"
 #include "flame/ops.h"
