@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <vector>
 
@@ -296,20 +297,27 @@ double train(bool autocast, Device dev, int steps) {
 
 TEST(AmpTraining, Bf16ReachesTheF32Loss) {
   FLAME_SKIP_IF_NO_DEVICE();
-  const int steps = 300;
   const double initial = train(false, test_device(), 1);
-  const double f32 = train(false, test_device(), steps);
-  const double bf16 = train(true, test_device(), steps);
-  EXPECT_LT(f32, 0.5 * initial);
-  EXPECT_LT(bf16, 0.5 * initial);
-  EXPECT_NEAR(bf16, f32, 0.05 * f32 + 0.01) << "initial " << initial;
+  // Mid-trajectory (still moving fast) and near convergence. On the CPU the two runs differ by
+  // ~0.2% at 100 steps and agree to 4 digits at 300; 5% relative (+ 2e-3 absolute near zero)
+  // leaves room for the GPU's different GEMM summation order; a bf16 run that stalls or drifts
+  // (the loss falls 10x between 100 and 300 steps) lands far outside it.
+  for (int steps : {100, 300}) {
+    const double f32 = train(false, test_device(), steps);
+    const double bf16 = train(true, test_device(), steps);
+    EXPECT_LT(f32, 0.5 * initial);
+    EXPECT_NEAR(bf16, f32, 0.05 * f32 + 2e-3) << steps << " steps, initial " << initial;
+    std::printf("# AmpTraining on %s: loss initial %.5f, after %d steps f32 %.5f, bf16 autocast %.5f\n",
+                test_device().str().c_str(), initial, steps, f32, bf16);
+  }
 }
 
 TEST(AmpTraining, CudaMatchesCpu) {
   FLAME_SKIP_IF_NO_CUDA();
   const double cpu = train(true, Device::cpu(), 100);
   const double gpu = train(true, Device::cuda(0), 100);
-  EXPECT_NEAR(gpu, cpu, 0.05 * cpu + 0.01);
+  EXPECT_NEAR(gpu, cpu, 0.05 * cpu + 2e-3);
+  std::printf("# AmpTraining bf16 autocast after 100 steps: cpu %.5f, cuda %.5f\n", cpu, gpu);
 }
 
 }  // namespace
