@@ -110,6 +110,44 @@ TEST(AmpGradScaler, UnscaleValuesAndFlag) {
   EXPECT_EQ(opt.steps, 1);
 }
 
+// Many gradients (several launches' worth on CUDA), odd and empty sizes, three dtypes: every
+// element divided exactly (a power-of-two scale), and an Inf in one late tensor alone is found.
+TEST(AmpGradScaler, UnscaleManyTensors) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const DType dtypes[3] = {DType::f32, DType::bf16, DType::f16};
+  TensorList params, wants;
+  Gradients grads;
+  for (int i = 0; i < 200; ++i) {
+    const int64_t n = i % 17 == 0 ? 0 : (i * 37) % 301 + 1;
+    const DType dt = i < 140 ? DType::f32 : dtypes[i % 3];  // > 2 launches of 64 f32 tensors on CUDA
+    Tensor p = Tensor::zeros({n}, {dt, test_device()});
+    p.requires_grad_(true);
+    const Tensor g = rnd({n}, 100 + static_cast<uint64_t>(i), dt, -100, 100);
+    params.push_back(p);
+    wants.push_back(g);
+    grads.set(p, g);
+  }
+  TestSgd opt(params, 0.0);
+  amp::GradScaler scaler(amp::GradScalerOptions{.init_scale = 8.0});
+  scaler.unscale_(opt, grads);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const std::vector<double> got = host(grads.get(params[i])), want = host(wants[i]);
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t j = 0; j < got.size(); ++j) ASSERT_EQ(got[j], want[j] / 8.0) << i << " " << j;
+  }
+  EXPECT_TRUE(scaler.step(opt, grads));
+  scaler.update();
+  // An Inf in the last f32 tensor alone (in the third f32 launch on CUDA).
+  const Tensor& last = params[139];
+  ASSERT_GT(last.numel(), 0);
+  std::vector<float> v(static_cast<std::size_t>(last.numel()), 1.0f);
+  v.back() = std::numeric_limits<float>::infinity();
+  grads.set(last, Tensor::from_vec(v, {last.numel()}).to(last.dtype(), test_device()));
+  EXPECT_FALSE(scaler.step(opt, grads));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 4.0);
+}
+
 // An injected Inf: the step is skipped (parameters unchanged), the scale backs off by half and
 // the growth tracker restarts; growth_interval clean steps later the scale doubles.
 TEST(AmpGradScaler, SkipsOnInfAndGrowsAfterInterval) {
