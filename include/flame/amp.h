@@ -51,6 +51,7 @@ inline AutocastGuard autocast(DType dtype = DType::bf16, DeviceType device_type 
   return AutocastGuard(dtype, device_type);
 }
 
+// False inside backward and inside the body of an autocast op (where nothing casts again).
 bool is_autocast_enabled(DeviceType device_type = DeviceType::cuda);
 DType get_autocast_dtype(DeviceType device_type = DeviceType::cuda);  // bf16 unless a guard set f16
 
