@@ -12,6 +12,8 @@
 #include <unordered_set>
 
 #include "flame/autograd.h"
+#include "src/autograd/record.h"
+#include "src/profiler/context.h"
 
 namespace flame::nn {
 
@@ -73,7 +75,16 @@ void Module::register_module_impl(const std::string& n, ModulePtr module) {
   check_new_name(n, "register_module");
   FLAME_CHECK(module != nullptr, "register_module", "child '", n, "' of ", name(), " is null");
   FLAME_CHECK(module.get() != this, "register_module", "module ", name(), " cannot be its own child ('", n, "')");
+  if (module->registered_name_.empty()) module->registered_name_ = n;
   children_.emplace_back(n, std::move(module));
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  // Note [Allocation context] in src/profiler/memory_profiler.cpp: the path is kept only while
+  // someone reads it (one load and one thread-local flag test otherwise).
+  profiler_detail::ModuleScope scope(&registered_name_,
+                                     profiler_detail::recording() || autograd_detail::t_state.anomaly);
+  return forward(x);
 }
 
 // ---- traversal ----

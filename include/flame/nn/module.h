@@ -71,7 +71,12 @@ class Module : public std::enable_shared_from_this<Module> {
   // ---- computation ----
   // The default raises: a module either overrides forward or offers its own methods.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // forward(x), with this module's registered name on the thread's module path while a memory
+  // profiler records or anomaly mode is on (docs/profiling.md): allocations and anomalies inside
+  // are attributed to e.g. "blocks.3.attn".
+  Tensor operator()(const Tensor& x);
+  // The name the first parent registered this module under ("" for a root).
+  const std::string& registered_name() const { return registered_name_; }
 
   // ---- registration ----
   // Registers `t` as a parameter: it becomes (stays) a leaf requiring a gradient when floating.
@@ -159,6 +164,7 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<TensorSlot> buffers_;
   std::vector<std::pair<std::string, ModulePtr>> children_;
   bool training_ = true;
+  std::string registered_name_;
 };
 
 std::ostream& operator<<(std::ostream& os, const Module& m);
