@@ -205,6 +205,51 @@ TEST(MemProfTest, NestedModulePaths) {
   for (const MemoryEvent& e : trace) EXPECT_NE(e.module, "") << "event " << e.index << " op " << e.op;
 }
 
+// A model that iterates its ModuleList instead of calling it: paths still start at the root.
+class Stack : public nn::Module {
+ public:
+  explicit Stack(Device d) {
+    blocks = register_module("blocks", std::make_shared<nn::ModuleList>());
+    for (int i = 0; i < 3; ++i) {
+      auto block = std::make_shared<nn::Sequential>();
+      block->register_module("attn", std::make_shared<nn::Linear>(6, 6));
+      blocks->push_back(block);
+    }
+    to(d);
+  }
+  std::string name() const override { return "Stack"; }
+  Tensor forward(const Tensor& x) override {
+    Tensor h = x;
+    for (const auto& b : *blocks) h = (*b)(h).tanh();
+    return h;
+  }
+  std::shared_ptr<nn::ModuleList> blocks;
+};
+
+TEST(MemProfTest, ModulePathsFromTheRoot) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  auto net = std::make_shared<Stack>(dev);
+  EXPECT_EQ(net->path(), "");
+  EXPECT_EQ((*net->blocks)[2]->path(), "blocks.2");
+  EXPECT_EQ((*net->blocks)[2]->child("attn")->path(), "blocks.2.attn");
+  Tensor x = Tensor::randn({4, 6}, TensorOptions(dev));
+  MemoryProfiler prof;
+  prof.start();
+  Tensor y = (*net)(x);
+  prof.stop();
+  const auto trace = prof.trace();
+  for (int i = 0; i < 3; ++i) {
+    const std::string b = "blocks." + std::to_string(i);
+    EXPECT_TRUE(has_alloc(trace, dev, "matmul", b + ".attn", false)) << b;
+    EXPECT_TRUE(has_alloc(trace, dev, "tanh", "", false));  // the root's own op: no path
+  }
+  // A child outliving its parent forgets it.
+  nn::ModulePtr attn = (*net->blocks)[1]->child("attn");
+  net.reset();
+  EXPECT_EQ(attn->path(), "");
+}
+
 TEST(MemProfTest, RecordsNothingWhenInactive) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

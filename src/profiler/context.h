@@ -20,7 +20,7 @@ struct ThreadContext {
   const char* op = nullptr;             // the op that last allocated an output on this thread
   const char* backward_node = nullptr;  // the node whose gradient rule runs now (backward only)
   const char* node_module = nullptr;    // the module path that node was recorded in
-  std::vector<const std::string*> modules;  // names of the nn::Module calls entered, outermost first
+  std::vector<const char*> modules;     // paths of the nn::Module calls entered (interned), innermost last
 };
 ThreadContext& thread_context();
 
@@ -56,15 +56,14 @@ class BackwardNodeScope {
   const char* prev_module_ = nullptr;
 };
 
-// An nn::Module call (Module::operator()): pushes the module's name while a session records or
-// anomaly mode is on on this thread (`wanted`); a module entered before a session started is
-// not on the path.
+// An nn::Module call (Module::operator()): its path ("blocks.3.attn", interned) is the thread's
+// module path until the call returns; null pushes nothing (no session, no anomaly mode, a root).
 class ModuleScope {
  public:
-  ModuleScope(const std::string* name, bool wanted) {
-    if (!wanted || name == nullptr || name->empty()) return;
+  explicit ModuleScope(const char* path) {
+    if (path == nullptr) return;
     ctx_ = &thread_context();
-    ctx_->modules.push_back(name);
+    ctx_->modules.push_back(path);
   }
   ~ModuleScope() {
     if (ctx_ && !ctx_->modules.empty()) ctx_->modules.pop_back();
@@ -76,8 +75,11 @@ class ModuleScope {
   ThreadContext* ctx_ = nullptr;
 };
 
-// The dotted module path of this thread now ("blocks.3.attn"), interned for the life of the
-// process; nullptr when no module is entered.
+// A copy of `s` that lives as long as the process (one per distinct string).
+const char* intern(const std::string& s);
+
+// The path of the innermost module call of this thread ("blocks.3.attn"; interned); nullptr when
+// no module is entered.
 const char* current_module_path();
 
 // Allocator hooks. device: -1 for the CPU allocator, the CUDA device index otherwise; stream: the

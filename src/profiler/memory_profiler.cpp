@@ -6,8 +6,9 @@
 //  - op: make_empty (src/core/tensor.cpp) names the op it allocates an output for; every op's
 //    output goes through it. The name stays set after the allocation, so scratch memory a kernel
 //    takes from the pool right after (cuBLAS/cuDNN workspaces, sort buffers) is charged to it too.
-//  - module: nn::Module::operator() pushes the name its parent registered it under, so a nested
-//    call gives "blocks.3.attn" (a direct forward() call adds nothing to the path).
+//  - module: nn::Module::operator() pushes the module's path from its root ("blocks.3.attn",
+//    Module::path(): the names it was registered under, up its parents), so the name is right
+//    even when a container is iterated instead of called. A direct forward() call pushes nothing.
 //  - backward: the engine names the node whose rule runs, and the module path that node was
 //    recorded in (Node::module_path, stamped by record() while a session records), so gradient
 //    memory is charged to the layer it belongs to.
@@ -106,15 +107,11 @@ void on_event(bool is_alloc, const void* ptr, std::size_t bytes, int device, con
 }  // namespace
 
 const char* current_module_path() {
-  const std::vector<const std::string*>& names = thread_context().modules;
-  if (names.empty()) return nullptr;
-  std::string path;
-  for (const std::string* n : names) {
-    if (!path.empty()) path += '.';
-    path += *n;
-  }
-  return interner().intern(path);
+  const std::vector<const char*>& paths = thread_context().modules;
+  return paths.empty() ? nullptr : paths.back();
 }
+
+const char* intern(const std::string& s) { return interner().intern(s); }
 
 void on_alloc(const void* ptr, std::size_t bytes, int device, const void* stream) noexcept {
   on_event(true, ptr, bytes, device, stream);
