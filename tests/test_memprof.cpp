@@ -166,6 +166,24 @@ TEST(MemProfTest, MlpTraceMatchesTheAllocatorCounters) {
   EXPECT_EQ(peak_sum, s.peak_bytes);
   EXPECT_NEAR(pct, 100.0, 1e-6);
   for (std::size_t i = 1; i < peak.size(); ++i) EXPECT_GE(peak[i - 1].bytes, peak[i].bytes);
+  // The coarser groupings partition the same bytes, one group per distinct op (module) of the
+  // fine grouping.
+  for (profiler::GroupBy by : {profiler::GroupBy::op, profiler::GroupBy::module}) {
+    std::set<std::string> fine_keys, coarse_keys;
+    for (const MemoryGroup& g : peak) {
+      if (g.phase != "before") fine_keys.insert(by == profiler::GroupBy::op ? g.op : g.module);
+    }
+    std::size_t sum = 0;
+    for (const MemoryGroup& g : prof.peak_groups(dev, by)) {
+      sum += g.bytes;
+      if (g.phase == "before") continue;
+      EXPECT_EQ(g.phase, "*");
+      EXPECT_EQ(by == profiler::GroupBy::op ? g.module : g.op, "*");
+      coarse_keys.insert(by == profiler::GroupBy::op ? g.op : g.module);
+    }
+    EXPECT_EQ(sum, s.peak_bytes);
+    EXPECT_EQ(fine_keys, coarse_keys);
+  }
   const std::vector<MemoryGroup> live = prof.live_groups(dev);
   std::size_t live_sum = 0, live_backward = 0;
   for (const MemoryGroup& g : live) {

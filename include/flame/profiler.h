@@ -46,10 +46,14 @@ struct MemoryEvent {
   std::size_t allocated_after = 0;  // the device's allocated bytes after the event (timeline)
 };
 
-// Bytes held by the blocks of one (device, phase, op, module) group.
+// How blocks are grouped: by (phase, op, module), by op alone or by module alone (the fields
+// not grouped by read "*").
+enum class GroupBy { op_and_module, op, module };
+
+// Bytes held by the blocks of one group.
 struct MemoryGroup {
   Device device;
-  std::string phase;   // "forward", "backward" or "before" (held before start())
+  std::string phase;   // "forward", "backward" or "before" (held since before start())
   std::string op;
   std::string module;
   std::size_t bytes = 0;
@@ -87,16 +91,16 @@ class MemoryProfiler {
   std::vector<DeviceMemorySummary> summary() const;  // one per device seen (the CPU always)
   // (b) blocks allocated during the session and still live at stop() (or now), grouped, largest
   // first; blocks held since before start() form one "before" group.
-  std::vector<MemoryGroup> live_groups(Device device) const;
+  std::vector<MemoryGroup> live_groups(Device device, GroupBy by = GroupBy::op_and_module) const;
   // (c) the same at the moment of the device's peak.
-  std::vector<MemoryGroup> peak_groups(Device device) const;
+  std::vector<MemoryGroup> peak_groups(Device device, GroupBy by = GroupBy::op_and_module) const;
 
   // (d) JSON: {"summary": [...], "peak": {...}, "live": {...}, "trace": [...], "timeline": {...}}
   // (docs/profiling.md lists the fields); the timeline gives the allocated bytes after each event.
   std::string json(bool with_trace = true) const;
   void save_json(const std::string& path, bool with_trace = true) const;
   // The readable table: per device, the peak and the top groups holding it ("where the peak
-  // went"), then what is still live.
+  // went") by op and module, by module and by op, then what is still live.
   std::string report(std::size_t top = 10) const;
 
   struct Impl;

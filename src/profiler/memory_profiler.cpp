@@ -164,7 +164,7 @@ void MemoryProfiler::Impl::add(Event e) {
   events.push_back(e);
 }
 
-std::vector<MemoryGroup> MemoryProfiler::Impl::groups_after(int device, int64_t upto) const {
+std::vector<MemoryGroup> MemoryProfiler::Impl::groups_after(int device, int64_t upto, GroupBy by) const {
   auto dit = devices.find(device);
   if (dit == devices.end()) return {};
   std::map<uint64_t, std::size_t> held;  // address -> allocation event
@@ -187,7 +187,10 @@ std::vector<MemoryGroup> MemoryProfiler::Impl::groups_after(int device, int64_t 
   std::size_t attributed = 0;
   for (const auto& [addr, idx] : held) {
     const Event& a = events[idx];
-    Key k{a.node ? "backward" : "forward", a.op, a.module ? a.module : ""};
+    const char* phase = by != GroupBy::op_and_module ? "*" : (a.node ? "backward" : "forward");
+    const char* op = by == GroupBy::module ? "*" : a.op;
+    const char* module = by == GroupBy::op ? "*" : (a.module ? a.module : "");
+    const Key k{phase, op, module};
     MemoryGroup& g = groups[k];
     g.bytes += a.bytes;
     ++g.count;
@@ -205,7 +208,8 @@ std::vector<MemoryGroup> MemoryProfiler::Impl::groups_after(int device, int64_t 
     MemoryGroup g;
     g.device = device_of(device);
     g.phase = "before";
-    g.op = "(before start)";
+    g.op = by == GroupBy::module ? "*" : "(before start)";
+    g.module = by == GroupBy::op ? "*" : "";
     g.bytes = total - attributed;
     out.push_back(std::move(g));
   }
@@ -299,16 +303,16 @@ std::vector<DeviceMemorySummary> MemoryProfiler::summary() const {
   return out;
 }
 
-std::vector<MemoryGroup> MemoryProfiler::live_groups(Device device) const {
+std::vector<MemoryGroup> MemoryProfiler::live_groups(Device device, GroupBy by) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  return impl_->groups_after(device_code(device), static_cast<int64_t>(impl_->events.size()) - 1);
+  return impl_->groups_after(device_code(device), static_cast<int64_t>(impl_->events.size()) - 1, by);
 }
 
-std::vector<MemoryGroup> MemoryProfiler::peak_groups(Device device) const {
+std::vector<MemoryGroup> MemoryProfiler::peak_groups(Device device, GroupBy by) const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   auto it = impl_->devices.find(device_code(device));
   if (it == impl_->devices.end()) return {};
-  return impl_->groups_after(device_code(device), it->second.peak_event);
+  return impl_->groups_after(device_code(device), it->second.peak_event, by);
 }
 
 }  // namespace flame::profiler

@@ -44,7 +44,7 @@ struct MemoryProfiler::Impl {
 
   // Groups of the blocks live after event `upto` (-1: before any event) on `device`, plus the
   // "before" group of bytes held since before start(); largest first.
-  std::vector<MemoryGroup> groups_after(int device, int64_t upto) const;
+  std::vector<MemoryGroup> groups_after(int device, int64_t upto, GroupBy by) const;
 };
 
 Device device_of(int device);

@@ -47,8 +47,9 @@ void group_table(std::ostringstream& os, const std::vector<MemoryGroup>& groups,
     if (shown < top) {
       char pct[16];
       std::snprintf(pct, sizeof(pct), "%.1f%%", g.percent);
+      const std::string count = g.phase == "before" ? "-" : std::to_string(g.count);  // blocks not seen
       os << "  " << std::left << std::setw(12) << human(g.bytes) << std::right << std::setw(8) << pct
-         << std::setw(8) << g.count << "  " << std::left << std::setw(10) << g.phase << std::setw(24) << g.op
+         << std::setw(8) << count << "  " << std::left << std::setw(10) << g.phase << std::setw(24) << g.op
          << (g.module.empty() ? "-" : g.module) << "\n";
       ++shown;
     } else {
@@ -85,9 +86,16 @@ std::string MemoryProfiler::json(bool with_trace) const {
                             {"num_allocs", s.num_allocs},
                             {"num_frees", s.num_frees}});
     nlohmann::json peak = nlohmann::json::array(), live = nlohmann::json::array();
+    nlohmann::json by_module = nlohmann::json::array(), by_op = nlohmann::json::array();
     for (const MemoryGroup& g : peak_groups(s.device)) peak.push_back(group_json(g));
+    for (const MemoryGroup& g : peak_groups(s.device, GroupBy::module)) by_module.push_back(group_json(g));
+    for (const MemoryGroup& g : peak_groups(s.device, GroupBy::op)) by_op.push_back(group_json(g));
     for (const MemoryGroup& g : live_groups(s.device)) live.push_back(group_json(g));
-    j["peak"][dev] = {{"bytes", s.peak_bytes}, {"event", s.peak_event}, {"groups", std::move(peak)}};
+    j["peak"][dev] = {{"bytes", s.peak_bytes},
+                      {"event", s.peak_event},
+                      {"groups", std::move(peak)},
+                      {"by_module", std::move(by_module)},
+                      {"by_op", std::move(by_op)}};
     j["live"][dev] = {{"bytes", s.end_bytes}, {"groups", std::move(live)}};
     j["timeline"][dev] = {{"event", nlohmann::json::array()},
                           {"time_us", nlohmann::json::array()},
@@ -147,8 +155,12 @@ std::string MemoryProfiler::report(std::size_t top) const {
     os << "); start " << human(s.start_bytes) << ", end " << human(s.end_bytes) << "; " << s.num_allocs
        << " allocations (" << human(s.allocated_bytes_total) << "), " << s.num_frees << " frees ("
        << human(s.freed_bytes_total) << ")\n";
-    os << "Where the peak went:\n";
+    os << "Where the peak went (by op and module):\n";
     group_table(os, peak_groups(s.device), top);
+    os << "By module:\n";
+    group_table(os, peak_groups(s.device, GroupBy::module), top);
+    os << "By op:\n";
+    group_table(os, peak_groups(s.device, GroupBy::op), top);
     const std::vector<MemoryGroup> live = live_groups(s.device);
     os << "Live at " << (recording() ? "now" : "stop") << " (" << human(s.end_bytes) << "):\n";
     if (live.empty()) {
