@@ -223,6 +223,15 @@ MemoryProfiler::MemoryProfiler() : impl_(std::make_shared<Impl>()) {}
 MemoryProfiler::~MemoryProfiler() { stop(); }
 
 void MemoryProfiler::start() {
+  FLAME_CHECK(!recording(), "MemoryProfiler::start", "the profiler is already recording");
+  // Baselines: what each allocator holds now (Note [Profiler accounting]). Read before taking the
+  // registry lock: the first stats call on a device may initialise its backend, whose
+  // allocations would otherwise wait on that lock in another session's hook.
+  std::map<int, std::size_t> baseline;
+  baseline[-1] = flame::cpu::memory_stats().allocated_bytes;
+  if (cuda_is_available()) {
+    for (int d = 0; d < cuda_device_count(); ++d) baseline[d] = flame::cuda::memory_stats(d).allocated_bytes;
+  }
   auto& r = registry();
   std::lock_guard<std::mutex> reg_lock(r.mutex);
   std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -230,14 +239,9 @@ void MemoryProfiler::start() {
   impl_->events.clear();
   impl_->live.clear();
   impl_->devices.clear();
-  // Baselines: what each allocator holds now (Note [Profiler accounting]).
-  Impl::DeviceState& cpu = impl_->devices[-1];
-  cpu.start = cpu.current = cpu.peak = flame::cpu::memory_stats().allocated_bytes;
-  if (cuda_is_available()) {
-    for (int d = 0; d < cuda_device_count(); ++d) {
-      Impl::DeviceState& s = impl_->devices[d];
-      s.start = s.current = s.peak = flame::cuda::memory_stats(d).allocated_bytes;
-    }
+  for (const auto& [d, bytes] : baseline) {
+    Impl::DeviceState& s = impl_->devices[d];
+    s.start = s.current = s.peak = bytes;
   }
   impl_->t0 = std::chrono::steady_clock::now();
   impl_->recording = true;
