@@ -109,8 +109,10 @@ TEST(AnomalyTest, FiniteGraphGivesTheSameGradients) {
     DetectAnomalyGuard guard;
     ASSERT_NO_THROW(checked = run());
   }
-  EXPECT_EQ(plain.first.to_vec<float>(), checked.first.to_vec<float>());
-  EXPECT_EQ(plain.second.to_vec<float>(), checked.second.to_vec<float>());
+  // The same computation twice: bit-equal on the CPU; a GPU reduction may reassociate.
+  const double tol = test_device().is_cpu() ? 0.0 : 1e-6;
+  EXPECT_TRUE(test::all_close(checked.first, plain.first, tol, tol));
+  EXPECT_TRUE(test::all_close(checked.second, plain.second, tol, tol));
 }
 
 TEST(AnomalyTest, BackwardSqrtAtZeroNamesNodeAndForwardOp) {
