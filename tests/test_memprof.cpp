@@ -133,6 +133,11 @@ TEST(MemProfTest, MlpTraceMatchesTheAllocatorCounters) {
     EXPECT_LE(static_cast<uint64_t>(r.allocs), c1.allocs - c0.allocs);
     EXPECT_GT(r.allocs, 0);
   }
+  // Allocations are on the thread's current stream (0 on the CPU).
+  const uint64_t stream = dev.is_cuda() ? reinterpret_cast<uint64_t>(cuda::current_stream(dev.index)) : 0;
+  for (const MemoryEvent& e : trace) {
+    if (e.device == dev) EXPECT_EQ(e.stream, stream) << "event " << e.index;
+  }
   const profiler::DeviceMemorySummary s = summary_of(prof, dev);
   EXPECT_EQ(s.start_bytes, c0.allocated);
   EXPECT_EQ(s.end_bytes, c1.allocated);
