@@ -192,6 +192,24 @@ TEST(AnomalyTest, GuardsNestAndRestore) {
   EXPECT_NE(msg.find("op log (op #1"), std::string::npos) << msg;
 }
 
+TEST(AnomalyTest, ForwardOnlyLeavesGradientsUnchecked) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  Tensor x = random_with({7}, 0.5f, 2.f, 6, 0.f, 16).requires_grad_(true);
+  Tensor neg = random_with({7}, 0.5f, 2.f, 2, -1.f, 17).requires_grad_(true);
+  DetectAnomalyGuard guard(/*check_forward=*/true, /*check_backward=*/false);
+  EXPECT_TRUE(is_anomaly_check_forward_enabled());
+  EXPECT_FALSE(is_anomaly_check_backward_enabled());
+  Gradients g;
+  ASSERT_NO_THROW(g = x.sqrt().sum().backward());  // an infinite gradient passes
+  EXPECT_TRUE(std::isinf(g.get(x).to_vec<float>()[6]));
+  EXPECT_THROW((void)neg.log(), Error);  // the forward is still checked
+  {
+    DetectAnomalyGuard both;
+    EXPECT_TRUE(is_anomaly_check_backward_enabled());
+  }
+  EXPECT_FALSE(is_anomaly_check_backward_enabled());
+}
+
 TEST(AnomalyTest, SetDetectAnomalyAndThreadLocality) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor x = random_with({5}, 0.5f, 2.f, 4, -2.f, 13).requires_grad_(true);

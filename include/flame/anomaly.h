@@ -29,7 +29,8 @@ class DetectAnomalyGuard {
  public:
   // check_forward = false checks gradients only (as PyTorch, whose forward checks nothing): use it
   // when the forward legitimately makes infinities, e.g. an attention mask filled with -inf.
-  explicit DetectAnomalyGuard(bool check_forward = true);
+  // check_backward = false checks forward outputs only. Nodes are numbered either way.
+  explicit DetectAnomalyGuard(bool check_forward = true, bool check_backward = true);
   ~DetectAnomalyGuard();
   DetectAnomalyGuard(const DetectAnomalyGuard&) = delete;
   DetectAnomalyGuard& operator=(const DetectAnomalyGuard&) = delete;
@@ -37,13 +38,15 @@ class DetectAnomalyGuard {
  private:
   bool prev_on_;
   bool prev_forward_;
+  bool prev_backward_;
 };
 
 // torch.autograd.set_detect_anomaly: turns anomaly mode on or off on this thread (the guard is the
 // scoped form). Turning it on from off restarts the op count.
-void set_detect_anomaly(bool on, bool check_forward = true);
+void set_detect_anomaly(bool on, bool check_forward = true, bool check_backward = true);
 bool is_anomaly_enabled();
 bool is_anomaly_check_forward_enabled();
+bool is_anomaly_check_backward_enabled();
 
 // Raises flame::Error("<what>: ... NaN/Inf ...") when a floating tensor holds a NaN or an Inf
 // (synchronises on CUDA); integer and empty tensors pass.

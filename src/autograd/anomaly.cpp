@@ -28,6 +28,10 @@ using autograd_detail::t_state;
 
 namespace {
 
+// Backward checks of anomaly mode (t_state.anomaly says whether the mode is on at all; the engine
+// tests only that flag).
+thread_local bool t_check_backward = true;
+
 // Turns recording, the checkpoint collector and anomaly mode off while a check runs.
 class QuietScope {
  public:
@@ -95,24 +99,27 @@ std::string origin_of(const Node& node) {
 
 }  // namespace
 
-DetectAnomalyGuard::DetectAnomalyGuard(bool check_forward)
-    : prev_on_(t_state.anomaly), prev_forward_(t_state.anomaly_forward) {
-  set_detect_anomaly(true, check_forward);
+DetectAnomalyGuard::DetectAnomalyGuard(bool check_forward, bool check_backward)
+    : prev_on_(t_state.anomaly), prev_forward_(t_state.anomaly_forward), prev_backward_(t_check_backward) {
+  set_detect_anomaly(true, check_forward, check_backward);
 }
 
 DetectAnomalyGuard::~DetectAnomalyGuard() {
   t_state.anomaly = prev_on_;
   t_state.anomaly_forward = prev_on_ && prev_forward_;
+  t_check_backward = prev_backward_;
 }
 
-void set_detect_anomaly(bool on, bool check_forward) {
+void set_detect_anomaly(bool on, bool check_forward, bool check_backward) {
   if (on && !t_state.anomaly) t_state.anomaly_seq = 0;  // the count starts with the outermost mode
   t_state.anomaly = on;
   t_state.anomaly_forward = on && check_forward;
+  t_check_backward = !on || check_backward;
 }
 
 bool is_anomaly_enabled() { return t_state.anomaly; }
 bool is_anomaly_check_forward_enabled() { return t_state.anomaly_forward; }
+bool is_anomaly_check_backward_enabled() { return t_state.anomaly && t_check_backward; }
 
 void check_finite(const Tensor& t, const std::string& what) {
   if (const char* kind = nonfinite_kind(t)) {
@@ -154,6 +161,7 @@ void on_record(const Tensor& out, Node& node) {
 }
 
 void check_backward(const Node& node, const Tensor& grad_output, const TensorList& grads) {
+  if (!t_check_backward) return;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     const char* kind = nonfinite_kind(grads[i]);
     if (!kind) continue;
