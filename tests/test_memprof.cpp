@@ -367,6 +367,40 @@ TEST(MemProfTest, TwoThreadsAllocating) {
   }
 }
 
+TEST(MemProfTest, CudaSideStreamAllocations) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda(0);
+  Tensor a = Tensor::randn({64, 64}, TensorOptions(dev));
+  cuda::Stream side = cuda::Stream::create(0);
+  side.wait(cuda::Stream::current(0));
+  const Counters c0 = counters(dev);
+  MemoryProfiler prof;
+  prof.start();
+  {
+    cuda::StreamGuard guard(side);
+    Tensor b = a.matmul(a).relu();
+    side.synchronize();
+  }
+  prof.stop();
+  const Counters c1 = counters(dev);
+  const auto trace = prof.trace();
+  const uint64_t side_handle = reinterpret_cast<uint64_t>(side.handle());
+  bool matmul_on_side = false;
+  std::size_t net = 0;
+  for (const MemoryEvent& e : trace) {
+    if (e.device != dev) continue;
+    if (e.is_alloc) {
+      EXPECT_EQ(e.stream, side_handle) << "event " << e.index << " op " << e.op;
+      matmul_on_side |= e.op == "matmul";
+      net += e.bytes;
+    } else {
+      net -= e.bytes;
+    }
+  }
+  EXPECT_TRUE(matmul_on_side);
+  EXPECT_EQ(c0.allocated + net, c1.allocated);
+}
+
 TEST(MemProfTest, JsonHasTheFields) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
