@@ -6,7 +6,6 @@
 #include <atomic>
 #include <cstddef>
 #include <string>
-#include <vector>
 
 namespace flame::profiler_detail {
 
@@ -15,12 +14,15 @@ namespace flame::profiler_detail {
 extern std::atomic<int> g_recording;
 inline bool recording() { return g_recording.load(std::memory_order_relaxed) > 0; }
 
-// Per-thread attribution of allocations.
+// Per-thread attribution of allocations. Trivially destructible (a fixed stack of module paths),
+// so that a free hooked while the thread's other thread-locals are destroyed finds it intact.
 struct ThreadContext {
+  static constexpr int kMaxDepth = 64;  // deeper module calls keep the path of the 64th
   const char* op = nullptr;             // the op that last allocated an output on this thread
   const char* backward_node = nullptr;  // the node whose gradient rule runs now (backward only)
   const char* node_module = nullptr;    // the module path that node was recorded in
-  std::vector<const char*> modules;     // paths of the nn::Module calls entered (interned), innermost last
+  const char* modules[kMaxDepth] = {};  // paths of the nn::Module calls entered (interned)
+  int depth = 0;                        // module calls entered (may exceed kMaxDepth)
 };
 ThreadContext& thread_context();
 
@@ -63,10 +65,11 @@ class ModuleScope {
   explicit ModuleScope(const char* path) {
     if (path == nullptr) return;
     ctx_ = &thread_context();
-    ctx_->modules.push_back(path);
+    if (ctx_->depth < ThreadContext::kMaxDepth) ctx_->modules[ctx_->depth] = path;
+    ++ctx_->depth;
   }
   ~ModuleScope() {
-    if (ctx_ && !ctx_->modules.empty()) ctx_->modules.pop_back();
+    if (ctx_ && ctx_->depth > 0) --ctx_->depth;
   }
   ModuleScope(const ModuleScope&) = delete;
   ModuleScope& operator=(const ModuleScope&) = delete;

@@ -107,8 +107,9 @@ void on_event(bool is_alloc, const void* ptr, std::size_t bytes, int device, con
 }  // namespace
 
 const char* current_module_path() {
-  const std::vector<const char*>& paths = thread_context().modules;
-  return paths.empty() ? nullptr : paths.back();
+  const ThreadContext& ctx = thread_context();
+  if (ctx.depth == 0) return nullptr;
+  return ctx.modules[std::min(ctx.depth, ThreadContext::kMaxDepth) - 1];
 }
 
 const char* intern(const std::string& s) { return interner().intern(s); }
