@@ -250,6 +250,23 @@ TEST(AnomalyTest, ForwardNamesTheModulePath) {
   EXPECT_NE(msg.find("in module '1.1'"), std::string::npos) << msg;
 }
 
+class SqrtModule : public nn::Module {
+ public:
+  std::string name() const override { return "SqrtModule"; }
+  Tensor forward(const Tensor& x) override { return x.sqrt(); }
+};
+
+TEST(AnomalyTest, BackwardNamesTheModuleOfTheForwardOp) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  nn::Sequential model({std::make_shared<nn::Identity>(), std::make_shared<SqrtModule>()});
+  Tensor x = random_with({3, 3}, 0.5f, 2.f, 4, 0.f, 18).requires_grad_(true);
+  DetectAnomalyGuard guard;
+  Tensor loss = model(x).sum();
+  const std::string msg = message_of([&] { (void)loss.backward(); });
+  EXPECT_NE(msg.find("backward node SqrtBackward"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("in module '1'"), std::string::npos) << msg;
+}
+
 TEST(AnomalyTest, CheckFiniteByHand) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor ok = random_with({3, 3}, -1.f, 1.f, 0, 0.5f, 14);
