@@ -15,7 +15,9 @@
 
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
+#include "src/autograd/anomaly.h"
 #include "src/autograd/record.h"
+#include "src/profiler/context.h"
 
 namespace flame {
 
@@ -189,6 +191,9 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     while (!ready.empty()) {
       Node& node = *ready.back();
       ready.pop_back();
+      // Memory the node's rule, hooks and deliveries allocate is charged to the node
+      // (Note [Allocation context] in src/profiler/memory_profiler.cpp).
+      profiler_detail::BackwardNodeScope attribution(node.name(), node.module_path);
       Tensor g = std::move(node.scratch.pending);
       node.scratch.pending = Tensor();
       AutogradMeta* m = node.scratch.meta;
@@ -212,6 +217,8 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
           BackwardDepthGuard depth;
           grads = node.apply(g);
         }
+        // Note [Anomaly mode] (anomaly.cpp): check what the rule returned before it is summed.
+        if (autograd_detail::t_state.anomaly) [[unlikely]] anomaly_detail::check_backward(node, g, grads);
         g = Tensor();
         FLAME_CHECK(grads.size() == edges.size(), "backward", "gradient rule of ", node.name(), " returned ",
                     grads.size(), " gradients for ", edges.size(), " inputs");

@@ -7,8 +7,10 @@
 #include <unordered_set>
 
 #include "flame/ops.h"
+#include "src/autograd/anomaly.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
+#include "src/profiler/context.h"
 
 namespace flame {
 
@@ -160,6 +162,8 @@ Node& attach(Tensor& out, std::shared_ptr<Node> node) {
   meta->grad_fn = std::move(node);
   Node& n = *meta->grad_fn;
   out.impl()->autograd = std::move(meta);
+  // Note [Anomaly mode] (anomaly.cpp): the one flag test the normal path pays.
+  if (t_state.anomaly || profiler_detail::recording()) [[unlikely]] anomaly_detail::on_record(out, n);
   return n;
 }
 }  // namespace

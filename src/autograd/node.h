@@ -228,6 +228,12 @@ class Node {
   };
   Scratch scratch;
 
+  // Where the node came from, filled at record time only while anomaly mode or a memory profiler
+  // is on (Note [Anomaly mode] in anomaly.cpp): the forward op's index since anomaly mode began
+  // (0: recorded outside it) and the module path it ran in (interned; null when none).
+  uint64_t anomaly_seq = 0;
+  const char* module_path = nullptr;
+
  private:
   void add_edge(const Tensor& t);
 

@@ -15,6 +15,7 @@
 // record(out, name, inputs, lambda), takes a std::function; its lambda must capture SavedTensors,
 // never plain Tensors (a SavedTensor of the output is detached: no reference cycle through the
 // output's node), and what it captures is not seen by autograd_saved_bytes().
+#include <cstdint>
 #include <functional>
 #include <initializer_list>
 #include <vector>
@@ -31,6 +32,10 @@ struct ThreadState {
   bool grad_enabled = true;
   ReadCollector* collector = nullptr;  // set while a checkpointed function runs its first forward
   int backward_depth = 0;              // > 0 while gradient rules run (no higher-order gradients)
+  // Anomaly mode (flame/anomaly.h, Note [Anomaly mode] in anomaly.cpp).
+  bool anomaly = false;          // check backward gradients (and forward outputs when below is set)
+  bool anomaly_forward = false;  // check the outputs of recorded ops
+  uint64_t anomaly_seq = 0;      // recorded ops since anomaly mode was turned on
 };
 extern thread_local ThreadState t_state;
 // Tells the active collector that an op read these tensors (the ones requiring grad are kept).

@@ -28,6 +28,7 @@
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
+#include "src/profiler/context.h"
 
 namespace flame {
 
@@ -152,6 +153,7 @@ Tensor make_alias(const Tensor& t) {
 namespace {
 std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device device, const char* op) {
   const std::size_t nbytes = static_cast<std::size_t>(shape_nbytes(sizes, dtype, op));
+  profiler_detail::set_current_op(op);  // Note [Allocation context] in src/profiler/memory_profiler.cpp
   try {
     // On the CPU the Storage lives in its data block (Note [Storage in its block]).
     if (device.is_cpu()) return backend::cpu::allocate_storage(nbytes);

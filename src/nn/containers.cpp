@@ -27,7 +27,7 @@ Sequential& Sequential::push_back(ModulePtr module) {
 ModulePtr Sequential::operator[](std::size_t i) const { return child_at(child_slots(), i, "Sequential"); }
 Tensor Sequential::forward(const Tensor& x) {
   Tensor y = x;
-  for (const auto& [n, m] : child_slots()) y = m->forward(y);
+  for (const auto& [n, m] : child_slots()) y = (*m)(y);  // through operator(): the module path
   return y;
 }
 

@@ -10,8 +10,11 @@
 #include <algorithm>
 #include <sstream>
 #include <unordered_set>
+#include <vector>
 
 #include "flame/autograd.h"
+#include "src/autograd/record.h"
+#include "src/profiler/context.h"
 
 namespace flame::nn {
 
@@ -73,7 +76,36 @@ void Module::register_module_impl(const std::string& n, ModulePtr module) {
   check_new_name(n, "register_module");
   FLAME_CHECK(module != nullptr, "register_module", "child '", n, "' of ", name(), " is null");
   FLAME_CHECK(module.get() != this, "register_module", "module ", name(), " cannot be its own child ('", n, "')");
+  if (module->parent_ == nullptr && module->registered_name_.empty()) {
+    module->registered_name_ = n;
+    module->parent_ = this;
+  }
   children_.emplace_back(n, std::move(module));
+}
+
+Module::~Module() {
+  for (auto& slot : children_) {
+    if (slot.second && slot.second->parent_ == this) slot.second->parent_ = nullptr;
+  }
+}
+
+std::string Module::path() const {
+  std::vector<const std::string*> names;
+  for (const Module* m = this; m->parent_ != nullptr; m = m->parent_) names.push_back(&m->registered_name_);
+  std::string out;
+  for (auto it = names.rbegin(); it != names.rend(); ++it) {
+    if (!out.empty()) out += '.';
+    out += **it;
+  }
+  return out;
+}
+
+Tensor Module::operator()(const Tensor& x) {
+  // Note [Allocation context] in src/profiler/memory_profiler.cpp: the path is only made while
+  // someone reads it (one load and one thread-local flag test otherwise).
+  const bool wanted = profiler_detail::recording() || autograd_detail::t_state.anomaly;
+  profiler_detail::ModuleScope scope(wanted && parent_ != nullptr ? profiler_detail::intern(path()) : nullptr);
+  return forward(x);
 }
 
 // ---- traversal ----

@@ -145,17 +145,23 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
   for (int64_t i = 0; i < m; ++i) out_shape[i] = checked_mul(in_sizes[i], repeats[i], "repeat", "the output size");
   Tensor out = make_empty(out_shape, x.dtype(), x.device(), "repeat");
   const Shape x_shape = x.sizes();
-  rules::with_grad(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
-    if (repeats.empty()) return g;  // 0-d
-    Shape blocks, repeat_dims;  // g as (repeat, size) pairs; sum over the repeats
-    for (std::size_t i = 0; i < repeats.size(); ++i) {
-      repeat_dims.push_back(static_cast<int64_t>(blocks.size()));
-      blocks.push_back(repeats[i]);
-      blocks.push_back(in_sizes[i]);
-    }
-    return sum(g.reshape(blocks), repeat_dims).reshape(x_shape);
-  });
-  if (out.numel() == 0) return out;
+  // Recorded once the output is written (anomaly mode checks outputs at record time).
+  auto record_grad = [&] {
+    rules::with_grad(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
+      if (repeats.empty()) return g;  // 0-d
+      Shape blocks, repeat_dims;  // g as (repeat, size) pairs; sum over the repeats
+      for (std::size_t i = 0; i < repeats.size(); ++i) {
+        repeat_dims.push_back(static_cast<int64_t>(blocks.size()));
+        blocks.push_back(repeats[i]);
+        blocks.push_back(in_sizes[i]);
+      }
+      return sum(g.reshape(blocks), repeat_dims).reshape(x_shape);
+    });
+  };
+  if (out.numel() == 0) {
+    record_grad();
+    return out;
+  }
   // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
   // Size-1 entries are dropped to keep the dim count low.
   const Shape& out_strides = out.strides();
@@ -173,6 +179,7 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
     }
   }
   copy_into(make_view(out, sizes, dst_strides, 0), make_view(x, sizes, src_strides, x.storage_offset()));
+  record_grad();
   return out;
 }
 
@@ -347,8 +354,10 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
     }
   }
   Tensor out = make_empty(out_shape, x.dtype(), x.device(), "pad");
-  record_pad_grad(out, x, left, right, crop_lo, kept, mode);
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) {
+    record_pad_grad(out, x, left, right, crop_lo, kept, mode);
+    return out;
+  }
   Tensor interior = out;
   for (int64_t d = 0; d < n; ++d) interior = interior.narrow(d, left[d], kept[d]);
   copy_into(interior, src);
@@ -379,6 +388,9 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
         break;
     }
   }
+  // Recorded once the output is written (anomaly mode checks outputs at record time); the
+  // narrows above are then plain views of a tensor outside the graph.
+  record_pad_grad(out, x, left, right, crop_lo, kept, mode);
   return out;
 }
 

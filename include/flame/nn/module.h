@@ -56,7 +56,7 @@ struct LoadReport {
 class Module : public std::enable_shared_from_this<Module> {
  public:
   Module() = default;
-  virtual ~Module() = default;
+  virtual ~Module();
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
@@ -71,7 +71,12 @@ class Module : public std::enable_shared_from_this<Module> {
   // ---- computation ----
   // The default raises: a module either overrides forward or offers its own methods.
   virtual Tensor forward(const Tensor& x);
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  // forward(x). While a memory profiler records or anomaly mode is on, allocations and anomalies
+  // inside are attributed to this module's path (docs/profiling.md).
+  Tensor operator()(const Tensor& x);
+  // The dotted name from the root this module was first registered under, e.g. "blocks.3.attn"
+  // ("" for a root); follows the first parent of a shared module.
+  std::string path() const;
 
   // ---- registration ----
   // Registers `t` as a parameter: it becomes (stays) a leaf requiring a gradient when floating.
@@ -159,6 +164,10 @@ class Module : public std::enable_shared_from_this<Module> {
   std::vector<TensorSlot> buffers_;
   std::vector<std::pair<std::string, ModulePtr>> children_;
   bool training_ = true;
+  // The first registration of this module as a child (path()); the parent clears parent_ when
+  // it goes first.
+  std::string registered_name_;
+  Module* parent_ = nullptr;
 };
 
 std::ostream& operator<<(std::ostream& os, const Module& m);

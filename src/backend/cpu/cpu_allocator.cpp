@@ -41,6 +41,7 @@
 
 #include "flame/cpu.h"
 #include "src/backend/cpu/cpu_backend.h"
+#include "src/profiler/context.h"
 
 namespace flame::backend::cpu {
 namespace {
@@ -100,10 +101,14 @@ class BlockCache {
     // Tests set FLAME_POISON_ALLOC=1 so that output elements a kernel forgets to write read as NaN.
     if (poison_) std::memset(p, 0xFF, cls);
     block_size = cls;
+    // After the block is ours, so a trace never shows it allocated before its last free.
+    if (profiler_detail::recording()) profiler_detail::on_alloc(p, cls, -1, nullptr);
     return p;
   }
 
   void release(void* p, std::size_t cls) {
+    // Before the block can be handed out again (see allocate).
+    if (profiler_detail::recording()) profiler_detail::on_free(p, cls, -1, nullptr);
     std::vector<void*> to_free;
     {
       std::lock_guard<std::mutex> lock(mutex_);

@@ -84,6 +84,7 @@
 #include <string>
 
 #include "src/backend/cuda/common.cuh"
+#include "src/profiler/context.h"
 
 namespace flame::backend::cuda {
 
@@ -204,6 +205,7 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes, cudaStream_t stre
   }
   if (ptr == nullptr) ptr = allocate_from_pool(cacheable ? rounded : nbytes, stream);
   count_alloc(nbytes);
+  if (profiler_detail::recording()) profiler_detail::on_alloc(ptr, nbytes, device_, stream);
   poison(ptr, nbytes, stream);
   return std::shared_ptr<void>(ptr, [this, nbytes, stream](void* p) { release(p, nbytes, stream); });
 }
@@ -233,8 +235,10 @@ std::shared_ptr<void> MemoryPool::allocate_private(GraphPool& gp, const std::sha
     graph_reserved_.fetch_add(rounded, std::memory_order_relaxed);
   }
   count_alloc(nbytes);
+  if (profiler_detail::recording()) profiler_detail::on_alloc(ptr, nbytes, device_, stream);
   poison(ptr, nbytes, stream);  // captured: every replay re-poisons
-  return std::shared_ptr<void>(ptr, [this, owner, nbytes, rounded](void* p) {
+  return std::shared_ptr<void>(ptr, [this, owner, nbytes, rounded, stream](void* p) {
+    if (profiler_detail::recording()) profiler_detail::on_free(p, nbytes, device_, stream);
     num_frees_.fetch_add(1, std::memory_order_relaxed);
     allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(owner->mutex);
@@ -315,6 +319,8 @@ void MemoryPool::record_stream(void* base, cudaStream_t stream) {
 }
 
 void MemoryPool::release(void* ptr, std::size_t nbytes, cudaStream_t stream) noexcept {
+  // Before the block can be reused (a trace never shows it allocated before its last free).
+  if (profiler_detail::recording()) profiler_detail::on_free(ptr, nbytes, device_, stream);
   num_frees_.fetch_add(1, std::memory_order_relaxed);
   allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
   recycle(ptr, nbytes, stream);
