@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/record.h"
 
 namespace flame {
@@ -151,6 +152,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
   Gradients local;
   Gradients& store = options.accumulate_into ? *options.accumulate_into : local;
   NoGradGuard no_grad;  // gradient rules are not recorded (no higher-order gradients)
+  amp::detail::AutocastOffGuard no_autocast;  // rules and hooks run in the dtypes they are given
 
   auto finish_leaf = [&](LeafState& l) {
     Tensor g = std::move(l.pending);

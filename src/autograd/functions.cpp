@@ -13,6 +13,7 @@
 #include <unordered_set>
 
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/record.h"
 
 namespace flame {
@@ -66,6 +67,7 @@ Tensor apply_custom(const CustomFunction& fn, const TensorList& inputs) {
 Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs, Generator* gen) {
   Generator* g = gen ? gen : &default_generator();
   const Generator::State rng_before = g->get_state();
+  const amp::detail::AutocastState autocast_before = amp::detail::autocast_state();
   autograd_detail::ReadCollector reads;
   reads.parent = t_state.collector;
   Tensor out;
@@ -99,7 +101,8 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   // written in place before backward would make the recompute silently differ.
   std::vector<SavedTensor> captured;
   for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false);
-  record(out, "CheckpointBackward", edges, [fn, saved, wants_grad, captured, n_in, g, rng_before](const Tensor& grad) {
+  record(out, "CheckpointBackward", edges,
+         [fn, saved, wants_grad, captured, n_in, g, rng_before, autocast_before](const Tensor& grad) {
     // Recompute the forward with recording on and the generator where it was, then backprop.
     TensorList ins;
     TensorList stop_at;
@@ -124,6 +127,7 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
       const int depth = t_state.backward_depth;
       t_state.backward_depth = 0;
       EnableGradGuard enable;
+      amp::detail::AutocastStateGuard autocast(autocast_before);  // same dtypes as the first forward
       try {
         y = fn(ins);
       } catch (...) {

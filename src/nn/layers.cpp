@@ -12,6 +12,7 @@
 #include "flame/nn/init.h"
 #include "flame/nn/linear.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 
 namespace flame::nn {
 
@@ -31,6 +32,10 @@ std::string py_bool(bool b) { return b ? "True" : "False"; }
 
 // ---- Linear ----
 Tensor functional::linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: low precision, bias included
+    amp::detail::AutocastOpScope scope;
+    return linear(amp::detail::cast_low(x), amp::detail::cast_low(weight), amp::detail::cast_low(bias));
+  }
   FLAME_CHECK(x.defined() && weight.defined(), "linear", "undefined input or weight");
   FLAME_CHECK(weight.dim() == 2, "linear", "weight must be 2-d [out_features, in_features], got shape ",
               weight.sizes());

@@ -42,6 +42,7 @@
 #include "flame/cuda.h"
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/attention.h"
 #include "src/backend/backend.h"
@@ -350,6 +351,11 @@ const char* sdpa_last_path() { return t_last_path; }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
                                     double dropout_p, bool is_causal, std::optional<double> scale, Generator* gen) {
+  if (amp::detail::should_autocast(q)) {  // Note [Autocast policy]: low precision (a float mask too)
+    amp::detail::AutocastOpScope scope;
+    return scaled_dot_product_attention(amp::detail::cast_low(q), amp::detail::cast_low(k), amp::detail::cast_low(v),
+                                        amp::detail::cast_low(attn_mask), dropout_p, is_causal, scale, gen);
+  }
   const Dims d = validate(q, k, v, attn_mask, dropout_p, is_causal, scale);
   const double sc = default_scale(d, scale);
   const SdpaBackend choice = t_backend;

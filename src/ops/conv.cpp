@@ -21,6 +21,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/conv.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/rules/conv.h"
 #include "src/core/tensor_impl.h"
 
@@ -154,6 +155,11 @@ struct ConvCall {
 
 Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride_arg,
                  const Padding& padding_arg, const Shape& dilation_arg, int64_t groups, const Shape& out_pad_arg) {
+  if (amp::detail::should_autocast(input)) {  // Note [Autocast policy]: low precision
+    amp::detail::AutocastOpScope scope;
+    return conv_impl(c, amp::detail::cast_low(input), amp::detail::cast_low(weight), amp::detail::cast_low(bias),
+                     stride_arg, padding_arg, dilation_arg, groups, out_pad_arg);
+  }
   const char* op = c.op;
   const int64_t nsp = c.nsp, nd = nsp + 2;
   FLAME_CHECK(input.defined(), op, "input is undefined");

@@ -5,6 +5,7 @@
 #include "flame/ops.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
@@ -94,7 +95,25 @@ Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, c
 
 }  // namespace
 
+// The unary ops PyTorch's autocast runs in f32 (Note [Autocast policy]).
+bool autocast_f32(UnaryOp op) {
+  switch (op) {
+    case UnaryOp::exp:
+    case UnaryOp::expm1:
+    case UnaryOp::log:
+    case UnaryOp::log1p:
+    case UnaryOp::reciprocal:
+    case UnaryOp::rsqrt:
+    case UnaryOp::softplus: return true;
+    default: return false;
+  }
+}
+
 Tensor unary_op(UnaryOp op, const Tensor& x, const UnaryParams& p) {
+  if (autocast_f32(op) && amp::detail::should_autocast(x)) {
+    amp::detail::AutocastOpScope scope;
+    return unary_op(op, amp::detail::cast_f32(x), p);
+  }
   const OpInfo oi = info(op);
   check_defined(x, oi.name);
   const DType dt = x.dtype();
@@ -134,6 +153,10 @@ Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
 }
 
 Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
+  if (op == BinaryOp::pow && amp::detail::should_autocast(a)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return binary_op(op, amp::detail::cast_f32(a), amp::detail::cast_f32(b));
+  }
   const OpInfo oi = info(op);
   check_defined(a, oi.name);
   check_defined(b, oi.name);
@@ -246,6 +269,10 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
 }
 
 Tensor pow(const Tensor& x, Scalar exponent) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return pow(amp::detail::cast_f32(x), exponent);
+  }
   check_defined(x, "pow");
   if (!exponent.is_floating() && !is_floating(x.dtype())) {
     FLAME_CHECK(exponent.to_int() >= 0, "pow", "integers to negative integer powers are not allowed (",

@@ -13,6 +13,7 @@
 
 #include "flame/autograd.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
@@ -152,6 +153,10 @@ Tensor matmul_impl(const Tensor& a, const Tensor& b) {
 
 // The kernels run without recording; one node covers the whole product (rules/linalg.cpp).
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (amp::detail::should_autocast(a)) {  // Note [Autocast policy]: low precision
+    amp::detail::AutocastOpScope scope;
+    return matmul(amp::detail::cast_low(a), amp::detail::cast_low(b));
+  }
   Tensor out;
   {
     NoGradGuard no_grad;
@@ -162,6 +167,10 @@ Tensor matmul(const Tensor& a, const Tensor& b) {
 }
 
 Tensor bmm(const Tensor& a, const Tensor& b) {
+  if (amp::detail::should_autocast(a)) {  // Note [Autocast policy]: low precision
+    amp::detail::AutocastOpScope scope;
+    return bmm(amp::detail::cast_low(a), amp::detail::cast_low(b));
+  }
   check_operands("bmm", a, b);
   FLAME_CHECK(a.dim() == 3 && b.dim() == 3, "bmm", "expected 3-d operands, got shapes ", a.sizes(), " and ",
               b.sizes());

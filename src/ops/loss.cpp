@@ -9,8 +9,10 @@
 // [0, C) is an error: checked here for CPU tensors (naming the op), by the gather kernel elsewhere
 // (reading a device tensor here would synchronise). Half-precision losses are summed in f32.
 #include <cmath>
+#include <optional>
 
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/cross_entropy.h"
 
@@ -89,16 +91,28 @@ Tensor reduce_class_loss(const Tensor& loss, const Tensor& valid, Reduction r) {
 }  // namespace
 
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction r) {
+  if (amp::detail::should_autocast(input)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return mse_loss(amp::detail::cast_f32(input), amp::detail::cast_f32(target), r);
+  }
   check_pointwise("mse_loss", input, target);
   return reduce_loss(square(sub(input, target)), r);
 }
 
 Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction r) {
+  if (amp::detail::should_autocast(input)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return l1_loss(amp::detail::cast_f32(input), amp::detail::cast_f32(target), r);
+  }
   check_pointwise("l1_loss", input, target);
   return reduce_loss(abs(sub(input, target)), r);
 }
 
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& target, Reduction r) {
+  if (amp::detail::should_autocast(logits)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return binary_cross_entropy_with_logits(amp::detail::cast_f32(logits), amp::detail::cast_f32(target), r);
+  }
   check_pointwise("binary_cross_entropy_with_logits", logits, target);
   const DType dt = promote_types(logits.dtype(), target.dtype());
   const Tensor x = logits.to(dt), t = target.to(dt);
@@ -108,6 +122,10 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
 }
 
 Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction r, int64_t ignore_index) {
+  if (amp::detail::should_autocast(log_probs)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return nll_loss(amp::detail::cast_f32(log_probs), target, r, ignore_index);
+  }
   const int64_t class_dim = check_class_target("nll_loss", log_probs, target, ignore_index);
   auto [loss, valid] = pick_negated(log_probs, target, class_dim, ignore_index);
   return reduce_class_loss(loss, valid, r);
@@ -118,6 +136,16 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction r, in
   const int64_t class_dim = check_class_target("cross_entropy", logits, target, ignore_index);
   FLAME_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, "cross_entropy",
               "label_smoothing must be in [0, 1], got ", label_smoothing);
+  // Note [Autocast policy]: the loss is f32. [N, C] logits keep the fused kernel (it computes in
+  // float from half logits) and only skip the cast of the f32 loss back down; the composite path
+  // casts the logits up.
+  std::optional<DType> out_dtype;
+  std::optional<amp::detail::AutocastOpScope> scope;  // held to the end: nothing below casts again
+  if (amp::detail::should_autocast(logits)) {
+    scope.emplace();
+    if (logits.dim() > 2) return cross_entropy(amp::detail::cast_f32(logits), target, r, ignore_index, label_smoothing);
+    if (is_floating(logits.dtype()) && logits.dtype() != DType::f64) out_dtype = DType::f32;
+  }
   // Note [Fused cross-entropy]: [C] and [N, C] scores take the fused row kernels (no [N, C]
   // log-softmax is materialised); scores with extra dims [N, C, d...] keep the composite below.
   if (logits.dim() <= 2) {
@@ -125,8 +153,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction r, in
     const Tensor t1 = target.reshape({x2.size(0)});
     const Tensor rows = detail::cross_entropy_rows(x2, t1, ignore_index, label_smoothing);
     const Tensor valid = ne(t1, Tensor::scalar(ignore_index, {DType::i64, target.device()}));
-    if (r == Reduction::none) return rows.to(logits.dtype()).reshape(target.sizes());
-    return reduce_class_loss(rows, valid, r).to(logits.dtype());
+    const DType dt = out_dtype.value_or(logits.dtype());
+    if (r == Reduction::none) return rows.to(dt).reshape(target.sizes());
+    return reduce_class_loss(rows, valid, r).to(dt);
   }
   const Tensor logp = log_softmax(logits, class_dim);
   auto [loss, valid] = pick_negated(logp, target, class_dim, ignore_index);

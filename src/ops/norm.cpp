@@ -18,6 +18,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
@@ -83,10 +84,18 @@ ChannelShape channel_shape(const Tensor& x, const char* op) {
 }  // namespace
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
+    amp::detail::AutocastOpScope scope;
+    return layer_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);
+  }
   return rows_norm("layer_norm", x, normalized_shape, weight, bias, eps, /*rms=*/false);
 }
 
 Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, std::optional<double> eps) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
+    amp::detail::AutocastOpScope scope;
+    return rms_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), eps);
+  }
   check_input(x, "rms_norm");
   double e = 0;
   if (eps) {
@@ -103,6 +112,10 @@ Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& we
 }
 
 Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
+    amp::detail::AutocastOpScope scope;
+    return group_norm(amp::detail::cast_f32(x), num_groups, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);
+  }
   const char* op = "group_norm";
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);
@@ -123,6 +136,10 @@ Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, con
 
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
+    amp::detail::AutocastOpScope scope;
+    return batch_norm(amp::detail::cast_f32(x), running_mean, running_var, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), training, momentum, eps);
+  }
   const char* op = "batch_norm";
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);

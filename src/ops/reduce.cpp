@@ -17,6 +17,7 @@
 #include <cmath>
 
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
@@ -110,6 +111,10 @@ Tensor variance(const Tensor& xf, const Shape& dims, int64_t correction, bool ke
 
 // Softmax-family ops run on a 1-d view of a 0-d input so the kernels always see a dim.
 Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return softmax_impl(amp::detail::cast_f32(x), dim, log, name);
+  }
   check_floating(x, name);
   const int64_t d = wrap_dim(dim, x.dim(), name);
   Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
@@ -127,6 +132,10 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
 }  // namespace
 
 Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return sum(amp::detail::cast_f32(x), dims, keepdim);
+  }
   const ReducePlan p = plan_reduce(x, dims, "sum");
   return run_reduce(ReduceOp::sum, x, p, sum_dtype(x.dtype()), keepdim);
 }
@@ -138,6 +147,10 @@ Tensor mean(const Tensor& x, const Shape& dims, bool keepdim) {
 }
 
 Tensor prod(const Tensor& x, const Shape& dims, bool keepdim) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return prod(amp::detail::cast_f32(x), dims, keepdim);
+  }
   const ReducePlan p = plan_reduce(x, dims, "prod");
   return run_reduce(ReduceOp::prod, x, p, sum_dtype(x.dtype()), keepdim);
 }
@@ -185,6 +198,10 @@ Tensor std(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim)
 }
 
 Tensor norm(const Tensor& x, double p, const Shape& dims, bool keepdim) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return norm(amp::detail::cast_f32(x), p, dims, keepdim);
+  }
   check_floating(x, "norm");
   const ReducePlan plan = plan_reduce(x, dims, "norm");
   const Tensor xf = upcast(x);
@@ -206,6 +223,10 @@ Tensor norm(const Tensor& x, double p, const Shape& dims, bool keepdim) {
 }
 
 Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return logsumexp(amp::detail::cast_f32(x), dims, keepdim);
+  }
   check_floating(x, "logsumexp");
   const ReducePlan p = plan_reduce(x, dims, "logsumexp");
   const Tensor xf = upcast(x);
@@ -224,6 +245,10 @@ Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
 }
 
 Tensor cumsum(const Tensor& x, int64_t dim) {
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
+    amp::detail::AutocastOpScope scope;
+    return cumsum(amp::detail::cast_f32(x), dim);
+  }
   check_defined(x, "cumsum");
   const int64_t d = wrap_dim(dim, x.dim(), "cumsum");
   Tensor out = make_empty(x.sizes(), sum_dtype(x.dtype()), x.device());

@@ -119,6 +119,8 @@ class CpuBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
                               double label_smoothing) override;
+  // ---- amp ----
+  void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
 };
 
 }  // namespace flame::backend::cpu

@@ -138,6 +138,9 @@ class CudaBackend final : public Backend {
                            const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
                            bool training) override;
 
+  // ---- amp ----
+  void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
+
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,
                    double b);

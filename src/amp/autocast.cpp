@@ -1,0 +1,218 @@
+// Autocast: thread-local scopes, the op policy hook, the cast cache.
+//
+// Note [Autocast policy]
+// Autocast is decided per op, at the op function (src/ops/*.cpp, nn::functional::linear), never
+// inside modules, so functional calls get it too. Three classes, after PyTorch's CUDA lists:
+//  - low precision (the guard's bf16/f16): matmul, bmm, linear, conv1d/2d/3d,
+//    conv_transpose1d/2d/3d, scaled_dot_product_attention. Every floating input except f64 is
+//    cast to the low dtype (a float attention mask too; bool masks are left alone).
+//  - f32: exp, expm1, log, log1p, reciprocal, rsqrt, pow, softplus, logsumexp, norm, softmax,
+//    log_softmax, sum, prod, cumsum, the losses (mse, l1, nll, cross_entropy,
+//    binary_cross_entropy_with_logits) and the norms (layer_norm, group_norm, rms_norm,
+//    batch_norm). bf16/f16 inputs are cast up, so the result is f32 (PyTorch's fp32 and
+//    fp32_set_opt_dtype lists). cross_entropy over [N, C] keeps its fused kernel, which already
+//    computes in float from half logits, and returns the f32 loss without the cast-up copy.
+//    Norms follow PyTorch (f32 out) rather than running FLAME's half-IO kernels: their
+//    statistics are float either way, but FLAME's norm kernels take weight/bias in the input's
+//    dtype, so a bf16 input with f32 affine parameters would need the parameters cast down (less
+//    precise affine, and batch_norm's running statistics could no longer be updated in place).
+//    In a pre-norm transformer the residual stream is f32 anyway, so this costs nothing there.
+//  - everything else runs in its inputs' dtypes under the usual promotion (add of a bf16 and an
+//    f32 tensor is f32, as in PyTorch).
+// An op on the lists runs its body under AutocastOpScope: whatever it calls (cross_entropy's
+// log_softmax, the attention math path's matmul and softmax) sees the dtypes it was given and
+// does not cast again. f64 tensors are never cast (PyTorch's eligibility rule).
+//
+// Note [Autocast cast cache]
+// A weight used by several ops in one forward pass (or a tied embedding) is cast once: a cast of
+// a leaf that requires grad (f32 -> low dtype) is kept in a thread-local cache until the
+// outermost AutocastGuard of the thread is destroyed. The cast is a recorded op, so gradients
+// flow back to the f32 leaf and arrive in f32. An entry is reused only while it is still valid:
+// same storage version (an in-place update of the weight inside the scope makes a new cast),
+// same grad mode (a cast made under no-grad has no graph), and its node not yet released by a
+// backward (a second forward inside one scope after backward, e.g. gradient accumulation, gets a
+// fresh cast). Casts of anything else (activations, buffers, frozen weights) are not cached.
+// Autocast is off in backward (the engine runs rules and hooks under AutocastOffGuard);
+// checkpoint() recomputes its forward under the autocast state it first ran with.
+#include "src/amp/autocast.h"
+
+#include <unordered_map>
+
+#include "flame/amp.h"
+#include "flame/autograd.h"
+#include "src/autograd/node.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame::amp {
+namespace detail {
+
+thread_local uint32_t t_enabled_mask = 0;
+thread_local int32_t t_excluded = 0;
+
+namespace {
+
+constexpr int kDeviceTypes = 2;  // cpu, cuda
+
+struct CacheKey {
+  const TensorImpl* impl;
+  DType dtype;
+  bool operator==(const CacheKey& o) const { return impl == o.impl && dtype == o.dtype; }
+};
+struct CacheKeyHash {
+  std::size_t operator()(const CacheKey& k) const {
+    return std::hash<const void*>()(k.impl) ^ (static_cast<std::size_t>(k.dtype) * 0x9e3779b97f4a7c15ull);
+  }
+};
+struct CacheEntry {
+  Tensor source;  // keeps the key's TensorImpl alive, so its address is not reused meanwhile
+  Tensor cast;
+  uint64_t version = 0;
+  bool grad_mode = false;
+};
+
+struct ThreadState {
+  DType dtype[kDeviceTypes] = {DType::bf16, DType::bf16};
+  int nesting = 0;
+  std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
+  uint64_t hits = 0, misses = 0;
+};
+
+ThreadState& state() {
+  thread_local ThreadState s;
+  return s;
+}
+
+bool eligible(DType t) { return t == DType::f32 || t == DType::bf16 || t == DType::f16; }
+
+bool node_released(const Tensor& t) {
+  const auto& meta = t.impl()->autograd;
+  return meta && meta->grad_fn && meta->grad_fn->released();
+}
+
+Tensor cached_cast(const Tensor& x, DType to) {
+  ThreadState& s = state();
+  const bool cacheable = s.nesting > 0 && x.dtype() == DType::f32 && x.requires_grad() && x.is_leaf();
+  if (!cacheable) return x.to(to);
+  const CacheKey key{x.impl(), to};
+  const bool grad_mode = grad_enabled();
+  auto it = s.cache.find(key);
+  if (it != s.cache.end()) {
+    CacheEntry& e = it->second;
+    if (e.version == x.version() && e.grad_mode == grad_mode && !node_released(e.cast)) {
+      ++s.hits;
+      return e.cast;
+    }
+  }
+  Tensor cast = x.to(to);
+  ++s.misses;
+  s.cache.insert_or_assign(key, CacheEntry{x, cast, x.version(), grad_mode});
+  return cast;
+}
+
+}  // namespace
+
+DType low_dtype(const Tensor& x) { return state().dtype[static_cast<int>(x.device().type)]; }
+
+Tensor cast_low(const Tensor& x) {
+  if (!x.defined() || !eligible(x.dtype())) return x;
+  const DType to = low_dtype(x);
+  if (x.dtype() == to) return x;
+  return cached_cast(x, to);
+}
+
+Tensor cast_f32(const Tensor& x) {
+  if (!x.defined() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16)) return x;
+  return x.to(DType::f32);
+}
+
+AutocastState autocast_state() {
+  const ThreadState& s = state();
+  return AutocastState{t_enabled_mask, {s.dtype[0], s.dtype[1]}};
+}
+
+AutocastStateGuard::AutocastStateGuard(const AutocastState& st)
+    : saved_(autocast_state()), saved_excluded_(t_excluded) {
+  ThreadState& s = state();
+  ++s.nesting;
+  t_enabled_mask = st.mask;
+  t_excluded = 0;
+  for (int d = 0; d < kDeviceTypes; ++d) s.dtype[d] = st.dtype[d];
+}
+
+AutocastStateGuard::~AutocastStateGuard() {
+  ThreadState& s = state();
+  t_enabled_mask = saved_.mask;
+  t_excluded = saved_excluded_;
+  for (int d = 0; d < kDeviceTypes; ++d) s.dtype[d] = saved_.dtype[d];
+  if (--s.nesting == 0) clear_autocast_cache();
+}
+
+}  // namespace detail
+
+using detail::state;
+using detail::t_enabled_mask;
+
+namespace {
+void check_low(DType dtype, DeviceType device_type) {
+  FLAME_CHECK(dtype == DType::bf16 || dtype == DType::f16, "AutocastGuard",
+              "the autocast dtype must be bf16 or f16, got ", dtype_name(dtype), " (device type ",
+              device_type == DeviceType::cuda ? "cuda" : "cpu", ")");
+}
+uint32_t bit(DeviceType t) { return 1u << static_cast<uint32_t>(t); }
+}  // namespace
+
+AutocastGuard::AutocastGuard(DType dtype, DeviceType device_type) : device_type_(device_type) {
+  check_low(dtype, device_type);
+  enter(true, dtype);
+}
+
+AutocastGuard::AutocastGuard(bool enabled, DeviceType device_type) : device_type_(device_type) {
+  enter(enabled, state().dtype[static_cast<int>(device_type)]);
+}
+
+void AutocastGuard::enter(bool enabled, DType dtype) {
+  auto& s = state();
+  const int d = static_cast<int>(device_type_);
+  prev_enabled_ = (t_enabled_mask & bit(device_type_)) != 0;
+  prev_dtype_ = s.dtype[d];
+  s.dtype[d] = dtype;
+  if (enabled) {
+    t_enabled_mask |= bit(device_type_);
+  } else {
+    t_enabled_mask &= ~bit(device_type_);
+  }
+  ++s.nesting;
+}
+
+AutocastGuard::~AutocastGuard() {
+  auto& s = state();
+  const int d = static_cast<int>(device_type_);
+  s.dtype[d] = prev_dtype_;
+  if (prev_enabled_) {
+    t_enabled_mask |= bit(device_type_);
+  } else {
+    t_enabled_mask &= ~bit(device_type_);
+  }
+  if (--s.nesting == 0) clear_autocast_cache();
+}
+
+// Off inside an autocast op's body and inside backward, where no op casts.
+bool is_autocast_enabled(DeviceType device_type) {
+  return (t_enabled_mask & bit(device_type)) != 0 && detail::t_excluded == 0;
+}
+
+DType get_autocast_dtype(DeviceType device_type) { return state().dtype[static_cast<int>(device_type)]; }
+
+AutocastCacheStats autocast_cache_stats() {
+  const auto& s = state();
+  return AutocastCacheStats{s.hits, s.misses, s.cache.size()};
+}
+
+void clear_autocast_cache() {
+  auto& s = state();
+  s.cache.clear();
+  s.hits = 0;
+  s.misses = 0;
+}
+
+}  // namespace flame::amp

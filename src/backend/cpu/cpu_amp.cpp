@@ -1,0 +1,33 @@
+// CPU reference of the GradScaler's fused unscale (Backend::amp_unscale): one pass per tensor,
+// half types computed in float (as the CUDA kernel), f64 in double.
+#include <cmath>
+#include <type_traits>
+
+#include "src/backend/cpu/cpu_backend.h"
+#include "src/core/dispatch.h"
+
+namespace flame::backend::cpu {
+
+void CpuBackend::amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) {
+  bool found = false;
+  for (const Tensor& g : grads) {
+    const int64_t n = g.numel();
+    if (n == 0) continue;
+    dispatch_floating(g.dtype(), "amp_unscale", [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using A = std::conditional_t<std::is_same_v<T, double>, double, float>;
+      const A inv = static_cast<A>(inv_scale);
+      T* p = static_cast<T*>(g.data_ptr());
+      bool bad = false;
+      for (int64_t i = 0; i < n; ++i) {
+        const A v = static_cast<A>(p[i]);
+        bad |= !std::isfinite(v);
+        p[i] = static_cast<T>(v * inv);
+      }
+      found |= bad;
+    });
+  }
+  if (found) *static_cast<float*>(found_inf.data_ptr()) = 1.0f;
+}
+
+}  // namespace flame::backend::cpu
