@@ -1,0 +1,186 @@
+#include "dit.h"
+
+#include <cmath>
+#include <sstream>
+
+namespace flame_diffusion {
+
+namespace nn = flame::nn;
+namespace F = flame::nn::functional;
+using flame::DType;
+
+namespace {
+
+constexpr double kNormEps = 1e-6;  // the reference's LayerNorm(elementwise_affine=False, eps=1e-6)
+
+// x: [B, T, D]; shift, scale: [B, D].
+Tensor modulate(const Tensor& x, const Tensor& shift, const Tensor& scale) {
+  return x * (scale.unsqueeze(1) + 1.0) + shift.unsqueeze(1);
+}
+
+Tensor norm_no_affine(const Tensor& x, int64_t hidden) { return F::layer_norm(x, {hidden}, {}, {}, kNormEps); }
+
+void xavier_linear(nn::Linear& l, flame::Generator* gen) {
+  Tensor w = l.weight();
+  nn::init::xavier_uniform_(w, 1.0, gen);
+  if (l.bias().defined()) {
+    Tensor b = l.bias();
+    nn::init::zeros_(b);
+  }
+}
+
+void zero_linear(nn::Linear& l) {
+  Tensor w = l.weight(), b = l.bias();
+  nn::init::zeros_(w);
+  nn::init::zeros_(b);
+}
+
+}  // namespace
+
+DiTConfig dit_config(const std::string& name) {
+  DiTConfig c;
+  c.name = name;
+  if (name == "dit-tiny") {
+    // Sized for the CPU demo: a few hundred steps of batch 32 in a few minutes on 2 cores
+    // (README, Models: measured step times).
+    c.hidden = 96;
+    c.depth = 4;
+    c.heads = 4;
+  } else if (name == "dit-s") {
+    c.hidden = 384;
+    c.depth = 12;
+    c.heads = 6;
+  } else if (name == "dit-b") {
+    c.hidden = 768;
+    c.depth = 12;
+    c.heads = 12;
+  } else {
+    FLAME_FAIL("dit_config", "unknown DiT preset '", name, "' (known: dit-tiny, dit-s, dit-b)");
+  }
+  return c;
+}
+
+PatchEmbed::PatchEmbed(int64_t in_channels, int64_t hidden, int64_t patch_size) {
+  proj = register_module("proj", std::make_shared<nn::Conv2d>(in_channels, hidden, flame::Shape{patch_size, patch_size},
+                                                              flame::Shape{patch_size, patch_size}));
+}
+
+Tensor PatchEmbed::forward(const Tensor& x) {
+  return proj->forward(x).flatten(2).transpose(1, 2);  // [B, hidden, h, w] -> [B, h*w, hidden]
+}
+
+DiTAttention::DiTAttention(int64_t hidden, int64_t heads) : heads_(heads) {
+  FLAME_CHECK(hidden % heads == 0, "DiTAttention", "hidden ", hidden, " is not divisible by heads ", heads);
+  qkv = register_module("qkv", std::make_shared<nn::Linear>(hidden, 3 * hidden));
+  proj = register_module("proj", std::make_shared<nn::Linear>(hidden, hidden));
+}
+
+Tensor DiTAttention::forward(const Tensor& x) {
+  const int64_t b = x.size(0), n = x.size(1), d = x.size(2), hd = d / heads_;
+  // [B, T, 3, H, hd] -> [3, B, H, T, hd]: q/k/v are views of the fused projection (the fused
+  // SDPA path returns its output in q's layout, so merging heads below is free).
+  Tensor qkv_out = qkv->forward(x).reshape({b, n, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
+  Tensor o = F::scaled_dot_product_attention(qkv_out.select(0, 0), qkv_out.select(0, 1), qkv_out.select(0, 2));
+  return proj->forward(o.transpose(1, 2).reshape({b, n, d}));
+}
+
+DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {
+  fc1 = register_module("fc1", std::make_shared<nn::Linear>(hidden, mlp_hidden));
+  fc2 = register_module("fc2", std::make_shared<nn::Linear>(mlp_hidden, hidden));
+}
+
+Tensor DiTMlp::forward(const Tensor& x) { return fc2->forward(fc1->forward(x).gelu(/*tanh=*/true)); }
+
+DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) : hidden_(hidden) {
+  attn = register_module("attn", std::make_shared<DiTAttention>(hidden, heads));
+  mlp = register_module("mlp", std::make_shared<DiTMlp>(hidden, static_cast<int64_t>(hidden * mlp_ratio)));
+  ada_linear = std::make_shared<nn::Linear>(hidden, 6 * hidden);
+  register_module("adaLN_modulation", std::make_shared<nn::Sequential>(
+                                          std::initializer_list<nn::ModulePtr>{std::make_shared<nn::SiLU>(), ada_linear}));
+}
+
+Tensor DiTBlock::forward(const Tensor& x, const Tensor& c) {
+  // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp (the reference's order)
+  flame::TensorList m = ada_linear->forward(c.silu()).chunk(6, 1);
+  Tensor h = x + m[2].unsqueeze(1) * attn->forward(modulate(norm_no_affine(x, hidden_), m[0], m[1]));
+  return h + m[5].unsqueeze(1) * mlp->forward(modulate(norm_no_affine(h, hidden_), m[3], m[4]));
+}
+
+DiTFinalLayer::DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels) : hidden_(hidden) {
+  linear = register_module("linear", std::make_shared<nn::Linear>(hidden, patch_size * patch_size * out_channels));
+  ada_linear = std::make_shared<nn::Linear>(hidden, 2 * hidden);
+  register_module("adaLN_modulation", std::make_shared<nn::Sequential>(
+                                          std::initializer_list<nn::ModulePtr>{std::make_shared<nn::SiLU>(), ada_linear}));
+}
+
+Tensor DiTFinalLayer::forward(const Tensor& x, const Tensor& c) {
+  flame::TensorList m = ada_linear->forward(c.silu()).chunk(2, 1);  // shift, scale
+  return linear->forward(modulate(norm_no_affine(x, hidden_), m[0], m[1]));
+}
+
+DiT::DiT(const DiTConfig& config, uint64_t seed) : config_(config) {
+  const DiTConfig& c = config_;
+  FLAME_CHECK(c.input_size > 0 && c.patch_size > 0 && c.input_size % c.patch_size == 0, "DiT",
+              "input_size ", c.input_size, " must be a positive multiple of patch_size ", c.patch_size);
+  FLAME_CHECK(c.hidden % 4 == 0, "DiT", "hidden ", c.hidden, " must be divisible by 4 (2-D sin-cos table)");
+  FLAME_CHECK(c.depth >= 1 && c.heads >= 1 && c.num_classes >= 1, "DiT", "depth, heads and num_classes must be >= 1");
+  x_embedder = register_module("x_embedder", std::make_shared<PatchEmbed>(c.in_channels, c.hidden, c.patch_size));
+  t_embedder = register_module("t_embedder", std::make_shared<TimestepEmbedder>(c.hidden, c.frequency_dim));
+  y_embedder = register_module("y_embedder", std::make_shared<LabelEmbedder>(c.num_classes, c.hidden));
+  pos_embed = register_parameter("pos_embed", Tensor::zeros({1, c.tokens(), c.hidden}));
+  auto list = register_module("blocks", std::make_shared<nn::ModuleList>());
+  for (int64_t i = 0; i < c.depth; ++i) {
+    blocks.push_back(std::make_shared<DiTBlock>(c.hidden, c.heads, c.mlp_ratio));
+    list->push_back(blocks.back());
+  }
+  final_layer = register_module("final_layer", std::make_shared<DiTFinalLayer>(c.hidden, c.patch_size, c.in_channels));
+  flame::Generator gen(seed);
+  initialize_weights(&gen);
+}
+
+// As the reference's initialize_weights: xavier-uniform Linear weights with zero biases; the
+// patch projection xavier-uniform as a [hidden, C*p*p] matrix; N(0, 0.02) label table and
+// timestep MLP weights; adaLN modulations and the final linear zero (adaLN-Zero: every block
+// starts as the identity and the model's output is exactly zero). pos_embed starts at the 2-D
+// sin-cos table.
+void DiT::initialize_weights(flame::Generator* gen) {
+  flame::NoGradGuard no_grad;
+  apply([gen](nn::Module& m) {
+    if (auto* l = dynamic_cast<nn::Linear*>(&m)) xavier_linear(*l, gen);
+  });
+  {
+    Tensor w = x_embedder->proj->weight(), b = x_embedder->proj->bias();
+    const double fan_in = static_cast<double>(w.size(1) * w.size(2) * w.size(3));
+    const double fan_out = static_cast<double>(w.size(0));
+    const double bound = std::sqrt(6.0 / (fan_in + fan_out));
+    nn::init::uniform_(w, -bound, bound, gen);
+    nn::init::zeros_(b);
+  }
+  pos_embed.copy_(sincos_2d_pos_embed(config_.hidden, config_.grid()).unsqueeze(0));
+  init_embedders(*t_embedder, *y_embedder, gen);
+  for (auto& blk : blocks) zero_linear(*blk->ada_linear);
+  zero_linear(*final_layer->ada_linear);
+  zero_linear(*final_layer->linear);
+}
+
+std::string DiT::extra_repr() const {
+  std::ostringstream os;
+  os << "preset=" << config_.name << ", hidden=" << config_.hidden << ", depth=" << config_.depth
+     << ", heads=" << config_.heads << ", patch=" << config_.patch_size;
+  return os.str();
+}
+
+Tensor DiT::unpatchify(const Tensor& tokens) const {
+  const int64_t b = tokens.size(0), p = config_.patch_size, g = config_.grid(), ch = config_.in_channels;
+  return tokens.reshape({b, g, g, p, p, ch}).permute({0, 5, 1, 3, 2, 4}).reshape({b, ch, g * p, g * p});
+}
+
+Tensor DiT::forward(const Tensor& x, const Tensor& t, const Tensor& y) {
+  check_inputs(x, t, y);
+  Tensor h = x_embedder->forward(x) + pos_embed;
+  Tensor c = t_embedder->forward(t.to(DType::f32) * config_.time_scale) + y_embedder->forward(y);
+  for (auto& blk : blocks) h = blk->forward(h, c);
+  return unpatchify(final_layer->forward(h, c));
+}
+
+}  // namespace flame_diffusion

@@ -1,0 +1,123 @@
+#pragma once
+// DiT (Peebles & Xie, "Scalable Diffusion Models with Transformers"), class-conditional with
+// adaLN-Zero, sized for 28x28 Fashion-MNIST. Parameter names are the reference implementation's
+// (facebookresearch/DiT models.py), so state dicts move to and from the PyTorch twin
+// (apps/diffusion/reference/dit.py) without a mapping.
+//
+// Differences from the reference, on purpose: pos_embed is a LEARNED parameter (initialised with
+// the 2-D sin-cos table, then trained; the reference freezes it), the output has in_channels
+// channels (no learned sigma), and t is continuous in [0, 1] (Note [Time convention], embed.h).
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "embed.h"
+
+namespace flame_diffusion {
+
+struct DiTConfig {
+  std::string name = "dit-s";
+  int64_t input_size = 28;
+  int64_t patch_size = 2;
+  int64_t in_channels = 1;
+  int64_t hidden = 384;
+  int64_t depth = 12;
+  int64_t heads = 6;
+  double mlp_ratio = 4.0;
+  int64_t num_classes = 10;
+  int64_t frequency_dim = 256;
+  double time_scale = 1000.0;  // the embedding sees t * time_scale
+  int64_t grid() const { return input_size / patch_size; }
+  int64_t tokens() const { return grid() * grid(); }
+};
+
+// "dit-tiny" (CPU demo), "dit-s", "dit-b"; unknown names raise an error listing these.
+DiTConfig dit_config(const std::string& name);
+
+// LayerNorm(no affine, eps 1e-6) is applied functionally; modulate(x, shift, scale) =
+// x * (1 + scale) + shift with shift/scale broadcast over tokens.
+// timm's PatchEmbed: Conv2d(in, hidden, patch, stride patch) named `proj`, flattened to tokens.
+class PatchEmbed : public flame::nn::Module {
+ public:
+  PatchEmbed(int64_t in_channels, int64_t hidden, int64_t patch_size);
+  std::string name() const override { return "PatchEmbed"; }
+  Tensor forward(const Tensor& x) override;  // [B, C, H, W] -> [B, (H/p)*(W/p), hidden]
+  std::shared_ptr<flame::nn::Conv2d> proj;
+};
+
+class DiTAttention : public flame::nn::Module {
+ public:
+  DiTAttention(int64_t hidden, int64_t heads);
+  std::string name() const override { return "Attention"; }
+  Tensor forward(const Tensor& x) override;  // [B, T, hidden]
+  std::shared_ptr<flame::nn::Linear> qkv, proj;
+
+ private:
+  int64_t heads_;
+};
+
+class DiTMlp : public flame::nn::Module {
+ public:
+  DiTMlp(int64_t hidden, int64_t mlp_hidden);
+  std::string name() const override { return "Mlp"; }
+  Tensor forward(const Tensor& x) override;  // fc1 -> GELU(tanh) -> fc2
+  std::shared_ptr<flame::nn::Linear> fc1, fc2;
+};
+
+class DiTBlock : public flame::nn::Module {
+ public:
+  DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio);
+  std::string name() const override { return "DiTBlock"; }
+  Tensor forward(const Tensor& x, const Tensor& c);
+  std::shared_ptr<DiTAttention> attn;
+  std::shared_ptr<DiTMlp> mlp;
+  std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 6 hidden
+
+ private:
+  int64_t hidden_;
+};
+
+class DiTFinalLayer : public flame::nn::Module {
+ public:
+  DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels);
+  std::string name() const override { return "FinalLayer"; }
+  Tensor forward(const Tensor& x, const Tensor& c);  // [B, T, p*p*out]
+  std::shared_ptr<flame::nn::Linear> linear;
+  std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 2 hidden
+
+ private:
+  int64_t hidden_;
+};
+
+class DiT : public DiffusionModel {
+ public:
+  // Weights are drawn from a Generator seeded with `seed` (the same seed gives the same model on
+  // any device); init as the reference's initialize_weights (see dit.cpp).
+  explicit DiT(const DiTConfig& config, uint64_t seed = 0);
+  std::string name() const override { return "DiT"; }
+  std::string extra_repr() const override;
+  using DiffusionModel::forward;
+  Tensor forward(const Tensor& x, const Tensor& t, const Tensor& y) override;
+  int64_t in_channels() const override { return config_.in_channels; }
+  int64_t image_size() const override { return config_.input_size; }
+  int64_t num_classes() const override { return config_.num_classes; }
+  std::string preset() const override { return config_.name; }
+  const DiTConfig& config() const { return config_; }
+
+  // [B, T, p*p*C] -> [B, C, H, W] (token (i, j) holds the p x p patch at rows i*p.., cols j*p..,
+  // channel fastest, as the reference's einsum "nhwpqc->nchpwq").
+  Tensor unpatchify(const Tensor& tokens) const;
+
+  std::shared_ptr<PatchEmbed> x_embedder;
+  Tensor pos_embed;                           // [1, T, hidden], learned
+  std::shared_ptr<TimestepEmbedder> t_embedder;
+  std::shared_ptr<LabelEmbedder> y_embedder;
+  std::vector<std::shared_ptr<DiTBlock>> blocks;
+  std::shared_ptr<DiTFinalLayer> final_layer;
+
+ private:
+  void initialize_weights(flame::Generator* gen);
+  DiTConfig config_;
+};
+
+}  // namespace flame_diffusion
