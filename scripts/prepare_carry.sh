@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fills the ignored .deps/ folder with what a build on a machine without apt or internet needs
-# (the GPU machine): GoogleTest sources, nlohmann-json headers, cudnn-frontend headers. Run it
-# here, then carry ".deps" with the GPU runner (scripts/gpu_run.sh).
+# (the GPU machine): GoogleTest sources, nlohmann-json headers, cudnn-frontend headers, and for
+# apps/diffusion the Fashion-MNIST files, CLI11 headers and libpng/zlib headers with static
+# libraries (apps/diffusion/deps.cmake uses those only where the machine has none of its own). Run
+# it here, then carry ".deps" with the GPU runner (scripts/gpu_run.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash scripts/setup_deps.sh)"
@@ -9,6 +11,22 @@ mkdir -p .deps
 [ -f .deps/googletest/CMakeLists.txt ] || cp -r /usr/src/googletest .deps/
 if [ ! -f .deps/nlohmann_json/include/nlohmann/json.hpp ]; then
   mkdir -p .deps/nlohmann_json/include && cp -r /usr/include/nlohmann .deps/nlohmann_json/include/
+fi
+# apps/diffusion. The data set (about 30 MB of gzip'd IDX files) is found in .deps/fashion_mnist
+# by the trainer's data-dir lookup (apps/diffusion/README.md, "Data").
+mkdir -p .deps/fashion_mnist
+for f in train-images-idx3-ubyte.gz train-labels-idx1-ubyte.gz t10k-images-idx3-ubyte.gz t10k-labels-idx1-ubyte.gz; do
+  [ -f ".deps/fashion_mnist/$f" ] || cp "/usr/share/datasets/fashion-mnist/$f" .deps/fashion_mnist/
+done
+if [ ! -f .deps/cli11/include/CLI/CLI.hpp ]; then
+  mkdir -p .deps/cli11/include && cp -r /usr/include/CLI .deps/cli11/include/
+fi
+# Static libraries: nothing to find at run time, and no symlinks to carry.
+if [ ! -f .deps/png/lib/libpng16.a ]; then
+  mkdir -p .deps/png/include .deps/png/lib
+  cp -L /usr/include/png.h /usr/include/pngconf.h /usr/include/pnglibconf.h /usr/include/zlib.h \
+    /usr/include/zconf.h .deps/png/include/
+  cp -L /usr/lib/x86_64-linux-gnu/libpng16.a /usr/lib/x86_64-linux-gnu/libz.a .deps/png/lib/
 fi
 [ -f .deps/cudnn_frontend/include/cudnn_frontend.h ] || { echo "prepare_carry: cudnn-frontend missing (setup_deps needs nvcc)" >&2; exit 1; }
 du -sh .deps

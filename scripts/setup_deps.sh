@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building FLAME needs on a Debian machine, only where it is missing:
-# a C++20 compiler, CMake, Ninja, OpenBLAS (CPU GEMM) and GoogleTest. The CUDA toolkit is used
+# a C++20 compiler, CMake, Ninja, OpenBLAS (CPU GEMM) and GoogleTest; for the diffusion trainer
+# (apps/diffusion) libpng, zlib, CLI11 and the Fashion-MNIST data set. The CUDA toolkit is used
 # when present (nvcc on PATH or in /usr/local/cuda) and is never installed here.
 set -euo pipefail
 
@@ -12,6 +13,12 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
   ls /usr/include/*/openblas*/cblas.h >/dev/null 2>&1 || need+=(libopenblas-dev)
 [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
 [ -f /usr/include/nlohmann/json.hpp ] || need+=(nlohmann-json3-dev)
+# apps/diffusion: PNG writing, gunzip of the IDX files, the CLI, and the data set itself (gzip'd
+# IDX files in /usr/share/datasets/fashion-mnist; apps/diffusion/README.md, "Data").
+[ -f /usr/include/png.h ] || need+=(libpng-dev)
+[ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
+[ -f /usr/include/CLI/CLI.hpp ] || need+=(libcli11-dev)
+[ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need+=(dataset-fashion-mnist)
 
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup_deps: installing ${need[*]}" >&2

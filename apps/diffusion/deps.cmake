@@ -1,0 +1,63 @@
+# Third-party dependencies of flame_diffusion, all from Debian packages installed by
+# scripts/setup_deps.sh: libpng (PNG writing), zlib (gunzip of the IDX files; libpng needs it too)
+# and CLI11 (header-only, the CLI). The GPU machine has no apt: scripts/prepare_carry.sh copies
+# headers and static libraries into .deps/, searched after the system paths (PATHS, not HINTS), as
+# the top-level CMakeLists does for nlohmann-json.
+set(FD_DEPS_DIR ${PROJECT_SOURCE_DIR}/.deps)
+
+find_path(FD_PNG_INCLUDE_DIR png.h PATHS ${FD_DEPS_DIR}/png/include)
+find_library(FD_PNG_LIBRARY NAMES png16 png PATHS ${FD_DEPS_DIR}/png/lib)
+if(NOT FD_PNG_INCLUDE_DIR OR NOT FD_PNG_LIBRARY)
+  message(FATAL_ERROR "flame-diffusion: libpng not found (png.h: ${FD_PNG_INCLUDE_DIR}, library: "
+                      "${FD_PNG_LIBRARY}): install the Debian package libpng-dev (scripts/setup_deps.sh), "
+                      "or fill .deps/png with scripts/prepare_carry.sh")
+endif()
+find_path(FD_ZLIB_INCLUDE_DIR zlib.h PATHS ${FD_DEPS_DIR}/png/include)
+find_library(FD_ZLIB_LIBRARY NAMES z PATHS ${FD_DEPS_DIR}/png/lib)
+if(NOT FD_ZLIB_INCLUDE_DIR OR NOT FD_ZLIB_LIBRARY)
+  message(FATAL_ERROR "flame-diffusion: zlib not found (zlib.h: ${FD_ZLIB_INCLUDE_DIR}, library: "
+                      "${FD_ZLIB_LIBRARY}): install the Debian package zlib1g-dev (scripts/setup_deps.sh), "
+                      "or fill .deps/png with scripts/prepare_carry.sh")
+endif()
+find_path(FD_CLI11_INCLUDE_DIR CLI/CLI.hpp PATHS ${FD_DEPS_DIR}/cli11/include)
+if(NOT FD_CLI11_INCLUDE_DIR)
+  message(FATAL_ERROR "flame-diffusion: CLI11 (CLI/CLI.hpp) not found: install the Debian package "
+                      "libcli11-dev (scripts/setup_deps.sh), or fill .deps/cli11 with scripts/prepare_carry.sh")
+endif()
+message(STATUS "flame-diffusion: libpng ${FD_PNG_LIBRARY}, zlib ${FD_ZLIB_LIBRARY}, CLI11 ${FD_CLI11_INCLUDE_DIR}")
+
+# PUBLIC: the tests read PNGs back with libpng, and main.cpp uses CLI11.
+target_include_directories(flame_diffusion PUBLIC ${FD_PNG_INCLUDE_DIR} ${FD_ZLIB_INCLUDE_DIR} ${FD_CLI11_INCLUDE_DIR})
+target_link_libraries(flame_diffusion PUBLIC ${FD_PNG_LIBRARY} ${FD_ZLIB_LIBRARY} m)
+# The data-set lookup's last resort (.deps/fashion_mnist of this checkout, filled by prepare_carry.sh),
+# so that a binary run from any directory on the GPU machine finds the files.
+target_compile_definitions(flame_diffusion PRIVATE FLAME_DIFFUSION_DEPS_DIR="${FD_DEPS_DIR}")
+
+# ---- IDX parser fuzzer (Note [IDX fuzz contract] in tests/fuzz/fuzz_idx.cpp) ----
+# Built from idx.cpp alone (no FLAME library), so the sanitizers see every read. A short seeded run
+# is a ctest test; the long libFuzzer run is tests/fuzz/run_libfuzzer_idx.sh.
+if(FLAME_TESTS)
+  set(FD_FUZZ_SOURCES ${CMAKE_CURRENT_LIST_DIR}/tests/fuzz/fuzz_idx.cpp ${CMAKE_CURRENT_LIST_DIR}/src/idx.cpp)
+  add_executable(flame_fuzz_idx ${FD_FUZZ_SOURCES})
+  target_include_directories(flame_fuzz_idx PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${FD_ZLIB_INCLUDE_DIR})
+  target_link_libraries(flame_fuzz_idx PRIVATE ${FD_ZLIB_LIBRARY})
+  add_test(NAME diffusion.fuzz_idx_short COMMAND flame_fuzz_idx --seed 1 --seconds 10)
+  set_tests_properties(diffusion.fuzz_idx_short PROPERTIES TIMEOUT 120)
+  if(FLAME_LIBFUZZER)
+    add_executable(flame_libfuzzer_idx ${FD_FUZZ_SOURCES})
+    target_include_directories(flame_libfuzzer_idx PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${FD_ZLIB_INCLUDE_DIR})
+    target_link_libraries(flame_libfuzzer_idx PRIVATE ${FD_ZLIB_LIBRARY})
+    target_compile_definitions(flame_libfuzzer_idx PRIVATE FLAME_LIBFUZZER=1)
+    target_compile_options(flame_libfuzzer_idx PRIVATE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
+    target_link_options(flame_libfuzzer_idx PRIVATE -fsanitize=fuzzer,address,undefined)
+  endif()
+endif()
+
+# GoogleTest for diffusion_tests: tests/CMakeLists.txt's find_package(GTest CONFIG) makes imported
+# targets visible in tests/ only; find it again here (the source-tree fallback's aliases are global).
+if(FLAME_TESTS AND NOT TARGET GTest::gtest)
+  find_package(GTest CONFIG QUIET)
+  if(NOT TARGET GTest::gtest)
+    message(FATAL_ERROR "flame-diffusion: GoogleTest not found: install libgtest-dev (scripts/setup_deps.sh)")
+  endif()
+endif()
