@@ -11,6 +11,7 @@
 #include <memory>
 
 #include "flame/tensor.h"
+#include "src/backend/optim_params.h"
 #include "src/backend/pool_params.h"
 #include "src/ops/op_list.h"
 
@@ -143,6 +144,14 @@ class Backend {
   // and found_inf (0-d f32) is set to 1 when any element read is Inf or NaN, else left as it is.
   // One pass over all the tensors; no host synchronisation.
   virtual void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) = 0;
+  // ---- optim ----
+  // One fused update of every tensor in `tensors` (src/backend/optim_params.h; Note [Optimizer
+  // element math]): one kernel launch per call on CUDA, whatever the number of tensors.
+  virtual void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) = 0;
+  // shadow[k] += weight * (params[k] - shadow[k]) for every k (torch._foreach_lerp_); shadow and
+  // params pair up by index with equal numel and dense layout; all shadows share one dtype, all
+  // params one dtype.
+  virtual void ema_update(const TensorList& shadow, const TensorList& params, double weight) = 0;
 };
 
 Backend& backend_for(Device device);

@@ -1,6 +1,7 @@
 #pragma once
 // Optimizer base: parameter groups with per-group hyperparameters, step(Gradients), state as a
-// StateDict (flame/stateful.h). Learning-rate schedulers (flame/optim/scheduler.h) drive an
+// StateDict (flame/stateful.h). The optimizers themselves (SGD, Adam, AdamW, Lion, Adafactor) are
+// in flame/optim/optimizers.h; docs/optim.md describes them. Learning-rate schedulers (flame/optim/scheduler.h) drive an
 // optimizer only through num_param_groups(), lr()/set_lr() and momentum()/set_momentum().
 #include <cstddef>
 #include <string>
@@ -21,7 +22,13 @@ struct ParamGroup {
   double momentum = 0.0;  // SGD
   double beta1 = 0.9;     // Adam, AdamW, Lion (betas[0]); Adafactor's optional first moment
   double beta2 = 0.999;   // Adam, AdamW, Lion (betas[1])
-  double eps = 1e-8;
+  double eps = 1e-8;       // Adam family; Adafactor's eps2 (the floor of the parameter RMS)
+  // Fields added for the optimizers of flame/optim/optimizers.h (appended, so designated
+  // initialisers of the fields above keep working).
+  double dampening = 0.0;     // SGD
+  double beta2_decay = -0.8;  // Adafactor
+  double d = 1.0;             // Adafactor: clipping threshold of the update RMS
+  double eps1 = -1.0;         // Adafactor: floor of the second moment; < 0: the dtype's epsilon
 };
 
 class Optimizer : public Stateful {

@@ -121,6 +121,9 @@ class CpuBackend final : public Backend {
                               double label_smoothing) override;
   // ---- amp ----
   void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
+  // ---- optim ---- (cpu_optim.cpp)
+  void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) override;
+  void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
 };
 
 }  // namespace flame::backend::cpu

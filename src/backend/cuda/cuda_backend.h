@@ -110,6 +110,9 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
                               double label_smoothing) override;
+  // ---- optim ---- (optim/multi_tensor.cu)
+  void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) override;
+  void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
   // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
   // read by the kernel when it runs. `state` is device memory.
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,

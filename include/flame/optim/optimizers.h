@@ -1,0 +1,264 @@
+#pragma once
+// Optimizers with torch.optim semantics and defaults: SGD, Adam, AdamW, Lion, Adafactor. See
+// docs/optim.md.
+//
+//   optim::AdamW opt(model.parameters(), {.lr = 1e-4, .weight_decay = 0.01});
+//   Gradients grads = loss.backward();
+//   opt.step(grads);
+//
+// Parameter groups: build each group from the options (Options::group) and change what differs:
+//   optim::AdamWOptions o{.lr = 1e-4, .weight_decay = 0.01};
+//   optim::ParamGroup no_decay = o.group(norm_params);
+//   no_decay.weight_decay = 0;
+//   optim::AdamW opt({o.group(weights), no_decay}, o);
+// A ParamGroup written by hand takes every hyperparameter from its own fields (their defaults
+// are Adam's); the options then supply only the optimizer-wide settings (amsgrad, nesterov,
+// maximize, master weights).
+//
+// Updates are in place: a parameter keeps its identity and its version counter rises. On CUDA
+// SGD, Adam, AdamW and Lion update a whole group in one fused multi-tensor kernel launch per
+// (device, dtype) bucket (Note [Multi-tensor apply]); Adafactor uses FLAME ops per parameter.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flame/optim/optimizer.h"
+
+namespace flame::optim {
+
+// Mixed precision (every options struct below has these three fields): for bf16/f16 parameters
+// the optimizer keeps f32 master weights and f32 state when master_weights is on (the default),
+// updates the master and writes the rounded parameter in the same pass; stochastic_rounding
+// rounds bf16 parameters stochastically (Philox keyed by `seed`, deterministic) instead of to
+// nearest. Without master weights half parameters keep half state (as PyTorch), computed in f32.
+
+struct SGDOptions {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  ParamGroup group(TensorList params) const;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // coupled: added to the gradient (L2), as torch.optim.Adam
+  bool amsgrad = false;
+  bool maximize = false;
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  ParamGroup group(TensorList params) const;
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 1e-2;  // decoupled: p *= 1 - lr * weight_decay
+  bool amsgrad = false;
+  bool maximize = false;
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  ParamGroup group(TensorList params) const;
+};
+
+// Lion (Chen et al., "Symbolic Discovery of Optimization Algorithms", 2023); not in torch.optim.
+struct LionOptions {
+  double lr = 1e-4;
+  std::pair<double, double> betas{0.9, 0.99};
+  double weight_decay = 0.0;  // decoupled
+  bool maximize = false;
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  ParamGroup group(TensorList params) const;
+};
+
+// torch.optim.Adafactor (PyTorch 2.5+): lr is the cap of the relative step min(lr, 1/sqrt(t)),
+// scaled by max(eps2, RMS(param)); second moment factored into row and column means for >= 2-d
+// parameters (over the last two dims); the update's RMS clipped to d; weight decay decoupled
+// (p *= 1 - lr * weight_decay). eps = {eps1, eps2}; eps1 unset is the parameter dtype's epsilon.
+struct AdafactorOptions {
+  double lr = 1e-2;
+  double beta2_decay = -0.8;
+  std::pair<std::optional<double>, double> eps{std::nullopt, 1e-3};
+  double d = 1.0;
+  double weight_decay = 0.0;
+  bool maximize = false;
+  bool master_weights = true;
+  ParamGroup group(TensorList params) const;
+};
+
+// Shared machinery: per-parameter state (PyTorch's optimizer.state), master weights, lazy state
+// creation at a parameter's first gradient, validation, and the state dict:
+//   state.<i>.step (int64, 0-d), state.<i>.<slot> (exp_avg, exp_avg_sq, max_exp_avg_sq,
+//   momentum_buffer, row_var, col_var, variance), state.<i>.master_param (f32, half parameters),
+//   param_groups.<g>.params (int64 indices), param_groups.<g>.<hyperparameter> (f64, 0-d;
+//   betas is a 1-d f64 pair).
+// i counts parameters over all groups in order, as PyTorch does.
+class FusedOptimizer : public Optimizer {
+ public:
+  void step(const Gradients& grads) override;
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
+
+  std::size_t num_params() const { return params_.size(); }
+  // Steps taken by parameter `index` (0 before its first gradient).
+  int64_t param_step(std::size_t index) const;
+  // A state slot of parameter `index` (undefined when absent); a handle on the live tensor.
+  Tensor state(std::size_t index, const std::string& slot) const;
+  // The f32 master weights of parameter `index` (undefined when it has none).
+  Tensor master_weights(std::size_t index) const;
+
+ protected:
+  struct Precision {
+    bool master_weights = true;
+    bool stochastic_rounding = false;
+    uint64_t seed = 0;
+  };
+  struct Slot {
+    std::string name;
+    Shape shape;
+  };
+  // A parameter being updated this step: its index, the parameter, its gradient (same dtype and
+  // dense layout), and whether its state slots were created in this step.
+  struct Active {
+    std::size_t index;
+    Tensor param;
+    Tensor grad;
+    bool fresh_state = false;
+  };
+
+  FusedOptimizer(std::vector<ParamGroup> groups, Precision precision);
+  // Checks the hyperparameters of a group; raises naming the optimizer, group and value.
+  virtual void validate_group(const ParamGroup& g, std::size_t index) const = 0;
+  // The state slots a parameter of group g gets at its first step (their names and shapes).
+  virtual std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const = 0;
+  // Hyperparameter keys saved per group (besides params), from: lr, weight_decay, momentum,
+  // dampening, betas, eps, beta2_decay, d, eps1.
+  virtual std::vector<std::string> group_keys() const = 0;
+  // Updates the parameters of group g that have a gradient this step (their step counters are
+  // already advanced).
+  virtual void update_group(std::size_t g, const std::vector<Active>& active) = 0;
+  // The fused kernel path shared by SGD, Adam, AdamW and Lion.
+  void fused_update(std::size_t g, const std::vector<Active>& active, int kind, bool amsgrad, bool nesterov,
+                    bool maximize, bool decoupled);
+
+  struct ParamState {
+    int64_t step = 0;
+    Tensor master;                                       // f32 master weights or undefined
+    std::vector<std::pair<std::string, Tensor>> slots;  // created at the first step
+  };
+  bool uses_master(const Tensor& param) const;
+  DType state_dtype(const Tensor& param) const;
+  Tensor find_slot(std::size_t index, const std::string& name) const;
+  void check_groups() const;
+
+  Precision precision_;
+  TensorList params_;                     // every parameter, in group order
+  std::vector<std::size_t> group_begin_;  // index of each group's first parameter; size groups + 1
+  std::vector<ParamState> state_;
+};
+
+class SGD final : public FusedOptimizer {
+ public:
+  using Options = SGDOptions;
+  explicit SGD(TensorList params, Options options = {});
+  SGD(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "SGD"; }
+  MomentumKind momentum_kind() const override { return MomentumKind::momentum; }
+  const Options& options() const { return options_; }
+
+ protected:
+  void validate_group(const ParamGroup& g, std::size_t index) const override;
+  std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const override;
+  std::vector<std::string> group_keys() const override;
+  void update_group(std::size_t g, const std::vector<Active>& active) override;
+
+ private:
+  Options options_;
+};
+
+class Adam : public FusedOptimizer {
+ public:
+  using Options = AdamOptions;
+  explicit Adam(TensorList params, Options options = {});
+  Adam(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "Adam"; }
+  MomentumKind momentum_kind() const override { return MomentumKind::beta1; }
+  const Options& options() const { return options_; }
+
+ protected:
+  Adam(std::vector<ParamGroup> groups, Options options, bool decoupled);
+  void validate_group(const ParamGroup& g, std::size_t index) const override;
+  std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const override;
+  std::vector<std::string> group_keys() const override;
+  void update_group(std::size_t g, const std::vector<Active>& active) override;
+
+ private:
+  Options options_;
+  bool decoupled_;
+};
+
+class AdamW final : public Adam {
+ public:
+  using Options = AdamWOptions;
+  explicit AdamW(TensorList params, Options options = {});
+  AdamW(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "AdamW"; }
+};
+
+class Lion final : public FusedOptimizer {
+ public:
+  using Options = LionOptions;
+  explicit Lion(TensorList params, Options options = {});
+  Lion(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "Lion"; }
+  MomentumKind momentum_kind() const override { return MomentumKind::beta1; }
+  const Options& options() const { return options_; }
+
+ protected:
+  void validate_group(const ParamGroup& g, std::size_t index) const override;
+  std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const override;
+  std::vector<std::string> group_keys() const override;
+  void update_group(std::size_t g, const std::vector<Active>& active) override;
+
+ private:
+  Options options_;
+};
+
+class Adafactor final : public FusedOptimizer {
+ public:
+  using Options = AdafactorOptions;
+  explicit Adafactor(TensorList params, Options options = {});
+  Adafactor(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "Adafactor"; }
+  const Options& options() const { return options_; }
+
+ protected:
+  void validate_group(const ParamGroup& g, std::size_t index) const override;
+  std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const override;
+  std::vector<std::string> group_keys() const override;
+  void update_group(std::size_t g, const std::vector<Active>& active) override;
+
+ private:
+  Options options_;
+};
+
+// Fused optimizer/EMA kernel launches (CUDA) plus CPU backend calls so far, process-wide: a
+// step of one group of one dtype on one device adds 1 (a group of more than 288 tensors adds
+// one per 288). For tests and profiling.
+int64_t fused_launch_count();
+
+}  // namespace flame::optim
