@@ -214,7 +214,7 @@ struct Run {
   std::optional<DType> amp;
   std::shared_ptr<DiffusionModel> model;
   std::unique_ptr<Objective> objective;
-  TensorList trainable;
+  flame::TensorList trainable;
 };
 
 // The loop shared by train and finetune. `tag` names the run in its outputs.
@@ -264,7 +264,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   }
   const int64_t micro = c.batch / c.accum;
   Loader loader(data, {.batch_size = micro, .seed = c.seed, .shuffle = true, .drop_last = true,
-                       .random_flip = c.flip, .prefetch = 3, .device = r.dev},
+                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}},
                 start);
 
   const std::string csv_path = (fs::path(c.out) / "loss.csv").string();
