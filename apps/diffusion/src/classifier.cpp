@@ -173,11 +173,6 @@ BasicBlock::BasicBlock(int64_t in_channels, int64_t out_channels, int64_t stride
                                          flame::Shape{1}, 1, false),
             std::make_shared<nn::BatchNorm2d>(out_channels)}));
   }
-  // Zero-initialised last BN scale (Goyal et al. 2017): each block starts as the identity, which
-  // lets the large one-cycle learning rate be used from the first epochs.
-  flame::NoGradGuard no_grad;
-  Tensor g = bn2_->weight();
-  g.zero_();
 }
 
 Tensor BasicBlock::forward(const Tensor& x) {
@@ -308,7 +303,7 @@ ClassifierTrainResult train_classifier_on(std::shared_ptr<Classifier> model, std
       sched.step();
       flame::NoGradGuard no_grad;
       loss_sum.add_(loss.detach().to(DType::f32));
-      correct.add_(logits.detach().argmax(1).eq(b.labels).to(DType::i64).sum());
+      correct.add_(logits.detach().to(DType::f32).argmax(1).eq(b.labels).to(DType::i64).sum());
       seen += b.labels.size(0);
     }
     ClassifierEpoch e;

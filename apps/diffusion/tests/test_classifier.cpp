@@ -120,7 +120,7 @@ TEST(ClassifierFiles, SaveLoadRoundTrip) {
   flame::Generator gen(21);
   auto m = std::make_shared<Classifier>(tiny_arch());
   m->to(dev);
-  fd_test::perturb(*m, 0.05, 7);  // the zero-initialised BN scales take part
+  fd_test::perturb(*m, 0.05, 7);  // BN scales and shifts away from 1 and 0
   // Training-mode forwards move the running statistics away from their initial values.
   m->train();
   {
@@ -130,6 +130,7 @@ TEST(ClassifierFiles, SaveLoadRoundTrip) {
   m->eval();
   const Tensor x = fd_test::rand_images(6, 1, 28, dev, &gen);
   const Tensor before = m->forward(x);
+  const double tol = dev.is_cuda() ? 1e-5 * fd_test::max_abs(before) : 0.0;  // see below
   const std::string path = temp_path("roundtrip.safetensors");
   save_classifier(*m, path, {{"note", "test"}});
   const auto md = flame::io::load_safetensors_metadata(path);
@@ -141,7 +142,9 @@ TEST(ClassifierFiles, SaveLoadRoundTrip) {
   EXPECT_FALSE(loaded->is_training());
   EXPECT_EQ(loaded->arch().widths, tiny_arch().widths);
   const Tensor after = loaded->forward(x);
-  EXPECT_EQ(fd_test::max_abs_diff(before, after), 0.0);
+  // Identical weights and statistics give identical logits; on CUDA a tiny tolerance in case cuDNN
+  // picks another algorithm for the new tensors' alignment (FLAME's conv plans are keyed by it).
+  EXPECT_LE(fd_test::max_abs_diff(before, after), tol);
   EXPECT_GT(fd_test::max_abs(before), 0.0);
   // A freshly initialised model of the same architecture gives other logits (the load is real).
   Classifier fresh(tiny_arch());
@@ -196,8 +199,7 @@ TEST(ClassifierTrain, SgdStepsLowerTheLossOnAFixedBatch) {
   EXPECT_NEAR(losses.front(), std::log(10.0), 0.5);  // close to uniform at initialisation
   std::string trace;
   for (double l : losses) trace += std::to_string(l) + " ";
-  // Random labels are memorised slowly (the residual branches start at zero): each step lowers the
-  // loss, by 0.16 in all on the CPU.
+  // Random labels are memorised slowly: each step lowers the loss.
   for (std::size_t i = 1; i < losses.size(); ++i) EXPECT_LT(losses[i], losses[i - 1]) << trace;
   EXPECT_LT(final_loss.item<double>(), losses.front() - 0.1) << trace;
 }
@@ -205,7 +207,7 @@ TEST(ClassifierTrain, SgdStepsLowerTheLossOnAFixedBatch) {
 TEST(ClassifierTrain, LearnsASyntheticTaskAndEvaluates) {
   FD_SKIP_IF_NO_DEVICE();
   const Device dev = fd_test::test_device();
-  auto train = std::make_shared<const Dataset>(brightness_dataset(512, 1));
+  auto train = std::make_shared<const Dataset>(brightness_dataset(768, 1));
   auto test = std::make_shared<const Dataset>(brightness_dataset(200, 2));
   flame::manual_seed(13);
   auto model = std::make_shared<Classifier>(tiny_arch());
