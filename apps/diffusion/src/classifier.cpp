@@ -310,6 +310,7 @@ ClassifierTrainResult train_classifier_on(std::shared_ptr<Classifier> model, std
     e.epoch = epoch;
     e.loss = loss_sum.item<double>() / static_cast<double>(steps_per_epoch);
     e.train_accuracy = static_cast<double>(correct.item<int64_t>()) / static_cast<double>(seen);
+    const double train_seconds = seconds_since(t0);  // the reads above waited for the last step
     if (test) e.test_accuracy = evaluate(*model, test);
     e.seconds = seconds_since(t0);
     res.epochs.push_back(e);
@@ -317,7 +318,7 @@ ClassifierTrainResult train_classifier_on(std::shared_ptr<Classifier> model, std
       std::fprintf(stderr, "epoch %3lld/%lld  loss %.4f  train %.2f%%", static_cast<long long>(epoch),
                    static_cast<long long>(o.epochs), e.loss, 100.0 * e.train_accuracy);
       if (test) std::fprintf(stderr, "  test %.2f%%", 100.0 * e.test_accuracy);
-      std::fprintf(stderr, "  %.1f s\n", e.seconds);
+      std::fprintf(stderr, "  %.1f s (%.0f img/s)\n", e.seconds, static_cast<double>(seen) / std::max(train_seconds, 1e-9));
     }
   }
   model->eval();
