@@ -137,6 +137,13 @@ class Backend {
   virtual void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                                       const Tensor& target, const Tensor& lse, int64_t ignore_index,
                                       double label_smoothing) = 0;
+  // ---- amp ----
+  // GradScaler's fused unscale (src/amp/grad_scaler.cpp): each tensor of `grads` (floating, on
+  // this device, non-overlapping and dense with non-negative strides, so its elements fill
+  // [data_ptr, data_ptr + numel)) is multiplied in place by inv_scale (in float; double for f64),
+  // and found_inf (0-d f32) is set to 1 when any element read is Inf or NaN, else left as it is.
+  // One pass over all the tensors; no host synchronisation.
+  virtual void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) = 0;
   // ---- optim ----
   // One fused update of every tensor in `tensors` (src/backend/optim_params.h; Note [Optimizer
   // element math]): one kernel launch per call on CUDA, whatever the number of tensors.
@@ -145,13 +152,6 @@ class Backend {
   // params pair up by index with equal numel and dense layout; all shadows share one dtype, all
   // params one dtype.
   virtual void ema_update(const TensorList& shadow, const TensorList& params, double weight) = 0;
-  // ---- amp ----
-  // GradScaler's fused unscale (src/amp/grad_scaler.cpp): each tensor of `grads` (floating, on
-  // this device, non-overlapping and dense with non-negative strides, so its elements fill
-  // [data_ptr, data_ptr + numel)) is multiplied in place by inv_scale (in float; double for f64),
-  // and found_inf (0-d f32) is set to 1 when any element read is Inf or NaN, else left as it is.
-  // One pass over all the tensors; no host synchronisation.
-  virtual void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) = 0;
 };
 
 Backend& backend_for(Device device);

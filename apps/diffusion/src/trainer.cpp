@@ -1,0 +1,479 @@
+#include "trainer.h"
+
+#include <flame/amp.h>
+#include <flame/checkpoint.h>
+#include <flame/flame.h>
+#include <flame/nn.h>
+#include <flame/optim/ema.h>
+#include <flame/optim/optimizers.h>
+#include <flame/optim/scheduler.h>
+#include <flame/io/safetensors.h>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+#include "data.h"
+#include "embed.h"
+#include "objective.h"
+#include "plot.h"
+#include "png_image.h"
+
+namespace flame_diffusion {
+
+using flame::Device;
+using flame::DType;
+using flame::Tensor;
+namespace fs = std::filesystem;
+namespace optim = flame::optim;
+
+// ---- small parsers ----
+
+Device parse_device(const std::string& name) {
+  if (name == "auto") return flame::cuda_is_available() ? Device::cuda(0) : Device::cpu();
+  if (name == "cpu") return Device::cpu();
+  if (name == "cuda" || name.rfind("cuda:", 0) == 0) {
+    if (!flame::cuda_is_available())
+      throw std::runtime_error("--device " + name + ": no CUDA device is available (use --device cpu or auto)");
+    int index = 0;
+    if (name.size() > 5) {
+      try {
+        std::size_t used = 0;
+        index = std::stoi(name.substr(5), &used);
+        if (used != name.size() - 5 || index < 0) throw std::invalid_argument("index");
+      } catch (const std::exception&) {
+        throw std::runtime_error("--device " + name + ": expected cuda:N with N a GPU index");
+      }
+    }
+    return Device::cuda(index);
+  }
+  throw std::runtime_error("--device " + name + ": expected auto, cpu, cuda or cuda:N");
+}
+
+std::vector<int> parse_classes(const std::string& text, int num_classes) {
+  std::vector<int> out;
+  std::stringstream ss(text);
+  std::string part;
+  auto bad = [&](const std::string& why) {
+    return std::runtime_error("classes '" + text + "': " + why + " (expected e.g. 0-9, 3 or 1,4,7; ids 0.." +
+                              std::to_string(num_classes - 1) + ")");
+  };
+  auto number = [&](const std::string& s) {
+    if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos) throw bad("'" + s + "' is not a class id");
+    const long v = std::stol(s);
+    if (v < 0 || v >= num_classes) throw bad(s + " is out of range");
+    return static_cast<int>(v);
+  };
+  while (std::getline(ss, part, ',')) {
+    const auto dash = part.find('-');
+    if (dash == std::string::npos) {
+      out.push_back(number(part));
+    } else {
+      const int a = number(part.substr(0, dash)), b = number(part.substr(dash + 1));
+      if (a > b) throw bad("range " + part + " is empty");
+      for (int c = a; c <= b; ++c) out.push_back(c);
+    }
+  }
+  if (out.empty()) throw bad("no class given");
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The autocast dtype of a run: auto means bf16 on CUDA and none on the CPU (bf16 matmuls on the
+// CPU reference backend are slower than f32).
+std::optional<DType> autocast_dtype(const std::string& amp, const Device& dev) {
+  if (amp == "off") return std::nullopt;
+  if (amp == "bf16") return DType::bf16;
+  if (amp == "f16") return DType::f16;
+  if (amp == "auto") return dev.is_cuda() ? std::optional<DType>(DType::bf16) : std::nullopt;
+  throw std::runtime_error("--amp " + amp + ": expected auto, bf16, f16 or off");
+}
+
+// An autocast scope that may be empty.
+class MaybeAutocast {
+ public:
+  MaybeAutocast(std::optional<DType> dtype, const Device& dev) {
+    if (dtype) guard_.emplace(*dtype, dev.is_cuda() ? flame::DeviceType::cuda : flame::DeviceType::cpu);
+  }
+
+ private:
+  std::optional<flame::amp::AutocastGuard> guard_;
+};
+
+std::string human_bytes(double b) {
+  char buf[32];
+  if (b >= 1 << 30) std::snprintf(buf, sizeof buf, "%.2f GiB", b / (1 << 30));
+  else std::snprintf(buf, sizeof buf, "%.0f MiB", b / (1 << 20));
+  return buf;
+}
+
+std::string human_time(double s) {
+  char buf[32];
+  const long t = static_cast<long>(s + 0.5);
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, t / 60 % 60);
+  else std::snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
+  return buf;
+}
+
+int64_t gpu_bytes(const Device& dev, bool peak) {
+  if (!dev.is_cuda()) return 0;
+  const auto st = flame::cuda::memory_stats(dev.index);
+  return static_cast<int64_t>(peak ? st.peak_allocated_bytes : st.allocated_bytes);
+}
+
+// One status line: a bar, step, loss, it/s, img/s, ETA and GPU memory. On a terminal it redraws
+// in place; otherwise (logs, CI) it prints a line every log_every steps.
+class ProgressBar {
+ public:
+  ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+  void update(int64_t step, double loss, double it_s, double img_s, double eta_s, int64_t gpu, bool log_line) {
+    if (!enabled_ || (!tty_ && !log_line)) return;
+    if (tty_ && !log_line && seconds_since(last_) < 0.25 && step != total_) return;
+    last_ = Clock::now();
+    constexpr int kWidth = 24;
+    const int filled = static_cast<int>(kWidth * static_cast<double>(step) / std::max<int64_t>(total_, 1));
+    std::string bar(static_cast<std::size_t>(filled), '#');
+    bar.resize(kWidth, '.');
+    char line[256];
+    std::snprintf(line, sizeof line, "[%s] %lld/%lld loss %.4f | %.2f it/s %.0f img/s | ETA %s%s%s", bar.c_str(),
+                  static_cast<long long>(step), static_cast<long long>(total_), loss, it_s, img_s,
+                  human_time(eta_s).c_str(), gpu > 0 ? " | GPU " : "", gpu > 0 ? human_bytes(double(gpu)).c_str() : "");
+    if (tty_) std::fprintf(stderr, "\r%-110s%s", line, log_line ? "\n" : "");
+    else std::fprintf(stderr, "%s\n", line);
+    std::fflush(stderr);
+  }
+
+ private:
+  int64_t total_;
+  bool enabled_, tty_;
+  Clock::time_point last_ = Clock::now();
+};
+
+std::shared_ptr<const Dataset> load_training_data(const TrainConfig& c) {
+  Dataset d = Dataset::load(find_data_dir(c.data_dir), Split::train);
+  if (!c.classes.empty()) d = d.select_classes(c.classes);
+  if (!c.exclude_classes.empty()) d = d.exclude_classes(c.exclude_classes);
+  if (d.n < c.batch / c.accum)
+    throw std::runtime_error("training data: " + std::to_string(d.n) + " images after the class filter, fewer than a batch of " +
+                             std::to_string(c.batch / c.accum));
+  return std::make_shared<const Dataset>(std::move(d));
+}
+
+// Labels for a grid: rows are classes, `per_class` columns each.
+Tensor grid_labels(const std::vector<int>& classes, int64_t per_class, const Device& dev) {
+  std::vector<int64_t> y;
+  for (int c : classes)
+    for (int64_t i = 0; i < per_class; ++i) y.push_back(c);
+  return Tensor::from_vec(y, {static_cast<int64_t>(y.size())}).to(dev);
+}
+
+void write_samples(DiffusionModel& model, const Objective& objective, const std::vector<int>& classes,
+                   int64_t per_class, const SampleOptions& sampling, std::optional<DType> amp, const Device& dev,
+                   const std::string& path, int scale) {
+  const bool was_training = model.is_training();
+  model.eval();
+  Tensor images;
+  {
+    MaybeAutocast ac(amp, dev);
+    images = sample(model, objective, grid_labels(classes, per_class, dev), sampling);
+  }
+  model.train(was_training);
+  save_grid_png(path, images.to(DType::f32), {.cols = static_cast<int>(per_class), .padding = 2, .scale = scale});
+}
+
+std::vector<int> all_classes(int64_t n) {
+  std::vector<int> v;
+  for (int c = 0; c < n; ++c) v.push_back(c);
+  return v;
+}
+
+// The default LoRA targets of a model family: the DiT's attention and MLP projections, the
+// UNet's attention projections.
+std::vector<std::string> default_lora_targets(const std::string& preset) {
+  if (preset.rfind("dit", 0) == 0) return {"qkv", "proj", "fc1", "fc2"};
+  return {"qkv", "proj"};
+}
+
+struct Run {
+  TrainConfig cfg;
+  Device dev = Device::cpu();
+  std::optional<DType> amp;
+  std::shared_ptr<DiffusionModel> model;
+  std::unique_ptr<Objective> objective;
+  flame::TensorList trainable;
+};
+
+// The loop shared by train and finetune. `tag` names the run in its outputs.
+TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(const std::string& dir)>& on_final) {
+  const TrainConfig& c = r.cfg;
+  if (c.batch <= 0 || c.accum <= 0 || c.batch % c.accum != 0)
+    throw std::runtime_error("--batch " + std::to_string(c.batch) + " must be a positive multiple of --accum " +
+                             std::to_string(c.accum));
+  if (c.steps <= 0) throw std::runtime_error("--steps must be positive");
+  fs::create_directories(c.out);
+  const std::string ckpt_dir = (fs::path(c.out) / "checkpoints").string();
+  auto data = load_training_data(c);
+
+  optim::AdamW opt(r.trainable, {.lr = c.lr, .weight_decay = c.weight_decay});
+  optim::SchedulerPtr sched;
+  if (c.schedule == "cosine") {
+    sched = optim::warmup_cosine(opt, c.warmup, c.steps, c.lr * 0.1);
+  } else if (c.schedule == "constant") {
+    const int64_t warm = c.warmup;
+    sched = std::make_shared<optim::LambdaLR>(
+        opt, [warm](int64_t s) { return warm > 0 && s < warm ? double(s + 1) / double(warm) : 1.0; });
+  } else {
+    throw std::runtime_error("--schedule " + c.schedule + ": expected constant or cosine");
+  }
+  optim::EMA ema(r.trainable, {.decay = c.ema_decay, .warmup = c.ema_warmup});
+  flame::Generator gen(c.seed * 7919 + 17);  // noise, times and label dropout
+
+  flame::Checkpoint ckpt;
+  ckpt.add("model", *r.model);
+  ckpt.add("optimizer", opt);
+  ckpt.add("scheduler", *sched);
+  ckpt.add("ema", ema);
+  ckpt.add_generator("train", gen);
+  ckpt.set_metadata("model", r.model->preset());
+  ckpt.set_metadata("objective", r.objective->name());
+  ckpt.set_metadata("run", tag);
+  LoaderPosition start;
+  if (c.resume) {
+    if (auto last = flame::latest_checkpoint(ckpt_dir)) {
+      const auto info = ckpt.load(*last);
+      start.epoch = ckpt.progress().counters["epoch"];
+      start.batch = ckpt.progress().counters["batch"];
+      std::fprintf(stderr, "resumed from %s (step %lld)\n", last->c_str(), static_cast<long long>(info.step));
+    } else {
+      std::fprintf(stderr, "--resume: no checkpoint in %s, starting from step 0\n", ckpt_dir.c_str());
+    }
+  }
+  const int64_t micro = c.batch / c.accum;
+  Loader loader(data, {.batch_size = micro, .seed = c.seed, .shuffle = true, .drop_last = true,
+                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}},
+                start);
+
+  const std::string csv_path = (fs::path(c.out) / "loss.csv").string();
+  CsvLogger csv(csv_path, /*append=*/c.resume && ckpt.progress().step > 0);
+  const std::string samples_path = (fs::path(c.out) / "samples.png").string();
+  const std::string plot_path = (fs::path(c.out) / "loss.png").string();
+  const auto classes = c.classes.empty() ? all_classes(r.model->num_classes()) : c.classes;
+
+  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s\n",
+               tag.c_str(), r.model->preset().c_str(), static_cast<long long>(r.model->num_parameters()),
+               static_cast<long long>(r.model->num_parameters(true)), r.objective->name().c_str(),
+               static_cast<long long>(c.steps), static_cast<long long>(c.batch),
+               c.accum > 1 ? (" (" + std::to_string(c.accum) + " micro-batches)").c_str() : "",
+               r.dev.is_cuda() ? ("cuda:" + std::to_string(r.dev.index)).c_str() : "cpu",
+               r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "");
+  if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
+
+  ProgressBar bar(c.steps, c.progress_bar);
+  TrainResult res;
+  res.csv = csv_path;
+  const auto t0 = Clock::now();
+  const int64_t first = ckpt.progress().step;
+  double window_loss = 0;
+  int64_t window_n = 0;
+  std::vector<double> plot_steps, plot_losses;
+  if (c.resume && first > 0) {
+    const LossLog old = read_loss_csv(csv_path);
+    plot_steps = old.steps;
+    plot_losses = old.losses;
+  }
+  r.model->train();
+  int64_t& step = ckpt.progress().step;
+  while (step < c.steps) {
+    flame::Gradients grads;
+    double loss_sum = 0;
+    for (int64_t m = 0; m < c.accum; ++m) {
+      Batch b = loader.next();
+      const Tensor y = drop_labels(b.labels, c.label_dropout, r.model->null_class(), &gen);
+      Tensor loss;
+      {
+        MaybeAutocast ac(r.amp, r.dev);
+        loss = r.objective->loss(*r.model, b.images, y, &gen);
+      }
+      if (c.accum > 1) loss = loss * (1.0 / static_cast<double>(c.accum));
+      flame::BackwardOptions bo;
+      bo.accumulate_into = &grads;
+      (void)loss.backward(bo);
+      loss_sum += loss.item<float>();
+    }
+    const double gnorm = c.grad_clip > 0 ? flame::clip_grad_norm_(grads, c.grad_clip) : flame::global_grad_norm(grads);
+    const double lr = opt.lr();
+    opt.step(grads);
+    sched->step();
+    ema.update(step);
+    ++step;
+    const LoaderPosition pos = loader.position();
+    ckpt.progress().counters["epoch"] = pos.epoch;
+    ckpt.progress().counters["batch"] = pos.batch;
+
+    const double elapsed = seconds_since(t0);
+    csv.log(step, loss_sum, lr, gnorm, elapsed);
+    plot_steps.push_back(static_cast<double>(step));
+    plot_losses.push_back(loss_sum);
+    window_loss += loss_sum;
+    ++window_n;
+    const int64_t done = step - first;
+    const double it_s = done / std::max(elapsed, 1e-9);
+    const bool log_line = c.log_every > 0 && step % c.log_every == 0;
+    bar.update(step, loss_sum, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
+               gpu_bytes(r.dev, false), log_line);
+    if (log_line) {
+      res.final_loss = window_loss / static_cast<double>(window_n);
+      window_loss = 0;
+      window_n = 0;
+    }
+    if (!std::isfinite(loss_sum))
+      throw std::runtime_error("training diverged at step " + std::to_string(step) + ": loss " + std::to_string(loss_sum));
+    const bool out_of_time = c.time_limit > 0 && elapsed >= c.time_limit;
+    const bool last = step == c.steps || out_of_time;
+    if (!last && c.sample_every > 0 && step % c.sample_every == 0) {
+      auto swapped = ema.swap_in();
+      write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
+      write_loss_plot(plot_path, plot_steps, plot_losses);
+    }
+    if (!last && c.ckpt_every > 0 && step % c.ckpt_every == 0) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    if (out_of_time) {
+      std::fprintf(stderr, "\n--time-limit %.0f s reached at step %lld\n", c.time_limit, static_cast<long long>(step));
+      break;
+    }
+  }
+  if (window_n > 0) res.final_loss = window_loss / static_cast<double>(window_n);
+  res.seconds = seconds_since(t0);
+  res.steps_done = step - first;
+  res.images_per_second = static_cast<double>(res.steps_done * c.batch) / std::max(res.seconds, 1e-9);
+  res.peak_gpu_bytes = gpu_bytes(r.dev, true);
+  res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+  {
+    auto swapped = ema.swap_in();
+    write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
+    if (on_final) on_final(c.out);
+  }
+  write_loss_plot(plot_path, plot_steps, plot_losses);
+  res.samples_png = samples_path;
+  res.loss_png = plot_path;
+  std::fprintf(stderr,
+               "\n%s done: %lld steps in %s (%.1f img/s), final loss %.4f%s\n"
+               "  samples:    %s\n  loss curve: %s\n  log:        %s\n  checkpoint: %s\n",
+               tag.c_str(), static_cast<long long>(res.steps_done), human_time(res.seconds).c_str(),
+               res.images_per_second, res.final_loss,
+               res.peak_gpu_bytes > 0 ? (", peak GPU memory " + human_bytes(double(res.peak_gpu_bytes))).c_str() : "",
+               fs::absolute(samples_path).c_str(), fs::absolute(plot_path).c_str(), fs::absolute(csv_path).c_str(),
+               fs::absolute(res.last_checkpoint).c_str());
+  return res;
+}
+
+// The model a checkpoint was trained as, with its weights (the EMA weights when `use_ema`).
+std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device& dev, bool use_ema,
+                                           std::string* objective_name) {
+  const flame::CheckpointInfo info = flame::read_checkpoint_info(path);
+  auto it = info.metadata.find("model");
+  if (it == info.metadata.end())
+    throw std::runtime_error(path + ": not a flame-diffusion checkpoint (no \"model\" in its metadata)");
+  auto model = make_model(it->second, 0);
+  model->to(dev);
+  if (objective_name) {
+    auto o = info.metadata.find("objective");
+    *objective_name = o == info.metadata.end() ? "flow" : o->second;
+  }
+  optim::EMA ema(model->parameters(), {.decay = 0.999});
+  flame::Checkpoint ckpt;
+  ckpt.exclude_default_generator();
+  ckpt.add("model", *model);
+  const bool has_ema = std::find(info.components.begin(), info.components.end(), "ema") != info.components.end();
+  if (use_ema && has_ema) ckpt.add("ema", ema);
+  ckpt.load(path, {.strict = false});
+  if (use_ema && has_ema) ema.copy_to();
+  return model;
+}
+
+}  // namespace
+
+TrainResult train(const TrainConfig& config) {
+  Run r;
+  r.cfg = config;
+  r.dev = parse_device(config.device);
+  r.amp = autocast_dtype(config.amp, r.dev);
+  flame::manual_seed(config.seed);
+  r.model = make_model(config.model, config.seed);
+  r.model->to(r.dev);
+  r.objective = make_objective(config.objective);
+  r.trainable = r.model->parameters();
+  return run_loop(r, "train", nullptr);
+}
+
+TrainResult finetune(const TrainConfig& config) {
+  if (config.base_checkpoint.empty()) throw std::runtime_error("finetune: --base CKPT is required");
+  Run r;
+  r.cfg = config;
+  r.dev = parse_device(config.device);
+  r.amp = autocast_dtype(config.amp, r.dev);
+  flame::manual_seed(config.seed);
+  std::string objective;
+  r.model = load_model(config.base_checkpoint, r.dev, /*use_ema=*/true, &objective);
+  r.cfg.model = r.model->preset();
+  r.objective = make_objective(objective);
+  const auto targets = config.lora_targets.empty() ? default_lora_targets(r.model->preset()) : config.lora_targets;
+  const auto adapted = flame::nn::apply_lora(*r.model, {.rank = config.lora_rank, .alpha = config.lora_alpha}, targets);
+  for (auto& p : r.model->parameters())
+    if (p.requires_grad()) r.trainable.push_back(p);
+  std::fprintf(stderr, "finetune: %zu layers adapted (rank %lld), base %s\n", adapted.size(),
+               static_cast<long long>(config.lora_rank), config.base_checkpoint.c_str());
+  return run_loop(r, "finetune", [&](const std::string& dir) {
+    const std::string path = (fs::path(dir) / "lora.safetensors").string();
+    std::string joined;
+    for (const auto& t : targets) joined += (joined.empty() ? "" : ",") + t;
+    flame::nn::save_lora(*r.model, path,
+                         {{"base_model", r.model->preset()}, {"lora_rank", std::to_string(config.lora_rank)},
+                          {"lora_alpha", std::to_string(config.lora_alpha)}, {"lora_targets", joined}});
+    std::fprintf(stderr, "  adapter:    %s\n", fs::absolute(path).c_str());
+  });
+}
+
+void sample_checkpoint(const SampleConfig& config) {
+  const Device dev = parse_device(config.device);
+  std::string objective_name;
+  auto model = load_model(config.checkpoint, dev, config.use_ema, &objective_name);
+  if (!config.lora.empty()) {
+    // The adapter's rank, alpha and targets are in its metadata (finetune writes them).
+    const flame::io::Metadata meta = flame::io::load_safetensors_metadata(config.lora);
+    auto get = [&](const char* key) {
+      auto it = meta.find(key);
+      if (it == meta.end()) throw std::runtime_error(config.lora + ": no \"" + key + "\" in its metadata (not a flame-diffusion adapter)");
+      return it->second;
+    };
+    if (get("base_model") != model->preset())
+      throw std::runtime_error(config.lora + ": an adapter for " + get("base_model") + ", the checkpoint is " + model->preset());
+    std::vector<std::string> targets;
+    std::stringstream ts(get("lora_targets"));
+    for (std::string t; std::getline(ts, t, ',');) targets.push_back(t);
+    flame::nn::apply_lora(*model, {.rank = std::stoll(get("lora_rank")), .alpha = std::stod(get("lora_alpha"))}, targets);
+    flame::nn::load_lora(*model, config.lora);
+  }
+  const auto objective = make_objective(objective_name);
+  const auto classes = config.classes.empty() ? all_classes(model->num_classes()) : config.classes;
+  write_samples(*model, *objective, classes, config.per_class, config.sampling,
+                dev.is_cuda() ? std::optional<DType>(DType::bf16) : std::nullopt, dev, config.out, config.scale);
+  std::fprintf(stderr, "wrote %s (%zu classes x %lld, %s %lld steps, cfg %.1f)\n", fs::absolute(config.out).c_str(),
+               classes.size(), static_cast<long long>(config.per_class), sampler_name(config.sampling.sampler).c_str(),
+               static_cast<long long>(config.sampling.steps), config.sampling.cfg_scale);
+}
+
+}  // namespace flame_diffusion
