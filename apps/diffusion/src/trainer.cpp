@@ -139,9 +139,10 @@ int64_t gpu_bytes(const Device& dev, bool peak) {
 // in place; otherwise (logs, CI) it prints a line every log_every steps.
 class ProgressBar {
  public:
-  ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+  // live: redraw in place on a terminal; log lines are printed either way.
+  ProgressBar(int64_t total, bool live) : total_(total), tty_(live && isatty(fileno(stderr)) != 0) {}
   void update(int64_t step, double loss, double it_s, double img_s, double eta_s, int64_t gpu, bool log_line) {
-    if (!enabled_ || (!tty_ && !log_line)) return;
+    if (!tty_ && !log_line) return;
     if (tty_ && !log_line && seconds_since(last_) < 0.25 && step != total_) return;
     last_ = Clock::now();
     constexpr int kWidth = 24;
@@ -159,7 +160,7 @@ class ProgressBar {
 
  private:
   int64_t total_;
-  bool enabled_, tty_;
+  bool tty_;
   Clock::time_point last_ = Clock::now();
 };
 
@@ -204,8 +205,8 @@ std::vector<int> all_classes(int64_t n) {
 // The default LoRA targets of a model family: the DiT's attention and MLP projections, the
 // UNet's attention projections.
 std::vector<std::string> default_lora_targets(const std::string& preset) {
-  if (preset.rfind("dit", 0) == 0) return {"qkv", "proj", "fc1", "fc2"};
-  return {"qkv", "proj"};
+  if (preset.rfind("dit", 0) == 0) return {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
+  return {"mid_attn.qkv", "mid_attn.proj"};
 }
 
 struct Run {
