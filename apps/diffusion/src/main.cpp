@@ -63,6 +63,9 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
   cmd->add_option("--time-limit", c.time_limit, "stop after this many seconds (0: no limit)")->capture_default_str();
   cmd->add_option("--samples-per-class", c.samples_per_class, "columns of the sample grid")->capture_default_str();
   cmd->add_flag("!--no-progress", c.progress_bar, "no progress bar (log lines only)");
+  cmd->add_option("--classifier", c.classifier, "at the end, classify samples with this classifier (train_classifier)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option("--eval-per-class", c.eval_per_class, "samples per class for --classifier")->capture_default_str();
   add_sampling_flags(cmd, c.sampling, sampler);
 }
 
@@ -98,6 +101,8 @@ int main(int argc, char** argv) {
   sample_cmd->add_option("--device", sc.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   sample_cmd->add_option("--scale", sc.scale, "pixel upscaling of the grid")->capture_default_str()->check(CLI::Range(1, 8));
   sample_cmd->add_option("--out", sc.out, "PNG path")->capture_default_str();
+  sample_cmd->add_option("--classifier", sc.classifier, "report the fraction of samples classified as their class")
+      ->check(CLI::ExistingFile);
   add_sampling_flags(sample_cmd, sc.sampling, s_sampler);
 
   CLI11_PARSE(app, argc, argv);

@@ -21,6 +21,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "classifier.h"
 #include "data.h"
 #include "embed.h"
 #include "objective.h"
@@ -139,9 +140,10 @@ int64_t gpu_bytes(const Device& dev, bool peak) {
 // in place; otherwise (logs, CI) it prints a line every log_every steps.
 class ProgressBar {
  public:
-  ProgressBar(int64_t total, bool enabled) : total_(total), enabled_(enabled), tty_(isatty(fileno(stderr)) != 0) {}
+  // live: redraw in place on a terminal; log lines are printed either way.
+  ProgressBar(int64_t total, bool live) : total_(total), tty_(live && isatty(fileno(stderr)) != 0) {}
   void update(int64_t step, double loss, double it_s, double img_s, double eta_s, int64_t gpu, bool log_line) {
-    if (!enabled_ || (!tty_ && !log_line)) return;
+    if (!tty_ && !log_line) return;
     if (tty_ && !log_line && seconds_since(last_) < 0.25 && step != total_) return;
     last_ = Clock::now();
     constexpr int kWidth = 24;
@@ -159,7 +161,7 @@ class ProgressBar {
 
  private:
   int64_t total_;
-  bool enabled_, tty_;
+  bool tty_;
   Clock::time_point last_ = Clock::now();
 };
 
@@ -195,6 +197,44 @@ void write_samples(DiffusionModel& model, const Objective& objective, const std:
   save_grid_png(path, images.to(DType::f32), {.cols = static_cast<int>(per_class), .padding = 2, .scale = scale});
 }
 
+// Samples `per_class` images of every class in `classes` (in chunks of at most 1000) and returns
+// the fraction the classifier assigns to the class they were conditioned on; prints per-class
+// fractions.
+double class_fraction(DiffusionModel& model, const Objective& objective, const std::vector<int>& classes,
+                      int64_t per_class, SampleOptions sampling, std::optional<DType> amp, const Device& dev,
+                      const std::string& classifier_path) {
+  auto clf = load_classifier(classifier_path, dev);
+  const bool was_training = model.is_training();
+  model.eval();
+  int64_t hits = 0, total = 0;
+  std::string per;
+  for (int c : classes) {
+    int64_t class_hits = 0;
+    for (int64_t done = 0; done < per_class;) {
+      const int64_t n = std::min<int64_t>(1000, per_class - done);
+      Tensor images;
+      {
+        MaybeAutocast ac(amp, dev);
+        images = sample(model, objective, grid_labels({c}, n, dev), sampling);
+      }
+      sampling.seed += 1;
+      const Tensor labels = grid_labels({c}, n, dev);
+      class_hits += static_cast<int64_t>(std::llround(conditional_accuracy(*clf, images.to(DType::f32), labels) * double(n)));
+      done += n;
+    }
+    hits += class_hits;
+    total += per_class;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%s%d:%.0f%%", per.empty() ? "" : " ", c, 100.0 * double(class_hits) / double(per_class));
+    per += buf;
+  }
+  model.train(was_training);
+  const double f = double(hits) / double(std::max<int64_t>(total, 1));
+  std::fprintf(stderr, "classifier %s: %.1f%% of %lld samples recognised as their class (%s)\n",
+               classifier_path.c_str(), 100.0 * f, static_cast<long long>(total), per.c_str());
+  return f;
+}
+
 std::vector<int> all_classes(int64_t n) {
   std::vector<int> v;
   for (int c = 0; c < n; ++c) v.push_back(c);
@@ -204,8 +244,8 @@ std::vector<int> all_classes(int64_t n) {
 // The default LoRA targets of a model family: the DiT's attention and MLP projections, the
 // UNet's attention projections.
 std::vector<std::string> default_lora_targets(const std::string& preset) {
-  if (preset.rfind("dit", 0) == 0) return {"qkv", "proj", "fc1", "fc2"};
-  return {"qkv", "proj"};
+  if (preset.rfind("dit", 0) == 0) return {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
+  return {"mid_attn.qkv", "mid_attn.proj"};
 }
 
 struct Run {
@@ -365,6 +405,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     auto swapped = ema.swap_in();
     write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
     if (on_final) on_final(c.out);
+    if (!c.classifier.empty())
+      res.class_fraction = class_fraction(*r.model, *r.objective, classes, c.eval_per_class, c.sampling, r.amp, r.dev,
+                                          c.classifier);
   }
   write_loss_plot(plot_path, plot_steps, plot_losses);
   res.samples_png = samples_path;
@@ -471,6 +514,10 @@ void sample_checkpoint(const SampleConfig& config) {
   const auto classes = config.classes.empty() ? all_classes(model->num_classes()) : config.classes;
   write_samples(*model, *objective, classes, config.per_class, config.sampling,
                 dev.is_cuda() ? std::optional<DType>(DType::bf16) : std::nullopt, dev, config.out, config.scale);
+  if (!config.classifier.empty()) {
+    const std::optional<DType> amp = dev.is_cuda() ? std::optional<DType>(DType::bf16) : std::nullopt;
+    class_fraction(*model, *objective, classes, config.per_class, config.sampling, amp, dev, config.classifier);
+  }
   std::fprintf(stderr, "wrote %s (%zu classes x %lld, %s %lld steps, cfg %.1f)\n", fs::absolute(config.out).c_str(),
                classes.size(), static_cast<long long>(config.per_class), sampler_name(config.sampling.sampler).c_str(),
                static_cast<long long>(config.sampling.steps), config.sampling.cfg_scale);

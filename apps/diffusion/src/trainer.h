@@ -47,6 +47,10 @@ struct TrainConfig {
   // Sampling of the grids written during and after training.
   SampleOptions sampling{.sampler = SamplerKind::euler, .steps = 32, .cfg_scale = 2.0, .seed = 1234};
   int64_t samples_per_class = 10;
+  // Evaluation at the end (optional): a classifier file (train_classifier) classifies
+  // eval_per_class samples of every class; the run reports the fraction recognised as their class.
+  std::string classifier;
+  int64_t eval_per_class = 100;
   // Fine-tuning (finetune): the base checkpoint and the adapter.
   std::string base_checkpoint;
   int64_t lora_rank = 8;
@@ -62,6 +66,7 @@ struct TrainResult {
   double images_per_second = 0;
   int64_t peak_gpu_bytes = 0;
   std::string last_checkpoint, samples_png, loss_png, csv;
+  double class_fraction = -1;  // with a classifier: samples recognised as their class (else -1)
 };
 
 TrainResult train(const TrainConfig& config);
@@ -79,6 +84,7 @@ struct SampleConfig {
   std::string device = "auto";
   std::string out = "grid.png";
   int scale = 2;
+  std::string classifier;  // optional: report the fraction of the grid recognised as its class
 };
 void sample_checkpoint(const SampleConfig& config);
 
