@@ -1,5 +1,8 @@
 #pragma once
-// Umbrella header: include this to use FLAME.
+// Umbrella header: include this to use FLAME. flame/nn.h (layers), flame/checkpoint.h,
+// flame/offload.h and flame/io/safetensors.h are included separately.
+#include "flame/amp.h"
+#include "flame/anomaly.h"
 #include "flame/autograd.h"
 #include "flame/cpu.h"
 #include "flame/cuda.h"
@@ -7,8 +10,11 @@
 #include "flame/dtype.h"
 #include "flame/error.h"
 #include "flame/ops.h"
+#include "flame/optim.h"
+#include "flame/profiler.h"
 #include "flame/random.h"
 #include "flame/scalar.h"
 #include "flame/state_dict.h"
+#include "flame/stateful.h"
 #include "flame/tensor.h"
 #include "flame/version.h"

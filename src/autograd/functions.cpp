@@ -102,8 +102,6 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   std::vector<SavedTensor> captured;
   // They are never packed by saved-tensor hooks (Note [Saved tensor hooks]): identity matters.
   for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false, /*allow_hooks=*/false);
-  record(out, "CheckpointBackward", edges, [fn, saved, wants_grad, captured, n_in, g, rng_before](const Tensor& grad) {
-  for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false);
   record(out, "CheckpointBackward", edges,
          [fn, saved, wants_grad, captured, n_in, g, rng_before, autocast_before](const Tensor& grad) {
     // Recompute the forward with recording on and the generator where it was, then backprop.

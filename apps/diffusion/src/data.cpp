@@ -2,6 +2,8 @@
 // data.h).
 #include "data.h"
 
+#include <flame/offload.h>
+
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -70,9 +72,12 @@ class Rng {
   uint64_t s_[4];
 };
 
-// Where a batch's host tensors are assembled. Note [Loader prefetch]: once Tensor::pin_memory()
-// lands in core, this becomes `return t.pin_memory();` and uploads come from pinned memory.
-flame::Tensor stage_host(flame::Tensor t) { return t; }
+// Where a batch's host tensors are assembled (Note [Loader prefetch]): in pinned memory when the
+// batch goes to a GPU, so that its upload is one asynchronous copy on the upload stream (the
+// pinned block is reused only after that copy has run).
+flame::Tensor host_buffer(const flame::Shape& shape, flame::DType dtype, bool pinned) {
+  return pinned ? flame::offload::empty_pinned(shape, dtype) : flame::Tensor::empty(shape, dtype);
+}
 
 Dataset filter(const Dataset& d, const std::vector<int>& classes, bool keep) {
   for (int c : classes) {
@@ -266,8 +271,9 @@ Loader::Pending Loader::build(LoaderPosition pos) const {
     for (auto& f : p.flipped) f = static_cast<uint8_t>(rng.next() >> 63);
   }
 
-  flame::Tensor images = stage_host(flame::Tensor::empty({b, 1, d.rows, d.cols}, flame::DType::f32));
-  flame::Tensor labels = stage_host(flame::Tensor::empty({b}, flame::DType::i64));
+  const bool pinned = options_.device.is_cuda();
+  flame::Tensor images = host_buffer({b, 1, d.rows, d.cols}, flame::DType::f32, pinned);
+  flame::Tensor labels = host_buffer({b}, flame::DType::i64, pinned);
   float* dst = images.data<float>();
   int64_t* lab = labels.data<int64_t>();
   for (int64_t k = 0; k < b; ++k) {
@@ -290,8 +296,8 @@ Loader::Pending Loader::build(LoaderPosition pos) const {
   if (options_.device.is_cuda()) {
     // Note [Loader prefetch]: queued on the upload stream; the caller's stream waits in finish().
     flame::cuda::StreamGuard guard(*upload_stream_);
-    p.images = images.to(options_.device);
-    p.labels = labels.to(options_.device);
+    p.images = images.to(options_.device, /*non_blocking=*/true);
+    p.labels = labels.to(options_.device, /*non_blocking=*/true);
     p.uploaded.emplace();
     p.uploaded->record(*upload_stream_);
   } else {

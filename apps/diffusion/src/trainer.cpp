@@ -194,7 +194,10 @@ void write_samples(DiffusionModel& model, const Objective& objective, const std:
     images = sample(model, objective, grid_labels(classes, per_class, dev), sampling);
   }
   model.train(was_training);
-  save_grid_png(path, images.to(DType::f32), {.cols = static_cast<int>(per_class), .padding = 2, .scale = scale});
+  std::vector<std::string> names;
+  for (int c : classes) names.push_back(fashion_mnist_class_names().at(static_cast<std::size_t>(c)));
+  save_grid_png(path, images.to(DType::f32),
+                {.cols = static_cast<int>(per_class), .padding = 2, .scale = scale, .background = 0, .row_labels = names, .label_scale = 1});
 }
 
 // Samples `per_class` images of every class in `classes` (in chunks of at most 1000) and returns
