@@ -349,6 +349,37 @@ if [[ $RUN_EXAMPLE -eq 1 ]]; then
   fi
 fi
 
+# ---- apps/diffusion: its tests on CUDA, the model interop check, a short dit-s training run ----
+if [[ $RUN_EXAMPLE -eq 1 ]]; then
+  DT="$BUILD/apps/diffusion/diffusion_tests"
+  DX_LOG="$LOGS/diffusion.log"
+  if fresh "$DT"; then
+    t0=$(date +%s)
+    FLAME_TEST_DEVICE=cuda timeout "$(limit 200)" "$DT" --gtest_brief=1 >"$DX_LOG" 2>&1
+    rc=$?
+    note "diffusion_tests (cuda): rc $rc; $(grep -E '^\[  (PASSED|FAILED) ' "$DX_LOG" | tr '\n' ' ')($(( $(date +%s) - t0 )) s)"
+    while IFS= read -r line; do note "  ${line:0:200}"; done < <(grep -E '^\[  FAILED  \] [A-Z]' "$DX_LOG" | head -8)
+    [[ $rc -ne 0 ]] && STATUS=1
+    if [[ -x "$BUILD/apps/diffusion/diffusion_interop" ]]; then
+      timeout "$(limit 150)" python3 apps/diffusion/reference/interop.py --bin "$BUILD/apps/diffusion/diffusion_interop" \
+        --device cuda >>"$DX_LOG" 2>&1
+      rc=$?
+      note "diffusion interop (cuda, PyTorch twins): rc $rc; $(grep -E '^interop:' "$DX_LOG" | tail -1)"
+      [[ $rc -ne 0 ]] && STATUS=1
+    fi
+    if [[ -x "$BUILD/apps/diffusion/flame-diffusion" ]]; then
+      T=$(limit 150); [[ $T -gt 90 ]] && T=90
+      timeout "$T" "$BUILD/apps/diffusion/flame-diffusion" train --model dit-s --batch 256 --steps 300 --log-every 100 \
+        --sample-every 0 --ckpt-every 0 --samples-per-class 4 --no-progress --out "$BUILD/diffusion-run" >>"$DX_LOG" 2>&1
+      rc=$?
+      note "flame-diffusion train dit-s B256 300 steps: rc $rc; $(grep -E 'done:' "$DX_LOG" | tail -1 | sed -E 's/^ +//')"
+      [[ $rc -ne 0 ]] && STATUS=1
+    fi
+  else
+    note "diffusion_tests: not built"
+  fi
+fi
+
 # ---- benchmarks: FLAME, then PyTorch, joined ----
 if [[ $RUN_BENCH -eq 1 ]]; then
   BF="$LOGS/bench_flame.txt"
