@@ -10,7 +10,8 @@ void check_group(const Optimizer& opt, std::size_t group, const char* what) {
               opt.num_param_groups(), " groups)");
 }
 
-double& momentum_slot(const Optimizer& opt, ParamGroup& g, const char* what) {
+template <class Group>  // ParamGroup or const ParamGroup
+auto& momentum_slot(const Optimizer& opt, Group& g, const char* what) {
   switch (opt.momentum_kind()) {
     case Optimizer::MomentumKind::momentum: return g.momentum;
     case Optimizer::MomentumKind::beta1: return g.beta1;
@@ -36,8 +37,7 @@ void Optimizer::set_lr(double lr) {
 
 double Optimizer::momentum(std::size_t group) const {
   check_group(*this, group, "Optimizer::momentum");
-  auto& g = const_cast<ParamGroup&>(groups_[group]);
-  return momentum_slot(*this, g, "Optimizer::momentum");
+  return momentum_slot(*this, groups_[group], "Optimizer::momentum");
 }
 
 void Optimizer::set_momentum(double value, std::size_t group) {

@@ -215,13 +215,13 @@ double class_fraction(DiffusionModel& model, const Objective& objective, const s
     int64_t class_hits = 0;
     for (int64_t done = 0; done < per_class;) {
       const int64_t n = std::min<int64_t>(1000, per_class - done);
+      const Tensor labels = grid_labels({c}, n, dev);
       Tensor images;
       {
         MaybeAutocast ac(amp, dev);
-        images = sample(model, objective, grid_labels({c}, n, dev), sampling);
+        images = sample(model, objective, labels, sampling);
       }
       sampling.seed += 1;
-      const Tensor labels = grid_labels({c}, n, dev);
       class_hits += static_cast<int64_t>(std::llround(conditional_accuracy(*clf, images.to(DType::f32), labels) * double(n)));
       done += n;
     }
