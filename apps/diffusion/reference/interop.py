@@ -7,6 +7,10 @@ For each preset, both directions:
                   forward on the same inputs; outputs are compared with the twin's.
   FLAME -> torch: diffusion_interop init --perturb 0.02 writes FLAME's weights; the twin loads them
                   with load_state_dict(strict=True) and both forwards are compared again.
+With --trained, each preset is also trained for a few hundred steps on each side (reference/
+train.py; flame-diffusion train + export), and the other side loads the trained weights, gives the
+same forward, and (FLAME) samples a grid from them; a fixed-batch loss well below a fresh model's
+shows the weights are trained.
 Also: the state-dict keys, their order and shapes are identical, and FLAME's fresh init follows the
 same scheme as the twin's (same zero tensors, same pos_embed table, per-tensor std within 15%).
 
@@ -183,6 +187,80 @@ def check_preset(binary, preset, device, tmp, rtol, atol):
     return ok
 
 
+def fixed_batch_loss(model, device, seed=11, n=256):
+    """Flow loss of `model` on a fixed batch of real images (same noise and t for every model)."""
+    from train import find, read_idx  # noqa: E402  (numpy only needed here)
+    g = torch.Generator().manual_seed(seed)
+    images = torch.from_numpy(read_idx(find(None, "t10k-images-idx3-ubyte"))[:n].copy())
+    x0 = (images.float() / 127.5 - 1).unsqueeze(1)
+    y = torch.from_numpy(read_idx(find(None, "t10k-labels-idx1-ubyte"))[:n].astype("int64"))
+    eps = torch.randn(x0.shape, generator=g)
+    t = torch.sigmoid(torch.randn(n, generator=g))
+    tt = t.view(-1, 1, 1, 1)
+    model = model.to(device).eval()
+    with torch.no_grad():
+        v = model(((1 - tt) * x0 + tt * eps).to(device), t.to(device), y.to(device)).float().cpu()
+    model.to("cpu")
+    return torch.mean((v - (eps - x0)) ** 2).item()
+
+
+def check_trained(binary, app, preset, device, tmp, rtol, atol, steps):
+    """Checkpoints trained on one side load in the other and give the same outputs."""
+    print(f"{preset} trained, on {device}:")
+    ok = True
+    torch.manual_seed(4321)
+    fresh_loss = fixed_batch_loss(make_model(preset), device)
+    inputs = make_inputs(make_model(preset), 8)
+    in_path = os.path.join(tmp, f"{preset}-trained-inputs.safetensors")
+    save_file(inputs, in_path)
+
+    # PyTorch trains -> FLAME loads (diffusion_interop forward, flame-diffusion sample).
+    w_torch = os.path.join(tmp, f"{preset}-torch-trained.safetensors")
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "train.py"), "--model", preset, "--steps", str(steps),
+                        "--device", device, "--out", w_torch], capture_output=True, text=True)
+    if r.returncode != 0:
+        print(f"  FAIL torch training: {r.stdout}{r.stderr}")
+        return False
+    twin = make_model(preset)
+    twin.load_state_dict(load_file(w_torch), strict=True)
+    loss_t = fixed_batch_loss(twin, device)
+    trained = loss_t < 0.8 * fresh_loss
+    print(f"  {'ok  ' if trained else 'FAIL'} torch-trained: fixed-batch loss {loss_t:.4f} (fresh model {fresh_loss:.4f})")
+    ok &= trained
+    ref = forward_torch(twin, inputs, device)
+    out = os.path.join(tmp, f"{preset}-trained-out-a.safetensors")
+    run_bin(binary, "forward", "--model", preset, "--weights", w_torch, "--inputs", in_path, "--out", out,
+            "--device", device)
+    ok &= compare("torch-trained weights: FLAME forward vs torch", load_file(out)["out"], ref, rtol, atol)
+    grid = os.path.join(tmp, f"{preset}-torch-trained-grid.png")
+    run_bin(app, "sample", "--checkpoint", w_torch, "--n", "2", "--sample-steps", "8", "--device", device, "--out", grid)
+    has_grid = os.path.isfile(grid) and os.path.getsize(grid) > 100
+    print(f"  {'ok  ' if has_grid else 'FAIL'} flame-diffusion sample on the torch-trained weights wrote {grid}")
+    ok &= has_grid
+
+    # FLAME trains -> flame-diffusion export -> PyTorch loads strictly.
+    run_dir = os.path.join(tmp, f"{preset}-flame-run")
+    run_bin(app, "train", "--model", preset, "--steps", str(steps), "--batch", "128", "--lr", "1e-3",
+            "--sample-every", "0", "--ckpt-every", "0", "--no-progress", "--device", device, "--out", run_dir)
+    ckpts = sorted(f for f in os.listdir(os.path.join(run_dir, "checkpoints")) if f.endswith(".safetensors"))
+    w_flame = os.path.join(tmp, f"{preset}-flame-trained.safetensors")
+    run_bin(app, "export", "--checkpoint", os.path.join(run_dir, "checkpoints", ckpts[-1]), "--out", w_flame)
+    twin_b = make_model(preset)
+    twin_b.load_state_dict(load_file(w_flame), strict=True)
+    loss_f = fixed_batch_loss(twin_b, device)
+    trained = loss_f < 0.8 * fresh_loss
+    print(f"  {'ok  ' if trained else 'FAIL'} FLAME-trained (in torch): fixed-batch loss {loss_f:.4f} "
+          f"(fresh model {fresh_loss:.4f})")
+    ok &= trained
+    ref_b = forward_torch(twin_b, inputs, device)
+    out_b = os.path.join(tmp, f"{preset}-trained-out-b.safetensors")
+    run_bin(binary, "forward", "--model", preset, "--weights", w_flame, "--inputs", in_path, "--out", out_b,
+            "--device", device)
+    ok &= compare("FLAME-trained weights: torch forward vs FLAME", load_file(out_b)["out"], ref_b, rtol, atol)
+    return ok
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default="build/apps/diffusion/diffusion_interop", help="the diffusion_interop program")
@@ -192,6 +270,11 @@ def main():
                     help="relative to max|ref| (default 2e-4 on cpu, 5e-3 on cuda: FLAME's f32 convs may use TF32)")
     ap.add_argument("--atol", type=float, default=1e-5)
     ap.add_argument("--keep", default=None, help="directory to keep the files in (default: a temporary one)")
+    ap.add_argument("--trained", action="store_true",
+                    help="also train each preset on both sides (train.py, flame-diffusion train) and check "
+                         "that the trained weights load in the other and give the same outputs")
+    ap.add_argument("--app", default=None, help="the flame-diffusion program (default: beside --bin)")
+    ap.add_argument("--train-steps", type=int, default=300)
     args = ap.parse_args()
 
     if not os.path.isfile(args.bin) or not os.access(args.bin, os.X_OK):
@@ -212,6 +295,10 @@ def main():
         for preset in [m.strip() for m in args.models.split(",") if m.strip()]:
             try:
                 results[preset] = check_preset(args.bin, preset, args.device, tmp, rtol, args.atol)
+                if args.trained:
+                    app = args.app or os.path.join(os.path.dirname(args.bin), "flame-diffusion")
+                    results[preset + " trained"] = check_trained(args.bin, app, preset, args.device, tmp, rtol,
+                                                                 args.atol, args.train_steps)
             except Exception as e:  # a failed run or load is a failed check, with its message
                 print(f"  FAIL {preset}: {type(e).__name__}: {e}")
                 results[preset] = False

@@ -2,6 +2,7 @@
 //   flame-diffusion train --model dit-s --objective flow --steps 6000 --batch 256 --out runs/dit-s
 //   flame-diffusion sample --checkpoint runs/dit-s/checkpoints/ckpt-0000006000.safetensors --out grid.png
 //   flame-diffusion finetune --base CKPT --classes 7 --lora-rank 8 --steps 500 --out runs/lora
+//   flame-diffusion export --checkpoint CKPT --out weights.safetensors   (PyTorch state dict)
 // `flame-diffusion <command> --help` lists every flag.
 #include <CLI/CLI.hpp>
 #include <flame/error.h>
@@ -93,7 +94,7 @@ int main(int argc, char** argv) {
   SampleConfig sc;
   std::string s_classes, s_sampler = "euler";
   auto* sample_cmd = app.add_subcommand("sample", "write a class grid of samples from a checkpoint");
-  sample_cmd->add_option("--checkpoint", sc.checkpoint, "a train or finetune checkpoint")->required()->check(CLI::ExistingFile);
+  sample_cmd->add_option("--checkpoint", sc.checkpoint, "a train or finetune checkpoint, or an exported weights file")->required()->check(CLI::ExistingFile);
   sample_cmd->add_option("--lora", sc.lora, "an adapter file written by finetune")->check(CLI::ExistingFile);
   sample_cmd->add_option("--classes", s_classes, "classes to sample, e.g. 0-9 or 7")->capture_default_str();
   sample_cmd->add_option("--n", sc.per_class, "samples per class")->capture_default_str()->check(CLI::PositiveNumber);
@@ -104,6 +105,12 @@ int main(int argc, char** argv) {
   sample_cmd->add_option("--classifier", sc.classifier, "report the fraction of samples classified as their class")
       ->check(CLI::ExistingFile);
   add_sampling_flags(sample_cmd, sc.sampling, s_sampler);
+
+  ExportConfig ec;
+  auto* export_cmd = app.add_subcommand("export", "write a checkpoint's weights as a plain PyTorch state dict");
+  export_cmd->add_option("--checkpoint", ec.checkpoint, "a train or finetune checkpoint")->required()->check(CLI::ExistingFile);
+  export_cmd->add_option("--ema", ec.use_ema, "export the EMA weights when the checkpoint has them")->capture_default_str();
+  export_cmd->add_option("--out", ec.out, "safetensors path")->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -121,6 +128,8 @@ int main(int argc, char** argv) {
       if (!s_classes.empty()) sc.classes = parse_classes(s_classes);
       sc.sampling.sampler = parse_sampler(s_sampler);
       sample_checkpoint(sc);
+    } else if (*export_cmd) {
+      export_weights(ec);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "\nflame-diffusion: error: %s\n", e.what());

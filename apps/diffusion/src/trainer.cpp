@@ -426,9 +426,30 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   return res;
 }
 
-// The model a checkpoint was trained as, with its weights (the EMA weights when `use_ema`).
+// The model of a plain weights file: PyTorch state-dict names, the preset in the metadata's
+// "model" (what `export` and the PyTorch twin's trainer, reference/train.py, write).
+std::shared_ptr<DiffusionModel> load_weights_file(const std::string& path, const flame::io::Metadata& meta,
+                                                  const Device& dev, std::string* objective_name) {
+  auto it = meta.find("model");
+  if (it == meta.end())
+    throw std::runtime_error(path + ": neither a flame-diffusion checkpoint nor a weights file naming its preset "
+                             "(no \"flame.checkpoint\" or \"model\" in its metadata)");
+  auto model = make_model(it->second, 0);
+  model->to(dev);
+  flame::nn::load_state_dict(*model, path);  // strict: names every missing, unexpected or mismatched key
+  if (objective_name) {
+    auto o = meta.find("objective");
+    *objective_name = o == meta.end() ? "flow" : o->second;
+  }
+  return model;
+}
+
+// The model a checkpoint was trained as, with its weights (the EMA weights when `use_ema`), or the
+// model of a plain weights file.
 std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device& dev, bool use_ema,
                                            std::string* objective_name) {
+  const flame::io::Metadata meta = flame::io::load_safetensors_metadata(path);
+  if (!meta.count("flame.checkpoint")) return load_weights_file(path, meta, dev, objective_name);
   const flame::CheckpointInfo info = flame::read_checkpoint_info(path);
   auto it = info.metadata.find("model");
   if (it == info.metadata.end())
@@ -491,6 +512,16 @@ TrainResult finetune(const TrainConfig& config) {
                           {"lora_alpha", std::to_string(config.lora_alpha)}, {"lora_targets", joined}});
     std::fprintf(stderr, "  adapter:    %s\n", fs::absolute(path).c_str());
   });
+}
+
+void export_weights(const ExportConfig& config) {
+  std::string objective;
+  auto model = load_model(config.checkpoint, Device::cpu(), config.use_ema, &objective);
+  flame::nn::save_state_dict(*model, config.out,
+                             {{"format", "pt"}, {"model", model->preset()}, {"objective", objective}});
+  std::fprintf(stderr, "%s (%s weights, %lld parameters) -> %s\n", model->preset().c_str(),
+               config.use_ema ? "EMA" : "raw", static_cast<long long>(model->num_parameters()),
+               fs::absolute(config.out).c_str());
 }
 
 void sample_checkpoint(const SampleConfig& config) {

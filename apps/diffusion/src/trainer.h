@@ -75,7 +75,7 @@ TrainResult train(const TrainConfig& config);
 TrainResult finetune(const TrainConfig& config);
 
 struct SampleConfig {
-  std::string checkpoint;    // a train or finetune checkpoint
+  std::string checkpoint;    // a train or finetune checkpoint, or a plain weights file (export)
   std::string lora;          // optional adapter file (finetune's lora.safetensors)
   std::vector<int> classes;  // empty: all
   int64_t per_class = 10;
@@ -87,6 +87,16 @@ struct SampleConfig {
   std::string classifier;  // optional: report the fraction of the grid recognised as its class
 };
 void sample_checkpoint(const SampleConfig& config);
+
+// Writes a checkpoint's model weights (EMA by default) as a plain safetensors state dict with
+// PyTorch's names and {"format": "pt", "model": preset, "objective": ...} metadata: the twin in
+// reference/ loads it with load_state_dict(strict=True); sample/finetune accept such files too.
+struct ExportConfig {
+  std::string checkpoint;
+  std::string out = "weights.safetensors";
+  bool use_ema = true;
+};
+void export_weights(const ExportConfig& config);
 
 // "auto" -> cuda:0 when a GPU is present, else cpu; "cpu", "cuda", "cuda:N".
 flame::Device parse_device(const std::string& name);

@@ -30,3 +30,18 @@ execute_process(COMMAND ${BIN} sample --checkpoint ${OUT}/checkpoints/ckpt-00000
 if(NOT rc EQUAL 0 OR NOT EXISTS ${OUT}/grid.png)
   message(FATAL_ERROR "flame-diffusion sample failed (${rc})")
 endif()
+# export: the EMA weights as a plain PyTorch state dict, which sample loads as well.
+execute_process(COMMAND ${BIN} export --checkpoint ${OUT}/checkpoints/ckpt-0000000004.safetensors
+  --out ${OUT}/weights.safetensors RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0 OR NOT EXISTS ${OUT}/weights.safetensors)
+  message(FATAL_ERROR "flame-diffusion export failed (${rc})")
+endif()
+file(READ ${OUT}/weights.safetensors head OFFSET 8 LIMIT 4096)  # past the 8-byte header length
+if(head MATCHES "\"model\\.|\"ema\\.|flame\\.checkpoint" OR NOT head MATCHES "\"blocks\\.0\\.attn\\.qkv\\.weight\"")
+  message(FATAL_ERROR "exported weights do not carry plain PyTorch names")
+endif()
+execute_process(COMMAND ${BIN} sample --checkpoint ${OUT}/weights.safetensors --n 1
+  --sample-steps 2 --device cpu --out ${OUT}/grid_exported.png RESULT_VARIABLE rc)
+if(NOT rc EQUAL 0 OR NOT EXISTS ${OUT}/grid_exported.png)
+  message(FATAL_ERROR "flame-diffusion sample on exported weights failed (${rc})")
+endif()
