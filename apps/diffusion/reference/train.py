@@ -27,7 +27,7 @@ from common import drop_labels  # noqa: E402
 from diffusion import flow_loss  # noqa: E402
 from unet import make_model  # noqa: E402
 
-DATA_DIRS = ["/usr/share/dataset-fashion-mnist", ".deps/fashion_mnist"]
+DATA_DIRS = ["/usr/share/datasets/fashion-mnist", ".deps/fashion_mnist"]  # as src/data.cpp
 
 
 def read_idx(path):
@@ -46,7 +46,8 @@ def read_idx(path):
 
 
 def find(data_dir, stem):
-    dirs = [data_dir] if data_dir else DATA_DIRS
+    env = os.environ.get("FLAME_FASHION_MNIST")
+    dirs = [data_dir] if data_dir else ([env] if env else DATA_DIRS)
     for d in dirs:
         for name in (stem, stem + ".gz"):
             p = os.path.join(d, name)
