@@ -121,4 +121,68 @@ class MemoryProfileScope {
   MemoryProfiler& p_;
 };
 
+
+// ---- GPU kernel trace (docs/profiling.md) ----
+// Records every kernel, memcpy and memset the GPU runs between start() and stop() (any thread,
+// any stream, FLAME's kernels and the libraries' alike: cuBLASLt, cuDNN, NCCL), with device-side
+// start and end times, through NVIDIA's CUPTI activity API. It answers "where does the step's
+// time go" without Nsight Systems:
+//
+//   flame::profiler::KernelTrace trace;
+//   trace.start();
+//   for (int i = 0; i < 5; ++i) step();
+//   trace.stop();                         // waits for the GPU, then collects the records
+//   std::cout << trace.summary(20);      // by kernel: calls, total ms, mean us, % of GPU time
+//   trace.save_chrome_trace("trace.json");  // chrome://tracing or ui.perfetto.dev
+//
+// busy_ms() is the union of the GPU's activity intervals and span_ms() the first start to the last
+// end: span - busy is time the GPU sat idle (host overhead, syncs). One trace records at a time per
+// process. In a build without CUDA or CUPTI, start() raises flame::Error.
+struct KernelRecord {
+  enum class Kind { kernel, memcpy, memset };
+  Kind kind = Kind::kernel;
+  std::string name;        // the kernel's (demangled) name; "memcpy HtoD" / "memset" for the others
+  uint64_t start_ns = 0;   // GPU timestamps (CUPTI's clock)
+  uint64_t end_ns = 0;
+  int device = 0;
+  uint32_t stream = 0;     // CUPTI's stream id
+  uint64_t bytes = 0;      // memcpy / memset only
+  double ms() const { return double(end_ns - start_ns) * 1e-6; }
+};
+
+struct KernelSummaryRow {
+  std::string name;
+  int64_t calls = 0;
+  double total_ms = 0;
+  double percent = 0;  // of the summed durations of all records
+};
+
+class KernelTrace {
+ public:
+  KernelTrace();
+  ~KernelTrace();  // stops a recording trace
+  KernelTrace(const KernelTrace&) = delete;
+  KernelTrace& operator=(const KernelTrace&) = delete;
+
+  void start();  // clears earlier records; error when another KernelTrace records
+  void stop();   // synchronises every device used, flushes and collects; no-op when not recording
+  bool recording() const;
+
+  const std::vector<KernelRecord>& records() const;  // sorted by start time
+  // Rows by name, largest total first. `group_by_prefix` > 0 cuts names at that many characters
+  // (template-heavy names of one family then share a row).
+  std::vector<KernelSummaryRow> by_name(std::size_t group_by_prefix = 0) const;
+  double total_ms() const;  // summed durations (overlapping streams count twice)
+  double busy_ms() const;   // union of the intervals
+  double span_ms() const;   // first start to last end
+  std::string summary(std::size_t top = 20, std::size_t name_width = 90) const;
+  std::string chrome_trace_json() const;
+  void save_chrome_trace(const std::string& path) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
 }  // namespace flame::profiler
