@@ -1,0 +1,415 @@
+// flame::compile: signatures, plans of fused regions, replay with autograd, fallbacks.
+//
+// Note [Fused regions]
+// A plan has one region per distinct value the function returns: the expression DAG that
+// computes it from the graph's leaves (inputs, views of inputs, captured constants), cut at the
+// leaves. Each region is one generated kernel (one CPU interpretation off the GPU); values inside
+// it are never written to memory, and a value two outputs share is recomputed by both regions
+// rather than stored (elementwise work is bandwidth-bound: a recompute is cheaper than a store and
+// a load). A region whose inputs require grad is one autograd node ("FusedBackward") whose
+// backward is another generated kernel (Note [Fused backward] in autodiff.cpp); the node saves
+// only the region inputs that kernel reads.
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <set>
+
+#include "flame/autograd.h"
+#include "flame/compile.h"
+#include "src/amp/autocast.h"
+#include "src/autograd/record.h"
+#include "src/compile/ir.h"
+#include "src/compile/trace.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame {
+namespace compile_detail {
+
+void forget_expr_kernels(const Expr* e);
+extern std::atomic<int64_t> g_kernel_launches;
+
+struct Region {
+  Expr fwd;
+  std::vector<int> leaves;  // plan leaf of each input slot
+  int fused_ops = 0;
+  bool has_bwd = false;
+  Expr bwd;                       // inputs: fwd slots in bwd_inputs, then the output's gradient
+  std::vector<int> wanted;        // fwd slots whose gradient bwd computes (one output each)
+  std::vector<int> bwd_inputs;    // fwd slots bwd reads
+  std::string bwd_error;
+  Region() = default;
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  ~Region() {
+    forget_expr_kernels(&fwd);
+    forget_expr_kernels(&bwd);
+  }
+};
+
+struct Plan {
+  std::vector<LeafSpec> leaves;
+  std::vector<std::unique_ptr<Region>> regions;
+  struct Out {
+    int region = -1;
+    int leaf = -1;
+  };
+  std::vector<Out> outputs;
+  std::string fail;
+  int64_t fused_ops = 0;
+  int64_t saved_inputs = 0;
+};
+
+struct Counters {
+  std::atomic<int64_t> launches{0}, backward{0};
+};
+
+namespace {
+
+std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, const TensorList& args) {
+  auto r = std::make_unique<Region>();
+  std::set<int> reach;
+  std::vector<int> stack{root};
+  while (!stack.empty()) {
+    const int i = stack.back();
+    stack.pop_back();
+    if (!reach.insert(i).second) continue;
+    const ExprNode& n = g.nodes[i];
+    for (int o : {n.a, n.b, n.c}) {
+      if (o >= 0) stack.push_back(o);
+    }
+  }
+  std::vector<int> local(g.nodes.size(), -1);
+  for (int i : reach) {  // ascending: operands before users
+    ExprNode n = g.nodes[i];
+    if (n.op == ExprOp::input) {
+      r->leaves.push_back(n.slot);
+      n.slot = static_cast<int>(r->leaves.size()) - 1;
+    } else {
+      ++r->fused_ops;
+    }
+    if (n.a >= 0) n.a = local[n.a];
+    if (n.b >= 0) n.b = local[n.b];
+    if (n.c >= 0) n.c = local[n.c];
+    local[i] = r->fwd.add(std::move(n));
+  }
+  r->fwd.num_inputs = static_cast<int>(r->leaves.size());
+  r->fwd.outputs = {local[root]};
+  r->fwd.shape = g.nodes[root].shape;
+  if (!grad_mode || !is_floating(g.nodes[root].dtype)) return r;
+  std::vector<DType> dtypes;
+  for (int s = 0; s < r->fwd.num_inputs; ++s) {
+    const LeafSpec& leaf = g.leaves[r->leaves[s]];
+    const DType dt = leaf.kind == LeafSpec::Kind::constant ? leaf.constant.dtype() : args[leaf.arg].dtype();
+    dtypes.push_back(dt);
+    if (is_floating(dt)) r->wanted.push_back(s);
+  }
+  try {
+    std::vector<bool> reads;
+    Expr d = derivative_expr(r->fwd, r->wanted, dtypes, &reads);
+    // Compact the input slots to what the backward reads (Note [Fused backward]).
+    std::vector<int> remap(d.num_inputs, -1);
+    for (int s = 0; s < r->fwd.num_inputs; ++s) {
+      if (reads[s]) {
+        remap[s] = static_cast<int>(r->bwd_inputs.size());
+        r->bwd_inputs.push_back(s);
+      }
+    }
+    remap[r->fwd.num_inputs] = static_cast<int>(r->bwd_inputs.size());
+    for (ExprNode& n : d.nodes) {
+      if (n.op == ExprOp::input) n.slot = remap[n.slot];
+    }
+    d.num_inputs = static_cast<int>(r->bwd_inputs.size()) + 1;
+    r->bwd = std::move(d);
+    r->has_bwd = true;
+  } catch (const Error& e) {
+    r->bwd_error = e.what();
+  }
+  return r;
+}
+
+bool leaf_requires_grad(const LeafSpec& leaf, const TensorList& args) {
+  return leaf.kind == LeafSpec::Kind::constant ? leaf.constant.requires_grad() : args[leaf.arg].requires_grad();
+}
+
+std::shared_ptr<Plan> make_plan(Graph g, const TensorList& args, bool grad_mode) {
+  auto p = std::make_shared<Plan>();
+  p->fail = g.fail;
+  if (!p->fail.empty()) return p;
+  std::vector<int> region_of(g.nodes.size(), -1);
+  for (int o : g.outputs) {
+    Plan::Out out;
+    if (g.nodes[o].op == ExprOp::input) {
+      out.leaf = g.nodes[o].slot;
+    } else {
+      if (region_of[o] < 0) {
+        auto r = make_region(g, o, grad_mode, args);
+        if (!r->bwd_error.empty()) {
+          for (int s : r->wanted) {
+            if (leaf_requires_grad(g.leaves[r->leaves[s]], args)) {
+              p->fail = r->bwd_error;
+              return p;
+            }
+          }
+        }
+        p->fused_ops += r->fused_ops;
+        p->saved_inputs += static_cast<int64_t>(r->bwd_inputs.size());
+        region_of[o] = static_cast<int>(p->regions.size());
+        p->regions.push_back(std::move(r));
+      }
+      out.region = region_of[o];
+    }
+    p->outputs.push_back(out);
+  }
+  p->leaves = std::move(g.leaves);
+  return p;
+}
+
+Tensor run_region(const std::shared_ptr<Plan>& plan, const Region& r, const TensorList& ins,
+                  const std::shared_ptr<Counters>& counters, const std::string& tag) {
+  bool need = false;
+  if (grad_enabled()) {
+    for (const Tensor& t : ins) need = need || t.requires_grad();
+  }
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = run_expr(r.fwd, ins, tag)[0];
+  }
+  ++counters->launches;
+  if (!need || !r.has_bwd) return out;
+  std::vector<SavedTensor> saved;
+  for (int s : r.bwd_inputs) saved.emplace_back(ins[s], "FusedBackward");
+  std::vector<Shape> shapes;
+  for (const Tensor& t : ins) shapes.push_back(t.sizes());
+  const Region* rp = &r;
+  const std::size_t n_in = ins.size();
+  record(out, "FusedBackward", ins,
+         [plan, rp, saved, shapes, n_in, counters, tag](const Tensor& g) {
+           TensorList bins;
+           for (const SavedTensor& s : saved) bins.push_back(s.get());
+           bins.push_back(g);
+           TensorList full;
+           {
+             NoGradGuard no_grad;
+             full = run_expr(rp->bwd, bins, tag + "_backward");
+           }
+           ++counters->backward;
+           TensorList grads(n_in);
+           for (std::size_t w = 0; w < rp->wanted.size(); ++w) {
+             const int s = rp->wanted[w];
+             grads[s] = sum_to(full[w], shapes[s]);
+           }
+           return grads;
+         });
+  return out;
+}
+
+}  // namespace
+}  // namespace compile_detail
+
+using compile_detail::Plan;
+
+struct CompiledFunction::Impl {
+  Fn fn;
+  CompileOptions options;
+  std::shared_ptr<compile_detail::Counters> counters = std::make_shared<compile_detail::Counters>();
+  mutable std::mutex mu;
+  struct Entry {
+    std::string key;
+    std::shared_ptr<Plan> plan;
+    uint64_t used = 0;
+    bool logged = false;
+  };
+  std::vector<Entry> entries;
+  uint64_t clock = 0;
+  CompileStats stats;
+  std::shared_ptr<Plan> last;
+  std::vector<compile_detail::OperandLayout> last_inputs;  // for last_kernel_sources (no tensor held)
+};
+
+namespace {
+
+std::string signature(const TensorList& inputs) {
+  std::string k;
+  k += grad_enabled() ? "g1" : "g0";
+  const amp::detail::AutocastState ac = amp::detail::autocast_state();
+  k += "|ac" + std::to_string(ac.mask) + "," + dtype_name(ac.dtype[0]) + "," + dtype_name(ac.dtype[1]);
+  for (const Tensor& t : inputs) {
+    k += '|';
+    if (!t.defined()) {
+      k += "undef";
+      continue;
+    }
+    k += dtype_name(t.dtype());
+    k += '@' + t.device().str();
+    k += t.requires_grad() ? "+rg" : "";
+    k += 's';
+    for (int64_t s : t.sizes()) k += ',' + std::to_string(s);
+    k += 't';
+    for (int64_t s : t.strides()) k += ',' + std::to_string(s);
+  }
+  return k;
+}
+
+}  // namespace
+
+CompiledFunction::CompiledFunction(Fn fn, CompileOptions options) : impl_(std::make_shared<Impl>()) {
+  FLAME_CHECK(static_cast<bool>(fn), "compile", "got an empty function");
+  FLAME_CHECK(options.max_signatures >= 1, "compile", "max_signatures must be at least 1");
+  impl_->fn = std::move(fn);
+  impl_->options = std::move(options);
+}
+
+CompiledFunction compile(CompiledFunction::Fn fn, CompileOptions options) {
+  return CompiledFunction(std::move(fn), std::move(options));
+}
+
+TensorList CompiledFunction::operator()(const TensorList& inputs) const {
+  FLAME_CHECK(impl_ != nullptr, "CompiledFunction", "called on a default-constructed CompiledFunction");
+  Impl& im = *impl_;
+  // Inside another trace: run the ops so that the outer trace records them.
+  if (compile_detail::active_tracer() != nullptr) return im.fn(inputs);
+  const std::string key = signature(inputs);
+  std::shared_ptr<Plan> plan;
+  Impl::Entry* entry = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(im.mu);
+    for (auto& e : im.entries) {
+      if (e.key == key) {
+        e.used = ++im.clock;
+        plan = e.plan;
+        entry = &e;
+      }
+    }
+  }
+  if (!plan) {
+    compile_detail::Tracer tracer(inputs, grad_enabled());
+    TensorList outs;
+    {
+      compile_detail::TracerScope scope(&tracer);
+      outs = im.fn(inputs);
+    }
+    tracer.finish(outs);
+    plan = compile_detail::make_plan(std::move(tracer.graph), inputs, grad_enabled());
+    std::lock_guard<std::mutex> lock(im.mu);
+    if (im.entries.size() >= im.options.max_signatures) {
+      auto oldest = std::min_element(im.entries.begin(), im.entries.end(),
+                                     [](const Impl::Entry& a, const Impl::Entry& b) { return a.used < b.used; });
+      im.entries.erase(oldest);
+      ++im.stats.evictions;
+    }
+    im.entries.push_back(Impl::Entry{key, plan, ++im.clock, false});
+    ++im.stats.traces;
+    ++im.stats.eager_calls;
+    im.last = plan;
+    im.last_inputs = compile_detail::layouts_of(inputs);
+    if (!plan->fail.empty() && im.options.log_fallbacks) {
+      std::fprintf(stderr, "flame::compile: '%s' runs eagerly for this signature: %s\n", im.options.name.c_str(),
+                   plan->fail.c_str());
+    }
+    return outs;
+  }
+  // A region that needs a gradient it has no fused derivative for (its inputs' requires_grad
+  // changed since the trace): this call runs eagerly.
+  bool eager = !plan->fail.empty();
+  TensorList leaves;
+  if (!eager) {
+    for (const compile_detail::LeafSpec& l : plan->leaves) {
+      switch (l.kind) {
+        case compile_detail::LeafSpec::Kind::arg: leaves.push_back(inputs[l.arg]); break;
+        case compile_detail::LeafSpec::Kind::arg_view:
+          leaves.push_back(make_view(inputs[l.arg], l.sizes, l.strides, inputs[l.arg].storage_offset() + l.offset,
+                                     "compile"));
+          break;
+        case compile_detail::LeafSpec::Kind::constant: leaves.push_back(l.constant); break;
+      }
+    }
+    if (grad_enabled()) {
+      for (const auto& r : plan->regions) {
+        if (r->has_bwd) continue;
+        for (int s : r->leaves) eager = eager || leaves[s].requires_grad();
+      }
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(im.mu);
+    im.last = plan;
+    im.last_inputs = compile_detail::layouts_of(inputs);
+    if (eager) ++im.stats.eager_calls;
+    else ++im.stats.replays;
+  }
+  (void)entry;
+  if (eager) return im.fn(inputs);
+  std::vector<Tensor> region_out(plan->regions.size());
+  for (std::size_t i = 0; i < plan->regions.size(); ++i) {
+    const compile_detail::Region& r = *plan->regions[i];
+    TensorList ins;
+    for (int s : r.leaves) ins.push_back(leaves[s]);
+    region_out[i] = compile_detail::run_region(plan, r, ins, im.counters, im.options.name);
+  }
+  TensorList outs;
+  for (const Plan::Out& o : plan->outputs) outs.push_back(o.region >= 0 ? region_out[o.region] : leaves[o.leaf]);
+  return outs;
+}
+
+CompileStats CompiledFunction::stats() const {
+  if (!impl_) return {};
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  CompileStats s = impl_->stats;
+  if (impl_->last && impl_->last->fail.empty()) {
+    s.fused_kernels = static_cast<int64_t>(impl_->last->regions.size());
+    s.fused_ops = impl_->last->fused_ops;
+    s.eager_ops = 0;
+    s.saved_inputs = impl_->last->saved_inputs;
+  }
+  s.kernel_launches = impl_->counters->launches.load();
+  s.backward_kernels = impl_->counters->backward.load();
+  return s;
+}
+
+std::string CompiledFunction::fallback_reason() const {
+  if (!impl_) return "";
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->last ? impl_->last->fail : std::string();
+}
+
+std::string CompiledFunction::last_kernel_sources() const {
+  if (!impl_) return "";
+  std::shared_ptr<Plan> plan;
+  std::vector<compile_detail::OperandLayout> inputs;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    plan = impl_->last;
+    inputs = impl_->last_inputs;
+  }
+  if (!plan || !plan->fail.empty()) return "";
+  std::string out;
+  for (const auto& r : plan->regions) {
+    std::vector<compile_detail::OperandLayout> ins;
+    for (int s : r->leaves) {
+      const compile_detail::LeafSpec& l = plan->leaves[s];
+      if (l.kind == compile_detail::LeafSpec::Kind::constant) {
+        ins.push_back({l.constant.dtype(), l.constant.sizes(), l.constant.strides()});
+      } else if (l.kind == compile_detail::LeafSpec::Kind::arg) {
+        ins.push_back(inputs[l.arg]);
+      } else {
+        ins.push_back({inputs[l.arg].dtype, l.sizes, l.strides});
+      }
+    }
+    std::string name;
+    out += compile_detail::generate_kernel_source(r->fwd, ins, &name);
+    out += "\n// ---- end of " + name + " ----\n";
+  }
+  return out;
+}
+
+void CompiledFunction::clear_cache() const {
+  if (!impl_) return;
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->entries.clear();
+  impl_->last.reset();
+  impl_->last_inputs.clear();
+}
+
+}  // namespace flame
