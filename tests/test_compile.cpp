@@ -152,10 +152,11 @@ TEST(CompileTrace, RetraceOnNewShapeAndBoundedCache) {
   CompileOptions opt;
   opt.max_signatures = 2;
   CompiledFunction f = compile(fn, opt);
+  const double t = dev.is_cpu() ? 0.0 : 1e-6;  // tanh of NVRTC's and nvcc's builds
   for (int64_t n : {5, 9, 5, 13}) {
     const Tensor x = make_input({{n, 3}, DType::f32, Layout::contiguous}, dev, static_cast<uint64_t>(n));
-    EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], 0, 0)) << n;
-    EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], 0, 0)) << n;
+    EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], t, t)) << n;
+    EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], t, t)) << n;
   }
   const CompileStats s = f.stats();
   EXPECT_EQ(s.traces, 3);     // 5, 9, 13 (the second 5 replayed)
@@ -367,7 +368,7 @@ TEST(CompileCache, ClearedMemoryCacheLoadsFromDisk) {
   EXPECT_EQ(after.compiles, before.compiles);
   EXPECT_EQ(after.disk_hits, before.disk_hits + 1);
   EXPECT_TRUE(all_close(a, b, 0, 0));
-  EXPECT_TRUE(all_close(b, fn({x})[0], 0, 0));
+  EXPECT_TRUE(all_close(b, fn({x})[0], tol(DType::bf16), tol(DType::bf16)));
 }
 
 }  // namespace

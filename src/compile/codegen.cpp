@@ -18,6 +18,8 @@
 // is what the eager ops store between kernels: a fused chain gives the eager results bit for bit
 // (libm differences aside), and the CPU interpreter of the same Expr is an exact reference. For
 // f32/f64 the round trip is a no-op the compiler removes; for bf16/f16 it costs two integer ops.
+// For the same reason kernels are compiled with --fmad=false: x * s + b stays a rounded multiply
+// and a rounded add, as the two eager kernels compute it, not one fused multiply-add.
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -367,7 +369,7 @@ TensorList launch_expr(const Expr& e, const TensorList& inputs, const std::strin
     } else {
       std::string name;
       const std::string src = generate_kernel_source(e, layouts_of(inputs), &name);
-      kernel = cuda::ensure_kernel(name, src, {}, dev.index);
+      kernel = cuda::ensure_kernel(name, src, {"--fmad=false"}, dev.index);  // Note [Rounding]
       ++g_kernel_sources;
       cache->kernels.emplace(key, kernel);
     }
