@@ -37,6 +37,7 @@ namespace flame::compile_detail {
 extern const char* const kFusionHeaders;
 
 std::atomic<int64_t> g_kernel_launches{0};
+constexpr int kUnroll = 4;  // elements per thread per tile of a generated kernel
 std::atomic<int64_t> g_kernel_sources{0};
 
 namespace {
@@ -253,8 +254,12 @@ std::string generate_kernel_source(const Expr& e, const std::vector<OperandLayou
          << o;
   }
   body << ") {\n  typedef " << idx << " I;\n";
-  body << "  for (I i = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x; i < (I)" << n
-       << "ull; i += (I)gridDim.x * (I)blockDim.x) {\n";
+  // Each block covers tiles of kUnroll * 256 elements, each thread kUnroll of them 256 apart
+  // (coalesced), unrolled so that the loads of all of them are in flight together.
+  body << "  for (I t = (I)blockIdx.x * (I)" << kUnroll * 256 << "u + (I)threadIdx.x; t < (I)" << n
+       << "ull; t += (I)gridDim.x * (I)" << kUnroll * 256 << "u) {\n";
+  body << "   #pragma unroll\n   for (I u = 0; u < (I)" << kUnroll << "u; ++u) {\n";
+  body << "    const I i = t + u * (I)256u;\n    if (i >= (I)" << n << "ull) break;\n";
   // Coordinates, innermost first (only when some input needs them).
   const Shape contiguous = contiguous_strides(shape);
   bool need_coords = false;
@@ -314,7 +319,7 @@ std::string generate_kernel_source(const Expr& e, const std::vector<OperandLayou
     const int node = e.outputs[o];
     body << "    out" << o << "[i] = flame::convert<" << element_type(e.nodes[node].dtype) << ">(v" << node << ");\n";
   }
-  body << "  }\n}\n";
+  body << "   }\n  }\n}\n";
   const std::string text = body.str();
   char name[40];
   std::snprintf(name, sizeof(name), "flame_fused_%016llx", static_cast<unsigned long long>(fnv1a(text)));
@@ -383,7 +388,8 @@ TensorList launch_expr(const Expr& e, const TensorList& inputs, const std::strin
   for (int64_t s : e.shape) n *= s;
   if (n > 0) {
     cuda::LaunchConfig cfg;
-    const int64_t blocks = std::min<int64_t>((n + 255) / 256, int64_t{1} << 20);
+    const int64_t tile = int64_t{kUnroll} * 256;  // the generated loop's (Note [Generated kernels])
+    const int64_t blocks = std::min<int64_t>((n + tile - 1) / tile, int64_t{1} << 20);
     cfg.grid = cuda::Dim3(static_cast<uint32_t>(blocks));
     cfg.block = cuda::Dim3(256);
     cuda::detail::launch_args(kernel, cfg, args.data(), args.size());
