@@ -29,6 +29,7 @@ const char* expr_op_name(const ExprNode& n) {
     case ExprOp::constant: return "constant";
     case ExprOp::where: return "where";
     case ExprOp::cast: return "cast";
+    case ExprOp::eager: return "eager";
     case ExprOp::unary:
       switch (n.unary) {
 #define FLAME_NAME(name, Functor, kind) \
@@ -163,7 +164,8 @@ Expr derivative_expr(const Expr& e, const std::vector<int>& wanted, const std::v
     const int G = adj[i];
     switch (n.op) {
       case ExprOp::input:
-      case ExprOp::constant: break;
+      case ExprOp::constant:
+      case ExprOp::eager: break;
       case ExprOp::cast:
         if (is_floating(e.nodes[n.a].dtype)) accumulate(n.a, G);
         break;

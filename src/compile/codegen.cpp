@@ -306,6 +306,7 @@ std::string generate_kernel_source(const Expr& e, const std::vector<OperandLayou
       case ExprOp::binary: x << "flame::fn::" << binary_functor(nd.binary) << "{}(v" << nd.a << ", v" << nd.b << ")"; break;
       case ExprOp::where: x << "v" << nd.c << " ? v" << nd.a << " : v" << nd.b; break;
       case ExprOp::cast: x << "v" << nd.a; break;
+      case ExprOp::eager: FLAME_FAIL("compile", "an eager op inside a fused expression");
     }
     body << "    const flame::compute_t<" << T << "> v" << i << " = ";
     if (nd.op == ExprOp::input || nd.op == ExprOp::constant) {

@@ -31,7 +31,7 @@ extern std::atomic<int64_t> g_kernel_launches;
 
 struct Region {
   Expr fwd;
-  std::vector<int> leaves;  // plan leaf of each input slot
+  std::vector<int> leaves;  // graph node (an input or an eager op) feeding each input slot
   int fused_ops = 0;
   bool has_bwd = false;
   Expr bwd;                       // inputs: fwd slots in bwd_inputs, then the output's gradient
@@ -47,14 +47,22 @@ struct Region {
   }
 };
 
+// Note [Plan steps]: regions and eager ops run in the order of their graph node ids (a
+// topological order), each storing its result under its node id, so every step finds its operands
+// there: inputs, earlier eager ops' results, earlier regions' roots.
 struct Plan {
   std::vector<LeafSpec> leaves;
+  std::vector<int> leaf_node;  // graph node of each leaf
+  std::vector<EagerOp> eager_ops;
   std::vector<std::unique_ptr<Region>> regions;
-  struct Out {
-    int region = -1;
-    int leaf = -1;
+  struct Step {
+    int node = -1;    // where the result is stored
+    int region = -1;  // a fused region, or
+    int eager = -1;   // an eager op
   };
-  std::vector<Out> outputs;
+  std::vector<Step> steps;
+  std::vector<int> outputs;  // graph node ids
+  std::size_t num_nodes = 0;
   std::string fail;
   int64_t fused_ops = 0;
   int64_t saved_inputs = 0;
@@ -66,7 +74,7 @@ struct Counters {
 
 namespace {
 
-std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, const TensorList& args) {
+std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode) {
   auto r = std::make_unique<Region>();
   std::set<int> reach;
   std::vector<int> stack{root};
@@ -75,6 +83,7 @@ std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, co
     stack.pop_back();
     if (!reach.insert(i).second) continue;
     const ExprNode& n = g.nodes[i];
+    if (n.op == ExprOp::eager) continue;  // its result is an input of the region
     for (int o : {n.a, n.b, n.c}) {
       if (o >= 0) stack.push_back(o);
     }
@@ -82,8 +91,12 @@ std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, co
   std::vector<int> local(g.nodes.size(), -1);
   for (int i : reach) {  // ascending: operands before users
     ExprNode n = g.nodes[i];
-    if (n.op == ExprOp::input) {
-      r->leaves.push_back(n.slot);
+    if (n.op == ExprOp::input || n.op == ExprOp::eager) {
+      r->leaves.push_back(i);
+      n = ExprNode{};
+      n.op = ExprOp::input;
+      n.dtype = g.nodes[i].dtype;
+      n.shape = g.nodes[i].shape;
       n.slot = static_cast<int>(r->leaves.size()) - 1;
     } else {
       ++r->fused_ops;
@@ -99,8 +112,7 @@ std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, co
   if (!grad_mode || !is_floating(g.nodes[root].dtype)) return r;
   std::vector<DType> dtypes;
   for (int s = 0; s < r->fwd.num_inputs; ++s) {
-    const LeafSpec& leaf = g.leaves[r->leaves[s]];
-    const DType dt = leaf.kind == LeafSpec::Kind::constant ? leaf.constant.dtype() : args[leaf.arg].dtype();
+    const DType dt = g.nodes[r->leaves[s]].dtype;
     dtypes.push_back(dt);
     if (is_floating(dt)) r->wanted.push_back(s);
   }
@@ -128,40 +140,52 @@ std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode, co
   return r;
 }
 
-bool leaf_requires_grad(const LeafSpec& leaf, const TensorList& args) {
-  return leaf.kind == LeafSpec::Kind::constant ? leaf.constant.requires_grad() : args[leaf.arg].requires_grad();
-}
-
-std::shared_ptr<Plan> make_plan(Graph g, const TensorList& args, bool grad_mode) {
+std::shared_ptr<Plan> make_plan(Graph g, bool grad_mode) {
   auto p = std::make_shared<Plan>();
   p->fail = g.fail;
   if (!p->fail.empty()) return p;
-  std::vector<int> region_of(g.nodes.size(), -1);
-  for (int o : g.outputs) {
-    Plan::Out out;
-    if (g.nodes[o].op == ExprOp::input) {
-      out.leaf = g.nodes[o].slot;
-    } else {
-      if (region_of[o] < 0) {
-        auto r = make_region(g, o, grad_mode, args);
-        if (!r->bwd_error.empty()) {
-          for (int s : r->wanted) {
-            if (leaf_requires_grad(g.leaves[r->leaves[s]], args)) {
-              p->fail = r->bwd_error;
-              return p;
-            }
-          }
-        }
-        p->fused_ops += r->fused_ops;
-        p->saved_inputs += static_cast<int64_t>(r->bwd_inputs.size());
-        region_of[o] = static_cast<int>(p->regions.size());
-        p->regions.push_back(std::move(r));
-      }
-      out.region = region_of[o];
-    }
-    p->outputs.push_back(out);
+  // Values that must exist as tensors: the outputs and the eager ops' operands.
+  std::vector<bool> needed(g.nodes.size(), false);
+  for (int o : g.outputs) needed[o] = true;
+  for (const EagerOp& e : g.eager_ops) {
+    for (int i : e.inputs) needed[i] = true;
   }
+  for (int i = 0; i < static_cast<int>(g.nodes.size()); ++i) {
+    const ExprNode& n = g.nodes[i];
+    if (n.op == ExprOp::input) {
+      p->leaf_node.resize(g.leaves.size(), -1);
+      p->leaf_node[n.slot] = i;
+      continue;
+    }
+    if (n.op == ExprOp::eager) {
+      Plan::Step st;
+      st.node = i;
+      st.eager = n.slot;
+      p->steps.push_back(st);
+      continue;
+    }
+    if (!needed[i]) continue;
+    auto r = make_region(g, i, grad_mode);
+    if (!r->bwd_error.empty()) {
+      for (int s : r->wanted) {
+        if (g.requires_grad[r->leaves[s]]) {
+          p->fail = r->bwd_error;
+          return p;
+        }
+      }
+    }
+    p->fused_ops += r->fused_ops;
+    p->saved_inputs += static_cast<int64_t>(r->bwd_inputs.size());
+    Plan::Step st;
+    st.node = i;
+    st.region = static_cast<int>(p->regions.size());
+    p->steps.push_back(st);
+    p->regions.push_back(std::move(r));
+  }
+  p->outputs = g.outputs;
+  p->num_nodes = g.nodes.size();
   p->leaves = std::move(g.leaves);
+  p->eager_ops = std::move(g.eager_ops);
   return p;
 }
 
@@ -291,7 +315,7 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
       outs = im.fn(inputs);
     }
     tracer.finish(outs);
-    plan = compile_detail::make_plan(std::move(tracer.graph), inputs, grad_enabled());
+    plan = compile_detail::make_plan(std::move(tracer.graph), grad_enabled());
     std::lock_guard<std::mutex> lock(im.mu);
     if (im.entries.size() >= im.options.max_signatures) {
       auto oldest = std::min_element(im.entries.begin(), im.entries.end(),
@@ -310,8 +334,6 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
     }
     return outs;
   }
-  // A region that needs a gradient it has no fused derivative for (its inputs' requires_grad
-  // changed since the trace): this call runs eagerly.
   bool eager = !plan->fail.empty();
   TensorList leaves;
   if (!eager) {
@@ -325,12 +347,6 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
         case compile_detail::LeafSpec::Kind::constant: leaves.push_back(l.constant); break;
       }
     }
-    if (grad_enabled()) {
-      for (const auto& r : plan->regions) {
-        if (r->has_bwd) continue;
-        for (int s : r->leaves) eager = eager || leaves[s].requires_grad();
-      }
-    }
   }
   {
     std::lock_guard<std::mutex> lock(im.mu);
@@ -341,15 +357,33 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
   }
   (void)entry;
   if (eager) return im.fn(inputs);
-  std::vector<Tensor> region_out(plan->regions.size());
-  for (std::size_t i = 0; i < plan->regions.size(); ++i) {
-    const compile_detail::Region& r = *plan->regions[i];
+  // Note [Plan steps].
+  std::vector<Tensor> val(plan->num_nodes);
+  for (std::size_t k = 0; k < leaves.size(); ++k) {
+    if (plan->leaf_node[k] >= 0) val[plan->leaf_node[k]] = leaves[k];
+  }
+  const bool grad = grad_enabled();
+  for (const Plan::Step& st : plan->steps) {
     TensorList ins;
-    for (int s : r.leaves) ins.push_back(leaves[s]);
-    region_out[i] = compile_detail::run_region(plan, r, ins, im.counters, im.options.name);
+    if (st.eager >= 0) {
+      const compile_detail::EagerOp& op = plan->eager_ops[st.eager];
+      for (int id : op.inputs) ins.push_back(val[id]);
+      val[st.node] = op.run(ins);
+      continue;
+    }
+    const compile_detail::Region& r = *plan->regions[st.region];
+    for (int id : r.leaves) ins.push_back(val[id]);
+    if (grad && !r.has_bwd) {
+      // A gradient this region has no fused derivative for (requires_grad changed since the
+      // trace): the call runs eagerly; nothing ran so far has a side effect.
+      bool need = false;
+      for (const Tensor& t : ins) need = need || t.requires_grad();
+      if (need) return im.fn(inputs);
+    }
+    val[st.node] = compile_detail::run_region(plan, r, ins, im.counters, im.options.name);
   }
   TensorList outs;
-  for (const Plan::Out& o : plan->outputs) outs.push_back(o.region >= 0 ? region_out[o.region] : leaves[o.leaf]);
+  for (int o : plan->outputs) outs.push_back(val[o]);
   return outs;
 }
 
@@ -360,7 +394,7 @@ CompileStats CompiledFunction::stats() const {
   if (impl_->last && impl_->last->fail.empty()) {
     s.fused_kernels = static_cast<int64_t>(impl_->last->regions.size());
     s.fused_ops = impl_->last->fused_ops;
-    s.eager_ops = 0;
+    s.eager_ops = static_cast<int64_t>(impl_->last->eager_ops.size());
     s.saved_inputs = impl_->last->saved_inputs;
   }
   s.kernel_launches = impl_->counters->launches.load();
@@ -387,8 +421,18 @@ std::string CompiledFunction::last_kernel_sources() const {
   std::string out;
   for (const auto& r : plan->regions) {
     std::vector<compile_detail::OperandLayout> ins;
-    for (int s : r->leaves) {
-      const compile_detail::LeafSpec& l = plan->leaves[s];
+    for (int slot = 0; slot < r->fwd.num_inputs; ++slot) {
+      const int node = r->leaves[slot];
+      const auto leaf_it = std::find(plan->leaf_node.begin(), plan->leaf_node.end(), node);
+      if (leaf_it == plan->leaf_node.end()) {  // an eager op's result: taken as contiguous here
+        for (const compile_detail::ExprNode& n : r->fwd.nodes) {
+          if (n.op == compile_detail::ExprOp::input && n.slot == slot) {
+            ins.push_back({n.dtype, n.shape, contiguous_strides(n.shape)});
+          }
+        }
+        continue;
+      }
+      const compile_detail::LeafSpec& l = plan->leaves[static_cast<std::size_t>(leaf_it - plan->leaf_node.begin())];
       if (l.kind == compile_detail::LeafSpec::Kind::constant) {
         ins.push_back({l.constant.dtype(), l.constant.sizes(), l.constant.strides()});
       } else if (l.kind == compile_detail::LeafSpec::Kind::arg) {

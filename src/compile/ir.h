@@ -10,7 +10,8 @@
 
 namespace flame::compile_detail {
 
-enum class ExprOp : uint8_t { input, constant, unary, binary, where, cast };
+// `eager` appears only in a traced Graph (an op replayed eagerly, src/compile/trace.h), never in an Expr.
+enum class ExprOp : uint8_t { input, constant, unary, binary, where, cast, eager };
 
 // One value of an expression. Operands (a, b, c) are indices of earlier nodes, so a node list is
 // always in topological order. Every value has an element dtype; a generated kernel keeps it in

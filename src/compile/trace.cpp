@@ -4,6 +4,8 @@
 // op layer reports to it through src/compile/trace_hooks.h:
 //  - the elementwise family (unary, scalar, binary, where, dtype casts) reports each result with
 //    the operands its kernel read: these become ExprNodes of the traced graph;
+//  - ops that do not fuse but can be replayed (matmul, sum, mean, softmax) report themselves as
+//    one eager step (trace_eager_op), run with the tracer off so that their internals stay unseen;
 //  - every new storage is reported with the op that asked for it; in-place writes, host reads and
 //    device transfers are reported as reasons the trace cannot be replayed.
 // A tensor an elementwise op reads is then one of: a traced value; a function input; a view of
@@ -56,6 +58,7 @@ int Tracer::add_leaf(const Tensor& t, LeafSpec leaf) {
 
 int Tracer::bind(const Tensor& t, ExprNode n) {
   graph.nodes.push_back(std::move(n));
+  graph.requires_grad.push_back(t.requires_grad());
   const int id = static_cast<int>(graph.nodes.size()) - 1;
   value_[t.impl()] = id;
   keep_.push_back(t);  // keeps the TensorImpl address from being reused while tracing
@@ -153,6 +156,33 @@ void trace_cast(Tracer& t, const Tensor& out, const Tensor& in) {
   n.dtype = out.dtype();
   n.shape = out.sizes();
   t.bind(out, std::move(n));
+}
+
+Tensor trace_eager_op(Tracer& t, const char* name, const TensorList& inputs,
+                      std::function<Tensor(const TensorList&)> run) {
+  Tensor out;
+  {
+    TracerScope off(nullptr);
+    out = run(inputs);
+  }
+  std::vector<int> ids;
+  for (const Tensor& x : inputs) {
+    const int id = x.defined() ? t.resolve(x) : -1;
+    if (id < 0) {
+      if (!x.defined()) t.fail(std::string("'") + name + "' got an undefined tensor");
+      return out;
+    }
+    ids.push_back(id);
+  }
+  if (!t.graph.fail.empty()) return out;
+  t.graph.eager_ops.push_back(EagerOp{name, std::move(run), std::move(ids)});
+  ExprNode n;
+  n.op = ExprOp::eager;
+  n.slot = static_cast<int>(t.graph.eager_ops.size()) - 1;
+  n.dtype = out.dtype();
+  n.shape = out.sizes();
+  t.bind(out, std::move(n));
+  return out;
 }
 
 void trace_new_storage(Tracer& t, const void* storage, const char* op) { t.note_storage(storage, op); }

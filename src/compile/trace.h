@@ -1,5 +1,6 @@
 #pragma once
 // The tracer of flame::compile (Note [Tracing] in trace.cpp).
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -19,10 +20,20 @@ struct LeafSpec {
   Tensor constant;       // a tensor made before the call (read by reference)
 };
 
-// The traced function: one DAG whose input nodes' slots index `leaves`.
+// An op replayed eagerly: node `slot` of the graph indexes eager_ops; its operands are `inputs`.
+struct EagerOp {
+  const char* name = "";
+  std::function<Tensor(const TensorList&)> run;
+  std::vector<int> inputs;  // node ids
+};
+
+// The traced function: one DAG whose input nodes' slots index `leaves` and whose eager nodes'
+// slots index `eager_ops`.
 struct Graph {
   std::vector<ExprNode> nodes;
+  std::vector<bool> requires_grad;  // of each node's tensor at trace time
   std::vector<LeafSpec> leaves;
+  std::vector<EagerOp> eager_ops;
   std::vector<int> outputs;
   std::string fail;  // the first reason the function cannot be replayed ("" when it can)
 };
