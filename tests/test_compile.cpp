@@ -244,6 +244,23 @@ TEST(CompileAutograd, BackwardMatchesEager) {
   }
 }
 
+// x + b: both gradients are the output gradient itself (b's summed down): no backward kernel.
+TEST(CompileAutograd, PassThroughGradientsLaunchNothing) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Fn fn = [](const TensorList& in) -> TensorList { return {in[0] + in[1]}; };
+  TensorList in = {make_input({{5, 6}, DType::bf16, Layout::contiguous}, dev, 91),
+                   make_input({{6}, DType::bf16, Layout::contiguous}, dev, 92)};
+  for (Tensor& t : in) t.requires_grad_(true);
+  const Tensor seed = make_input({{5, 6}, DType::bf16, Layout::contiguous}, dev, 93);
+  CompiledFunction f = compile(fn);
+  f(in);
+  Gradients g = f(in)[0].backward(BackwardOptions{seed});
+  EXPECT_EQ(f.stats().backward_kernels, 0);
+  EXPECT_TRUE(all_close(g.get(in[0]), seed, 0, 0));
+  EXPECT_TRUE(all_close(g.get(in[1]), seed.to(DType::f32).sum({0}).to(DType::bf16), 1e-2, 1e-2));
+}
+
 // Gradcheck (f64, CPU) through the compiled function: exercises every derivative formula of
 // autodiff.cpp against finite differences of the interpreted forward of the same IR.
 TEST(CompileAutograd, GradcheckF64) {

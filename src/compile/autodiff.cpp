@@ -14,6 +14,8 @@
 //  - An op with no formula here (the *_grad ops) raises, naming the op; compile then runs the
 //    function eagerly and reports why.
 #include <functional>
+#include <map>
+#include <utility>
 
 #include "flame/ops.h"
 #include "src/compile/ir.h"
@@ -70,12 +72,22 @@ class Builder {
 
   int to(int x, DType dt) {
     if (d_.nodes[x].dtype == dt) return x;
+    const ExprNode& xn = d_.nodes[x];
+    // Casting back an exact widening (bf16 -> f32 -> bf16) is the value itself: a gradient that
+    // passes through unchanged stays the output gradient (no kernel output for it).
+    if (xn.op == ExprOp::cast && d_.nodes[xn.a].dtype == dt && widens_exactly(dt, xn.dtype)) return xn.a;
+    const auto key = std::make_pair(x, dt);
+    if (auto it = casts_.find(key); it != casts_.end()) return it->second;
     ExprNode n;
     n.op = ExprOp::cast;
     n.dtype = dt;
-    n.shape = d_.nodes[x].shape;
+    n.shape = xn.shape;
     n.a = x;
-    return d_.add(std::move(n));
+    return casts_[key] = d_.add(std::move(n));
+  }
+  static bool widens_exactly(DType from, DType to) {
+    const bool half = from == DType::bf16 || from == DType::f16;
+    return (half && (to == DType::f32 || to == DType::f64)) || (from == DType::f32 && to == DType::f64);
   }
   int cst(double v) {
     ExprNode n;
@@ -127,6 +139,7 @@ class Builder {
   Expr& d_;
   DType acc_;
   std::vector<int> fmap_;
+  std::map<std::pair<int, DType>, int> casts_;
 };
 
 [[noreturn]] void no_derivative(const ExprNode& n) {

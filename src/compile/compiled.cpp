@@ -37,6 +37,8 @@ struct Region {
   Expr bwd;                       // inputs: fwd slots in bwd_inputs, then the output's gradient
   std::vector<int> wanted;        // fwd slots whose gradient bwd computes (one output each)
   std::vector<int> bwd_inputs;    // fwd slots bwd reads
+  std::vector<int> grad_index;    // per wanted slot: its bwd output, or -1: the output gradient itself
+  std::vector<DType> slot_dtypes;
   std::string bwd_error;
   Region() = default;
   Region(const Region&) = delete;
@@ -132,6 +134,22 @@ std::unique_ptr<Region> make_region(const Graph& g, int root, bool grad_mode) {
       if (n.op == ExprOp::input) n.slot = remap[n.slot];
     }
     d.num_inputs = static_cast<int>(r->bwd_inputs.size()) + 1;
+    // One kernel output per distinct gradient value (x + b: x and b get the same one), none for a
+    // gradient that is the output gradient itself (x + y: both).
+    std::vector<int> distinct;
+    for (std::size_t w = 0; w < r->wanted.size(); ++w) {
+      const int node = d.outputs[w];
+      const ExprNode& n = d.nodes[node];
+      if (n.op == ExprOp::input && n.slot == d.num_inputs - 1) {
+        r->grad_index.push_back(-1);
+        continue;
+      }
+      auto it = std::find(distinct.begin(), distinct.end(), node);
+      r->grad_index.push_back(static_cast<int>(it - distinct.begin()));
+      if (it == distinct.end()) distinct.push_back(node);
+    }
+    d.outputs = std::move(distinct);
+    r->slot_dtypes = dtypes;
     r->bwd = std::move(d);
     r->has_bwd = true;
   } catch (const Error& e) {
@@ -214,15 +232,18 @@ Tensor run_region(const std::shared_ptr<Plan>& plan, const Region& r, const Tens
            for (const SavedTensor& s : saved) bins.push_back(s.get());
            bins.push_back(g);
            TensorList full;
-           {
+           if (!rp->bwd.outputs.empty()) {
              NoGradGuard no_grad;
              full = run_expr(rp->bwd, bins, tag + "_backward");
+             ++counters->backward;
            }
-           ++counters->backward;
            TensorList grads(n_in);
            for (std::size_t w = 0; w < rp->wanted.size(); ++w) {
              const int s = rp->wanted[w];
-             grads[s] = sum_to(full[w], shapes[s]);
+             const int k = rp->grad_index[w];
+             const DType dt = rp->slot_dtypes[s];
+             const Tensor gw = k >= 0 ? full[k] : (g.dtype() == dt ? g : g.to(dt));
+             grads[s] = sum_to(gw, shapes[s]);
            }
            return grads;
          });
