@@ -166,7 +166,9 @@ std::shared_ptr<Plan> make_plan(Graph g, bool grad_mode) {
   std::vector<bool> needed(g.nodes.size(), false);
   for (int o : g.outputs) needed[o] = true;
   for (const EagerOp& e : g.eager_ops) {
-    for (int i : e.inputs) needed[i] = true;
+    for (int i : e.inputs) {
+      if (i >= 0) needed[i] = true;
+    }
   }
   for (int i = 0; i < static_cast<int>(g.nodes.size()); ++i) {
     const ExprNode& n = g.nodes[i];
@@ -388,7 +390,7 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
     TensorList ins;
     if (st.eager >= 0) {
       const compile_detail::EagerOp& op = plan->eager_ops[st.eager];
-      for (int id : op.inputs) ins.push_back(val[id]);
+      for (int id : op.inputs) ins.push_back(id >= 0 ? val[id] : Tensor());
       val[st.node] = op.run(ins);
       continue;
     }

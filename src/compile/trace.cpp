@@ -165,13 +165,14 @@ Tensor trace_eager_op(Tracer& t, const char* name, const TensorList& inputs,
     TracerScope off(nullptr);
     out = run(inputs);
   }
-  std::vector<int> ids;
+  std::vector<int> ids;  // -1: an undefined (optional) operand
   for (const Tensor& x : inputs) {
-    const int id = x.defined() ? t.resolve(x) : -1;
-    if (id < 0) {
-      if (!x.defined()) t.fail(std::string("'") + name + "' got an undefined tensor");
-      return out;
+    if (!x.defined()) {
+      ids.push_back(-1);
+      continue;
     }
+    const int id = t.resolve(x);
+    if (id < 0) return out;
     ids.push_back(id);
   }
   if (!t.graph.fail.empty()) return out;
