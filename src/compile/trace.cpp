@@ -61,6 +61,7 @@ int Tracer::bind(const Tensor& t, ExprNode n) {
   graph.requires_grad.push_back(t.requires_grad());
   const int id = static_cast<int>(graph.nodes.size()) - 1;
   value_[t.impl()] = id;
+  bound_storage_.insert(t.impl()->storage.get());
   keep_.push_back(t);  // keeps the TensorImpl address from being reused while tracing
   return id;
 }
@@ -86,6 +87,11 @@ int Tracer::resolve(const Tensor& t) {
     return add_leaf(t, std::move(leaf));
   }
   if (auto s = new_storage_.find(st); s != new_storage_.end()) {
+    if (bound_storage_.count(st)) {
+      fail(std::string("a view of an intermediate value (made by '") + s->second +
+           "') is not traced (views of inputs and constants are)");
+      return -1;
+    }
     fail(std::string("'") + s->second + "' is not traced (only elementwise ops, where and casts are; " +
          "a tensor it made is used by the function)");
     return -1;

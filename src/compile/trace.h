@@ -3,6 +3,7 @@
 #include <functional>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "src/compile/ir.h"
@@ -57,6 +58,7 @@ class Tracer {
   std::vector<Tensor> keep_;
   std::unordered_map<const void*, int> arg_storage_;
   std::unordered_map<const void*, const char*> new_storage_;
+  std::unordered_set<const void*> bound_storage_;  // storages of traced values
 };
 
 // Sets the thread's tracer while alive.
