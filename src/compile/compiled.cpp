@@ -162,21 +162,33 @@ std::shared_ptr<Plan> make_plan(Graph g, bool grad_mode) {
   auto p = std::make_shared<Plan>();
   p->fail = g.fail;
   if (!p->fail.empty()) return p;
-  // Values that must exist as tensors: the outputs and the eager ops' operands.
-  std::vector<bool> needed(g.nodes.size(), false);
-  for (int o : g.outputs) needed[o] = true;
-  for (const EagerOp& e : g.eager_ops) {
-    for (int i : e.inputs) {
-      if (i >= 0) needed[i] = true;
+  // Live values (the outputs and what they are computed from; ops inside traced ops, such as the
+  // views an op makes of its operands, are dead) and, among them, the values that must exist as
+  // tensors: the outputs and the live eager ops' operands.
+  const int count = static_cast<int>(g.nodes.size());
+  std::vector<bool> live(g.nodes.size(), false), needed(g.nodes.size(), false);
+  for (int o : g.outputs) live[o] = needed[o] = true;
+  for (int i = count - 1; i >= 0; --i) {
+    if (!live[i]) continue;
+    const ExprNode& n = g.nodes[i];
+    if (n.op == ExprOp::eager) {
+      for (int in : g.eager_ops[n.slot].inputs) {
+        if (in >= 0) live[in] = needed[in] = true;
+      }
+    } else {
+      for (int o : {n.a, n.b, n.c}) {
+        if (o >= 0) live[o] = true;
+      }
     }
   }
-  for (int i = 0; i < static_cast<int>(g.nodes.size()); ++i) {
+  p->leaf_node.assign(g.leaves.size(), -1);
+  for (int i = 0; i < count; ++i) {
     const ExprNode& n = g.nodes[i];
     if (n.op == ExprOp::input) {
-      p->leaf_node.resize(g.leaves.size(), -1);
       p->leaf_node[n.slot] = i;
       continue;
     }
+    if (!live[i]) continue;
     if (n.op == ExprOp::eager) {
       Plan::Step st;
       st.node = i;

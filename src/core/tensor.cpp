@@ -517,6 +517,7 @@ Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 Tensor Tensor::clone() const {
   Tensor dst = make_empty(sizes(), dtype(), device(), "clone");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_cast(*tr, dst, *this);  // a copy fuses
   return rules::with_grad(dst, "clone", *this, [](const Tensor& g) { return g; });
 }
 
