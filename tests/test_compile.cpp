@@ -225,6 +225,39 @@ TEST(CompileFusion, DiTStyleBlock) {
   EXPECT_EQ(g.stats().fused_kernels, 2);
 }
 
+// adaLN as in the DiT: a GEMM of the conditioning chunked into shift/scale/gate, norm + modulate,
+// gated residual; forward and every gradient equal eager (views of the GEMM output replay).
+TEST(CompileAutograd, AdaLNChunkMatchesEager) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Fn fn = [](const TensorList& in) -> TensorList {
+    const TensorList m = matmul(in[1], in[2]).chunk(3, 1);  // [B, 3D] -> shift, scale, gate
+    const Tensor h = nn::functional::layer_norm(in[0], {8}) * m[1].unsqueeze(1).add_scalar(1.0) + m[0].unsqueeze(1);
+    return {in[0] + m[2].unsqueeze(1) * gelu(h, true)};
+  };
+  auto inputs = [&] {
+    TensorList in = {make_input({{2, 5, 8}, DType::f32, Layout::contiguous}, dev, 111),
+                     make_input({{2, 4}, DType::f32, Layout::contiguous}, dev, 112),
+                     make_input({{4, 24}, DType::f32, Layout::contiguous}, dev, 113)};
+    for (Tensor& t : in) t.requires_grad_(true);
+    return in;
+  };
+  const TensorList ein = inputs(), cin = inputs();
+  const Tensor seed = make_input({{2, 5, 8}, DType::f32, Layout::contiguous}, dev, 114);
+  const Tensor want = fn(ein)[0];
+  Gradients eg = want.backward(BackwardOptions{seed});
+  CompiledFunction f = compile(fn);
+  f(cin);
+  const Tensor got = f(cin)[0];
+  ASSERT_EQ(f.fallback_reason(), "");
+  EXPECT_EQ(f.stats().fused_kernels, 1);  // modulate, gelu and the gated residual: one kernel
+  EXPECT_TRUE(all_close(got, want, 1e-5, 1e-5));
+  Gradients cg = got.backward(BackwardOptions{seed});
+  for (std::size_t i = 0; i < ein.size(); ++i) {
+    EXPECT_TRUE(all_close(cg.get(cin[i]), eg.get(ein[i]), 1e-4, 1e-5)) << "input " << i;
+  }
+}
+
 TEST(CompileTrace, RetraceOnNewShapeAndBoundedCache) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
