@@ -49,8 +49,13 @@ def main():
         fwd_bytes = in_bytes + out_bytes
         bwd_bytes = fwd_bytes + in_bytes + out_bytes + in_bytes
         grad_ins = [t.detach().clone().requires_grad_() for t in ins]
-        compiled = torch.compile(fn)
         for mode, bytes_ in (("fwd", fwd_bytes), ("fwdbwd", bwd_bytes)):
+            # A fresh compile per mode (no guard flip between grad modes on one cache entry),
+            # static shapes, the whole function as one graph; warm-up long enough to include the
+            # forward and (lazily compiled) backward graphs. The counters line shows recompiles.
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            compiled = torch.compile(fn, fullgraph=True, dynamic=False)
             for variant, f in (("torch_eager", fn), ("torch_compile", compiled)):
                 if mode == "fwd":
                     def run():
@@ -60,8 +65,12 @@ def main():
                     def run():
                         y = f(*grad_ins)
                         torch.autograd.grad(y, grad_ins, dy)
-                ms = median_ms(torch, run, args.reps, args.warmup + 2)
+                warm = args.warmup + (10 if variant == "torch_compile" else 2)
+                ms = median_ms(torch, run, args.reps, warm)
                 emit(f"compile_{name}_{mode}_{variant}", bytes_ / (ms * 1e-3) / 1e9, ms)
+            c = torch._dynamo.utils.counters
+            print(f"# {name}_{mode}: dynamo frames {dict(c['frames'])}, stats {dict(c['stats'])}, "
+                  f"graph breaks {sum(c['graph_break'].values())}", flush=True)
     return 0
 
 
