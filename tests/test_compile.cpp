@@ -418,14 +418,27 @@ TEST(CompileFallback, EachReason) {
     c[0].add_(1.0);
     return {c[0] * 2.0};
   }, {x}, "in-place");
-  // Inputs that share storage.
-  expect_fallback([](const TensorList& in) -> TensorList { return {in[0] + in[1]}; }, {x, x}, "share storage");
+  // An expand of inputs that share storage (a view leaf would not know which input it views).
+  expect_fallback([](const TensorList& in) -> TensorList { return {in[0].expand({2, 4, 5}) + in[1]}; }, {x, x},
+                  "share storage");
   // A view the tracer does not replay as a step (expand) of an input that requires grad (it
   // would need an as_strided backward).
   Tensor xg = x.clone();
   xg.requires_grad_(true);
   expect_fallback([](const TensorList& in) -> TensorList { return {in[0].expand({3, 4, 5}) * 2.0}; }, {xg},
                   "requires grad");
+}
+
+// Inputs that share storage (the chunks of one GEMM output) compile: each is read by itself.
+TEST(CompileFusion, InputsSharingStorage) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Fn fn = [](const TensorList& in) -> TensorList { return {in[0] * in[1].add_scalar(1.0) + in[2]}; };
+  const Tensor m = make_input({{4, 9}, DType::f32, Layout::contiguous}, dev, 121);
+  const TensorList parts = m.chunk(3, 1);
+  CompiledFunction f = compile(fn);
+  expect_same_as_eager(fn, {parts[0], parts[1], parts[2]}, f, 0, 0);
+  EXPECT_EQ(f.stats().fused_kernels, 1);
 }
 
 TEST(CompileFallback, NestedCompileRunsInsideTheOuterTrace) {

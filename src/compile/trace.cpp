@@ -28,13 +28,11 @@ Tracer::Tracer(const TensorList& args, bool grad_mode) : args_(args), grad_mode_
   for (std::size_t i = 0; i < args.size(); ++i) {
     const Tensor& t = args[i];
     if (!t.defined()) continue;
+    // Inputs may share storage (chunks of one tensor): regions read each through its own
+    // pointer. Only a view leaf (below) needs a storage's one input, so shared ones get none.
     const void* st = t.impl()->storage.get();
-    if (arg_storage_.count(st)) {
-      fail("inputs " + std::to_string(arg_storage_[st]) + " and " + std::to_string(i) +
-           " share storage (aliasing inputs are not traced)");
-      continue;
-    }
-    arg_storage_[st] = static_cast<int>(i);
+    if (arg_storage_.count(st)) shared_storage_.insert(st);
+    else arg_storage_[st] = static_cast<int>(i);
     LeafSpec leaf;
     leaf.kind = LeafSpec::Kind::arg;
     leaf.arg = static_cast<int>(i);
@@ -72,6 +70,10 @@ int Tracer::resolve(const Tensor& t) {
   if (!graph.fail.empty()) return -1;
   const void* st = t.impl()->storage.get();
   if (auto a = arg_storage_.find(st); a != arg_storage_.end()) {
+    if (shared_storage_.count(st)) {
+      fail("a view (other than the replayed view ops) of inputs that share storage");
+      return -1;
+    }
     const Tensor& arg = args_[a->second];
     if (grad_mode_ && arg.requires_grad()) {
       fail("a view of input " + std::to_string(a->second) +

@@ -59,6 +59,7 @@ class Tracer {
   std::unordered_map<const void*, int> arg_storage_;
   std::unordered_map<const void*, const char*> new_storage_;
   std::unordered_set<const void*> bound_storage_;  // storages of traced values
+  std::unordered_set<const void*> shared_storage_;  // storages two inputs share
 };
 
 // Sets the thread's tracer while alive.
