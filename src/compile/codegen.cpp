@@ -37,7 +37,7 @@ namespace flame::compile_detail {
 extern const char* const kFusionHeaders;
 
 std::atomic<int64_t> g_kernel_launches{0};
-constexpr int kUnroll = 4;  // elements per thread per tile of a generated kernel
+constexpr int kUnroll = 8;  // elements per thread per tile: enough bytes in flight for HBM
 std::atomic<int64_t> g_kernel_sources{0};
 
 namespace {
