@@ -258,6 +258,22 @@ TEST(CompileAutograd, AdaLNChunkMatchesEager) {
   }
 }
 
+// A captured tensor that gets new geometry (set_data) makes the trace stale: it is traced again.
+TEST(CompileTrace, CapturedTensorWithNewShapeRetraces) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Tensor bias = make_input({{5}, DType::f32, Layout::contiguous}, dev, 131);
+  Fn fn = [bias](const TensorList& in) -> TensorList { return {(in[0] + bias).relu()}; };
+  CompiledFunction f = compile(fn);
+  const Tensor x = make_input({{4, 5}, DType::f32, Layout::contiguous}, dev, 132);
+  expect_same_as_eager(fn, {x}, f, 0, 0);
+  bias.set_data(make_input({{4, 5}, DType::f32, Layout::transposed}, dev, 133));
+  EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], 0, 0));
+  EXPECT_EQ(f.stats().traces, 2);
+  EXPECT_TRUE(all_close(f({x})[0], fn({x})[0], 0, 0));  // and replays the new trace
+  EXPECT_EQ(f.stats().replays, 2);
+}
+
 TEST(CompileTrace, RetraceOnNewShapeAndBoundedCache) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

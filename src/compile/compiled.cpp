@@ -379,7 +379,19 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
           leaves.push_back(make_view(inputs[l.arg], l.sizes, l.strides, inputs[l.arg].storage_offset() + l.offset,
                                      "compile"));
           break;
-        case compile_detail::LeafSpec::Kind::constant: leaves.push_back(l.constant); break;
+        case compile_detail::LeafSpec::Kind::constant:
+          if (l.constant.sizes() != l.sizes || l.constant.strides() != l.strides || l.constant.dtype() != l.dtype) {
+            // A captured tensor got new geometry (set_data): the trace is stale; trace again.
+            {
+              std::lock_guard<std::mutex> lock(im.mu);
+              im.entries.erase(std::remove_if(im.entries.begin(), im.entries.end(),
+                                              [&](const Impl::Entry& en) { return en.key == key; }),
+                               im.entries.end());
+            }
+            return (*this)(inputs);
+          }
+          leaves.push_back(l.constant);
+          break;
       }
     }
   }
@@ -398,6 +410,7 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
     if (plan->leaf_node[k] >= 0) val[plan->leaf_node[k]] = leaves[k];
   }
   const bool grad = grad_enabled();
+  try {
   for (const Plan::Step& st : plan->steps) {
     TensorList ins;
     if (st.eager >= 0) {
@@ -416,6 +429,25 @@ TensorList CompiledFunction::operator()(const TensorList& inputs) const {
       if (need) return im.fn(inputs);
     }
     val[st.node] = compile_detail::run_region(plan, r, ins, im.counters, im.options.name);
+  }
+  } catch (const Error& e) {
+    // A replay that fails (a generated kernel that does not compile, a kernel launch refused)
+    // is a bug of the plan, or the user's error that the eager run will raise itself: this
+    // signature runs eagerly from now on, with the reason. Replays have no side effects to undo.
+    auto failed = std::make_shared<Plan>();
+    failed->fail = std::string("the replay failed: ") + e.what();
+    {
+      std::lock_guard<std::mutex> lock(im.mu);
+      for (auto& en : im.entries) {
+        if (en.key == key) en.plan = failed;
+      }
+      im.last = failed;
+    }
+    if (im.options.log_fallbacks) {
+      std::fprintf(stderr, "flame::compile: '%s' runs eagerly for this signature: %s\n", im.options.name.c_str(),
+                   failed->fail.c_str());
+    }
+    return im.fn(inputs);
   }
   TensorList outs;
   for (int o : plan->outputs) outs.push_back(val[o]);

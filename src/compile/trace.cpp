@@ -101,6 +101,9 @@ int Tracer::resolve(const Tensor& t) {
   LeafSpec leaf;
   leaf.kind = LeafSpec::Kind::constant;
   leaf.constant = t;
+  leaf.sizes = t.sizes();
+  leaf.strides = t.strides();
+  leaf.dtype = t.dtype();
   return add_leaf(t, std::move(leaf));
 }
 

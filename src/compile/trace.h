@@ -18,7 +18,8 @@ struct LeafSpec {
   int arg = -1;
   Shape sizes, strides;  // arg_view: geometry, with the offset relative to the argument's
   int64_t offset = 0;
-  Tensor constant;       // a tensor made before the call (read by reference)
+  Tensor constant;       // a tensor made before the call (read by reference); sizes/strides/dtype:
+  DType dtype = DType::f32;  // its geometry at trace time (set_data may change it: retrace)
 };
 
 // An op replayed eagerly: node `slot` of the graph indexes eager_ops; its operands are `inputs`.
