@@ -26,6 +26,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/backend/cpu/cpu_backend.h"
+#include "src/compile/trace_hooks.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 #include "src/profiler/context.h"
@@ -156,8 +157,11 @@ std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device dev
   profiler_detail::set_current_op(op);  // Note [Allocation context] in src/profiler/memory_profiler.cpp
   try {
     // On the CPU the Storage lives in its data block (Note [Storage in its block]).
-    if (device.is_cpu()) return backend::cpu::allocate_storage(nbytes);
-    return std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
+    std::shared_ptr<Storage> s = device.is_cpu()
+                                     ? backend::cpu::allocate_storage(nbytes)
+                                     : std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
+    if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_new_storage(*tr, s.get(), op);
+    return s;
   } catch (const std::exception& e) {  // flame::Error or std::bad_alloc: say which op and shape
     FLAME_FAIL(op, "cannot allocate a ", dtype_name(dtype), " tensor of shape ", sizes, " (", nbytes,
                " bytes) on ", device.str(), ": ", e.what());
@@ -224,7 +228,10 @@ Tensor make_empty_in_layout_of(const Tensor& t, DType dtype, Device device, cons
   return make_empty(t.sizes(), dtype, device, op);
 }
 
-void bump_version(const Tensor& t) { t.impl()->storage->version.fetch_add(1); }
+void bump_version(const Tensor& t) {
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_fail(*tr, "an in-place write (a replay would skip it)");
+  t.impl()->storage->version.fetch_add(1);
+}
 
 namespace {
 constexpr int64_t kOverlapEnumerationLimit = int64_t{1} << 22;
@@ -477,6 +484,7 @@ Tensor Tensor::from_blob_copy(const void* host, DType dtype, std::size_t count, 
 // ---- conversions ----
 Tensor Tensor::to(Device device) const {
   if (device == this->device()) return *this;
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_fail(*tr, "a device transfer (to " + device.str() + ")");
   Tensor src = contiguous();
   Tensor dst = make_empty(sizes(), dtype(), device, "to");
   const Device from = this->device();
@@ -497,6 +505,7 @@ Tensor Tensor::to(DType dt) const {
   if (dt == dtype()) return *this;
   Tensor dst = make_empty(sizes(), dt, device(), "to");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_cast(*tr, dst, *this);
   const DType from = dtype();
   return rules::with_grad(dst, "to_dtype", *this, [from](const Tensor& g) { return g.to(from); });
 }
@@ -508,10 +517,12 @@ Tensor Tensor::contiguous() const { return is_contiguous() ? *this : clone(); }
 Tensor Tensor::clone() const {
   Tensor dst = make_empty(sizes(), dtype(), device(), "clone");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_cast(*tr, dst, *this);  // a copy fuses
   return rules::with_grad(dst, "clone", *this, [](const Tensor& g) { return g; });
 }
 
 Tensor Tensor::host_copy(DType dt) const {
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_fail(*tr, "a host read (to_vec/item): values cannot be traced");
   Tensor c = to(Device::cpu()).to(dt);
   return c.contiguous();
 }

@@ -43,6 +43,7 @@
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
+#include "src/compile/trace_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/attention.h"
 #include "src/backend/backend.h"
@@ -351,6 +352,12 @@ const char* sdpa_last_path() { return t_last_path; }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
                                     double dropout_p, bool is_causal, std::optional<double> scale, Generator* gen) {
+  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
+    return compile_detail::trace_eager_op(
+        *tr, "scaled_dot_product_attention", {q, k, v, attn_mask}, [dropout_p, is_causal, scale, gen](const TensorList& in) {
+          return scaled_dot_product_attention(in[0], in[1], in[2], in[3], dropout_p, is_causal, scale, gen);
+        });
+  }
   if (amp::detail::should_autocast(q)) {  // Note [Autocast policy]: low precision (a float mask too)
     amp::detail::AutocastOpScope scope;
     return scaled_dot_product_attention(amp::detail::cast_low(q), amp::detail::cast_low(k), amp::detail::cast_low(v),

@@ -9,6 +9,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
+#include "src/compile/trace_hooks.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
 #include "src/ops/scalar_math.h"
@@ -89,6 +90,7 @@ Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, c
   Tensor in = x.to(in_dtype);
   Tensor out = make_empty(x.sizes(), out_dtype, x.device(), info(op).name);
   if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_unary(*tr, out, op, in, p);
   rules::unary(out, op, x, in, p);
   return out;
 }
@@ -176,6 +178,7 @@ Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
     backend::backend_for(a.device())
         .binary(op, out, ac.sizes() == shape ? ac : ac.expand(shape), bc.sizes() == shape ? bc : bc.expand(shape));
   }
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_binary(*tr, out, op, ac, bc);
   if (oi.kind != OpKind::predicate) rules::binary(out, op, a, b, ac, bc);
   return out;
 }
@@ -343,6 +346,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
   if (out.numel() > 0) {
     backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
   }
+  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_where(*tr, out, cond, a.to(dt), b.to(dt));
   rules::where(out, cond, a, b);
   return out;
 }

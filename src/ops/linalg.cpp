@@ -17,6 +17,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/compile/trace_hooks.h"
 
 namespace flame {
 namespace {
@@ -153,6 +154,9 @@ Tensor matmul_impl(const Tensor& a, const Tensor& b) {
 
 // The kernels run without recording; one node covers the whole product (rules/linalg.cpp).
 Tensor matmul(const Tensor& a, const Tensor& b) {
+  if (auto* tr = compile_detail::active_tracer()) {
+    return compile_detail::trace_eager_op(*tr, "matmul", {a, b}, [](const TensorList& in) { return matmul(in[0], in[1]); });
+  }
   if (amp::detail::should_autocast(a)) {  // Note [Autocast policy]: low precision
     amp::detail::AutocastOpScope scope;
     return matmul(amp::detail::cast_low(a), amp::detail::cast_low(b));

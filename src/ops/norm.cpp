@@ -21,6 +21,7 @@
 #include "src/amp/autocast.h"
 #include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"
+#include "src/compile/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::nn::functional {
@@ -84,6 +85,11 @@ ChannelShape channel_shape(const Tensor& x, const char* op) {
 }  // namespace
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
+  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
+    return compile_detail::trace_eager_op(*tr, "layer_norm", {x, weight, bias}, [normalized_shape, eps](const TensorList& in) {
+      return layer_norm(in[0], normalized_shape, in[1], in[2], eps);
+    });
+  }
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
     amp::detail::AutocastOpScope scope;
     return layer_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);

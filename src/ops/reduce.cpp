@@ -21,6 +21,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/compile/trace_hooks.h"
 
 namespace flame {
 using backend::ReduceOp;
@@ -132,6 +133,9 @@ Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
 }  // namespace
 
 Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) {
+  if (auto* tr = compile_detail::active_tracer()) {
+    return compile_detail::trace_eager_op(*tr, "sum", {x}, [dims, keepdim](const TensorList& in) { return sum(in[0], dims, keepdim); });
+  }
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
     amp::detail::AutocastOpScope scope;
     return sum(amp::detail::cast_f32(x), dims, keepdim);
@@ -141,6 +145,9 @@ Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) {
 }
 
 Tensor mean(const Tensor& x, const Shape& dims, bool keepdim) {
+  if (auto* tr = compile_detail::active_tracer()) {
+    return compile_detail::trace_eager_op(*tr, "mean", {x}, [dims, keepdim](const TensorList& in) { return mean(in[0], dims, keepdim); });
+  }
   check_floating(x, "mean");
   const ReducePlan p = plan_reduce(x, dims, "mean");
   return run_reduce(ReduceOp::mean, x, p, x.dtype(), keepdim);
@@ -264,7 +271,12 @@ Tensor cumsum(const Tensor& x, int64_t dim) {
   return out;
 }
 
-Tensor softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, false, "softmax"); }
+Tensor softmax(const Tensor& x, int64_t dim) {
+  if (auto* tr = compile_detail::active_tracer()) {
+    return compile_detail::trace_eager_op(*tr, "softmax", {x}, [dim](const TensorList& in) { return softmax(in[0], dim); });
+  }
+  return softmax_impl(x, dim, false, "softmax");
+}
 Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true, "log_softmax"); }
 
 }  // namespace flame

@@ -7,7 +7,16 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
 #include "src/core/checked_math.h"
+#include "src/compile/trace_hooks.h"
 #include "src/core/tensor_impl.h"
+
+// flame::compile replays a view taken while tracing as an eager step (the view op itself, so
+// autograd sees it): Note [Tracing] in src/compile/trace.cpp.
+#define FLAME_TRACE_VIEW(name, call)                                                             \
+  if (auto* tracer_ = compile_detail::active_tracer()) {                                         \
+    return compile_detail::trace_eager_op(*tracer_, name, {*this},                               \
+                                          [=](const TensorList& in_) { return in_[0].call; });   \
+  }
 
 namespace flame {
 namespace {
@@ -124,6 +133,7 @@ Tensor unfold_backward(const Tensor& g, const Shape& xs, int64_t d, int64_t size
 }  // namespace
 
 Tensor Tensor::view(const Shape& shape) const {
+  FLAME_TRACE_VIEW("view", view(shape))
   Shape target = infer_shape(shape, numel(), "view", sizes());
   auto strides = view_strides(sizes(), this->strides(), target);
   FLAME_CHECK(strides.has_value(), "view", "shape ", target, " is not compatible with input of shape ",
@@ -132,6 +142,7 @@ Tensor Tensor::view(const Shape& shape) const {
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
+  FLAME_TRACE_VIEW("reshape", reshape(shape))
   Shape target = infer_shape(shape, numel(), "reshape", sizes());
   if (auto strides = view_strides(sizes(), this->strides(), target)) {
     return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "reshape", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
@@ -140,6 +151,7 @@ Tensor Tensor::reshape(const Shape& shape) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  FLAME_TRACE_VIEW("transpose", transpose(d0, d1))
   const int64_t n = dim();
   if (n == 0) {
     wrap_dim(d0, 0, "transpose");
@@ -160,6 +172,7 @@ Tensor Tensor::t() const {
 }
 
 Tensor Tensor::permute(const Shape& dims) const {
+  FLAME_TRACE_VIEW("permute", permute(dims))
   const int64_t n = dim();
   FLAME_CHECK(static_cast<int64_t>(dims.size()) == n, "permute", "number of dims ", dims,
               " does not match tensor of shape ", sizes());
@@ -176,6 +189,7 @@ Tensor Tensor::permute(const Shape& dims) const {
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  FLAME_TRACE_VIEW("narrow", narrow(d, start, length))
   FLAME_CHECK(dim() > 0, "narrow", "cannot narrow a 0-d tensor");
   d = wrap_dim(d, dim(), "narrow");
   const int64_t n = sizes()[d];
@@ -189,6 +203,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  FLAME_TRACE_VIEW("slice", slice(d, start, end, step))
   FLAME_CHECK(dim() > 0, "slice", "cannot slice a 0-d tensor");
   d = wrap_dim(d, dim(), "slice");
   FLAME_CHECK(step > 0, "slice", "step must be positive, got ", step);
@@ -204,6 +219,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
+  FLAME_TRACE_VIEW("select", select(d, index))
   FLAME_CHECK(dim() > 0, "select", "cannot select from a 0-d tensor");
   d = wrap_dim(d, dim(), "select");
   const int64_t n = sizes()[d];
@@ -256,6 +272,7 @@ Tensor Tensor::squeeze() const {
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
+  FLAME_TRACE_VIEW("squeeze", squeeze(d))
   if (dim() == 0) {
     wrap_dim(d, 0, "squeeze");
     return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
@@ -269,6 +286,7 @@ Tensor Tensor::squeeze(int64_t d) const {
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
+  FLAME_TRACE_VIEW("unsqueeze", unsqueeze(d))
   d = wrap_dim(d, dim() + 1, "unsqueeze");
   Shape sz = sizes(), st = strides();
   const int64_t new_stride = d < dim() ? mul_overflows(sizes()[d], strides()[d]).value_or(1) : 1;
@@ -278,6 +296,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
+  FLAME_TRACE_VIEW("flatten", flatten(start_dim, end_dim))
   if (dim() == 0) return reshape({1});
   start_dim = wrap_dim(start_dim, dim(), "flatten");
   end_dim = wrap_dim(end_dim, dim(), "flatten");
@@ -291,6 +310,7 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
 }
 
 Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
+  FLAME_TRACE_VIEW("unflatten", unflatten(d, parts))
   FLAME_CHECK(dim() > 0, "unflatten", "cannot unflatten a 0-d tensor");
   d = wrap_dim(d, dim(), "unflatten");
   FLAME_CHECK(!parts.empty(), "unflatten", "sizes must be non-empty");
