@@ -102,7 +102,9 @@ def machine_lines(info):
     gpu = info.get("name", "no GPU found (nvidia-smi)")
     out = [f"FLAME benchmark suite, {info.get('date', '?')}, FLAME {info.get('flame_commit', '?')}, "
            f"PyTorch {info.get('torch', '?')}"]
-    if "name" in info:
+    if "note" in info:
+        out.append(info["note"])
+    elif "name" in info:
         out.append(f"GPU: {gpu}, driver {info.get('driver_version', '?')}, {info.get('memory.total', '?')}, "
                    f"power limit {info.get('power.limit', '?')}, {info.get('pstate', '?')}, "
                    f"{info.get('temperature.gpu', '?')} C")
@@ -522,6 +524,17 @@ def main():
             total += r["limit"]
         print(f"suite: nominal limits add up to {total} s (caps: most runs take far less); the budget "
               "cuts the unreserved runs at the end first")
+        if args.markdown:  # the template bench/RESULTS.md starts from
+            info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                    "flame_commit": sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]) or "?",
+                    "torch": "-",
+                    "note": "GPU: not measured yet (template from --dry-run; the GPU run of bench/suite.py "
+                            "fills in the table). Planned runs: "
+                            + ", ".join(f"{r['family']}/{r['side']}" for r in runs)}
+            os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+            with open(args.markdown, "w", encoding="utf-8") as f:
+                f.write(markdown([], info, [], None))
+            print(f"suite: template written to {args.markdown}")
         return 0
 
     os.makedirs(args.out, exist_ok=True)
