@@ -14,7 +14,9 @@ The data batch is static on the GPU (randn images, random labels); the loss is n
 off for matmuls and cuDNN (FLAME's setting). torch.compile wraps the model only (the loss, the
 optimizer and the EMA stay eager, as `torch.compile(model)` in a training script); its compile
 time is spent in the warm-up and reported separately (compile_s). Peak memory is
-torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up).
+torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up). Eager runs also
+count one step's FLOPs with torch.utils.flop_counter (flops_counted), a check of the analytic
+count (flops) both sides use for MFU.
 
 Usage: python3 bench/bench_steps_torch.py [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
            [--warmup N] [--impl eager,compile] [--compile-mode MODE] [--no-gemm]
@@ -185,6 +187,8 @@ def main():
     ap.add_argument("--impl", default="eager,compile", help="eager, compile or both (comma-separated)")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode (default: PyTorch's default)")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--no-flop-count", action="store_true",
+                    help="skip the FlopCounterMode cross-check of the analytic FLOP count (eager runs)")
     args = ap.parse_args()
     import torch
     if not torch.cuda.is_available():
@@ -236,6 +240,17 @@ def main():
                     name, flops, step = mlp_workload(torch, batch, dev, compile_fn)
                 else:
                     name, flops, step = diffusion_workload(torch, model, batch, dev, compile_fn)
+                counted = None
+                if impl == "eager" and not args.no_flop_count:
+                    # An independent check of the analytic count: PyTorch's FLOP counter over one step
+                    # (it counts every matmul, conv and attention kernel, backward included).
+                    try:
+                        from torch.utils.flop_counter import FlopCounterMode
+                        with FlopCounterMode(display=False) as fc:
+                            step()
+                        counted = fc.get_total_flops()
+                    except Exception as e:  # an old PyTorch: no check, the benchmark goes on
+                        print(f"# bench_steps_torch: no FLOP count for {name}: {e}", flush=True)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for _ in range(max(args.warmup, 1 if impl == "compile" else 0)):
@@ -251,6 +266,8 @@ def main():
                        "peak_mib": round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)}
                 if impl == "compile":
                     rec["compile_s"] = round(warm_s, 1)
+                if counted:
+                    rec["flops_counted"] = float(f"{counted:.4g}")
                 if peak > 0:
                     rec["mfu"] = round(tflops / peak, 4)
                 emit(rec)

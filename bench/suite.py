@@ -70,7 +70,7 @@ ORDER = [
 
 FIELDS = ["family", "work", "unit", "flame_ms", "eager_ms", "ratio_eager", "compile_ms", "ratio_compile",
           "rate", "rate_unit", "eager_rate", "compile_rate", "mfu", "img_s", "peak_mib_flame",
-          "peak_mib_eager", "peak_mib_compile", "compile_s"]
+          "peak_mib_eager", "peak_mib_compile", "compile_s", "flops", "flops_counted"]
 
 
 # ---------------------------------------------------------------------------------- the machine
@@ -133,6 +133,8 @@ def plan(args):
             if compile_args is None or args.no_compile:
                 continue
             cmd = [sys.executable, os.path.join(HERE, twin)] + compile_args
+            if args.compile_mode and fam == "steps":
+                cmd += ["--compile-mode", args.compile_mode]
         runs.append({"family": fam, "side": side, "cmd": cmd, "limit": nominal, "min": reserved})
     return runs
 
@@ -261,6 +263,7 @@ def join(runs):
                "mfu": (f or {}).get("mfu"), "img_s": (f or {}).get("img_s"),
                "peak_mib_flame": (f or {}).get("peak_mib"), "peak_mib_eager": (e or {}).get("peak_mib"),
                "peak_mib_compile": (c or {}).get("peak_mib"), "compile_s": (c or {}).get("compile_s"),
+               "flops": (f or e or {}).get("flops"), "flops_counted": (e or {}).get("flops_counted"),
                "errors": {s: v["error"] for s, v in sides.items() if "error" in v}}
         rows.append(row)
     return rows
@@ -302,6 +305,17 @@ def target_lines(rows):
         row = next((r for r in rows if r["work"] == name), None)
         text, met = check(row) if row else ("not measured", None)
         out.append(f"{label}: {text} -> {'met' if met else 'NOT met' if met is False else '?'}")
+    return out
+
+
+def flop_lines(rows):
+    out = []
+    for r in rows:
+        if r.get("flops"):
+            t = f"{r['work']}: {r['flops'] / 1e12:.3f} TFLOP analytic"
+            if r.get("flops_counted"):
+                t += f", {r['flops_counted'] / 1e12:.3f} counted by torch.utils.flop_counter"
+            out.append(t)
     return out
 
 
@@ -367,6 +381,8 @@ def text_table(rows, info, runs):
     if compile_lines(rows):
         lines.append("torch.compile warm-up (compilation) per step case, not in the step times: "
                      + ", ".join(compile_lines(rows)))
+    if flop_lines(rows):
+        lines.append("model FLOPs per step (MFU uses the analytic count): " + "; ".join(flop_lines(rows)))
     for r in rows:
         for side, e in r["errors"].items():
             lines.append(f"  error {r['work']} ({side}): {str(e)[:160]}")
@@ -394,6 +410,8 @@ def markdown(rows, info, runs, png_name):
     out += ["Issue #12 targets in this run:", ""] + [f"- {t}" for t in target_lines(rows)] + [""]
     if compile_lines(rows):
         out += ["torch.compile warm-up (compilation, not in the step times): " + ", ".join(compile_lines(rows)), ""]
+    if flop_lines(rows):
+        out += ["Model FLOPs per step (MFU uses the analytic count): " + "; ".join(flop_lines(rows)), ""]
     notes = [f"- error {r['work']} ({s}): {str(e)[:160]}" for r in rows for s, e in r["errors"].items()]
     notes += [f"- run {r['family']} / {r['side']}: {r['status']}" for r in runs
               if r.get("status") and r["status"] != "rc 0"]
@@ -492,6 +510,8 @@ def main():
     ap.add_argument("--only", default="", help="families to run (comma-separated)")
     ap.add_argument("--skip", default="", help="families to leave out")
     ap.add_argument("--no-compile", action="store_true", help="no torch.compile runs")
+    ap.add_argument("--compile-mode", default="",
+                    help="torch.compile mode of the step runs (e.g. max-autotune-no-cudagraphs; default: default)")
     ap.add_argument("--markdown", default="", help="also write the table as markdown here")
     ap.add_argument("--from-json", default="", help="re-render from an earlier results.json; runs nothing")
     ap.add_argument("--dry-run", action="store_true", help="list the runs and their limits; run nothing")
