@@ -18,13 +18,16 @@ torch.cuda.max_memory_allocated over the timed steps (reset after the warm-up). 
 count one step's FLOPs with torch.utils.flop_counter (flops_counted), a check of the analytic
 count (flops) both sides use for MFU.
 
+--device cpu is a smoke run (as bench_steps --device cpu): no autocast, host timing, no memory.
+
 Usage: python3 bench/bench_steps_torch.py [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
-           [--warmup N] [--impl eager,compile] [--compile-mode MODE] [--no-gemm]
+           [--warmup N] [--impl eager,compile] [--compile-mode MODE] [--no-gemm] [--device cuda|cpu]
 """
 import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -113,7 +116,7 @@ def mlp_flops(batch):
 
 # ---- workloads: (name, batch, flops, step, model) ----
 
-def diffusion_workload(torch, preset, batch, dev, compile_fn):
+def diffusion_workload(torch, preset, batch, dev, compile_fn, amp=True):
     from common import drop_labels
     from diffusion import flow_loss
     from unet import make_model
@@ -138,7 +141,7 @@ def diffusion_workload(torch, preset, batch, dev, compile_fn):
 
     def step():
         y = drop_labels(labels, 0.1, model.null_class, generator=gen)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             loss = flow_loss(fwd, images, y, generator=gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -152,7 +155,7 @@ def diffusion_workload(torch, preset, batch, dev, compile_fn):
     return f"step_{preset}_b{batch}", flops, step
 
 
-def mlp_workload(torch, batch, dev, compile_fn):
+def mlp_workload(torch, batch, dev, compile_fn, amp=True):
     import torch.nn as nn
     import torch.nn.functional as F
     layers = []
@@ -169,7 +172,7 @@ def mlp_workload(torch, batch, dev, compile_fn):
     fwd = compile_fn(model)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
             loss = F.mse_loss(fwd(x), target)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -187,24 +190,41 @@ def main():
     ap.add_argument("--impl", default="eager,compile", help="eager, compile or both (comma-separated)")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode (default: PyTorch's default)")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no autocast, host timing)")
     ap.add_argument("--no-flop-count", action="store_true",
                     help="skip the FlopCounterMode cross-check of the analytic FLOP count (eager runs)")
     args = ap.parse_args()
     import torch
-    if not torch.cuda.is_available():
-        print("# bench_steps_torch: no CUDA device; nothing to measure")
+    cpu = args.device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        print("# bench_steps_torch: no CUDA device; nothing to measure (--device cpu runs the CPU smoke test)")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
+
+    def sync():
+        if not cpu:
+            torch.cuda.synchronize()
+
+    def time_steps(fn, reps):
+        if not cpu:
+            return median_ms(torch, fn, reps, 0)
+        ms = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ms)
+
     impls = [s for s in args.impl.split(",") if s]
     models = [m for m in args.model.split(",") if m]
-    print(f"# bench_steps_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
+    print(f"# bench_steps_torch: PyTorch {torch.__version__} on {'cpu' if cpu else torch.cuda.get_device_name(0)}, "
           f"impl {','.join(impls)}, compile mode {args.compile_mode or 'default'}, TF32 off, "
           f"reps {args.reps}, warm-up {args.warmup}", flush=True)
 
     peak = 0.0
-    if not args.no_gemm:
+    if not args.no_gemm and not cpu:
         try:
             n = 8192
             a = torch.randn(n, n, device=dev).to(torch.bfloat16)
@@ -237,9 +257,9 @@ def main():
             name = f"step_{model}_b{batch}" if model != "mlp" else f"step_mlp4x4096_b{batch}"
             try:
                 if model == "mlp":
-                    name, flops, step = mlp_workload(torch, batch, dev, compile_fn)
+                    name, flops, step = mlp_workload(torch, batch, dev, compile_fn, amp=not cpu)
                 else:
-                    name, flops, step = diffusion_workload(torch, model, batch, dev, compile_fn)
+                    name, flops, step = diffusion_workload(torch, model, batch, dev, compile_fn, amp=not cpu)
                 counted = None
                 if impl == "eager" and not args.no_flop_count:
                     # An independent check of the analytic count: PyTorch's FLOP counter over one step
@@ -251,19 +271,21 @@ def main():
                         counted = fc.get_total_flops()
                     except Exception as e:  # an old PyTorch: no check, the benchmark goes on
                         print(f"# bench_steps_torch: no FLOP count for {name}: {e}", flush=True)
-                torch.cuda.synchronize()
+                sync()
                 t0 = time.perf_counter()
                 for _ in range(max(args.warmup, 1 if impl == "compile" else 0)):
                     step()
-                torch.cuda.synchronize()
+                sync()
                 warm_s = time.perf_counter() - t0
-                torch.cuda.reset_peak_memory_stats()
-                ms = median_ms(torch, step, args.reps, 0)
+                if not cpu:
+                    torch.cuda.reset_peak_memory_stats()
+                ms = time_steps(step, args.reps)
                 tflops = flops / (ms * 1e-3) / 1e12
                 rec = {"name": name, "value": round(ms, 4), "unit": "ms", "ms": round(ms, 4), "impl": tag,
                        "batch": batch, "img_s": round(batch / (ms * 1e-3), 1), "flops": float(f"{flops:.4g}"),
-                       "tflops": round(tflops, 2),
-                       "peak_mib": round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)}
+                       "tflops": round(tflops, 2)}
+                if not cpu:
+                    rec["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)
                 if impl == "compile":
                     rec["compile_s"] = round(warm_s, 1)
                 if counted:
@@ -277,7 +299,8 @@ def main():
             if impl == "compile":
                 torch._dynamo.reset()  # drops the compiled model (and its memory) before the next case
             gc.collect()
-            torch.cuda.empty_cache()
+            if not cpu:
+                torch.cuda.empty_cache()
     return 0
 
 
