@@ -15,6 +15,8 @@ ratios; needs matplotlib) and logs.txt (every program's output, folded into one 
 --markdown FILE also writes the table as markdown (bench/RESULTS.md). --from-json re-renders the
 outputs from an earlier results.json without running anything. docs/benchmarks.md has the method.
 
+Exit status 1 when a program failed, timed out or was not built, or a case printed an error.
+
 Usage:
   python3 bench/suite.py --build build-gpu --out OUT [--time-budget SECONDS] [--only FAMILY,..]
                          [--skip FAMILY,..] [--no-compile] [--markdown RESULTS.md] [--dry-run]
@@ -570,6 +572,15 @@ def main():
     print(render(args.out, info, runs, rows, args.markdown), end="")
     print(f"suite: outputs in {args.out} (table.txt, results.json, results.csv, ratios.png, logs.txt)"
           + (f"; markdown {args.markdown}" if args.markdown else ""))
+    # Exit status: 1 when a program failed, timed out or is missing, or a case reported an error
+    # (runs skipped for the budget do not count).
+    failed = [f"{r['family']}/{r['side']}: {r['status']}" for r in runs
+              if r.get("status") not in ("rc 0", "skipped (time budget)")]
+    errors = [f"{r['work']} ({s})" for r in rows for s in r["errors"]]
+    if failed or errors:
+        print(f"suite: {len(failed)} run(s) not clean ({'; '.join(failed)}), {len(errors)} case error(s)"
+              + (f": {', '.join(errors[:10])}" if errors else ""))
+        return 1
     return 0
 
 
