@@ -31,7 +31,10 @@
 // hand to a capture helper); until that helper is in the library it reports an error line.
 //
 // Usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
-//                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm]
+//                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]
+//
+// --memory-report runs one more step of each case under flame::profiler::MemoryProfiler and prints
+// its report ("where the peak went", by op and module) as '#' lines after the case's result.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -49,6 +52,7 @@
 #include <flame/nn.h>
 #include <flame/optim/ema.h>
 #include <flame/optim/optimizers.h>
+#include <flame/profiler.h>
 
 #include "dit.h"
 #include "embed.h"
@@ -72,6 +76,7 @@ struct Args {
   std::string mode = "eager";
   std::string amp = "auto";  // auto: bf16 on CUDA (as the trainer), off on the CPU
   bool gemm = true;
+  bool memory_report = false;  // one more step under the memory profiler: where each peak went
 };
 
 // One case: a step to time and what to report about it. `step` is the seam a graph-capture
@@ -289,7 +294,7 @@ Args parse(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
-                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm]\n");
+                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -319,6 +324,8 @@ Args parse(int argc, char** argv) {
       if (a.amp != "bf16" && a.amp != "off" && a.amp != "auto") usage();
     } else if (s == "--no-gemm") {
       a.gemm = false;
+    } else if (s == "--memory-report") {
+      a.memory_report = true;
     } else {
       usage();
     }
@@ -397,6 +404,22 @@ int main(int argc, char** argv) {
       if (peak_tflops > 0) std::printf(", \"mfu\": %.4f", tflops / peak_tflops);
       std::printf("}\n");
       std::fflush(stdout);
+      if (args.memory_report) {
+        // Diagnostics only: a failure here must not turn the result above into an error line.
+        try {
+          flame::profiler::MemoryProfiler prof;
+          {
+            flame::profiler::MemoryProfileScope scope(prof);
+            w.step();
+          }
+          std::istringstream report(prof.report(12));
+          std::printf("# memory report of one %s step:\n", name.c_str());
+          for (std::string line; std::getline(report, line);) std::printf("#   %s\n", line.c_str());
+        } catch (const std::exception& e) {
+          std::printf("# memory report of %s failed: %s\n", name.c_str(), e.what());
+        }
+        std::fflush(stdout);
+      }
     } catch (const std::exception& e) {
       print_error(name, e.what());
     }

@@ -51,6 +51,9 @@ FAMILIES = {
     "train_amp": ("bench_train_amp", "bench_train_amp_torch.py", [], None),
     "train_offload": ("bench_train_offload", "bench_train_offload_torch.py", [], None),
 }
+# Extra arguments of FLAME programs: the steps also print where each step's memory peak went
+# (logs.txt), for the memory target.
+FLAME_ARGS = {"steps": ["--memory-report"]}
 # The run order with each run's time limit in seconds: (family, side, nominal, reserved). A run's
 # limit is its nominal one, cut so that the `reserved` seconds of every later run still fit in
 # the budget; runs with nothing reserved (the optional families at the end) run only when time is
@@ -128,7 +131,7 @@ def plan(args):
             continue
         prog, twin, eager_args, compile_args = FAMILIES[fam]
         if side == "flame":
-            cmd = [os.path.join(bench_dir, prog)]
+            cmd = [os.path.join(bench_dir, prog)] + FLAME_ARGS.get(fam, [])
         elif side == "eager":
             cmd = [sys.executable, os.path.join(HERE, twin)] + eager_args
         else:
