@@ -6,8 +6,8 @@ mode; --compile-mode picks another, e.g. max-autotune-no-cudagraphs). Same names
 dtypes, settings and timing as the FLAME side (Note [Step benchmark method] in bench_steps.cpp):
 
   step = label dropout (p 0.1) -> rectified-flow loss under torch.autocast(bf16) -> backward ->
-         clip_grad_norm_(1.0) -> AdamW(lr 1e-4, weight decay 0; PyTorch's default foreach
-         implementation) -> EMA (decay min(0.999, (1 + n) / (10 + n)), one foreach lerp)
+         clip_grad_norm_(1.0) -> AdamW(lr 1e-4, weight decay 0; fused=True like FLAME's fused
+         AdamW, --adamw foreach for PyTorch's default) -> EMA (decay min(0.999, (1 + n) / (10 + n)), one foreach lerp)
   MLP    = 4 x Linear(4096, 4096), GELU between, batch 64, bf16 autocast, mse loss, backward, AdamW
 
 The data batch is static on the GPU (randn images, random labels); the loss is not read. TF32 is
@@ -116,7 +116,14 @@ def mlp_flops(batch):
 
 # ---- workloads: (name, batch, flops, step, model) ----
 
-def diffusion_workload(torch, preset, batch, dev, compile_fn, amp=True):
+def adamw(torch, params, dev, impl):
+    """torch.optim.AdamW(lr 1e-4, weight decay 0): fused (one kernel set for all parameters, as
+    FLAME's fused AdamW) by default, or PyTorch's foreach default (--adamw foreach)."""
+    kw = {"fused": True} if impl == "fused" and dev.type == "cuda" else {}
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, **kw)
+
+
+def diffusion_workload(torch, preset, batch, dev, compile_fn, amp=True, opt_impl="fused"):
     from common import drop_labels
     from diffusion import flow_loss
     from unet import make_model
@@ -128,7 +135,7 @@ def diffusion_workload(torch, preset, batch, dev, compile_fn, amp=True):
         from unet import unet_config
         flops = unet_flops(unet_config(preset), batch)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    opt = adamw(torch, params, dev, opt_impl)
     ema = [p.detach().clone() for p in params]
     counter = [0]
     gen = torch.Generator(device=dev).manual_seed(17)
@@ -155,7 +162,7 @@ def diffusion_workload(torch, preset, batch, dev, compile_fn, amp=True):
     return f"step_{preset}_b{batch}", flops, step
 
 
-def mlp_workload(torch, batch, dev, compile_fn, amp=True):
+def mlp_workload(torch, batch, dev, compile_fn, amp=True, opt_impl="fused"):
     import torch.nn as nn
     import torch.nn.functional as F
     layers = []
@@ -165,7 +172,7 @@ def mlp_workload(torch, batch, dev, compile_fn, amp=True):
             layers.append(nn.GELU())
     model = nn.Sequential(*layers).to(dev)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+    opt = adamw(torch, params, dev, opt_impl)
     data_gen = torch.Generator(device=dev).manual_seed(2)
     x = torch.randn(batch, MLP_WIDTH, device=dev, generator=data_gen)
     target = torch.randn(batch, MLP_WIDTH, device=dev, generator=data_gen)
@@ -190,6 +197,8 @@ def main():
     ap.add_argument("--impl", default="eager,compile", help="eager, compile or both (comma-separated)")
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode (default: PyTorch's default)")
     ap.add_argument("--no-gemm", action="store_true")
+    ap.add_argument("--adamw", default="fused", choices=["fused", "foreach"],
+                    help="torch.optim.AdamW implementation (default fused, like FLAME's)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no autocast, host timing)")
     ap.add_argument("--no-flop-count", action="store_true",
                     help="skip the FlopCounterMode cross-check of the analytic FLOP count (eager runs)")
@@ -220,7 +229,7 @@ def main():
     impls = [s for s in args.impl.split(",") if s]
     models = [m for m in args.model.split(",") if m]
     print(f"# bench_steps_torch: PyTorch {torch.__version__} on {'cpu' if cpu else torch.cuda.get_device_name(0)}, "
-          f"impl {','.join(impls)}, compile mode {args.compile_mode or 'default'}, TF32 off, "
+          f"impl {','.join(impls)}, compile mode {args.compile_mode or 'default'}, AdamW {args.adamw}, TF32 off, "
           f"reps {args.reps}, warm-up {args.warmup}", flush=True)
 
     peak = 0.0
@@ -257,9 +266,10 @@ def main():
             name = f"step_{model}_b{batch}" if model != "mlp" else f"step_mlp4x4096_b{batch}"
             try:
                 if model == "mlp":
-                    name, flops, step = mlp_workload(torch, batch, dev, compile_fn, amp=not cpu)
+                    name, flops, step = mlp_workload(torch, batch, dev, compile_fn, amp=not cpu, opt_impl=args.adamw)
                 else:
-                    name, flops, step = diffusion_workload(torch, model, batch, dev, compile_fn, amp=not cpu)
+                    name, flops, step = diffusion_workload(torch, model, batch, dev, compile_fn, amp=not cpu,
+                                                           opt_impl=args.adamw)
                 counted = None
                 if impl == "eager" and not args.no_flop_count:
                     # An independent check of the analytic count: PyTorch's FLOP counter over one step

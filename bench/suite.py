@@ -66,7 +66,7 @@ ORDER = [
     ("nn_attention", "flame", 30, 10), ("nn_attention", "eager", 45, 15),
     ("nn_conv", "flame", 45, 10), ("nn_conv", "eager", 60, 15),
     ("train_optim", "flame", 45, 10), ("train_optim", "eager", 60, 15),
-    ("ops", "compile", 90, 30), ("nn_norm", "compile", 90, 30),
+    ("ops", "compile", 90, 20), ("nn_norm", "compile", 90, 20),
     ("nn_pool", "flame", 30, 0), ("nn_pool", "eager", 45, 0),
     ("nn_io", "flame", 30, 0), ("nn_io", "eager", 45, 0),
     ("train_amp", "flame", 30, 0), ("train_amp", "eager", 45, 0),
