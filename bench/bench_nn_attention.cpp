@@ -80,5 +80,7 @@ int main(int argc, char** argv) {
   bench_shape("sdpa_bf16_s4096_d128", 8, 16, 4096, 128, false, reps, warmup);
   bench_shape("sdpa_bf16_s4096_d128", 8, 16, 4096, 128, true, reps, warmup);
   bench_shape("sdpa_bf16_s256_d64", 32, 16, 256, 64, false, reps, warmup);
+  // dit-s at B256: 6 heads of 64 over 196 tokens (an odd length, not a multiple of the tile).
+  bench_shape("sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, false, reps, warmup);
   return 0;
 }

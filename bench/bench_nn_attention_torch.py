@@ -47,6 +47,7 @@ def main():
     bench_shape(torch, "sdpa_bf16_s4096_d128", 8, 16, 4096, 128, False, args.reps, args.warmup)
     bench_shape(torch, "sdpa_bf16_s4096_d128", 8, 16, 4096, 128, True, args.reps, args.warmup)
     bench_shape(torch, "sdpa_bf16_s256_d64", 32, 16, 256, 64, False, args.reps, args.warmup)
+    bench_shape(torch, "sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, False, args.reps, args.warmup)
 
 
 if __name__ == "__main__":

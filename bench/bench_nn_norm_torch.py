@@ -6,7 +6,10 @@ forward+backward adds x, dy and dx and the parameter gradients); pct_d2d is that
 256 MiB device-to-device copy timed the same way (norm_d2d_copy). Gradients come from
 torch.autograd.grad (no accumulation into .grad), as FLAME's backward returns a fresh store.
 
-Usage: python3 bench/bench_nn_norm_torch.py [--reps N] [--warmup N]
+--compile wraps each op in torch.compile (default mode; compilation happens in the warm-up) and
+marks the lines "impl": "compile" (bench/suite.py's torch.compile column); d2d stays eager.
+
+Usage: python3 bench/bench_nn_norm_torch.py [--reps N] [--warmup N] [--compile]
 """
 import argparse
 import json
@@ -14,16 +17,23 @@ import json
 from bench_timing import median_ms
 
 
+IMPL = "eager"
+
+
 def emit(name, gbps, ms, d2d):
     print("BENCH " + json.dumps({"name": name, "value": float(f"{gbps:.4g}"), "unit": "GB/s",
-                                 "ms": round(ms, 4), "pct_d2d": round(100.0 * gbps / d2d, 1)}), flush=True)
+                                 "ms": round(ms, 4), "pct_d2d": round(100.0 * gbps / d2d, 1),
+                                 "impl": IMPL}), flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="time each op through torch.compile")
     args = ap.parse_args()
+    global IMPL
+    IMPL = "compile" if args.compile else "eager"
     import torch
     import torch.nn.functional as F
     if not torch.cuda.is_available():
@@ -39,11 +49,14 @@ def main():
     dst = torch.empty_like(src)
     ms = median_ms(torch, lambda: dst.copy_(src), reps, warmup)
     d2d = 2.0 * nbytes / (ms * 1e-3) / 1e9
-    print("BENCH " + json.dumps({"name": "norm_d2d_copy", "value": float(f"{d2d:.4g}"), "unit": "GB/s",
-                                 "ms": round(ms, 4), "pct_d2d": 100.0}), flush=True)
+    if not args.compile:  # the same copy either way
+        print("BENCH " + json.dumps({"name": "norm_d2d_copy", "value": float(f"{d2d:.4g}"), "unit": "GB/s",
+                                     "ms": round(ms, 4), "pct_d2d": 100.0}), flush=True)
     del src, dst
 
     def run(name, shape, params, bias, op):
+        if args.compile:
+            op = torch.compile(op)
         x0 = (torch.randn(shape, device=dev) * 2.0 + 0.5).to(torch.bfloat16)
         w = (torch.randn(params, device=dev) * 0.2 + 1.0).to(torch.bfloat16).requires_grad_()
         b = (torch.randn(params, device=dev) * 0.2).to(torch.bfloat16).requires_grad_() if bias else None

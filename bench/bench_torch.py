@@ -8,7 +8,11 @@ plus bytes written; pct_d2d is that rate over a device-to-device copy of 256 MiB
 way (dst.copy_(src), a cudaMemcpyAsync). GEMM: TFLOP/s of a bf16 8192^3 matmul. Host overhead: host
 microseconds per add of two 1024-element tensors over many calls without a sync between them.
 
-Usage: python3 bench/bench_torch.py [--reps N] [--warmup N] [--small-calls N] [--only a,b]
+--compile: only the cases where torch.compile can change the kernels (elementwise chains, norm +
+modulate, softmax, gelu), each op wrapped in torch.compile (default mode; compilation happens in the
+warm-up), same names; the lines carry "impl": "compile".
+
+Usage: python3 bench/bench_torch.py [--reps N] [--warmup N] [--small-calls N] [--only a,b] [--compile]
 """
 import argparse
 import json
@@ -28,10 +32,17 @@ GEMM = 8192
 SMALL = 1024
 SMALL_BURST = 200            # small-op calls per timed burst (the launch queue never fills)
 SMALL_BURSTS = 50
+MOD_ROWS, MOD_TOKENS, MOD_HIDDEN = 1024, 196, 384   # norm_modulate_bf16: 147 MiB bf16
+DIT_TOKENS, DIT_HIDDEN, DIT_MLP = 50176, 384, 1536  # DiT-S B256 MLP GEMMs (as nn.Linear: x @ W^T)
+# Cases that --compile times through torch.compile (where compiling can change the kernels).
+COMPILE_CASES = ["gelu", "softmax_bf16", "ew_chain", "norm_modulate_bf16"]
+
+
+IMPL = "eager"
 
 
 def emit(name, value=None, unit=None, ms=None, pct_d2d=None, error=None):
-    rec = {"name": name}
+    rec = {"name": name, "impl": IMPL}
     if error is not None:
         rec["error"] = error
     else:
@@ -128,8 +139,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--small-calls", type=int, default=10000)
     ap.add_argument("--only", default="")
+    ap.add_argument("--compile", action="store_true", help="time the compile-able cases via torch.compile")
     args = ap.parse_args()
     only = [s for s in args.only.split(",") if s]
+    global IMPL
+    if args.compile:
+        IMPL = "compile"
+        only = [s for s in (only or COMPILE_CASES) if s in COMPILE_CASES] or ["(none)"]
 
     def wants(name):
         return not only or name in only
@@ -139,6 +155,7 @@ def main():
         print("# bench_torch: no CUDA device; nothing to measure")
         return 0
     dev = torch.device("cuda", 0)
+    compiled = torch.compile if args.compile else (lambda f: f)
     props = torch.cuda.get_device_properties(0)
     print(f"# bench_torch: PyTorch {torch.__version__} on {props.name} ({props.multi_processor_count} SMs), "
           f"reps {args.reps}, warm-up {args.warmup}", flush=True)
@@ -148,7 +165,8 @@ def main():
     dst = torch.empty_like(src)
     ms = median_ms(torch, lambda: dst.copy_(src), reps, warmup)
     d2d = 2.0 * BYTES / (ms * 1e-3) / 1e9
-    emit("d2d_copy", d2d, "GB/s", ms, 100.0)
+    if not args.compile:  # the same copy either way
+        emit("d2d_copy", d2d, "GB/s", ms, 100.0)
     del src, dst
 
     S = float(BYTES)
@@ -163,7 +181,8 @@ def main():
 
     def setup_gelu():
         x = torch.randn(ELEMS, device=dev)
-        return lambda: torch.nn.functional.gelu(x)
+        f = compiled(lambda t: torch.nn.functional.gelu(t))
+        return lambda: f(x)
 
     def setup_copy():
         x = torch.rand(ELEMS, device=dev)
@@ -179,7 +198,20 @@ def main():
 
     def setup_softmax_bf16():
         x = torch.randn(SOFTMAX_ROWS, 2 * SOFTMAX_COLS, device=dev).to(torch.bfloat16)
-        return lambda: torch.softmax(x, dim=-1)
+        f = compiled(lambda t: torch.softmax(t, dim=-1))
+        return lambda: f(x)
+
+    def setup_ew_chain():
+        x = torch.randn(ELEMS, device=dev)
+        f = compiled(lambda t: torch.relu(t * 0.5 + 1.0) * t)
+        return lambda: f(x)
+
+    def setup_norm_modulate():
+        x = torch.randn(MOD_ROWS, MOD_TOKENS, MOD_HIDDEN, device=dev).to(torch.bfloat16)
+        scale = (torch.randn(MOD_ROWS, 1, MOD_HIDDEN, device=dev) * 0.1).to(torch.bfloat16)
+        shift = (torch.randn(MOD_ROWS, 1, MOD_HIDDEN, device=dev) * 0.1).to(torch.bfloat16)
+        f = compiled(lambda t, sc, sh: torch.nn.functional.layer_norm(t, (MOD_HIDDEN,), eps=1e-6) * (sc + 1.0) + sh)
+        return lambda: f(x, scale, shift)
 
     def setup_sum():
         x = torch.rand(ELEMS, device=dev)
@@ -197,7 +229,9 @@ def main():
                ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
                ("transpose_bf16", 2 * S, setup_transpose_bf16), ("sum", S, setup_sum),
                ("sum_columns", S, setup_sum_columns),
-               ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16)]
+               ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16),
+               ("ew_chain", 2 * S, setup_ew_chain),
+               ("norm_modulate_bf16", 2.0 * MOD_ROWS * MOD_TOKENS * MOD_HIDDEN * 2, setup_norm_modulate)]
     for name, nbytes, setup in mem_ops:
         if not wants(name):
             continue
@@ -220,6 +254,19 @@ def main():
             del a, b
         except Exception as e:
             emit("gemm_bf16", error=str(e))
+
+    for name, m, n, k in (("gemm_dit_fc1_bf16", DIT_TOKENS, DIT_MLP, DIT_HIDDEN),
+                          ("gemm_dit_fc2_bf16", DIT_TOKENS, DIT_HIDDEN, DIT_MLP)):
+        if not wants(name):
+            continue
+        try:
+            x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+            w = (torch.randn(n, k, device=dev) * 0.05).to(torch.bfloat16)
+            ms = median_ms(torch, lambda: x @ w.t(), reps, warmup)
+            emit(name, 2.0 * m * n * k / (ms * 1e-3) / 1e12, "TFLOP/s", ms)
+            del x, w
+        except Exception as e:
+            emit(name, error=str(e))
 
     if wants("add_small_host"):
         a, b = torch.rand(SMALL, device=dev), torch.rand(SMALL, device=dev)

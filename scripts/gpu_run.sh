@@ -5,7 +5,7 @@
 #   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests GTEST_FILTER]
 #                      [--allow-skip REGEX] [--sanitize-filter GTEST_FILTER] [--racecheck-filter GTEST_FILTER]
 #                      [--jobs N] [--gtest-shards N]
-#                      [--budget SECONDS] [--build-dir DIR]
+#                      [--budget SECONDS] [--build-dir DIR] [--suite] [--suite-budget SECONDS]
 #
 # Steps: configure + build (Release, sm_90, ninja on all cores); the whole test suite on CUDA
 # (FLAME_TEST_DEVICE=cuda ctest -j N over the shards CMake registers; or, with --gtest-shards N,
@@ -13,7 +13,9 @@
 # case skipped outside the allow-list (Note [Counting CUDA cases]); with
 # --sanitize, compute-sanitizer memcheck on a subset (and racecheck on another with
 # --racecheck-filter); the custom_kernel example twice (the second run must load from the kernel
-# disk cache); the benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py). Logs go to $OUT when set (the
+# disk cache); the benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py; with --suite instead
+# bench/suite.py: every bench and its twin, eager and torch.compile, one table, its files in
+# $OUT/suite: table.txt, results.json, results.csv, ratios.png, logs.txt). Logs go to $OUT when set (the
 # device tool brings $OUT back), else to <build-dir>/logs. With --budget, every step gets a time
 # limit so that the summary is still printed before the budget runs out.
 #
@@ -34,6 +36,8 @@ RACE_FILTER=""
 JOBS=8
 SHARDS=0
 BUDGET=0
+RUN_SUITE=0
+SUITE_BUDGET=400
 
 usage() { sed -n '2,/^set -uo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; }
 while [[ $# -gt 0 ]]; do
@@ -50,6 +54,8 @@ while [[ $# -gt 0 ]]; do
     --gtest-shards) SHARDS="$2"; shift ;;
     --budget) BUDGET="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
+    --suite) RUN_SUITE=1; RUN_BENCH=0 ;;  # bench/suite.py instead of the pair joins
+    --suite-budget) SUITE_BUDGET="$2"; shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "gpu_run: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -82,7 +88,7 @@ limit() {
   echo "$t"
 }
 # What later steps need, roughly, so that an earlier step cannot eat their time.
-reserve_after_tests() { echo $(( (SANITIZE ? 120 : 0) + (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) )); }
+reserve_after_tests() { echo $(( (SANITIZE ? 120 : 0) + (RUN_EXAMPLE ? 20 : 0) + (RUN_BENCH ? 150 : 0) + (RUN_SUITE ? SUITE_BUDGET + 30 : 0) )); }
 
 # CMake: $CMAKE when set, else the newest of those on the machine (the CUDA20 dialect with nvcc
 # needs a recent one; the PyTorch virtual environment often brings one beside python3).
@@ -419,6 +425,30 @@ if [[ $RUN_BENCH -eq 1 ]]; then
   note "benchmarks (FLAME vs PyTorch, same GPU, same run):"
   while IFS= read -r line; do note "  $line"; done <"$BC"
   while IFS= read -r line; do note "  ${line:2} (see $(basename "$BF"), $(basename "$BT"))"; done < <(grep -hE '^# (bench_|host_floor).* rc=' "$BF" "$BT")
+fi
+
+# ---- the benchmark suite (--suite): bench/suite.py, one table, its files under $LOGS/suite ----
+if [[ $RUN_SUITE -eq 1 ]]; then
+  SUITE_DIR="$LOGS/suite"
+  mkdir -p "$SUITE_DIR"
+  SB=$(( $(remaining) - 40 ))
+  [[ $SB -gt $SUITE_BUDGET ]] && SB=$SUITE_BUDGET
+  [[ $SB -lt 60 ]] && SB=60
+  say "bench/suite.py, budget ${SB}s (outputs: $SUITE_DIR)"
+  t0=$(date +%s)
+  # The suite's progress lines go into its logs.txt (appended), so $OUT keeps few files.
+  PYTHONUNBUFFERED=1 timeout $(( SB + 60 )) python3 bench/suite.py --build "$BUILD" --out "$SUITE_DIR" \
+    --time-budget "$SB" >"$SUITE_DIR/progress.tmp" 2>&1
+  rc=$?
+  note "benchmark suite (bench/suite.py, budget $SB s): rc $rc in $(( $(date +%s) - t0 )) s; files in $SUITE_DIR"
+  if [[ -f "$SUITE_DIR/table.txt" ]]; then
+    while IFS= read -r line; do note "  $line"; done <"$SUITE_DIR/table.txt"
+  else
+    while IFS= read -r line; do note "  $line"; done < <(tail -15 "$SUITE_DIR/progress.tmp")
+  fi
+  { echo; echo "===== suite.py output"; cat "$SUITE_DIR/progress.tmp"; } >>"$SUITE_DIR/logs.txt"
+  rm -f "$SUITE_DIR/progress.tmp"
+  [[ $rc -ne 0 ]] && STATUS=1
 fi
 
 # ---- summary, last ----
