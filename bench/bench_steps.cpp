@@ -77,6 +77,7 @@ struct Args {
   std::string amp = "auto";  // auto: bf16 on CUDA (as the trainer), off on the CPU
   bool gemm = true;
   bool memory_report = false;  // one more step under the memory profiler: where each peak went
+  int trace = 0;               // > 0: that many more steps under profiler::KernelTrace (CUDA): where the time went
 };
 
 // One case: a step to time and what to report about it. `step` is the seam a graph-capture
@@ -294,7 +295,7 @@ Args parse(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
-                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]\n");
+                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -324,6 +325,8 @@ Args parse(int argc, char** argv) {
       if (a.amp != "bf16" && a.amp != "off" && a.amp != "auto") usage();
     } else if (s == "--no-gemm") {
       a.gemm = false;
+    } else if (s == "--trace") {
+      a.trace = std::max(0, std::atoi(next().c_str()));
     } else if (s == "--memory-report") {
       a.memory_report = true;
     } else {
@@ -404,6 +407,30 @@ int main(int argc, char** argv) {
       if (peak_tflops > 0) std::printf(", \"mfu\": %.4f", tflops / peak_tflops);
       std::printf("}\n");
       std::fflush(stdout);
+      if (args.trace > 0 && dev.is_cuda()) {
+        // Diagnostics only: where the step's GPU time goes (profiler::KernelTrace, CUPTI).
+        try {
+          flame::profiler::KernelTrace trace;
+          trace.start();
+          for (int i = 0; i < args.trace; ++i) w.step();
+          trace.stop();
+          std::istringstream table(trace.summary(40, 110));
+          std::printf("# kernel trace of %d %s steps:\n", args.trace, name.c_str());
+          for (std::string line; std::getline(table, line);) std::printf("#   %s\n", line.c_str());
+          std::istringstream grouped([&] {
+            std::ostringstream os;
+            for (const auto& row : trace.by_name(40))
+              if (row.percent >= 0.5)
+                os << row.calls << " calls " << row.total_ms / args.trace << " ms/step " << row.percent << "% " << row.name << "\n";
+            return os.str();
+          }());
+          std::printf("# grouped by the first 40 characters (>= 0.5%%):\n");
+          for (std::string line; std::getline(grouped, line);) std::printf("#   %s\n", line.c_str());
+        } catch (const std::exception& e) {
+          std::printf("# kernel trace of %s failed: %s\n", name.c_str(), e.what());
+        }
+        std::fflush(stdout);
+      }
       if (args.memory_report) {
         // Diagnostics only: a failure here must not turn the result above into an error line.
         try {
