@@ -3,6 +3,7 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <map>
 #include <type_traits>
@@ -483,12 +484,15 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   cluster.sync();  // the other blocks have read this block's slots and accumulators
 }
 
+#include "src/backend/cuda/norm/group_cluster_variants.cuh"
+
 // Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
 template <class Kernel>
-int64_t resident_clusters(Kernel kernel) {
+int64_t resident_clusters(Kernel kernel, int smem_bytes) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(kCluster * 1024);
   cfg.blockDim = dim3(kClusterBlock);
+  cfg.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -499,14 +503,19 @@ int64_t resident_clusters(Kernel kernel) {
 
 // Grid of a persistent cluster kernel over `rows` groups: the resident clusters (queried once per
 // kernel and device), or one cluster per group when fewer.
+// A kernel with more than 48 KiB of dynamic shared memory is allowed it first (once per device).
 template <class Kernel>
-unsigned cluster_grid(Kernel kernel, int64_t rows) {
+unsigned cluster_grid(Kernel kernel, int64_t rows, int smem_bytes = 0) {
   static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
   int dev = 0;
   FLAME_CUDA_CHECK(cudaGetDevice(&dev));
   auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
   auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel)).first;
+  if (it == cache.end()) {
+    if (smem_bytes > 48 * 1024)
+      FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+    it = cache.emplace(key, resident_clusters(kernel, smem_bytes)).first;
+  }
   const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
   return static_cast<unsigned>(k * kCluster);
 }
@@ -634,6 +643,27 @@ NCS ncs(const Tensor& x) {
 
 unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 
+// Tuning hook, temporary while the cluster variants (Note [GroupNorm cluster variants]) are
+// measured: FLAME_GN_VARIANT holds "f<k>" and/or "b<k>" (e.g. "f1b3") and picks the forward and
+// backward cluster kernels; read at every call so that a benchmark can switch between runs.
+// f0: two exchanges; f1: one, Chan's merge; f2: one, shifted sums; f3: f2 staged two groups ahead
+// by cp.async. b0: registers prefetch (first version); b1: + statistics prefetched; b2: no
+// prefetch, 2 blocks/SM; b3: staged by cp.async, 2 blocks/SM.
+struct GnVariant {
+  int fwd = 0, bwd = 0;
+};
+GnVariant gn_variant() {
+  GnVariant v;
+  if (const char* s = std::getenv("FLAME_GN_VARIANT")) {
+    for (const char* p = s; p[0] != '\0'; ++p) {
+      if (p[1] < '0' || p[1] > '9') continue;
+      if (p[0] == 'f') v.fwd = p[1] - '0' <= 3 ? p[1] - '0' : 0;
+      if (p[0] == 'b') v.bwd = p[1] - '0' <= 3 ? p[1] - '0' : 0;
+    }
+  }
+  return v;
+}
+
 template <class T>
 void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                          const Tensor& w, const Tensor& b, int64_t groups, double eps) {
@@ -653,8 +683,13 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
       constexpr int VPT = decltype(vpt_tag)::value;
       if constexpr (VPT * W <= 32) {
         if (vpt != VPT) return;
-        auto kernel = group_forward_cluster_kernel<T, W, VPT>;
-        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(
+        const int fv = gn_variant().fwd;
+        auto kernel = fv == 1   ? group_forward_cluster1_kernel<T, W, VPT, true>
+                      : fv == 2 ? group_forward_cluster1_kernel<T, W, VPT, false>
+                      : fv == 3 ? group_forward_staged_kernel<T, W, VPT>
+                                : group_forward_cluster_kernel<T, W, VPT>;
+        const int smem = fv == 3 ? gn_fwd_stage_bytes<VPT>() : 0;
+        kernel<<<cluster_grid(kernel, rows, smem), kClusterBlock, smem, st>>>(
             xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
         FLAME_CUDA_CHECK_LAUNCH();
         launched = true;
@@ -703,9 +738,14 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
       constexpr int VPT = decltype(vpt_tag)::value;
       if constexpr (VPT * W <= 32) {
         if (vpt != VPT) return;
-        auto kernel = group_backward_cluster_kernel<T, W, VPT>;
-        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp,
-                                                                     pw, pb, rows, groups, cg, d.s);
+        const int bv = gn_variant().bwd;
+        auto kernel = bv == 1   ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs>
+                      : bv == 2 ? group_backward_cluster1_kernel<T, W, VPT, kBwdUnstaged>
+                      : bv == 3 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged>
+                                : group_backward_cluster_kernel<T, W, VPT>;
+        const int smem = bv == 3 ? gn_bwd_stage_bytes<VPT, kBwdStaged>() : 0;
+        kernel<<<cluster_grid(kernel, rows, smem), kClusterBlock, smem, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd),
+                                                                             wp, dxp, pw, pb, rows, groups, cg, d.s);
         FLAME_CUDA_CHECK_LAUNCH();
         launched = true;
       }

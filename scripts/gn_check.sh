@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GroupNorm CUDA check (run from the repository root on the GPU machine; $1 = a build directory
+# with flame_tests and bench_nn_norm built with CUDA). Prints the GroupNorm tests on CUDA for the
+# default kernels and for every tuning variant forced through FLAME_GN_VARIANT (each checked
+# against the CPU reference), then the benchmark with FLAME_GN_SWEEP=1 next to PyTorch's.
+set -u
+B=${1:?usage: scripts/gn_check.sh BUILD_DIR}
+T="$B/tests/flame_tests"
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
+echo "== tests, default kernels: NormCuda*:*GroupNorm*"
+FLAME_TEST_DEVICE=cuda timeout 120 "$T" --gtest_filter='NormCuda*:*GroupNorm*' --gtest_brief=1 2>&1 | tail -6
+# Each forward and each backward variant at least once.
+for v in f1b1 f2b2 f3b3; do
+  echo "== tests, FLAME_GN_VARIANT=$v: NormCuda.GroupNorm*"
+  FLAME_GN_VARIANT=$v FLAME_TEST_DEVICE=cuda timeout 60 "$T" --gtest_filter='NormCuda.GroupNorm*' --gtest_brief=1 2>&1 | tail -4
+done
+echo "== bench (FLAME_GN_SWEEP=1) vs PyTorch"
+BF=$(mktemp) BT=$(mktemp)
+FLAME_GN_SWEEP=1 timeout 60 "$B/bench/bench_nn_norm" >"$BF" 2>&1
+timeout 60 python3 bench/bench_nn_norm_torch.py >"$BT" 2>&1
+python3 bench/compare.py "$BF" "$BT" 2>&1 | grep -E "group|copy" || true
+echo "-- raw FLAME lines"
+grep -E "group_norm|copy" "$BF" | sed 's/^BENCH //'
+grep -E "group_norm" "$BT" | sed 's/^BENCH /torch /'
+rm -f "$BF" "$BT"
