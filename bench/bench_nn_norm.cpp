@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
   // the CUDA backend at every call; Note [GroupNorm cluster variants]), one line per variant:
   // group_norm_bf16_fwd@f<k> for each forward, group_norm_bf16_fwdbwd@f<k>b<k> for each pair.
   if (const char* sweep = std::getenv("FLAME_GN_SWEEP"); sweep != nullptr && std::string(sweep) == "1") {
-    for (const char* fwd : {"f0", "f1", "f2", "f3"}) {
-      for (const char* bwd : {"b0", "b1", "b2", "b3"}) {
+    for (const char* fwd : {"f0", "f1", "f2", "f3", "f4"}) {
+      for (const char* bwd : {"b0", "b1", "b2", "b3", "b4"}) {
         const std::string v = std::string(fwd) + bwd;
         setenv("FLAME_GN_VARIANT", v.c_str(), 1);
         run("group_norm_bf16", {32, 512, 64, 64}, 512, true,

@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null
 echo "== tests, default kernels: NormCuda*:*GroupNorm*"
 FLAME_TEST_DEVICE=cuda timeout 120 "$T" --gtest_filter='NormCuda*:*GroupNorm*' --gtest_brief=1 2>&1 | tail -6
 # Each forward and each backward variant at least once.
-for v in f1b1 f2b2 f3b3; do
+for v in f1b1 f2b2 f3b3 f4b4; do
   echo "== tests, FLAME_GN_VARIANT=$v: NormCuda.GroupNorm*"
   FLAME_GN_VARIANT=$v FLAME_TEST_DEVICE=cuda timeout 60 "$T" --gtest_filter='NormCuda.GroupNorm*' --gtest_brief=1 2>&1 | tail -4
 done

@@ -46,7 +46,7 @@ __device__ __forceinline__ void chan_merge(A& n, A& m, A& q, A nb, A mb, A qb) {
 
 // Cluster-wide (count, mean, M2) of one triple per thread, in every thread; one block barrier and
 // one cluster barrier. smem: 96 words, slot: this block's 3 words for this group's parity.
-template <class A>
+template <int kCl, class A>
 __device__ __forceinline__ void cluster_moments(A& n, A& m, A& q, A* slot, A* smem,
                                                 cooperative_groups::cluster_group& cluster) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -79,7 +79,7 @@ __device__ __forceinline__ void cluster_moments(A& n, A& m, A& q, A* slot, A* sm
   cluster.sync();
   n = m = q = A(0);
 #pragma unroll
-  for (int r = 0; r < kCluster; ++r) {  // the same order in every thread: uniform results
+  for (int r = 0; r < kCl; ++r) {  // the same order in every thread: uniform results
     const A* o = cluster.map_shared_rank(slot, r);
     chan_merge(n, m, q, o[0], o[1], o[2]);
   }
@@ -87,7 +87,7 @@ __device__ __forceinline__ void cluster_moments(A& n, A& m, A& q, A* slot, A* sm
 
 // Cluster-wide sums of two values per thread (as cluster_sum2, without the leading barrier: the
 // parity slots make it unnecessary, see above). smem: 64 words; slot: 2 words.
-template <class A>
+template <int kCl, class A>
 __device__ __forceinline__ void cluster_sum2p(A& a, A& b, A* slot, A* smem,
                                               cooperative_groups::cluster_group& cluster) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -109,7 +109,7 @@ __device__ __forceinline__ void cluster_sum2p(A& a, A& b, A* slot, A* smem,
   cluster.sync();
   A ta = A(0), tb = A(0);
 #pragma unroll
-  for (int r = 0; r < kCluster; ++r) {
+  for (int r = 0; r < kCl; ++r) {
     const A* o = cluster.map_shared_rank(slot, r);
     ta += o[0];
     tb += o[1];
@@ -125,39 +125,39 @@ __device__ __forceinline__ void cluster_sum2p(A& a, A& b, A* slot, A* smem,
 // One 64-bit base per group plus immediate offsets keeps the address registers few.
 
 // Forward with one exchange per group: kChan selects Chan's merge, otherwise shifted sums.
-template <class T, int W, int kVPT, bool kChan>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock, 2)
+template <class T, int W, int kVPT, bool kChan, int kCl = kCluster, int kBlk = kClusterBlock>
+__global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, 1024 / kBlk)
     group_forward_cluster1_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
                                   T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
                                   compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t groups, int64_t cg,
                                   int64_t S, compute_t<T> eps) {
   using A = compute_t<T>;
   using R = typename RawVec<T, W>::type;
-  constexpr int kStep = kClusterBlock * W;
+  constexpr int kStep = kBlk * W;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
   __shared__ A smem[96];
   __shared__ A slots[2][3];
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = static_cast<int>(threadIdx.x);
-  // A group held by a cluster has at most kCluster * kClusterBlock * kVPT vectors: 32-bit indices.
+  // A group held by a cluster has at most kCl * kBlk * kVPT vectors: 32-bit indices.
   const int64_t len = cg * S;
   const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
-  const int per = (nvec + kCluster - 1) / kCluster;
+  const int per = (nvec + kCl - 1) / kCl;
   const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
   const int toff = (v0 + tid) * W, lim = v1 - v0 - tid;
-  // 32-bit group indices (the launcher keeps rows * kCluster below 2^31): no 64-bit divisions.
+  // 32-bit group indices (the launcher keeps rows * kCl below 2^31): no 64-bit divisions.
   const int nrows = static_cast<int>(rows), ngroups = static_cast<int>(groups), ncg = static_cast<int>(cg);
-  const int stride = static_cast<int>(gridDim.x) / kCluster;
+  const int stride = static_cast<int>(gridDim.x) / kCl;
   const A inv_len = A(1) / static_cast<A>(len);
-  int row = static_cast<int>(blockIdx.x) / kCluster;
+  int row = static_cast<int>(blockIdx.x) / kCl;
   R cur[kVPT], nxt[kVPT];
   T kcur = T{}, knxt = T{};  // the shift (shifted sums only)
   auto load = [&](int r, R(&dst)[kVPT], T& kdst) {
     const T* p = x + static_cast<int64_t>(r) * len;
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
-      if (k * kClusterBlock < lim) dst[k] = load_raw<T, W>(p + toff + k * kStep);
+      if (k * kBlk < lim) dst[k] = load_raw<T, W>(p + toff + k * kStep);
     if constexpr (!kChan) kdst = p[0];
   };
   if (row < nrows) load(row, cur, kcur);
@@ -169,7 +169,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       int cnt = 0;
 #pragma unroll
       for (int k = 0; k < kVPT; ++k)
-        if (k * kClusterBlock < lim) {
+        if (k * kBlk < lim) {
           cnt += W;
 #pragma unroll
           for (int j = 0; j < W; ++j) s += raw_elem<T, W, A>(cur[k], j);
@@ -179,27 +179,27 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       A q = A(0);
 #pragma unroll
       for (int k = 0; k < kVPT; ++k)
-        if (k * kClusterBlock < lim)
+        if (k * kBlk < lim)
 #pragma unroll
           for (int j = 0; j < W; ++j) {
             const A d = raw_elem<T, W, A>(cur[k], j) - m;
             q += d * d;
           }
-      gnv::cluster_moments(n, m, q, slots[parity], smem, cluster);
+      gnv::cluster_moments<kCl>(n, m, q, slots[parity], smem, cluster);
       var = q * inv_len;
     } else {
       const A K = load_as<A>(kcur);
       A s1 = A(0), s2 = A(0);
 #pragma unroll
       for (int k = 0; k < kVPT; ++k)
-        if (k * kClusterBlock < lim)
+        if (k * kBlk < lim)
 #pragma unroll
           for (int j = 0; j < W; ++j) {
             const A d = raw_elem<T, W, A>(cur[k], j) - K;
             s1 += d;
             s2 += d * d;
           }
-      gnv::cluster_sum2p(s1, s2, slots[parity], smem, cluster);
+      gnv::cluster_sum2p<kCl>(s1, s2, slots[parity], smem, cluster);
       const A dm = s1 * inv_len;
       m = K + dm;
       var = s2 * inv_len - dm * dm;
@@ -214,7 +214,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     T* out = y + static_cast<int64_t>(row) * len + toff;
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      if (k * kClusterBlock < lim) {
+      if (k * kBlk < lim) {
         const int c = c0 + (toff + k * kStep) / si;
         const A scale = w ? rs * load_as<A>(w[c]) : rs;
         const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
@@ -298,7 +298,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
           s2 += d * d;
         }
     issue(row + 2 * stride, parity);  // the stage was read above (its values are in use)
-    gnv::cluster_sum2p(s1, s2, slots[parity], smem, cluster);
+    gnv::cluster_sum2p<kCluster>(s1, s2, slots[parity], smem, cluster);
     const A dm = s1 * inv_len;
     const A m = K + dm;
     A var = s2 * inv_len - dm * dm;
@@ -334,9 +334,9 @@ enum GnBwdMode : int {
   kBwdStaged = 3,    // next group staged in shared memory by cp.async, two blocks per SM
 };
 
-template <int kVPT, int kMode>
+template <int kVPT, int kMode, int kBlk>
 constexpr int gn_bwd_min_blocks() {
-  return kMode != kBwdRegs && kVPT <= 4 ? 2 : 1;
+  return (kMode != kBwdRegs && kVPT <= 4 ? 2 : 1) * (kClusterBlock / kBlk);
 }
 
 // Dynamic shared memory of a staged backward: x and dy of the next group.
@@ -345,8 +345,8 @@ constexpr int gn_bwd_stage_bytes() {
   return kMode == kBwdStaged ? 2 * kVPT * kClusterBlock * 16 : 0;
 }
 
-template <class T, int W, int kVPT, int kMode>
-__global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock, gn_bwd_min_blocks<kVPT, kMode>())
+template <class T, int W, int kVPT, int kMode, int kCl = kCluster, int kBlk = kClusterBlock>
+__global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_blocks<kVPT, kMode, kBlk>()))
     group_backward_cluster1_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                    const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
                                    const T* __restrict__ w, T* __restrict__ dx, compute_t<T>* __restrict__ part_w,
@@ -355,24 +355,24 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
   using A = compute_t<T>;
   using R = typename RawVec<T, W>::type;
   static_assert(W > 1, "the cluster path moves 16-byte vectors");
-  constexpr int kStep = kClusterBlock * W;
+  constexpr int kStep = kBlk * W;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
   __shared__ A smem[64];
   __shared__ A slots[2][2];
   // Per channel of the group: sums of dy * xhat and dy, double-buffered by group parity.
   __shared__ A acc[2][2][kClusterMaxChannels];
-  extern __shared__ uint4 stage[];  // staged: [2][kVPT][kClusterBlock], x then dy
+  extern __shared__ uint4 stage[];  // staged: [2][kVPT][kBlk], x then dy
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
   const int64_t len = cg * S;
   const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
-  const int per = (nvec + kCluster - 1) / kCluster;
+  const int per = (nvec + kCl - 1) / kCl;
   const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
   const int toff = (v0 + tid) * W, lim = v1 - v0 - tid;
   const int nrows = static_cast<int>(rows), ngroups = static_cast<int>(groups), ncg = static_cast<int>(cg);
-  const int stride = static_cast<int>(gridDim.x) / kCluster;
+  const int stride = static_cast<int>(gridDim.x) / kCl;
   const A inv_len = A(1) / static_cast<A>(len);
   const bool params = part_w != nullptr;
   constexpr int kNext = kMode == kBwdRegs ? kVPT : 1;
@@ -387,19 +387,19 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     const T* pd = dy + static_cast<int64_t>(r) * len + toff;
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      if (k * kClusterBlock < lim) {
+      if (k * kBlk < lim) {
         if constexpr (kMode == kBwdRegs) {
           nx[k] = load_raw<T, W>(px + k * kStep);
           nd[k] = load_raw<T, W>(pd + k * kStep);
         } else if constexpr (kMode == kBwdStaged) {
-          gnv::cp_async16(my_stage + k * kClusterBlock, px + k * kStep);
-          gnv::cp_async16(my_stage + (kVPT + k) * kClusterBlock, pd + k * kStep);
+          gnv::cp_async16(my_stage + k * kBlk, px + k * kStep);
+          gnv::cp_async16(my_stage + (kVPT + k) * kBlk, pd + k * kStep);
         }
       }
     }
     if constexpr (kMode == kBwdStaged) gnv::cp_async_commit();
   };
-  int row = static_cast<int>(blockIdx.x) / kCluster;
+  int row = static_cast<int>(blockIdx.x) / kCl;
   if (row < nrows) fetch(row);
   for (int parity = 0; row < nrows; row += stride, parity ^= 1) {
     const bool more = row + stride < nrows;
@@ -414,7 +414,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       const T* pd = dy + static_cast<int64_t>(row) * len + toff;
 #pragma unroll
       for (int k = 0; k < kVPT; ++k)
-        if (k * kClusterBlock < lim) {
+        if (k * kBlk < lim) {
           cx[k] = load_raw<T, W>(px + k * kStep);
           cd[k] = load_raw<T, W>(pd + k * kStep);
         }
@@ -422,9 +422,9 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       gnv::cp_async_wait_all();  // this thread's own copies: no barrier needed
 #pragma unroll
       for (int k = 0; k < kVPT; ++k)
-        if (k * kClusterBlock < lim) {
-          cx[k] = my_stage[k * kClusterBlock];
-          cd[k] = my_stage[(kVPT + k) * kClusterBlock];
+        if (k * kBlk < lim) {
+          cx[k] = my_stage[k * kBlk];
+          cd[k] = my_stage[(kVPT + k) * kBlk];
         }
     }
     const A m = nm, rs = nrs;
@@ -433,13 +433,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
     const int c0 = (row % ngroups) * ncg;
     A(&ac)[2][kClusterMaxChannels] = acc[parity];
     if (params) {
-      for (int i = tid; i < kClusterMaxChannels; i += kClusterBlock) ac[0][i] = ac[1][i] = A(0);
+      for (int i = tid; i < kClusterMaxChannels; i += kBlk) ac[0][i] = ac[1][i] = A(0);
       __syncthreads();
     }
     A sg = A(0), sgx = A(0);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      const bool in = k * kClusterBlock < lim;
+      const bool in = k * kBlk < lim;
       const int ci = in ? (toff + k * kStep) / si : -1;  // the group's channel of this vector
       A a_dy = A(0), a_dyx = A(0);
       if (in) {
@@ -470,13 +470,13 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       }
     }
     if (kMode == kBwdStaged && more) fetch(row + stride);
-    gnv::cluster_sum2p(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
+    gnv::cluster_sum2p<kCl>(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
     const A mg = sg * inv_len, mgx = sgx * inv_len;
     if (params && rank == 0) {
       const int64_t pbase = static_cast<int64_t>(row / ngroups) * ngroups * ncg + c0;
-      for (int ci = tid; ci < ncg; ci += kClusterBlock) {
+      for (int ci = tid; ci < ncg; ci += kBlk) {
         A tw = A(0), tb = A(0);
-        for (int r = 0; r < kCluster; ++r) {
+        for (int r = 0; r < kCl; ++r) {
           tw += cluster.map_shared_rank(&ac[0][0], r)[ci];
           tb += cluster.map_shared_rank(&ac[1][0], r)[ci];
         }
@@ -488,7 +488,7 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
       T* out = dx + static_cast<int64_t>(row) * len + toff;
 #pragma unroll
       for (int k = 0; k < kVPT; ++k) {
-        if (k * kClusterBlock < lim) {
+        if (k * kBlk < lim) {
           const A wc = w ? load_as<A>(w[c0 + (toff + k * kStep) / si]) : A(1);
           A o[W];
 #pragma unroll

@@ -488,10 +488,10 @@ __global__ void __cluster_dims__(kCluster, 1, 1) __launch_bounds__(kClusterBlock
 
 // Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
 template <class Kernel>
-int64_t resident_clusters(Kernel kernel, int smem_bytes) {
+int64_t resident_clusters(Kernel kernel, int smem_bytes, int cluster, int block) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kCluster * 1024);
-  cfg.blockDim = dim3(kClusterBlock);
+  cfg.gridDim = dim3(cluster * 1024);
+  cfg.blockDim = dim3(block);
   cfg.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
@@ -505,7 +505,8 @@ int64_t resident_clusters(Kernel kernel, int smem_bytes) {
 // kernel and device), or one cluster per group when fewer.
 // A kernel with more than 48 KiB of dynamic shared memory is allowed it first (once per device).
 template <class Kernel>
-unsigned cluster_grid(Kernel kernel, int64_t rows, int smem_bytes = 0) {
+unsigned cluster_grid(Kernel kernel, int64_t rows, int smem_bytes = 0, int cluster = kCluster,
+                      int block = kClusterBlock) {
   static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
   int dev = 0;
   FLAME_CUDA_CHECK(cudaGetDevice(&dev));
@@ -514,10 +515,10 @@ unsigned cluster_grid(Kernel kernel, int64_t rows, int smem_bytes = 0) {
   if (it == cache.end()) {
     if (smem_bytes > 48 * 1024)
       FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    it = cache.emplace(key, resident_clusters(kernel, smem_bytes)).first;
+    it = cache.emplace(key, resident_clusters(kernel, smem_bytes, cluster, block)).first;
   }
   const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
-  return static_cast<unsigned>(k * kCluster);
+  return static_cast<unsigned>(k * cluster);
 }
 
 // Vectors per thread for a group of `nvec` vectors on a cluster (0: too long).
@@ -647,8 +648,9 @@ unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 // measured: FLAME_GN_VARIANT holds "f<k>" and/or "b<k>" (e.g. "f1b3") and picks the forward and
 // backward cluster kernels; read at every call so that a benchmark can switch between runs.
 // f0: two exchanges; f1: one, Chan's merge; f2: one, shifted sums; f3: f2 staged two groups ahead
-// by cp.async. b0: registers prefetch (first version); b1: + statistics prefetched; b2: no
-// prefetch, 2 blocks/SM; b3: staged by cp.async, 2 blocks/SM.
+// by cp.async; f4: f2 on clusters of 8 blocks of 256 threads. b0: registers prefetch (first
+// version); b1: + statistics prefetched; b2: no prefetch, 2 blocks/SM; b3: staged by cp.async,
+// 2 blocks/SM; b4: b1 on clusters of 8 blocks of 256 threads (2 blocks/SM).
 struct GnVariant {
   int fwd = 0, bwd = 0;
 };
@@ -657,8 +659,8 @@ GnVariant gn_variant() {
   if (const char* s = std::getenv("FLAME_GN_VARIANT")) {
     for (const char* p = s; p[0] != '\0'; ++p) {
       if (p[1] < '0' || p[1] > '9') continue;
-      if (p[0] == 'f') v.fwd = p[1] - '0' <= 3 ? p[1] - '0' : 0;
-      if (p[0] == 'b') v.bwd = p[1] - '0' <= 3 ? p[1] - '0' : 0;
+      if (p[0] == 'f') v.fwd = p[1] - '0' <= 4 ? p[1] - '0' : 0;
+      if (p[0] == 'b') v.bwd = p[1] - '0' <= 4 ? p[1] - '0' : 0;
     }
   }
   return v;
@@ -687,9 +689,11 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
         auto kernel = fv == 1   ? group_forward_cluster1_kernel<T, W, VPT, true>
                       : fv == 2 ? group_forward_cluster1_kernel<T, W, VPT, false>
                       : fv == 3 ? group_forward_staged_kernel<T, W, VPT>
+                      : fv == 4 ? group_forward_cluster1_kernel<T, W, VPT, false, 8, 256>
                                 : group_forward_cluster_kernel<T, W, VPT>;
         const int smem = fv == 3 ? gn_fwd_stage_bytes<VPT>() : 0;
-        kernel<<<cluster_grid(kernel, rows, smem), kClusterBlock, smem, st>>>(
+        const int cl = fv == 4 ? 8 : kCluster, blk = fv == 4 ? 256 : kClusterBlock;
+        kernel<<<cluster_grid(kernel, rows, smem, cl, blk), blk, smem, st>>>(
             xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
         FLAME_CUDA_CHECK_LAUNCH();
         launched = true;
@@ -742,10 +746,12 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
         auto kernel = bv == 1   ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs>
                       : bv == 2 ? group_backward_cluster1_kernel<T, W, VPT, kBwdUnstaged>
                       : bv == 3 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged>
+                      : bv == 4 ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs, 8, 256>
                                 : group_backward_cluster_kernel<T, W, VPT>;
         const int smem = bv == 3 ? gn_bwd_stage_bytes<VPT, kBwdStaged>() : 0;
-        kernel<<<cluster_grid(kernel, rows, smem), kClusterBlock, smem, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd),
-                                                                             wp, dxp, pw, pb, rows, groups, cg, d.s);
+        const int cl = bv == 4 ? 8 : kCluster, blk = bv == 4 ? 256 : kClusterBlock;
+        kernel<<<cluster_grid(kernel, rows, smem, cl, blk), blk, smem, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp,
+                                                                            dxp, pw, pb, rows, groups, cg, d.s);
         FLAME_CUDA_CHECK_LAUNCH();
         launched = true;
       }
