@@ -97,26 +97,41 @@ int main(int argc, char** argv) {
       std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
     }
   };
-  run("layer_norm_bf16", {32768, 1024}, 1024, true,
-      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
-  run("rms_norm_bf16", {32768, 1024}, 1024, false,
-      [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
-  run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
-  // FLAME_GN_SWEEP=1: the GroupNorm cluster kernels' tuning variants (FLAME_GN_VARIANT, read by
-  // the CUDA backend at every call; Note [GroupNorm cluster variants]), one line per variant:
-  // group_norm_bf16_fwd@f<k> for each forward, group_norm_bf16_fwdbwd@f<k>b<k> for each pair.
-  if (const char* sweep = std::getenv("FLAME_GN_SWEEP"); sweep != nullptr && std::string(sweep) == "1") {
-    for (const char* fwd : {"f0", "f1", "f2", "f3", "f4"}) {
-      for (const char* bwd : {"b0", "b1", "b2", "b3", "b4"}) {
-        const std::string v = std::string(fwd) + bwd;
-        setenv("FLAME_GN_VARIANT", v.c_str(), 1);
-        run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-            [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
-            std::string(bwd) == "b0" ? "@" + std::string(fwd) : std::string(), "@" + v);
-      }
+  // FLAME_GN_SWEEP: the GroupNorm cluster kernels' tuning variants (FLAME_GN_VARIANT, read by the
+  // CUDA backend at every call; Note [GroupNorm cluster variants]). "1": the usual lines, then
+  // every forward/backward pair; a comma list ("f2b1,f2b4"): only those pairs. Lines:
+  // group_norm_bf16_fwd@f<k> once per forward, group_norm_bf16_fwdbwd@f<k>b<k> per pair.
+  const char* sweep_env = std::getenv("FLAME_GN_SWEEP");
+  const std::string sweep = sweep_env ? sweep_env : "";
+  std::vector<std::string> pairs;
+  if (sweep == "1") {
+    for (const char* bwd : {"b0", "b1", "b4", "b2", "b3"})
+      for (const char* fwd : {"f0", "f1", "f2", "f4", "f3"}) pairs.push_back(std::string(fwd) + bwd);
+  } else {
+    for (std::size_t i = 0; i < sweep.size();) {
+      const std::size_t j = std::min(sweep.find(',', i), sweep.size());
+      if (j > i) pairs.push_back(sweep.substr(i, j - i));
+      i = j + 1;
     }
-    unsetenv("FLAME_GN_VARIANT");
   }
+  if (sweep.empty() || sweep == "1") {
+    run("layer_norm_bf16", {32768, 1024}, 1024, true,
+        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
+    run("rms_norm_bf16", {32768, 1024}, 1024, false,
+        [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
+    run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
+        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
+  }
+  std::vector<std::string> fwd_done;
+  for (const std::string& v : pairs) {
+    const std::string fwd = v.substr(0, 2);
+    const bool new_fwd = std::find(fwd_done.begin(), fwd_done.end(), fwd) == fwd_done.end();
+    if (new_fwd) fwd_done.push_back(fwd);
+    setenv("FLAME_GN_VARIANT", v.c_str(), 1);
+    run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
+        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
+        new_fwd ? "@" + fwd : std::string(), "@" + v);
+  }
+  unsetenv("FLAME_GN_VARIANT");
   return 0;
 }
