@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
   const std::string sweep = sweep_env ? sweep_env : "";
   std::vector<std::string> pairs;
   if (sweep == "1") {
-    for (const char* bwd : {"b0", "b1", "b4", "b2", "b3"})
+    for (const char* bwd : {"b0", "b1", "b4", "b5", "b2", "b3"})
       for (const char* fwd : {"f0", "f1", "f2", "f4", "f3"}) pairs.push_back(std::string(fwd) + bwd);
   } else {
     for (std::size_t i = 0; i < sweep.size();) {

@@ -332,17 +332,19 @@ enum GnBwdMode : int {
   kBwdRegs = 1,      // next group prefetched into registers, with its mean, rstd
   kBwdUnstaged = 2,  // no prefetch, two blocks per SM
   kBwdStaged = 3,    // next group staged in shared memory by cp.async, two blocks per SM
+  kBwdStaged2 = 4,   // next two groups staged (two stages), one block per SM, registers: the current
 };
 
 template <int kVPT, int kMode, int kBlk>
 constexpr int gn_bwd_min_blocks() {
-  return (kMode != kBwdRegs && kVPT <= 4 ? 2 : 1) * (kClusterBlock / kBlk);
+  return ((kMode == kBwdUnstaged || kMode == kBwdStaged) && kVPT <= 4 ? 2 : 1) * (kClusterBlock / kBlk);
 }
 
-// Dynamic shared memory of a staged backward: x and dy of the next group.
+// Dynamic shared memory of a staged backward: x and dy of the next group (two stages: of the
+// next two groups).
 template <int kVPT, int kMode>
 constexpr int gn_bwd_stage_bytes() {
-  return kMode == kBwdStaged ? 2 * kVPT * kClusterBlock * 16 : 0;
+  return kMode == kBwdStaged ? 2 * kVPT * kClusterBlock * 16 : kMode == kBwdStaged2 ? 4 * kVPT * kClusterBlock * 16 : 0;
 }
 
 template <class T, int W, int kVPT, int kMode, int kCl = kCluster, int kBlk = kClusterBlock>
@@ -377,9 +379,25 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_
   const bool params = part_w != nullptr;
   constexpr int kNext = kMode == kBwdRegs ? kVPT : 1;
   R cx[kVPT], cd[kVPT], nx[kNext], nd[kNext];
-  A nm = A(0), nrs = A(0);
+  A nm = A(0), nrs = A(0), nm2 = A(0), nrs2 = A(0);  // statistics of the next (two) groups
   uint4* my_stage = stage + tid;
-  // Starts loading group r (its statistics; its values unless unstaged).
+  // Starts loading group r (its statistics; its values unless unstaged). Two stages: into stage
+  // st, with an empty commit group past the end so that the counting stays uniform.
+  auto fetch2 = [&](int r, int st) {
+    if (r < nrows) {
+      nm2 = mean[r];
+      nrs2 = rstd[r];
+      const T* px = x + static_cast<int64_t>(r) * len + toff;
+      const T* pd = dy + static_cast<int64_t>(r) * len + toff;
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k)
+        if (k * kBlk < lim) {
+          gnv::cp_async16(my_stage + (st * 2 * kVPT + k) * kBlk, px + k * kStep);
+          gnv::cp_async16(my_stage + (st * 2 * kVPT + kVPT + k) * kBlk, pd + k * kStep);
+        }
+    }
+    gnv::cp_async_commit();
+  };
   auto fetch = [&](int r) {
     nm = mean[r];
     nrs = rstd[r];
@@ -400,10 +418,25 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_
     if constexpr (kMode == kBwdStaged) gnv::cp_async_commit();
   };
   int row = static_cast<int>(blockIdx.x) / kCl;
-  if (row < nrows) fetch(row);
+  if constexpr (kMode == kBwdStaged2) {
+    fetch2(row, 0);
+    nm = nm2;
+    nrs = nrs2;
+    fetch2(row + stride, 1);
+  } else if (row < nrows) {
+    fetch(row);
+  }
   for (int parity = 0; row < nrows; row += stride, parity ^= 1) {
     const bool more = row + stride < nrows;
-    if constexpr (kMode == kBwdRegs) {
+    if constexpr (kMode == kBwdStaged2) {
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this group's own copies
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k)
+        if (k * kBlk < lim) {
+          cx[k] = my_stage[(parity * 2 * kVPT + k) * kBlk];
+          cd[k] = my_stage[(parity * 2 * kVPT + kVPT + k) * kBlk];
+        }
+    } else if constexpr (kMode == kBwdRegs) {
 #pragma unroll
       for (int k = 0; k < kVPT; ++k) {
         cx[k] = nx[k];
@@ -428,8 +461,12 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_
         }
     }
     const A m = nm, rs = nrs;
+    if constexpr (kMode == kBwdStaged2) {
+      nm = nm2;
+      nrs = nrs2;
+    }
     // Staged: the next copies overwrite the stage only after this group's values were used (below).
-    if (kMode != kBwdStaged && more) fetch(row + stride);
+    if (kMode != kBwdStaged && kMode != kBwdStaged2 && more) fetch(row + stride);
     const int c0 = (row % ngroups) * ncg;
     A(&ac)[2][kClusterMaxChannels] = acc[parity];
     if (params) {
@@ -470,6 +507,7 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_
       }
     }
     if (kMode == kBwdStaged && more) fetch(row + stride);
+    if constexpr (kMode == kBwdStaged2) fetch2(row + 2 * stride, parity);
     gnv::cluster_sum2p<kCl>(sg, sgx, slots[parity], smem, cluster);  // its cluster.sync also orders acc
     const A mg = sg * inv_len, mgx = sgx * inv_len;
     if (params && rank == 0) {
@@ -501,5 +539,6 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, (gn_bwd_min_
       }
     }
   }
+  if constexpr (kMode == kBwdStaged2) gnv::cp_async_wait_all();  // no copy lands after exit
   cluster.sync();  // the other blocks have read this block's slots and accumulators
 }

@@ -650,7 +650,8 @@ unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 // f0: two exchanges; f1: one, Chan's merge; f2: one, shifted sums; f3: f2 staged two groups ahead
 // by cp.async; f4: f2 on clusters of 8 blocks of 256 threads. b0: registers prefetch (first
 // version); b1: + statistics prefetched; b2: no prefetch, 2 blocks/SM; b3: staged by cp.async,
-// 2 blocks/SM; b4: b1 on clusters of 8 blocks of 256 threads (2 blocks/SM).
+// 2 blocks/SM; b4: b1 on clusters of 8 blocks of 256 threads (2 blocks/SM); b5: the next two
+// groups staged by cp.async (two stages, 1 block/SM; up to 4 vectors per thread, else b0).
 struct GnVariant {
   int fwd = 0, bwd = 0;
 };
@@ -660,7 +661,7 @@ GnVariant gn_variant() {
     for (const char* p = s; p[0] != '\0'; ++p) {
       if (p[1] < '0' || p[1] > '9') continue;
       if (p[0] == 'f') v.fwd = p[1] - '0' <= 4 ? p[1] - '0' : 0;
-      if (p[0] == 'b') v.bwd = p[1] - '0' <= 4 ? p[1] - '0' : 0;
+      if (p[0] == 'b') v.bwd = p[1] - '0' <= 5 ? p[1] - '0' : 0;
     }
   }
   return v;
@@ -747,8 +748,11 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
                       : bv == 2 ? group_backward_cluster1_kernel<T, W, VPT, kBwdUnstaged>
                       : bv == 3 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged>
                       : bv == 4 ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs, 8, 256>
+                      : bv == 5 && VPT <= 4 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged2>
                                 : group_backward_cluster_kernel<T, W, VPT>;
-        const int smem = bv == 3 ? gn_bwd_stage_bytes<VPT, kBwdStaged>() : 0;
+        const int smem = bv == 3                ? gn_bwd_stage_bytes<VPT, kBwdStaged>()
+                         : bv == 5 && VPT <= 4 ? gn_bwd_stage_bytes<VPT, kBwdStaged2>()
+                                                : 0;
         const int cl = bv == 4 ? 8 : kCluster, blk = bv == 4 ? 256 : kClusterBlock;
         kernel<<<cluster_grid(kernel, rows, smem, cl, blk), blk, smem, st>>>(dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp,
                                                                             dxp, pw, pb, rows, groups, cg, d.s);
