@@ -653,7 +653,7 @@ unsigned int channel_grid(int64_t units) { return grid_for(units, 1, 1 << 20); }
 // 2 blocks/SM; b4: b1 on clusters of 8 blocks of 256 threads (2 blocks/SM); b5: the next two
 // groups staged by cp.async (two stages, 1 block/SM; up to 4 vectors per thread, else b0).
 struct GnVariant {
-  int fwd = 0, bwd = 0;
+  int fwd = 2, bwd = 5;  // the default: one exchange of shifted sums; two stages (b1 past 4 vectors)
 };
 GnVariant gn_variant() {
   GnVariant v;
@@ -749,6 +749,7 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
                       : bv == 3 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged>
                       : bv == 4 ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs, 8, 256>
                       : bv == 5 && VPT <= 4 ? group_backward_cluster1_kernel<T, W, VPT, kBwdStaged2>
+                      : bv == 5             ? group_backward_cluster1_kernel<T, W, VPT, kBwdRegs>
                                 : group_backward_cluster_kernel<T, W, VPT>;
         const int smem = bv == 3                ? gn_bwd_stage_bytes<VPT, kBwdStaged>()
                          : bv == 5 && VPT <= 4 ? gn_bwd_stage_bytes<VPT, kBwdStaged2>()
