@@ -8,7 +8,7 @@
 // pct_d2d is that rate over a 256 MiB device-to-device copy timed the same way
 // (norm_d2d_copy). Every line also carries ms.
 //
-// Usage: bench_nn_norm [--reps N] [--warmup N]   (FLAME_GN_SWEEP=1: GroupNorm variants too, below)
+// Usage: bench_nn_norm [--reps N] [--warmup N]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -69,10 +69,8 @@ int main(int argc, char** argv) {
 
   const flame::TensorOptions bf16{DType::bf16, gpu};
   // bytes: x-sized tensors moved (fwd: x, y; fwd+bwd: + x, dy, dx), parameters as given.
-  // fwd_tag / fwdbwd_tag: suffixes of the two lines' names; an empty fwd_tag skips the forward.
   auto run = [&](const std::string& name, const flame::Shape& shape, int64_t params, bool bias,
-                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op,
-                 const std::string& fwd_tag = "@", const std::string& fwdbwd_tag = "") {
+                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op) {
     try {
       const Tensor x0 = Tensor::randn(shape, 0.5, 2.0, bf16);
       const Tensor w = Tensor::randn({params}, 1.0, 0.2, bf16).requires_grad_();
@@ -80,10 +78,10 @@ int main(int argc, char** argv) {
       const Tensor dy = Tensor::randn(shape, 0.0, 1.0, bf16);
       const double xb = static_cast<double>(x0.nbytes());
       const double pb = static_cast<double>(params) * 2.0 * (bias ? 2 : 1);
-      if (!fwd_tag.empty()) {
+      {
         flame::NoGradGuard no_grad;
         const double ms = median_ms(stream, reps, warmup, [&] { (void)op(x0, w, b); });
-        emit(name + "_fwd" + (fwd_tag == "@" ? "" : fwd_tag), (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d);
+        emit(name + "_fwd", (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d);
       }
       Tensor x = x0.detach().requires_grad_();
       BackwardOptions o;
@@ -92,46 +90,16 @@ int main(int argc, char** argv) {
         Tensor y = op(x, w, b);
         (void)y.backward(o);
       });
-      emit(name + "_fwdbwd" + fwdbwd_tag, (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
     } catch (const std::exception& e) {
       std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
     }
   };
-  // FLAME_GN_SWEEP: the GroupNorm cluster kernels' tuning variants (FLAME_GN_VARIANT, read by the
-  // CUDA backend at every call; Note [GroupNorm cluster variants]). "1": the usual lines, then
-  // every forward/backward pair; a comma list ("f2b1,f2b4"): only those pairs. Lines:
-  // group_norm_bf16_fwd@f<k> once per forward, group_norm_bf16_fwdbwd@f<k>b<k> per pair.
-  const char* sweep_env = std::getenv("FLAME_GN_SWEEP");
-  const std::string sweep = sweep_env ? sweep_env : "";
-  std::vector<std::string> pairs;
-  if (sweep == "1") {
-    for (const char* bwd : {"b0", "b1", "b4", "b5", "b2", "b3"})
-      for (const char* fwd : {"f0", "f1", "f2", "f4", "f3"}) pairs.push_back(std::string(fwd) + bwd);
-  } else {
-    for (std::size_t i = 0; i < sweep.size();) {
-      const std::size_t j = std::min(sweep.find(',', i), sweep.size());
-      if (j > i) pairs.push_back(sweep.substr(i, j - i));
-      i = j + 1;
-    }
-  }
-  if (sweep.empty() || sweep == "1") {
-    run("layer_norm_bf16", {32768, 1024}, 1024, true,
-        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
-    run("rms_norm_bf16", {32768, 1024}, 1024, false,
-        [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
-    run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
-  }
-  std::vector<std::string> fwd_done;
-  for (const std::string& v : pairs) {
-    const std::string fwd = v.substr(0, 2);
-    const bool new_fwd = std::find(fwd_done.begin(), fwd_done.end(), fwd) == fwd_done.end();
-    if (new_fwd) fwd_done.push_back(fwd);
-    setenv("FLAME_GN_VARIANT", v.c_str(), 1);
-    run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
-        new_fwd ? "@" + fwd : std::string(), "@" + v);
-  }
-  unsetenv("FLAME_GN_VARIANT");
+  run("layer_norm_bf16", {32768, 1024}, 1024, true,
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
+  run("rms_norm_bf16", {32768, 1024}, 1024, false,
+      [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
+  run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
   return 0;
 }
