@@ -216,11 +216,10 @@ __global__ void __launch_bounds__(kChannelBlock)
 
 // Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
 template <class Kernel>
-int64_t resident_clusters(Kernel kernel, int smem_bytes) {
+int64_t resident_clusters(Kernel kernel) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(kCluster * 1024);
   cfg.blockDim = dim3(kClusterBlock);
-  cfg.dynamicSmemBytes = static_cast<std::size_t>(smem_bytes);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -231,19 +230,14 @@ int64_t resident_clusters(Kernel kernel, int smem_bytes) {
 
 // Grid of a persistent cluster kernel over `rows` groups: the resident clusters (queried once per
 // kernel and device), or one cluster per group when fewer.
-// A kernel with more than 48 KiB of dynamic shared memory is allowed it first (once per device).
 template <class Kernel>
-unsigned cluster_grid(Kernel kernel, int64_t rows, int smem_bytes = 0) {
+unsigned cluster_grid(Kernel kernel, int64_t rows) {
   static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
   int dev = 0;
   FLAME_CUDA_CHECK(cudaGetDevice(&dev));
   auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
   auto it = cache.find(key);
-  if (it == cache.end()) {
-    if (smem_bytes > 48 * 1024)
-      FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
-    it = cache.emplace(key, resident_clusters(kernel, smem_bytes)).first;
-  }
+  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel)).first;
   const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
   return static_cast<unsigned>(k * kCluster);
 }
