@@ -3,6 +3,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "flame/nn/linear_gelu.h"
+
 namespace flame_diffusion {
 
 namespace nn = flame::nn;
@@ -89,7 +91,12 @@ DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {
   fc2 = register_module("fc2", std::make_shared<nn::Linear>(mlp_hidden, hidden));
 }
 
-Tensor DiTMlp::forward(const Tensor& x) { return fc2->forward(fc1->forward(x).gelu(/*tanh=*/true)); }
+// fc1 and its GELU as one fused op (bias and activation in the GEMM's epilogue on CUDA, the
+// pre-activation saved for the backward); an fc1 with a LoRA adapter keeps its own forward.
+Tensor DiTMlp::forward(const Tensor& x) {
+  const Tensor h = fc1->has_lora() ? fc1->forward(x).gelu(/*tanh=*/true) : F::linear_gelu(x, fc1->weight(), fc1->bias());
+  return fc2->forward(h);
+}
 
 DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) : hidden_(hidden) {
   attn = register_module("attn", std::make_shared<DiTAttention>(hidden, heads));

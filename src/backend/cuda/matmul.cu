@@ -400,6 +400,14 @@ void int_matmul(CudaBackend& be, const Tensor& dst, const Tensor& a, const Tenso
 
 }  // namespace
 
+// The handle and the per-stream workspace above, shared with the epilogue GEMMs
+// (epi/linear_epilogue.cu) so that they need no second handle or workspace.
+cublasLtHandle_t shared_lt_handle(int device) { return lt_handle(device); }
+void* shared_lt_workspace(int device, cudaStream_t stream, std::size_t* nbytes) {
+  *nbytes = kMaxWorkspace;
+  return stream_workspace(device, stream);
+}
+
 void prepare_capture(int device) {
   DeviceGuard guard(device);
   (void)lt_handle(device);  // cublasLtCreate allocates: never inside a capture
