@@ -5,8 +5,9 @@
 // uses that for: the bias add of the forward (EPILOGUE_BIAS), bias + gelu_tanh with the
 // pre-activation written beside (GELU_AUX_BIAS; GELU_BIAS when no gradient is wanted), the bias
 // gradient summed by the weight-gradient GEMM (BGRADB), and for mlp_gelu the hidden layer's
-// gelu_tanh' and bias gradient applied by the data-gradient GEMM of the second layer
-// (DGELU_BGRAD). Each saves one pass over an [M, N] activation in memory.
+// gelu_tanh' applied by the data-gradient GEMM of the second layer (DGELU; its bias gradient
+// still comes from BGRADB, DGELU_BGRAD measured slower). Each saves a pass over an [M, N]
+// activation in memory.
 //  - Who decides: the backend (Backend::linear_bias_act and friends, backend.h) answers false
 //    when it has no fused kernel for the call, before writing anything; the op layer then runs
 //    the same math as ordinary ops (matmul, add, gelu, sum). The CPU backend always declines, so

@@ -10,6 +10,6 @@ namespace flame::nn::functional {
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
 // linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2): x [..., in], w1 [hidden, in],
 // b1 [hidden], w2 [out, hidden], b2 [out] (biases may be undefined) -> [..., out]. Its backward
-// applies gelu' and the hidden bias gradient in the epilogue of the second layer's data-gradient GEMM.
+// applies gelu' in the epilogue of the second layer's data-gradient GEMM.
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
 }  // namespace flame::nn::functional
