@@ -94,7 +94,8 @@ DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {
 // fc1 and its GELU as one fused op (bias and activation in the GEMM's epilogue on CUDA, the
 // pre-activation saved for the backward); an fc1 with a LoRA adapter keeps its own forward.
 Tensor DiTMlp::forward(const Tensor& x) {
-  const Tensor h = fc1->has_lora() ? fc1->forward(x).gelu(/*tanh=*/true) : F::linear_gelu(x, fc1->weight(), fc1->bias());
+  const Tensor h = fc1->has_lora() ? fc1->forward(x).gelu(/*tanh=*/true)
+                                   : F::linear_gelu(x, fc1->weight(), fc1->bias());
   return fc2->forward(h);
 }
 

@@ -151,7 +151,8 @@ cublasLtMatmulDesc_t make_desc(const EpiKey& key, const EpiPointers& p) {
   const cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   const auto epi = static_cast<cublasLtEpilogue_t>(key.epilogue);
   cublasStatus_t st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
   if (st == CUBLAS_STATUS_SUCCESS && p.bias != nullptr)
@@ -163,7 +164,8 @@ cublasLtMatmulDesc_t make_desc(const EpiKey& key, const EpiPointers& p) {
   }
   if (st != CUBLAS_STATUS_SUCCESS) {
     cublasLtMatmulDescDestroy(op);
-    FLAME_FAIL("linear", "cannot describe the epilogue GEMM (epilogue ", key.epilogue, "): ", cublasLtGetStatusName(st));
+    FLAME_FAIL("linear", "cannot describe the epilogue GEMM (epilogue ", key.epilogue,
+               "): ", cublasLtGetStatusName(st));
   }
   return op;
 }
@@ -351,7 +353,8 @@ bool CudaBackend::linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, co
   if (!size_ok(M) || !size8_ok(N) || !size8_ok(P)) return false;
   DeviceGuard guard(device());
   const Types t = types_of(dt);
-  EpiKey key = base_key(*this, dt, t.compute, dbias.defined() ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU);
+  const cublasLtEpilogue_t epi = dbias.defined() ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+  EpiKey key = base_key(*this, dt, t.compute, epi);
   key.ta = false;
   key.tb = false;
   key.m = static_cast<uint64_t>(N);
