@@ -1,6 +1,6 @@
-// The DiT MLP's fused fc1 + GELU(tanh) (F::linear_gelu): same values, gradients and parameter
-// names as the unfused fc2(gelu(fc1(x))); a LoRA-wrapped fc1 keeps its own forward and matches
-// the adapter formula.
+// The DiT MLP's fused forms (F::mlp_gelu, or F::linear_gelu for fc1 when fc2 has an adapter):
+// same values, gradients and parameter names as the unfused fc2(gelu(fc1(x))); a LoRA-wrapped
+// layer keeps its own forward and matches the adapter formula.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -96,6 +96,23 @@ TEST(EpilogueDiT, LoraFc1KeepsUnfusedPathAndMatchesAdapterFormula) {
   for (const auto& [n, p] : mlp.named_parameters()) names.push_back(n);
   EXPECT_EQ(names, (std::vector<std::string>{"fc1.weight", "fc1.bias", "fc1.lora_A.weight", "fc1.lora_B.weight",
                                              "fc2.weight", "fc2.bias"}));
+}
+
+TEST(EpilogueDiT, LoraFc2KeepsItsAdapter) {
+  FD_SKIP_IF_NO_DEVICE();
+  const flame::Device dev = test_device();
+  fd::DiTMlp mlp(16, 64);
+  mlp.to(dev);
+  flame::nn::LoraOptions lo;
+  lo.rank = 4;
+  mlp.fc2->add_lora(lo);
+  fd_test::perturb(mlp, 0.1, 16);
+  flame::Generator gen(17);
+  const Tensor x = Tensor::randn({2, 7, 16}, 0.0, 1.0, {DType::f32, dev}, &gen);
+  const Tensor y = mlp.forward(x);
+  EXPECT_LT(rel_diff(y.detach(), unfused(mlp, x).detach()), 1e-4);
+  const flame::Gradients g = y.sum().backward();
+  EXPECT_GT(fd_test::max_abs(g.get(mlp.fc2->lora_B()->weight())), 0.0);
 }
 
 }  // namespace
