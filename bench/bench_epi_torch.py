@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""PyTorch twin of bench/bench_epi.cpp: F.linear with bias, gelu(F.linear(...), approximate='tanh')
+and the DiT-S MLP in bf16, forward (no grad) and forward+backward, same names, shapes and timing
+(CUDA events between back-to-back calls, warm-up, median). TFLOP/s counts the GEMMs only (2MNK
+forward, 6MNK forward+backward per layer). Gradients come from torch.autograd.grad (no accumulation
+into .grad), as FLAME's backward returns a fresh store. The FLAME-only lines (*_unfused,
+*_mlp_gelu) have no twin here.
+
+Usage: python3 bench/bench_epi_torch.py [--reps N] [--warmup N]
+"""
+import argparse
+import json
+import math
+
+from bench_timing import median_ms
+
+
+def emit(name, flops, ms):
+    print("BENCH " + json.dumps({"name": name, "value": float(f"{flops / (ms * 1e-3) / 1e12:.4g}"),
+                                 "unit": "TFLOP/s", "ms": round(ms, 4)}), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+    if not torch.cuda.is_available():
+        print("# bench_epi_torch: no CUDA device; nothing to measure")
+        return 0
+    dev = torch.device("cuda", 0)
+    print(f"# bench_epi_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
+          f"reps {args.reps}, warm-up {args.warmup}, bf16", flush=True)
+    reps, warmup = args.reps, args.warmup
+    bf16 = dict(device=dev, dtype=torch.bfloat16)
+
+    def layer(name, M, K, N, op):
+        x0 = torch.randn(M, K, **bf16)
+        w = (torch.randn(N, K, **bf16) * (1.0 / math.sqrt(K))).requires_grad_()
+        b = (torch.randn(N, **bf16) * 0.1).requires_grad_()
+        dy = torch.randn(M, N, **bf16)
+        flops = 2.0 * M * N * K
+        with torch.no_grad():
+            emit(name + "_fwd", flops, median_ms(torch, lambda: op(x0, w, b), reps, warmup))
+        x = x0.detach().requires_grad_()
+        emit(name + "_fwdbwd", 3 * flops,
+             median_ms(torch, lambda: torch.autograd.grad(op(x, w, b), [x, w, b], dy), reps, warmup))
+        del x0, x, w, b, dy
+
+    for tag, M, K, N in (("dit_fc1", 50176, 384, 1536), ("dit_fc2", 50176, 1536, 384), ("sq4096", 8192, 4096, 4096)):
+        layer("linear_bias_" + tag, M, K, N, lambda x, w, b: F.linear(x, w, b))
+        layer("linear_gelu_" + tag, M, K, N, lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh"))
+
+    M, D, H = 50176, 384, 1536
+    x0 = torch.randn(M, D, **bf16)
+    w1 = (torch.randn(H, D, **bf16) * (1.0 / math.sqrt(D))).requires_grad_()
+    b1 = (torch.randn(H, **bf16) * 0.1).requires_grad_()
+    w2 = (torch.randn(D, H, **bf16) * (1.0 / math.sqrt(H))).requires_grad_()
+    b2 = (torch.randn(D, **bf16) * 0.1).requires_grad_()
+    dy = torch.randn(M, D, **bf16)
+
+    def mlp(x):
+        return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+    flops = 2.0 * 2.0 * M * D * H
+    with torch.no_grad():
+        emit("dit_mlp_fwd", flops, median_ms(torch, lambda: mlp(x0), reps, warmup))
+    x = x0.detach().requires_grad_()
+    emit("dit_mlp_fwdbwd", 3 * flops,
+         median_ms(torch, lambda: torch.autograd.grad(mlp(x), [x, w1, b1, w2, b2], dy), reps, warmup))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

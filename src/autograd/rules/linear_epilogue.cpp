@@ -1,0 +1,125 @@
+// Gradient rules of Linear's fused epilogue ops. With d the gradient at the pre-activation
+// (d = dy, or dy * gelu_tanh'(pre) for linear_gelu): dx = d W, dW = d^T x, db = column sums of d.
+// The backend fuses where it can (Note [Linear epilogues]): d in one elementwise kernel, dW and db
+// in one GEMM (bias-gradient epilogue); for mlp_gelu the hidden layer's d comes out of the second
+// layer's data-gradient GEMM (dGELU epilogue). Where the backend declines,
+// the same formulas run as ordinary ops. Saved: x (as the GEMM read it) when W needs a gradient,
+// W when x does (or, for mlp_gelu, when the hidden layer does), and pre.
+#include "src/autograd/rules/linear_epilogue.h"
+
+#include "flame/autograd.h"
+#include "flame/ops.h"
+#include "src/autograd/record.h"
+#include "src/backend/backend.h"
+#include "src/core/tensor_impl.h"
+#include "src/ops/elementwise.h"
+
+namespace flame::rules {
+namespace {
+
+using backend::UnaryOp;
+
+// dy * gelu_tanh'(pre), fused where the backend can.
+Tensor gelu_tanh_grad_of(const Tensor& dy, const Tensor& pre) {
+  Tensor d = make_empty(pre.sizes(), pre.dtype(), pre.device());
+  if (backend::backend_for(pre.device()).gelu_tanh_backward(d, dy, pre)) return d;
+  return dy * unary_op(UnaryOp::gelu_tanh_grad, pre, backend::UnaryParams{});
+}
+
+// dW = d^T x2 and db = column sums of d, each only when wanted.
+void weight_and_bias_grads(const Tensor& d, const Tensor& x2, bool need_w, bool need_b, Tensor& dw, Tensor& db) {
+  if (need_w && need_b) {
+    const int64_t out = d.size(1), in = x2.size(1);
+    dw = make_empty({out, in}, d.dtype(), d.device());
+    db = make_empty({out}, d.dtype(), d.device());
+    if (backend::backend_for(d.device()).linear_wgrad_bgrad(dw, db, d, x2)) return;
+  }
+  if (need_w) dw = d.t().matmul(x2);
+  if (need_b) db = d.sum({0});
+}
+
+// Saved slots: x2 (args.need[0]), w (args.need[1]), pre (args.op == 1). args.count = rows.
+TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
+  const auto& e = n.edges();
+  const bool need_x = e[0].meta != nullptr, need_w = e[1].meta != nullptr;
+  const bool need_b = e.size() > 2 && e[2].meta != nullptr;
+  std::size_t slot = 0;
+  const Tensor x2 = n.args().need[0] ? n.saved(slot++) : Tensor();
+  const Tensor w = n.args().need[1] ? n.saved(slot++) : Tensor();
+  const Tensor pre = n.args().op == 1 ? n.saved(slot++) : Tensor();
+  const DType dt = e[1].dtype;
+  const int64_t rows = n.args().count, out = e[1].shape[0];
+  const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
+  const Tensor d = pre.defined() ? gelu_tanh_grad_of(g2, pre) : g2;
+  Tensor dx, dw, db;
+  if (need_x) dx = d.matmul(w).reshape(e[0].shape.vec());
+  weight_and_bias_grads(d, x2, need_w, need_b, dw, db);
+  return {dx, dw, db};
+}
+
+// Inputs {x, w1, b1, w2, b2}. Saved slots: x2 (need w1), w1 (need x), w2 (need anything below
+// the second layer), pre (same), h (need w2). args.count = rows.
+TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
+  const auto& e = n.edges();
+  auto need = [&](std::size_t i) { return e.size() > i && e[i].meta != nullptr; };
+  const bool need_x = need(0), need_w1 = need(1), need_b1 = need(2), need_w2 = need(3), need_b2 = need(4);
+  const bool need_hidden = need_x || need_w1 || need_b1;
+  std::size_t slot = 0;
+  const Tensor x2 = need_w1 ? n.saved(slot++) : Tensor();
+  const Tensor w1 = need_x ? n.saved(slot++) : Tensor();
+  const Tensor w2 = need_hidden ? n.saved(slot++) : Tensor();
+  const Tensor pre = need_hidden ? n.saved(slot++) : Tensor();
+  const Tensor h = need_w2 ? n.saved(slot++) : Tensor();
+  const DType dt = e[1].dtype;
+  const Device dev = e[1].device;
+  const int64_t rows = n.args().count, hidden = e[1].shape[0], out = e[3].shape[0];
+  const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
+  Tensor dx, dw1, db1, dw2, db2;
+  weight_and_bias_grads(g2, h, need_w2, need_b2, dw2, db2);
+  if (need_hidden) {
+    // d at the hidden pre-activation, (g2 W2) * gelu_tanh'(pre), in one GEMM if possible. db1
+    // comes from the dW1 GEMM (BGRADB) rather than from DGELU_BGRAD here: on an H100 the
+    // DGELU_BGRAD GEMM of the DiT-S MLP made its forward+backward slower than unfused ops.
+    Tensor d = make_empty({rows, hidden}, dt, dev);
+    if (!backend::backend_for(dev).linear_dgelu_bgrad(d, Tensor(), g2, w2, pre))
+      d = gelu_tanh_grad_of(g2.matmul(w2), pre);
+    weight_and_bias_grads(d, x2, need_w1, need_b1, dw1, db1);
+    if (need_x) dx = d.matmul(w1).reshape(e[0].shape.vec());
+  }
+  return {dx, dw1, db1, dw2, db2};
+}
+
+}  // namespace
+
+void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& x2,
+                     const Tensor& pre) {
+  if (!needs_grad({x, w, b})) return;
+  RuleArgs args;
+  args.op = pre.defined() ? 1 : 0;
+  args.need[0] = w.requires_grad();
+  args.need[1] = x.requires_grad();
+  args.count = x2.size(0);
+  Node& n = record(y, pre.defined() ? "LinearGeluBackward" : "AddmmBackward", {x, w, b}, &linear_epilogue_backward,
+                   std::move(args));
+  if (w.requires_grad()) n.save(x2);
+  if (x.requires_grad()) n.save(w);
+  if (pre.defined()) n.save(pre);
+}
+
+void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+              const Tensor& x2, const Tensor& pre, const Tensor& h) {
+  if (!needs_grad({x, w1, b1, w2, b2})) return;
+  const bool need_hidden = x.requires_grad() || w1.requires_grad() || (b1.defined() && b1.requires_grad());
+  RuleArgs args;
+  args.count = x2.size(0);
+  Node& n = record(y, "MlpGeluBackward", {x, w1, b1, w2, b2}, &mlp_gelu_backward, std::move(args));
+  if (w1.requires_grad()) n.save(x2);
+  if (x.requires_grad()) n.save(w1);
+  if (need_hidden) {
+    n.save(w2);
+    n.save(pre);
+  }
+  if (w2.requires_grad()) n.save(h);
+}
+
+}  // namespace flame::rules

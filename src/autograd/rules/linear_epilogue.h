@@ -1,0 +1,16 @@
+#pragma once
+// Gradient rule of Linear's fused epilogue ops (Note [Linear epilogues] in
+// src/ops/linear_epilogue.cpp): linear with bias run as one fused GEMM, and linear_gelu.
+#include "flame/tensor.h"
+
+namespace flame::rules {
+// y [..., out] = act(x [..., in] @ w^T + b) with act = gelu_tanh when pre (the value before it,
+// [rows, out] contiguous) is defined, else identity. x2 is x as the [rows, in] contiguous matrix the
+// GEMM read; b may be undefined. Records one node with inputs {x, w, b}.
+void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& x2,
+                     const Tensor& pre);
+// y [..., out] = linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (mlp_gelu): x2 as above, pre the
+// first layer's pre-activation and h = gelu_tanh(pre), both [rows, hidden] contiguous.
+void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+              const Tensor& x2, const Tensor& pre, const Tensor& h);
+}  // namespace flame::rules
