@@ -143,6 +143,11 @@ class CudaBackend final : public Backend {
 
   // ---- amp ----
   void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
+  // ---- graph ---- (optim/multi_tensor.cu, graph/foreach_norm.cu)
+  void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
+                         bool warmup) override;
+  void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) override;
+  void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) override;
 
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,
