@@ -4,6 +4,7 @@
 // Suite TrainerGraph; CUDA only (the cases skip on a machine without a GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -34,13 +35,14 @@ std::string write_dataset(const fd_test::ScratchDir& dir, int64_t n) {
   return folder;
 }
 
-fd::TrainConfig tiny_config(const std::string& data, const std::string& out, bool compile, int64_t steps) {
+fd::TrainConfig tiny_config(const std::string& data, const std::string& out, bool compile, int64_t steps,
+                            const std::string& schedule = "cosine") {
   fd::TrainConfig c;
   c.model = "dit-tiny";
   c.steps = steps;
   c.batch = 16;
   c.lr = 1e-3;
-  c.schedule = "cosine";  // the lr changes every step: replays must see each value
+  c.schedule = schedule;  // cosine: the lr changes every step, so replays must see each value
   c.warmup = 2;
   c.data_dir = data;
   c.device = "cuda";
@@ -94,8 +96,11 @@ void expect_close(const RunState& a, const RunState& b, const char* what) {
       ASSERT_NEAR(a.shadow[i][k], b.shadow[i][k], 2e-3 * (1.0 + std::abs(b.shadow[i][k]))) << what << " EMA " << i << "[" << k << "]";
     }
     ASSERT_EQ(a.exp_avg[i].size(), b.exp_avg[i].size());
+    // Moments are tiny near zero: compare against the tensor's scale.
+    double scale = 1e-12;
+    for (float v : b.exp_avg[i]) scale = std::max(scale, static_cast<double>(std::abs(v)));
     for (std::size_t k = 0; k < a.exp_avg[i].size(); ++k)
-      ASSERT_NEAR(a.exp_avg[i][k], b.exp_avg[i][k], 2e-3 * (1e-3 + std::abs(b.exp_avg[i][k]))) << what << " exp_avg " << i;
+      ASSERT_NEAR(a.exp_avg[i][k], b.exp_avg[i][k], 2e-2 * scale) << what << " exp_avg " << i << "[" << k << "]";
   }
 }
 
@@ -125,13 +130,21 @@ TEST(TrainerGraph, CompiledResumeContinuesLikeOneRun) {
   if (!flame::cuda_is_available()) GTEST_SKIP() << "no CUDA device: --compile needs a GPU";
   fd_test::ScratchDir dir;
   const std::string data = write_dataset(dir, 96);
-  const fd::TrainResult whole = fd::train(tiny_config(data, dir.file("whole"), true, 10));
-  fd::TrainConfig first = tiny_config(data, dir.file("split"), true, 5);
+  // A constant schedule (after a 2-step warmup): a cosine one depends on --steps, which differs
+  // between the split run's two halves and the whole run.
+  const fd::TrainResult whole = fd::train(tiny_config(data, dir.file("whole"), true, 10, "constant"));
+  fd::TrainConfig first = tiny_config(data, dir.file("split"), true, 5, "constant");
   (void)fd::train(first);
-  fd::TrainConfig second = tiny_config(data, dir.file("split"), true, 10);
+  fd::TrainConfig second = tiny_config(data, dir.file("split"), true, 10, "constant");
   second.resume = true;
   const fd::TrainResult resumed = fd::train(second);
   EXPECT_EQ(resumed.steps_done, 5);
+  EXPECT_GT(resumed.graph_replays, 0);
+  // Step by step, the resumed half logs the losses of the whole run's last five steps.
+  const fd::LossLog lw = fd::read_loss_csv(whole.csv), ls = fd::read_loss_csv(resumed.csv);
+  ASSERT_EQ(lw.losses.size(), 10u);
+  ASSERT_EQ(ls.losses.size(), 10u);
+  for (std::size_t i = 0; i < 10; ++i) EXPECT_NEAR(ls.losses[i], lw.losses[i], 1e-2 * std::abs(lw.losses[i])) << i;
   expect_close(read_state(resumed.last_checkpoint), read_state(whole.last_checkpoint), "resumed vs whole");
 }
 
