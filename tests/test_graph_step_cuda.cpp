@@ -201,14 +201,12 @@ TEST(GraphStepCuda, UncapturableStepsRaiseClearErrors) {
   }
 }
 
-// Note [Graph-private pool]: blocks freed during the capture are reused by later allocations of
-// the same capture (by exact rounded size; blocks are not split or merged). Without that reuse the
-// private pool would hold every activation and gradient of the step at once: several times the
-// eager peak. With it, the pool exceeds the eager peak only where sizes peak at different times
-// (activations at the start of backward, weight gradients at its end) and by the captured GEMMs'
-// workspaces: measured 1.49x on this MLP of mixed widths on an H100 (360 MiB eager, 536 MiB pool)
-// and about 1.07x on the trainer's dit-s step. The bound below guards the reuse; the 1.05x target
-// needs a pool that splits and merges blocks (docs/graph-step.md).
+// Note [Graph-private pool]: memory freed during the capture (activations released in backward)
+// serves later requests of the same capture, split and merged as needed, so a replayed step needs
+// about the eager step's peak. (With reuse by exact size only, an earlier version of the pool
+// measured 1.49x here on an H100: 360 MiB eager, 536 MiB captured.) The captured GEMMs' cuBLASLt
+// workspaces come from the private pool too; the eager stream's workspace exists before the
+// measurement, so the model is large enough to make them a few percent at most.
 TEST(GraphStepCuda, CapturedStepPeakMemoryNearEagerPeak) {
   FLAME_SKIP_IF_NO_CUDA();
   // Large enough that the cuBLASLt workspaces a capture allocates from its private pool (the
@@ -242,8 +240,7 @@ TEST(GraphStepCuda, CapturedStepPeakMemoryNearEagerPeak) {
   EXPECT_GT(s.graph_pool_bytes, 0u);
   std::printf("[ GraphStepCuda ] captured / eager = %.3f\n",
               static_cast<double>(s.graph_pool_bytes) / static_cast<double>(eager_peak));
-  // Without reuse the pool would hold every allocation of the step (well over 2x here).
-  EXPECT_LE(static_cast<double>(s.graph_pool_bytes), 1.6 * static_cast<double>(eager_peak));
+  EXPECT_LE(static_cast<double>(s.graph_pool_bytes), 1.05 * static_cast<double>(eager_peak));
   step();  // and it replays
   EXPECT_TRUE(std::isfinite(out.loss.item<float>()));
 }
