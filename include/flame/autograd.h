@@ -157,6 +157,15 @@ double global_grad_norm(const Gradients& grads, double norm_type = 2.0);
 double clip_grad_norm_(Gradients& grads, double max_norm, double norm_type = 2.0);
 double clip_grad_norm_(Gradients& grads, const TensorList& params, double max_norm, double norm_type = 2.0);
 void clip_grad_value_(Gradients& grads, double clip_value);
+// Sync-free versions (Note [Device gradient clipping]; docs/graph-step.md): the norm stays on the
+// gradients' device as a 0-d tensor (f64 when any gradient is f64, else f32) and nothing waits for
+// the GPU, so they can run inside a captured CUDA graph. clip_grad_norm scales every gradient by
+// min(1, max_norm / (norm + 1e-6)) on the device with one multi-tensor norm and one multi-tensor
+// scale per dtype (torch.nn.utils.clip_grad_norm_(foreach=True, error_if_nonfinite=False): a NaN
+// or Inf norm scales the gradients by NaN or 0). norm_type: > 0 or infinity. An empty store gives 0.
+Tensor clip_grad_norm(Gradients& grads, double max_norm, double norm_type = 2.0);
+Tensor clip_grad_norm(Gradients& grads, const TensorList& params, double max_norm, double norm_type = 2.0);
+Tensor grad_norm(const Gradients& grads, double norm_type = 2.0);
 // Divides every gradient by the global L2 norm (+ eps).
 void normalize_grads_(Gradients& grads, double eps = 1e-6);
 // Adds N(0, std^2) noise to every gradient.

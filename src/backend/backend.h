@@ -171,6 +171,22 @@ class Backend {
                                   const Tensor& pre) { return false; }
   // dpre = dy * gelu_tanh'(pre), elementwise over same-shape tensors.
   virtual bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) { return false; }
+  // ---- graph ----
+  // (Defaults raise naming the backend's lack of support: src/backend/backend_graph.cpp.)
+  // Capturable EMA (Note [Capturable optimizers], src/optim/fused_optimizer.cpp): ema_update with
+  // weight = 1 - decay_at(n), n read at kernel time from `step` (0-d f64 on this device).
+  virtual void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step,
+                                 double decay, bool warmup);
+  // Sync-free gradient norm (Note [Device gradient clipping], src/autograd/grad_clip_device.cpp).
+  // `tensors` share one floating dtype, lie on this device and are dense; `acc` is a 0-d f64 on
+  // this device. Adds sum_k sum_i |t_k[i]|^p to acc (for p = inf: acc = max(acc, max |t_k[i]|)),
+  // in one multi-tensor pass (plus one single-block pass to fold the partial sums) on CUDA, in a
+  // fixed order, so the result does not vary between runs.
+  virtual void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc);
+  // Multiplies every tensor in place by min(1, max_norm / (norm + 1e-6)), norm = total_norm (0-d
+  // f64 on this device) read at kernel time; NaN coefficients propagate (torch.clamp). Tensors as
+  // above; a coefficient of exactly 1 leaves them unwritten.
+  virtual void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm);
 };
 
 Backend& backend_for(Device device);

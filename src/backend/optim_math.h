@@ -8,6 +8,7 @@
 //  - Adam/AdamW: m.lerp_(g, 1 - b1); v = b2 v + (1 - b2) g^2; denom = sqrt(v)/sqrt(bc2) + eps;
 //    p -= lr/bc1 * m/denom (AdamW first scales p by 1 - lr wd; Adam adds wd p to g).
 //  - Lion (Chen et al. 2023): p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g); m = b2 m + (1 - b2) g.
+#include <cmath>
 #include <cstdint>
 
 #include "flame/half.h"
@@ -31,6 +32,51 @@ FLAME_INLINE Hyper<C> make_hyper(const OptimHyper& h) {
                   static_cast<C>(h.beta2),    static_cast<C>(h.eps),          static_cast<C>(h.momentum),
                   static_cast<C>(h.dampening), h.nesterov,                     h.maximize,
                   h.amsgrad,                  h.decoupled_weight_decay,       h.kind};
+}
+
+// The hyperparameters a capturable call reads from memory at kernel time (OptimHyper::device_hyper;
+// a host pointer on the CPU backend, a device pointer on CUDA); `h` itself when none.
+FLAME_INLINE OptimHyper resolve_hyper(OptimHyper h) {
+  if (h.device_hyper != nullptr) {
+    const double* d = h.device_hyper;
+    h.lr = d[0];
+    h.weight_decay = d[1];
+    h.beta1 = d[2];
+    h.beta2 = d[3];
+    h.eps = d[4];
+    h.momentum = d[5];
+    h.dampening = d[6];
+  }
+  return h;
+}
+
+// Per-tensor scalars of one step: Adam's bias corrections and the stochastic-rounding offset.
+// With a device step they are computed here from t, with the same double formulas the optimizer
+// layer uses on the host for eager steps, so captured and eager steps round alike.
+struct StepScalars {
+  double step_size;
+  double bias2_sqrt;
+  uint64_t rng_offset;
+};
+
+template <class E>  // OptimTensor on the host, the kernels' packed argument struct on CUDA
+FLAME_INLINE StepScalars step_scalars(const OptimHyper& resolved, const E& e) {
+  if (e.device_step == nullptr) return StepScalars{e.step_size, e.bias2_sqrt, e.rng_offset};
+  const double t = *e.device_step;
+  StepScalars s{0.0, 1.0, static_cast<uint64_t>(t)};
+  if (resolved.kind == OptimKind::adam) {
+    s.step_size = resolved.lr / (1.0 - ::pow(resolved.beta1, t));
+    s.bias2_sqrt = ::sqrt(1.0 - ::pow(resolved.beta2, t));
+  }
+  return s;
+}
+
+// The EMA decay at update count `step`: decay, or min(decay, (1 + step) / (10 + step)) with warmup
+// (optim::EMA::decay_at; shared so the device-counter path computes it the same way).
+FLAME_INLINE double ema_decay(double decay, bool warmup, double step) {
+  if (!warmup) return decay;
+  const double w = (1.0 + step) / (10.0 + step);
+  return decay < w ? decay : w;
 }
 
 // One element. p is the parameter (or its master) value, g the gradient, s0..s2 the state

@@ -24,7 +24,14 @@ struct OptimHyper {
   bool decoupled_weight_decay = false;  // AdamW: p *= 1 - lr * wd before the Adam update
   bool stochastic_rounding = false;     // bf16 params written from an f32 master
   uint64_t seed = 0;                    // Philox key of the stochastic rounding
+  // Capturable steps (Note [Capturable optimizers] in src/optim/fused_optimizer.cpp): when set,
+  // the kernel reads lr, weight_decay, beta1, beta2, eps, momentum, dampening (in that order,
+  // kDeviceHyperSize f64 values) from this array in the tensors' memory instead of the fields
+  // above, so a replayed graph sees the values written since the capture.
+  const double* device_hyper = nullptr;
 };
+
+constexpr int kDeviceHyperSize = 7;
 
 // One parameter of a call. All tensors of a call share the parameter dtype, the state dtype and
 // the device; every tensor of an entry has the parameter's numel and dense layout.
@@ -41,6 +48,9 @@ struct OptimTensor {
   // Stochastic rounding: element i of this tensor draws Philox(seed, rng_index + i, rng_offset).
   uint64_t rng_index = 0;
   uint64_t rng_offset = 0;
+  // Capturable steps: the parameter's step count t (already advanced), an f64 in the tensors'
+  // memory. When set, step_size, bias2_sqrt and rng_offset are computed from it by the kernel.
+  const double* device_step = nullptr;
 };
 
 // Counts fused optimizer/EMA kernel launches (CUDA) and backend calls (CPU), process-wide; read by

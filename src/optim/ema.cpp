@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "flame/autograd.h"
+#include "flame/cuda.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -31,6 +32,25 @@ EMA::EMA(TensorList params, EMAOptions options) : options_(options), params_(std
     s.copy_(p);
     shadow_.push_back(std::move(s));
   }
+  if (options_.capturable && !params_.empty()) {
+    const Device dev = params_.front().device();
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      FLAME_CHECK(params_[i].device() == dev, "EMA", "capturable: parameter ", i, " is on ", params_[i].device().str(),
+                  ", parameter 0 on ", dev.str(), "; a capturable EMA keeps its update count on one device");
+    counter_ = Tensor::zeros({}, TensorOptions(DType::f64, dev));
+  }
+}
+
+int64_t EMA::num_updates() const {
+  return counter_.defined() ? static_cast<int64_t>(counter_.item<double>()) : num_updates_;
+}
+
+void EMA::update() {
+  if (!counter_.defined()) {
+    update(num_updates_);
+    return;
+  }
+  update_on_device();
 }
 
 double EMA::decay_at(int64_t step) const {
@@ -41,6 +61,9 @@ double EMA::decay_at(int64_t step) const {
 
 void EMA::update(int64_t step) {
   FLAME_CHECK(step >= 0, "EMA.update", "step ", step, " is negative");
+  FLAME_CHECK(!(counter_.defined() && counter_.device().is_cuda() && cuda::is_capturing(counter_.device().index)),
+              "EMA.update", "update(step) while a CUDA graph is being captured would replay the decay of step ", step,
+              " forever; call update(), which reads the update count from device memory when it runs");
   const double weight = 1.0 - decay_at(step);
   struct Bucket {
     Device device;
@@ -63,7 +86,39 @@ void EMA::update(int64_t step) {
   }
   for (const Bucket& b : buckets) backend::backend_for(b.device).ema_update(b.shadow, b.params, weight);
   for (const Tensor& s : shadow_) bump_version(s);
-  ++num_updates_;
+  if (counter_.defined()) {
+    NoGradGuard no_grad;
+    counter_.add_(1.0);
+  } else {
+    ++num_updates_;
+  }
+}
+
+// Capturable update: the kernel reads the count from counter_, then one add advances it.
+void EMA::update_on_device() {
+  NoGradGuard no_grad;
+  struct Bucket {
+    DType sdt, pdt;
+    TensorList shadow, params;
+  };
+  std::vector<Bucket> buckets;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    const Tensor& s = shadow_[i];
+    FLAME_CHECK(p.device() == s.device() && p.sizes() == s.sizes() && same_dense_layout(p, s), "EMA.update",
+                "parameter ", i, " changed device, shape or layout since the EMA was made (now ", p.device().str(),
+                " ", p.sizes(), ", shadow ", s.device().str(), " ", s.sizes(), ")");
+    Bucket* b = nullptr;
+    for (Bucket& x : buckets)
+      if (x.sdt == s.dtype() && x.pdt == p.dtype()) b = &x;
+    if (b == nullptr) b = &buckets.emplace_back(Bucket{s.dtype(), p.dtype(), {}, {}});
+    b->shadow.push_back(s);
+    b->params.push_back(p);
+  }
+  backend::Backend& be = backend::backend_for(counter_.device());
+  for (const Bucket& b : buckets) be.ema_update_device(b.shadow, b.params, counter_, options_.decay, options_.warmup);
+  counter_.add_(1.0);
+  for (const Tensor& s : shadow_) bump_version(s);
 }
 
 void EMA::store() {
@@ -94,7 +149,7 @@ void EMA::restore() {
 StateDict EMA::state_dict() const {
   StateDict sd;
   for (std::size_t i = 0; i < shadow_.size(); ++i) sd.insert(shadow_key(i), shadow_[i].clone());
-  sd.insert("num_updates", Tensor::scalar(num_updates_, DType::i64));
+  sd.insert("num_updates", Tensor::scalar(num_updates(), DType::i64));
   return sd;
 }
 
@@ -123,6 +178,7 @@ void EMA::load_state_dict(const StateDict& sd) {
   // Copy into the live shadow tensors, keeping their identity.
   for (std::size_t i = 0; i < shadow_.size(); ++i) shadow_[i].copy_(shadow[i]);
   num_updates_ = updates;
+  if (counter_.defined()) counter_.fill_(static_cast<double>(updates));
 }
 
 }  // namespace flame::optim

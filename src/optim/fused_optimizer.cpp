@@ -8,10 +8,32 @@
 // copy ("master_param") and f32 state; the kernels update the master and write the rounded
 // parameter in the same pass. load_state_dict builds the complete new state before it replaces
 // anything (Stateful's contract: unchanged on error).
+//
+// Note [Capturable optimizers]
+// A CUDA graph replays kernel arguments as they were at capture, so a step that passes lr and
+// Adam's bias corrections as host scalars repeats the capture's values forever. With
+// `capturable` (PyTorch's name) the optimizer instead keeps, on the parameters' device:
+//  - per group an f64 [kDeviceHyperSize] tensor (lr, weight_decay, beta1, beta2, eps, momentum,
+//    dampening), passed to the kernel as OptimHyper::device_hyper and read when it runs;
+//  - an f64 [num_params] tensor of step counts, advanced by FLAME ops (one add per run of
+//    consecutive updated parameters, usually one) before the update kernels, which read their
+//    parameter's count (OptimTensor::device_step) and form the bias corrections and the
+//    stochastic-rounding offset from it with the host's double formulas (optim_math::
+//    step_scalars), so capturable and default steps give the same bits.
+// Hyperparameters reach the device when they change: set_lr / set_momentum (schedulers) write
+// the changed values with a fill on the current stream (no wait; the next replay on that stream
+// sees them), an eager step() writes whatever param_groups() edits left behind, and
+// sync_hyperparameters() does it on demand. During a capture a pending change raises instead (it
+// would be baked into the graph). State creation (master weights, zeroed slots, SGD's first
+// momentum buffer) must also happen eagerly: a captured creation would be replayed, resetting
+// the state every step, so a step that needs it raises while capturing. state_dict and
+// param_step read the counts back (a wait, like any read of device memory); load_state_dict
+// writes them.
 #include <cmath>
 #include <string>
 #include <unordered_set>
 
+#include "flame/cuda.h"
 #include "flame/optim/optimizers.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
@@ -70,6 +92,69 @@ FusedOptimizer::FusedOptimizer(std::vector<ParamGroup> groups, Precision precisi
     group_begin_.push_back(params_.size());
   }
   state_.resize(params_.size());
+  if (precision_.capturable && !params_.empty()) {
+    const Device dev = params_.front().device();
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      FLAME_CHECK(params_[i].device() == dev, "optimizer", "capturable: parameter ", i, " is on ",
+                  params_[i].device().str(), ", parameter 0 on ", dev.str(),
+                  "; a capturable optimizer keeps its step counts on one device");
+    steps_device_ = Tensor::zeros({static_cast<int64_t>(params_.size())}, TensorOptions(DType::f64, dev));
+    for (std::size_t g = 0; g < groups_.size(); ++g) {
+      hyper_device_.push_back(Tensor::zeros({backend::kDeviceHyperSize}, TensorOptions(DType::f64, dev)));
+      hyper_written_.emplace_back();
+    }
+    write_hyperparameters(/*force=*/true);
+  }
+}
+
+std::vector<double> FusedOptimizer::hyper_values(std::size_t g) const {
+  const ParamGroup& p = groups_[g];
+  return {p.lr, p.weight_decay, p.beta1, p.beta2, p.eps, p.momentum, p.dampening};  // OptimHyper::device_hyper order
+}
+
+namespace {
+bool capturing_on(const Tensor& t) { return t.device().is_cuda() && cuda::is_capturing(t.device().index); }
+}  // namespace
+
+void FusedOptimizer::write_hyperparameters(bool force) {
+  if (!precision_.capturable || hyper_device_.empty()) return;
+  NoGradGuard no_grad;
+  // Check every group before writing any, so a refusal changes nothing.
+  std::vector<std::vector<double>> values(groups_.size());
+  bool pending = false;
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    values[g] = hyper_values(g);
+    pending = pending || force || values[g] != hyper_written_[g];
+  }
+  if (!pending) return;
+  FLAME_CHECK(!capturing_on(steps_device_), (name() + ".sync_hyperparameters").c_str(),
+              "a hyperparameter changed while a CUDA graph is being captured; a capturable optimizer reads them "
+              "from device memory at replay time: change them (set_lr, schedulers) outside the captured step");
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    for (std::size_t k = 0; k < values[g].size(); ++k) {
+      if (!force && hyper_written_[g].size() == values[g].size() && hyper_written_[g][k] == values[g][k]) continue;
+      hyper_device_[g].narrow(0, static_cast<int64_t>(k), 1).fill_(values[g][k]);
+    }
+    hyper_written_[g] = values[g];
+  }
+}
+
+void FusedOptimizer::sync_hyperparameters() { write_hyperparameters(false); }
+
+void FusedOptimizer::hyperparameters_changed(std::size_t) { write_hyperparameters(false); }
+
+void FusedOptimizer::advance_device_steps(const std::vector<std::vector<Active>>& active) {
+  // Indices ascend over the groups (params_ is in group order): add 1 per run of consecutive ones.
+  std::vector<std::size_t> idx;
+  for (const auto& group : active)
+    for (const Active& a : group) idx.push_back(a.index);
+  std::size_t run = 0;
+  while (run < idx.size()) {
+    std::size_t end = run + 1;
+    while (end < idx.size() && idx[end] == idx[end - 1] + 1) ++end;
+    steps_device_.narrow(0, static_cast<int64_t>(idx[run]), static_cast<int64_t>(end - run)).add_(1.0);
+    run = end;
+  }
 }
 
 void FusedOptimizer::check_groups() const {
@@ -87,6 +172,8 @@ DType FusedOptimizer::state_dtype(const Tensor& param) const {
 int64_t FusedOptimizer::param_step(std::size_t index) const {
   FLAME_CHECK(index < params_.size(), (name() + ".param_step").c_str(), "index ", index, " out of range (", params_.size(),
               " parameters)");
+  if (precision_.capturable)
+    return static_cast<int64_t>(steps_device_.narrow(0, static_cast<int64_t>(index), 1).item<double>());
   return state_[index].step;
 }
 
@@ -134,6 +221,22 @@ void FusedOptimizer::step(const Gradients& grads) {
       active[g].push_back(Active{i, p, std::move(grad), false});
     }
   }
+  if (precision_.capturable && !params_.empty()) {
+    if (capturing_on(steps_device_)) {
+      // Note [Capturable optimizers]: state creation cannot be replayed.
+      for (std::size_t g = 0; g < groups_.size(); ++g)
+        for (const Active& a : active[g]) {
+          const ParamState& st = state_[a.index];
+          const bool needs_master = uses_master(a.param) && !st.master.defined();
+          const bool needs_slots = st.slots.empty() && !slots(groups_[g], a.param).empty();
+          FLAME_CHECK(!needs_master && !needs_slots, op.c_str(), "parameter ", a.index,
+                      " has no optimizer state yet and a CUDA graph is being captured; run one step eagerly "
+                      "before capturing (creating the state inside the graph would reset it at every replay)");
+        }
+    }
+    write_hyperparameters(false);
+    advance_device_steps(active);
+  }
   // Pass 2: create missing state, advance the step counters, update.
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (active[g].empty()) continue;
@@ -179,6 +282,7 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
   h.decoupled_weight_decay = decoupled;
   h.stochastic_rounding = precision_.stochastic_rounding;
   h.seed = precision_.seed;
+  if (precision_.capturable) h.device_hyper = static_cast<const double*>(hyper_device_[g].data_ptr());
   // One backend call per (device, dtype) bucket, in first-seen order.
   struct Bucket {
     Device device;
@@ -212,6 +316,7 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
     }
     e.rng_index = static_cast<uint64_t>(a.index) << 40;
     e.rng_offset = static_cast<uint64_t>(st.step);
+    if (precision_.capturable) e.device_step = static_cast<const double*>(steps_device_.data_ptr()) + a.index;
     Bucket* b = nullptr;
     for (Bucket& x : buckets)
       if (x.device == a.param.device() && x.dtype == a.param.dtype()) b = &x;
@@ -223,10 +328,13 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
 
 StateDict FusedOptimizer::state_dict() const {
   StateDict sd;
+  std::vector<double> device_steps;
+  if (precision_.capturable && !params_.empty()) device_steps = steps_device_.to_vec<double>();
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const ParamState& st = state_[i];
-    if (st.step == 0 && st.slots.empty()) continue;
-    sd.insert(state_key(i, "step"), Tensor::scalar(st.step, DType::i64));
+    const int64_t step = precision_.capturable ? static_cast<int64_t>(device_steps[i]) : st.step;
+    if (step == 0 && st.slots.empty()) continue;
+    sd.insert(state_key(i, "step"), Tensor::scalar(step, DType::i64));
     for (const auto& [n, t] : st.slots) sd.insert(state_key(i, n), t.clone());
     if (st.master.defined()) sd.insert(state_key(i, "master_param"), st.master.clone());
   }
@@ -334,7 +442,13 @@ void FusedOptimizer::load_state_dict(const StateDict& sd) {
     groups[g].params = std::move(groups_[g].params);
     groups_[g] = std::move(groups[g]);
   }
+  if (precision_.capturable && !params_.empty()) {
+    std::vector<double> steps(state.size());
+    for (std::size_t i = 0; i < state.size(); ++i) steps[i] = static_cast<double>(state[i].step);
+    steps_device_.copy_(Tensor::from_vec(steps, {static_cast<int64_t>(steps.size())}));
+  }
   state_ = std::move(state);
+  write_hyperparameters(/*force=*/true);
 }
 
 int64_t fused_launch_count() { return backend::optim_launch_count(); }

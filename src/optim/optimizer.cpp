@@ -28,11 +28,18 @@ double Optimizer::lr(std::size_t group) const {
 
 void Optimizer::set_lr(double lr, std::size_t group) {
   check_group(*this, group, "Optimizer::set_lr");
+  const double old = groups_[group].lr;
   groups_[group].lr = lr;
+  try {
+    hyperparameters_changed(group);
+  } catch (...) {
+    groups_[group].lr = old;
+    throw;
+  }
 }
 
 void Optimizer::set_lr(double lr) {
-  for (auto& g : groups_) g.lr = lr;
+  for (std::size_t g = 0; g < groups_.size(); ++g) set_lr(lr, g);
 }
 
 double Optimizer::momentum(std::size_t group) const {
@@ -42,7 +49,15 @@ double Optimizer::momentum(std::size_t group) const {
 
 void Optimizer::set_momentum(double value, std::size_t group) {
   check_group(*this, group, "Optimizer::set_momentum");
-  momentum_slot(*this, groups_[group], "Optimizer::set_momentum") = value;
+  double& slot = momentum_slot(*this, groups_[group], "Optimizer::set_momentum");
+  const double old = slot;
+  slot = value;
+  try {
+    hyperparameters_changed(group);
+  } catch (...) {
+    slot = old;
+    throw;
+  }
 }
 
 }  // namespace flame::optim

@@ -32,7 +32,7 @@ std::vector<ParamGroup> one_group(ParamGroup g) { return std::vector<ParamGroup>
 
 AdamOptions as_adam(const AdamWOptions& o) {
   return AdamOptions{o.lr,      o.betas,          o.eps,                 o.weight_decay, o.amsgrad,
-                     o.maximize, o.master_weights, o.stochastic_rounding, o.seed};
+                     o.maximize, o.master_weights, o.stochastic_rounding, o.seed,         o.capturable};
 }
 
 }  // namespace
@@ -89,7 +89,7 @@ ParamGroup AdafactorOptions::group(TensorList params) const {
 SGD::SGD(TensorList params, Options options) : SGD(one_group(options.group(std::move(params))), options) {}
 
 SGD::SGD(std::vector<ParamGroup> groups, Options options)
-    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed}),
+    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed, options.capturable}),
       options_(options) {
   check_groups();
 }
@@ -122,7 +122,7 @@ Adam::Adam(TensorList params, Options options) : Adam(one_group(options.group(st
 Adam::Adam(std::vector<ParamGroup> groups, Options options) : Adam(std::move(groups), options, false) {}
 
 Adam::Adam(std::vector<ParamGroup> groups, Options options, bool decoupled)
-    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed}),
+    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed, options.capturable}),
       options_(options),
       decoupled_(decoupled) {
   check_groups();
@@ -158,7 +158,7 @@ AdamW::AdamW(std::vector<ParamGroup> groups, Options options) : Adam(std::move(g
 Lion::Lion(TensorList params, Options options) : Lion(one_group(options.group(std::move(params))), options) {}
 
 Lion::Lion(std::vector<ParamGroup> groups, Options options)
-    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed}),
+    : FusedOptimizer(std::move(groups), {options.master_weights, options.stochastic_rounding, options.seed, options.capturable}),
       options_(options) {
   check_groups();
 }

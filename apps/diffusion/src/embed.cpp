@@ -1,6 +1,9 @@
 #include "embed.h"
 
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "dit.h"
@@ -10,6 +13,20 @@ namespace flame_diffusion {
 
 namespace nn = flame::nn;
 using flame::DType;
+
+namespace {
+// The frequency row on `device`, uploaded once per (half, max_period, device) and kept: an upload
+// per call would wait on pinned staging and cannot be captured into a CUDA graph (--compile).
+Tensor frequency_table(const std::vector<float>& freqs, int64_t half, double max_period, const flame::Device& device) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, double, int, int>, Tensor> cache;
+  const auto key = std::make_tuple(half, max_period, static_cast<int>(device.type), device.index);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(key);
+  if (it == cache.end()) it = cache.emplace(key, Tensor::from_vec(freqs, {1, half}, device)).first;
+  return it->second;
+}
+}  // namespace
 
 Tensor timestep_embedding(const Tensor& t, int64_t dim, double max_period) {
   FLAME_CHECK(t.dim() == 1, "timestep_embedding", "t must be [B], got ", t.sizes());
@@ -22,7 +39,7 @@ Tensor timestep_embedding(const Tensor& t, int64_t dim, double max_period) {
   for (int64_t i = 0; i < half; ++i) {
     freqs[static_cast<std::size_t>(i)] = std::exp(neg_log * static_cast<float>(i) / static_cast<float>(half));
   }
-  Tensor f = Tensor::from_vec(freqs, {1, half}, t.device());
+  Tensor f = frequency_table(freqs, half, max_period, t.device());
   Tensor args = t.to(DType::f32).unsqueeze(1) * f;  // [B, half]
   Tensor emb = flame::cat({args.cos(), args.sin()}, 1);
   if (dim % 2) emb = flame::cat({emb, Tensor::zeros({t.size(0), 1}, {DType::f32, t.device()})}, 1);

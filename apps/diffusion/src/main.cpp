@@ -64,6 +64,9 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
   cmd->add_option("--time-limit", c.time_limit, "stop after this many seconds (0: no limit)")->capture_default_str();
   cmd->add_option("--samples-per-class", c.samples_per_class, "columns of the sample grid")->capture_default_str();
   cmd->add_flag("!--no-progress", c.progress_bar, "no progress bar (log lines only)");
+  cmd->add_flag("--compile,!--no-compile", c.compile,
+                "capture the training step in a CUDA graph and replay it (default on with CUDA; "
+                "not with --accum > 1)");
   cmd->add_option("--classifier", c.classifier, "at the end, classify samples with this classifier (train_classifier)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--eval-per-class", c.eval_per_class, "samples per class for --classifier")->capture_default_str();

@@ -79,7 +79,18 @@ DdpmSchedule DdpmSchedule::make(BetaSchedule kind, int64_t steps) {
 }
 
 Tensor Ddpm::gather(const std::vector<double>& table, const Tensor& n, DType dtype) const {
-  Tensor tab = Tensor::from_vec(table, {static_cast<int64_t>(table.size())}, n.device()).to(dtype);
+  // The one table gathered from is alphas_cumprod (q_sample); cached per device and dtype.
+  Tensor tab;
+  {
+    std::lock_guard<std::mutex> lock(table_cache_->mutex);
+    const auto key = std::make_tuple(static_cast<int>(n.device().type), n.device().index, static_cast<int>(dtype));
+    auto it = table_cache_->tables.find(key);
+    if (it == table_cache_->tables.end())
+      it = table_cache_->tables
+               .emplace(key, Tensor::from_vec(table, {static_cast<int64_t>(table.size())}, n.device()).to(dtype))
+               .first;
+    tab = it->second;
+  }
   return tab.index_select(0, n.to(DType::i64)).reshape({n.size(0), 1, 1, 1});
 }
 

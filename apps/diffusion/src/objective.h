@@ -11,8 +11,11 @@
 //   x_n = sqrt(abar_n) * x0 + sqrt(1 - abar_n) * eps,   n ~ U{0, .., T-1},
 // the model sees t = n / T (Note [Time convention], embed.h); loss = mean((eps_pred - eps)^2).
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "embed.h"
@@ -73,6 +76,13 @@ class Ddpm : public Objective {
   // abar (or another per-step table) gathered at n, shaped [B, 1, 1, 1] on n's device.
   Tensor gather(const std::vector<double>& table, const Tensor& n, flame::DType dtype) const;
   DdpmSchedule schedule_;
+  // alphas_cumprod per (device type, device index, dtype), uploaded once: an upload per step would
+  // wait on pinned staging and cannot be captured into a CUDA graph (--compile).
+  struct TableCache {
+    std::mutex mutex;
+    std::map<std::tuple<int, int, int>, Tensor> tables;
+  };
+  std::shared_ptr<TableCache> table_cache_ = std::make_shared<TableCache>();
 };
 
 // "flow", "ddpm" (= ddpm-linear), "ddpm-linear", "ddpm-cosine"; unknown names raise an error.

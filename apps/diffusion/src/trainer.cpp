@@ -2,6 +2,7 @@
 
 #include <flame/amp.h>
 #include <flame/checkpoint.h>
+#include <flame/cuda/graph_step.h>
 #include <flame/flame.h>
 #include <flame/nn.h>
 #include <flame/optim/ema.h>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -271,7 +273,15 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   const std::string ckpt_dir = (fs::path(c.out) / "checkpoints").string();
   auto data = load_training_data(c);
 
-  optim::AdamW opt(r.trainable, {.lr = c.lr, .weight_decay = c.weight_decay});
+  // --compile (Note [Compiled training step]): the step is captured into a CUDA graph, so the
+  // optimizer and the EMA keep lr, step counts and the EMA's update count on the device.
+  bool compile = c.compile && r.dev.is_cuda();
+  if (compile && c.accum > 1) {
+    std::fprintf(stderr, "--compile: not with gradient accumulation (--accum %lld); this run steps eagerly\n",
+                 static_cast<long long>(c.accum));
+    compile = false;
+  }
+  optim::AdamW opt(r.trainable, {.lr = c.lr, .weight_decay = c.weight_decay, .capturable = compile});
   optim::SchedulerPtr sched;
   if (c.schedule == "cosine") {
     sched = optim::warmup_cosine(opt, c.warmup, c.steps, c.lr * 0.1);
@@ -282,7 +292,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   } else {
     throw std::runtime_error("--schedule " + c.schedule + ": expected constant or cosine");
   }
-  optim::EMA ema(r.trainable, {.decay = c.ema_decay, .warmup = c.ema_warmup});
+  optim::EMA ema(r.trainable, {.decay = c.ema_decay, .warmup = c.ema_warmup, .capturable = compile});
   flame::Generator gen(c.seed * 7919 + 17);  // noise, times and label dropout
 
   flame::Checkpoint ckpt;
@@ -316,13 +326,14 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   const std::string plot_path = (fs::path(c.out) / "loss.png").string();
   const auto classes = c.classes.empty() ? all_classes(r.model->num_classes()) : c.classes;
 
-  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s\n",
+  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s%s\n",
                tag.c_str(), r.model->preset().c_str(), static_cast<long long>(r.model->num_parameters()),
                static_cast<long long>(r.model->num_parameters(true)), r.objective->name().c_str(),
                static_cast<long long>(c.steps), static_cast<long long>(c.batch),
                c.accum > 1 ? (" (" + std::to_string(c.accum) + " micro-batches)").c_str() : "",
                r.dev.is_cuda() ? ("cuda:" + std::to_string(r.dev.index)).c_str() : "cpu",
-               r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "");
+               r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "",
+               compile ? ", compiled step (CUDA graph)" : "");
   if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
 
   ProgressBar bar(c.steps, c.progress_bar);
@@ -340,7 +351,113 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   }
   r.model->train();
   int64_t& step = ckpt.progress().step;
-  while (step < c.steps) {
+
+  // Note [Compiled training step]
+  // With --compile the whole step (label dropout, noise and timestep draws, forward under
+  // autocast, backward, clipping, AdamW, EMA) is one cuda::GraphedStep: a few eager warm-up steps,
+  // then one capture and a replay per step. The loader's batch is copied into static inputs
+  // before each replay; the scheduler writes the next lr to the device between replays. Losses
+  // are summed on the device into `loss_window` and read (one wait) only at log lines, so the CSV
+  // gets one row per --log-every steps holding the window's mean loss and the last gradient norm.
+  // The random streams are those of the eager loop (Note [Graph-safe RNG]), so a compiled run
+  // follows the eager run up to floating-point reassociation.
+  Tensor s_images, s_labels, s_loss, s_gnorm, loss_window;
+  std::unique_ptr<flame::cuda::GraphedStep> graphed;
+  std::function<void()> compiled_step;
+  const int warmup_steps = 3;
+  if (compile) {
+    loss_window = Tensor::zeros({}, {DType::f32, r.dev});
+    compiled_step = [&] {
+          const Tensor y = drop_labels(s_labels, c.label_dropout, r.model->null_class(), &gen);
+          Tensor loss;
+          {
+            MaybeAutocast ac(r.amp, r.dev);
+            loss = r.objective->loss(*r.model, s_images, y, &gen);
+          }
+          flame::Gradients g = loss.backward();
+          s_gnorm = c.grad_clip > 0 ? flame::clip_grad_norm(g, c.grad_clip) : flame::grad_norm(g);
+          opt.step(g);
+          ema.update();
+          s_loss = loss.detach().to(DType::f32);
+          loss_window.add_(s_loss);
+        };
+    graphed = std::make_unique<flame::cuda::GraphedStep>(
+        compiled_step, flame::cuda::GraphedStepOptions{.warmup_steps = warmup_steps, .device = r.dev.index});
+  }
+  double last_loss = 0, last_gnorm = 0;
+  int64_t unread = 0;  // compiled steps whose losses sit in loss_window
+  while (compile && step < c.steps) {
+    Batch b = loader.next();
+    if (!s_images.defined()) {
+      s_images = Tensor::empty(b.images.sizes(), {b.images.dtype(), r.dev});
+      s_labels = Tensor::empty(b.labels.sizes(), {b.labels.dtype(), r.dev});
+    }
+    flame::cuda::GraphedStep::copy_input(s_images, b.images);
+    flame::cuda::GraphedStep::copy_input(s_labels, b.labels);
+    const double lr = opt.lr();
+    if (graphed) {
+      const bool capturing_now = graphed->calls() >= warmup_steps && !graphed->captured();
+      try {
+        (*graphed)();
+      } catch (const flame::Error& e) {
+        if (!capturing_now) throw;
+        // A failed capture ran nothing: say why and go on with the same step function, eagerly.
+        std::fprintf(stderr, "\n--compile: %s\n--compile: continuing without the CUDA graph\n", e.what());
+        graphed.reset();
+        compiled_step();
+      }
+    } else {
+      compiled_step();
+    }
+    sched->step();  // the next step's lr, written to the device (no wait)
+    ++step;
+    ++unread;
+    const LoaderPosition pos = loader.position();
+    ckpt.progress().counters["epoch"] = pos.epoch;
+    ckpt.progress().counters["batch"] = pos.batch;
+
+    const bool log_line = c.log_every > 0 && step % c.log_every == 0;
+    const bool out_of_time = c.time_limit > 0 && seconds_since(t0) >= c.time_limit;
+    const bool last = step == c.steps || out_of_time;
+    const bool sample_now = !last && c.sample_every > 0 && step % c.sample_every == 0;
+    const bool ckpt_now = !last && c.ckpt_every > 0 && step % c.ckpt_every == 0;
+    if (log_line || last || sample_now || ckpt_now) {
+      // The one read of the window: it waits for the replays queued so far.
+      last_loss = loss_window.item<float>() / static_cast<double>(unread);
+      last_gnorm = s_gnorm.item<double>();
+      loss_window.zero_();
+      const double elapsed = seconds_since(t0);
+      csv.log(step, last_loss, lr, last_gnorm, elapsed);
+      plot_steps.push_back(static_cast<double>(step));
+      plot_losses.push_back(last_loss);
+      window_loss += last_loss * static_cast<double>(unread);
+      window_n += unread;
+      unread = 0;
+      if (!std::isfinite(last_loss))
+        throw std::runtime_error("training diverged by step " + std::to_string(step) + ": loss " + std::to_string(last_loss));
+    }
+    const double elapsed = seconds_since(t0);
+    const int64_t done = step - first;
+    const double it_s = done / std::max(elapsed, 1e-9);
+    bar.update(step, last_loss, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
+               gpu_bytes(r.dev, false), log_line);
+    if (log_line) {
+      res.final_loss = window_loss / static_cast<double>(std::max<int64_t>(window_n, 1));
+      window_loss = 0;
+      window_n = 0;
+    }
+    if (sample_now) {
+      auto swapped = ema.swap_in();
+      write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
+      write_loss_plot(plot_path, plot_steps, plot_losses);
+    }
+    if (ckpt_now) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    if (out_of_time) {
+      std::fprintf(stderr, "\n--time-limit %.0f s reached at step %lld\n", c.time_limit, static_cast<long long>(step));
+      break;
+    }
+  }
+  while (!compile && step < c.steps) {
     flame::Gradients grads;
     double loss_sum = 0;
     for (int64_t m = 0; m < c.accum; ++m) {
@@ -399,10 +516,16 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     }
   }
   if (window_n > 0) res.final_loss = window_loss / static_cast<double>(window_n);
+  if (r.dev.is_cuda()) flame::cuda::synchronize(r.dev.index);  // the queued steps count in the time
   res.seconds = seconds_since(t0);
   res.steps_done = step - first;
   res.images_per_second = static_cast<double>(res.steps_done * c.batch) / std::max(res.seconds, 1e-9);
   res.peak_gpu_bytes = gpu_bytes(r.dev, true);
+  res.graph_replays = graphed ? graphed->replays() : 0;
+  if (graphed && r.dev.is_cuda())
+    std::fprintf(stderr, "\ncompiled step: %lld replays of one CUDA graph, graph pool %s\n",
+                 static_cast<long long>(graphed->replays()),
+                 human_bytes(double(flame::cuda::memory_stats(r.dev.index).graph_pool_bytes)).c_str());
   res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
   {
     auto swapped = ema.swap_in();

@@ -44,6 +44,8 @@ struct TrainConfig {
   int keep_checkpoints = 3;
   double time_limit = 0;  // seconds; > 0 stops the run early (then samples and saves)
   bool progress_bar = true;
+  // Capture the training step in a CUDA graph (CUDA only; not with accum > 1, which steps eagerly).
+  bool compile = true;
   // Sampling of the grids written during and after training.
   SampleOptions sampling{.sampler = SamplerKind::euler, .steps = 32, .cfg_scale = 2.0, .seed = 1234};
   int64_t samples_per_class = 10;
@@ -65,6 +67,7 @@ struct TrainResult {
   double seconds = 0;
   double images_per_second = 0;
   int64_t peak_gpu_bytes = 0;
+  int64_t graph_replays = 0;  // --compile: replays of the captured step (0: every step ran eagerly)
   std::string last_checkpoint, samples_png, loss_png, csv;
   double class_fraction = -1;  // with a classifier: samples recognised as their class (else -1)
 };

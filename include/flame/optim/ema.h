@@ -19,6 +19,10 @@ namespace flame::optim {
 struct EMAOptions {
   double decay = 0.9999;
   bool warmup = false;
+  // Capturable (docs/graph-step.md): the update count lives in device memory and update() reads
+  // it there when the kernel runs, so an update captured into a CUDA graph uses the right decay at
+  // every replay. All parameters must be on one device.
+  bool capturable = false;
 };
 
 class EMA : public Stateful {
@@ -27,11 +31,14 @@ class EMA : public Stateful {
 
   // The decay update(step) uses.
   double decay_at(int64_t step) const;
-  // Moves the shadow weights toward the parameters with decay_at(step).
+  // Moves the shadow weights toward the parameters with decay_at(step) and counts one update.
+  // Capturable: raises while a graph is being captured (the step would be baked in: use update()).
   void update(int64_t step);
-  // The same with step = the number of updates so far.
-  void update() { update(num_updates_); }
-  int64_t num_updates() const { return num_updates_; }
+  // The same with step = the number of updates so far (capturable: read on the device, so it can
+  // be captured).
+  void update();
+  // Capturable: read back from the device (waits for it).
+  int64_t num_updates() const;
 
   // Evaluation with the averaged weights: store() keeps a copy of the parameters, copy_to()
   // writes the shadow weights into them (rounded to their dtype), restore() puts the stored
@@ -73,6 +80,8 @@ class EMA : public Stateful {
   TensorList shadow_;
   TensorList backup_;
   int64_t num_updates_ = 0;
+  Tensor counter_;  // capturable: the update count (0-d f64 on the parameters' device)
+  void update_on_device();
 };
 
 }  // namespace flame::optim

@@ -55,6 +55,10 @@ class Optimizer : public Stateful {
   void set_momentum(double value, std::size_t group);
 
  protected:
+  // Called after set_lr / set_momentum changed group `group` (capturable optimizers copy the new
+  // value to the device); if it throws, the old value is put back.
+  virtual void hyperparameters_changed(std::size_t group) { (void)group; }
+
   std::vector<ParamGroup> groups_;
 };
 

@@ -33,6 +33,16 @@ namespace flame::optim {
 // updates the master and writes the rounded parameter in the same pass; stochastic_rounding
 // rounds bf16 parameters stochastically (Philox keyed by `seed`, deterministic) instead of to
 // nearest. Without master weights half parameters keep half state (as PyTorch), computed in f32.
+//
+// capturable (SGD, Adam, AdamW, Lion; docs/graph-step.md): every parameter must be on one device;
+// the optimizer keeps each group's hyperparameters (lr, weight_decay, betas, eps, momentum,
+// dampening) and each parameter's step count in that device's memory and the kernel reads them
+// when it runs (bias corrections are computed there), so a step captured into a CUDA graph uses
+// the current values at every replay. set_lr / set_momentum (what schedulers call) write the new
+// value to the device at once (one small fill on the current stream, no wait); after editing
+// param_groups() directly, call sync_hyperparameters() (an eager step() does it too). Changing a
+// hyperparameter while a graph is being captured raises. The first step of a parameter (it
+// creates the state) must run eagerly before a capture. Results are those of the default mode.
 
 struct SGDOptions {
   double lr = 1e-3;
@@ -44,6 +54,9 @@ struct SGDOptions {
   bool master_weights = true;
   bool stochastic_rounding = false;
   uint64_t seed = 0;
+  // Capturable step (PyTorch's capturable=True; Note [Capturable optimizers]): hyperparameters and
+  // step counts live in device memory, so the step can be captured into a CUDA graph and replayed.
+  bool capturable = false;
   ParamGroup group(TensorList params) const;
 };
 
@@ -57,6 +70,9 @@ struct AdamOptions {
   bool master_weights = true;
   bool stochastic_rounding = false;
   uint64_t seed = 0;
+  // Capturable step (PyTorch's capturable=True; Note [Capturable optimizers]): hyperparameters and
+  // step counts live in device memory, so the step can be captured into a CUDA graph and replayed.
+  bool capturable = false;
   ParamGroup group(TensorList params) const;
 };
 
@@ -70,6 +86,9 @@ struct AdamWOptions {
   bool master_weights = true;
   bool stochastic_rounding = false;
   uint64_t seed = 0;
+  // Capturable step (PyTorch's capturable=True; Note [Capturable optimizers]): hyperparameters and
+  // step counts live in device memory, so the step can be captured into a CUDA graph and replayed.
+  bool capturable = false;
   ParamGroup group(TensorList params) const;
 };
 
@@ -82,6 +101,9 @@ struct LionOptions {
   bool master_weights = true;
   bool stochastic_rounding = false;
   uint64_t seed = 0;
+  // Capturable step (PyTorch's capturable=True; Note [Capturable optimizers]): hyperparameters and
+  // step counts live in device memory, so the step can be captured into a CUDA graph and replayed.
+  bool capturable = false;
   ParamGroup group(TensorList params) const;
 };
 
@@ -121,11 +143,18 @@ class FusedOptimizer : public Optimizer {
   // The f32 master weights of parameter `index` (undefined when it has none).
   Tensor master_weights(std::size_t index) const;
 
+  // Capturable mode (Note [Capturable optimizers]).
+  bool capturable() const { return precision_.capturable; }
+  // Writes hyperparameters changed on the host since the last write to the device (no-op when not
+  // capturable or nothing changed); raises while a graph is being captured if something changed.
+  void sync_hyperparameters();
+
  protected:
   struct Precision {
     bool master_weights = true;
     bool stochastic_rounding = false;
     uint64_t seed = 0;
+    bool capturable = false;
   };
   struct Slot {
     std::string name;
@@ -164,11 +193,22 @@ class FusedOptimizer : public Optimizer {
   DType state_dtype(const Tensor& param) const;
   Tensor find_slot(std::size_t index, const std::string& name) const;
   void check_groups() const;
+  void hyperparameters_changed(std::size_t group) override;
+  // Capturable mode: the values of group g as the kernel reads them (OptimHyper::device_hyper).
+  std::vector<double> hyper_values(std::size_t g) const;
+  void write_hyperparameters(bool force);
+  void advance_device_steps(const std::vector<std::vector<Active>>& active);
 
   Precision precision_;
   TensorList params_;                     // every parameter, in group order
   std::vector<std::size_t> group_begin_;  // index of each group's first parameter; size groups + 1
   std::vector<ParamState> state_;
+  // Capturable mode: per group an f64 [kDeviceHyperSize] tensor of its hyperparameters and the
+  // values last written to it; an f64 [num_params] tensor of step counts (the source of truth;
+  // ParamState::step is not used). All on the parameters' device.
+  std::vector<Tensor> hyper_device_;
+  std::vector<std::vector<double>> hyper_written_;
+  Tensor steps_device_;
 };
 
 class SGD final : public FusedOptimizer {

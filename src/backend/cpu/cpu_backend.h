@@ -124,6 +124,11 @@ class CpuBackend final : public Backend {
   void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
   // ---- amp ----
   void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
+  // ---- graph ---- (cpu_graph.cpp)
+  void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
+                         bool warmup) override;
+  void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) override;
+  void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) override;
 };
 
 }  // namespace flame::backend::cpu

@@ -35,7 +35,8 @@ void optim_tensor(const optim_math::Hyper<compute_t<S>>& h, const OptimHyper& ra
   S* s0 = slots<S>(e.state[0]);
   S* s1 = slots<S>(e.state[1]);
   S* s2 = slots<S>(e.state[2]);
-  const C step_size = static_cast<C>(e.step_size), bias2_sqrt = static_cast<C>(e.bias2_sqrt);
+  const optim_math::StepScalars sc = optim_math::step_scalars(raw, e);
+  const C step_size = static_cast<C>(sc.step_size), bias2_sqrt = static_cast<C>(sc.bias2_sqrt);
   for (int64_t i = 0; i < n; ++i) {
     C p = master ? convert<C>(master[i]) : convert<C>(param[i]);
     const C g = convert<C>(grad[i]);
@@ -66,7 +67,7 @@ void optim_tensor(const optim_math::Hyper<compute_t<S>>& h, const OptimHyper& ra
       if constexpr (std::is_same_v<P, bfloat16>) {
         if (raw.stochastic_rounding) {
           const uint32_t bits = optim_math::rounding_bits(raw.seed, e.rng_index + static_cast<uint64_t>(i),
-                                                          e.rng_offset);
+                                                          sc.rng_offset);
           param[i] = optim_math::stochastic_round_bf16(static_cast<float>(master[i]), bits);
           continue;
         }
@@ -86,10 +87,11 @@ void CpuBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>&
   const DType sdt = probe.defined() ? probe.dtype() : pdt;
   dispatch_floating(pdt, "optim_step", [&](auto ptag) {
     using P = typename decltype(ptag)::type;
+    const OptimHyper raw = optim_math::resolve_hyper(h);  // capturable calls read their scalars now
     auto run = [&](auto stag) {
       using S = typename decltype(stag)::type;
-      const auto hyper = optim_math::make_hyper<compute_t<S>>(h);
-      for (const OptimTensor& e : tensors) optim_tensor<P, S>(hyper, h, e);
+      const auto hyper = optim_math::make_hyper<compute_t<S>>(raw);
+      for (const OptimTensor& e : tensors) optim_tensor<P, S>(hyper, raw, e);
     };
     if (sdt == pdt) {
       run(type_tag<P>{});

@@ -150,6 +150,11 @@ class CudaBackend final : public Backend {
   bool linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
                           const Tensor& pre) override;
   bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) override;
+  // ---- graph ---- (optim/multi_tensor.cu, graph/foreach_norm.cu)
+  void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
+                         bool warmup) override;
+  void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) override;
+  void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) override;
 
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,

@@ -44,13 +44,16 @@
 //    waiting) and move finished blocks into the cache. Like PyTorch's CUDACachingAllocator, this
 //    adds no dependency between streams: the alloc stream never waits for the others.
 //  - Note [Graph-private pool]. While a thread captures a cuda::Graph on this device, its
-//    allocations come from the graph's GraphPool: blocks cudaMalloc'd (the capture mode is
-//    relaxed for that one call), reused within the capture by exact rounded size (the captured
-//    work is one stream, so replays run it in capture order), and kept by the graph after the
-//    capture: a block freed after the capture goes back to the graph's free list, not to the
-//    shared cache, because replays still write it. When the graph is destroyed (after its last
-//    replay finished), unused private blocks are cudaFree'd and blocks still held by tensors are
-//    cudaFree'd when those are freed. A capture never calls cudaMallocFromPoolAsync or
+//    allocations come from the graph's GraphPool: segments cudaMalloc'd (the capture mode is
+//    relaxed for that one call) and cut into ranges. A request takes the smallest free range
+//    that fits (best fit), split when larger; a freed range is merged with free neighbours of
+//    its segment. So memory freed during the capture (activations released in backward) serves
+//    later requests of any size, as the eager pool's would: the captured work is one stream, so
+//    replays run it in capture order and a range's last reader precedes its next writer. After
+//    the capture the graph keeps everything: a range freed then stays in the graph's pool, not
+//    in the shared cache, because replays still write it. When the graph is destroyed (after its
+//    last replay finished), wholly free segments are cudaFree'd, and the others when the tensors
+//    holding their last ranges are freed. A capture never calls cudaMallocFromPoolAsync or
 //    cudaFreeAsync on the capturing stream (that would add allocation nodes to the graph).
 //  - Note [Poisoned allocations]. With FLAME_POISON_ALLOC set (the test suite sets it), every
 //    allocation is filled with 0xFF bytes (NaN in every float dtype) by a cudaMemsetAsync on its
@@ -210,50 +213,107 @@ std::shared_ptr<void> MemoryPool::allocate(std::size_t nbytes, cudaStream_t stre
   return std::shared_ptr<void>(ptr, [this, nbytes, stream](void* p) { release(p, nbytes, stream); });
 }
 
+char* GraphPool::release_range(char* p) {
+  auto it = ranges.find(p);
+  it->second.free = true;
+  // Merge with the next range of the same segment.
+  auto next = std::next(it);
+  if (next != ranges.end() && next->second.free && next->second.segment == it->second.segment) {
+    auto [b, e] = free_by_size.equal_range(next->second.size);
+    for (auto f = b; f != e; ++f)
+      if (f->second == next->first) {
+        free_by_size.erase(f);
+        break;
+      }
+    it->second.size += next->second.size;
+    ranges.erase(next);
+  }
+  // And with the previous one.
+  if (it != ranges.begin()) {
+    auto prev = std::prev(it);
+    if (prev->second.free && prev->second.segment == it->second.segment) {
+      auto [b, e] = free_by_size.equal_range(prev->second.size);
+      for (auto f = b; f != e; ++f)
+        if (f->second == prev->first) {
+          free_by_size.erase(f);
+          break;
+        }
+      prev->second.size += it->second.size;
+      ranges.erase(it);
+      it = prev;
+    }
+  }
+  free_by_size.emplace(it->second.size, it->first);
+  return it->first;
+}
+
 std::shared_ptr<void> MemoryPool::allocate_private(GraphPool& gp, const std::shared_ptr<GraphPool>& owner,
                                                    std::size_t nbytes, cudaStream_t stream) {
   const std::size_t rounded = cache_size(nbytes);
-  void* ptr = nullptr;
+  char* ptr = nullptr;
   {
     std::lock_guard<std::mutex> lock(gp.mutex);
-    auto it = gp.free_blocks.find(rounded);
-    if (it != gp.free_blocks.end() && !it->second.empty()) {
-      ptr = it->second.back();
-      it->second.pop_back();
+    auto fit = gp.free_by_size.lower_bound(rounded);
+    if (fit != gp.free_by_size.end()) {
+      ptr = fit->second;
+      const std::size_t size = fit->first;
+      gp.free_by_size.erase(fit);
+      GraphPool::Range& r = gp.ranges.at(ptr);
+      r.free = false;
+      if (size > rounded) {  // split: the rest stays free
+        r.size = rounded;
+        gp.ranges.emplace(ptr + rounded, GraphPool::Range{size - rounded, r.segment, true});
+        gp.free_by_size.emplace(size - rounded, ptr + rounded);
+      }
     }
   }
   if (ptr == nullptr) {
     DeviceGuard guard(device_);
-    RelaxedCaptureMode relaxed;  // cudaMalloc is not stream work: legal during capture in relaxed mode
-    const cudaError_t err = cudaMalloc(&ptr, rounded);
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();
-      raise_out_of_memory(rounded, err);
+    void* raw = nullptr;
+    {
+      RelaxedCaptureMode relaxed;  // cudaMalloc is not stream work: legal during capture in relaxed mode
+      const cudaError_t err = cudaMalloc(&raw, rounded);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();
+        raise_out_of_memory(rounded, err);
+      }
     }
+    ptr = static_cast<char*>(raw);
     std::lock_guard<std::mutex> lock(gp.mutex);
+    gp.ranges.emplace(ptr, GraphPool::Range{rounded, ptr, false});
+    gp.segments.emplace(ptr, rounded);
     gp.reserved += rounded;
     graph_reserved_.fetch_add(rounded, std::memory_order_relaxed);
   }
   count_alloc(nbytes);
   if (profiler_detail::recording()) profiler_detail::on_alloc(ptr, nbytes, device_, stream);
   poison(ptr, nbytes, stream);  // captured: every replay re-poisons
-  return std::shared_ptr<void>(ptr, [this, owner, nbytes, rounded, stream](void* p) {
+  return std::shared_ptr<void>(ptr, [this, owner, nbytes, stream](void* p) {
     if (profiler_detail::recording()) profiler_detail::on_free(p, nbytes, device_, stream);
     num_frees_.fetch_add(1, std::memory_order_relaxed);
     allocated_.fetch_sub(nbytes, std::memory_order_relaxed);
     std::lock_guard<std::mutex> lock(owner->mutex);
-    if (owner->graph_alive) {
-      try {
-        owner->free_blocks[rounded].push_back(p);
-        return;
-      } catch (...) {  // no host memory for the list: the block is lost to the graph until exit
-        return;
-      }
+    try {
+      char* merged = owner->release_range(static_cast<char*>(p));
+      if (owner->graph_alive) return;
+      // The graph is gone: a segment that is now wholly free goes back to the driver.
+      const GraphPool::Range r = owner->ranges.at(merged);
+      const auto seg = owner->segments.find(r.segment);
+      if (merged != r.segment || seg == owner->segments.end() || r.size != seg->second) return;
+      auto [b, e] = owner->free_by_size.equal_range(r.size);
+      for (auto f = b; f != e; ++f)
+        if (f->second == merged) {
+          owner->free_by_size.erase(f);
+          break;
+        }
+      owner->ranges.erase(merged);
+      owner->segments.erase(seg);
+      QuietDeviceGuard guard(device_);
+      if (cudaFree(merged) != cudaSuccess) (void)cudaGetLastError();
+      owner->reserved -= r.size;
+      graph_reserved_.fetch_sub(r.size, std::memory_order_relaxed);
+    } catch (...) {  // no host memory for the bookkeeping: the range is lost to the graph until exit
     }
-    QuietDeviceGuard guard(device_);
-    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
-    owner->reserved -= rounded;
-    graph_reserved_.fetch_sub(rounded, std::memory_order_relaxed);
   });
 }
 
@@ -473,14 +533,26 @@ void MemoryPool::release_graph_pool(const std::shared_ptr<GraphPool>& pool) {
     if (!pool->graph_alive) return;
     pool->graph_alive = false;
     QuietDeviceGuard guard(device_);
-    for (auto& [size, list] : pool->free_blocks) {
-      for (void* p : list) {
-        if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
-        pool->reserved -= size;
-        graph_reserved_.fetch_sub(size, std::memory_order_relaxed);
+    // Segments that are one free range (free neighbours are always merged) go back now; the
+    // others when the tensors holding their ranges are freed (allocate_private's deleter).
+    for (auto seg = pool->segments.begin(); seg != pool->segments.end();) {
+      const auto r = pool->ranges.find(seg->first);
+      if (r == pool->ranges.end() || !r->second.free || r->second.size != seg->second) {
+        ++seg;
+        continue;
       }
+      auto [b, e] = pool->free_by_size.equal_range(r->second.size);
+      for (auto f = b; f != e; ++f)
+        if (f->second == seg->first) {
+          pool->free_by_size.erase(f);
+          break;
+        }
+      pool->ranges.erase(r);
+      if (cudaFree(seg->first) != cudaSuccess) (void)cudaGetLastError();
+      pool->reserved -= seg->second;
+      graph_reserved_.fetch_sub(seg->second, std::memory_order_relaxed);
+      seg = pool->segments.erase(seg);
     }
-    pool->free_blocks.clear();
     retained.swap(pool->retained);
   }
   for (const auto& r : retained) recycle(r.ptr, r.nbytes, r.stream);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -23,11 +24,23 @@ struct GraphPool {
     std::size_t nbytes;
     cudaStream_t stream;
   };
+  // A piece of a segment (one cudaMalloc): handed out, or free. Free neighbours are merged.
+  struct Range {
+    std::size_t size;
+    char* segment;
+    bool free;
+  };
   std::mutex mutex;
   bool graph_alive = true;
-  std::unordered_map<std::size_t, std::vector<void*>> free_blocks;  // rounded size -> unused blocks
-  std::size_t reserved = 0;                                        // bytes cudaMalloc'd
+  std::map<char*, Range> ranges;                   // every range of every segment, by address
+  std::multimap<std::size_t, char*> free_by_size;  // the free ranges, for best fit
+  std::unordered_map<char*, std::size_t> segments; // segment base -> bytes cudaMalloc'd
+  std::size_t reserved = 0;                        // bytes cudaMalloc'd
   std::vector<Retained> retained;
+
+  // Marks the range at p free and merges it with free neighbours of its segment; returns the
+  // merged range's address.
+  char* release_range(char* p);
 };
 
 // True while the calling thread captures a cuda::Graph on `device`.

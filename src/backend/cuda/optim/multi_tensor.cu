@@ -12,8 +12,10 @@
 // take ceil(n / kMaxTensors) launches.
 //
 // Nothing here allocates, synchronises or reads device memory on the host, so a step can be
-// captured into a CUDA graph; what a replay repeats are the host-side scalars of the capture
-// (lr, bias corrections), as with torch's non-capturable fused optimizers.
+// captured into a CUDA graph. A non-capturable step bakes its host-side scalars (lr, bias
+// corrections) into the kernel arguments, so a replay repeats them, as with torch's
+// non-capturable fused optimizers; a capturable step (Note [Capturable optimizers]) passes
+// pointers to the hyperparameters and step counts instead, read by every block at kernel time.
 //
 // The element math is shared with the CPU reference (Note [Optimizer element math]).
 #include <algorithm>
@@ -45,6 +47,7 @@ struct OptimTensorArgs {
   double bias2_sqrt;
   uint64_t rng_index;
   uint64_t rng_offset;
+  const double* device_step;  // capturable steps: t, from which the three scalars above are computed
   int32_t first;
   int32_t aligned;
 };
@@ -66,6 +69,10 @@ struct EmaTensorArgs {
 
 struct EmaLaunchArgs {
   double weight;
+  // Capturable EMA: the update count read at kernel time; weight = 1 - decay_at(*step).
+  const double* step;
+  double decay;
+  int32_t warmup;
   int32_t count;
   int32_t chunk_start[kMaxEmaTensors + 1];
   EmaTensorArgs tensors[kMaxEmaTensors];
@@ -111,12 +118,13 @@ struct OptimElement {
   const optim_math::Hyper<C>& h;
   const OptimHyper& raw;
   const OptimTensorArgs& t;
+  const optim_math::StepScalars& sc;  // t's step size, bias correction and rounding offset
 
   __device__ __forceinline__ void update(C& p, C g, C& s0, C& s1, C& s2) const {
     if constexpr (K == OptimKind::sgd) {
       optim_math::sgd_update(h, t.first != 0, p, g, s0);
     } else if constexpr (K == OptimKind::adam) {
-      optim_math::adam_update(h, static_cast<C>(t.step_size), static_cast<C>(t.bias2_sqrt), p, g, s0, s1, s2);
+      optim_math::adam_update(h, static_cast<C>(sc.step_size), static_cast<C>(sc.bias2_sqrt), p, g, s0, s1, s2);
     } else {
       optim_math::lion_update(h, p, g, s0);
     }
@@ -126,7 +134,7 @@ struct OptimElement {
     if constexpr (kMaster && std::is_same_v<P, bfloat16>) {
       if (raw.stochastic_rounding) {
         const uint32_t bits =
-            optim_math::rounding_bits(raw.seed, t.rng_index + static_cast<uint64_t>(i), t.rng_offset);
+            optim_math::rounding_bits(raw.seed, t.rng_index + static_cast<uint64_t>(i), sc.rng_offset);
         return optim_math::stochastic_round_bf16(static_cast<float>(static_cast<S>(p)), bits);
       }
     }
@@ -215,12 +223,14 @@ struct OptimElement {
 template <class P, class S, OptimKind K, bool kMaster>
 __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__ OptimLaunchArgs args) {
   using C = compute_t<S>;
-  const optim_math::Hyper<C> h = optim_math::make_hyper<C>(args.hyper);
+  const OptimHyper raw = optim_math::resolve_hyper(args.hyper);
+  const optim_math::Hyper<C> h = optim_math::make_hyper<C>(raw);
   const int32_t total = args.chunk_start[args.count];
   for (int32_t c = blockIdx.x; c < total; c += gridDim.x) {
     const int k = find_tensor(args.chunk_start, args.count, c);
     const OptimTensorArgs& t = args.tensors[k];
-    const OptimElement<P, S, K, kMaster> el{h, args.hyper, t};
+    const optim_math::StepScalars sc = optim_math::step_scalars(raw, t);
+    const OptimElement<P, S, K, kMaster> el{h, raw, t, sc};
     const int64_t begin = static_cast<int64_t>(c - args.chunk_start[k]) * kChunk;
     const int64_t end = begin + kChunk < t.numel ? begin + kChunk : t.numel;
     if (t.aligned) {
@@ -236,7 +246,9 @@ __global__ void __launch_bounds__(kThreads) optim_kernel(const __grid_constant__
 template <class S, class P>
 __global__ void __launch_bounds__(kThreads) ema_kernel(const __grid_constant__ EmaLaunchArgs args) {
   using C = compute_t<S>;
-  const C w = static_cast<C>(args.weight);
+  double weight = args.weight;
+  if (args.step != nullptr) weight = 1.0 - optim_math::ema_decay(args.decay, args.warmup != 0, *args.step);
+  const C w = static_cast<C>(weight);
   const int32_t total = args.chunk_start[args.count];
   for (int32_t c = blockIdx.x; c < total; c += gridDim.x) {
     const int k = find_tensor(args.chunk_start, args.count, c);
@@ -347,6 +359,7 @@ void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>
       a.bias2_sqrt = e.bias2_sqrt;
       a.rng_index = e.rng_index;
       a.rng_offset = e.rng_offset;
+      a.device_step = e.device_step;
       a.first = e.first ? 1 : 0;
       bool al = aligned4(a.param, psize) && aligned4(a.grad, psize) && aligned4(a.master, ssize);
       for (int k = 0; k < 3; ++k) al = al && aligned4(a.state[k], ssize);
@@ -369,13 +382,18 @@ void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>
   }
 }
 
-void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params, double weight) {
+namespace {
+void launch_ema(CudaBackend& be, const TensorList& shadow, const TensorList& params, double weight,
+                const double* step, double decay, bool warmup) {
   if (shadow.empty()) return;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   const DType sdt = shadow.front().dtype(), pdt = params.front().dtype();
   const std::size_t ssize = dtype_size(sdt), psize = dtype_size(pdt);
   thread_local EmaLaunchArgs args;
   args.weight = weight;
+  args.step = step;
+  args.decay = decay;
+  args.warmup = warmup ? 1 : 0;
   std::size_t next = 0;
   while (next < shadow.size()) {
     int32_t count = 0, chunk = 0;
@@ -401,7 +419,7 @@ void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params,
         using P = typename decltype(ptag)::type;
         if constexpr (sizeof(P) <= sizeof(S)) {
           constexpr auto kernel = ema_kernel<S, P>;
-          kernel<<<grid_for<kernel>(device(), chunk), kThreads, 0, stream()>>>(args);
+          kernel<<<grid_for<kernel>(be.device(), chunk), kThreads, 0, be.stream()>>>(args);
           FLAME_CUDA_CHECK_LAUNCH();
         } else {
           FLAME_FAIL("ema_update", "shadow dtype ", dtype_name(sdt), " narrower than the parameters' ", dtype_name(pdt));
@@ -410,6 +428,16 @@ void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params,
     });
     optim_count_launch();
   }
+}
+}  // namespace
+
+void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params, double weight) {
+  launch_ema(*this, shadow, params, weight, nullptr, 0.0, false);
+}
+
+void CudaBackend::ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step,
+                                    double decay, bool warmup) {
+  launch_ema(*this, shadow, params, 0.0, static_cast<const double*>(step.data_ptr()), decay, warmup);
 }
 
 }  // namespace flame::backend::cuda
