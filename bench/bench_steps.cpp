@@ -27,8 +27,9 @@
 // that); attention adds 3 x 4*T^2*d per sequence and layer (QK^T and PV). MFU = FLOPs / step
 // time / the bf16 GEMM rate measured in the same run (8192^3, gemm_peak_bf16).
 //
-// --mode graph is the seam for the whole-step CUDA graph (the step is a std::function, ready to
-// hand to a capture helper); until that helper is in the library it reports an error line.
+// --mode graph times the trainer's --compile step: capturable AdamW and EMA, sync-free clipping and
+// (DiT) the blocks' elementwise chains fused by flame::compile, the whole step captured once by
+// cuda::GraphedStep and replayed (on the CPU the same step runs eagerly).
 //
 // Usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
 //                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]
@@ -53,6 +54,7 @@
 #include <flame/optim/ema.h>
 #include <flame/optim/optimizers.h>
 #include <flame/profiler.h>
+#include <flame/cuda/graph_step.h>
 
 #include "dit.h"
 #include "embed.h"
@@ -206,8 +208,13 @@ double mlp_flops(int64_t batch) {
 }
 
 // The trainer's step for a diffusion preset (Note [Step benchmark method]).
-Workload diffusion_workload(const std::string& preset, int64_t batch, const Device& dev, std::optional<DType> amp) {
+// graph: the trainer's --compile step (capturable AdamW and EMA, sync-free clipping, the DiT's fused
+// elementwise chains), for cuda::GraphedStep.
+Workload diffusion_workload(const std::string& preset, int64_t batch, const Device& dev, std::optional<DType> amp,
+                            bool graph) {
   auto model = flame_diffusion::make_model(preset, 0);
+  if (graph)
+    if (auto* dit = dynamic_cast<flame_diffusion::DiT*>(model.get())) dit->set_fused_elementwise(true);
   model->to(dev);
   model->train();
   Workload w;
@@ -219,8 +226,9 @@ Workload diffusion_workload(const std::string& preset, int64_t batch, const Devi
     w.flops = unet_flops(flame_diffusion::unet_config(preset), batch);
   }
   auto params = std::make_shared<flame::TensorList>(model->parameters());
-  auto opt = std::make_shared<optim::AdamW>(*params, optim::AdamWOptions{.lr = 1e-4, .weight_decay = 0.0});
-  auto ema = std::make_shared<optim::EMA>(*params, optim::EMAOptions{.decay = 0.999, .warmup = true});
+  auto opt = std::make_shared<optim::AdamW>(*params,
+                                            optim::AdamWOptions{.lr = 1e-4, .weight_decay = 0.0, .capturable = graph});
+  auto ema = std::make_shared<optim::EMA>(*params, optim::EMAOptions{.decay = 0.999, .warmup = true, .capturable = graph});
   auto gen = std::make_shared<flame::Generator>(17);
   auto objective = std::make_shared<flame_diffusion::RectifiedFlow>();
   auto counter = std::make_shared<int64_t>(0);
@@ -241,23 +249,30 @@ Workload diffusion_workload(const std::string& preset, int64_t batch, const Devi
     flame::BackwardOptions bo;
     bo.accumulate_into = &grads;
     (void)loss.backward(bo);
-    (void)flame::clip_grad_norm_(grads, 1.0);
-    opt->step(grads);
-    ema->update((*counter)++);
+    if (graph) {
+      (void)flame::clip_grad_norm(grads, 1.0);  // the norm stays on the device
+      opt->step(grads);
+      ema->update();
+    } else {
+      (void)flame::clip_grad_norm_(grads, 1.0);
+      opt->step(grads);
+      ema->update((*counter)++);
+    }
   };
   w.keep = {model, params, opt, ema, gen, objective, counter};
   return w;
 }
 
 // The MLP overhead probe: 4 x Linear(4096, 4096), GELU between, mse loss, AdamW.
-Workload mlp_workload(int64_t batch, const Device& dev, std::optional<DType> amp) {
+Workload mlp_workload(int64_t batch, const Device& dev, std::optional<DType> amp, bool graph) {
   auto layers = std::make_shared<std::vector<std::shared_ptr<flame::nn::Linear>>>();
   auto params = std::make_shared<flame::TensorList>();
   for (int64_t l = 0; l < kMlpLayers; ++l) {
     layers->push_back(std::make_shared<flame::nn::Linear>(kMlpWidth, kMlpWidth, true, flame::TensorOptions{DType::f32, dev}));
     for (const Tensor& p : layers->back()->parameters()) params->push_back(p);
   }
-  auto opt = std::make_shared<optim::AdamW>(*params, optim::AdamWOptions{.lr = 1e-4, .weight_decay = 0.0});
+  auto opt = std::make_shared<optim::AdamW>(*params,
+                                            optim::AdamWOptions{.lr = 1e-4, .weight_decay = 0.0, .capturable = graph});
   flame::Generator data_gen(2);
   const Tensor x = Tensor::randn({batch, kMlpWidth}, 0.0, 1.0, {DType::f32, dev}, &data_gen);
   const Tensor target = Tensor::randn({batch, kMlpWidth}, 0.0, 1.0, {DType::f32, dev}, &data_gen);
@@ -381,12 +396,16 @@ int main(int argc, char** argv) {
     const int64_t batch = args.batch > 0 ? args.batch : default_batch(model);
     std::string name = "step_" + model + "_b" + std::to_string(batch);
     try {
-      Workload w = model == "mlp" ? mlp_workload(batch, dev, amp) : diffusion_workload(model, batch, dev, amp);
+      const bool graph = args.mode == "graph";
+      Workload w = model == "mlp" ? mlp_workload(batch, dev, amp, graph) : diffusion_workload(model, batch, dev, amp, graph);
       name = w.name;
-      if (args.mode == "graph") {
-        // The seam: hand w.step to the whole-step capture helper here once the library has one.
-        print_error(name, "--mode graph: this build has no whole-step CUDA graph helper yet (eager only)");
-        continue;
+      if (graph) {
+        // The whole step as one CUDA graph (cuda::GraphedStep: eager warm-up, capture, replays).
+        auto graphed = std::make_shared<flame::cuda::GraphedStep>(
+            w.step, flame::cuda::GraphedStepOptions{.warmup_steps = 3, .device = dev.index, .enabled = dev.is_cuda()});
+        w.keep.push_back(graphed);
+        w.step = [graphed] { (*graphed)(); };
+        for (int i = 0; i < 4; ++i) w.step();  // warm-up + capture before the timed warm-up below
       }
       // Warm-up outside time_ms so the peak counts the timed steps only.
       for (int i = 0; i < args.warmup; ++i) w.step();

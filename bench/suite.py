@@ -60,7 +60,8 @@ FLAME_ARGS = {"steps": ["--memory-report"]}
 # left. The training steps go first (the targets); the torch.compile runs of the steps
 # take what the budget leaves after reserving the essential op cases.
 ORDER = [
-    ("steps", "flame", 90, 40), ("steps", "eager", 90, 40), ("steps", "compile", 240, 60),
+    ("steps", "flame", 90, 40), ("steps", "flame_graph", 90, 40), ("steps", "eager", 90, 40),
+    ("steps", "compile", 240, 60),
     ("ops", "flame", 75, 20), ("ops", "eager", 60, 20),
     ("nn_norm", "flame", 30, 10), ("nn_norm", "eager", 45, 15),
     ("nn_attention", "flame", 30, 10), ("nn_attention", "eager", 45, 15),
@@ -132,6 +133,8 @@ def plan(args):
         prog, twin, eager_args, compile_args = FAMILIES[fam]
         if side == "flame":
             cmd = [os.path.join(bench_dir, prog)] + FLAME_ARGS.get(fam, [])
+        elif side == "flame_graph":  # the trainer's --compile step: one CUDA graph, fused chains
+            cmd = [os.path.join(bench_dir, prog), "--mode", "graph"]
         elif side == "eager":
             cmd = [sys.executable, os.path.join(HERE, twin)] + eager_args
         else:
@@ -161,7 +164,7 @@ def run_all(runs, args, log):
             r["status"] = "skipped (time budget)"
             log.write(f"\n===== {r['family']} / {r['side']}: skipped, {left:.0f} s of the budget left\n")
             continue
-        if not os.path.exists(r["cmd"][0] if r["side"] == "flame" else r["cmd"][1]):
+        if not os.path.exists(r["cmd"][0] if r["side"] in ("flame", "flame_graph") else r["cmd"][1]):
             r["status"] = "missing"
             log.write(f"\n===== {r['family']} / {r['side']}: {r['cmd'][0]} not found\n")
             continue
@@ -271,6 +274,15 @@ def join(runs):
                "flops": (f or e or {}).get("flops"), "flops_counted": (e or {}).get("flops_counted"),
                "errors": {s: v["error"] for s, v in sides.items() if "error" in v}}
         rows.append(row)
+        g = sides.get("flame_graph")
+        if g:  # the same work as a whole-step CUDA graph (bench_steps --mode graph)
+            gm = rec_ms(g)
+            grate, gunit = rec_rate(g)
+            rows.append(dict(row, work=name + " [graph]", flame_ms=gm,
+                             ratio_eager=gm / em if gm and em else None,
+                             ratio_compile=gm / cm if gm and cm else None, rate=grate, rate_unit=gunit,
+                             mfu=g.get("mfu"), img_s=g.get("img_s"), peak_mib_flame=g.get("peak_mib"),
+                             errors={"flame_graph": g["error"]} if "error" in g else {}))
     return rows
 
 
@@ -294,20 +306,28 @@ def _mfu_check(r):
     return (f"{100 * v:.0f}% (target >= 50%)", v >= 0.5) if v is not None else ("not measured", None)
 
 
+# A name ending in "+" takes the whole-step graph row ("[graph]", the trainer's default --compile)
+# when the run has one, else the eager row.
 TARGETS = [
-    ("dit-s step time vs torch.compile", "step_dit-s_b256", _ratio_check("ratio_compile", 0.8)),
-    ("dit-s peak memory vs torch.compile", "step_dit-s_b256", _mem_check),
-    ("dit-s model FLOP utilisation", "step_dit-s_b256", _mfu_check),
+    ("dit-s step time vs torch.compile", "step_dit-s_b256+", _ratio_check("ratio_compile", 0.8)),
+    ("dit-s peak memory vs torch.compile", "step_dit-s_b256+", _mem_check),
+    ("dit-s model FLOP utilisation", "step_dit-s_b256+", _mfu_check),
     ("dit-s eager step vs PyTorch eager", "step_dit-s_b256", _ratio_check("ratio_eager", 1.0)),
-    ("unet-s step time vs torch.compile", "step_unet-s_b128", _ratio_check("ratio_compile", 0.8)),
-    ("MLP probe step vs PyTorch eager", "step_mlp4x4096_b64", _ratio_check("ratio_eager", 0.5)),
+    ("unet-s step time vs torch.compile", "step_unet-s_b128+", _ratio_check("ratio_compile", 0.8)),
+    ("MLP probe step vs PyTorch eager", "step_mlp4x4096_b64+", _ratio_check("ratio_eager", 0.5)),
 ]
 
 
 def target_lines(rows):
     out = []
     for label, name, check in TARGETS:
-        row = next((r for r in rows if r["work"] == name), None)
+        row = None
+        if name.endswith("+"):
+            name = name[:-1]
+            row = next((r for r in rows if r["work"] == name + " [graph]" and r.get("flame_ms")), None)
+            if row:
+                label += " (graph)"
+        row = row or next((r for r in rows if r["work"] == name), None)
         text, met = check(row) if row else ("not measured", None)
         out.append(f"{label}: {text} -> {'met' if met else 'NOT met' if met is False else '?'}")
     return out
@@ -351,7 +371,7 @@ def cells(row):
             rate += f", MFU {100 * row['mfu']:.0f}%"
     peaks = [row.get(k) for k in ("peak_mib_flame", "peak_mib_eager", "peak_mib_compile")]
     peak = "-" if all(p is None for p in peaks) else " / ".join(fmt(p) if p is not None else "-" for p in peaks)
-    err = "error" if row["errors"].get("flame") else None
+    err = "error" if row["errors"].get("flame") or row["errors"].get("flame_graph") else None
 
     def ratio(x):
         return f"{x:.2f}x" if x is not None else "-"
@@ -542,7 +562,7 @@ def main():
         print(f"suite: {len(runs)} runs, time budget {args.time_budget:.0f} s, build {args.build}")
         total = 0
         for r in runs:
-            exe = r["cmd"][0] if r["side"] == "flame" else r["cmd"][1]
+            exe = r["cmd"][0] if r["side"] in ("flame", "flame_graph") else r["cmd"][1]
             there = "" if os.path.exists(exe) else "  (not built/found)"
             print(f"  {r['family']:<14} {r['side']:<8} limit {r['limit']:>4} s (reserved {r['min']:>3})  "
                   f"{shlex.join(r['cmd'])}{there}")
