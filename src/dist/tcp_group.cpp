@@ -9,7 +9,8 @@
 // the collective's sequence number and size: ranks calling different collectives fail with an
 // error instead of exchanging garbage. Failures (Note [Socket deadlines]): a peer's connection
 // closing names that rank; rank 0 then sends the others an abort message naming it before it
-// fails itself; a peer silent past the timeout names the rank rank 0 waited for.
+// fails itself; a peer silent past the timeout names the rank rank 0 waited for (the others wait
+// twice the timeout for rank 0, so its report reaches them first).
 #include <cstring>
 #include <deque>
 #include <thread>
@@ -326,7 +327,9 @@ class TcpGroup final : public ProcessGroup {
     for (int r = 1; r < size_; ++r) send_data(peers_[static_cast<std::size_t>(r)], t, seq, d, r);
   }
 
-  void recv_result(const Tensor& dst, uint64_t seq) { recv_data(root_, dst, seq, Clock::now() + timeout_, 0); }
+  // Rank 0 watches the others; a rank waiting for rank 0's answer gives it twice the timeout, so
+  // that rank 0's report naming a silent rank arrives before this rank gives up on rank 0.
+  void recv_result(const Tensor& dst, uint64_t seq) { recv_data(root_, dst, seq, Clock::now() + 2 * timeout_, 0); }
 
   Duration timeout_;
   std::vector<Socket> peers_;  // rank 0: one per rank (index 0 unused)

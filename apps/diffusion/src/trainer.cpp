@@ -23,6 +23,7 @@
 
 #include "classifier.h"
 #include "data.h"
+#include "distributed.h"
 #include "embed.h"
 #include "objective.h"
 #include "plot.h"
@@ -305,12 +306,23 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       std::fprintf(stderr, "--resume: no checkpoint in %s, starting from step 0\n", ckpt_dir.c_str());
     }
   }
-  const int64_t micro = c.batch / c.accum;
+  // Multi-process (distributed.h): each rank its share of the data and of the batch.
+  const int64_t world = dist_world();
+  const bool main_rank = dist_rank() == 0;
+  if (c.batch % (c.accum * world) != 0)
+    throw std::runtime_error("--batch " + std::to_string(c.batch) + " must be a multiple of --accum x ranks (" +
+                             std::to_string(c.accum * world) + ")");
+  const int64_t micro = c.batch / c.accum / world;
+  std::optional<flame::dist::DistributedSampler> sampler;
+  if (world > 1) sampler.emplace(data->n, world, dist_rank(), true, c.seed);
   Loader loader(data, {.batch_size = micro, .seed = c.seed, .shuffle = true, .drop_last = true,
-                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}},
+                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}, .sampler = sampler},
                 start);
+  std::unique_ptr<flame::dist::DistributedDataParallel> ddp;  // after the resume: rank 0's weights
+  if (world > 1) ddp = std::make_unique<flame::dist::DistributedDataParallel>(r.model);
 
-  const std::string csv_path = (fs::path(c.out) / "loss.csv").string();
+  const std::string csv_path =
+      (fs::path(c.out) / (main_rank ? "loss.csv" : "loss.rank" + std::to_string(dist_rank()) + ".csv")).string();
   CsvLogger csv(csv_path, /*append=*/c.resume && ckpt.progress().step > 0);
   const std::string samples_path = (fs::path(c.out) / "samples.png").string();
   const std::string plot_path = (fs::path(c.out) / "loss.png").string();
@@ -325,7 +337,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "");
   if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
 
-  ProgressBar bar(c.steps, c.progress_bar);
+  ProgressBar bar(c.steps, c.progress_bar && main_rank);
   TrainResult res;
   res.csv = csv_path;
   const auto t0 = Clock::now();
@@ -344,6 +356,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     flame::Gradients grads;
     double loss_sum = 0;
     for (int64_t m = 0; m < c.accum; ++m) {
+      std::optional<flame::dist::DistributedDataParallel::NoSync> no_sync;  // reduce on the last micro-batch only
+      if (ddp && m + 1 < c.accum) no_sync.emplace(*ddp);
       Batch b = loader.next();
       const Tensor y = drop_labels(b.labels, c.label_dropout, r.model->null_class(), &gen);
       Tensor loss;
@@ -357,6 +371,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       (void)loss.backward(bo);
       loss_sum += loss.item<float>();
     }
+    if (ddp) ddp->finish_gradients(grads);  // every rank now holds the average over the ranks
     const double gnorm = c.grad_clip > 0 ? flame::clip_grad_norm_(grads, c.grad_clip) : flame::global_grad_norm(grads);
     const double lr = opt.lr();
     opt.step(grads);
@@ -376,8 +391,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     const int64_t done = step - first;
     const double it_s = done / std::max(elapsed, 1e-9);
     const bool log_line = c.log_every > 0 && step % c.log_every == 0;
-    bar.update(step, loss_sum, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
-               gpu_bytes(r.dev, false), log_line);
+    if (main_rank)
+      bar.update(step, loss_sum, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
+                 gpu_bytes(r.dev, false), log_line);
     if (log_line) {
       res.final_loss = window_loss / static_cast<double>(window_n);
       window_loss = 0;
@@ -387,12 +403,15 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       throw std::runtime_error("training diverged at step " + std::to_string(step) + ": loss " + std::to_string(loss_sum));
     const bool out_of_time = c.time_limit > 0 && elapsed >= c.time_limit;
     const bool last = step == c.steps || out_of_time;
-    if (!last && c.sample_every > 0 && step % c.sample_every == 0) {
+    if (main_rank && !last && c.sample_every > 0 && step % c.sample_every == 0) {
       auto swapped = ema.swap_in();
       write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
       write_loss_plot(plot_path, plot_steps, plot_losses);
     }
-    if (!last && c.ckpt_every > 0 && step % c.ckpt_every == 0) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    if (!last && c.ckpt_every > 0 && step % c.ckpt_every == 0) {
+      dist_barrier();  // every rank finished the step; rank 0 writes (atomically)
+      if (main_rank) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    }
     if (out_of_time) {
       std::fprintf(stderr, "\n--time-limit %.0f s reached at step %lld\n", c.time_limit, static_cast<long long>(step));
       break;
@@ -403,6 +422,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   res.steps_done = step - first;
   res.images_per_second = static_cast<double>(res.steps_done * c.batch) / std::max(res.seconds, 1e-9);
   res.peak_gpu_bytes = gpu_bytes(r.dev, true);
+  dist_barrier();
+  if (!main_rank) return res;  // rank 0 writes the checkpoint, samples and plots
   res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
   {
     auto swapped = ema.swap_in();
@@ -455,14 +476,16 @@ std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device
 TrainResult train(const TrainConfig& config) {
   Run r;
   r.cfg = config;
-  r.dev = parse_device(config.device);
+  r.dev = init_distributed(parse_device(config.device));
   r.amp = autocast_dtype(config.amp, r.dev);
   flame::manual_seed(config.seed);
   r.model = make_model(config.model, config.seed);
   r.model->to(r.dev);
   r.objective = make_objective(config.objective);
   r.trainable = r.model->parameters();
-  return run_loop(r, "train", nullptr);
+  TrainResult res = run_loop(r, "train", nullptr);
+  finish_distributed();
+  return res;
 }
 
 TrainResult finetune(const TrainConfig& config) {
