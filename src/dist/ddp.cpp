@@ -50,11 +50,14 @@ struct DistributedDataParallel::State {
   bool require_sync = true;
   bool active = false;  // a synchronised backward has delivered gradients since the last finish
   std::vector<double> launch_times, last_launch_times;
+  bool record_events = false;
+  std::vector<std::shared_ptr<cuda::Event>> launch_events, last_launch_events;
 
   void begin_iteration() {
     active = true;
     next_launch = 0;
     launch_times.clear();
+    launch_events.clear();
     for (Slot& s : slots) s.arrived = false;
     for (Bucket& b : buckets) {
       b.pending = b.slots.size();
@@ -64,6 +67,11 @@ struct DistributedDataParallel::State {
   }
 
   void launch(Bucket& b) {
+    if (record_events) {
+      auto e = std::make_shared<cuda::Event>(/*enable_timing=*/true);
+      e->record(cuda::Stream::current(b.flat.device().index));
+      launch_events.push_back(std::move(e));
+    }
     b.work = group->all_reduce(b.flat, ReduceOp::avg, /*async=*/true);
     b.launched = true;
     launch_times.push_back(DistributedDataParallel::now_seconds());
@@ -100,6 +108,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   FLAME_CHECK(options.bucket_cap_mb > 0, "DistributedDataParallel", "bucket_cap_mb must be positive, got ",
               options.bucket_cap_mb);
   state_->group = group ? std::move(group) : default_group_ptr();
+  state_->record_events = options.record_launch_events && state_->group->device().is_cuda();
   ProcessGroup& pg = *state_->group;
   const Device dev = pg.device();
 
@@ -206,6 +215,8 @@ void DistributedDataParallel::finish_gradients(Gradients& grads) {
   s.active = false;
   s.last_launch_times = std::move(s.launch_times);
   s.launch_times.clear();
+  s.last_launch_events = std::move(s.launch_events);
+  s.launch_events.clear();
 }
 
 DistributedDataParallel::NoSync::NoSync(DistributedDataParallel& ddp) : ddp_(ddp), previous_(ddp.state_->require_sync) {
@@ -222,6 +233,10 @@ std::vector<std::size_t> DistributedDataParallel::bucket_bytes() const {
 }
 
 std::vector<double> DistributedDataParallel::last_launch_times() const { return state_->last_launch_times; }
+
+std::vector<std::shared_ptr<cuda::Event>> DistributedDataParallel::last_launch_events() const {
+  return state_->last_launch_events;
+}
 
 // ---- DistributedSampler ----
 

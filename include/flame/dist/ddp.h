@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "flame/autograd.h"
+#include "flame/cuda.h"
 #include "flame/nn/module.h"
 #include "flame/tensor.h"
 
@@ -29,6 +30,9 @@ struct DDPOptions {
   // gradient arrives, while backward goes on.
   double bucket_cap_mb = 25.0;
   bool broadcast_buffers = true;  // at construction, with the parameters
+  // CUDA: record a timing event on the compute stream at each bucket launch (the point where the
+  // bucket's gradients are ready on the GPU), for overlap measurements (last_launch_events()).
+  bool record_launch_events = false;
 };
 
 class DistributedDataParallel {
@@ -71,6 +75,9 @@ class DistributedDataParallel {
   // Seconds, on the host's steady clock, of each bucket launch in the last synchronised backward,
   // in launch order (what the overlap of communication with backward is measured from).
   std::vector<double> last_launch_times() const;
+  // With DDPOptions::record_launch_events: the events of the last synchronised backward's bucket
+  // launches, in launch order (compare with cuda::Event::elapsed_time).
+  std::vector<std::shared_ptr<cuda::Event>> last_launch_events() const;
   static double now_seconds();
 
   struct State;
