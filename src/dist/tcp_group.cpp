@@ -235,7 +235,7 @@ class TcpGroup final : public ProcessGroup {
 
   std::string describe(const char* name, uint64_t seq, const PeerFailure& e) {
     std::string s = "rank " + std::to_string(rank_) + ": " + name + " #" + std::to_string(seq) + " failed: " + e.what();
-    if (e.rank < 0) {
+    if (e.rank == -1) {  // unknown peer (not rank 0's abort report, which names it)
       const std::string dead = describe_dead_ranks(*store_);
       if (!dead.empty()) s += " (the store reports " + dead + " dead)";
     }
