@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -210,8 +211,9 @@ int main(int argc, char** argv) {
     kill_at = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o.grace * 1000));
   };
 
-  for (;;) {
-    // Reap.
+  // Reaps what has exited; returns the children reaped, in order.
+  auto reap = [&]() {
+    std::vector<Child*> out;
     for (;;) {
       int status = 0;
       const pid_t pid = waitpid(-1, &status, WNOHANG);
@@ -220,14 +222,33 @@ int main(int argc, char** argv) {
         if (c.pid != pid || !c.running) continue;
         c.running = false;
         c.status = status;
-        if (failed(status) && exit_code == 0 && !tearing_down) {
-          std::fprintf(stderr, "flame-run: %s; stopping the other ranks\n", describe(c).c_str());
-          exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-          start_teardown(SIGTERM);
-        } else if (failed(status) && tearing_down) {
-          std::fprintf(stderr, "flame-run: %s\n", describe(c).c_str());
-        }
+        out.push_back(&c);
       }
+    }
+    return out;
+  };
+  for (;;) {
+    std::vector<Child*> exited = reap();
+    bool new_failure = false;
+    for (Child* c : exited) new_failure = new_failure || failed(c->status);
+    if (new_failure && !tearing_down && exit_code == 0) {
+      // The first failure often takes peers down within milliseconds (they see it die): collect
+      // those too, and blame a rank killed by a signal before one that exited with an error.
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      for (Child* c : reap()) exited.push_back(c);
+      Child* root = nullptr;
+      for (Child* c : exited)
+        if (failed(c->status) && WIFSIGNALED(c->status) && !root) root = c;
+      for (Child* c : exited)
+        if (failed(c->status) && !root) root = c;
+      std::fprintf(stderr, "flame-run: %s; stopping the other ranks\n", describe(*root).c_str());
+      exit_code = WIFSIGNALED(root->status) ? 128 + WTERMSIG(root->status) : WEXITSTATUS(root->status);
+      for (Child* c : exited)
+        if (c != root && failed(c->status)) std::fprintf(stderr, "flame-run: %s\n", describe(*c).c_str());
+      start_teardown(SIGTERM);
+    } else {
+      for (Child* c : exited)
+        if (failed(c->status)) std::fprintf(stderr, "flame-run: %s\n", describe(*c).c_str());
     }
     bool any = false;
     for (const Child& c : children) any = any || c.running;
