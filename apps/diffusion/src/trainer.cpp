@@ -284,7 +284,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     throw std::runtime_error("--schedule " + c.schedule + ": expected constant or cosine");
   }
   optim::EMA ema(r.trainable, {.decay = c.ema_decay, .warmup = c.ema_warmup});
-  flame::Generator gen(c.seed * 7919 + 17);  // noise, times and label dropout
+  // Noise, times and label dropout; each rank its own stream (a resumed run restores rank 0's).
+  flame::Generator gen(c.seed * 7919 + 17 + 1000003 * static_cast<uint64_t>(dist_rank()));
 
   flame::Checkpoint ckpt;
   ckpt.add("model", *r.model);
