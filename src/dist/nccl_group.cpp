@@ -15,8 +15,9 @@
 // within the timeout, or an asynchronous NCCL error, aborts the communicator (ncclCommAbort,
 // which also stops the kernels waiting for a dead peer); the error names the dead ranks the
 // store knows of. Later calls raise it. The rank then exits with status 1 after a short grace
-// (FLAME_DIST_EXIT_ON_FAILURE=0 keeps it alive), because a training loop blocked elsewhere may
-// never call into the group again: never a silent hang.
+// (FLAME_DIST_EXIT_ON_FAILURE=0 keeps it alive), because a training loop blocked elsewhere (in a
+// synchronising read waiting for the collective) may never call into the group again: never a
+// silent hang. The report and the exit timer come before ncclCommAbort, which may itself wait.
 #include "src/dist/internal.h"
 
 #if defined(FLAME_WITH_NCCL)
@@ -101,23 +102,34 @@ struct Core {
     return r;
   }
 
-  void fail(const std::string& what) {
-    std::string msg;
+  // Records the failure, reports it, arms the exit timer (exit_on_failure), then aborts the
+  // communicator: the report and the exit do not depend on ncclCommAbort returning.
+  void fail(const std::string& what, bool exit_on_failure) {
+    std::string msg = "rank " + std::to_string(rank) + ": " + what;
+    const std::string dead = describe_dead_ranks(*store);
+    if (!dead.empty()) msg += " (the store reports " + dead + " dead)";
     {
       std::lock_guard<std::mutex> lk(mu);
       if (failed.load()) return;
-      msg = "rank " + std::to_string(rank) + ": " + what;
-      const std::string dead = describe_dead_ranks(*store);
-      if (!dead.empty()) msg += " (the store reports " + dead + " dead)";
       error = msg;
       failed = true;
-      if (comm) {
-        ncclCommAbort(comm);
-        comm = nullptr;
-      }
     }
-    std::fprintf(stderr, "[flame.dist] %s; the NCCL communicator was aborted\n", msg.c_str());
+    std::fprintf(stderr, "[flame.dist] %s; aborting the NCCL communicator\n", msg.c_str());
     std::fflush(stderr);
+    if (exit_on_failure) {
+      const int r = rank;
+      std::thread([r] {
+        std::this_thread::sleep_for(std::chrono::seconds(3));
+        std::fprintf(stderr, "[flame.dist] rank %d exits after the failure above\n", r);
+        std::fflush(stderr);
+        std::_Exit(1);
+      }).detach();
+    }
+    std::lock_guard<std::mutex> lk(mu);
+    if (comm) {
+      ncclCommAbort(comm);
+      comm = nullptr;
+    }
   }
 };
 
@@ -174,17 +186,7 @@ void watchdog(std::shared_ptr<Core> core) {
         problem = std::string("NCCL asynchronous error: ") + ncclGetErrorString(async) + " (" +
                   ncclGetLastError(core->comm) + ")";
     }
-    if (!problem.empty()) {
-      core->fail(problem);
-      if (exit_on_failure) {
-        std::this_thread::sleep_for(std::chrono::seconds(2));
-        if (!core->stopping.load()) {
-          std::fprintf(stderr, "[flame.dist] rank %d exits after the failure above\n", core->rank);
-          std::fflush(stderr);
-          std::_Exit(1);
-        }
-      }
-    }
+    if (!problem.empty()) core->fail(problem, exit_on_failure);
   }
 }
 
@@ -318,7 +320,7 @@ class NcclGroup final : public ProcessGroup {
     w.wait();
   }
 
-  void abort(const std::string& reason) override { core_->fail("the group was aborted: " + reason); }
+  void abort(const std::string& reason) override { core_->fail("the group was aborted: " + reason, false); }
 
  private:
   Work enqueue(const char* name, std::initializer_list<Tensor> tensors, bool async,
