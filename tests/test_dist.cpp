@@ -152,6 +152,56 @@ TEST(DistProcessGroup, NotInitialisedAndBadInputsRaise) {
   EXPECT_THROW(dist::new_group("gloo", store, 0, 1, 0, std::chrono::milliseconds(100)), Error);
 }
 
+TEST(DistAutogradHook, PostAccumulateHookSeesTheAccumulatedGradientOfLeavesOnly) {
+  Tensor w = Tensor::from_vec(std::vector<float>{0.5f, -1.5f, 2.0f}, {3}).requires_grad_(true);
+  std::vector<std::vector<float>> seen;
+  w.register_post_accumulate_grad_hook([&](const Tensor& g) { seen.push_back(g.to_vec<float>()); });
+  Gradients store;
+  BackwardOptions into;
+  into.accumulate_into = &store;
+  (void)(w * w).sum().backward(into);      // 2w
+  (void)(w * 3.0).sum().backward(into);    // + 3
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0], (std::vector<float>{1.0f, -3.0f, 4.0f}));
+  EXPECT_EQ(seen[1], (std::vector<float>{4.0f, 0.0f, 7.0f}));  // the store's sum, not the new part
+  Tensor y = w * 2.0;
+  EXPECT_THROW(y.register_post_accumulate_grad_hook([](const Tensor&) {}), Error);  // not a leaf
+  Tensor frozen = Tensor::ones({2});
+  EXPECT_THROW(frozen.register_post_accumulate_grad_hook([](const Tensor&) {}), Error);
+}
+
+TEST(DistDDP, OneRankGroupReducesAndGuardsMisuse) {
+  auto store = std::make_shared<dist::TCPStore>("127.0.0.1", 0, 0, 1, true, std::chrono::milliseconds(2000));
+  auto pg = dist::new_group("tcp", store, 0, 1, 0, std::chrono::milliseconds(2000));
+  auto model = std::make_shared<nn::Linear>(4, 3);
+  dist::DistributedDataParallel ddp(model, {}, pg);
+  EXPECT_EQ(ddp.num_buckets(), 1u);
+  const Tensor x = Tensor::randn({5, 4});
+  Gradients g = ddp(x).square().mean().backward();
+  const Tensor before = g.get(model->weight()).clone();
+  ddp.finish_gradients(g);  // a world of one: the average is the gradient itself
+  EXPECT_EQ(g.get(model->weight()).to_vec<float>(), before.to_vec<float>());
+  EXPECT_EQ(ddp.last_launch_times().size(), 1u);
+  // Two backward passes into one store without no_sync: the second delivery comes after the
+  // bucket was reduced, which would silently drop it; it raises naming the parameter.
+  Gradients acc;
+  BackwardOptions into;
+  into.accumulate_into = &acc;
+  (void)ddp(x).sum().backward(into);
+  try {
+    (void)ddp(x).sum().backward(into);
+    FAIL() << "a second backward without no_sync did not raise";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no_sync"), std::string::npos) << e.what();
+  }
+  // A module on another device than the group's raises at construction.
+  if (cuda_is_available()) {
+    auto gpu = std::make_shared<nn::Linear>(2, 2);
+    gpu->to(Device::cuda(0));
+    EXPECT_THROW(dist::DistributedDataParallel(gpu, {}, pg), Error);
+  }
+}
+
 // ---- multi-process cases ----
 
 TEST(DistCollectives, MatchLocalReferenceOnTwoAndFourRanks) {

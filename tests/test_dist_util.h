@@ -17,6 +17,7 @@
 
 #include "flame/dist.h"
 #include "flame/flame.h"
+#include "flame/nn.h"
 
 namespace flame::test::dist_test {
 
