@@ -32,7 +32,10 @@ def main():
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
     if world > 1:
-        dist.init_process_group("nccl", device_id=dev)
+        try:
+            dist.init_process_group("nccl", device_id=dev)
+        except TypeError:  # torch < 2.3
+            dist.init_process_group("nccl")
     torch.manual_seed(0)
     model = DiT(dit_config(a.model)).to(dev)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local], bucket_cap_mb=25) if world > 1 else model
