@@ -1,14 +1,16 @@
 // ZeroRedundancyOptimizer: ZeRO stage 1 (flame/dist/zero.h).
 //
 // Note [ZeRO layout]
-// Each parameter group g is one flat vector (parameters in order, then zero padding to W*S
-// elements, W = world size, S = ceil(numel / W)). Rank r owns [r*S, (r+1)*S): a leaf tensor
-// `shard` of S elements that the inner optimizer (built by the factory on groups holding just
-// that shard) updates. step(): local gradients are packed into the flat gradient (zeros where a
+// Each parameter group g is one flat buffer (parameters in order, then zero padding to W*S
+// elements, W = world size, S = ceil(numel / W)), and the dense parameters are moved into it
+// (Tensor::set_data: same identity, storage in the buffer), so the buffer costs no memory beyond
+// the parameters. Rank r owns [r*S, (r+1)*S): a leaf `shard` viewing that slice, which the inner
+// optimizer (built by the factory on groups holding just that shard) updates in place. step():
+// local gradients are packed into a flat gradient that lives for the step (zeros where a
 // parameter has none), reduce-scattered with ReduceOp::avg into the shard's gradient, the inner
-// optimizer steps the shard, and the shards are all-gathered into the flat parameters, which are
-// copied back into the module's tensors (identity kept). The shard is refreshed from the
-// module's tensors before each step, so a model loaded from a checkpoint between steps is seen.
+// optimizer steps the shard, and an in-place all-gather of the buffer updates every parameter.
+// A parameter that is not in the buffer (not dense, or rebound by Module::to since) is copied in
+// before the step and out after it. Optimizer state is the only per-rank saving: 1/W of it.
 // Hyperparameters (set_lr from a scheduler) are copied into the inner groups at each step.
 // state_dict() all-gathers every elementwise state slot (numel S) and cuts it back into the
 // parameters' shapes under the plain optimizer's keys ("state.<i>.<slot>", "param_groups.<g>.*"),
@@ -26,9 +28,12 @@ struct ZeroRedundancyOptimizer::Layout {
   std::size_t first_index = 0;  // global parameter index of params[0]
   int64_t numel = 0;
   int64_t shard = 0;  // S
-  Tensor shard_param;
-  Tensor flat_grad;   // W*S
-  Tensor flat_param;  // W*S
+  Tensor shard_param;  // a view of flat_param: this rank's slice
+  Tensor flat_param;   // W*S; the parameters' storage (Note [ZeRO layout])
+  bool aliased(std::size_t k) const {  // params[k] still lives in flat_param
+    return params[k].data_ptr() == flat_param.narrow(0, offsets[k], params[k].numel()).data_ptr() &&
+           params[k].is_contiguous();
+  }
 };
 
 namespace {
@@ -84,13 +89,17 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
     }
     l.shard = std::max<int64_t>(1, (l.numel + W - 1) / W);
     const TensorOptions o(dt, dev);
-    l.flat_grad = Tensor::zeros({W * l.shard}, o);
     l.flat_param = Tensor::zeros({W * l.shard}, o);
-    l.shard_param = Tensor::zeros({l.shard}, o);
-    const int64_t lo = pg.rank() * l.shard;
-    for_each_overlap(l, lo, lo + l.shard, [&](std::size_t k, int64_t poff, int64_t foff, int64_t n) {
-      l.shard_param.narrow(0, foff - lo, n).copy_(l.params[k].reshape({-1}).narrow(0, poff, n));
-    });
+    for (std::size_t k = 0; k < l.params.size(); ++k) {
+      Tensor& p = l.params[k];
+      Tensor slot = l.flat_param.narrow(0, l.offsets[k], p.numel()).view(p.sizes());
+      slot.copy_(p);
+      // A dense parameter moves into the flat buffer (identity kept): the all-gather then writes
+      // the parameters themselves. Others (channels-last, ...) keep their layout and are copied.
+      if (p.is_contiguous()) p.set_data(slot);
+    }
+    l.shard_param = Tensor::zeros({1}, o);
+    l.shard_param.set_data(l.flat_param.narrow(0, pg.rank() * l.shard, l.shard));
     l.shard_param.requires_grad_(true);
     optim::ParamGroup ig = grp;
     ig.params = {l.shard_param};
@@ -118,19 +127,22 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   std::vector<Work> works;
   std::vector<Tensor> shard_grads;
   for (Layout& l : layouts_) {
+    // The flat gradient lives for this step only (the pool reuses it for the next forward).
+    const TensorOptions o(l.flat_param.dtype(), l.flat_param.device());
+    Tensor flat_grad = Tensor::empty({l.flat_param.numel()}, o);
     for (std::size_t k = 0; k < l.params.size(); ++k) {
-      Tensor dst = l.flat_grad.narrow(0, l.offsets[k], l.params[k].numel());
+      Tensor dst = flat_grad.narrow(0, l.offsets[k], l.params[k].numel());
       const Tensor gk = grads.get(l.params[k]);
       if (gk.defined()) dst.view(l.params[k].sizes()).copy_(gk);
       else dst.zero_();
+      // A parameter outside the flat buffer (its layout, or rebound since) is copied in.
+      if (!l.aliased(k))
+        l.flat_param.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()).copy_(l.params[k]);
     }
-    Tensor sg = Tensor::empty({l.shard}, TensorOptions(l.flat_grad.dtype(), l.flat_grad.device()));
-    works.push_back(pg.reduce_scatter(sg, l.flat_grad, ReduceOp::avg, /*async=*/true));
+    if (l.flat_param.numel() > l.numel) flat_grad.narrow(0, l.numel, l.flat_param.numel() - l.numel).zero_();
+    Tensor sg = Tensor::empty({l.shard}, o);
+    works.push_back(pg.reduce_scatter(sg, flat_grad, ReduceOp::avg, /*async=*/true));
     shard_grads.push_back(sg);
-    const int64_t lo = pg.rank() * l.shard;
-    for_each_overlap(l, lo, lo + l.shard, [&](std::size_t k, int64_t poff, int64_t foff, int64_t n) {
-      l.shard_param.narrow(0, foff - lo, n).copy_(l.params[k].reshape({-1}).narrow(0, poff, n));
-    });
   }
   Gradients local;
   for (std::size_t i = 0; i < layouts_.size(); ++i) {
@@ -144,7 +156,8 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     works[i].wait();
     Layout& l = layouts_[i];
     for (std::size_t k = 0; k < l.params.size(); ++k)
-      Tensor(l.params[k].detach()).copy_(l.flat_param.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()));
+      if (!l.aliased(k))
+        Tensor(l.params[k].detach()).copy_(l.flat_param.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()));
   }
 }
 
