@@ -302,6 +302,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       const auto info = ckpt.load(*last);
       start.epoch = ckpt.progress().counters["epoch"];
       start.batch = ckpt.progress().counters["batch"];
+      // Saved by another number of ranks: the same fraction of the epoch (per-rank batches scale).
+      const auto w = ckpt.progress().counters.find("world");
+      if (w != ckpt.progress().counters.end() && w->second != dist_world()) start.batch = start.batch * w->second / dist_world();
       std::fprintf(stderr, "resumed from %s (step %lld)\n", last->c_str(), static_cast<long long>(info.step));
     } else {
       std::fprintf(stderr, "--resume: no checkpoint in %s, starting from step 0\n", ckpt_dir.c_str());
@@ -382,6 +385,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     const LoaderPosition pos = loader.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch;
+    ckpt.progress().counters["world"] = world;
 
     const double elapsed = seconds_since(t0);
     csv.log(step, loss_sum, lr, gnorm, elapsed);
