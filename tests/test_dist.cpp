@@ -305,7 +305,8 @@ TEST(DistLauncher, TwoNodesOnOneHostBootstrapOverTcp) {
   auto node = [&](int k) {
     std::map<std::string, std::string> env;
     if (using_nccl()) {
-      env = {{"NCCL_P2P_DISABLE", "1"}, {"NCCL_SHM_DISABLE", "1"}};
+      // Both "nodes" are this host: the socket transport over loopback (no InfiniBand loopback).
+      env = {{"NCCL_P2P_DISABLE", "1"}, {"NCCL_SHM_DISABLE", "1"}, {"NCCL_SOCKET_IFNAME", "lo"}, {"NCCL_IB_DISABLE", "1"}};
       std::string vis;
       for (int l = 0; l < per_node; ++l) vis += (l ? "," : "") + std::to_string(k * per_node + l);
       env["CUDA_VISIBLE_DEVICES"] = vis;
