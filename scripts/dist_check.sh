@@ -27,8 +27,8 @@ if [[ -x "$BUILD/tests/flame_tests" ]]; then
   FLAME_TEST_DEVICE=cuda timeout 170 "$BUILD/tests/flame_tests" --gtest_filter='Dist*' >"$LOGS/tests.log" 2>&1
   rc=$?
   passed=$(grep -cE '^\[       OK \]' "$LOGS/tests.log")
-  failed=$(grep -cE '^\[  FAILED  \] Dist' "$LOGS/tests.log")
-  skipped=$(grep -cE '^\[  SKIPPED \]' "$LOGS/tests.log")
+  failed=$(grep -E '^\[  FAILED  \] Dist' "$LOGS/tests.log" | sed -E 's/ \(.*//' | sort -u | wc -l)
+  skipped=$(grep -E '^\[  SKIPPED \] Dist' "$LOGS/tests.log" | sed -E 's/ \(.*//' | sort -u | wc -l)
   note "Dist* tests (nccl): rc $rc, $passed passed, $failed failed, $skipped skipped ($(( $(date +%s) - t0 )) s)"
   grep -E '^\[  (FAILED|SKIPPED) \] Dist' "$LOGS/tests.log" | sort -u | head -20 | while IFS= read -r l; do note "  $l"; done
   [[ $rc -ne 0 ]] && { STATUS=1; grep -E 'check failed|CAUGHT|Failure|error' "$LOGS/tests.log" | head -30; }
