@@ -131,7 +131,9 @@ void init_process_group(const ProcessGroupOptions& options) {
   FLAME_CHECK(timeout.count() > 0, "dist::init_process_group", "the timeout must be positive");
   std::string backend = options.backend;
   if (backend.empty()) backend = nccl_available() && cuda_is_available() ? "nccl" : "tcp";
-  auto store = std::make_shared<TCPStore>(e.master_addr, e.master_port, e.rank, e.world_size, e.rank == 0, timeout);
+  // A world of one without MASTER_PORT needs no agreed port: any free one.
+  const int port = e.world_size == 1 && !env("MASTER_PORT") ? 0 : e.master_port;
+  auto store = std::make_shared<TCPStore>(e.master_addr, port, e.rank, e.world_size, e.rank == 0, timeout);
   g_default = new_group(backend, std::move(store), e.rank, e.world_size, e.local_rank, timeout);
 }
 
