@@ -152,6 +152,25 @@ TEST(DistProcessGroup, NotInitialisedAndBadInputsRaise) {
   EXPECT_THROW(dist::new_group("gloo", store, 0, 1, 0, std::chrono::milliseconds(100)), Error);
 }
 
+TEST(DistProcessGroup, InitFromAnEmptyEnvironmentIsAWorldOfOne) {
+  EnvGuard guard({"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
+                  "OMPI_COMM_WORLD_RANK", "FLAME_DIST_TIMEOUT"});
+  dist::ProcessGroupOptions o;
+  o.backend = "tcp";
+  dist::init_process_group(o);
+  EXPECT_TRUE(dist::is_initialized());
+  EXPECT_EQ(dist::get_world_size(), 1);
+  EXPECT_EQ(dist::get_rank(), 0);
+  EXPECT_EQ(dist::default_group().backend(), "tcp");
+  EXPECT_THROW(dist::init_process_group(o), Error);  // already initialised
+  Tensor t = Tensor::from_vec(std::vector<float>{3, -1}, {2});
+  dist::default_group().all_reduce(t, dist::ReduceOp::max);
+  EXPECT_EQ(t.to_vec<float>(), (std::vector<float>{3, -1}));
+  dist::default_group().barrier();
+  dist::destroy_process_group();
+  EXPECT_FALSE(dist::is_initialized());
+}
+
 TEST(DistAutogradHook, PostAccumulateHookSeesTheAccumulatedGradientOfLeavesOnly) {
   Tensor w = Tensor::from_vec(std::vector<float>{0.5f, -1.5f, 2.0f}, {3}).requires_grad_(true);
   std::vector<std::vector<float>> seen;
