@@ -284,8 +284,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     throw std::runtime_error("--schedule " + c.schedule + ": expected constant or cosine");
   }
   optim::EMA ema(r.trainable, {.decay = c.ema_decay, .warmup = c.ema_warmup});
-  // Noise, times and label dropout; each rank its own stream (a resumed run restores rank 0's).
-  flame::Generator gen(c.seed * 7919 + 17 + 1000003 * static_cast<uint64_t>(dist_rank()));
+  flame::Generator gen(c.seed * 7919 + 17);  // noise, times and label dropout
 
   flame::Checkpoint ckpt;
   ckpt.add("model", *r.model);
@@ -324,6 +323,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                 start);
   std::unique_ptr<flame::dist::DistributedDataParallel> ddp;  // after the resume: rank 0's weights
   if (world > 1) ddp = std::make_unique<flame::dist::DistributedDataParallel>(r.model);
+  // Each rank its own noise, times and label dropout (a resumed run restores rank 0's stream).
+  if (world > 1 && ckpt.progress().step == 0)
+    gen.manual_seed(c.seed * 7919 + 17 + 1000003 * static_cast<uint64_t>(dist_rank()));
 
   const std::string csv_path =
       (fs::path(c.out) / (main_rank ? "loss.csv" : "loss.rank" + std::to_string(dist_rank()) + ".csv")).string();
@@ -422,13 +424,13 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       break;
     }
   }
+  dist_barrier();
+  if (!main_rank) return res;  // rank 0 writes the last checkpoint, samples and plots
   if (window_n > 0) res.final_loss = window_loss / static_cast<double>(window_n);
   res.seconds = seconds_since(t0);
   res.steps_done = step - first;
   res.images_per_second = static_cast<double>(res.steps_done * c.batch) / std::max(res.seconds, 1e-9);
   res.peak_gpu_bytes = gpu_bytes(r.dev, true);
-  dist_barrier();
-  if (!main_rank) return res;  // rank 0 writes the checkpoint, samples and plots
   res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
   {
     auto swapped = ema.swap_in();
