@@ -5,7 +5,7 @@
 #   scripts/dist_check.sh build-cuda
 #
 # Builds nothing. Runs (1) the Dist* tests on "nccl" (FLAME_TEST_DEVICE=cuda), (2) flame-diffusion
-# under flame-run on 2 GPUs for 60 steps, (3) the weak-scaling bench of a dit-s step, 1 vs 2 GPUs,
+# under flame-run on all GPUs for 60 steps, (3) the weak-scaling bench of a dit-s step, 1 vs 2 (vs 4) GPUs,
 # FLAME (dist_bench under flame-run) and PyTorch DDP (torchrun) in the same run, with the
 # all-reduce/backward overlap from CUDA events. Prints a summary last; exit status 1 if a part
 # failed. Under 300 s.
@@ -20,6 +20,8 @@ SUMMARY=()
 note() { SUMMARY+=("$1"); echo "dist_check: $1"; }
 t_start=$(date +%s)
 command -v nvidia-smi >/dev/null && nvidia-smi -L
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[[ "$NGPU" -ge 2 ]] || NGPU=2
 
 # ---- 1. tests ----
 if [[ -x "$BUILD/tests/flame_tests" ]]; then
@@ -40,11 +42,11 @@ fi
 FD="$BUILD/apps/diffusion/flame-diffusion"
 if [[ -x "$FD" && -x "$RUN" ]]; then
   t0=$(date +%s)
-  timeout 100 "$RUN" --nproc-per-node 2 "$FD" train --model dit-s --batch 256 --steps 60 --log-every 20 \
+  timeout 100 "$RUN" --nproc-per-node "$NGPU" "$FD" train --model dit-s --batch 256 --steps 60 --log-every 20 \
     --sample-every 0 --ckpt-every 0 --samples-per-class 2 --no-progress --out "$LOGS/diffusion-run" \
     >"$LOGS/trainer.log" 2>&1
   rc=$?
-  note "flame-run --nproc-per-node 2 flame-diffusion train dit-s B256 (128/GPU) 60 steps: rc $rc ($(( $(date +%s) - t0 )) s); $(grep -E 'done:' "$LOGS/trainer.log" | tail -1 | sed -E 's/^ +//')"
+  note "flame-run --nproc-per-node $NGPU flame-diffusion train dit-s B256 ($((256 / NGPU))/GPU) 60 steps: rc $rc ($(( $(date +%s) - t0 )) s); $(grep -E 'done:' "$LOGS/trainer.log" | tail -1 | sed -E 's/^ +//')"
   [[ $rc -ne 0 ]] && { STATUS=1; tail -20 "$LOGS/trainer.log"; }
 else
   note "trainer: flame-diffusion or flame-run not built"; STATUS=1
@@ -56,12 +58,18 @@ B=64
 : >"$LOGS/bench.log"
 if [[ -x "$DB" ]]; then
   timeout 60 "$DB" --batch $B >>"$LOGS/bench.log" 2>&1 || note "dist_bench 1 GPU failed"
-  timeout 80 "$RUN" --nproc-per-node 2 "$DB" --batch $B >>"$LOGS/bench.log" 2>&1 || note "dist_bench 2 GPUs failed"
+  for g in 2 4 8; do
+    [[ $g -le $NGPU ]] || continue
+    timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B >>"$LOGS/bench.log" 2>&1 || note "dist_bench $g GPUs failed"
+  done
 fi
 if python3 -c "import torch" 2>/dev/null; then
   timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || note "torch bench 1 GPU failed"
-  timeout 90 python3 -m torch.distributed.run --nproc-per-node 2 bench/bench_dist_torch.py --batch $B \
-    >>"$LOGS/bench.log" 2>&1 || note "torch bench 2 GPUs failed"
+  for g in 2 4 8; do
+    [[ $g -le $NGPU ]] || continue
+    timeout 90 python3 -m torch.distributed.run --nproc-per-node $g bench/bench_dist_torch.py --batch $B \
+      >>"$LOGS/bench.log" 2>&1 || note "torch bench $g GPUs failed"
+  done
 else
   note "PyTorch not installed: no torchrun comparison"
 fi
@@ -74,13 +82,17 @@ for line in open(sys.argv[1]):
         r = json.loads(line[6:])
         rows[(r["impl"], r["gpus"])] = r
 for impl in ("flame", "torch"):
-    one, two = rows.get((impl, 1)), rows.get((impl, 2))
-    if one and two:
-        eff = two["images_per_s"] / (2 * one["images_per_s"])
-        print(f"scaling {impl}: 1 GPU {one['ms']:.1f} ms/step {one['images_per_s']:.0f} img/s; "
-              f"2 GPUs {two['ms']:.1f} ms/step {two['images_per_s']:.0f} img/s; weak-scaling efficiency {eff:.0%}")
-    elif one or two:
-        print(f"scaling {impl}: incomplete ({'1 GPU' if one else ''}{'2 GPUs' if two else ''} only)")
+    one = rows.get((impl, 1))
+    if not one:
+        print(f"scaling {impl}: no 1-GPU result")
+        continue
+    parts = [f"1 GPU {one['ms']:.1f} ms/step {one['images_per_s']:.0f} img/s"]
+    for g in (2, 4, 8):
+        r = rows.get((impl, g))
+        if r:
+            eff = r["images_per_s"] / (g * one["images_per_s"])
+            parts.append(f"{g} GPUs {r['ms']:.1f} ms/step {r['images_per_s']:.0f} img/s, weak-scaling efficiency {eff:.0%}")
+    print(f"scaling {impl}: " + "; ".join(parts))
 PY
 grep -E '^OVERLAP' "$LOGS/bench.log" | while IFS= read -r l; do note "$l"; done
 
