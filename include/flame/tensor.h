@@ -97,6 +97,10 @@ class Tensor {
   [[nodiscard]] Gradients backward(const BackwardOptions& options) const;
   // Runs during backward with the gradient arriving at this tensor; may return a replacement.
   void register_hook(std::function<Tensor(const Tensor&)> hook);
+  // Leaves only: runs once the leaf's gradient of a backward has been added to the Gradients
+  // store, with the store's (accumulated) gradient (torch's register_post_accumulate_grad_hook);
+  // DistributedDataParallel reduces gradients from it while backward goes on.
+  void register_post_accumulate_grad_hook(std::function<void(const Tensor& accumulated_grad)> hook);
   Tensor grad(const Gradients& grads) const;      // grads.get(*this)
 
   // ---- factories ----

@@ -165,6 +165,10 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     // The store keeps it in the leaf's layout (Note [Gradient layout] in engine.cpp): adopted
     // when it already is and nothing else holds it, copied otherwise.
     store.accumulate(l.handle, std::move(g));
+    if (!l.meta->post_accumulate_hooks.empty()) {
+      const Tensor accumulated = store.get(l.handle);
+      for (const auto& hook : l.meta->post_accumulate_hooks) hook(accumulated);
+    }
   };
 
   std::vector<Node*> ready;

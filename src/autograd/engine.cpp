@@ -191,6 +191,12 @@ void Tensor::register_hook(std::function<Tensor(const Tensor&)> hook) {
   impl_->autograd->hooks.push_back(std::move(hook));
 }
 
+void Tensor::register_post_accumulate_grad_hook(std::function<void(const Tensor&)> hook) {
+  FLAME_CHECK(requires_grad() && is_leaf(), "register_post_accumulate_grad_hook",
+              "the tensor must be a leaf that requires grad (shape ", sizes(), ")");
+  impl_->autograd->post_accumulate_hooks.push_back(std::move(hook));
+}
+
 Tensor Tensor::grad(const Gradients& grads) const { return grads.get(*this); }
 
 }  // namespace flame

@@ -134,6 +134,7 @@ struct AutogradMeta {
   bool requires_grad = false;
   std::shared_ptr<Node> grad_fn;
   std::vector<GradHook> hooks;
+  std::vector<std::function<void(const Tensor&)>> post_accumulate_hooks;  // leaves only
 };
 
 // A tensor a rule reads during backward, with the storage version at save time. Held detached by

@@ -200,8 +200,9 @@ Loader::Loader(std::shared_ptr<const Dataset> data, LoaderOptions options, Loade
       data_->labels.size() != static_cast<std::size_t>(data_->n)) {
     throw std::runtime_error("Loader: inconsistent data set (" + std::to_string(data_->n) + " samples)");
   }
-  batches_per_epoch_ = options_.drop_last ? data_->n / options_.batch_size
-                                          : (data_->n + options_.batch_size - 1) / options_.batch_size;
+  const int64_t epoch_size = options_.sampler ? options_.sampler->num_samples() : data_->n;
+  batches_per_epoch_ = options_.drop_last ? epoch_size / options_.batch_size
+                                          : (epoch_size + options_.batch_size - 1) / options_.batch_size;
   if (batches_per_epoch_ == 0) {
     throw std::runtime_error("Loader: a data set of " + std::to_string(data_->n) + " samples gives no batch of " +
                              std::to_string(options_.batch_size) + (options_.drop_last ? " with drop_last" : ""));
@@ -237,6 +238,11 @@ LoaderPosition Loader::advance(LoaderPosition pos) const {
 }
 
 std::vector<int64_t> Loader::epoch_order(int64_t epoch) const {
+  if (options_.sampler) {
+    flame::dist::DistributedSampler s = *options_.sampler;
+    s.set_epoch(epoch);
+    return s.indices();
+  }
   std::vector<int64_t> order(static_cast<std::size_t>(data_->n));
   for (int64_t i = 0; i < data_->n; ++i) order[i] = i;
   if (!options_.shuffle) return order;
@@ -259,7 +265,7 @@ Loader::Pending Loader::build(LoaderPosition pos) const {
   const Dataset& d = *data_;
   const std::vector<int64_t>& order = cached_order(pos.epoch);
   const int64_t begin = pos.batch * options_.batch_size;
-  const int64_t b = std::min(options_.batch_size, d.n - begin);
+  const int64_t b = std::min(options_.batch_size, static_cast<int64_t>(order.size()) - begin);
   const int64_t sz = d.image_size();
 
   Pending p;

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include <flame/flame.h>
+#include <flame/dist.h>
 
 #include "idx.h"
 
@@ -97,6 +98,9 @@ struct LoaderOptions {
   // Runs on each host batch (CPU tensors, before the upload; on the worker thread when
   // prefetching): extra augmentation in place. An exception it throws is re-raised by next().
   std::function<void(flame::Tensor& images, flame::Tensor& labels, LoaderPosition position)> host_transform;
+  // Multi-process training: each epoch is this rank's share (DistributedSampler::indices at the
+  // epoch) instead of the whole shuffled data set; shuffle and seed are then the sampler's.
+  std::optional<flame::dist::DistributedSampler> sampler = std::nullopt;
 };
 
 struct Batch {

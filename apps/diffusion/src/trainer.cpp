@@ -25,6 +25,7 @@
 
 #include "classifier.h"
 #include "data.h"
+#include "distributed.h"
 #include "dit.h"
 #include "embed.h"
 #include "objective.h"
@@ -282,6 +283,10 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                  static_cast<long long>(c.accum));
     compile = false;
   }
+  if (compile && dist_world() > 1) {  // DDP's collectives run from backward hooks, outside a graph
+    std::fprintf(stderr, "--compile: not under flame-run with %d ranks yet; this run steps eagerly\n", dist_world());
+    compile = false;
+  }
   // It also fuses the DiT blocks' elementwise chains (modulate, gated residuals: flame::compile,
   // docs/compile.md); a chain the tracer cannot take runs eagerly, saying why once.
   if (compile)
@@ -315,17 +320,34 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       const auto info = ckpt.load(*last);
       start.epoch = ckpt.progress().counters["epoch"];
       start.batch = ckpt.progress().counters["batch"];
+      // Saved by another number of ranks: the same fraction of the epoch (per-rank batches scale).
+      const auto w = ckpt.progress().counters.find("world");
+      if (w != ckpt.progress().counters.end() && w->second != dist_world()) start.batch = start.batch * w->second / dist_world();
       std::fprintf(stderr, "resumed from %s (step %lld)\n", last->c_str(), static_cast<long long>(info.step));
     } else {
       std::fprintf(stderr, "--resume: no checkpoint in %s, starting from step 0\n", ckpt_dir.c_str());
     }
   }
-  const int64_t micro = c.batch / c.accum;
+  // Multi-process (distributed.h): each rank its share of the data and of the batch.
+  const int64_t world = dist_world();
+  const bool main_rank = dist_rank() == 0;
+  if (c.batch % (c.accum * world) != 0)
+    throw std::runtime_error("--batch " + std::to_string(c.batch) + " must be a multiple of --accum x ranks (" +
+                             std::to_string(c.accum * world) + ")");
+  const int64_t micro = c.batch / c.accum / world;
+  std::optional<flame::dist::DistributedSampler> sampler;
+  if (world > 1) sampler.emplace(data->n, world, dist_rank(), true, c.seed);
   Loader loader(data, {.batch_size = micro, .seed = c.seed, .shuffle = true, .drop_last = true,
-                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}},
+                       .random_flip = c.flip, .prefetch = 3, .device = r.dev, .host_transform = {}, .sampler = sampler},
                 start);
+  std::unique_ptr<flame::dist::DistributedDataParallel> ddp;  // after the resume: rank 0's weights
+  if (world > 1) ddp = std::make_unique<flame::dist::DistributedDataParallel>(r.model);
+  // Each rank its own noise, times and label dropout (a resumed run restores rank 0's stream).
+  if (world > 1 && ckpt.progress().step == 0)
+    gen.manual_seed(c.seed * 7919 + 17 + 1000003 * static_cast<uint64_t>(dist_rank()));
 
-  const std::string csv_path = (fs::path(c.out) / "loss.csv").string();
+  const std::string csv_path =
+      (fs::path(c.out) / (main_rank ? "loss.csv" : "loss.rank" + std::to_string(dist_rank()) + ".csv")).string();
   CsvLogger csv(csv_path, /*append=*/c.resume && ckpt.progress().step > 0);
   const std::string samples_path = (fs::path(c.out) / "samples.png").string();
   const std::string plot_path = (fs::path(c.out) / "loss.png").string();
@@ -341,7 +363,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                compile ? ", compiled step (CUDA graph)" : "");
   if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
 
-  ProgressBar bar(c.steps, c.progress_bar);
+  ProgressBar bar(c.steps, c.progress_bar && main_rank);
   TrainResult res;
   res.csv = csv_path;
   const auto t0 = Clock::now();
@@ -466,6 +488,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     flame::Gradients grads;
     double loss_sum = 0;
     for (int64_t m = 0; m < c.accum; ++m) {
+      std::optional<flame::dist::DistributedDataParallel::NoSync> no_sync;  // reduce on the last micro-batch only
+      if (ddp && m + 1 < c.accum) no_sync.emplace(*ddp);
       Batch b = loader.next();
       const Tensor y = drop_labels(b.labels, c.label_dropout, r.model->null_class(), &gen);
       Tensor loss;
@@ -479,6 +503,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       (void)loss.backward(bo);
       loss_sum += loss.item<float>();
     }
+    if (ddp) ddp->finish_gradients(grads);  // every rank now holds the average over the ranks
     const double gnorm = c.grad_clip > 0 ? flame::clip_grad_norm_(grads, c.grad_clip) : flame::global_grad_norm(grads);
     const double lr = opt.lr();
     opt.step(grads);
@@ -488,6 +513,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     const LoaderPosition pos = loader.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch;
+    ckpt.progress().counters["world"] = world;
 
     const double elapsed = seconds_since(t0);
     csv.log(step, loss_sum, lr, gnorm, elapsed);
@@ -498,8 +524,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     const int64_t done = step - first;
     const double it_s = done / std::max(elapsed, 1e-9);
     const bool log_line = c.log_every > 0 && step % c.log_every == 0;
-    bar.update(step, loss_sum, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
-               gpu_bytes(r.dev, false), log_line);
+    if (main_rank)
+      bar.update(step, loss_sum, it_s, it_s * static_cast<double>(c.batch), (c.steps - step) / std::max(it_s, 1e-9),
+                 gpu_bytes(r.dev, false), log_line);
     if (log_line) {
       res.final_loss = window_loss / static_cast<double>(window_n);
       window_loss = 0;
@@ -509,17 +536,22 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       throw std::runtime_error("training diverged at step " + std::to_string(step) + ": loss " + std::to_string(loss_sum));
     const bool out_of_time = c.time_limit > 0 && elapsed >= c.time_limit;
     const bool last = step == c.steps || out_of_time;
-    if (!last && c.sample_every > 0 && step % c.sample_every == 0) {
+    if (main_rank && !last && c.sample_every > 0 && step % c.sample_every == 0) {
       auto swapped = ema.swap_in();
       write_samples(*r.model, *r.objective, classes, c.samples_per_class, c.sampling, r.amp, r.dev, samples_path, 2);
       write_loss_plot(plot_path, plot_steps, plot_losses);
     }
-    if (!last && c.ckpt_every > 0 && step % c.ckpt_every == 0) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    if (!last && c.ckpt_every > 0 && step % c.ckpt_every == 0) {
+      dist_barrier();  // every rank finished the step; rank 0 writes (atomically)
+      if (main_rank) res.last_checkpoint = ckpt.save_rotating(ckpt_dir, c.keep_checkpoints);
+    }
     if (out_of_time) {
       std::fprintf(stderr, "\n--time-limit %.0f s reached at step %lld\n", c.time_limit, static_cast<long long>(step));
       break;
     }
   }
+  dist_barrier();
+  if (!main_rank) return res;  // rank 0 writes the last checkpoint, samples and plots
   if (window_n > 0) res.final_loss = window_loss / static_cast<double>(window_n);
   if (r.dev.is_cuda()) flame::cuda::synchronize(r.dev.index);  // the queued steps count in the time
   res.seconds = seconds_since(t0);
@@ -604,14 +636,16 @@ std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device
 TrainResult train(const TrainConfig& config) {
   Run r;
   r.cfg = config;
-  r.dev = parse_device(config.device);
+  r.dev = init_distributed(parse_device(config.device));
   r.amp = autocast_dtype(config.amp, r.dev);
   flame::manual_seed(config.seed);
   r.model = make_model(config.model, config.seed);
   r.model->to(r.dev);
   r.objective = make_objective(config.objective);
   r.trainable = r.model->parameters();
-  return run_loop(r, "train", nullptr);
+  TrainResult res = run_loop(r, "train", nullptr);
+  finish_distributed();
+  return res;
 }
 
 TrainResult finetune(const TrainConfig& config) {

@@ -1,0 +1,398 @@
+// The rank-side halves of the flame::dist tests (test_dist.cpp). A process started with
+// FLAME_DIST_WORKER=<name> runs that worker from the static initialiser at the bottom, before
+// GoogleTest, and exits with its status: 0 when every check held, 1 on a failed check, 3 when a
+// collective raised flame::Error (the failure cases expect that), 2 on any other exception.
+// Every worker computes its own single-process reference (the global batch on one process).
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <random>
+
+#include "flame/io/safetensors.h"
+#include "flame/nn.h"
+#include "flame/optim.h"
+#include "test_dist_util.h"
+
+namespace flame::test::dist_test {
+namespace {
+
+int g_failures = 0;
+int g_rank = 0;
+
+#define WCHECK(cond, ...)                                                                      \
+  do {                                                                                         \
+    if (!(cond)) {                                                                             \
+      std::fprintf(stderr, "rank %d: check failed at line %d: %s\n", g_rank, __LINE__, #cond); \
+      ++g_failures;                                                                            \
+    }                                                                                          \
+  } while (0)
+
+Tensor seeded(const Shape& shape, uint64_t seed, Device dev) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (float& x : v) x = u(rng);
+  return Tensor::from_vec(v, shape).to(dev);
+}
+
+// max |a - b| <= atol + rtol |b|, elementwise; reports the worst element.
+bool close(const Tensor& a, const Tensor& b, double tol, const std::string& what) {
+  if (a.sizes() != b.sizes()) {
+    std::fprintf(stderr, "rank %d: %s: shapes differ\n", g_rank, what.c_str());
+    return false;
+  }
+  const auto va = a.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
+  const auto vb = b.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
+  double worst = 0;
+  for (std::size_t i = 0; i < va.size(); ++i) worst = std::max(worst, std::abs(va[i] - vb[i]) / (tol + tol * std::abs(vb[i])));
+  if (worst > 1.0) {
+    std::fprintf(stderr, "rank %d: %s differs (worst error %.3g x tolerance %.1g)\n", g_rank, what.c_str(), worst, tol);
+    return false;
+  }
+  return true;
+}
+
+std::shared_ptr<dist::ProcessGroup> init() {
+  const char* b = std::getenv("FLAME_DIST_TEST_BACKEND");
+  dist::ProcessGroupOptions o;
+  o.backend = b ? b : "tcp";
+  o.timeout = std::chrono::seconds(60);
+  dist::init_process_group(o);
+  g_rank = dist::get_rank();
+  return dist::default_group_ptr();
+}
+
+// ---- collectives ----
+
+int collectives() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  auto input = [&](int r, uint64_t base, const Shape& s) { return seeded(s, base + static_cast<uint64_t>(r), dev); };
+  for (auto op : {dist::ReduceOp::sum, dist::ReduceOp::avg, dist::ReduceOp::max, dist::ReduceOp::min}) {
+    Tensor t = input(R, 100, {5, 3}).clone();
+    pg->all_reduce(t, op);
+    Tensor ref = input(0, 100, {5, 3}).to(Device::cpu());
+    for (int r = 1; r < W; ++r) {
+      Tensor x = input(r, 100, {5, 3}).to(Device::cpu());
+      ref = op == dist::ReduceOp::max ? ref.maximum(x) : op == dist::ReduceOp::min ? ref.minimum(x) : ref + x;
+    }
+    if (op == dist::ReduceOp::avg) ref = ref / static_cast<double>(W);
+    WCHECK(close(t, ref, 1e-6, std::string("all_reduce ") + dist::reduce_op_name(op)));
+  }
+  {
+    Tensor t = Tensor::from_vec(std::vector<int64_t>{R + 1, 10 * R, -R}, {3}).to(dev);
+    pg->all_reduce(t, dist::ReduceOp::sum);
+    const int64_t s = static_cast<int64_t>(W) * (W + 1) / 2;
+    WCHECK(t.to(Device::cpu()).to_vec<int64_t>() == (std::vector<int64_t>{s, 10 * (s - W), -(s - W)}));
+  }
+  {
+    Tensor in = input(R, 200, {W * 4});
+    Tensor out = Tensor::empty({4}, TensorOptions(DType::f32, dev));
+    pg->reduce_scatter(out, in, dist::ReduceOp::sum);
+    Tensor ref = Tensor::zeros({W * 4});
+    for (int r = 0; r < W; ++r) ref = ref + input(r, 200, {W * 4}).to(Device::cpu());
+    WCHECK(close(out, ref.narrow(0, R * 4, 4), 1e-6, "reduce_scatter"));
+  }
+  {
+    Tensor in = input(R, 300, {3});
+    Tensor out = Tensor::empty({W, 3}, TensorOptions(DType::f32, dev));
+    pg->all_gather(out, in);
+    for (int r = 0; r < W; ++r) WCHECK(close(out.narrow(0, r, 1).reshape({3}), input(r, 300, {3}), 0, "all_gather"));
+  }
+  {
+    Tensor t = input(R, 400, {6}).clone();
+    pg->broadcast(t, W - 1);
+    WCHECK(close(t, input(W - 1, 400, {6}), 0, "broadcast"));
+  }
+  {
+    // Async handles: three collectives in flight at once, waited for afterwards.
+    std::vector<Tensor> ts;
+    std::vector<dist::Work> works;
+    for (int k = 0; k < 3; ++k) {
+      ts.push_back(input(R, 500 + 10 * static_cast<uint64_t>(k), {257}).clone());
+      works.push_back(pg->all_reduce(ts.back(), dist::ReduceOp::sum, true));
+    }
+    for (auto& w : works) w.wait();
+    for (int k = 0; k < 3; ++k) {
+      Tensor ref = Tensor::zeros({257});
+      for (int r = 0; r < W; ++r) ref = ref + input(r, 500 + 10 * static_cast<uint64_t>(k), {257}).to(Device::cpu());
+      WCHECK(close(ts[static_cast<std::size_t>(k)], ref, 1e-6, "async all_reduce"));
+      WCHECK(works[static_cast<std::size_t>(k)].is_completed());
+    }
+  }
+  {
+    Tensor t = input(R, 600, {33}).to(DType::bf16);
+    pg->all_reduce(t, dist::ReduceOp::sum);
+    Tensor ref = Tensor::zeros({33});
+    for (int r = 0; r < W; ++r) ref = ref + input(r, 600, {33}).to(DType::bf16).to(DType::f32).to(Device::cpu());
+    WCHECK(close(t, ref, 3e-2, "bf16 all_reduce"));
+  }
+  pg->barrier();
+  return 0;
+}
+
+// ---- models and data for DDP / ZeRO ----
+
+struct Mlp : nn::Module {
+  std::shared_ptr<nn::Linear> fc1, fc2;
+  Mlp() {
+    fc1 = register_module("fc1", std::make_shared<nn::Linear>(5, 7));
+    fc2 = register_module("fc2", std::make_shared<nn::Linear>(7, 3));
+  }
+  Tensor forward(const Tensor& x) override { return fc2->forward(fc1->forward(x).relu()); }
+};
+
+std::shared_ptr<Mlp> make_model(uint64_t seed, Device dev) {
+  auto m = std::make_shared<Mlp>();
+  m->to(dev);
+  NoGradGuard ng;
+  uint64_t k = 0;
+  for (auto& p : m->parameters()) Tensor(p.detach()).copy_(seeded(p.sizes(), seed * 1000 + k++, dev));
+  return m;
+}
+
+constexpr int64_t kBatch = 12;  // global batch: divisible by 1, 2, 3 and 4 ranks
+Tensor batch_x(int step, Device dev) { return seeded({kBatch, 5}, 7000 + static_cast<uint64_t>(step), dev); }
+Tensor batch_y(int step, Device dev) { return seeded({kBatch, 3}, 8000 + static_cast<uint64_t>(step), dev); }
+Tensor shard(const Tensor& t, int rank, int world) {
+  const int64_t b = t.size(0) / world;
+  return t.narrow(0, rank * b, b).contiguous();
+}
+
+bool same_params(nn::Module& a, nn::Module& b, double tol, const char* what) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  bool ok = pa.size() == pb.size();
+  for (std::size_t i = 0; ok && i < pa.size(); ++i) ok = close(pa[i].second, pb[i].second, tol, std::string(what) + " " + pa[i].first) && ok;
+  return ok;
+}
+
+int ddp() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  // Rank 0's initial values differ from the others': the constructor must broadcast them.
+  auto model = make_model(R == 0 ? 11 : 11 + 17 * static_cast<uint64_t>(R), dev);
+  dist::DistributedDataParallel ddp(model, dist::DDPOptions{.bucket_cap_mb = 100.0 / (1024 * 1024)});
+  WCHECK(ddp.num_buckets() >= 3);  // ~100-byte buckets: several per backward
+  auto ref = make_model(11, dev);
+  WCHECK(same_params(*model, *ref, 0, "after the broadcast"));
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < 4; ++s) {
+    const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
+    Gradients g;
+    BackwardOptions into;
+    into.accumulate_into = &g;
+    if (s % 2 == 1) {
+      // Gradient accumulation over two uneven micro-batches; the first without communication.
+      const int64_t b = x.size(0), m1 = b / 2, m2 = b - m1;
+      {
+        auto guard = ddp.no_sync();
+        Tensor l1 = mse_loss(ddp(x.narrow(0, 0, m1)), y.narrow(0, 0, m1)) * (static_cast<double>(m1) / static_cast<double>(b));
+        (void)l1.backward(into);
+        ddp.finish_gradients(g);  // a no-op inside no_sync
+      }
+      Tensor l2 = mse_loss(ddp(x.narrow(0, m1, m2)), y.narrow(0, m1, m2)) * (static_cast<double>(m2) / static_cast<double>(b));
+      (void)l2.backward(into);
+    } else {
+      g = mse_loss(ddp(x), y).backward();
+    }
+    ddp.finish_gradients(g);
+    WCHECK(ddp.last_launch_times().size() == ddp.num_buckets());
+    opt.step(g);
+    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
+    ref_opt.step(rg);
+  }
+  WCHECK(same_params(*model, *ref, 2e-5, "after 4 steps"));
+  pg->barrier();
+  return 0;
+}
+
+std::vector<optim::ParamGroup> adamw_groups(nn::Module& m) {
+  optim::AdamWOptions o{.lr = 0.05, .weight_decay = 0.1};
+  TensorList weights, biases;
+  for (auto& [name, p] : m.named_parameters()) (name.find("bias") != std::string::npos ? biases : weights).push_back(p);
+  optim::ParamGroup nd = o.group(biases);
+  nd.weight_decay = 0;
+  return {o.group(weights), nd};
+}
+dist::OptimizerFactory adamw_factory() {
+  return [](std::vector<optim::ParamGroup> g) {
+    return std::make_unique<optim::AdamW>(std::move(g), optim::AdamWOptions{.lr = 0.05, .weight_decay = 0.1});
+  };
+}
+
+void zero_steps(nn::Module& model, dist::ZeroRedundancyOptimizer& opt, int from, int to, int R, int W, Device dev) {
+  for (int s = from; s < to; ++s) {
+    Gradients g = mse_loss(model.forward(shard(batch_x(s, dev), R, W)), shard(batch_y(s, dev), R, W)).backward();
+    opt.step(g);
+  }
+}
+
+std::shared_ptr<Mlp> reference_adamw(int steps, Device dev, std::unique_ptr<optim::AdamW>* opt_out = nullptr) {
+  auto ref = make_model(11, dev);
+  auto opt = std::make_unique<optim::AdamW>(adamw_groups(*ref), optim::AdamWOptions{.lr = 0.05, .weight_decay = 0.1});
+  for (int s = 0; s < steps; ++s) {
+    Gradients g = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
+    opt->step(g);
+  }
+  if (opt_out) *opt_out = std::move(opt);
+  return ref;
+}
+
+int zero() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory());
+  zero_steps(*model, opt, 0, 3, R, W, dev);
+  std::unique_ptr<optim::AdamW> ref_opt;
+  auto ref = reference_adamw(3, dev, &ref_opt);
+  WCHECK(same_params(*model, *ref, 1e-4, "ZeRO vs one process"));
+  const StateDict full = opt.state_dict();
+  const StateDict want = ref_opt->state_dict();
+  WCHECK(full.size() == want.size());
+  for (const auto& [k, t] : want) {
+    const Tensor* got = full.find(k);
+    WCHECK(got != nullptr);
+    if (!got) {
+      std::fprintf(stderr, "rank %d: consolidated state lacks %s\n", R, k.c_str());
+      continue;
+    }
+    WCHECK(close(*got, t, 1e-4, "state " + k));
+  }
+  const auto mem = opt.memory_report();
+  WCHECK(mem.param_numel == 7 * 5 + 7 + 3 * 7 + 3);
+  WCHECK(W == 1 || mem.state_bytes < mem.full_state_bytes_estimate);
+  if (R == 0)
+    std::printf("ZeRO-1 on %d ranks: %lld of %lld parameters per rank, optimizer state %zu bytes per rank (unsharded ~%zu)\n",
+                W, static_cast<long long>(mem.shard_numel), static_cast<long long>(mem.param_numel), mem.state_bytes,
+                mem.full_state_bytes_estimate);
+  pg->barrier();
+  return 0;
+}
+
+// ---- checkpoint on N ranks, resume on N/2 ----
+
+std::string test_dir() {
+  const char* d = std::getenv("FLAME_DIST_TEST_DIR");
+  return d ? d : "/tmp";
+}
+
+StateDict to_cpu(const StateDict& sd) {
+  StateDict out;
+  for (const auto& [k, t] : sd) out.insert(k, t.to(Device::cpu()).contiguous());
+  return out;
+}
+
+int ckpt_save() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  auto model = make_model(R == 0 ? 11 : 3, dev);
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory());
+  zero_steps(*model, opt, 0, 2, R, W, dev);
+  const StateDict osd = opt.state_dict();  // collective: every rank calls it
+  pg->barrier();
+  if (R == 0) {
+    // Atomic: write aside, then rename.
+    const std::string d = test_dir();
+    io::save_safetensors(d + "/model.tmp", to_cpu(model->state_dict()));
+    io::save_safetensors(d + "/optim.tmp", to_cpu(osd));
+    std::filesystem::rename(d + "/model.tmp", d + "/model.safetensors");
+    std::filesystem::rename(d + "/optim.tmp", d + "/optim.safetensors");
+  }
+  pg->barrier();
+  return 0;
+}
+
+int ckpt_resume() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  auto model = make_model(99, dev);  // overwritten by the checkpoint
+  model->load_state_dict(io::load_safetensors(test_dir() + "/model.safetensors", dev));
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory());
+  opt.load_state_dict(io::load_safetensors(test_dir() + "/optim.safetensors", dev));
+  zero_steps(*model, opt, 2, 4, R, W, dev);
+  auto ref = reference_adamw(4, dev);
+  WCHECK(same_params(*model, *ref, 1e-4, "resumed on fewer ranks vs one process"));
+  pg->barrier();
+  return 0;
+}
+
+// ---- failures ----
+
+int die() {
+  auto pg = init();
+  const Device dev = pg->device();
+  for (int i = 0; i < 400; ++i) {
+    if (pg->rank() == 1 && i == 5) raise(SIGKILL);
+    Tensor t = Tensor::ones({1000}, TensorOptions(DType::f32, dev));
+    pg->all_reduce(t);
+    (void)t.to(Device::cpu()).to_vec<float>();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::fprintf(stderr, "rank %d: finished without noticing the dead rank\n", pg->rank());
+  return 1;
+}
+
+int hang() {
+  auto pg = init();
+  for (int i = 0; i < 400; ++i) {
+    if (pg->rank() == 1 && i == 5) std::this_thread::sleep_for(std::chrono::seconds(60));
+    Tensor t = Tensor::ones({10}, TensorOptions(DType::f32, pg->device()));
+    pg->all_reduce(t);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return 1;
+}
+
+int sleep_worker() {
+  std::this_thread::sleep_for(std::chrono::seconds(30));
+  return 0;
+}
+
+int run_worker(const std::string& name) {
+  try {
+    int rc = 0;
+    if (name == "collectives") rc = collectives();
+    else if (name == "ddp") rc = ddp();
+    else if (name == "zero") rc = zero();
+    else if (name == "ckpt_save") rc = ckpt_save();
+    else if (name == "ckpt_resume") rc = ckpt_resume();
+    else if (name == "die") rc = die();
+    else if (name == "hang") rc = hang();
+    else if (name == "sleep") rc = sleep_worker();
+    else {
+      std::fprintf(stderr, "unknown worker %s\n", name.c_str());
+      return 2;
+    }
+    dist::destroy_process_group();
+    return rc != 0 ? rc : g_failures ? 1 : 0;
+  } catch (const Error& e) {
+    std::fprintf(stderr, "rank %d: CAUGHT flame::Error: %s\n", g_rank, e.what());
+    return 3;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rank %d: CAUGHT exception: %s\n", g_rank, e.what());
+    return 2;
+  }
+}
+
+int maybe_run_worker() {
+  const char* w = std::getenv("FLAME_DIST_WORKER");
+  if (!w || !*w) return 0;
+  const int rc = run_worker(w);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  std::_Exit(rc);
+}
+
+[[maybe_unused]] const int kWorker = maybe_run_worker();
+
+}  // namespace
+}  // namespace flame::test::dist_test
