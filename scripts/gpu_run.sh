@@ -376,14 +376,21 @@ if [[ $RUN_EXAMPLE -eq 1 ]]; then
       rc=$?
       note "diffusion interop (cuda, PyTorch twins): rc $rc; $(grep -E '^interop:' "$DX_LOG" | tail -1)"
       [[ $rc -ne 0 ]] && STATUS=1
+      # Checkpoints trained on either side (reference/train.py; flame-diffusion train + export).
+      timeout "$(limit 150)" python3 apps/diffusion/reference/interop.py --bin "$BUILD/apps/diffusion/diffusion_interop" \
+        --device cuda --models dit-tiny,unet-tiny --trained --train-steps 300 >>"$DX_LOG" 2>&1
+      rc=$?
+      note "diffusion interop, trained checkpoints (cuda): rc $rc; $(grep -E '^interop:' "$DX_LOG" | tail -1)"
+      [[ $rc -ne 0 ]] && STATUS=1
     fi
     if [[ -x "$BUILD/apps/diffusion/flame-diffusion" ]]; then
       T=$(limit 150); [[ $T -gt 90 ]] && T=90
       timeout "$T" "$BUILD/apps/diffusion/flame-diffusion" train --model dit-s --batch 256 --steps 300 --log-every 100 \
         --sample-every 0 --ckpt-every 0 --samples-per-class 4 --no-progress --out "$BUILD/diffusion-run" >>"$DX_LOG" 2>&1
       rc=$?
-      note "flame-diffusion train dit-s B256 300 steps: rc $rc; $(grep -E 'done:' "$DX_LOG" | tail -1 | sed -E 's/^ +//')"
+      note "flame-diffusion train dit-s B256 300 steps (--compile): rc $rc; $(grep -E 'done:' "$DX_LOG" | tail -1 | sed -E 's/^ +//')"
       [[ $rc -ne 0 ]] && STATUS=1
+      grep -E '^--compile|compiled step:' "$DX_LOG" | tail -3 | while IFS= read -r line; do note "  ${line:0:200}"; done
     fi
   else
     note "diffusion_tests: not built"
