@@ -33,7 +33,7 @@ TEST(KernelTrace, RecordsKernelsAndCopiesWithTimesAndNames) {
   // The work is really done: relu(ab + 1) >= 0 everywhere.
   EXPECT_GE(d.min().item<float>(), 0.0f);
 
-  const auto& recs = trace.records();
+  const auto recs = trace.records();  // a copy: the second session below replaces the records
   int kernels = 0, flame_kernels = 0, htod = 0;
   for (size_t i = 0; i < recs.size(); ++i) {
     const auto& r = recs[i];
