@@ -420,7 +420,10 @@ int main(int argc, char** argv) {
                   name.c_str(), ms, ms, impl, static_cast<long long>(batch), static_cast<double>(batch) / (ms * 1e-3),
                   w.flops, tflops);
       if (dev.is_cuda()) {
-        const double peak_mib = static_cast<double>(flame::cuda::memory_stats(dev.index).peak_allocated_bytes) / (1 << 20);
+        // A captured step's tensors live in the graph's private pool, outside the allocated peak.
+        const auto st = flame::cuda::memory_stats(dev.index);
+        const double peak_mib =
+            static_cast<double>(st.peak_allocated_bytes + (graph ? st.graph_pool_bytes : 0)) / (1 << 20);
         std::printf(", \"peak_mib\": %.1f", peak_mib);
       }
       if (peak_tflops > 0) std::printf(", \"mfu\": %.4f", tflops / peak_tflops);
