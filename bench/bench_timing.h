@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "flame/cuda.h"
@@ -24,6 +25,22 @@
   } while (0)
 
 namespace flame::bench {
+
+// --reps N and --warmup N of a bench program (defaults 20 and 3; other arguments are ignored).
+struct RepsArgs {
+  int reps = 20;
+  int warmup = 3;
+};
+inline RepsArgs parse_reps(int argc, char** argv) {
+  RepsArgs r;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string a = argv[i];
+    if (a == "--reps") r.reps = std::max(1, std::atoi(argv[i + 1]));
+    else if (a == "--warmup") r.warmup = std::max(0, std::atoi(argv[i + 1]));
+  }
+  return r;
+}
+
 
 inline double median_ms(cudaStream_t stream, int reps, int warmup, const std::function<void()>& fn) {
   for (int i = 0; i < warmup; ++i) fn();

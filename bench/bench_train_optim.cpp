@@ -166,12 +166,8 @@ void check_against_torch(Device dev) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 20, warmup = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string a = argv[i];
-    if (a == "--reps") reps = std::max(1, std::atoi(argv[i + 1]));
-    else if (a == "--warmup") warmup = std::max(0, std::atoi(argv[i + 1]));
-  }
+  const flame::bench::RepsArgs args = flame::bench::parse_reps(argc, argv);
+  const int reps = args.reps, warmup = args.warmup;
   if (!flame::cuda_is_available()) {
     std::printf("# bench_train_optim: no CUDA device; nothing to measure\n");
     return 0;
