@@ -2,7 +2,7 @@
 # The main job: installs dependencies (apt-get, including the Fashion-MNIST package), builds, and
 # trains a class-conditional diffusion model on Fashion-MNIST with apps/diffusion (flame-diffusion).
 #   on a GPU: dit-s, rectified flow, batch 256, bf16 autocast, about 5 minutes
-#   on the CPU: dit-tiny, batch 32, 300 steps (a few minutes on 2 cores; a blurrier grid)
+#   on the CPU: dit-tiny, batch 32, 300 steps (about 10 minutes on 2 cores after the build; a blurrier grid)
 # It ends by printing where the sample grid and the loss curve are. Extra arguments go to
 # `flame-diffusion train` (e.g. --steps 6000 --time-limit 0 for the full recipe).
 set -euo pipefail
