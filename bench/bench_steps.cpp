@@ -208,13 +208,10 @@ double mlp_flops(int64_t batch) {
 }
 
 // The trainer's step for a diffusion preset (Note [Step benchmark method]).
-// graph: the trainer's --compile step (capturable AdamW and EMA, sync-free clipping, the DiT's fused
-// elementwise chains), for cuda::GraphedStep.
+// graph: the trainer's --compile step (capturable AdamW and EMA, sync-free clipping), for cuda::GraphedStep.
 Workload diffusion_workload(const std::string& preset, int64_t batch, const Device& dev, std::optional<DType> amp,
                             bool graph) {
   auto model = flame_diffusion::make_model(preset, 0);
-  if (graph)
-    if (auto* dit = dynamic_cast<flame_diffusion::DiT*>(model.get())) dit->set_fused_elementwise(true);
   model->to(dev);
   model->train();
   Workload w;

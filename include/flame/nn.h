@@ -2,6 +2,7 @@
 // Umbrella header for flame::nn: modules, containers, layers, functional ops, init, LoRA.
 // See docs/nn.md (modules and the layer list).
 #include "flame/nn/activation.h"
+#include "flame/nn/adaln.h"
 #include "flame/nn/attention.h"
 #include "flame/nn/attention_layers.h"
 #include "flame/nn/containers.h"

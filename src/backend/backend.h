@@ -171,6 +171,31 @@ class Backend {
                                   const Tensor& pre) { return false; }
   // dpre = dy * gelu_tanh'(pre), elementwise over same-shape tensors.
   virtual bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) { return false; }
+  // ---- adaln ----
+  // Fused adaLN pieces of DiT-style blocks (Note [adaLN ops] in src/ops/adaln.cpp). Like the epi
+  // methods each returns false, writing nothing, when the backend has no kernel for the call; the
+  // op layer then composes (the CPU backend keeps these defaults: the composite is the reference).
+  // x, y, dy, dx, out, ...: [B, T, D] contiguous; shift, scale, gate: [B, D] with column stride 1
+  // (any row stride, e.g. chunks of one [B, k*D] projection); mean/rstd [B*T] f32 per row.
+  // y = layer_norm(x) * (1 + scale) + shift, y's dtype may differ from x's (autocast).
+  virtual bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                             const Tensor& shift, const Tensor& scale, double eps) { return false; }
+  // dx (x's dtype), dshift and dscale ([B, D] contiguous, the modulation's dtype; each may be
+  // undefined) of the forward above given dy (y's dtype).
+  virtual bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
+                              const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale) {
+    return false;
+  }
+  // out = x + gate * y (gate broadcast over T).
+  virtual bool gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) {
+    return false;
+  }
+  // dy = dout * gate (y's dtype) and dgate = sum over T of dout * y ([B, D] contiguous, gate's
+  // dtype); dy may be undefined.
+  virtual bool gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
+                                       const Tensor& gate) {
+    return false;
+  }
   // ---- graph ----
   // (Defaults raise naming the backend's lack of support: src/backend/backend_graph.cpp.)
   // Capturable EMA (Note [Capturable optimizers], src/optim/fused_optimizer.cpp): ema_update with

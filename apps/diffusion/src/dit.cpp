@@ -3,7 +3,7 @@
 #include <cmath>
 #include <sstream>
 
-#include "flame/compile.h"
+#include "flame/nn/adaln.h"
 #include "flame/nn/linear_gelu.h"
 
 namespace flame_diffusion {
@@ -16,36 +16,9 @@ namespace {
 
 constexpr double kNormEps = 1e-6;  // the reference's LayerNorm(elementwise_affine=False, eps=1e-6)
 
-// x: [B, T, D]; shift, scale: [B, D].
-Tensor modulate(const Tensor& x, const Tensor& shift, const Tensor& scale) {
-  return x * (scale.unsqueeze(1) + 1.0) + shift.unsqueeze(1);
-}
-
-// The chains above and below as flame::compile'd functions (DiT::set_fused_elementwise).
-// Process-wide: a CompiledFunction is thread-safe and keeps one trace per input signature.
-flame::CompileOptions fused_options(const char* name) {
-  flame::CompileOptions o;
-  o.name = name;
-  o.max_signatures = 16;  // batch sizes x grad mode x autocast
-  return o;
-}
-
-Tensor fused_modulate(const Tensor& x, const Tensor& shift, const Tensor& scale) {
-  static const flame::CompiledFunction f = flame::compile(
-      [](const flame::TensorList& in) -> flame::TensorList { return {modulate(in[0], in[1], in[2])}; },
-      fused_options("dit_modulate"));
-  return f({x, shift, scale})[0];
-}
-
-// x + gate * y, gate: [B, D] over tokens.
-Tensor fused_gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
-  static const flame::CompiledFunction f = flame::compile(
-      [](const flame::TensorList& in) -> flame::TensorList { return {in[0] + in[1].unsqueeze(1) * in[2]}; },
-      fused_options("dit_gated_residual"));
-  return f({x, gate, y})[0];
-}
-
-Tensor norm_no_affine(const Tensor& x, int64_t hidden) { return F::layer_norm(x, {hidden}, {}, {}, kNormEps); }
+// The adaLN pieces are F::layer_norm_modulate (LayerNorm without affine, eps 1e-6 as the
+// reference's, then x * (1 + scale) + shift) and F::gated_residual (x + gate * branch): one fused
+// kernel each on CUDA, forward and backward (flame/nn/adaln.h).
 
 void xavier_linear(nn::Linear& l, flame::Generator* gen) {
   Tensor w = l.weight();
@@ -127,7 +100,7 @@ Tensor DiTMlp::forward(const Tensor& x) {
   return fc2->forward(h);
 }
 
-DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) : hidden_(hidden) {
+DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) {
   attn = register_module("attn", std::make_shared<DiTAttention>(hidden, heads));
   mlp = register_module("mlp", std::make_shared<DiTMlp>(hidden, static_cast<int64_t>(hidden * mlp_ratio)));
   ada_linear = std::make_shared<nn::Linear>(hidden, 6 * hidden);
@@ -138,15 +111,11 @@ DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) : hidden_(hi
 Tensor DiTBlock::forward(const Tensor& x, const Tensor& c) {
   // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp (the reference's order)
   flame::TensorList m = ada_linear->forward(c.silu()).chunk(6, 1);
-  if (fused_elementwise) {
-    const Tensor h = fused_gated_residual(x, m[2], attn->forward(fused_modulate(norm_no_affine(x, hidden_), m[0], m[1])));
-    return fused_gated_residual(h, m[5], mlp->forward(fused_modulate(norm_no_affine(h, hidden_), m[3], m[4])));
-  }
-  Tensor h = x + m[2].unsqueeze(1) * attn->forward(modulate(norm_no_affine(x, hidden_), m[0], m[1]));
-  return h + m[5].unsqueeze(1) * mlp->forward(modulate(norm_no_affine(h, hidden_), m[3], m[4]));
+  const Tensor h = F::gated_residual(x, m[2], attn->forward(F::layer_norm_modulate(x, m[0], m[1], kNormEps)));
+  return F::gated_residual(h, m[5], mlp->forward(F::layer_norm_modulate(h, m[3], m[4], kNormEps)));
 }
 
-DiTFinalLayer::DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels) : hidden_(hidden) {
+DiTFinalLayer::DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels) {
   linear = register_module("linear", std::make_shared<nn::Linear>(hidden, patch_size * patch_size * out_channels));
   ada_linear = std::make_shared<nn::Linear>(hidden, 2 * hidden);
   register_module("adaLN_modulation", std::make_shared<nn::Sequential>(
@@ -155,8 +124,7 @@ DiTFinalLayer::DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_cha
 
 Tensor DiTFinalLayer::forward(const Tensor& x, const Tensor& c) {
   flame::TensorList m = ada_linear->forward(c.silu()).chunk(2, 1);  // shift, scale
-  const Tensor n = norm_no_affine(x, hidden_);
-  return linear->forward(fused_elementwise ? fused_modulate(n, m[0], m[1]) : modulate(n, m[0], m[1]));
+  return linear->forward(F::layer_norm_modulate(x, m[0], m[1], kNormEps));
 }
 
 DiT::DiT(const DiTConfig& config, uint64_t seed) : config_(config) {
@@ -222,11 +190,6 @@ Tensor DiT::forward(const Tensor& x, const Tensor& t, const Tensor& y) {
   Tensor c = t_embedder->forward(t.to(DType::f32) * config_.time_scale) + y_embedder->forward(y);
   for (auto& blk : blocks) h = blk->forward(h, c);
   return unpatchify(final_layer->forward(h, c));
-}
-
-void DiT::set_fused_elementwise(bool on) {
-  for (auto& b : blocks) b->fused_elementwise = on;
-  final_layer->fused_elementwise = on;
 }
 
 }  // namespace flame_diffusion

@@ -72,10 +72,6 @@ class DiTBlock : public flame::nn::Module {
   std::shared_ptr<DiTAttention> attn;
   std::shared_ptr<DiTMlp> mlp;
   std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 6 hidden
-  bool fused_elementwise = false;  // DiT::set_fused_elementwise
-
- private:
-  int64_t hidden_;
 };
 
 class DiTFinalLayer : public flame::nn::Module {
@@ -85,10 +81,6 @@ class DiTFinalLayer : public flame::nn::Module {
   Tensor forward(const Tensor& x, const Tensor& c);  // [B, T, p*p*out]
   std::shared_ptr<flame::nn::Linear> linear;
   std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 2 hidden
-  bool fused_elementwise = false;  // DiT::set_fused_elementwise
-
- private:
-  int64_t hidden_;
 };
 
 class DiT : public DiffusionModel {
@@ -109,11 +101,6 @@ class DiT : public DiffusionModel {
   // [B, T, p*p*C] -> [B, C, H, W] (token (i, j) holds the p x p patch at rows i*p.., cols j*p..,
   // channel fastest, as the reference's einsum "nhwpqc->nchpwq").
   Tensor unpatchify(const Tensor& tokens) const;
-
-  // Runs the blocks' elementwise chains (modulate, gated residuals) as flame::compile'd kernels:
-  // one generated kernel each, forward and backward (docs/compile.md). Same results within
-  // rounding; off by default.
-  void set_fused_elementwise(bool on);
 
   std::shared_ptr<PatchEmbed> x_embedder;
   Tensor pos_embed;                           // [1, T, hidden], learned

@@ -287,10 +287,6 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     std::fprintf(stderr, "--compile: not under flame-run with %d ranks yet; this run steps eagerly\n", dist_world());
     compile = false;
   }
-  // It also fuses the DiT blocks' elementwise chains (modulate, gated residuals: flame::compile,
-  // docs/compile.md); a chain the tracer cannot take runs eagerly, saying why once.
-  if (compile)
-    if (auto* dit = dynamic_cast<DiT*>(r.model.get())) dit->set_fused_elementwise(true);
   optim::AdamW opt(r.trainable, {.lr = c.lr, .weight_decay = c.weight_decay, .capturable = compile});
   optim::SchedulerPtr sched;
   if (c.schedule == "cosine") {

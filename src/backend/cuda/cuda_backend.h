@@ -150,6 +150,14 @@ class CudaBackend final : public Backend {
   bool linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
                           const Tensor& pre) override;
   bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) override;
+  // ---- adaln ---- (adaln/adaln.cu)
+  bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
+                     const Tensor& scale, double eps) override;
+  bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy, const Tensor& x,
+                      const Tensor& mean, const Tensor& rstd, const Tensor& scale) override;
+  bool gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) override;
+  bool gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
+                               const Tensor& gate) override;
   // ---- graph ---- (optim/multi_tensor.cu, graph/foreach_norm.cu)
   void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
                          bool warmup) override;

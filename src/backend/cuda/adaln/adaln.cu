@@ -1,0 +1,480 @@
+// CUDA kernels of the fused adaLN ops (Note [adaLN ops] in src/ops/adaln.cpp): layer_norm +
+// modulate and the gated residual of DiT-style blocks, forward and backward.
+//
+// Note [adaLN kernels]
+// Rows of D elements (D % 4 == 0, D <= 1536) in vectors of 4; row r belongs to batch r / T, whose
+// [D] modulation row (shift, scale, gate) every row of the batch reads (from L1/L2).
+//  - forward: a warp per row, the row held in registers (kC chunks of 128 columns per warp), mean
+//    and the centred variance from the registers (two exact passes, one read), one write of y in
+//    its own dtype (bf16 under autocast: the consumer is a linear layer), mean/rstd per row.
+//  - backward: a block per (batch, slice of its rows). A lane owns the same columns in every row
+//    its warp visits and adds dy and dy * x-hat for them into its warp's shared-memory row (no
+//    atomics, no barrier: the columns are the lane's own); after one barrier the block sums its
+//    warps per column and writes the batch's dshift/dscale itself when it covers all T rows, or a
+//    partial row that a second kernel sums over the slices otherwise (deterministic either way).
+//    dx needs the two row sums of g = dy * (1 + scale) and g * x-hat: one warp reduction each.
+//  - gated residual: out = x + gate * y elementwise in vectors of 4; its backward has the layout
+//    of the adaLN backward with one accumulator (dgate = sum over T of dout * y) and writes
+//    dy = dout * gate.
+// Dtypes (x, modulation, y): (f32, bf16|f16|f32, same as the modulation) and (bf16|f16, same,
+// same); anything else, misaligned pointers or longer rows decline (the op composes).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/device_utils.cuh"
+#include "src/backend/cuda/launch_geometry.cuh"
+
+namespace flame::backend::cuda {
+namespace {
+
+constexpr int kFwdWarps = 8;
+constexpr int kBwdWarps = 4;
+constexpr int kMaxCols = 1536;  // 12 chunks of 128 columns per warp
+// The backward's shared memory, kBwdWarps * 2 * kMaxCols floats, stays within the default 48 KiB.
+static_assert(kBwdWarps * 2 * kMaxCols * sizeof(float) <= 48 * 1024);
+
+// 4 consecutive elements <-> 4 floats (16-byte f32 or 8-byte half vectors).
+template <class T>
+__device__ __forceinline__ void ld4(const T* p, float (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4 r = __ldg(reinterpret_cast<const float4*>(p));
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+  } else {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    T e[4];
+    memcpy(e, &r, sizeof(r));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = load_as<float>(e[j]);
+  }
+}
+template <class T>
+__device__ __forceinline__ void st4(T* p, const float (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    T e[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) e[j] = store_as<T>(v[j]);
+    uint2 r;
+    memcpy(&r, e, sizeof(r));
+    *reinterpret_cast<uint2*>(p) = r;
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+// ---- layer_norm + modulate ----
+template <class X, class M, class O, int kC>
+__global__ void __launch_bounds__(kFwdWarps * 32)
+    adaln_forward_kernel(const X* __restrict__ x, const M* __restrict__ shift, const M* __restrict__ scale,
+                         int64_t ld, O* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
+                         int64_t rows, int64_t T, int D, float eps) {
+  const int lane = threadIdx.x & 31;
+  const float inv_d = 1.f / static_cast<float>(D);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + (threadIdx.x >> 5); row < rows;
+       row += static_cast<int64_t>(gridDim.x) * kFwdWarps) {
+    const X* xr = x + row * D;
+    float v[kC][4];
+    float s = 0.f;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int e = (c * 32 + lane) * 4;
+      if (e < D) {
+        ld4(xr + e, v[c]);
+        s += (v[c][0] + v[c][1]) + (v[c][2] + v[c][3]);
+      }
+    }
+    const float m = warp_sum(s) * inv_d;
+    float q = 0.f;
+#pragma unroll
+    for (int c = 0; c < kC; ++c)
+      if ((c * 32 + lane) * 4 < D)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float d = v[c][j] - m;
+          q += d * d;
+        }
+    const float rs = 1.f / sqrtf(warp_sum(q) * inv_d + eps);
+    const int64_t b = row / T;
+    const M* sh = shift + b * ld;
+    const M* sc = scale + b * ld;
+    O* yr = y + row * D;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int e = (c * 32 + lane) * 4;
+      if (e < D) {
+        float a[4], o[4], t[4];
+        ld4(sc + e, a);
+        ld4(sh + e, t);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) o[j] = (v[c][j] - m) * rs * (1.f + a[j]) + t[j];
+        st4(yr + e, o);
+      }
+    }
+    if (lane == 0) {
+      mean[row] = m;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// Per-slice column sums -> [B, D] in the modulation's dtype: part is [B, S, K, D], out_k [B, D].
+template <class M, int K>
+__global__ void slice_sum_kernel(const float* __restrict__ part, M* __restrict__ out0, M* __restrict__ out1,
+                                 int64_t B, int S, int D) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= B * D) return;
+  const int64_t b = i / D;
+  const int d = static_cast<int>(i % D);
+  float acc[K] = {};
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] += part[((b * S + s) * K + k) * D + d];
+  if (out0) out0[i] = store_as<M>(acc[0]);
+  if constexpr (K > 1) {
+    if (out1) out1[i] = store_as<M>(acc[1]);
+  }
+}
+
+template <class X, class M, class O, int kC>
+__global__ void __launch_bounds__(kBwdWarps * 32)
+    adaln_backward_kernel(const O* __restrict__ dy, const X* __restrict__ x, const float* __restrict__ mean,
+                          const float* __restrict__ rstd, const M* __restrict__ scale, int64_t ld, X* __restrict__ dx,
+                          float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale, int64_t T, int D,
+                          int64_t rows_per_slice) {
+  extern __shared__ float acc[];  // [kBwdWarps][2][D]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t b = blockIdx.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * rows_per_slice;
+  const int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
+  float* mine = acc + static_cast<int64_t>(warp) * 2 * D;
+  const M* sc = scale + b * ld;
+  float a1[kC][4];  // 1 + scale of this lane's columns
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int e = (c * 32 + lane) * 4;
+    if (e < D) {
+      ld4(sc + e, a1[c]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        a1[c][j] += 1.f;
+        mine[e + j] = 0.f;
+        mine[D + e + j] = 0.f;
+      }
+    }
+  }
+  const float inv_d = 1.f / static_cast<float>(D);
+  for (int64_t t = t0 + warp; t < t1; t += kBwdWarps) {
+    const int64_t row = b * T + t;
+    const float m = mean[row], rs = rstd[row];
+    float xh[kC][4], g[kC][4];
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int e = (c * 32 + lane) * 4;
+      if (e < D) {
+        float xv[4], dv[4];
+        ld4(x + row * D + e, xv);
+        ld4(dy + row * D + e, dv);
+        float4 ash = *reinterpret_cast<float4*>(mine + e);
+        float4 asc = *reinterpret_cast<float4*>(mine + D + e);
+        float* pash = &ash.x;
+        float* pasc = &asc.x;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          xh[c][j] = (xv[j] - m) * rs;
+          g[c][j] = dv[j] * a1[c][j];
+          s1 += g[c][j];
+          s2 += g[c][j] * xh[c][j];
+          pash[j] += dv[j];
+          pasc[j] += dv[j] * xh[c][j];
+        }
+        *reinterpret_cast<float4*>(mine + e) = ash;
+        *reinterpret_cast<float4*>(mine + D + e) = asc;
+      }
+    }
+    if (dx) {
+      const float mg = warp_sum(s1) * inv_d, mgx = warp_sum(s2) * inv_d;
+#pragma unroll
+      for (int c = 0; c < kC; ++c) {
+        const int e = (c * 32 + lane) * 4;
+        if (e < D) {
+          float o[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) o[j] = rs * (g[c][j] - mg - xh[c][j] * mgx);
+          st4(dx + row * D + e, o);
+        }
+      }
+    }
+  }
+  __syncthreads();
+  const bool whole = gridDim.y == 1;
+  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * 2 * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float ssh = 0.f, ssc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kBwdWarps; ++w) {
+      ssh += acc[w * 2 * D + d];
+      ssc += acc[w * 2 * D + D + d];
+    }
+    if (!whole) {
+      pp[d] = ssh;
+      pp[D + d] = ssc;
+    } else {
+      if (dshift) dshift[b * D + d] = store_as<M>(ssh);
+      if (dscale) dscale[b * D + d] = store_as<M>(ssc);
+    }
+  }
+}
+
+// ---- gated residual ----
+template <class X, class M>
+__global__ void gated_residual_forward_kernel(const X* __restrict__ x, const M* __restrict__ gate, int64_t ld,
+                                              const M* __restrict__ y, X* __restrict__ out, int64_t n4, int64_t T,
+                                              int D) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e = i * 4, row = e / D;
+    const int col = static_cast<int>(e - row * D);
+    float xv[4], gv[4], yv[4], o[4];
+    ld4(x + e, xv);
+    ld4(gate + (row / T) * ld + col, gv);
+    ld4(y + e, yv);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) o[j] = xv[j] + gv[j] * yv[j];
+    st4(out + e, o);
+  }
+}
+
+template <class X, class M, int kC>
+__global__ void __launch_bounds__(kBwdWarps * 32)
+    gated_residual_backward_kernel(const X* __restrict__ dout, const M* __restrict__ y, const M* __restrict__ gate,
+                                   int64_t ld, M* __restrict__ dy, float* __restrict__ part, M* __restrict__ dgate,
+                                   int64_t T, int D, int64_t rows_per_slice) {
+  extern __shared__ float acc[];  // [kBwdWarps][D]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t b = blockIdx.x;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.y) * rows_per_slice;
+  const int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
+  float* mine = acc + static_cast<int64_t>(warp) * D;
+  const M* gr = gate + b * ld;
+  float gv[kC][4];
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int e = (c * 32 + lane) * 4;
+    if (e < D) {
+      ld4(gr + e, gv[c]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mine[e + j] = 0.f;
+    }
+  }
+  for (int64_t t = t0 + warp; t < t1; t += kBwdWarps) {
+    const int64_t off = (b * T + t) * D;
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      const int e = (c * 32 + lane) * 4;
+      if (e < D) {
+        float dv[4], yv[4], o[4];
+        ld4(dout + off + e, dv);
+        ld4(y + off + e, yv);
+        float4 a = *reinterpret_cast<float4*>(mine + e);
+        float* pa = &a.x;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pa[j] += dv[j] * yv[j];
+          o[j] = dv[j] * gv[c][j];
+        }
+        *reinterpret_cast<float4*>(mine + e) = a;
+        if (dy) st4(dy + off + e, o);
+      }
+    }
+  }
+  __syncthreads();
+  const bool whole = gridDim.y == 1;
+  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kBwdWarps; ++w) s += acc[w * D + d];
+    if (whole) dgate[b * D + d] = store_as<M>(s);
+    else pp[d] = s;
+  }
+}
+
+// ---- launch helpers ----
+
+bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// [B, D] with unit column stride, a row stride that keeps every row 4-element aligned.
+bool mod_ok(const Tensor& m, int64_t B, int64_t D) {
+  return m.defined() && m.dim() == 2 && m.size(0) == B && m.size(1) == D && m.stride(1) == 1 &&
+         (B == 1 || m.stride(0) % 4 == 0) && aligned(m.data_ptr(), 4 * dtype_size(m.dtype()));
+}
+bool rows_ok(const Tensor& t, int64_t D) {
+  return t.defined() && t.is_contiguous() && t.dim() == 3 && t.size(2) == D &&
+         aligned(t.data_ptr(), 4 * dtype_size(t.dtype()));
+}
+// The shape family every kernel here handles.
+bool geometry_ok(const Tensor& x) {
+  if (x.dim() != 3 || x.numel() == 0) return false;
+  const int64_t D = x.size(2);
+  return D % 4 == 0 && D <= kMaxCols && x.size(1) < (int64_t{1} << 31);
+}
+
+// Calls f.template operator()<X, M>() for the supported (x, modulation) dtype pairs.
+template <class F>
+bool dispatch_pair(DType xd, DType md, F&& f) {
+  if (xd == DType::f32) {
+    switch (md) {
+      case DType::f32: f.template operator()<float, float>(); return true;
+      case DType::bf16: f.template operator()<float, bfloat16>(); return true;
+      case DType::f16: f.template operator()<float, float16>(); return true;
+      default: return false;
+    }
+  }
+  if (xd != md) return false;
+  if (xd == DType::bf16) {
+    f.template operator()<bfloat16, bfloat16>();
+    return true;
+  }
+  if (xd == DType::f16) {
+    f.template operator()<float16, float16>();
+    return true;
+  }
+  return false;
+}
+
+// Slices of T per batch so that about four blocks per SM run; rows per slice.
+int64_t rows_per_slice(int device, int64_t B, int64_t T) {
+  const int64_t want = 4 * static_cast<int64_t>(sm_count(device));
+  int64_t slices = std::max<int64_t>(1, (want + B - 1) / B);
+  slices = std::min<int64_t>(slices, (T + kBwdWarps - 1) / kBwdWarps);
+  slices = std::max<int64_t>(slices, 1);
+  return (T + slices - 1) / slices;
+}
+
+}  // namespace
+
+bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                                const Tensor& shift, const Tensor& scale, double eps) {
+  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2))) return false;
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), rows = B * T;
+  if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || shift.dtype() != scale.dtype() ||
+      shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
+    return false;
+  if (!mean.is_contiguous() || !rstd.is_contiguous() || mean.dtype() != DType::f32 || rstd.dtype() != DType::f32)
+    return false;
+  DeviceGuard guard(device());
+  cudaStream_t st = stream();
+  const int64_t ld = scale.stride(0);
+  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
+    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
+    auto go = [&](auto kernel) {
+      kernel<<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
+          static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
+          static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
+          static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
+          static_cast<float>(eps));
+      FLAME_CUDA_CHECK_LAUNCH();
+    };
+    if (D <= 512) go(&adaln_forward_kernel<X, M, O, 4>);
+    else go(&adaln_forward_kernel<X, M, O, 12>);
+  });
+}
+
+bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
+                                 const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale) {
+  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(dy, x.size(2))) return false;
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  if (!mod_ok(scale, B, D) || dy.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype())) return false;
+  if (dx.defined() && (!rows_ok(dx, D) || dx.dtype() != x.dtype())) return false;
+  for (const Tensor* t : {&dshift, &dscale})
+    if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
+  DeviceGuard guard(device());
+  cudaStream_t st = stream();
+  const int64_t per = rows_per_slice(device(), B, T);
+  const int slices = static_cast<int>((T + per - 1) / per);
+  const std::size_t smem = static_cast<std::size_t>(kBwdWarps) * 2 * D * sizeof(float);
+  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
+  if (slices > 1) part = allocate(static_cast<std::size_t>(B) * slices * 2 * D * sizeof(float));
+  const int64_t ld = scale.stride(0);
+  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
+    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
+    M* dsh = dshift.defined() ? static_cast<M*>(dshift.data_ptr()) : nullptr;
+    M* dsc = dscale.defined() ? static_cast<M*>(dscale.data_ptr()) : nullptr;
+    auto go = [&](auto kernel) {
+      kernel<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(slices)), kBwdWarps * 32, smem, st>>>(
+          static_cast<const O*>(dy.data_ptr()), static_cast<const X*>(x.data_ptr()),
+          static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
+          static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
+          static_cast<float*>(part.get()), dsh, dsc, T, static_cast<int>(D), per);
+      FLAME_CUDA_CHECK_LAUNCH();
+    };
+    if (D <= 512) go(&adaln_backward_kernel<X, M, O, 4>);
+    else go(&adaln_backward_kernel<X, M, O, 12>);
+    if (slices > 1) {
+      slice_sum_kernel<M, 2><<<grid_for(B * D, 256), 256, 0, st>>>(static_cast<const float*>(part.get()), dsh, dsc, B,
+                                                                     slices, static_cast<int>(D));
+      FLAME_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+bool CudaBackend::gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) {
+  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2)) || !rows_ok(out, x.size(2))) return false;
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  if (!mod_ok(gate, B, D) || y.dtype() != gate.dtype() || out.dtype() != x.dtype()) return false;
+  DeviceGuard guard(device());
+  cudaStream_t st = stream();
+  const int64_t n4 = x.numel() / 4;
+  return dispatch_pair(x.dtype(), gate.dtype(), [&]<class X, class M>() {
+    gated_residual_forward_kernel<X, M><<<grid_for(n4, 256), 256, 0, st>>>(
+        static_cast<const X*>(x.data_ptr()), static_cast<const M*>(gate.data_ptr()), gate.stride(0),
+        static_cast<const M*>(y.data_ptr()), static_cast<X*>(out.data_ptr()), n4, T, static_cast<int>(D));
+    FLAME_CUDA_CHECK_LAUNCH();
+  });
+}
+
+bool CudaBackend::gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
+                                          const Tensor& gate) {
+  if (!geometry_ok(dout) || !rows_ok(dout, dout.size(2)) || !rows_ok(y, dout.size(2))) return false;
+  const int64_t B = dout.size(0), T = dout.size(1), D = dout.size(2);
+  if (!mod_ok(gate, B, D) || y.dtype() != gate.dtype()) return false;
+  if (dy.defined() && (!rows_ok(dy, D) || dy.dtype() != y.dtype())) return false;
+  if (!dgate.defined() || !dgate.is_contiguous() || dgate.dtype() != gate.dtype() || dgate.numel() != B * D)
+    return false;
+  DeviceGuard guard(device());
+  cudaStream_t st = stream();
+  const int64_t per = rows_per_slice(device(), B, T);
+  const int slices = static_cast<int>((T + per - 1) / per);
+  const std::size_t smem = static_cast<std::size_t>(kBwdWarps) * D * sizeof(float);
+  std::shared_ptr<void> part;
+  if (slices > 1) part = allocate(static_cast<std::size_t>(B) * slices * D * sizeof(float));
+  return dispatch_pair(dout.dtype(), gate.dtype(), [&]<class X, class M>() {
+    M* dg = static_cast<M*>(dgate.data_ptr());
+    auto go = [&](auto kernel) {
+      kernel<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(slices)), kBwdWarps * 32, smem, st>>>(
+          static_cast<const X*>(dout.data_ptr()), static_cast<const M*>(y.data_ptr()),
+          static_cast<const M*>(gate.data_ptr()), gate.stride(0), dy.defined() ? static_cast<M*>(dy.data_ptr()) : nullptr,
+          static_cast<float*>(part.get()), dg, T, static_cast<int>(D), per);
+      FLAME_CUDA_CHECK_LAUNCH();
+    };
+    if (D <= 512) go(&gated_residual_backward_kernel<X, M, 4>);
+    else go(&gated_residual_backward_kernel<X, M, 12>);
+    if (slices > 1) {
+      slice_sum_kernel<M, 1><<<grid_for(B * D, 256), 256, 0, st>>>(static_cast<const float*>(part.get()), dg, nullptr,
+                                                                     B, slices, static_cast<int>(D));
+      FLAME_CUDA_CHECK_LAUNCH();
+    }
+  });
+}
+
+}  // namespace flame::backend::cuda

@@ -1,0 +1,195 @@
+// The fused adaLN ops of flame/nn/adaln.h: layer_norm_modulate and gated_residual.
+//
+// Note [adaLN ops]
+// A DiT block modulates its normalised input per sample, y = LN(x) * (1 + scale) + shift, and adds
+// each branch back through a per-sample gate, x + gate * branch (shift, scale, gate: [B, D] chunks
+// of one projection of the conditioning). As ordinary ops that is a norm, a broadcast multiply, a
+// broadcast add and (under autocast) a cast forward; backward the same in reverse plus a column
+// reduction over the tokens for each modulation tensor, every one a pass over [B, T, D].
+//  - Who decides: the backend (Backend::adaln_forward and friends, backend.h) answers false,
+//    writing nothing, when it has no kernel for the call; the op then runs the composite below.
+//    The CPU backend always declines, so the composite is the reference the CUDA kernels are tested
+//    against and f64 gradchecks run through it.
+//  - Fused, each op is one node: layer_norm_modulate saves x, its per-row mean/rstd and scale (not
+//    the output); gated_residual saves gate and y. Their backward is one kernel each that also
+//    sums the modulation gradients over the tokens (Note [adaLN kernels] in
+//    src/backend/cuda/adaln/adaln.cu).
+//  - Autocast: layer_norm_modulate normalises in f32 (as layer_norm) and returns the autocast dtype,
+//    fused or composed, so both paths give the same dtype; gated_residual has no policy (the
+//    promotion of its inputs, as the composite's add and multiply).
+#include "flame/nn/adaln.h"
+
+#include <cmath>
+
+#include "flame/autograd.h"
+#include "flame/nn/norm.h"
+#include "flame/ops.h"
+#include "src/amp/autocast.h"
+#include "src/autograd/record.h"
+#include "src/backend/backend.h"
+#include "src/compile/trace_hooks.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame::nn::functional {
+namespace {
+
+// [B, D] -> [B, 1, ..., 1, D] broadcasting against x [B, ..., D].
+Tensor per_sample(const Tensor& m, const Tensor& x) {
+  Shape s(static_cast<std::size_t>(x.dim()), 1);
+  s.front() = m.size(0);
+  s.back() = m.size(1);
+  return m.reshape(s);
+}
+
+void check_modulation(const char* op, const char* what, const Tensor& m, const Tensor& x) {
+  FLAME_CHECK(m.defined(), op, what, " is undefined");
+  FLAME_CHECK(is_floating(m.dtype()), op, what, " must be floating, got ", dtype_name(m.dtype()));
+  FLAME_CHECK(m.dim() == 2 && m.size(0) == x.size(0) && m.size(1) == x.size(-1), op, what, " must have shape [",
+              x.size(0), ", ", x.size(-1), "] (batch, features of the input shape ", x.sizes(), "), got ",
+              m.sizes());
+  FLAME_CHECK(m.device() == x.device(), op, what, " is on ", m.device().str(), " but the input is on ",
+              x.device().str());
+}
+
+void check_rows_input(const char* op, const Tensor& x) {
+  FLAME_CHECK(x.defined(), op, "got an undefined input");
+  FLAME_CHECK(is_floating(x.dtype()), op, "expected a floating input, got ", dtype_name(x.dtype()), " (shape ",
+              x.sizes(), ")");
+  FLAME_CHECK(x.dim() >= 2, op, "expected an input of at least 2 dims [B, ..., D], got shape ", x.sizes());
+}
+
+// [B, T, D] of an input [B, ..., D].
+Shape btd(const Tensor& x) {
+  const int64_t b = x.size(0), d = x.size(-1);
+  return {b, (b == 0 || d == 0) ? 0 : x.numel() / (b * d), d};
+}
+
+// Saved: x as [B, T, D], mean, rstd, scale; args.op: the result dtype, args.shape: x's shape.
+TensorList adaln_rule(const Tensor& grad, const Node& n) {
+  const auto& e = n.edges();
+  const Tensor x3 = n.saved(0), mean = n.saved(1), rstd = n.saved(2), scale = n.saved(3);
+  const Device dev = x3.device();
+  const Shape& xs = n.args().shape;
+  Tensor dx = e[0].meta ? make_empty(xs, x3.dtype(), dev) : Tensor();
+  Tensor dshift = e[1].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
+  Tensor dscale = e[2].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
+  const Tensor dy = grad.to(static_cast<DType>(n.args().op)).contiguous().view(x3.sizes());
+  const bool ok = backend::backend_for(dev).adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale,
+                                                           dy, x3, mean, rstd, scale);
+  FLAME_CHECK(ok, "layer_norm_modulate", "the backend ran the forward but declined its backward (x ", xs, " ",
+              dtype_name(x3.dtype()), ", scale ", dtype_name(scale.dtype()), ")");
+  return {dx, dshift, dscale};
+}
+
+// Saved: gate, y as [B, T, D]; args.op: the result dtype (x's); args.shape: x's shape.
+TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
+  const auto& e = n.edges();
+  const Tensor gate = n.saved(0), y3 = n.saved(1);
+  const Shape& xs = n.args().shape;
+  const Tensor dout = grad.to(static_cast<DType>(n.args().op)).contiguous();
+  Tensor dy = e[2].meta ? make_empty(xs, y3.dtype(), y3.device()) : Tensor();
+  Tensor dgate;
+  if (e[1].meta || e[2].meta) {
+    dgate = make_empty({gate.size(0), gate.size(1)}, gate.dtype(), gate.device());
+    const bool ok = backend::backend_for(y3.device())
+                        .gated_residual_backward(dy.defined() ? dy.view(y3.sizes()) : dy, dgate,
+                                                 dout.view(y3.sizes()), y3, gate);
+    FLAME_CHECK(ok, "gated_residual", "the backend ran the forward but declined its backward (y ", xs, " ",
+                dtype_name(y3.dtype()), ", gate ", dtype_name(gate.dtype()), ")");
+  }
+  return {e[0].meta ? dout : Tensor(), e[1].meta ? dgate : Tensor(), dy};
+}
+
+Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+  const int64_t d = x.size(-1);
+  if (x.numel() > 0 && !x.device().is_cpu()) {
+    Tensor y, x3, mean, rstd;
+    bool fused = false;
+    {
+      NoGradGuard no_grad;
+      x3 = x.contiguous().view(btd(x));
+      const int64_t rows = x3.size(0) * x3.size(1);
+      y = make_empty(x.sizes(), out, x.device(), "layer_norm_modulate");
+      mean = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
+      rstd = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
+      fused = backend::backend_for(x.device()).adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps);
+    }
+    if (fused) {
+      if (needs_grad({x, shift, scale})) {
+        RuleArgs args;
+        args.op = static_cast<int>(out);
+        args.shape = x.sizes();
+        Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
+        n.save(x3);
+        n.save(mean);
+        n.save(rstd);
+        n.save(scale);
+      }
+      return y;
+    }
+  }
+  Tensor y = layer_norm(x, {d}, {}, {}, eps) * (per_sample(scale, x) + 1.0) + per_sample(shift, x);
+  return y.dtype() == out ? y : y.to(out);
+}
+
+}  // namespace
+
+Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps) {
+  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
+    return compile_detail::trace_eager_op(*tr, "layer_norm_modulate", {x, shift, scale}, [eps](const TensorList& in) {
+      return layer_norm_modulate(in[0], in[1], in[2], eps);
+    });
+  }
+  const char* op = "layer_norm_modulate";
+  check_rows_input(op, x);
+  check_modulation(op, "shift", shift, x);
+  check_modulation(op, "scale", scale, x);
+  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
+  if (amp::detail::should_autocast(x)) {  // Note [adaLN ops]: f32 statistics, the autocast dtype out
+    const DType low = amp::detail::low_dtype(x);
+    amp::detail::AutocastOpScope scope;
+    return layer_norm_modulate_impl(amp::detail::cast_f32(x), shift, scale, eps, low);
+  }
+  return layer_norm_modulate_impl(x, shift, scale, eps,
+                                  promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype()));
+}
+
+Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
+  if (auto* tr = compile_detail::active_tracer()) {
+    return compile_detail::trace_eager_op(*tr, "gated_residual", {x, gate, y},
+                                          [](const TensorList& in) { return gated_residual(in[0], in[1], in[2]); });
+  }
+  const char* op = "gated_residual";
+  check_rows_input(op, x);
+  check_modulation(op, "gate", gate, x);
+  FLAME_CHECK(y.defined() && y.sizes() == x.sizes(), op, "y must have the input's shape ", x.sizes(), ", got ",
+              y.defined() ? y.sizes() : Shape{});
+  FLAME_CHECK(is_floating(y.dtype()) && y.device() == x.device(), op, "y must be floating and on ", x.device().str(),
+              ", got ", dtype_name(y.dtype()), " on ", y.device().str());
+  const DType out = promote_types(promote_types(x.dtype(), gate.dtype()), y.dtype());
+  if (x.numel() > 0 && !x.device().is_cpu() && out == x.dtype()) {
+    Tensor o, y3;
+    bool fused = false;
+    {
+      NoGradGuard no_grad;
+      const Shape s3 = btd(x);
+      y3 = y.contiguous().view(s3);
+      o = make_empty(x.sizes(), out, x.device(), op);
+      fused = backend::backend_for(x.device()).gated_residual_forward(o.view(s3), x.contiguous().view(s3), gate, y3);
+    }
+    if (fused) {
+      if (needs_grad({x, gate, y})) {
+        RuleArgs args;
+        args.op = static_cast<int>(out);
+        args.shape = x.sizes();
+        Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
+        n.save(gate);
+        n.save(y3);
+      }
+      return o;
+    }
+  }
+  return x + per_sample(gate, x) * y;
+}
+
+}  // namespace flame::nn::functional

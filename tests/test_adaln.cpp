@@ -1,0 +1,286 @@
+// The fused adaLN ops (Note [adaLN ops] in src/ops/adaln.cpp): F::layer_norm_modulate and
+// F::gated_residual.
+//  - AdalnOps.*: forward and every gradient on the device under test (FLAME_TEST_DEVICE) in
+//    f32 / bf16 / f16 and the autocast mix (f32 x, bf16 modulation) against a float64 CPU
+//    reference written here with plain ops (mean, square, sqrt: not the ops under test), from the
+//    same rounded inputs; shapes the CUDA kernels take (D % 4 == 0, D <= 1536; one block per batch
+//    and batches split in slices) and ones they decline (odd D, D > 1536); modulation given as
+//    strided chunks of one projection; 4-d inputs.
+//  - AdalnRule.*: which path ran (CUDA: one fused node each).
+//  - AdalnGradcheck.*: float64 finite differences on the CPU.
+//  - AdalnAutocast.*, AdalnErrors.*.
+#include <cmath>
+
+#include "flame/nn.h"
+#include "gradcheck.h"
+#include "test_util.h"
+
+namespace flame::test {
+namespace {
+
+namespace F = nn::functional;
+
+Tensor rnd(const Shape& s, uint64_t seed, double mean = 0.0, double stddev = 1.0) {
+  Generator g(seed);
+  return Tensor::randn(s, mean, stddev, DType::f64, &g);
+}
+
+// |got - want| <= tol * (|want| + max |want|), elementwise.
+::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& want, double tol) {
+  if (got.defined() != want.defined())
+    return ::testing::AssertionFailure() << (got.defined() ? "unexpected result" : "missing result");
+  if (!got.defined()) return ::testing::AssertionSuccess();
+  if (got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
+                                         << ::testing::PrintToString(want.sizes());
+  const std::vector<double> g = got.to(Device::cpu()).to(DType::f64).to_vec<double>();
+  const std::vector<double> w = want.to_vec<double>();
+  double scale = 0.0;
+  for (double v : w) scale = std::max(scale, std::fabs(v));
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    if (!(std::fabs(g[i] - w[i]) <= tol * (std::fabs(w[i]) + scale)))
+      return ::testing::AssertionFailure() << "element " << i << " of " << g.size() << ": got " << g[i] << ", want "
+                                           << w[i] << " (scale " << scale << ", tol " << tol << ")";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+double tol_for(DType dt) {
+  switch (dt) {
+    case DType::bf16: return 2e-2;
+    case DType::f16: return 4e-3;
+    case DType::f32: return 2e-5;
+    default: return 1e-10;
+  }
+}
+
+// [B, D] -> [B, 1, ..., D] against x.
+Tensor per_sample(const Tensor& m, const Tensor& x) {
+  Shape s(static_cast<std::size_t>(x.dim()), 1);
+  s.front() = m.size(0);
+  s.back() = m.size(1);
+  return m.reshape(s);
+}
+
+// The float64 reference: LayerNorm without affine from its definition, then the modulation.
+Tensor ref_ln_mod(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps) {
+  const Tensor mean = x.mean({-1}, /*keepdim=*/true);
+  const Tensor c = x - mean;
+  const Tensor var = c.square().mean({-1}, true);
+  return c / (var + eps).sqrt() * (per_sample(scale, x) + 1.0) + per_sample(shift, x);
+}
+
+struct Case {
+  Shape x;  // [B, ..., D]
+  const char* what;
+};
+
+// The modulation as the DiT makes it: chunks k of one [B, 3 * D] tensor (strided views).
+struct Mod {
+  Tensor leaf;  // [B, 3D], requires grad
+  Tensor chunk(int k, int64_t d) const { return leaf.narrow(1, k * d, d); }
+};
+
+// dtype of x / of the modulation.
+struct Dtypes {
+  DType x, m;
+};
+
+void check_ln_mod(const Case& c, Dtypes dt, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.what) + " x " + dtype_name(dt.x) + " mod " + dtype_name(dt.m));
+  const Device dev = test_device();
+  const int64_t b = c.x.front(), d = c.x.back();
+  const double eps = 1e-6;
+  // Rounded once to the test dtypes; the reference reads the same values in float64.
+  const Tensor x64 = rnd(c.x, seed, 0.5, 2.0).to(dt.x).to(DType::f64);
+  const Tensor m64 = rnd({b, 3 * d}, seed + 1, 0.0, 0.5).to(dt.m).to(DType::f64);
+  const DType out_dt = promote_types(dt.x, dt.m);
+  const Tensor gy64 = rnd(c.x, seed + 2).to(out_dt).to(DType::f64);
+
+  Tensor x = x64.to(dt.x).to(dev).requires_grad_(true);
+  Mod mod{m64.to(dt.m).to(dev).requires_grad_(true)};
+  Tensor y = F::layer_norm_modulate(x, mod.chunk(0, d), mod.chunk(1, d), eps);
+  ASSERT_EQ(y.dtype(), out_dt);
+  Gradients g = (y * gy64.to(out_dt).to(dev)).sum().backward();
+
+  Tensor rx = x64.clone().requires_grad_(true), rm = m64.clone().requires_grad_(true);
+  Tensor ry = ref_ln_mod(rx, rm.narrow(1, 0, d), rm.narrow(1, d, d), eps);
+  Gradients rg = (ry * gy64).sum().backward();
+
+  const double tol = tol_for(dt.x == DType::f32 ? dt.m : dt.x);
+  EXPECT_TRUE(close_scaled(y, ry.detach(), tol)) << "y";
+  EXPECT_TRUE(close_scaled(g.get(x), rg.get(rx), tol)) << "dx";
+  // The modulation gradients are sums over the tokens: held to the same scaled tolerance.
+  EXPECT_TRUE(close_scaled(g.get(mod.leaf), rg.get(rm), tol)) << "dshift/dscale";
+}
+
+const Case kLnCases[] = {
+    {{3, 7, 384}, "DiT-S rows"},
+    {{2, 300, 64}, "few batches, many rows (slices)"},
+    {{300, 3, 32}, "many batches, few rows"},
+    {{2, 5, 1152}, "DiT-XL width"},
+    {{2, 3, 4, 96}, "4-d input"},
+    {{2, 6, 30}, "D % 4 != 0 (composite)"},
+    {{2, 3, 1600}, "D > 1536 (composite)"},
+    {{4, 40}, "2-d input (one row per sample)"},
+};
+
+TEST(AdalnOps, LayerNormModulateF32) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 100;
+  for (const Case& c : kLnCases) check_ln_mod(c, {DType::f32, DType::f32}, seed += 10);
+}
+
+TEST(AdalnOps, LayerNormModulateHalf) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 200;
+  for (const Case& c : kLnCases) {
+    check_ln_mod(c, {DType::bf16, DType::bf16}, seed += 10);
+    check_ln_mod(c, {DType::f16, DType::f16}, seed += 10);
+  }
+}
+
+TEST(AdalnOps, LayerNormModulateMixed) {  // an f32 residual stream with a half modulation
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 300;
+  for (const Case& c : kLnCases) {
+    check_ln_mod(c, {DType::f32, DType::bf16}, seed += 10);
+    check_ln_mod(c, {DType::f32, DType::f16}, seed += 10);
+  }
+}
+
+void check_gated(const Case& c, Dtypes dt, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.what) + " x " + dtype_name(dt.x) + " gate/y " + dtype_name(dt.m));
+  const Device dev = test_device();
+  const int64_t b = c.x.front(), d = c.x.back();
+  const Tensor x64 = rnd(c.x, seed).to(dt.x).to(DType::f64);
+  const Tensor y64 = rnd(c.x, seed + 1).to(dt.m).to(DType::f64);
+  const Tensor m64 = rnd({b, 3 * d}, seed + 2).to(dt.m).to(DType::f64);
+  const DType out_dt = promote_types(dt.x, dt.m);
+  const Tensor go64 = rnd(c.x, seed + 3).to(out_dt).to(DType::f64);
+
+  Tensor x = x64.to(dt.x).to(dev).requires_grad_(true);
+  Tensor y = y64.to(dt.m).to(dev).requires_grad_(true);
+  Mod mod{m64.to(dt.m).to(dev).requires_grad_(true)};
+  Tensor o = F::gated_residual(x, mod.chunk(2, d), y);
+  ASSERT_EQ(o.dtype(), out_dt);
+  Gradients g = (o * go64.to(out_dt).to(dev)).sum().backward();
+
+  Tensor rx = x64.clone().requires_grad_(true), ry = y64.clone().requires_grad_(true),
+         rm = m64.clone().requires_grad_(true);
+  Tensor ro = rx + per_sample(rm.narrow(1, 2 * d, d), rx) * ry;
+  Gradients rg = (ro * go64).sum().backward();
+
+  // The composite rounds gate * y to the half dtype before the add; the kernel does not.
+  const double tol = tol_for(dt.m);
+  EXPECT_TRUE(close_scaled(o, ro.detach(), tol)) << "out";
+  EXPECT_TRUE(close_scaled(g.get(x), rg.get(rx), tol)) << "dx";
+  EXPECT_TRUE(close_scaled(g.get(y), rg.get(ry), tol)) << "dy";
+  EXPECT_TRUE(close_scaled(g.get(mod.leaf), rg.get(rm), tol)) << "dgate";
+}
+
+TEST(AdalnOps, GatedResidual) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 400;
+  for (const Case& c : kLnCases) {
+    check_gated(c, {DType::f32, DType::f32}, seed += 10);
+    check_gated(c, {DType::f32, DType::bf16}, seed += 10);
+    check_gated(c, {DType::bf16, DType::bf16}, seed += 10);
+    check_gated(c, {DType::f16, DType::f16}, seed += 10);
+  }
+}
+
+// Only some inputs need a gradient: the others get none, the rest are still right.
+TEST(AdalnOps, PartialGradients) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x64 = rnd({2, 9, 64}, 501), m64 = rnd({2, 128}, 502, 0.0, 0.5), y64 = rnd({2, 9, 64}, 503);
+  Tensor x = x64.to(DType::f32).to(dev).requires_grad_(true);
+  const Tensor shift = m64.narrow(1, 0, 64).to(DType::f32).to(dev);
+  Tensor scale = m64.narrow(1, 64, 64).to(DType::f32).to(dev).requires_grad_(true);
+  Gradients g = F::layer_norm_modulate(x, shift, scale, 1e-5).square().sum().backward();
+  Tensor rx = x64.clone().requires_grad_(true), rs = m64.narrow(1, 64, 64).clone().requires_grad_(true);
+  Gradients rg = ref_ln_mod(rx, m64.narrow(1, 0, 64), rs, 1e-5).square().sum().backward();
+  EXPECT_TRUE(close_scaled(g.get(x), rg.get(rx), 1e-4));
+  EXPECT_TRUE(close_scaled(g.get(scale), rg.get(rs), 1e-4));
+
+  // gated_residual with only y requiring grad; and with only x.
+  const Tensor gate = m64.narrow(1, 0, 64).to(DType::f32).to(dev);
+  Tensor y = y64.to(DType::f32).to(dev).requires_grad_(true);
+  Gradients gy = F::gated_residual(x64.to(DType::f32).to(dev), gate, y).sum().backward();
+  EXPECT_TRUE(close_scaled(gy.get(y), per_sample(m64.narrow(1, 0, 64), y64).expand({2, 9, 64}).contiguous(), 1e-6));
+  Gradients gx = F::gated_residual(x, gate, y64.to(DType::f32).to(dev)).sum().backward();
+  EXPECT_TRUE(close_scaled(gx.get(x), Tensor::ones({2, 9, 64}, DType::f64), 0.0));
+}
+
+TEST(AdalnRule, OneFusedNodeOnCuda) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Tensor x = rnd({2, 5, 64}, 601).to(DType::f32).to(dev).requires_grad_(true);
+  Tensor m = rnd({2, 128}, 602).to(DType::bf16).to(dev).requires_grad_(true);
+  Tensor y = rnd({2, 5, 64}, 603).to(DType::bf16).to(dev).requires_grad_(true);
+  const std::string ln = F::layer_norm_modulate(x, m.narrow(1, 0, 64), m.narrow(1, 64, 64)).grad_fn_name();
+  const std::string gr = F::gated_residual(x, m.narrow(1, 0, 64), y).grad_fn_name();
+  if (dev.is_cuda()) {
+    EXPECT_EQ(ln, "LayerNormModulateBackward");
+    EXPECT_EQ(gr, "GatedResidualBackward");
+  } else {  // the CPU composes: the last op is the add of the shift / the residual
+    EXPECT_EQ(ln, "AddBackward");
+    EXPECT_EQ(gr, "AddBackward");
+  }
+}
+
+TEST(AdalnGradcheck, F64) {
+  const GradcheckResult a = gradcheck(
+      [](const TensorList& t) { return F::layer_norm_modulate(t[0], t[1], t[2], 1e-5); },
+      {rnd({2, 3, 5}, 701), rnd({2, 5}, 702, 0.0, 0.5), rnd({2, 5}, 703, 0.0, 0.5)});
+  EXPECT_TRUE(a.ok) << a.message;
+  const GradcheckResult b = gradcheck([](const TensorList& t) { return F::gated_residual(t[0], t[1], t[2]); },
+                                      {rnd({2, 3, 5}, 711), rnd({2, 5}, 712), rnd({2, 3, 5}, 713)});
+  EXPECT_TRUE(b.ok) << b.message;
+}
+
+// Under autocast the normalisation runs in f32 and the result has the autocast dtype, on every
+// device; gated_residual keeps the promotion (an f32 residual stream stays f32).
+TEST(AdalnAutocast, DtypesAndGradients) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x64 = rnd({2, 7, 64}, 801, 1.0, 3.0);
+  const Tensor m64 = rnd({2, 128}, 802, 0.0, 0.5).to(DType::bf16).to(DType::f64);
+  const Tensor gy64 = rnd({2, 7, 64}, 803).to(DType::bf16).to(DType::f64);
+  Tensor x = x64.to(DType::f32).to(dev).requires_grad_(true);
+  Tensor m = m64.to(DType::bf16).to(dev).requires_grad_(true);
+  Tensor y;
+  {
+    amp::AutocastGuard autocast(DType::bf16, dev.type);
+    y = F::layer_norm_modulate(x, m.narrow(1, 0, 64), m.narrow(1, 64, 64), 1e-6);
+    EXPECT_EQ(F::gated_residual(x, m.narrow(1, 0, 64), y).dtype(), DType::f32);
+  }
+  EXPECT_EQ(y.dtype(), DType::bf16);
+  Gradients g = (y * gy64.to(DType::bf16).to(dev)).sum().backward();
+  Tensor rx = x64.clone().requires_grad_(true), rm = m64.clone().requires_grad_(true);
+  Tensor ry = ref_ln_mod(rx, rm.narrow(1, 0, 64), rm.narrow(1, 64, 64), 1e-6);
+  Gradients rg = (ry * gy64).sum().backward();
+  EXPECT_TRUE(close_scaled(y, ry.detach(), tol_for(DType::bf16)));
+  EXPECT_EQ(g.get(x).dtype(), DType::f32);
+  EXPECT_TRUE(close_scaled(g.get(x), rg.get(rx), tol_for(DType::bf16)));
+  EXPECT_TRUE(close_scaled(g.get(m), rg.get(rm), tol_for(DType::bf16)));
+}
+
+TEST(AdalnErrors, NameTheOpAndShapes) {
+  const Tensor x = Tensor::ones({2, 3, 8});
+  expect_error([&] { F::layer_norm_modulate(x, Tensor::ones({2, 4}), Tensor::ones({2, 8})); },
+               {"layer_norm_modulate", "shift", "[2, 8]", "[2, 4]"});
+  expect_error([&] { F::layer_norm_modulate(x, Tensor::ones({2, 8}), Tensor::ones({3, 8})); },
+               {"layer_norm_modulate", "scale", "[3, 8]"});
+  expect_error([&] { F::layer_norm_modulate(Tensor::ones({8}), Tensor::ones({1, 8}), Tensor::ones({1, 8})); },
+               {"layer_norm_modulate", "at least 2 dims"});
+  expect_error([&] { F::layer_norm_modulate(x, Tensor::ones({2, 8}), Tensor::ones({2, 8}), -1.0); },
+               {"layer_norm_modulate", "eps"});
+  expect_error([&] { F::gated_residual(x, Tensor::ones({2, 8}), Tensor::ones({2, 3, 7})); },
+               {"gated_residual", "y must have the input's shape"});
+  expect_error([&] { F::gated_residual(x, Tensor::ones({2, 8}, DType::i32), x); }, {"gated_residual", "gate", "i32"});
+}
+
+}  // namespace
+}  // namespace flame::test
