@@ -18,6 +18,33 @@ Tensor leaf(const Shape& shape, uint64_t seed, DType dt = DType::f32) {
 
 std::size_t bytes_of(const Tensor& t) { return static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype()); }
 
+// Note [Backward order]: the ready node recorded last runs first. A network whose layers each also
+// read a side branch of a shared input (a DiT block's adaLN projection of the conditioning) gets
+// each layer's parameters complete before the previous layer's, side branch included, rather than
+// the side branches after a depth-first walk down the main chain (what DDP's buckets rely on).
+TEST(AutogradEngine, ParametersCompleteLayerByLayer) {
+  constexpr int kLayers = 4;
+  Generator gen(31);
+  Tensor c = Tensor::randn({2, 3}, 0.0, 1.0, DType::f32, &gen).requires_grad_(true);
+  Tensor x = Tensor::randn({2, 3}, 0.0, 1.0, DType::f32, &gen);
+  std::vector<Tensor> main_w, side_w;
+  std::vector<std::string> order;
+  for (int i = 0; i < kLayers; ++i) {
+    main_w.push_back(Tensor::randn({3, 3}, 0.0, 0.5, DType::f32, &gen).requires_grad_(true));
+    side_w.push_back(Tensor::randn({3, 3}, 0.0, 0.5, DType::f32, &gen).requires_grad_(true));
+    main_w.back().register_post_accumulate_grad_hook([&order, i](const Tensor&) { order.push_back("main" + std::to_string(i)); });
+    side_w.back().register_post_accumulate_grad_hook([&order, i](const Tensor&) { order.push_back("side" + std::to_string(i)); });
+  }
+  Tensor h = x;
+  for (int i = 0; i < kLayers; ++i) {
+    const Tensor mod = c.silu().matmul(side_w[i]);  // recorded before the layer's main op
+    h = h + (h.matmul(main_w[i]) * mod).tanh();
+  }
+  h.square().sum().backward();
+  const std::vector<std::string> want = {"main3", "side3", "main2", "side2", "main1", "side1", "main0", "side0"};
+  EXPECT_EQ(order, want);
+}
+
 TEST(AutogradEngine, GradFnNamesFollowPyTorch) {
   FLAME_SKIP_IF_NO_DEVICE();
   Tensor a = leaf({2, 3}, 1), b = leaf({2, 3}, 2), m = leaf({3, 4}, 3);

@@ -9,7 +9,14 @@
 // run id), leaves in a vector indexed through the edge's slot: the walk allocates nothing per
 // vertex beyond the gradients themselves. A pending sum this pass made is added to in place; one
 // that is still some rule's output (a pass-through such as add) is never written.
+// Among the nodes whose gradients are complete, the one recorded LAST runs first (Node::seq, a
+// max-heap, as PyTorch's sequence numbers): the backward walks the forward in reverse, so a
+// branch that joins the main chain late (a DiT block's adaLN projection of the conditioning, an
+// autocast cast of a weight) runs as soon as its layer is done, not after a depth-first descent
+// to the bottom of the network. Parameters' gradients thus complete layer by layer, which is
+// what post-accumulate hooks (DDP's buckets) need to overlap communication with the backward.
 #include <atomic>
+#include <queue>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -171,7 +178,8 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     }
   };
 
-  std::vector<Node*> ready;
+  auto later_first = [](const Node* a, const Node* b) { return a->seq < b->seq; };
+  std::priority_queue<Node*, std::vector<Node*>, decltype(later_first)> ready(later_first);
   auto deliver = [&](const Node::Edge& e, Tensor gi) {
     if (e.slot >= 0) {
       LeafState& l = leaves[static_cast<std::size_t>(e.slot)];
@@ -181,7 +189,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     }
     Node* c = e.meta->grad_fn.get();
     add_into(c->scratch.pending, c->scratch.owned, std::move(gi));
-    if (--c->scratch.deps == 0) ready.push_back(c);
+    if (--c->scratch.deps == 0) ready.push(c);
   };
 
   try {
@@ -190,11 +198,11 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
       finish_leaf(leaves[static_cast<std::size_t>(root_leaf)]);
     } else {
       discovered.front()->scratch.pending = seed;
-      ready.push_back(discovered.front());
+      ready.push(discovered.front());
     }
     while (!ready.empty()) {
-      Node& node = *ready.back();
-      ready.pop_back();
+      Node& node = *ready.top();
+      ready.pop();
       // Memory the node's rule, hooks and deliveries allocate is charged to the node
       // (Note [Allocation context] in src/profiler/memory_profiler.cpp).
       profiler_detail::BackwardNodeScope attribution(node.name(), node.module_path);

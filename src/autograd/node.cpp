@@ -1,5 +1,6 @@
 // Graph nodes, saved tensors, recording and grad mode. See Note [Node saved tensors] and
 // Note [Graph release] in node.h.
+#include <atomic>
 #include <cctype>
 #include <cstring>
 #include <mutex>
@@ -41,14 +42,21 @@ void Node::add_edge(const Tensor& t) {
   }
 }
 
-Node::Node(const char* name, const TensorList& inputs, BackwardFn fn) : name_(name), fn_(std::move(fn)) {
+namespace {
+// Creation order of nodes (Note [Backward order] in backward.cpp): process-wide, so that nodes
+// recorded on different threads still order by when they were made.
+std::atomic<uint64_t> g_next_seq{1};
+}  // namespace
+
+Node::Node(const char* name, const TensorList& inputs, BackwardFn fn)
+    : seq(g_next_seq.fetch_add(1, std::memory_order_relaxed)), name_(name), fn_(std::move(fn)) {
   edges_.reserve(inputs.size());
   for (const Tensor& t : inputs) add_edge(t);
 }
 
 Node::Node(const char* name, std::initializer_list<std::reference_wrapper<const Tensor>> inputs, RuleFn rule,
            RuleArgs args)
-    : name_(name), rule_(rule), args_(std::move(args)) {
+    : seq(g_next_seq.fetch_add(1, std::memory_order_relaxed)), name_(name), rule_(rule), args_(std::move(args)) {
   edges_.reserve(inputs.size());
   for (const Tensor& t : inputs) add_edge(t);
 }

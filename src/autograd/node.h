@@ -206,6 +206,10 @@ class Node {
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
+  // When the node was recorded (increasing, process-wide): the backward runs the ready node
+  // recorded last first (Note [Backward order] in backward.cpp).
+  const uint64_t seq;
+
   const char* name() const { return name_; }
   std::span<const Edge> edges() const { return {edges_.data(), edges_.size()}; }
   bool released() const { return released_; }
