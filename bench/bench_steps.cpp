@@ -80,6 +80,7 @@ struct Args {
   bool gemm = true;
   bool memory_report = false;  // one more step under the memory profiler: where each peak went
   int trace = 0;               // > 0: that many more steps under profiler::KernelTrace (CUDA): where the time went
+  std::string trace_json;      // with --trace: also write the kernels as a Chrome trace (chrome://tracing, Perfetto)
 };
 
 // One case: a step to time and what to report about it. `step` is the seam a graph-capture
@@ -307,7 +308,7 @@ Args parse(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
-                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N]\n");
+                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N [--trace-json FILE]]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -337,6 +338,8 @@ Args parse(int argc, char** argv) {
       if (a.amp != "bf16" && a.amp != "off" && a.amp != "auto") usage();
     } else if (s == "--no-gemm") {
       a.gemm = false;
+    } else if (s == "--trace-json") {
+      a.trace_json = next();
     } else if (s == "--trace") {
       a.trace = std::max(0, std::atoi(next().c_str()));
     } else if (s == "--memory-report") {
@@ -433,6 +436,7 @@ int main(int argc, char** argv) {
           trace.start();
           for (int i = 0; i < args.trace; ++i) w.step();
           trace.stop();
+          if (!args.trace_json.empty()) trace.save_chrome_trace(args.trace_json);
           std::istringstream table(trace.summary(40, 110));
           std::printf("# kernel trace of %d %s steps:\n", args.trace, name.c_str());
           for (std::string line; std::getline(table, line);) std::printf("#   %s\n", line.c_str());
