@@ -13,6 +13,7 @@
 
 #include "flame/nn.h"
 #include "gradcheck.h"
+#include "nn_test_util.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -25,25 +26,6 @@ Tensor rnd(const Shape& s, uint64_t seed, double mean = 0.0, double stddev = 1.0
   return Tensor::randn(s, mean, stddev, DType::f64, &g);
 }
 
-// |got - want| <= tol * (|want| + max |want|), elementwise.
-::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& want, double tol) {
-  if (got.defined() != want.defined())
-    return ::testing::AssertionFailure() << (got.defined() ? "unexpected result" : "missing result");
-  if (!got.defined()) return ::testing::AssertionSuccess();
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
-                                         << ::testing::PrintToString(want.sizes());
-  const std::vector<double> g = got.to(Device::cpu()).to(DType::f64).to_vec<double>();
-  const std::vector<double> w = want.to_vec<double>();
-  double scale = 0.0;
-  for (double v : w) scale = std::max(scale, std::fabs(v));
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (!(std::fabs(g[i] - w[i]) <= tol * (std::fabs(w[i]) + scale)))
-      return ::testing::AssertionFailure() << "element " << i << " of " << g.size() << ": got " << g[i] << ", want "
-                                           << w[i] << " (scale " << scale << ", tol " << tol << ")";
-  }
-  return ::testing::AssertionSuccess();
-}
 
 double tol_for(DType dt) {
   switch (dt) {

@@ -13,6 +13,7 @@
 #include "flame/nn.h"
 #include "flame/nn/linear_gelu.h"
 #include "gradcheck.h"
+#include "nn_test_util.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -25,24 +26,6 @@ Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
   return Tensor::randn(s, 0.0, stddev, DType::f64, &g);
 }
 
-// Same test as in test_nn_norm.cpp: |got - want| <= tol * (|want| + max |want|).
-::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& want, double tol) {
-  if (got.defined() != want.defined())
-    return ::testing::AssertionFailure() << (got.defined() ? "unexpected result" : "missing result");
-  if (!got.defined()) return ::testing::AssertionSuccess();
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
-                                         << ::testing::PrintToString(want.sizes());
-  const std::vector<double> g = got.to_vec<double>(), w = want.to_vec<double>();
-  double scale = 0.0;
-  for (double v : w) scale = std::max(scale, std::fabs(v));
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (!(std::fabs(g[i] - w[i]) <= tol * (std::fabs(w[i]) + scale)))
-      return ::testing::AssertionFailure() << "element " << i << " of " << g.size() << ": got " << g[i] << ", want "
-                                           << w[i] << " (scale " << scale << ", tol " << tol << ")";
-  }
-  return ::testing::AssertionSuccess();
-}
 
 double tol_for(DType dt) {
   switch (dt) {

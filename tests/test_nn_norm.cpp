@@ -8,6 +8,7 @@
 
 #include "flame/nn/norm.h"
 #include "gradcheck.h"
+#include "nn_test_util.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -17,27 +18,6 @@ namespace F = flame::nn::functional;
 Tensor rnd(const Shape& s, uint64_t seed, double mean = 0.0, double stdv = 1.0, DType dt = DType::f64) {
   Generator g(seed);
   return Tensor::randn(s, mean, stdv, {dt}, &g);
-}
-
-// |got - want| <= tol * (|want| + max(max|want|, floor)) element by element, both read as double.
-// A gradient that cancels to almost nothing (two values per group, a row of one) is compared at
-// the scale of the terms it is made of (floor 1: inputs and weights are O(1)).
-::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& want, double tol, double floor = 0.0) {
-  if (got.defined() != want.defined())
-    return ::testing::AssertionFailure() << (got.defined() ? "unexpected result" : "missing result");
-  if (!got.defined()) return ::testing::AssertionSuccess();
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
-                                         << ::testing::PrintToString(want.sizes());
-  const std::vector<double> g = got.to_vec<double>(), w = want.to_vec<double>();
-  double scale = floor;
-  for (double v : w) scale = std::max(scale, std::fabs(v));
-  for (std::size_t i = 0; i < g.size(); ++i) {
-    if (!(std::fabs(g[i] - w[i]) <= tol * (std::fabs(w[i]) + scale)))
-      return ::testing::AssertionFailure() << "element " << i << ": got " << g[i] << ", want " << w[i] << " (scale "
-                                           << scale << ", tol " << tol << ")";
-  }
-  return ::testing::AssertionSuccess();
 }
 
 // ---- references written with FLAME ops (f64) ----
