@@ -65,12 +65,13 @@ Tensor composite(const Tensor& qkv, int64_t num_heads, bool causal, std::optiona
 }
 
 // Note [Packed QKV attention]: the fused forward and its one node.
-Tensor packed_fused(const Tensor& qkv_in, int64_t num_heads, bool causal, double scale) {
+// qkv4: packed_qkv_views(qkv_in), reused when the kernels can read qkv_in in place.
+Tensor packed_fused(const Tensor& qkv_in, const TensorList& qkv4_in, int64_t num_heads, bool causal, double scale) {
   // Kernels read qkv in place when its layout allows (last-dim stride 1, strides multiples of 8,
   // 16-byte aligned start); otherwise one autograd-aware contiguous copy.
   const Tensor qkv = rules::fused_operand(qkv_in);
   const int64_t b = qkv.size(0), l = qkv.size(1), hd = qkv.size(2) / (3 * num_heads);
-  const TensorList qkv4 = rules::packed_qkv_views(qkv, num_heads);
+  const TensorList qkv4 = qkv.impl() == qkv_in.impl() ? qkv4_in : rules::packed_qkv_views(qkv, num_heads);
   auto& be = backend::backend_for(qkv.device());
   Tensor out = make_empty({b, l, num_heads * hd}, qkv.dtype(), qkv.device(), kOp);
   const DType stats_dt = qkv.dtype() == DType::f64 ? DType::f64 : DType::f32;
@@ -112,11 +113,11 @@ Tensor attention_qkv_packed(const Tensor& qkv, int64_t num_heads, bool is_causal
     const bool take_fused = why == nullptr && !trap && (choice == SdpaBackend::fused || qkv.device().is_cuda());
     if (take_fused) {
       const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(qkv4[0].size(3)));
-      if (choice == SdpaBackend::fused) return packed_fused(x, num_heads, is_causal, sc);
+      if (choice == SdpaBackend::fused) return packed_fused(x, qkv4, num_heads, is_causal, sc);
       // automatic: a configuration this cuDNN rejects when the forward plan is built runs the
       // composite (which then makes the same choice as scaled_dot_product_attention).
       try {
-        return packed_fused(x, num_heads, is_causal, sc);
+        return packed_fused(x, qkv4, num_heads, is_causal, sc);
       } catch (const Error&) {
       }
     }
