@@ -93,7 +93,8 @@ TEST(AttnPacked, MatchesCompositeForwardAndGradient) {
     bool causal;
     std::optional<double> scale;
   };
-  const Case cases[] = {{2, 5, 3, 4, false, {}}, {1, 7, 1, 8, true, {}}, {3, 4, 2, 3, true, 0.3}, {2, 1, 2, 4, false, {}}};
+  const Case cases[] = {
+      {2, 5, 3, 4, false, {}}, {1, 7, 1, 8, true, {}}, {3, 4, 2, 3, true, 0.3}, {2, 1, 2, 4, false, {}}};
   uint64_t seed = 1;
   for (const DType dt : {DType::f64, DType::f32}) {
     for (const Case& c : cases) {
@@ -150,11 +151,14 @@ TEST(AttnPacked, StridedInputs) {
   const Tensor tr = rnd({b, 3 * h * d, l}, 41);
   const Tensor gout = rnd({b, l, h * d}, 42);
   for (const bool transposed : {true, false}) {
-    auto make = [&](const Tensor& leaf) { return transposed ? leaf.transpose(1, 2) : leaf.narrow(2, h * d, 3 * h * d); };
+    auto make = [&](const Tensor& leaf) {
+      return transposed ? leaf.transpose(1, 2) : leaf.narrow(2, h * d, 3 * h * d);
+    };
     auto grads = [&](SdpaBackend be) {
       Tensor leaf = (transposed ? tr : wide).detach().requires_grad_();
       SdpaBackendGuard guard(be);
-      const Tensor out = be == SdpaBackend::math ? explicit_composite(make(leaf), h, true) : F::attention_qkv_packed(make(leaf), h, true);
+      const Tensor out = be == SdpaBackend::math ? explicit_composite(make(leaf), h, true)
+                                                 : F::attention_qkv_packed(make(leaf), h, true);
       BackwardOptions opt;
       opt.grad_output = gout;
       Gradients g = out.backward(opt);
@@ -210,12 +214,14 @@ TEST(AttnPacked, RejectsBadInputs) {
   const Tensor ok = rnd({2, 5, 24}, 60);
   expect_error([&] { (void)F::attention_qkv_packed(rnd({2, 5, 2, 12}, 60), 2); },
                {"attention_qkv_packed", "3 dims", "[2, 5, 2, 12]"});
-  expect_error([&] { (void)F::attention_qkv_packed(rnd({5, 24}, 60), 2); }, {"attention_qkv_packed", "3 dims", "[5, 24]"});
+  expect_error([&] { (void)F::attention_qkv_packed(rnd({5, 24}, 60), 2); },
+               {"attention_qkv_packed", "3 dims", "[5, 24]"});
   expect_error([&] { (void)F::attention_qkv_packed(ok, 5); },
                {"attention_qkv_packed", "divisible", "3 * num_heads = 15", "[2, 5, 24]"});
   expect_error([&] { (void)F::attention_qkv_packed(ok, 0); }, {"attention_qkv_packed", "num_heads", "0"});
   expect_error([&] { (void)F::attention_qkv_packed(ok, -1); }, {"attention_qkv_packed", "num_heads", "-1"});
-  expect_error([&] { (void)F::attention_qkv_packed(ok.to(DType::i64), 2); }, {"attention_qkv_packed", "floating", "i64"});
+  expect_error([&] { (void)F::attention_qkv_packed(ok.to(DType::i64), 2); },
+               {"attention_qkv_packed", "floating", "i64"});
   expect_error([&] { (void)F::attention_qkv_packed(Tensor(), 2); }, {"attention_qkv_packed", "defined"});
   expect_error([&] { (void)F::attention_qkv_packed(ok, 2, false, std::nan("")); }, {"attention_qkv_packed", "scale"});
   {

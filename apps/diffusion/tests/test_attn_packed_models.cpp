@@ -53,8 +53,10 @@ Outcome run(flame::nn::Linear& qkv, flame::nn::Linear& proj, const Tensor& x, co
 }
 
 void expect_close(const Outcome& got, const Outcome& want, double tol) {
-  for (auto [a, b, what] : {std::tuple{&got.out, &want.out, "out"}, {&got.dx, &want.dx, "dx"},
-                            {&got.dqkv_w, &want.dqkv_w, "qkv.weight grad"}, {&got.dqkv_b, &want.dqkv_b, "qkv.bias grad"},
+  for (auto [a, b, what] : {std::tuple{&got.out, &want.out, "out"},
+                            {&got.dx, &want.dx, "dx"},
+                            {&got.dqkv_w, &want.dqkv_w, "qkv.weight grad"},
+                            {&got.dqkv_b, &want.dqkv_b, "qkv.bias grad"},
                             {&got.dproj_w, &want.dproj_w, "proj.weight grad"}}) {
     ASSERT_TRUE(a->defined() && b->defined()) << what;
     const double scale = std::max(1.0, fd_test::max_abs(*b));
@@ -64,9 +66,12 @@ void expect_close(const Outcome& got, const Outcome& want, double tol) {
 }
 
 // The packed block against the select composite on the same weights.
+using Attend = std::function<Tensor(const Tensor&)>;
+
+// body(block, x, attend): the block's forward with its attention core replaced by `attend`.
 template <class Block>
 void check_block(Block& blk, const Tensor& x_values, const Tensor& gout_values, int64_t heads,
-                 const std::function<Tensor(Block&, const Tensor&, const std::function<Tensor(const Tensor&)>&)>& body) {
+                 const std::function<Tensor(Block&, const Tensor&, const Attend&)>& body) {
   const flame::Device dev = test_device();
   auto packed = [&](const Tensor& qkv) { return F::attention_qkv_packed(qkv, heads); };
   auto select = [&](const Tensor& qkv) { return select_attention(qkv, heads); };
@@ -91,8 +96,9 @@ void check_block(Block& blk, const Tensor& x_values, const Tensor& gout_values, 
   Outcome want;
   {
     F::SdpaBackendGuard math(F::SdpaBackend::math);
-    want = run(*blk.qkv, *blk.proj, x_values.to(DType::bf16).to(DType::f32).to(dev),
-               gout_values.to(DType::bf16).to(DType::f32).to(dev), [&](const Tensor& t) { return body(blk, t, select); });
+    const Tensor x = x_values.to(DType::bf16).to(DType::f32).to(dev);
+    const Tensor gout = gout_values.to(DType::bf16).to(DType::f32).to(dev);
+    want = run(*blk.qkv, *blk.proj, x, gout, [&](const Tensor& t) { return body(blk, t, select); });
   }
   blk.to(DType::bf16);
   const Outcome got = run(*blk.qkv, *blk.proj, x_values.to(DType::bf16).to(dev), gout_values.to(DType::bf16).to(dev),
@@ -109,7 +115,7 @@ TEST(AttnPackedModels, DiTAttentionMatchesSelectComposite) {
   const Tensor x = Tensor::randn({2, 17, 64}, 0.0, 1.0, {DType::f32}, &gen);
   const Tensor gout = Tensor::randn({2, 17, 64}, 0.0, 1.0, {DType::f32}, &gen);
   check_block<fd::DiTAttention>(attn, x, gout, 4,
-                                [](fd::DiTAttention& a, const Tensor& t, const std::function<Tensor(const Tensor&)>& att) {
+                                [](fd::DiTAttention& a, const Tensor& t, const Attend& att) {
                                   return a.proj->forward(att(a.qkv->forward(t)));
                                 });
 }
@@ -121,7 +127,7 @@ TEST(AttnPackedModels, UNetAttnBlockMatchesSelectComposite) {
   fd_test::perturb(blk, 0.05, 8);
   const Tensor x = Tensor::randn({2, 32, 3, 5}, 0.0, 1.0, {DType::f32}, &gen);
   const Tensor gout = Tensor::randn({2, 32, 3, 5}, 0.0, 1.0, {DType::f32}, &gen);
-  check_block<fd::AttnBlock>(blk, x, gout, 2, [](fd::AttnBlock& a, const Tensor& t, const std::function<Tensor(const Tensor&)>& att) {
+  check_block<fd::AttnBlock>(blk, x, gout, 2, [](fd::AttnBlock& a, const Tensor& t, const Attend& att) {
     const int64_t b = t.size(0), ch = t.size(1), hh = t.size(2), ww = t.size(3);
     const Tensor tokens = a.norm->forward(t).flatten(2).transpose(1, 2);
     const Tensor out = a.proj->forward(att(a.qkv->forward(tokens)));
