@@ -12,6 +12,7 @@
 #include "flame/amp.h"
 #include "flame/cuda.h"
 #include "flame/nn/attention.h"
+#include "flame/profiler.h"
 #include "gradcheck.h"
 #include "test_util.h"
 
@@ -354,6 +355,51 @@ TEST(AttnPackedCudaRoutes, GraphCapture) {
   EXPECT_EQ(path, "fused_packed");
   EXPECT_TRUE(close_rel(out, want.out, 3e-2));
   EXPECT_TRUE(close_rel(dqkv, want.dqkv, 3e-2));
+}
+
+TEST(AttnPackedCudaRoutes, BackwardRunsOnlyTheAttentionKernels) {
+  // The point of the op: its backward is cuDNN's alone, with no FLAME fill, copy or add kernels
+  // (the select composite's backward runs several), traced through CUPTI.
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  const Tensor values = rnd({4, 196, 3 * 6 * 64}, 400, DType::bf16, dev);
+  const Tensor gout = rnd({4, 196, 6 * 64}, 401, DType::bf16, dev);
+  BackwardOptions opt;
+  opt.grad_output = gout;
+  struct Counts {
+    int flame_kernels = 0, other_kernels = 0, copies = 0, memsets = 0;
+  };
+  auto trace_backward = [&](bool packed, Counts& c) {
+    Tensor qkv = values.detach().requires_grad_();
+    auto forward = [&] { return packed ? F::attention_qkv_packed(qkv, 6) : explicit_composite(qkv, 6, false); };
+    (void)qkv.grad(forward().backward(opt));  // plans built before the trace
+    const Tensor out = forward();
+    cuda::synchronize();
+    profiler::KernelTrace trace;
+    try {
+      trace.start();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    const Tensor dqkv = qkv.grad(out.backward(opt));
+    trace.stop();
+    for (const profiler::KernelRecord& r : trace.records()) {
+      if (r.kind == profiler::KernelRecord::Kind::memcpy) ++c.copies;
+      if (r.kind == profiler::KernelRecord::Kind::memset) ++c.memsets;
+      if (r.kind == profiler::KernelRecord::Kind::kernel)
+        ++(r.name.find("flame::") != std::string::npos ? c.flame_kernels : c.other_kernels);
+    }
+    return std::string();
+  };
+  Counts packed, select;
+  const std::string why = trace_backward(true, packed);
+  if (!why.empty()) GTEST_SKIP() << "no kernel trace in this build: " << why;
+  (void)trace_backward(false, select);
+  EXPECT_EQ(packed.flame_kernels, 0);
+  EXPECT_EQ(packed.copies, 0);
+  EXPECT_GE(packed.other_kernels, 1) << "cuDNN's backward";
+  EXPECT_GT(select.flame_kernels + select.memsets, packed.flame_kernels + packed.memsets)
+      << "the select composite fills, copies and adds";
 }
 
 }  // namespace
