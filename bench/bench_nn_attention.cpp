@@ -4,6 +4,9 @@
 // the median per-call time in ms.
 //   sdpa_bf16_s4096_d128_{fwd,fwdbwd}[_causal]: B8 H16 S4096 D128
 //   sdpa_bf16_s256_d64_{fwd,fwdbwd}:           B32 H16 S256 D64
+//   sdpa_qkv_packed_bf16_fwdbwd: B256 L196 H6 D64 (dit-s) from qkv [B, L, 3HD] through
+//     attention_qkv_packed; sdpa_qkv_select_bf16_fwdbwd: the same through the reshape/permute/
+//     select composite (the twin: unbind for packed, indexing for select), so the gain shows.
 // fwdbwd = forward + backward with a fixed upstream gradient (q, k, v require grad).
 // Usage: bench_nn_attention [--reps N] [--warmup N]
 #include <cuda_runtime.h>
@@ -13,6 +16,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flame/cuda.h"
@@ -64,6 +68,34 @@ void bench_shape(const std::string& base, int64_t b, int64_t h, int64_t s, int64
   }
 }
 
+// fwd + bwd of attention over a packed qkv [B, L, 3HD] (requires grad) to [B, L, HD].
+void bench_packed(int64_t b, int64_t l, int64_t h, int64_t d, int reps, int warmup) {
+  const Device dev = Device::cuda();
+  flame::Generator g(1234);
+  Tensor qkv = Tensor::randn({b, l, 3 * h * d}, 0.0, 1.0, {DType::bf16, dev}, &g).requires_grad_();
+  const Tensor gout = Tensor::randn({b, l, h * d}, 0.0, 1.0, {DType::bf16, dev}, &g);
+  flame::BackwardOptions opt;
+  opt.grad_output = gout;
+  auto select_composite = [&] {
+    const Tensor p = qkv.reshape({b, l, 3, h, d}).permute({2, 0, 3, 1, 4});
+    const Tensor o = F::scaled_dot_product_attention(p.select(0, 0), p.select(0, 1), p.select(0, 2));
+    return o.transpose(1, 2).reshape({b, l, h * d});
+  };
+  const std::pair<const char*, std::function<Tensor()>> cases[] = {
+      {"sdpa_qkv_packed_bf16_fwdbwd", [&] { return F::attention_qkv_packed(qkv, h); }},
+      {"sdpa_qkv_select_bf16_fwdbwd", select_composite}};
+  for (const auto& [name, fn] : cases) {
+    try {
+      emit(name, median_ms(reps, warmup, [&] { (void)fn().backward(opt); }));
+      const std::string want = std::string(name).find("packed") != std::string::npos ? "fused_packed" : "fused";
+      if (std::string(F::sdpa_last_path()) != want) std::printf("# %s: ran the %s path\n", name, F::sdpa_last_path());
+    } catch (const std::exception& e) {
+      std::printf("BENCH {\"name\": \"%s\", \"error\": \"see stderr\"}\n", name);
+      std::fprintf(stderr, "bench_nn_attention: %s: %s\n", name, e.what());
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -82,5 +114,6 @@ int main(int argc, char** argv) {
   bench_shape("sdpa_bf16_s256_d64", 32, 16, 256, 64, false, reps, warmup);
   // dit-s at B256: 6 heads of 64 over 196 tokens (an odd length, not a multiple of the tile).
   bench_shape("sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, false, reps, warmup);
+  bench_packed(256, 196, 6, 64, reps, warmup);
   return 0;
 }

@@ -3,6 +3,9 @@ consecutive calls, warm-up first, median ms). torch.nn.functional.scaled_dot_pro
 its default backend choice.
   sdpa_bf16_s4096_d128_{fwd,fwdbwd}[_causal]: B8 H16 S4096 D128
   sdpa_bf16_s256_d64_{fwd,fwdbwd}:           B32 H16 S256 D64
+  sdpa_qkv_packed_bf16_fwdbwd: B256 L196 H6 D64 (dit-s) from qkv [B, L, 3HD]: reshape/permute/
+    unbind + SDPA + transpose/reshape (timm's attention); sdpa_qkv_select_bf16_fwdbwd: the same
+    with q, k, v taken by indexing (one select each, as FLAME's select composite)
 """
 import argparse
 import json
@@ -35,6 +38,22 @@ def bench_shape(torch, base, b, h, s, d, causal, reps, warmup):
     emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
 
 
+def bench_packed(torch, b, l, h, d, reps, warmup):
+    import torch.nn.functional as F
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(1234)
+    qkv = torch.randn(b, l, 3 * h * d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_(True)
+    gout = torch.randn(b, l, h * d, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def attend(unbind):
+        p = qkv.reshape(b, l, 3, h, d).permute(2, 0, 3, 1, 4)
+        q, k, v = p.unbind(0) if unbind else (p[0], p[1], p[2])
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, h * d)
+
+    for name, unbind in (("sdpa_qkv_packed_bf16_fwdbwd", True), ("sdpa_qkv_select_bf16_fwdbwd", False)):
+        emit(name, median_ms(torch, lambda: torch.autograd.grad(attend(unbind), (qkv,), gout), reps, warmup))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
@@ -48,6 +67,7 @@ def main():
     bench_shape(torch, "sdpa_bf16_s4096_d128", 8, 16, 4096, 128, True, args.reps, args.warmup)
     bench_shape(torch, "sdpa_bf16_s256_d64", 32, 16, 256, 64, False, args.reps, args.warmup)
     bench_shape(torch, "sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, False, args.reps, args.warmup)
+    bench_packed(torch, 256, 196, 6, 64, args.reps, args.warmup)
 
 
 if __name__ == "__main__":

@@ -334,6 +334,18 @@ Tensor fused_path(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
 }  // namespace
 
 namespace detail {
+const char* sdpa_fused_unsupported(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                   double dropout_p) {
+  Dims d;
+  d.l = q.size(-2);
+  d.s = k.size(-2);
+  d.e = q.size(-1);
+  d.ev = v.size(-1);
+  return fused_unsupported(q, k, v, mask, dropout_p, d);
+}
+
+void set_sdpa_last_path(const char* path) { t_last_path = path; }
+
 int64_t sdpa_kv_chunk(const Tensor& q, int64_t s_kv, bool causal) {
   if (causal) return 0;
   if (t_routes.kv_chunk > 0) return t_routes.kv_chunk < s_kv ? t_routes.kv_chunk : 0;

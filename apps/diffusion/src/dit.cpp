@@ -76,12 +76,10 @@ DiTAttention::DiTAttention(int64_t hidden, int64_t heads) : heads_(heads) {
 }
 
 Tensor DiTAttention::forward(const Tensor& x) {
-  const int64_t b = x.size(0), n = x.size(1), d = x.size(2), hd = d / heads_;
-  // [B, T, 3, H, hd] -> [3, B, H, T, hd]: q/k/v are views of the fused projection (the fused
-  // SDPA path returns its output in q's layout, so merging heads below is free).
-  Tensor qkv_out = qkv->forward(x).reshape({b, n, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
-  Tensor o = F::scaled_dot_product_attention(qkv_out.select(0, 0), qkv_out.select(0, 1), qkv_out.select(0, 2));
-  return proj->forward(o.transpose(1, 2).reshape({b, n, d}));
+  // [B, T, 3 * hidden] laid out (3, H, hd) -> [B, T, hidden]: the reshape/permute/select + SDPA +
+  // merge of heads as one op, whose backward writes dq, dk, dv into one gradient of the
+  // projection's output (no zero fills, slice copies or sums; docs/nn-attention.md).
+  return proj->forward(F::attention_qkv_packed(qkv->forward(x), heads_));
 }
 
 DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {

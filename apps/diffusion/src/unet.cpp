@@ -80,11 +80,10 @@ AttnBlock::AttnBlock(int64_t channels, int64_t groups, int64_t heads) : heads_(h
 }
 
 Tensor AttnBlock::forward(const Tensor& x) {
-  const int64_t b = x.size(0), ch = x.size(1), hh = x.size(2), ww = x.size(3), n = hh * ww, hd = ch / heads_;
+  const int64_t b = x.size(0), ch = x.size(1), hh = x.size(2), ww = x.size(3);
   Tensor tokens = norm->forward(x).flatten(2).transpose(1, 2);  // [B, HW, C]
-  Tensor q = qkv->forward(tokens).reshape({b, n, 3, heads_, hd}).permute({2, 0, 3, 1, 4});
-  Tensor o = F::scaled_dot_product_attention(q.select(0, 0), q.select(0, 1), q.select(0, 2));
-  Tensor out = proj->forward(o.transpose(1, 2).reshape({b, n, ch}));  // [B, HW, C]
+  // qkv [B, HW, 3C] laid out (3, heads, C / heads), as the DiT's: the packed attention op.
+  Tensor out = proj->forward(F::attention_qkv_packed(qkv->forward(tokens), heads_));  // [B, HW, C]
   return x + out.transpose(1, 2).reshape({b, ch, hh, ww});
 }
 

@@ -68,4 +68,16 @@ class SdpaRouteGuard {
 };
 }  // namespace detail
 
+// Attention over a packed projection, as one op (docs/nn-attention.md, "Packed QKV"): qkv is
+// [B, L, 3 * H * D] with its last dim laid out (3, H, D), what a fused Linear(dim, 3 * dim) gives
+// and timm/DiT reshape; the result is [B, L, H * D], ready for the output projection. The math is
+//   p = qkv.reshape({B, L, 3, H, D}).permute({2, 0, 3, 1, 4});
+//   scaled_dot_product_attention(p.select(0, 0), p.select(0, 1), p.select(0, 2), {}, 0.0, is_causal,
+//                                scale).transpose(1, 2).reshape({B, L, H * D});
+// Where the fused path applies (sdpa_last_path() then says "fused_packed"), q/k/v are read in
+// place and the backward writes dq, dk, dv into one qkv gradient: no zero fills, slice copies or
+// sums. scale defaults to 1/sqrt(D); autocast casts qkv as scaled_dot_product_attention does.
+Tensor attention_qkv_packed(const Tensor& qkv, int64_t num_heads, bool is_causal = false,
+                            std::optional<double> scale = std::nullopt);
+
 }  // namespace flame::nn::functional

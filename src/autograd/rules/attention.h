@@ -30,4 +30,10 @@ namespace flame::nn::functional::detail {
 // Keys per chunk the fused path must use for these sizes now (0: no chunking): the test override
 // when set, else 1024 when the device is capturing a CUDA graph, the mask is not causal and S > 1024.
 int64_t sdpa_kv_chunk(const Tensor& q, int64_t s_kv, bool causal);
+// Why the fused path cannot take these operands (q, k, v of >= 2 dims, validated), or nullptr
+// when it can: the predicate of `automatic` (Note [SDPA paths]), shared with attention_qkv_packed.
+const char* sdpa_fused_unsupported(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
+                                   double dropout_p);
+// Sets what sdpa_last_path() reports (a static string), for ops built on the fused kernels.
+void set_sdpa_last_path(const char* path);
 }  // namespace flame::nn::functional::detail
