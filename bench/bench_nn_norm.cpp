@@ -6,7 +6,10 @@
 // counts the bytes the op must move: forward reads x (and the affine parameters) and writes y;
 // forward+backward adds reading x and dy and writing dx (and the parameter gradients).
 // pct_d2d is that rate over a 256 MiB device-to-device copy timed the same way
-// (norm_d2d_copy). Every line also carries ms.
+// (norm_d2d_copy). Every line also carries ms. group_norm_bf16_bwd times the backward alone (a
+// retained graph; bytes: x, dy, dx and the parameters twice).
+// FLAME-only tuning lines (no twin): group_norm_bf16_{bwd,fwdbwd}_v<k> repeat those two with
+// FLAME_GN_BWD_VARIANT=k, each cluster-backward variant (Note [GroupNorm lean backward]).
 //
 // Usage: bench_nn_norm [--reps N] [--warmup N]
 #include <cuda_runtime.h>
@@ -14,6 +17,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -66,7 +70,8 @@ int main(int argc, char** argv) {
   const flame::TensorOptions bf16{DType::bf16, gpu};
   // bytes: x-sized tensors moved (fwd: x, y; fwd+bwd: + x, dy, dx), parameters as given.
   auto run = [&](const std::string& name, const flame::Shape& shape, int64_t params, bool bias,
-                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op) {
+                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op,
+                 int bwd_variants = 0) {
     try {
       const Tensor x0 = Tensor::randn(shape, 0.5, 2.0, bf16);
       const Tensor w = Tensor::randn({params}, 1.0, 0.2, bf16).requires_grad_();
@@ -82,11 +87,32 @@ int main(int argc, char** argv) {
       Tensor x = x0.detach().requires_grad_();
       BackwardOptions o;
       o.grad_output = dy;
-      const double ms = median_ms(stream, reps, warmup, [&] {
-        Tensor y = op(x, w, b);
-        (void)y.backward(o);
-      });
-      emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      auto fwdbwd = [&](const std::string& suffix) {
+        const double ms = median_ms(stream, reps, warmup, [&] {
+          Tensor y = op(x, w, b);
+          (void)y.backward(o);
+        });
+        emit(name + "_fwdbwd" + suffix, (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      };
+      auto bwd = [&](const std::string& suffix) {
+        const Tensor y = op(x, w, b);
+        BackwardOptions r = o;
+        r.retain_graph = true;
+        const double ms = median_ms(stream, reps, warmup, [&] { (void)y.backward(r); });
+        emit(name + "_bwd" + suffix, (3 * xb + 2 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      };
+      fwdbwd("");
+      if (bwd_variants == 0) return;
+      bwd("");
+      const char* old = std::getenv("FLAME_GN_BWD_VARIANT");
+      const std::string saved = old != nullptr ? old : "";
+      for (int v = 0; v < bwd_variants; ++v) {
+        setenv("FLAME_GN_BWD_VARIANT", std::to_string(v).c_str(), 1);
+        bwd("_v" + std::to_string(v));
+        fwdbwd("_v" + std::to_string(v));
+      }
+      if (old != nullptr) setenv("FLAME_GN_BWD_VARIANT", saved.c_str(), 1);
+      else unsetenv("FLAME_GN_BWD_VARIANT");
     } catch (const std::exception& e) {
       std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
     }
@@ -96,6 +122,7 @@ int main(int argc, char** argv) {
   run("rms_norm_bf16", {32768, 1024}, 1024, false,
       [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
   run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
+      /*bwd_variants=*/4);
   return 0;
 }
