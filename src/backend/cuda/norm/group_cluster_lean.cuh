@@ -29,14 +29,19 @@
 //    group) by the lanes holding the sums; dx lanes fetch it by a shuffle.
 //  - dx = rstd * w_c * dy + (x - mean) * (-rstd^2 * mean(g * xhat)) - rstd * mean(g): one
 //    subtraction and two multiply-adds per value, with the per-group factors hoisted.
-// Synchronisation: the accumulators are double-buffered by group parity. A block adds into
-// acc[p] before the group's cluster barrier (whose arrive releases the shared-memory writes of
-// every thread); the other blocks read it after that barrier and before they arrive at the next
-// group's barrier, so acc[p] is free again once this block has passed the next group's barrier,
-// where the block clears it for the group after that, before the block barrier that precedes
-// that group's atomics. The final cluster barrier keeps each block's shared memory alive until
-// the others have read it. Every thread reaches every barrier (the group loop is uniform over
-// the cluster).
+// kWarpSums: every warp (not warp 0 alone) reads the cluster's accumulators and derives the group
+// sums itself, the weights of its own vectors from global memory (L1): no block barrier and no
+// shared-memory publishing per group, at 16 times the distributed-shared-memory reads.
+// Synchronisation: the accumulators rotate over kSlots slots by group. A block adds into slot s
+// before the group's cluster barrier (whose arrive releases the shared-memory writes of every
+// thread); the other blocks read it after that barrier and before they arrive at the next
+// group's barrier, so slot s is free again once this block has passed the next group's barrier,
+// where the block clears it. Its next atomics into it must follow the clearing: with warp 0
+// publishing (2 slots) the block barrier after the clearing orders them; with kWarpSums there is
+// no block barrier, so 3 slots: the slot cleared in group g is next used in group g + 2, after
+// the cluster barrier of group g + 1. The final cluster barrier keeps each block's shared memory
+// alive until the others have read it. Every thread reaches every barrier (the group loop is
+// uniform over the cluster).
 // This is a tuning candidate selected by FLAME_GN_BWD_VARIANT (norm_channels.cu).
 
 namespace gn_lean {
@@ -95,7 +100,7 @@ constexpr int min_blocks(int vpt, int blk, int want) {
 
 }  // namespace gn_lean
 
-template <class T, int W, int kVPT, int kCl, int kBlk, int kMinBlocks>
+template <class T, int W, int kVPT, int kCl, int kBlk, int kMinBlocks, bool kWarpSums>
 __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
     group_backward_lean_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
@@ -110,8 +115,10 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
   constexpr int kStep = kBlk * W;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
-  // Per channel of the group: sum dy (0) and sum dy * (x - mean) (1), by group parity.
-  __shared__ A acc[2][2][kClusterMaxChannels];
+  // Per channel of the group: sum dy (0) and sum dy * (x - mean) (1), by slot (group number
+  // modulo kSlots).
+  constexpr int kSlots = kWarpSums ? 3 : 2;
+  __shared__ A acc[kSlots][2][kClusterMaxChannels];
   __shared__ A scale[kClusterMaxChannels];  // rstd * w_c of the current group
   __shared__ A bc[2];                       // mean(g), mean(g * xhat) of the current group
   const int rank = static_cast<int>(cluster.block_rank());
@@ -132,11 +139,11 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
   const int hold_j = lane / kHold, hold_k = hold_j >> 1;
   const bool holder = lane % kHold == 0 && hold_k * kBlk < v1 - v0 - warp * 32;
   const int hold_c = holder ? ((v0 + warp * 32) * W + hold_k * kStep) / si : 0;
-  for (int i = tid; i < 2 * 2 * kClusterMaxChannels; i += kBlk) (&acc[0][0][0])[i] = A(0);
+  for (int i = tid; i < kSlots * 2 * kClusterMaxChannels; i += kBlk) (&acc[0][0][0])[i] = A(0);
   __syncthreads();
   R cx[kVPT], cd[kVPT];
   int row = static_cast<int>(blockIdx.x) / kCl;
-  for (int parity = 0; row < nrows; row += stride, parity ^= 1) {
+  for (int slot = 0; row < nrows; row += stride, slot = slot + 1 == kSlots ? 0 : slot + 1) {
     const T* px = x + static_cast<int64_t>(row) * len + toff;
     const T* pd = dy + static_cast<int64_t>(row) * len + toff;
 #pragma unroll
@@ -162,19 +169,23 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
       v[2 * k + 1] = s_dyx;
     }
     const A total = gn_lean::warp_sum_transposed<kN>(v, lane);
-    A(&ac)[2][kClusterMaxChannels] = acc[parity];
+    A(&ac)[2][kClusterMaxChannels] = acc[slot];
     if (holder) atomicAdd(&ac[hold_j & 1][hold_c], total);
-    // Warp 0's first weights, in flight across the barrier.
     const int c0 = (row % static_cast<int>(groups)) * ncg;
-    const A w_first = warp == 0 && w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
-    cluster.sync();  // every block's accumulators of this group are complete
-    if (warp == 0) {
+    // The slot before this one (the previous group's) has been read by every block once this
+    // block passes this group's cluster barrier: cleared here for the group kSlots - 1 ahead.
+    A(&prev)[2][kClusterMaxChannels] = acc[slot == 0 ? kSlots - 1 : slot - 1];
+    if constexpr (kWarpSums) {
+      // Every warp derives the group sums itself: no block barrier; the clearing is ordered
+      // before the slot's next atomics (two groups ahead) by the next group's cluster barrier.
+      const A w_first = w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
+      cluster.sync();  // every block's accumulators of this group are complete
       A pg = A(0), pgx = A(0);
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ac[0][0]));
       for (int ci = lane; ci < ncg; ci += 32) {
         A tb = A(0), tw = A(0);
 #pragma unroll
-        for (int r = 0; r < kCl; ++r) {  // the same order in every block: uniform results
+        for (int r = 0; r < kCl; ++r) {  // the same order in every warp: uniform results
           const uint32_t o = gn_lean::dsmem_map(base + ci * static_cast<uint32_t>(sizeof(A)), r);
           tb += gn_lean::dsmem_load(o, A(0));
           tw += gn_lean::dsmem_load(o + kClusterMaxChannels * static_cast<uint32_t>(sizeof(A)), A(0));
@@ -183,42 +194,85 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
         const A wc = ci < 32 ? w_first : w ? load_as<A>(w[c0 + ci]) : A(1);
         pg += wc * tb;
         pgx += wc * tw;
-        scale[ci] = rs * wc;
-        if (part_w != nullptr && rank == 0) {
+        if (part_w != nullptr && rank == 0 && warp == 0) {
           const int pi = row * ncg + ci;  // (n, c0 + ci) of [N, C] (N * C < 2^31: the launcher)
           part_w[pi] = tw;
           part_b[pi] = tb;
         }
       }
+      for (int i = tid; i < ncg; i += kBlk) prev[0][i] = prev[1][i] = A(0);
       A two[2] = {pg, pgx};
       const A t = gn_lean::warp_sum_transposed<2>(two, lane);
-      if (lane == 0) bc[0] = t * inv_len;
-      if (lane == 16) bc[1] = t * inv_len;
-    }
-    // acc[parity ^ 1] (the previous group's) has been read by every block: clear it for the next.
-    A(&nx)[2][kClusterMaxChannels] = acc[parity ^ 1];
-    for (int i = tid; i < ncg; i += kBlk) nx[0][i] = nx[1][i] = A(0);
-    __syncthreads();  // bc, scale published; the clearing precedes the next group's atomics
-    if (dx) {
-      const A mg = bc[0], mgx = bc[1];
-      const A bx = -rs * rs * mgx, cc = -rs * mg;
-      T* out = dx + static_cast<int64_t>(row) * len + toff;
+      const A mg = __shfl_sync(0xffffffffu, t, 0) * inv_len, mgx = __shfl_sync(0xffffffffu, t, 16) * inv_len;
+      if (dx) {
+        const A bx = -rs * rs * mgx, cc = -rs * mg;
+        T* out = dx + static_cast<int64_t>(row) * len + toff;
 #pragma unroll
-      for (int k = 0; k < kVPT; ++k) {
-        // The channel of vector k: held by lane 2k * kHold since the start (warp-uniform).
-        const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);
-        if (k * kBlk < lim) {
-          const A ak = scale[ck];
-          A o[W];
+        for (int k = 0; k < kVPT; ++k) {
+          const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);  // vector k's channel
+          if (k * kBlk < lim) {
+            const A ak = w ? rs * load_as<A>(w[c0 + ck]) : rs;
+            A o[W];
 #pragma unroll
-          for (int j = 0; j < W; ++j)
-            o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
-          store_vec<T, W>(out + k * kStep, o);
+            for (int j = 0; j < W; ++j)
+              o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
+            store_vec<T, W>(out + k * kStep, o);
+          }
         }
       }
+    } else {
+      // Warp 0's first weights, in flight across the barrier.
+      const A w_first = warp == 0 && w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
+      cluster.sync();  // every block's accumulators of this group are complete
+      if (warp == 0) {
+        A pg = A(0), pgx = A(0);
+        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ac[0][0]));
+        for (int ci = lane; ci < ncg; ci += 32) {
+          A tb = A(0), tw = A(0);
+#pragma unroll
+          for (int r = 0; r < kCl; ++r) {  // the same order in every block: uniform results
+            const uint32_t o = gn_lean::dsmem_map(base + ci * static_cast<uint32_t>(sizeof(A)), r);
+            tb += gn_lean::dsmem_load(o, A(0));
+            tw += gn_lean::dsmem_load(o + kClusterMaxChannels * static_cast<uint32_t>(sizeof(A)), A(0));
+          }
+          tw *= rs;  // sum dy * xhat
+          const A wc = ci < 32 ? w_first : w ? load_as<A>(w[c0 + ci]) : A(1);
+          pg += wc * tb;
+          pgx += wc * tw;
+          scale[ci] = rs * wc;
+          if (part_w != nullptr && rank == 0) {
+            const int pi = row * ncg + ci;  // (n, c0 + ci) of [N, C] (N * C < 2^31: the launcher)
+            part_w[pi] = tw;
+            part_b[pi] = tb;
+          }
+        }
+        A two[2] = {pg, pgx};
+        const A t = gn_lean::warp_sum_transposed<2>(two, lane);
+        if (lane == 0) bc[0] = t * inv_len;
+        if (lane == 16) bc[1] = t * inv_len;
+      }
+      for (int i = tid; i < ncg; i += kBlk) prev[0][i] = prev[1][i] = A(0);
+      __syncthreads();  // bc, scale published; the clearing precedes the next group's atomics
+      if (dx) {
+        const A mg = bc[0], mgx = bc[1];
+        const A bx = -rs * rs * mgx, cc = -rs * mg;
+        T* out = dx + static_cast<int64_t>(row) * len + toff;
+#pragma unroll
+        for (int k = 0; k < kVPT; ++k) {
+          const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);  // vector k's channel
+          if (k * kBlk < lim) {
+            const A ak = scale[ck];
+            A o[W];
+#pragma unroll
+            for (int j = 0; j < W; ++j)
+              o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
+            store_vec<T, W>(out + k * kStep, o);
+          }
+        }
+      }
+      // No barrier here: warp 0 rewrites scale and bc only after the next group's cluster
+      // barrier, which every thread of the block reaches after its dx.
     }
-    // No barrier here: warp 0 rewrites scale and bc only after the next group's cluster barrier,
-    // which every thread of the block reaches after its dx.
   }
   cluster.sync();  // the other blocks have read this block's accumulators
 }

@@ -257,6 +257,8 @@ inline int cluster_vpt(int64_t nvec, int max_vpt, int64_t threads = int64_t{kClu
 //   1: group_backward_lean_kernel, 4 blocks of 512 threads, 2 blocks per SM
 //   2: group_backward_lean_kernel, 8 blocks of 256 threads, 4 blocks per SM
 //   3: group_backward_lean_kernel, 8 blocks of 512 threads, 3 blocks per SM
+//   4: as 1, every warp deriving the group sums itself (no block barrier per group)
+//   5: as 2, every warp deriving the group sums itself
 // Read at every call (a getenv, small next to any kernel launch) so that one process (a test, the
 // benchmark) can measure or check each variant; the losers are to be removed once measured.
 constexpr int kGnBwdDefaultVariant = 0;
@@ -267,7 +269,7 @@ int gn_backward_variant() {
 
 // Launches the lean cluster backward on clusters of kCl blocks of kBlk threads (up to kWant blocks
 // per SM) when the group fits; false (nothing launched) otherwise.
-template <class T, int W, int kCl, int kBlk, int kWant>
+template <class T, int W, int kCl, int kBlk, int kWant, bool kWarpSums>
 bool launch_group_backward_lean(cudaStream_t st, const T* dyp, const T* xp, const compute_t<T>* mean,
                                 const compute_t<T>* rstd, const T* wp, T* dxp, compute_t<T>* pw,
                                 compute_t<T>* pb, int64_t rows, int64_t groups, int64_t cg, int64_t S) {
@@ -279,7 +281,8 @@ bool launch_group_backward_lean(cudaStream_t st, const T* dyp, const T* xp, cons
     constexpr int VPT = decltype(vpt_tag)::value;
     if constexpr (VPT * W <= 32) {
       if (vpt != VPT) return;
-      auto kernel = group_backward_lean_kernel<T, W, VPT, kCl, kBlk, gn_lean::min_blocks(VPT, kBlk, kWant)>;
+      auto kernel =
+          group_backward_lean_kernel<T, W, VPT, kCl, kBlk, gn_lean::min_blocks(VPT, kBlk, kWant), kWarpSums>;
       kernel<<<cluster_grid<kCl, kBlk>(kernel, rows), kBlk, 0, st>>>(dyp, xp, mean, rstd, wp, dxp, pw, pb, rows,
                                                                       groups, cg, S);
       FLAME_CUDA_CHECK_LAUNCH();
@@ -472,18 +475,19 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   cudaStream_t st = be.stream();
   // Note [GroupNorm lean backward]: only where every warp's vector lies in one channel.
   const int variant = gn_backward_variant();
-  if (variant >= 1 && variant <= 3 && vec && cg <= kClusterMaxChannels && (d.s / W) % 32 == 0) {
+  if (variant >= 1 && variant <= 5 && vec && cg <= kClusterMaxChannels && (d.s / W) % 32 == 0) {
     bool launched = false;
-    if (variant == 1) {
-      launched = launch_group_backward_lean<T, W, 4, 512, 2>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw,
-                                                             pb, rows, groups, cg, d.s);
-    } else if (variant == 2) {
-      launched = launch_group_backward_lean<T, W, 8, 256, 4>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw,
-                                                             pb, rows, groups, cg, d.s);
-    } else {
-      launched = launch_group_backward_lean<T, W, 8, 512, 3>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, pw,
-                                                             pb, rows, groups, cg, d.s);
+#define FLAME_GN_LEAN(CL, BLK, WANT, WARP_SUMS)                                                                  \
+  launch_group_backward_lean<T, W, CL, BLK, WANT, WARP_SUMS>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, \
+                                                             pw, pb, rows, groups, cg, d.s)
+    switch (variant) {
+      case 1: launched = FLAME_GN_LEAN(4, 512, 2, false); break;
+      case 2: launched = FLAME_GN_LEAN(8, 256, 4, false); break;
+      case 3: launched = FLAME_GN_LEAN(8, 512, 3, false); break;
+      case 4: launched = FLAME_GN_LEAN(4, 512, 2, true); break;
+      default: launched = FLAME_GN_LEAN(8, 256, 4, true); break;
     }
+#undef FLAME_GN_LEAN
     if (launched) {
       if (params) {
         column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);
