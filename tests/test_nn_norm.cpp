@@ -511,6 +511,9 @@ TEST(NormCuda, GroupNormPersistentClustersMatchCpu) {
   }, {20, 64, 32, 32}, {64}, false, false, seed++);
 }
 
+// Cluster forward variants behind FLAME_GN_FWD_VARIANT (norm_channels.cu).
+constexpr int kGnFwdVariants = 4;
+
 // Sets an environment variable for a scope and restores the previous value.
 class ScopedEnv {
  public:
@@ -533,13 +536,14 @@ class ScopedEnv {
   std::string old_;
 };
 
-// Every variant of the cluster backward behind the FLAME_GN_BWD_VARIANT tuning hook (Note
-// [GroupNorm lean backward]) against the CPU: the benchmark's layout (16 channels of 4096), many
+// The lean cluster backward (Note [GroupNorm lean backward]) and, with FLAME_GN_FWD_VARIANT, every
+// cluster forward variant (Note [GroupNorm lean forward]) against the CPU: the benchmark's
+// layout (16 channels of 4096), many
 // groups per cluster (persistent rounds, both accumulator parities), rank slices rounded to whole
 // warps that leave ranks empty (3 channels of 256), more channels than a warp (64 and the maximum
 // 256), data whose mean lies far from 0, no affine parameters, and shapes the lean kernel does
 // not take (spatial sizes not a multiple of 32 vectors: the existing kernels).
-TEST(NormCuda, GroupNormBackwardVariantsMatchCpu) {
+TEST(NormCuda, GroupNormLeanVariantsMatchCpu) {
   FLAME_SKIP_IF_NO_CUDA();
   struct C {
     Shape shape;
@@ -552,9 +556,9 @@ TEST(NormCuda, GroupNormBackwardVariantsMatchCpu) {
                              {{1, 256, 16, 16}, 1, 0.3, true},  {{5, 32, 32, 32}, 8, 40.0, true},
                              {{20, 64, 32, 32}, 16, 0.3, false}, {{2, 6, 24}, 2, 0.3, true},
                              {{2, 4, 4099}, 2, 0.3, true}};
-  for (int variant = 0; variant <= 5; ++variant) {
-    SCOPED_TRACE("FLAME_GN_BWD_VARIANT=" + std::to_string(variant));
-    ScopedEnv env("FLAME_GN_BWD_VARIANT", std::to_string(variant));
+  for (int variant = 0; variant <= kGnFwdVariants - 1; ++variant) {
+    SCOPED_TRACE("FLAME_GN_FWD_VARIANT=" + std::to_string(variant));
+    ScopedEnv env("FLAME_GN_FWD_VARIANT", std::to_string(variant));
     uint64_t seed = 1000;
     for (const C& c : cases) {
       compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {

@@ -29,20 +29,19 @@
 //    group) by the lanes holding the sums; dx lanes fetch it by a shuffle.
 //  - dx = rstd * w_c * dy + (x - mean) * (-rstd^2 * mean(g * xhat)) - rstd * mean(g): one
 //    subtraction and two multiply-adds per value, with the per-group factors hoisted.
-// kWarpSums: every warp (not warp 0 alone) reads the cluster's accumulators and derives the group
-// sums itself, the weights of its own vectors from global memory (L1): no block barrier and no
-// shared-memory publishing per group, at 16 times the distributed-shared-memory reads.
-// Synchronisation: the accumulators rotate over kSlots slots by group. A block adds into slot s
-// before the group's cluster barrier (whose arrive releases the shared-memory writes of every
+// Synchronisation: the accumulators are double-buffered by group parity. A block adds into slot
+// p before the group's cluster barrier (whose arrive releases the shared-memory writes of every
 // thread); the other blocks read it after that barrier and before they arrive at the next
-// group's barrier, so slot s is free again once this block has passed the next group's barrier,
-// where the block clears it. Its next atomics into it must follow the clearing: with warp 0
-// publishing (2 slots) the block barrier after the clearing orders them; with kWarpSums there is
-// no block barrier, so 3 slots: the slot cleared in group g is next used in group g + 2, after
-// the cluster barrier of group g + 1. The final cluster barrier keeps each block's shared memory
-// alive until the others have read it. Every thread reaches every barrier (the group loop is
-// uniform over the cluster).
-// This is a tuning candidate selected by FLAME_GN_BWD_VARIANT (norm_channels.cu).
+// group's barrier, so slot p is free again once this block has passed the next group's barrier,
+// where the block clears it before the block barrier that precedes the next atomics into it.
+// The final cluster barrier keeps each block's shared memory alive until the others have read it.
+// Every thread reaches every barrier (the group loop is uniform over the cluster).
+// Measured (H100, bf16, [32, 512, 64, 64], 32 groups; one GPU run, the variants side by side):
+// the backward alone 0.227 ms -> 0.155 ms (60% -> 87% of copy), forward + backward 66% -> 84%.
+// Clusters of 8 blocks of 256 threads (4 per SM) and of 4 of 512 (2 per SM) were within 1% of
+// each other; 8 of 512 at 3 blocks per SM (40 registers, 2 vectors per thread) and a variant in
+// which every warp derived the group sums itself (no block barrier, 3 accumulator slots, 16 times
+// the distributed-shared-memory reads) were slower (docs/gn.md).
 
 namespace gn_lean {
 
@@ -98,9 +97,16 @@ constexpr int min_blocks(int vpt, int blk, int want) {
   return 1;
 }
 
+// The same for the forward: x alone (4 registers per vector), twice with the next group prefetched.
+constexpr int forward_min_blocks(int vpt, int blk, int want, bool prefetch) {
+  for (int b = want; b > 1; --b)
+    if (reg_cap(blk, b) >= 4 * vpt * (prefetch ? 2 : 1) + 24) return b;
+  return 1;
+}
+
 }  // namespace gn_lean
 
-template <class T, int W, int kVPT, int kCl, int kBlk, int kMinBlocks, bool kWarpSums>
+template <class T, int W, int kVPT, int kCl, int kBlk, int kMinBlocks>
 __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
     group_backward_lean_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                const compute_t<T>* __restrict__ mean, const compute_t<T>* __restrict__ rstd,
@@ -115,9 +121,8 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
   constexpr int kStep = kBlk * W;
   namespace coop = cooperative_groups;
   coop::cluster_group cluster = coop::this_cluster();
-  // Per channel of the group: sum dy (0) and sum dy * (x - mean) (1), by slot (group number
-  // modulo kSlots).
-  constexpr int kSlots = kWarpSums ? 3 : 2;
+  // Per channel of the group: sum dy (0) and sum dy * (x - mean) (1), by slot (group parity).
+  constexpr int kSlots = 2;
   __shared__ A acc[kSlots][2][kClusterMaxChannels];
   __shared__ A scale[kClusterMaxChannels];  // rstd * w_c of the current group
   __shared__ A bc[2];                       // mean(g), mean(g * xhat) of the current group
@@ -175,17 +180,16 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
     // The slot before this one (the previous group's) has been read by every block once this
     // block passes this group's cluster barrier: cleared here for the group kSlots - 1 ahead.
     A(&prev)[2][kClusterMaxChannels] = acc[slot == 0 ? kSlots - 1 : slot - 1];
-    if constexpr (kWarpSums) {
-      // Every warp derives the group sums itself: no block barrier; the clearing is ordered
-      // before the slot's next atomics (two groups ahead) by the next group's cluster barrier.
-      const A w_first = w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
-      cluster.sync();  // every block's accumulators of this group are complete
+    // Warp 0's first weights, in flight across the barrier.
+    const A w_first = warp == 0 && w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
+    cluster.sync();  // every block's accumulators of this group are complete
+    if (warp == 0) {
       A pg = A(0), pgx = A(0);
       const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ac[0][0]));
       for (int ci = lane; ci < ncg; ci += 32) {
         A tb = A(0), tw = A(0);
 #pragma unroll
-        for (int r = 0; r < kCl; ++r) {  // the same order in every warp: uniform results
+        for (int r = 0; r < kCl; ++r) {  // the same order in every block: uniform results
           const uint32_t o = gn_lean::dsmem_map(base + ci * static_cast<uint32_t>(sizeof(A)), r);
           tb += gn_lean::dsmem_load(o, A(0));
           tw += gn_lean::dsmem_load(o + kClusterMaxChannels * static_cast<uint32_t>(sizeof(A)), A(0));
@@ -194,85 +198,156 @@ __global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
         const A wc = ci < 32 ? w_first : w ? load_as<A>(w[c0 + ci]) : A(1);
         pg += wc * tb;
         pgx += wc * tw;
-        if (part_w != nullptr && rank == 0 && warp == 0) {
+        scale[ci] = rs * wc;
+        if (part_w != nullptr && rank == 0) {
           const int pi = row * ncg + ci;  // (n, c0 + ci) of [N, C] (N * C < 2^31: the launcher)
           part_w[pi] = tw;
           part_b[pi] = tb;
         }
       }
-      for (int i = tid; i < ncg; i += kBlk) prev[0][i] = prev[1][i] = A(0);
       A two[2] = {pg, pgx};
       const A t = gn_lean::warp_sum_transposed<2>(two, lane);
-      const A mg = __shfl_sync(0xffffffffu, t, 0) * inv_len, mgx = __shfl_sync(0xffffffffu, t, 16) * inv_len;
-      if (dx) {
-        const A bx = -rs * rs * mgx, cc = -rs * mg;
-        T* out = dx + static_cast<int64_t>(row) * len + toff;
-#pragma unroll
-        for (int k = 0; k < kVPT; ++k) {
-          const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);  // vector k's channel
-          if (k * kBlk < lim) {
-            const A ak = w ? rs * load_as<A>(w[c0 + ck]) : rs;
-            A o[W];
-#pragma unroll
-            for (int j = 0; j < W; ++j)
-              o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
-            store_vec<T, W>(out + k * kStep, o);
-          }
-        }
-      }
-    } else {
-      // Warp 0's first weights, in flight across the barrier.
-      const A w_first = warp == 0 && w != nullptr && lane < ncg ? load_as<A>(w[c0 + lane]) : A(1);
-      cluster.sync();  // every block's accumulators of this group are complete
-      if (warp == 0) {
-        A pg = A(0), pgx = A(0);
-        const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&ac[0][0]));
-        for (int ci = lane; ci < ncg; ci += 32) {
-          A tb = A(0), tw = A(0);
-#pragma unroll
-          for (int r = 0; r < kCl; ++r) {  // the same order in every block: uniform results
-            const uint32_t o = gn_lean::dsmem_map(base + ci * static_cast<uint32_t>(sizeof(A)), r);
-            tb += gn_lean::dsmem_load(o, A(0));
-            tw += gn_lean::dsmem_load(o + kClusterMaxChannels * static_cast<uint32_t>(sizeof(A)), A(0));
-          }
-          tw *= rs;  // sum dy * xhat
-          const A wc = ci < 32 ? w_first : w ? load_as<A>(w[c0 + ci]) : A(1);
-          pg += wc * tb;
-          pgx += wc * tw;
-          scale[ci] = rs * wc;
-          if (part_w != nullptr && rank == 0) {
-            const int pi = row * ncg + ci;  // (n, c0 + ci) of [N, C] (N * C < 2^31: the launcher)
-            part_w[pi] = tw;
-            part_b[pi] = tb;
-          }
-        }
-        A two[2] = {pg, pgx};
-        const A t = gn_lean::warp_sum_transposed<2>(two, lane);
-        if (lane == 0) bc[0] = t * inv_len;
-        if (lane == 16) bc[1] = t * inv_len;
-      }
-      for (int i = tid; i < ncg; i += kBlk) prev[0][i] = prev[1][i] = A(0);
-      __syncthreads();  // bc, scale published; the clearing precedes the next group's atomics
-      if (dx) {
-        const A mg = bc[0], mgx = bc[1];
-        const A bx = -rs * rs * mgx, cc = -rs * mg;
-        T* out = dx + static_cast<int64_t>(row) * len + toff;
-#pragma unroll
-        for (int k = 0; k < kVPT; ++k) {
-          const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);  // vector k's channel
-          if (k * kBlk < lim) {
-            const A ak = scale[ck];
-            A o[W];
-#pragma unroll
-            for (int j = 0; j < W; ++j)
-              o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
-            store_vec<T, W>(out + k * kStep, o);
-          }
-        }
-      }
-      // No barrier here: warp 0 rewrites scale and bc only after the next group's cluster
-      // barrier, which every thread of the block reaches after its dx.
+      if (lane == 0) bc[0] = t * inv_len;
+      if (lane == 16) bc[1] = t * inv_len;
     }
+    for (int i = tid; i < ncg; i += kBlk) prev[0][i] = prev[1][i] = A(0);
+    __syncthreads();  // bc, scale published; the clearing precedes the next group's atomics
+    if (dx) {
+      const A mg = bc[0], mgx = bc[1];
+      const A bx = -rs * rs * mgx, cc = -rs * mg;
+      T* out = dx + static_cast<int64_t>(row) * len + toff;
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) {
+        const int ck = __shfl_sync(0xffffffffu, hold_c, 2 * k * kHold);  // vector k's channel
+        if (k * kBlk < lim) {
+          const A ak = scale[ck];
+          A o[W];
+#pragma unroll
+          for (int j = 0; j < W; ++j)
+            o[j] = ak * raw_elem<T, W, A>(cd[k], j) + ((raw_elem<T, W, A>(cx[k], j) - m) * bx + cc);
+          store_vec<T, W>(out + k * kStep, o);
+        }
+      }
+    }
+    // No barrier here: warp 0 rewrites scale and bc only after the next group's cluster
+    // barrier, which every thread of the block reaches after its dx.
   }
   cluster.sync();  // the other blocks have read this block's accumulators
+}
+
+// Note [GroupNorm lean forward]
+// The cluster forward of group_cluster.cuh (one exchange of shifted sums per group) with the
+// backward's exchange technique: each warp reduces its two sums by the transposed butterfly
+// (5 shuffles instead of 10) and writes them to its own slot of the block's shared memory (no
+// atomics, no clearing: double-buffered by group parity as the backward's accumulators); after
+// the cluster barrier every warp reads the kCl * kBlk / 32 warp slots of the cluster through
+// 32-bit mapa addresses (a few per lane) and reduces them itself, in the same order in every warp
+// (uniform, deterministic statistics). One barrier per group (the cluster's) instead of a block
+// barrier, a serial warp-0 reduction and the cluster barrier. kPrefetch: the next group is loaded
+// into registers while the current one is reduced (as the existing forward); without it, fewer
+// registers and more blocks per SM. Variants are selected by FLAME_GN_FWD_VARIANT
+// (norm_channels.cu) for measurement.
+template <class T, int W, int kVPT, int kCl, int kBlk, int kMinBlocks, bool kPrefetch>
+__global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, kMinBlocks)
+    group_forward_lean_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                              T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
+                              compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t groups, int64_t cg,
+                              int64_t S, compute_t<T> eps) {
+  using A = compute_t<T>;
+  using R = typename RawVec<T, W>::type;
+  static_assert(W > 1, "the cluster path moves 16-byte vectors");
+  constexpr int kStep = kBlk * W;
+  constexpr int kWarps = kBlk / 32;
+  constexpr int kEntries = kCl * kWarps;  // warp slots per cluster
+  namespace coop = cooperative_groups;
+  coop::cluster_group cluster = coop::this_cluster();
+  __shared__ A part[2][kWarps][2];  // per warp: sum (x - K), sum (x - K)^2, by group parity
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int64_t len = cg * S;
+  const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
+  const int per = (nvec + kCl - 1) / kCl;
+  const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
+  const int toff = (v0 + tid) * W, lim = v1 - v0 - tid;
+  const int nrows = static_cast<int>(rows), ngroups = static_cast<int>(groups), ncg = static_cast<int>(cg);
+  const int stride = static_cast<int>(gridDim.x) / kCl;
+  const A inv_len = A(1) / static_cast<A>(len);
+  int row = static_cast<int>(blockIdx.x) / kCl;
+  R cur[kVPT];
+  T kcur = T{};
+  auto load = [&](int r, R(&dst)[kVPT], T& kdst) {
+    const T* p = x + static_cast<int64_t>(r) * len;
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k)
+      if (k * kBlk < lim) dst[k] = load_raw<T, W>(p + toff + k * kStep);
+    kdst = p[0];
+  };
+  [[maybe_unused]] R nxt[kPrefetch ? kVPT : 1];
+  [[maybe_unused]] T knxt = T{};
+  if constexpr (kPrefetch) {
+    if (row < nrows) load(row, cur, kcur);
+  }
+  for (int parity = 0; row < nrows; row += stride, parity ^= 1) {
+    if constexpr (kPrefetch) {
+      if (row + stride < nrows) load(row + stride, nxt, knxt);
+    } else {
+      load(row, cur, kcur);
+    }
+    const A K = load_as<A>(kcur);
+    A s[2] = {A(0), A(0)};
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k)
+      if (k * kBlk < lim)
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const A d = raw_elem<T, W, A>(cur[k], j) - K;
+          s[0] += d;
+          s[1] += d * d;
+        }
+    {
+      const A t = gn_lean::warp_sum_transposed<2>(s, lane);  // lane 0: sum d, lane 16: sum d^2
+      if ((lane & 15) == 0) part[parity][warp][lane >> 4] = t;
+    }
+    cluster.sync();  // every warp slot of the cluster holds this group's sums
+    A a[2] = {A(0), A(0)};
+    const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(&part[parity][0][0]));
+#pragma unroll
+    for (int e = lane; e < kEntries; e += 32) {  // the same order in every warp: uniform results
+      const uint32_t o = gn_lean::dsmem_map(base + (e % kWarps) * 2 * static_cast<uint32_t>(sizeof(A)), e / kWarps);
+      a[0] += gn_lean::dsmem_load(o, A(0));
+      a[1] += gn_lean::dsmem_load(o + static_cast<uint32_t>(sizeof(A)), A(0));
+    }
+    const A t = gn_lean::warp_sum_transposed<2>(a, lane);
+    const A s1 = __shfl_sync(0xffffffffu, t, 0), s2 = __shfl_sync(0xffffffffu, t, 16);
+    const A dm = s1 * inv_len;
+    const A m = K + dm;
+    A var = s2 * inv_len - dm * dm;
+    var = var > A(0) ? var : A(0);
+    const A rs = rsqrt_acc(var + eps);
+    if (rank == 0 && tid == 0) {
+      mean_out[row] = m;
+      rstd_out[row] = rs;
+    }
+    const int c0 = (row % ngroups) * ncg;
+    T* out = y + static_cast<int64_t>(row) * len + toff;
+#pragma unroll
+    for (int k = 0; k < kVPT; ++k) {
+      if (k * kBlk < lim) {
+        const int c = c0 + (toff + k * kStep) / si;
+        const A scale = w ? rs * load_as<A>(w[c]) : rs;
+        const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
+        A o[W];
+#pragma unroll
+        for (int j = 0; j < W; ++j) o[j] = raw_elem<T, W, A>(cur[k], j) * scale + off;
+        store_vec<T, W>(out + k * kStep, o);
+      }
+    }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) cur[k] = nxt[k];
+      kcur = knxt;
+    }
+  }
+  cluster.sync();  // the other blocks have read this block's warp slots
 }

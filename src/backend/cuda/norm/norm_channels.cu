@@ -252,24 +252,50 @@ inline int cluster_vpt(int64_t nvec, int max_vpt, int64_t threads = int64_t{kClu
   return 0;
 }
 
-// Tuning hook for the cluster backward (Note [GroupNorm lean backward]): FLAME_GN_BWD_VARIANT
-//   0: group_backward_cluster_kernel, 4 blocks of 512 threads (the default)
-//   1: group_backward_lean_kernel, 4 blocks of 512 threads, 2 blocks per SM
-//   2: group_backward_lean_kernel, 8 blocks of 256 threads, 4 blocks per SM
-//   3: group_backward_lean_kernel, 8 blocks of 512 threads, 3 blocks per SM
-//   4: as 1, every warp deriving the group sums itself (no block barrier per group)
-//   5: as 2, every warp deriving the group sums itself
+// Tuning hook for the cluster forward (Note [GroupNorm lean forward]): FLAME_GN_FWD_VARIANT
+//   0: group_forward_cluster_kernel, 4 blocks of 512 threads, next group prefetched (the default)
+//   1: group_forward_lean_kernel, 4 blocks of 512 threads, next group prefetched, 2 blocks per SM
+//   2: group_forward_lean_kernel, 8 blocks of 256 threads, next group prefetched, 4 blocks per SM
+//   3: group_forward_lean_kernel, 4 blocks of 512 threads, no prefetch, 3 blocks per SM
 // Read at every call (a getenv, small next to any kernel launch) so that one process (a test, the
-// benchmark) can measure or check each variant; the losers are to be removed once measured.
-constexpr int kGnBwdDefaultVariant = 0;
-int gn_backward_variant() {
-  const char* v = std::getenv("FLAME_GN_BWD_VARIANT");
-  return v != nullptr && *v != '\0' ? std::atoi(v) : kGnBwdDefaultVariant;
+// benchmark) can check or measure each variant; the losers are to be removed once measured.
+constexpr int kGnFwdDefaultVariant = 0;
+int gn_forward_variant() {
+  const char* v = std::getenv("FLAME_GN_FWD_VARIANT");
+  return v != nullptr && *v != '\0' ? std::atoi(v) : kGnFwdDefaultVariant;
+}
+
+// Launches the lean cluster forward on clusters of kCl blocks of kBlk threads (up to kWant blocks
+// per SM) when the group fits; false (nothing launched) otherwise.
+template <class T, int W, int kCl, int kBlk, int kWant, bool kPrefetch>
+bool launch_group_forward_lean(cudaStream_t st, const T* xp, const T* wp, const T* bp, T* yp, compute_t<T>* mean,
+                               compute_t<T>* rstd, int64_t rows, int64_t groups, int64_t cg, int64_t S,
+                               compute_t<T> eps) {
+  const int vpt = cluster_vpt(cg * S / W, 32 / W, int64_t{kCl} * kBlk);
+  if (vpt == 0 || rows * kCl > (int64_t{1} << 31) - 1) return false;
+  bool launched = false;
+  auto pick = [&](auto vpt_tag) {
+    constexpr int VPT = decltype(vpt_tag)::value;
+    if constexpr (VPT * W <= 32) {
+      if (vpt != VPT) return;
+      auto kernel = group_forward_lean_kernel<T, W, VPT, kCl, kBlk,
+                                              gn_lean::forward_min_blocks(VPT, kBlk, kWant, kPrefetch), kPrefetch>;
+      kernel<<<cluster_grid<kCl, kBlk>(kernel, rows), kBlk, 0, st>>>(xp, wp, bp, yp, mean, rstd, rows, groups, cg, S,
+                                                                      eps);
+      FLAME_CUDA_CHECK_LAUNCH();
+      launched = true;
+    }
+  };
+  pick(std::integral_constant<int, 1>{});
+  pick(std::integral_constant<int, 2>{});
+  pick(std::integral_constant<int, 4>{});
+  pick(std::integral_constant<int, 8>{});
+  return launched;
 }
 
 // Launches the lean cluster backward on clusters of kCl blocks of kBlk threads (up to kWant blocks
 // per SM) when the group fits; false (nothing launched) otherwise.
-template <class T, int W, int kCl, int kBlk, int kWant, bool kWarpSums>
+template <class T, int W, int kCl, int kBlk, int kWant>
 bool launch_group_backward_lean(cudaStream_t st, const T* dyp, const T* xp, const compute_t<T>* mean,
                                 const compute_t<T>* rstd, const T* wp, T* dxp, compute_t<T>* pw,
                                 compute_t<T>* pb, int64_t rows, int64_t groups, int64_t cg, int64_t S) {
@@ -281,8 +307,7 @@ bool launch_group_backward_lean(cudaStream_t st, const T* dyp, const T* xp, cons
     constexpr int VPT = decltype(vpt_tag)::value;
     if constexpr (VPT * W <= 32) {
       if (vpt != VPT) return;
-      auto kernel =
-          group_backward_lean_kernel<T, W, VPT, kCl, kBlk, gn_lean::min_blocks(VPT, kBlk, kWant), kWarpSums>;
+      auto kernel = group_backward_lean_kernel<T, W, VPT, kCl, kBlk, gn_lean::min_blocks(VPT, kBlk, kWant)>;
       kernel<<<cluster_grid<kCl, kBlk>(kernel, rows), kBlk, 0, st>>>(dyp, xp, mean, rstd, wp, dxp, pw, pb, rows,
                                                                       groups, cg, S);
       FLAME_CUDA_CHECK_LAUNCH();
@@ -423,6 +448,22 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
+  const int variant = gn_forward_variant();
+  if (variant >= 1 && variant <= 3 && vec) {
+    bool launched = false;
+    const A e = static_cast<A>(eps);
+    if (variant == 1) {
+      launched = launch_group_forward_lean<T, W, 4, 512, 2, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
+                                                                  rows, groups, cg, d.s, e);
+    } else if (variant == 2) {
+      launched = launch_group_forward_lean<T, W, 8, 256, 4, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
+                                                                  rows, groups, cg, d.s, e);
+    } else {
+      launched = launch_group_forward_lean<T, W, 4, 512, 3, false>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
+                                                                   rows, groups, cg, d.s, e);
+    }
+    if (launched) return;
+  }
   // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
   const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
   if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
@@ -473,21 +514,11 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
-  // Note [GroupNorm lean backward]: only where every warp's vector lies in one channel.
-  const int variant = gn_backward_variant();
-  if (variant >= 1 && variant <= 5 && vec && cg <= kClusterMaxChannels && (d.s / W) % 32 == 0) {
-    bool launched = false;
-#define FLAME_GN_LEAN(CL, BLK, WANT, WARP_SUMS)                                                                  \
-  launch_group_backward_lean<T, W, CL, BLK, WANT, WARP_SUMS>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp, dxp, \
-                                                             pw, pb, rows, groups, cg, d.s)
-    switch (variant) {
-      case 1: launched = FLAME_GN_LEAN(4, 512, 2, false); break;
-      case 2: launched = FLAME_GN_LEAN(8, 256, 4, false); break;
-      case 3: launched = FLAME_GN_LEAN(8, 512, 3, false); break;
-      case 4: launched = FLAME_GN_LEAN(4, 512, 2, true); break;
-      default: launched = FLAME_GN_LEAN(8, 256, 4, true); break;
-    }
-#undef FLAME_GN_LEAN
+  // Note [GroupNorm lean backward]: clusters of 8 blocks of 256 threads, where every warp's vector
+  // lies in one channel; other shapes take the kernels below.
+  if (vec && cg <= kClusterMaxChannels && (d.s / W) % 32 == 0) {
+    const bool launched = launch_group_backward_lean<T, W, 8, 256, 4>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp,
+                                                                      dxp, pw, pb, rows, groups, cg, d.s);
     if (launched) {
       if (params) {
         column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);
