@@ -124,6 +124,6 @@ int main(int argc, char** argv) {
       [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
   run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
       [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
-      /*fwd_variants=*/4);
+      /*fwd_variants=*/5);
   return 0;
 }

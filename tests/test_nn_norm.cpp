@@ -512,7 +512,7 @@ TEST(NormCuda, GroupNormPersistentClustersMatchCpu) {
 }
 
 // Cluster forward variants behind FLAME_GN_FWD_VARIANT (norm_channels.cu).
-constexpr int kGnFwdVariants = 4;
+constexpr int kGnFwdVariants = 5;
 
 // Sets an environment variable for a scope and restores the previous value.
 class ScopedEnv {

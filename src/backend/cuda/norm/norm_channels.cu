@@ -257,6 +257,7 @@ inline int cluster_vpt(int64_t nvec, int max_vpt, int64_t threads = int64_t{kClu
 //   1: group_forward_lean_kernel, 4 blocks of 512 threads, next group prefetched, 2 blocks per SM
 //   2: group_forward_lean_kernel, 8 blocks of 256 threads, next group prefetched, 4 blocks per SM
 //   3: group_forward_lean_kernel, 4 blocks of 512 threads, no prefetch, 3 blocks per SM
+//   4: group_forward_lean_kernel, 8 blocks of 256 threads, no prefetch, 6 blocks per SM
 // Read at every call (a getenv, small next to any kernel launch) so that one process (a test, the
 // benchmark) can check or measure each variant; the losers are to be removed once measured.
 constexpr int kGnFwdDefaultVariant = 0;
@@ -449,7 +450,7 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
   const int variant = gn_forward_variant();
-  if (variant >= 1 && variant <= 3 && vec) {
+  if (variant >= 1 && variant <= 4 && vec) {
     bool launched = false;
     const A e = static_cast<A>(eps);
     if (variant == 1) {
@@ -458,8 +459,11 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
     } else if (variant == 2) {
       launched = launch_group_forward_lean<T, W, 8, 256, 4, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
                                                                   rows, groups, cg, d.s, e);
-    } else {
+    } else if (variant == 3) {
       launched = launch_group_forward_lean<T, W, 4, 512, 3, false>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
+                                                                   rows, groups, cg, d.s, e);
+    } else {
+      launched = launch_group_forward_lean<T, W, 8, 256, 6, false>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
                                                                    rows, groups, cg, d.s, e);
     }
     if (launched) return;
