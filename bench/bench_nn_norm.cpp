@@ -8,8 +8,6 @@
 // pct_d2d is that rate over a 256 MiB device-to-device copy timed the same way
 // (norm_d2d_copy). Every line also carries ms. group_norm_bf16_bwd times the backward alone (a
 // retained graph; bytes: x, dy, dx and the parameters twice).
-// FLAME-only tuning lines (no twin): group_norm_bf16_{fwd,fwdbwd}_f<k> repeat those two with
-// FLAME_GN_FWD_VARIANT=k, each cluster-forward variant (Note [GroupNorm lean forward]).
 //
 // Usage: bench_nn_norm [--reps N] [--warmup N]
 #include <cuda_runtime.h>
@@ -17,7 +15,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
@@ -71,7 +68,7 @@ int main(int argc, char** argv) {
   // bytes: x-sized tensors moved (fwd: x, y; fwd+bwd: + x, dy, dx), parameters as given.
   auto run = [&](const std::string& name, const flame::Shape& shape, int64_t params, bool bias,
                  const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op,
-                 int fwd_variants = 0) {
+                 bool bwd_alone = false) {
     try {
       const Tensor x0 = Tensor::randn(shape, 0.5, 2.0, bf16);
       const Tensor w = Tensor::randn({params}, 1.0, 0.2, bf16).requires_grad_();
@@ -79,41 +76,26 @@ int main(int argc, char** argv) {
       const Tensor dy = Tensor::randn(shape, 0.0, 1.0, bf16);
       const double xb = static_cast<double>(x0.nbytes());
       const double pb = static_cast<double>(params) * 2.0 * (bias ? 2 : 1);
-      auto fwd = [&](const std::string& suffix) {
+      {
         flame::NoGradGuard no_grad;
         const double ms = median_ms(stream, reps, warmup, [&] { (void)op(x0, w, b); });
-        emit(name + "_fwd" + suffix, (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d);
-      };
-      fwd("");
+        emit(name + "_fwd", (2 * xb + pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      }
       Tensor x = x0.detach().requires_grad_();
       BackwardOptions o;
       o.grad_output = dy;
-      auto fwdbwd = [&](const std::string& suffix) {
-        const double ms = median_ms(stream, reps, warmup, [&] {
-          Tensor y = op(x, w, b);
-          (void)y.backward(o);
-        });
-        emit(name + "_fwdbwd" + suffix, (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
-      };
-      auto bwd = [&](const std::string& suffix) {
+      const double ms = median_ms(stream, reps, warmup, [&] {
+        Tensor y = op(x, w, b);
+        (void)y.backward(o);
+      });
+      emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      if (bwd_alone) {  // the backward alone, on a retained graph
         const Tensor y = op(x, w, b);
         BackwardOptions r = o;
         r.retain_graph = true;
-        const double ms = median_ms(stream, reps, warmup, [&] { (void)y.backward(r); });
-        emit(name + "_bwd" + suffix, (3 * xb + 2 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
-      };
-      fwdbwd("");
-      if (fwd_variants == 0) return;
-      bwd("");
-      const char* old = std::getenv("FLAME_GN_FWD_VARIANT");
-      const std::string saved = old != nullptr ? old : "";
-      for (int v = 0; v < fwd_variants; ++v) {
-        setenv("FLAME_GN_FWD_VARIANT", std::to_string(v).c_str(), 1);
-        fwd("_f" + std::to_string(v));
-        fwdbwd("_f" + std::to_string(v));
+        const double bms = median_ms(stream, reps, warmup, [&] { (void)y.backward(r); });
+        emit(name + "_bwd", (3 * xb + 2 * pb) / (bms * 1e-3) / 1e9, bms, d2d);
       }
-      if (old != nullptr) setenv("FLAME_GN_FWD_VARIANT", saved.c_str(), 1);
-      else unsetenv("FLAME_GN_FWD_VARIANT");
     } catch (const std::exception& e) {
       std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
     }
@@ -124,6 +106,6 @@ int main(int argc, char** argv) {
       [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
   run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
       [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
-      /*fwd_variants=*/5);
+      /*bwd_alone=*/true);
   return 0;
 }

@@ -5,7 +5,6 @@
 //  - NormCuda.*: every dtype, odd and empty shapes, non-contiguous input: forward and all
 //    gradients against the CPU reference computed in f64 from the same (rounded) inputs.
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "flame/nn/norm.h"
@@ -511,39 +510,14 @@ TEST(NormCuda, GroupNormPersistentClustersMatchCpu) {
   }, {20, 64, 32, 32}, {64}, false, false, seed++);
 }
 
-// Cluster forward variants behind FLAME_GN_FWD_VARIANT (norm_channels.cu).
-constexpr int kGnFwdVariants = 5;
-
-// Sets an environment variable for a scope and restores the previous value.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const std::string& value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value.c_str(), 1);
-  }
-  ~ScopedEnv() {
-    if (had_) setenv(name_, old_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
-// The lean cluster backward (Note [GroupNorm lean backward]) and, with FLAME_GN_FWD_VARIANT, every
-// cluster forward variant (Note [GroupNorm lean forward]) against the CPU: the benchmark's
-// layout (16 channels of 4096), many
-// groups per cluster (persistent rounds, both accumulator parities), rank slices rounded to whole
-// warps that leave ranks empty (3 channels of 256), more channels than a warp (64 and the maximum
-// 256), data whose mean lies far from 0, no affine parameters, and shapes the lean kernel does
-// not take (spatial sizes not a multiple of 32 vectors: the existing kernels).
-TEST(NormCuda, GroupNormLeanVariantsMatchCpu) {
+// The lean cluster kernels (Note [GroupNorm lean forward], Note [GroupNorm lean backward])
+// against the CPU: the benchmark's layout (16 channels of 4096), many groups per cluster
+// (persistent rounds, both parities of the exchange buffers), rank slices rounded to whole warps
+// that leave ranks empty (3 channels of 256), more channels than a warp (64 and the maximum 256),
+// data whose mean lies far from 0, no affine parameters, parameter gradients only and dx only,
+// and shapes the lean backward does not take (spatial sizes not a multiple of 32 vectors: the
+// older cluster backward; not a multiple of the vector width: the block kernels).
+TEST(NormCuda, GroupNormLeanKernelsMatchCpu) {
   FLAME_SKIP_IF_NO_CUDA();
   struct C {
     Shape shape;
@@ -556,35 +530,31 @@ TEST(NormCuda, GroupNormLeanVariantsMatchCpu) {
                              {{1, 256, 16, 16}, 1, 0.3, true},  {{5, 32, 32, 32}, 8, 40.0, true},
                              {{20, 64, 32, 32}, 16, 0.3, false}, {{2, 6, 24}, 2, 0.3, true},
                              {{2, 4, 4099}, 2, 0.3, true}};
-  for (int variant = 0; variant <= kGnFwdVariants - 1; ++variant) {
-    SCOPED_TRACE("FLAME_GN_FWD_VARIANT=" + std::to_string(variant));
-    ScopedEnv env("FLAME_GN_FWD_VARIANT", std::to_string(variant));
-    uint64_t seed = 1000;
-    for (const C& c : cases) {
-      compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
-        return F::group_norm(x, c.groups, w, b);
-      }, c.shape, {c.shape[1]}, c.affine, false, seed, c.xmean);
-      seed += 10;
-    }
-    // Only the parameter gradients (no dx), then only dx (parameters without grad).
-    const Tensor x = rnd({3, 32, 32, 32}, 1100, 0.3, 1.5).to(DType::f32);
-    const Tensor v = rnd({3, 32, 32, 32}, 1101).to(DType::f32);
-    const Tensor wc = rnd({32}, 1102, 1.0, 0.5).to(DType::f32).requires_grad_();
-    const Tensor bc = rnd({32}, 1103).to(DType::f32).requires_grad_();
-    const Tensor wg = wc.detach().to(Device::cuda()).requires_grad_();
-    const Tensor bg = bc.detach().to(Device::cuda()).requires_grad_();
-    BackwardOptions oc, og;
-    oc.grad_output = v;
-    og.grad_output = v.to(Device::cuda());
-    Gradients gc = F::group_norm(x, 4, wc, bc).backward(oc);
-    Gradients gg = F::group_norm(x.to(Device::cuda()), 4, wg, bg).backward(og);
-    EXPECT_TRUE(close_scaled(gg.get(wg), gc.get(wc), 1e-4)) << "dweight only";
-    EXPECT_TRUE(close_scaled(gg.get(bg), gc.get(bc), 1e-4)) << "dbias only";
-    const Tensor xc = x.detach().requires_grad_(), xg = x.to(Device::cuda()).requires_grad_();
-    Gradients hc = F::group_norm(xc, 4, wc.detach(), bc.detach()).backward(oc);
-    Gradients hg = F::group_norm(xg, 4, wg.detach(), bg.detach()).backward(og);
-    EXPECT_TRUE(close_scaled(hg.get(xg), hc.get(xc), 1e-4)) << "dx only";
+  uint64_t seed = 1000;
+  for (const C& c : cases) {
+    compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+      return F::group_norm(x, c.groups, w, b);
+    }, c.shape, {c.shape[1]}, c.affine, false, seed, c.xmean);
+    seed += 10;
   }
+  // Only the parameter gradients (no dx), then only dx (parameters without grad).
+  const Tensor x = rnd({3, 32, 32, 32}, 1100, 0.3, 1.5).to(DType::f32);
+  const Tensor v = rnd({3, 32, 32, 32}, 1101).to(DType::f32);
+  const Tensor wc = rnd({32}, 1102, 1.0, 0.5).to(DType::f32).requires_grad_();
+  const Tensor bc = rnd({32}, 1103).to(DType::f32).requires_grad_();
+  const Tensor wg = wc.detach().to(Device::cuda()).requires_grad_();
+  const Tensor bg = bc.detach().to(Device::cuda()).requires_grad_();
+  BackwardOptions oc, og;
+  oc.grad_output = v;
+  og.grad_output = v.to(Device::cuda());
+  Gradients gc = F::group_norm(x, 4, wc, bc).backward(oc);
+  Gradients gg = F::group_norm(x.to(Device::cuda()), 4, wg, bg).backward(og);
+  EXPECT_TRUE(close_scaled(gg.get(wg), gc.get(wc), 1e-4)) << "dweight only";
+  EXPECT_TRUE(close_scaled(gg.get(bg), gc.get(bc), 1e-4)) << "dbias only";
+  const Tensor xc = x.detach().requires_grad_(), xg = x.to(Device::cuda()).requires_grad_();
+  Gradients hc = F::group_norm(xc, 4, wc.detach(), bc.detach()).backward(oc);
+  Gradients hg = F::group_norm(xg, 4, wg.detach(), bg.detach()).backward(og);
+  EXPECT_TRUE(close_scaled(hg.get(xg), hc.get(xc), 1e-4)) << "dx only";
 }
 
 TEST(NormCuda, OnlyWeightGradient) {

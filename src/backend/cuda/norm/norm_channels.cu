@@ -3,7 +3,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <memory>
 #include <map>
 #include <type_traits>
@@ -252,20 +251,6 @@ inline int cluster_vpt(int64_t nvec, int max_vpt, int64_t threads = int64_t{kClu
   return 0;
 }
 
-// Tuning hook for the cluster forward (Note [GroupNorm lean forward]): FLAME_GN_FWD_VARIANT
-//   0: group_forward_cluster_kernel, 4 blocks of 512 threads, next group prefetched (the default)
-//   1: group_forward_lean_kernel, 4 blocks of 512 threads, next group prefetched, 2 blocks per SM
-//   2: group_forward_lean_kernel, 8 blocks of 256 threads, next group prefetched, 4 blocks per SM
-//   3: group_forward_lean_kernel, 4 blocks of 512 threads, no prefetch, 3 blocks per SM
-//   4: group_forward_lean_kernel, 8 blocks of 256 threads, no prefetch, 6 blocks per SM
-// Read at every call (a getenv, small next to any kernel launch) so that one process (a test, the
-// benchmark) can check or measure each variant; the losers are to be removed once measured.
-constexpr int kGnFwdDefaultVariant = 0;
-int gn_forward_variant() {
-  const char* v = std::getenv("FLAME_GN_FWD_VARIANT");
-  return v != nullptr && *v != '\0' ? std::atoi(v) : kGnFwdDefaultVariant;
-}
-
 // Launches the lean cluster forward on clusters of kCl blocks of kBlk threads (up to kWant blocks
 // per SM) when the group fits; false (nothing launched) otherwise.
 template <class T, int W, int kCl, int kBlk, int kWant, bool kPrefetch>
@@ -449,45 +434,11 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
-  const int variant = gn_forward_variant();
-  if (variant >= 1 && variant <= 4 && vec) {
-    bool launched = false;
-    const A e = static_cast<A>(eps);
-    if (variant == 1) {
-      launched = launch_group_forward_lean<T, W, 4, 512, 2, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
-                                                                  rows, groups, cg, d.s, e);
-    } else if (variant == 2) {
-      launched = launch_group_forward_lean<T, W, 8, 256, 4, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
-                                                                  rows, groups, cg, d.s, e);
-    } else if (variant == 3) {
-      launched = launch_group_forward_lean<T, W, 4, 512, 3, false>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
-                                                                   rows, groups, cg, d.s, e);
-    } else {
-      launched = launch_group_forward_lean<T, W, 8, 256, 6, false>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd),
-                                                                   rows, groups, cg, d.s, e);
-    }
-    if (launched) return;
-  }
-  // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
-  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
-  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
-    bool launched = false;
-    auto pick = [&](auto vpt_tag) {
-      constexpr int VPT = decltype(vpt_tag)::value;
-      if constexpr (VPT * W <= 32) {
-        if (vpt != VPT) return;
-        auto kernel = group_forward_cluster_kernel<T, W, VPT>;
-        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(
-            xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
-        FLAME_CUDA_CHECK_LAUNCH();
-        launched = true;
-      }
-    };
-    pick(std::integral_constant<int, 1>{});
-    pick(std::integral_constant<int, 2>{});
-    pick(std::integral_constant<int, 4>{});
-    pick(std::integral_constant<int, 8>{});
-    if (launched) return;
+  // Note [GroupNorm lean forward]: a group in the registers of a cluster of 8 blocks of 256
+  // threads when it fits (32 values per thread).
+  if (vec && launch_group_forward_lean<T, W, 8, 256, 4, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows,
+                                                              groups, cg, d.s, static_cast<A>(eps))) {
+    return;
   }
   if (vec) {
     group_forward_kernel<T, W><<<channel_grid(rows), kChannelBlock, 0, st>>>(
