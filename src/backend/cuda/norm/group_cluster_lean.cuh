@@ -41,7 +41,7 @@
 // Clusters of 8 blocks of 256 threads (4 per SM) and of 4 of 512 (2 per SM) were within 1% of
 // each other; 8 of 512 at 3 blocks per SM (40 registers, 2 vectors per thread) and a variant in
 // which every warp derived the group sums itself (no block barrier, 3 accumulator slots, 16 times
-// the distributed-shared-memory reads) were slower (docs/gn.md).
+// the distributed-shared-memory reads) were slower (docs/nn-norm.md).
 
 namespace gn_lean {
 
