@@ -1,12 +1,12 @@
-// GroupNorm backward on clusters, lean variant (Note [GroupNorm lean backward]). Included by
-// norm_channels.cu inside its anonymous namespace, after group_cluster.cuh.
+// GroupNorm on clusters, the lean kernels (Notes [GroupNorm lean backward] and [GroupNorm lean
+// forward]). Included by norm_channels.cu inside its anonymous namespace, after group_cluster.cuh.
 //
 // Note [GroupNorm lean backward]
 // The cluster backward of group_cluster.cuh spills about 160 bytes per thread at its 64-register
 // bound (Nsight: 4.3 M local spill requests for [32, 512, 64, 64], competing with the real loads):
 // per vector it keeps two partial sums live across the unrolled loop, reduces them with a full
 // warp shuffle tree each, tests channel uniformity with __all_sync, and recomputes the channel by
-// a 32-bit division per vector, twice. This variant keeps the same data layout (x and dy of a
+// a 32-bit division per vector, twice. This kernel keeps the same data layout (x and dy of a
 // group packed in registers, a cluster of kCl blocks per group, persistent clusters, no
 // prefetch) and changes the reductions:
 //  - It runs only where every warp's vector k lies in ONE channel: S a multiple of 32 vectors and
