@@ -6,7 +6,8 @@
 // counts the bytes the op must move: forward reads x (and the affine parameters) and writes y;
 // forward+backward adds reading x and dy and writing dx (and the parameter gradients).
 // pct_d2d is that rate over a 256 MiB device-to-device copy timed the same way
-// (norm_d2d_copy). Every line also carries ms.
+// (norm_d2d_copy). Every line also carries ms. group_norm_bf16_bwd times the backward alone (a
+// retained graph; bytes: x, dy, dx and the parameters twice).
 //
 // Usage: bench_nn_norm [--reps N] [--warmup N]
 #include <cuda_runtime.h>
@@ -66,7 +67,8 @@ int main(int argc, char** argv) {
   const flame::TensorOptions bf16{DType::bf16, gpu};
   // bytes: x-sized tensors moved (fwd: x, y; fwd+bwd: + x, dy, dx), parameters as given.
   auto run = [&](const std::string& name, const flame::Shape& shape, int64_t params, bool bias,
-                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op) {
+                 const std::function<Tensor(const Tensor&, const Tensor&, const Tensor&)>& op,
+                 bool bwd_alone = false) {
     try {
       const Tensor x0 = Tensor::randn(shape, 0.5, 2.0, bf16);
       const Tensor w = Tensor::randn({params}, 1.0, 0.2, bf16).requires_grad_();
@@ -87,6 +89,13 @@ int main(int argc, char** argv) {
         (void)y.backward(o);
       });
       emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      if (bwd_alone) {  // the backward alone, on a retained graph
+        const Tensor y = op(x, w, b);
+        BackwardOptions r = o;
+        r.retain_graph = true;
+        const double bms = median_ms(stream, reps, warmup, [&] { (void)y.backward(r); });
+        emit(name + "_bwd", (3 * xb + 2 * pb) / (bms * 1e-3) / 1e9, bms, d2d);
+      }
     } catch (const std::exception& e) {
       std::printf("BENCH {\"name\": \"%s_fwd\", \"error\": \"failed\"}\n# %s\n", name.c_str(), e.what());
     }
@@ -96,6 +105,7 @@ int main(int argc, char** argv) {
   run("rms_norm_bf16", {32768, 1024}, 1024, false,
       [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
   run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
-      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
+      [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); },
+      /*bwd_alone=*/true);
   return 0;
 }

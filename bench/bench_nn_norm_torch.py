@@ -2,7 +2,8 @@
 """PyTorch twin of bench/bench_nn_norm.cpp: layer_norm, rms_norm and group_norm in bf16, forward and
 forward+backward, same shapes, names and timing (CUDA events between back-to-back calls, warm-up,
 median). GB/s counts the bytes the op must move (forward: x, y and the affine parameters;
-forward+backward adds x, dy and dx and the parameter gradients); pct_d2d is that rate over a
+forward+backward adds x, dy and dx and the parameter gradients; group_norm_bf16_bwd: the backward
+alone on a retained graph, x, dy, dx and the parameters twice); pct_d2d is that rate over a
 256 MiB device-to-device copy timed the same way (norm_d2d_copy). Gradients come from
 torch.autograd.grad (no accumulation into .grad), as FLAME's backward returns a fresh store.
 
@@ -54,7 +55,7 @@ def main():
                                      "ms": round(ms, 4), "pct_d2d": 100.0}), flush=True)
     del src, dst
 
-    def run(name, shape, params, bias, op):
+    def run(name, shape, params, bias, op, bwd_alone=False):
         if args.compile:
             op = torch.compile(op)
         x0 = (torch.randn(shape, device=dev) * 2.0 + 0.5).to(torch.bfloat16)
@@ -75,13 +76,19 @@ def main():
 
         ms = median_ms(torch, step, reps, warmup)
         emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d)
+        if not bwd_alone:
+            return
+        y = op(x, w, b)  # the backward alone, on a retained graph
+        ms = median_ms(torch, lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), reps, warmup)
+        emit(name + "_bwd", (3 * xb + 2 * pb) / (ms * 1e-3) / 1e9, ms, d2d)
 
     run("layer_norm_bf16", (32768, 1024), 1024, True, lambda x, w, b: F.layer_norm(x, (1024,), w, b))
     if hasattr(F, "rms_norm"):
         run("rms_norm_bf16", (32768, 1024), 1024, False, lambda x, w, b: F.rms_norm(x, (1024,), w, 1e-6))
     else:
         print("# bench_nn_norm_torch: this PyTorch has no F.rms_norm")
-    run("group_norm_bf16", (32, 512, 64, 64), 512, True, lambda x, w, b: F.group_norm(x, 32, w, b))
+    run("group_norm_bf16", (32, 512, 64, 64), 512, True, lambda x, w, b: F.group_norm(x, 32, w, b),
+        bwd_alone=True)
     return 0
 
 

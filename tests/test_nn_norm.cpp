@@ -5,6 +5,7 @@
 //  - NormCuda.*: every dtype, odd and empty shapes, non-contiguous input: forward and all
 //    gradients against the CPU reference computed in f64 from the same (rounded) inputs.
 #include <cmath>
+#include <string>
 
 #include "flame/nn/norm.h"
 #include "gradcheck.h"
@@ -487,6 +488,53 @@ TEST(NormCuda, GroupNormPersistentClustersMatchCpu) {
   compare_cuda("group_norm", [](const Tensor& x, const Tensor&, const Tensor&) {
     return F::group_norm(x, 16);
   }, {20, 64, 32, 32}, {64}, false, false, seed++);
+}
+
+// The lean cluster kernels (Note [GroupNorm lean forward], Note [GroupNorm lean backward])
+// against the CPU: the benchmark's layout (16 channels of 4096), many groups per cluster
+// (persistent rounds, both parities of the exchange buffers), rank slices rounded to whole warps
+// that leave ranks empty (3 channels of 256), more channels than a warp (64 and the maximum 256),
+// data whose mean lies far from 0, no affine parameters, parameter gradients only and dx only,
+// and shapes the lean backward does not take (spatial sizes not a multiple of 32 vectors: the
+// older cluster backward; not a multiple of the vector width: the block kernels).
+TEST(NormCuda, GroupNormLeanKernelsMatchCpu) {
+  FLAME_SKIP_IF_NO_CUDA();
+  struct C {
+    Shape shape;
+    int64_t groups;
+    double xmean;
+    bool affine;
+  };
+  const std::vector<C> cases{{{2, 32, 64, 64}, 2, 0.3, true},   {{9, 64, 16, 16}, 32, 0.3, true},
+                             {{3, 24, 16, 16}, 8, 0.3, true},   {{2, 128, 16, 16}, 2, 0.3, true},
+                             {{1, 256, 16, 16}, 1, 0.3, true},  {{5, 32, 32, 32}, 8, 40.0, true},
+                             {{20, 64, 32, 32}, 16, 0.3, false}, {{2, 6, 24}, 2, 0.3, true},
+                             {{2, 4, 4099}, 2, 0.3, true}};
+  uint64_t seed = 1000;
+  for (const C& c : cases) {
+    compare_cuda("group_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+      return F::group_norm(x, c.groups, w, b);
+    }, c.shape, {c.shape[1]}, c.affine, false, seed, c.xmean);
+    seed += 10;
+  }
+  // Only the parameter gradients (no dx), then only dx (parameters without grad).
+  const Tensor x = rnd({3, 32, 32, 32}, 1100, 0.3, 1.5).to(DType::f32);
+  const Tensor v = rnd({3, 32, 32, 32}, 1101).to(DType::f32);
+  const Tensor wc = rnd({32}, 1102, 1.0, 0.5).to(DType::f32).requires_grad_();
+  const Tensor bc = rnd({32}, 1103).to(DType::f32).requires_grad_();
+  const Tensor wg = wc.detach().to(Device::cuda()).requires_grad_();
+  const Tensor bg = bc.detach().to(Device::cuda()).requires_grad_();
+  BackwardOptions oc, og;
+  oc.grad_output = v;
+  og.grad_output = v.to(Device::cuda());
+  Gradients gc = F::group_norm(x, 4, wc, bc).backward(oc);
+  Gradients gg = F::group_norm(x.to(Device::cuda()), 4, wg, bg).backward(og);
+  EXPECT_TRUE(close_scaled(gg.get(wg), gc.get(wc), 1e-4)) << "dweight only";
+  EXPECT_TRUE(close_scaled(gg.get(bg), gc.get(bc), 1e-4)) << "dbias only";
+  const Tensor xc = x.detach().requires_grad_(), xg = x.to(Device::cuda()).requires_grad_();
+  Gradients hc = F::group_norm(xc, 4, wc.detach(), bc.detach()).backward(oc);
+  Gradients hg = F::group_norm(xg, 4, wg.detach(), bg.detach()).backward(og);
+  EXPECT_TRUE(close_scaled(hg.get(xg), hc.get(xc), 1e-4)) << "dx only";
 }
 
 TEST(NormCuda, OnlyWeightGradient) {

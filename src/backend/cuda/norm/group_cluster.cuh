@@ -9,16 +9,17 @@
 // k + K, k + 2K, ...). What bounds them is the chain of exchanges per group (a block reduction, then a cluster barrier
 // and reads of the other blocks' partial sums through distributed shared memory) and the bytes
 // each SM keeps in flight, so:
-//  - forward: ONE exchange per group, of shifted sums (x - K and (x - K)^2, K the group's first
-//    value, which every thread loads with its slice): the mean and the variance without a second
-//    round, and the cancellation is bounded by how far the group's mean lies from K in standard
-//    deviations (an actual value of the group, not 0). 64 registers: two 512-thread blocks per SM,
-//    the current group and the prefetched next one packed as loaded;
-//  - backward: x and dy of the group packed in registers as loaded (x-hat recomputed from them),
+//  - forward (group_forward_lean_kernel, Note [GroupNorm lean forward]): ONE exchange per group,
+//    of shifted sums (x - K and (x - K)^2, K the group's first value, which every thread loads
+//    with its slice): the mean and the variance without a second round, and the cancellation is
+//    bounded by how far the group's mean lies from K in standard deviations (an actual value of
+//    the group, not 0). The current group and the prefetched next one packed as loaded;
+//  - backward (group_backward_lean_kernel, Note [GroupNorm lean backward], where a warp's vectors
+//    lie in one channel; group_backward_cluster_kernel below otherwise): x and dy of the group packed in registers as loaded (x-hat recomputed from them),
 //    both row sums (sum g, sum g * xhat) in one exchange, and NO prefetch: 64 registers, two
 //    512-thread blocks per SM, one block's loads overlapping the other's exchange. Prefetching the
 //    next group (into registers at one block per SM, or into shared memory by cp.async) measured
-//    slower on an H100; so did clusters of 8 blocks of 256 threads.
+//    slower on an H100.
 //  - The exchanges are double-buffered by group parity: a block writes slot[parity] before the
 //    group's cluster barrier and reads every block's slot[parity] after it, and can write the same
 //    slot again only two groups later, after a barrier that every block reaches once done reading.
@@ -72,89 +73,11 @@ __device__ __forceinline__ void cluster_sum2(A& a, A& b, A* slot, A* smem, coope
 
 }  // namespace gn_cluster
 
-// A thread's vectors in a group: k = 0 .. kVPT-1 at element offset toff + k * kStep of the group
-// (toff = (v0 + tid) * W, the same in every group), present while k * kBlk < lim. One 64-bit base
-// per group plus immediate offsets keeps the address registers few; group indices are 32-bit (the
-// launcher keeps rows * kCluster below 2^31), so no 64-bit division is left in the loop.
-template <class T, int W, int kVPT, int kCl = kCluster, int kBlk = kClusterBlock>
-__global__ void __cluster_dims__(kCl, 1, 1) __launch_bounds__(kBlk, 1024 / kBlk)
-    group_forward_cluster_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
-                                 T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
-                                 compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t groups, int64_t cg,
-                                 int64_t S, compute_t<T> eps) {
-  using A = compute_t<T>;
-  using R = typename RawVec<T, W>::type;
-  static_assert(W > 1, "the cluster path moves 16-byte vectors");
-  constexpr int kStep = kBlk * W;
-  namespace coop = cooperative_groups;
-  coop::cluster_group cluster = coop::this_cluster();
-  __shared__ A smem[64];
-  __shared__ A slots[2][2];
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int tid = static_cast<int>(threadIdx.x);
-  // A group held by a cluster has at most kCl * kBlk * kVPT vectors: 32-bit indices.
-  const int64_t len = cg * S;
-  const int nvec = static_cast<int>(len / W), si = static_cast<int>(S);
-  const int per = (nvec + kCl - 1) / kCl;
-  const int v0 = rank * per, v1 = v0 + per < nvec ? v0 + per : nvec;
-  const int toff = (v0 + tid) * W, lim = v1 - v0 - tid;
-  const int nrows = static_cast<int>(rows), ngroups = static_cast<int>(groups), ncg = static_cast<int>(cg);
-  const int stride = static_cast<int>(gridDim.x) / kCl;
-  const A inv_len = A(1) / static_cast<A>(len);
-  int row = static_cast<int>(blockIdx.x) / kCl;
-  R cur[kVPT], nxt[kVPT];
-  T kcur = T{}, knxt = T{};  // the shift of the current / next group
-  auto load = [&](int r, R(&dst)[kVPT], T& kdst) {
-    const T* p = x + static_cast<int64_t>(r) * len;
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k)
-      if (k * kBlk < lim) dst[k] = load_raw<T, W>(p + toff + k * kStep);
-    kdst = p[0];
-  };
-  if (row < nrows) load(row, cur, kcur);
-  for (int parity = 0; row < nrows; row += stride, parity ^= 1) {
-    if (row + stride < nrows) load(row + stride, nxt, knxt);
-    const A K = load_as<A>(kcur);
-    A s1 = A(0), s2 = A(0);
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k)
-      if (k * kBlk < lim)
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          const A d = raw_elem<T, W, A>(cur[k], j) - K;
-          s1 += d;
-          s2 += d * d;
-        }
-    gn_cluster::cluster_sum2<kCl>(s1, s2, slots[parity], smem, cluster);
-    const A dm = s1 * inv_len;
-    const A m = K + dm;
-    A var = s2 * inv_len - dm * dm;
-    var = var > A(0) ? var : A(0);
-    const A rs = rsqrt_acc(var + eps);
-    if (rank == 0 && tid == 0) {
-      mean_out[row] = m;
-      rstd_out[row] = rs;
-    }
-    const int c0 = (row % ngroups) * ncg;
-    T* out = y + static_cast<int64_t>(row) * len + toff;
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k) {
-      if (k * kBlk < lim) {
-        const int c = c0 + (toff + k * kStep) / si;
-        const A scale = w ? rs * load_as<A>(w[c]) : rs;
-        const A off = (b ? load_as<A>(b[c]) : A(0)) - m * scale;
-        A o[W];
-#pragma unroll
-        for (int j = 0; j < W; ++j) o[j] = raw_elem<T, W, A>(cur[k], j) * scale + off;
-        store_vec<T, W>(out + k * kStep, o);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k) cur[k] = nxt[k];
-    kcur = knxt;
-  }
-  cluster.sync();  // the other blocks have read this block's slots
-}
+// A thread's vectors in a group (here and in group_cluster_lean.cuh): k = 0 .. kVPT-1 at element
+// offset toff + k * kStep of the group (toff = (v0 + tid) * W, the same in every group), present
+// while k * kBlk < lim. One 64-bit base per group plus immediate offsets keeps the address
+// registers few; group indices are 32-bit (the launcher keeps rows * kCl below 2^31), so no
+// 64-bit division is left in the loop.
 
 // Two 512-thread blocks per SM (64 registers) while a thread holds at most 4 vectors of x and dy.
 template <int kVPT>

@@ -213,13 +213,15 @@ __global__ void __launch_bounds__(kChannelBlock)
 // ---- group_norm on a thread-block cluster (Note [GroupNorm clusters]) ----
 
 #include "src/backend/cuda/norm/group_cluster.cuh"
+#include "src/backend/cuda/norm/group_cluster_lean.cuh"
 
-// Clusters resident at once for a cluster kernel (0 when the query fails: then one per group).
-template <class Kernel>
+// Clusters resident at once for a cluster kernel of kCl blocks of kBlk threads (0 when the query
+// fails: then one per group).
+template <int kCl = kCluster, int kBlk = kClusterBlock, class Kernel>
 int64_t resident_clusters(Kernel kernel) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(kCluster * 1024);
-  cfg.blockDim = dim3(kClusterBlock);
+  cfg.gridDim = dim3(kCl * 1024);
+  cfg.blockDim = dim3(kBlk);
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
     (void)cudaGetLastError();
@@ -230,23 +232,79 @@ int64_t resident_clusters(Kernel kernel) {
 
 // Grid of a persistent cluster kernel over `rows` groups: the resident clusters (queried once per
 // kernel and device), or one cluster per group when fewer.
-template <class Kernel>
+template <int kCl = kCluster, int kBlk = kClusterBlock, class Kernel>
 unsigned cluster_grid(Kernel kernel, int64_t rows) {
   static thread_local std::map<std::pair<const void*, int>, int64_t> cache;
   int dev = 0;
   FLAME_CUDA_CHECK(cudaGetDevice(&dev));
   auto key = std::make_pair(reinterpret_cast<const void*>(kernel), dev);
   auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, resident_clusters(kernel)).first;
+  if (it == cache.end()) it = cache.emplace(key, resident_clusters<kCl, kBlk>(kernel)).first;
   const int64_t k = it->second > 0 ? std::min(rows, it->second) : rows;
-  return static_cast<unsigned>(k * kCluster);
+  return static_cast<unsigned>(k * kCl);
 }
 
-// Vectors per thread for a group of `nvec` vectors on a cluster (0: too long).
-inline int cluster_vpt(int64_t nvec, int max_vpt) {
+// Vectors per thread for a group of `nvec` vectors on a cluster of `threads` threads (0: too long).
+inline int cluster_vpt(int64_t nvec, int max_vpt, int64_t threads = int64_t{kCluster} * kClusterBlock) {
   for (int v = 1; v <= max_vpt; v *= 2)
-    if (nvec <= static_cast<int64_t>(v) * kCluster * kClusterBlock) return v;
+    if (nvec <= static_cast<int64_t>(v) * threads) return v;
   return 0;
+}
+
+// Launches the lean cluster forward on clusters of kCl blocks of kBlk threads (up to kWant blocks
+// per SM) when the group fits; false (nothing launched) otherwise.
+template <class T, int W, int kCl, int kBlk, int kWant, bool kPrefetch>
+bool launch_group_forward_lean(cudaStream_t st, const T* xp, const T* wp, const T* bp, T* yp, compute_t<T>* mean,
+                               compute_t<T>* rstd, int64_t rows, int64_t groups, int64_t cg, int64_t S,
+                               compute_t<T> eps) {
+  const int vpt = cluster_vpt(cg * S / W, 32 / W, int64_t{kCl} * kBlk);
+  if (vpt == 0 || rows * kCl > (int64_t{1} << 31) - 1) return false;
+  bool launched = false;
+  auto pick = [&](auto vpt_tag) {
+    constexpr int VPT = decltype(vpt_tag)::value;
+    if constexpr (VPT * W <= 32) {
+      if (vpt != VPT) return;
+      auto kernel = group_forward_lean_kernel<T, W, VPT, kCl, kBlk,
+                                              gn_lean::forward_min_blocks(VPT, kBlk, kWant, kPrefetch), kPrefetch>;
+      kernel<<<cluster_grid<kCl, kBlk>(kernel, rows), kBlk, 0, st>>>(xp, wp, bp, yp, mean, rstd, rows, groups, cg, S,
+                                                                      eps);
+      FLAME_CUDA_CHECK_LAUNCH();
+      launched = true;
+    }
+  };
+  pick(std::integral_constant<int, 1>{});
+  pick(std::integral_constant<int, 2>{});
+  pick(std::integral_constant<int, 4>{});
+  pick(std::integral_constant<int, 8>{});
+  return launched;
+}
+
+// Launches the lean cluster backward on clusters of kCl blocks of kBlk threads (up to kWant blocks
+// per SM) when the group fits; false (nothing launched) otherwise.
+template <class T, int W, int kCl, int kBlk, int kWant>
+bool launch_group_backward_lean(cudaStream_t st, const T* dyp, const T* xp, const compute_t<T>* mean,
+                                const compute_t<T>* rstd, const T* wp, T* dxp, compute_t<T>* pw,
+                                compute_t<T>* pb, int64_t rows, int64_t groups, int64_t cg, int64_t S) {
+  const int vpt = cluster_vpt(cg * S / W, 32 / W, int64_t{kCl} * kBlk);
+  // 32-bit group indices (rows * kCl) and partial indices (rows * cg = N * C).
+  if (vpt == 0 || rows * kCl > (int64_t{1} << 31) - 1 || rows * cg > (int64_t{1} << 31) - 1) return false;
+  bool launched = false;
+  auto pick = [&](auto vpt_tag) {
+    constexpr int VPT = decltype(vpt_tag)::value;
+    if constexpr (VPT * W <= 32) {
+      if (vpt != VPT) return;
+      auto kernel = group_backward_lean_kernel<T, W, VPT, kCl, kBlk, gn_lean::min_blocks(VPT, kBlk, kWant)>;
+      kernel<<<cluster_grid<kCl, kBlk>(kernel, rows), kBlk, 0, st>>>(dyp, xp, mean, rstd, wp, dxp, pw, pb, rows,
+                                                                      groups, cg, S);
+      FLAME_CUDA_CHECK_LAUNCH();
+      launched = true;
+    }
+  };
+  pick(std::integral_constant<int, 1>{});
+  pick(std::integral_constant<int, 2>{});
+  pick(std::integral_constant<int, 4>{});
+  pick(std::integral_constant<int, 8>{});
+  return launched;
 }
 
 // ---- batch_norm ----
@@ -376,26 +434,11 @@ void group_forward_typed(CudaBackend& be, const Tensor& y, const Tensor& mean, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(yp);
   cudaStream_t st = be.stream();
-  // Note [GroupNorm clusters]: a group in the registers of a cluster when it fits (32 values per thread).
-  const int vpt = vec ? cluster_vpt(d.c / groups * d.s / W, 32 / W) : 0;
-  if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
-    bool launched = false;
-    auto pick = [&](auto vpt_tag) {
-      constexpr int VPT = decltype(vpt_tag)::value;
-      if constexpr (VPT * W <= 32) {
-        if (vpt != VPT) return;
-        auto kernel = group_forward_cluster_kernel<T, W, VPT>;
-        kernel<<<cluster_grid(kernel, rows), kClusterBlock, 0, st>>>(
-            xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows, groups, cg, d.s, static_cast<A>(eps));
-        FLAME_CUDA_CHECK_LAUNCH();
-        launched = true;
-      }
-    };
-    pick(std::integral_constant<int, 1>{});
-    pick(std::integral_constant<int, 2>{});
-    pick(std::integral_constant<int, 4>{});
-    pick(std::integral_constant<int, 8>{});
-    if (launched) return;
+  // Note [GroupNorm lean forward]: a group in the registers of a cluster of 8 blocks of 256
+  // threads when it fits (32 values per thread).
+  if (vec && launch_group_forward_lean<T, W, 8, 256, 4, true>(st, xp, wp, bp, yp, mptr<A>(mean), mptr<A>(rstd), rows,
+                                                              groups, cg, d.s, static_cast<A>(eps))) {
+    return;
   }
   if (vec) {
     group_forward_kernel<T, W><<<channel_grid(rows), kChannelBlock, 0, st>>>(
@@ -426,6 +469,19 @@ void group_backward_typed(CudaBackend& be, const Tensor& dx, const Tensor& dw, c
   constexpr int W = vec_width<T>();
   const bool vec = W > 1 && d.s % W == 0 && aligned16(xp) && aligned16(dyp) && aligned16(dxp);
   cudaStream_t st = be.stream();
+  // Note [GroupNorm lean backward]: clusters of 8 blocks of 256 threads, where every warp's vector
+  // lies in one channel; other shapes take the kernels below.
+  if (vec && cg <= kClusterMaxChannels && (d.s / W) % 32 == 0) {
+    const bool launched = launch_group_backward_lean<T, W, 8, 256, 4>(st, dyp, xp, cptr<A>(mean), cptr<A>(rstd), wp,
+                                                                      dxp, pw, pb, rows, groups, cg, d.s);
+    if (launched) {
+      if (params) {
+        column_sum_kernel<T><<<grid_for(d.c, 32), dim3(32, 16), 0, st>>>(pw, pb, dwp, dbp, d.n, d.c);
+        FLAME_CUDA_CHECK_LAUNCH();
+      }
+      return;
+    }
+  }
   // Note [GroupNorm clusters]: x and dy of a group in the registers of a cluster (32 values per thread).
   const int vpt = vec && cg <= kClusterMaxChannels ? cluster_vpt(cg * d.s / W, 32 / W) : 0;
   if (vpt > 0 && rows * kCluster <= (int64_t{1} << 31) - 1) {
