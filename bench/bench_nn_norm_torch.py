@@ -76,7 +76,8 @@ def main():
 
         ms = median_ms(torch, step, reps, warmup)
         emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d)
-        if not bwd_alone:
+        if not bwd_alone or IMPL == "compile":
+            # torch.compile's backward donates its buffers: a retained graph cannot be replayed.
             return
         y = op(x, w, b)  # the backward alone, on a retained graph
         ms = median_ms(torch, lambda: torch.autograd.grad(y, inputs, dy, retain_graph=True), reps, warmup)
