@@ -97,7 +97,8 @@ def machine_info():
     if line:
         vals = [v.strip() for v in line[0].split(",")]
         info.update(dict(zip(q.split(","), vals)))
-    info["flame_commit"] = sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]) or "?"
+    # FLAME_COMMIT names the commit where the tree has no (or a stale) .git, e.g. a copied checkout.
+    info["flame_commit"] = os.environ.get("FLAME_COMMIT") or sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]) or "?"
     info["torch"] = sh([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
                        timeout=60) or "not found"
     info["cpu_cores"] = os.cpu_count()
@@ -571,7 +572,7 @@ def main():
               "cuts the unreserved runs at the end first")
         if args.markdown:  # the template bench/RESULTS.md starts from
             info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                    "flame_commit": sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]) or "?",
+                    "flame_commit": os.environ.get("FLAME_COMMIT") or sh(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"]) or "?",
                     "torch": "-",
                     "note": "GPU: not measured yet (template from --dry-run; the GPU run of bench/suite.py "
                             "fills in the table). Planned runs: "
