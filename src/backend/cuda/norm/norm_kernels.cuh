@@ -146,6 +146,185 @@ __global__ void __launch_bounds__(rows_block<kTPR>())
   }
 }
 
+// Note [Row forward variants]
+// rows_forward_kernel above keeps a row in registers as compute-precision values and reduces
+// twice (mean, then the centred variance): two dependent shuffle chains per row, during which a
+// warp has no load in flight. rows_forward_multi_kernel trades that for:
+//  - kShift (layer_norm): one round of shifted sums, s1 = sum(x - K), s2 = sum((x - K)^2) with K
+//    the row's first value (read by every thread, an L1 hit): mean = K + s1/n, var = s2/n -
+//    (s1/n)^2 clamped at 0. The cancellation is bounded by how far the mean lies from K in
+//    standard deviations, which for one value of the row is small (as GroupNorm's statistics,
+//    Note [CUDA norm kernels]); the sums of both are shuffled interleaved.
+//  - kR rows per thread: the loads of kR rows are issued before any reduction and their sums
+//    reduced together (independent shuffle chains interleave), so more bytes are in flight per
+//    warp for the same number of dependent steps.
+//  - x is kept packed as loaded (16-byte vectors) and widened on use: half the registers.
+// Chosen per launch by the tuning hook FLAME_ROWS_VARIANT (norm_rows_impl.cuh).
+
+// N sums at once over the kTPR threads of a row; shuffles interleaved (smem: 32 * N entries).
+template <int kTPR, int N, class A>
+__device__ __forceinline__ void row_allreduce_n(A (&v)[N], A* smem) {
+  constexpr int width = kTPR < 32 ? kTPR : 32;
+#pragma unroll
+  for (int m = width / 2; m > 0; m >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], m);
+  if constexpr (kTPR > 32) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
+    __syncthreads();  // the previous round's reads are done
+    if (lane == 0)
+#pragma unroll
+      for (int i = 0; i < N; ++i) smem[i * 32 + warp] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      A a = smem[i * 32 + first];
+#pragma unroll
+      for (int w = 1; w < kTPR / 32; ++w) a += smem[i * 32 + first + w];
+      v[i] = a;
+    }
+  }
+}
+
+template <class T, int W, int kVPT, int kTPR, bool kRms, int kR, bool kShift>
+__global__ void __launch_bounds__(rows_block<kTPR>())
+    rows_forward_multi_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
+                              T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
+                              compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t cols, compute_t<T> eps) {
+  using A = compute_t<T>;
+  using Raw = std::conditional_t<(W > 1), uint4, T>;
+  constexpr int kBlock = rows_block<kTPR>();
+  constexpr int kSlots = kBlock / kTPR;
+  constexpr bool kTwoSums = !kRms && kShift;
+  constexpr int kN = kTwoSums ? 2 * kR : kR;
+  __shared__ A smem[32 * kN];
+  const int t = threadIdx.x % kTPR;
+  const int slot = threadIdx.x / kTPR;
+  const A inv_cols = A(1) / static_cast<A>(cols);
+  auto elem = [](const Raw& r, int j) -> A {
+    if constexpr (W > 1) return load_as<A>(vec_elem<T>(r, j));
+    else return load_as<A>(r);
+  };
+  bool in[kVPT];
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) in[k] = (static_cast<int64_t>(k) * kTPR + t) * W < cols;
+  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSlots * kR; row0 < rows;
+       row0 += static_cast<int64_t>(gridDim.x) * kSlots * kR) {
+    Raw v[kR][kVPT];
+    bool valid[kR];
+    A shift[kR];
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      const int64_t row = row0 + static_cast<int64_t>(slot) * kR + r;
+      valid[r] = row < rows;  // all threads reach the reductions
+      const T* p = x + (valid[r] ? row : 0) * cols;
+      shift[r] = A(0);
+      if constexpr (kTwoSums) shift[r] = load_as<A>(p[0]);
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) {
+        if (valid[r] && in[k]) {
+          const T* q = p + (static_cast<int64_t>(k) * kTPR + t) * W;
+          if constexpr (W > 1) v[r][k] = __ldg(reinterpret_cast<const uint4*>(q));
+          else v[r][k] = q[0];
+        }
+      }
+    }
+    A m[kR], rs[kR];
+    if constexpr (kRms || kShift) {
+      // One round: sum(x - K) and sum((x - K)^2) (K = 0 for rms_norm, whose sum is unused).
+      A s[kN];
+#pragma unroll
+      for (int i = 0; i < kN; ++i) s[i] = A(0);
+#pragma unroll
+      for (int r = 0; r < kR; ++r)
+#pragma unroll
+        for (int k = 0; k < kVPT; ++k)
+          if (valid[r] && in[k])
+#pragma unroll
+            for (int j = 0; j < W; ++j) {
+              const A d = elem(v[r][k], j) - shift[r];
+              if constexpr (kTwoSums) {
+                s[2 * r] += d;
+                s[2 * r + 1] += d * d;
+              } else {
+                s[r] += d * d;
+              }
+            }
+      row_allreduce_n<kTPR>(s, smem);
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        if constexpr (kTwoSums) {
+          const A d = s[2 * r] * inv_cols;
+          const A var = s[2 * r + 1] * inv_cols - d * d;
+          m[r] = shift[r] + d;
+          rs[r] = rsqrt_acc((var > A(0) ? var : A(0)) + eps);
+        } else {
+          m[r] = A(0);
+          rs[r] = rsqrt_acc(s[r] * inv_cols + eps);
+        }
+      }
+    } else {
+      // Two exact rounds: the mean, then the centred variance.
+      A s[kR];
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        s[r] = A(0);
+#pragma unroll
+        for (int k = 0; k < kVPT; ++k)
+          if (valid[r] && in[k])
+#pragma unroll
+            for (int j = 0; j < W; ++j) s[r] += elem(v[r][k], j);
+      }
+      row_allreduce_n<kTPR>(s, smem);
+#pragma unroll
+      for (int r = 0; r < kR; ++r) {
+        m[r] = s[r] * inv_cols;
+        A q = A(0);
+#pragma unroll
+        for (int k = 0; k < kVPT; ++k)
+          if (valid[r] && in[k])
+#pragma unroll
+            for (int j = 0; j < W; ++j) {
+              const A d = elem(v[r][k], j) - m[r];
+              q += d * d;
+            }
+        s[r] = q;
+      }
+      row_allreduce_n<kTPR>(s, smem);
+#pragma unroll
+      for (int r = 0; r < kR; ++r) rs[r] = rsqrt_acc(s[r] * inv_cols + eps);
+    }
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      if (!valid[r]) continue;
+      const int64_t row = row0 + static_cast<int64_t>(slot) * kR + r;
+      if (t == 0) {
+        if constexpr (!kRms) mean_out[row] = m[r];
+        rstd_out[row] = rs[r];
+      }
+      T* out = y + row * cols;
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) {
+        if (!in[k]) continue;
+        const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
+        A wv[W], bv[W];
+        if (w) load_vec<T, W>(w + e, wv);
+        if (b) load_vec<T, W>(b + e, bv);
+        A o[W];
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          A q = (elem(v[r][k], j) - m[r]) * rs[r];
+          if (w) q *= wv[j];
+          if (b) q += bv[j];
+          o[j] = q;
+        }
+        store_vec<T, W>(out + e, o);
+      }
+    }
+  }
+}
+
 // Rows too long for registers: a block per row, three passes over global memory.
 template <class T, bool kRms>
 __global__ void __launch_bounds__(1024)
@@ -486,6 +665,39 @@ __global__ void __launch_bounds__(512)
     }
     if (out_w) out_w[col] = store_as<T>(aw);
     if (out_b) out_b[col] = store_as<T>(ab);
+  }
+}
+
+// The second stage with 8 columns and 64 partial rows per block (4x the blocks of
+// column_sum_kernel, a quarter of the loop per thread); 32-byte column segments stay whole sectors.
+template <class T>
+__global__ void __launch_bounds__(512)
+    column_sum_narrow_kernel(const compute_t<T>* __restrict__ part_w, const compute_t<T>* __restrict__ part_b,
+                             T* __restrict__ out_w, T* __restrict__ out_b, int64_t parts, int64_t cols) {
+  using A = compute_t<T>;
+  __shared__ A sw[64][9], sb[64][9];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x;
+  A aw = A(0), ab = A(0);
+  if (col < cols) {
+    for (int64_t p = threadIdx.y; p < parts; p += 64) {
+      aw += part_w[p * cols + col];
+      ab += part_b[p * cols + col];
+    }
+  }
+  sw[threadIdx.y][threadIdx.x] = aw;
+  sb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  // A fixed tree over the 64 partial sums (deterministic).
+  for (int h = 32; h > 0; h >>= 1) {
+    if (threadIdx.y < h) {
+      sw[threadIdx.y][threadIdx.x] += sw[threadIdx.y + h][threadIdx.x];
+      sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + h][threadIdx.x];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && col < cols) {
+    if (out_w) out_w[col] = store_as<T>(sw[0][threadIdx.x]);
+    if (out_b) out_b[col] = store_as<T>(sb[0][threadIdx.x]);
   }
 }
 
