@@ -161,8 +161,17 @@ __global__ void __launch_bounds__(rows_block<kTPR>())
 //  - x is kept packed as loaded (16-byte vectors) and widened on use: half the registers.
 // Chosen per launch by the tuning hook FLAME_ROWS_VARIANT (norm_rows_impl.cuh).
 
+// Synchronises the threads of one row slot: with kNamed a hardware barrier per slot (ids from 1;
+// 0 is __syncthreads'), so the slots of a block wait only for their own row; else the block.
+template <int kTPR, bool kNamed>
+__device__ __forceinline__ void row_slot_sync() {
+  if constexpr (kNamed) asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x) / kTPR), "n"(kTPR)
+                                     : "memory");
+  else __syncthreads();
+}
+
 // N sums at once over the kTPR threads of a row; shuffles interleaved (smem: 32 * N entries).
-template <int kTPR, int N, class A>
+template <int kTPR, bool kNamed = false, int N, class A>
 __device__ __forceinline__ void row_allreduce_n(A (&v)[N], A* smem) {
   constexpr int width = kTPR < 32 ? kTPR : 32;
 #pragma unroll
@@ -172,11 +181,11 @@ __device__ __forceinline__ void row_allreduce_n(A (&v)[N], A* smem) {
   if constexpr (kTPR > 32) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
-    __syncthreads();  // the previous round's reads are done
+    row_slot_sync<kTPR, kNamed>();  // the previous round's reads are done
     if (lane == 0)
 #pragma unroll
       for (int i = 0; i < N; ++i) smem[i * 32 + warp] = v[i];
-    __syncthreads();
+    row_slot_sync<kTPR, kNamed>();
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       A a = smem[i * 32 + first];
@@ -412,7 +421,7 @@ __device__ __forceinline__ A raw_elem(const typename RawVec<T, W>::type& v, int 
 }
 
 // Both row sums in one round: a and b over the kTPR threads of a row (smem: 64 entries).
-template <int kTPR, class A>
+template <int kTPR, bool kNamed = false, class A>
 __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
   constexpr int width = kTPR < 32 ? kTPR : 32;
 #pragma unroll
@@ -423,12 +432,12 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
   if constexpr (kTPR > 32) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
-    __syncthreads();  // the previous round's reads are done
+    row_slot_sync<kTPR, kNamed>();  // the previous round's reads are done
     if (lane == 0) {
       smem[warp] = a;
       smem[32 + warp] = b;
     }
-    __syncthreads();
+    row_slot_sync<kTPR, kNamed>();
     a = smem[first];
     b = smem[32 + first];
 #pragma unroll
@@ -441,7 +450,8 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
 // part_w/part_b (null when not wanted): [gridDim.x, cols] partial sums of dy * xhat and dy.
-template <class T, int W, int kVPT, int kTPR, bool kRms>
+// kNamed: the row reductions wait at a barrier per row slot, not the block's (row_slot_sync).
+template <class T, int W, int kVPT, int kTPR, bool kRms, bool kNamed = false>
 __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, W, kTPR>()))
     rows_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const compute_t<T>* __restrict__ mean,
                          const compute_t<T>* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
@@ -517,8 +527,13 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
         }
       }
     }
-    if constexpr (kRms) sgx = row_allreduce<kTPR, SumOpF>(sgx, smem);
-    else row_allreduce2<kTPR>(sg, sgx, smem);
+    if constexpr (kRms) {
+      A one[1] = {sgx};
+      row_allreduce_n<kTPR, kNamed>(one, smem);
+      sgx = one[0];
+    } else {
+      row_allreduce2<kTPR, kNamed>(sg, sgx, smem);
+    }
     if (!valid || dx == nullptr) continue;
     const A mg = kRms ? A(0) : sg * inv_cols, mgx = sgx * inv_cols;
 #pragma unroll

@@ -25,8 +25,9 @@ T* mptr(const Tensor& t) {
 // MatchCpu) cover them all. Units digit, forward: 0 rows_forward_kernel; 1 one-round shifted sums;
 // 2 the same with two rows per thread; 3 two exact rounds with two rows per thread (the latter
 // three packed, rows_forward_multi_kernel). Tens digit, backward bits: 1 column_sum_narrow_kernel
-// for the second stage; 2 a grid that gives every block the same number of row steps. Unset or
-// empty: kRowsDefaultVariant. Not an API: the losers are removed once measured.
+// for the second stage; 2 a grid that gives every block the same number of row steps; 4 a
+// barrier per row slot (row_slot_sync). Unset or empty: kRowsDefaultVariant. Not an API: the
+// losers are removed once measured.
 constexpr int kRowsDefaultVariant = 0;
 inline int rows_variant() {
   const char* v = std::getenv("FLAME_ROWS_VARIANT");
@@ -38,10 +39,11 @@ struct RowsFwdArgs {
   double eps;
 };
 
-// Two rows per thread only while their packed values stay within 64 registers.
-template <class T, int W, int kVPT>
+// Two rows per thread only while their packed values stay within 64 registers, in blocks small
+// enough for the registers that needs (launch bounds of 512 or 1024 threads cap them at 128 or 64).
+template <class T, int W, int kVPT, int kTPR>
 constexpr int rows_fwd_pair() {
-  return 2 * kVPT * W * static_cast<int>(sizeof(T)) <= 256 ? 2 : 1;
+  return rows_block<kTPR>() <= 256 && 2 * kVPT * W * static_cast<int>(sizeof(T)) <= 256 ? 2 : 1;
 }
 
 template <class T, int W, int kVPT, int kTPR, bool kRms>
@@ -49,7 +51,7 @@ void launch_rows_fwd(cudaStream_t st, const T* x, const T* w, const T* b, T* y, 
                      compute_t<T>* rstd, RowsFwdArgs a) {
   constexpr int kBlock = rows_block<kTPR>();
   constexpr int kSlots = kBlock / kTPR;
-  constexpr int kPair = rows_fwd_pair<T, W, kVPT>();
+  constexpr int kPair = rows_fwd_pair<T, W, kVPT, kTPR>();
   const auto eps = static_cast<compute_t<T>>(a.eps);
   switch (rows_variant() % 10) {
     case 1:
@@ -152,14 +154,22 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   using A = compute_t<T>;
   constexpr int kBlock = rows_bwd_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
-  const auto kernel = &rows_backward_kernel<T, W, kVPT, kTPR, kRms>;
+  const int bwd_variant = rows_variant() / 10;
+  // Barriers per row slot only where a block holds several rows that need barriers.
+  constexpr bool kCanName = kTPR > 32 && kRowsPerBlock > 1 && kRowsPerBlock < 16;
+  const auto kernel = (kCanName && (bwd_variant & 4)) ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, kCanName>
+                                                      : &rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>;
   cudaStream_t st = be.stream();
   const bool params = dw != nullptr || db != nullptr;
   const std::size_t max_smem = kRowsPerBlock > 1 ? 2 * static_cast<std::size_t>(kVPT * kTPR * W) * sizeof(A) : 0;
-  // Asked once per configuration, with the largest shared memory it may use.
-  static const int per_sm = rows_bwd_per_sm(kernel, kBlock, max_smem);
-  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
-  const int bwd_variant = rows_variant() / 10;
+  // Asked once per configuration (both kernels), with the largest shared memory it may use.
+  static const int per_sm = rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>, kBlock, max_smem);
+  static const int per_sm_named = rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, kCanName>, kBlock,
+                                                  max_smem);
+  const int64_t resident =
+      static_cast<int64_t>(sm_count(be.device())) * (kernel == &rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>
+                                                         ? per_sm
+                                                         : per_sm_named);
   const int64_t blocks = ceil_div(rows, kRowsPerBlock);
   int64_t grid = std::max<int64_t>(1, std::min(blocks, resident));
   // Every block the same number of row steps: no last step run by a few blocks alone.
