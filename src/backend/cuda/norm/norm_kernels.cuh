@@ -450,8 +450,10 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
 // part_w/part_b (null when not wanted): [gridDim.x, cols] partial sums of dy * xhat and dy.
-// kNamed: the row reductions wait at a barrier per row slot, not the block's (row_slot_sync).
-template <class T, int W, int kVPT, int kTPR, bool kRms, bool kNamed = false>
+// kOpts (tuning variants, norm_rows_impl.cuh): bit 1, the row reductions wait at a barrier per
+// row slot, not the block's (row_slot_sync); bit 2, a pipeline of depth 3 (two rows in flight
+// while one is reduced), paid for by re-reading the weights from L1 instead of keeping them.
+template <class T, int W, int kVPT, int kTPR, bool kRms, int kOpts = 0>
 __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, W, kTPR>()))
     rows_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const compute_t<T>* __restrict__ mean,
                          const compute_t<T>* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
@@ -468,37 +470,61 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
   const int slot = threadIdx.x / kTPR;
   const bool want_params = part_w != nullptr;
   const A inv_cols = A(1) / static_cast<A>(cols);
-  A aw[kVPT][W], ab[kVPT][W], wv[kVPT][W];
+  constexpr bool kNamed = (kOpts & 1) != 0;
+  constexpr bool kDeep = (kOpts & 2) != 0;
+  A aw[kVPT][W], ab[kVPT][W], wv[kDeep ? 1 : kVPT][W];
   bool in_cols[kVPT];
 #pragma unroll
   for (int k = 0; k < kVPT; ++k) {
     const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
     in_cols[k] = e < cols;
-    if (w && in_cols[k]) load_vec<T, W>(w + e, wv[k]);
+    if constexpr (!kDeep) {
+      if (w && in_cols[k]) load_vec<T, W>(w + e, wv[k]);
+    }
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       aw[k][j] = ab[k][j] = A(0);
-      if (!(w && in_cols[k])) wv[k][j] = A(1);
+      if constexpr (!kDeep) {
+        if (!(w && in_cols[k])) wv[k][j] = A(1);
+      }
     }
   }
+  // The weights of vector k: kept, or re-read (L1) where used.
+  auto weights = [&](int k, A (&out)[W]) {
+    if constexpr (kDeep) {
+      if (w) {
+        load_vec<T, W>(w + (static_cast<int64_t>(k) * kTPR + t) * W, out);
+      } else {
+#pragma unroll
+        for (int j = 0; j < W; ++j) out[j] = A(1);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < W; ++j) out[j] = wv[k][j];
+    }
+  };
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  // Stage of the pipeline: packed x, dy and the row's statistics of the row about to be used.
+  // Stages of the pipeline: packed x, dy and the statistics of the rows about to be used (the
+  // next one, and with kDeep the one after).
   Raw nx[kVPT] = {}, nd[kVPT] = {};
   A nm = A(0), nrs = A(0);
-  auto fetch = [&](int64_t row) {
+  Raw px[kDeep ? kVPT : 1] = {}, pd[kDeep ? kVPT : 1] = {};
+  A pm = A(0), prs = A(0);
+  auto fetch = [&](int64_t row, Raw* ox, Raw* od, A& om, A& ors) {
     if (row >= rows) return;
-    if constexpr (!kRms) nm = mean[row];
-    nrs = rstd[row];
+    if constexpr (!kRms) om = mean[row];
+    ors = rstd[row];
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
       if (in_cols[k]) {
         const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
-        nx[k] = load_raw<T, W>(x + e);
-        nd[k] = load_raw<T, W>(dy + e);
+        ox[k] = load_raw<T, W>(x + e);
+        od[k] = load_raw<T, W>(dy + e);
       }
   };
   int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
-  fetch(row0 + slot);
+  fetch(row0 + slot, nx, nd, nm, nrs);
+  if constexpr (kDeep) fetch(row0 + slot + stride, px, pd, pm, prs);
   for (; row0 < rows; row0 += stride) {
     const int64_t row = row0 + slot;
     const bool valid = row < rows;
@@ -509,19 +535,33 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
       cd[k] = nd[k];
     }
     const A m = nm, rs = nrs;
-    fetch(row + stride);  // in flight while this row is reduced
+    // In flight while this row is reduced.
+    if constexpr (kDeep) {
+#pragma unroll
+      for (int k = 0; k < kVPT; ++k) {
+        nx[k] = px[k];
+        nd[k] = pd[k];
+      }
+      nm = pm;
+      nrs = prs;
+      fetch(row + 2 * stride, px, pd, pm, prs);
+    } else {
+      fetch(row + stride, nx, nd, nm, nrs);
+    }
     A sg = A(0), sgx = A(0);
     if (valid) {
 #pragma unroll
       for (int k = 0; k < kVPT; ++k) {
         if (!in_cols[k]) continue;
+        A wk[W];
+        weights(k, wk);
 #pragma unroll
         for (int j = 0; j < W; ++j) {
           const A d = raw_elem<T, W, A>(cd[k], j);
           const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
           aw[k][j] += d * xh;
           ab[k][j] += d;
-          const A g = d * wv[k][j];
+          const A g = d * wk[j];
           sg += g;
           sgx += g * xh;
         }
@@ -540,11 +580,13 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
     for (int k = 0; k < kVPT; ++k) {
       if (!in_cols[k]) continue;
       const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
+      A wk[W];
+      weights(k, wk);
       A o[W];
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
-        o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wv[k][j] - mg - xh * mgx);
+        o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wk[j] - mg - xh * mgx);
       }
       store_vec<T, W>(dx + row * cols + e, o);
     }

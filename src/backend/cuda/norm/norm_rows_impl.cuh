@@ -26,7 +26,7 @@ T* mptr(const Tensor& t) {
 // 2 the same with two rows per thread; 3 two exact rounds with two rows per thread (the latter
 // three packed, rows_forward_multi_kernel). Tens digit, backward bits: 1 column_sum_narrow_kernel
 // for the second stage; 2 a grid that gives every block the same number of row steps; 4 a
-// barrier per row slot (row_slot_sync). Unset or empty: kRowsDefaultVariant. Not an API: the
+// barrier per row slot (row_slot_sync); 8 a pipeline of depth 3. Unset or empty: kRowsDefaultVariant. Not an API: the
 // losers are removed once measured.
 constexpr int kRowsDefaultVariant = 0;
 inline int rows_variant() {
@@ -156,20 +156,22 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   constexpr int kRowsPerBlock = kBlock / kTPR;
   const int bwd_variant = rows_variant() / 10;
   // Barriers per row slot only where a block holds several rows that need barriers.
-  constexpr bool kCanName = kTPR > 32 && kRowsPerBlock > 1 && kRowsPerBlock < 16;
-  const auto kernel = (kCanName && (bwd_variant & 4)) ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, kCanName>
-                                                      : &rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>;
+  constexpr int kNamed = kTPR > 32 && kRowsPerBlock > 1 && kRowsPerBlock < 16 ? 1 : 0;
+  const int opts = ((bwd_variant & 4) ? kNamed : 0) | ((bwd_variant & 8) ? 2 : 0);
+  const auto kernel = opts == 3   ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2 | kNamed>
+                      : opts == 2 ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2>
+                      : opts == 1 ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, kNamed>
+                                  : &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 0>;
   cudaStream_t st = be.stream();
   const bool params = dw != nullptr || db != nullptr;
   const std::size_t max_smem = kRowsPerBlock > 1 ? 2 * static_cast<std::size_t>(kVPT * kTPR * W) * sizeof(A) : 0;
-  // Asked once per configuration (both kernels), with the largest shared memory it may use.
-  static const int per_sm = rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>, kBlock, max_smem);
-  static const int per_sm_named = rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, kCanName>, kBlock,
-                                                  max_smem);
-  const int64_t resident =
-      static_cast<int64_t>(sm_count(be.device())) * (kernel == &rows_backward_kernel<T, W, kVPT, kTPR, kRms, false>
-                                                         ? per_sm
-                                                         : per_sm_named);
+  // Asked once per kernel, with the largest shared memory it may use.
+  static const int per_sm[4] = {
+      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 0>, kBlock, max_smem),
+      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, kNamed>, kBlock, max_smem),
+      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2>, kBlock, max_smem),
+      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2 | kNamed>, kBlock, max_smem)};
+  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm[opts];
   const int64_t blocks = ceil_div(rows, kRowsPerBlock);
   int64_t grid = std::max<int64_t>(1, std::min(blocks, resident));
   // Every block the same number of row steps: no last step run by a few blocks alone.
