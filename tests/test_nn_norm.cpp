@@ -546,7 +546,7 @@ TEST(NormCuda, RowsVariantsMatchCpu) {
                              {131, 1000, 0.3, true},  {131, 1024, 0.3, false}, {130, 1024, 40.0, true},
                              {33, 1152, -25.0, true}, {7, 4099, 0.3, true},    {5, 8192, 0.3, true},
                              {3, 20000, 0.3, true},   {9001, 64, 0.3, true},   {4099, 1024, 0.3, true}};
-  for (int variant : {0, 1, 2, 3, 10, 20, 30, 40, 72, 80, 120, 152}) {
+  for (int variant : {0, 1, 2, 3, 4, 10, 20, 30, 40, 72, 80, 120, 152}) {
     SCOPED_TRACE("FLAME_ROWS_VARIANT=" + std::to_string(variant));
     RowsVariantEnv env(variant);
     uint64_t seed = 1200;

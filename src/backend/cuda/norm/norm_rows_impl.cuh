@@ -23,11 +23,11 @@ T* mptr(const Tensor& t) {
 // Tuning hook (Note [Row forward variants]): FLAME_ROWS_VARIANT, read at every launch, picks a
 // kernel variant so that one benchmark run (bench_nn_norm) and one test (NormCuda.RowsVariants
 // MatchCpu) cover them all. Units digit, forward: 0 rows_forward_kernel; 1 one-round shifted sums;
-// 2 the same with two rows per thread; 3 two exact rounds with two rows per thread (the latter
-// three packed, rows_forward_multi_kernel). Tens digit, backward bits: 1 column_sum_narrow_kernel
+// 2 the same with two rows per thread; 3 two exact rounds with two rows per thread; 4 shifted
+// sums with four rows per thread (1-4 packed, rows_forward_multi_kernel). Tens digit, backward bits: 1 column_sum_narrow_kernel
 // for the second stage; 2 a grid that gives every block the same number of row steps; 4 a
-// barrier per row slot (row_slot_sync); 8 a pipeline of depth 3. Unset or empty: kRowsDefaultVariant. Not an API: the
-// losers are removed once measured.
+// barrier per row slot (row_slot_sync); 8 a pipeline of depth 3. Unset or empty:
+// kRowsDefaultVariant. Not an API: the losers are removed once measured.
 constexpr int kRowsDefaultVariant = 0;
 inline int rows_variant() {
   const char* v = std::getenv("FLAME_ROWS_VARIANT");
@@ -41,9 +41,9 @@ struct RowsFwdArgs {
 
 // Two rows per thread only while their packed values stay within 64 registers, in blocks small
 // enough for the registers that needs (launch bounds of 512 or 1024 threads cap them at 128 or 64).
-template <class T, int W, int kVPT, int kTPR>
+template <class T, int W, int kVPT, int kTPR, int kWant = 2>
 constexpr int rows_fwd_pair() {
-  return rows_block<kTPR>() <= 256 && 2 * kVPT * W * static_cast<int>(sizeof(T)) <= 256 ? 2 : 1;
+  return rows_block<kTPR>() <= 256 && kWant * kVPT * W * static_cast<int>(sizeof(T)) <= 256 ? kWant : 1;
 }
 
 template <class T, int W, int kVPT, int kTPR, bool kRms>
@@ -65,6 +65,14 @@ void launch_rows_fwd(cudaStream_t st, const T* x, const T* w, const T* b, T* y, 
                                                                           eps);
       FLAME_CUDA_CHECK_LAUNCH();
       return;
+    case 4: {
+      constexpr int kQuad = rows_fwd_pair<T, W, kVPT, kTPR, 4>();
+      rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, kQuad, true>
+          <<<grid_for(a.rows, kSlots * kQuad, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols,
+                                                                          eps);
+      FLAME_CUDA_CHECK_LAUNCH();
+      return;
+    }
     case 3:
       rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, kPair, false>
           <<<grid_for(a.rows, kSlots * kPair, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols,
