@@ -95,17 +95,6 @@ int main(int argc, char** argv) {
       [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
   run("rms_norm_bf16", {32768, 1024}, 1024, false,
       [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
-  // The row kernels' variants behind the FLAME_ROWS_VARIANT tuning hook (Note [Row forward
-  // variants]; units digit: forward, tens: backward), named <op>_v<variant>_fwd[bwd]; no PyTorch twin.
-  for (int v : {1, 2, 3, 4, 10, 20, 30, 40, 72, 80, 120, 152}) {
-    const std::string tag = "_v" + std::to_string(v);
-    setenv("FLAME_ROWS_VARIANT", std::to_string(v).c_str(), 1);
-    run("layer_norm_bf16" + tag, {32768, 1024}, 1024, true,
-        [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::layer_norm(x, {1024}, w, b); });
-    run("rms_norm_bf16" + tag, {32768, 1024}, 1024, false,
-        [](const Tensor& x, const Tensor& w, const Tensor&) { return F::rms_norm(x, {1024}, w, 1e-6); });
-  }
-  unsetenv("FLAME_ROWS_VARIANT");
   run("group_norm_bf16", {32, 512, 64, 64}, 512, true,
       [](const Tensor& x, const Tensor& w, const Tensor& b) { return F::group_norm(x, 32, w, b); });
   return 0;

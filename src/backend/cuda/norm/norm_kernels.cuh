@@ -8,15 +8,17 @@
 //  - forward: rows that fit in registers (up to 32 values per thread, 1024 threads per row) are
 //    read once with 16-byte vectors when every pointer is aligned and cols % W == 0; kTPR
 //    threads per row (a warp for short rows, a block for long ones, several rows per block when
-//    kTPR < 128); mean, then the centred variance, from the registers (two exact passes, one
-//    read); one write of y, plus mean/rstd for the backward. Longer rows: a block per row with
-//    three passes over global memory.
+//    kTPR < 128); the statistics in one reduction round of shifted sums from the registers
+//    (Note [Row forward statistics]); one write of y, plus mean/rstd for the backward. Longer
+//    rows: a block per row with three passes over global memory (two exact rounds).
 //  - backward: the same geometry with at most 8 values per thread (x and dy both live in
 //    registers, plus the weight/bias gradient accumulators). Each thread owns fixed columns of
 //    every row it visits, so it accumulates dy*xhat and dy for them in registers over all its
 //    rows; a block adds its rows' accumulators in shared memory and writes one partial row;
-//    a second kernel sums the partial rows per column (two stages, no global atomics). The row
-//    loop is pipelined (Note [Row backward pipeline]).
+//    a second kernel sums the partial rows per column (two stages, no global atomics; 8 columns
+//    and 64 partial rows per block, so that the short second stage spreads over the SMs). The
+//    grid gives every block the same number of row steps. The row loop is pipelined (Note [Row
+//    backward pipeline]).
 //    Longer rows: dx by a block per row, the parameter gradients by a column kernel.
 // Channels (group_norm, batch_norm), x [N, C, S] contiguous: a block per (n, group) or per
 // channel. GroupNorm's statistics are one pass of shifted sums (sum of x - K and its square, K
@@ -78,48 +80,100 @@ constexpr int rows_block() {
 }
 
 // ---- rows forward ----
+// Note [Row forward statistics]
+// The forward is bound by how many bytes each SM has in flight; while a warp reduces, it has
+// none. So a row is reduced in ONE round: layer_norm takes shifted sums s1 = sum(x - K) and
+// s2 = sum((x - K)^2), K the row's first value (read by every thread, an L1 hit), shuffled
+// interleaved; mean = K + s1/n, var = s2/n - (s1/n)^2 clamped at 0. The cancellation is bounded
+// by how far the mean lies from K in standard deviations, which for a value of the row itself is
+// small (GroupNorm's statistics do the same, Note [CUDA norm kernels]). The row stays packed as
+// loaded (16-byte vectors) and is widened where used: fewer registers, more resident warps.
+// Measured on an H100 ([32768, 1024] bf16): 76.7% -> 86.5% of copy bandwidth for layer_norm
+// against two exact rounds from registers; two or four rows per thread in flight (more
+// registers, fewer warps) and two exact rounds on packed rows were slower (docs/rows.md).
+
+// N sums at once over the kTPR threads of a row; shuffles interleaved (smem: 32 * N entries).
+template <int kTPR, int N, class A>
+__device__ __forceinline__ void row_allreduce_n(A (&v)[N], A* smem) {
+  constexpr int width = kTPR < 32 ? kTPR : 32;
+#pragma unroll
+  for (int m = width / 2; m > 0; m >>= 1)
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], m);
+  if constexpr (kTPR > 32) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
+    __syncthreads();  // the previous round's reads are done
+    if (lane == 0)
+#pragma unroll
+      for (int i = 0; i < N; ++i) smem[i * 32 + warp] = v[i];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      A a = smem[i * 32 + first];
+#pragma unroll
+      for (int w = 1; w < kTPR / 32; ++w) a += smem[i * 32 + first + w];
+      v[i] = a;
+    }
+  }
+}
+
 template <class T, int W, int kVPT, int kTPR, bool kRms>
 __global__ void __launch_bounds__(rows_block<kTPR>())
     rows_forward_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b, T* __restrict__ y,
                         compute_t<T>* __restrict__ mean_out, compute_t<T>* __restrict__ rstd_out, int64_t rows,
                         int64_t cols, compute_t<T> eps) {
   using A = compute_t<T>;
+  using Raw = std::conditional_t<(W > 1), uint4, T>;
   constexpr int kBlock = rows_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
-  __shared__ A smem[32];
+  constexpr int kN = kRms ? 1 : 2;  // rms_norm: sum(x^2); layer_norm: sum(x - K), sum((x - K)^2)
+  __shared__ A smem[32 * kN];
   const int t = threadIdx.x % kTPR;
   const A inv_cols = A(1) / static_cast<A>(cols);
+  auto elem = [](const Raw& r, int j) -> A {
+    if constexpr (W > 1) return load_as<A>(vec_elem<T>(r, j));
+    else return load_as<A>(r);
+  };
+  bool in[kVPT];
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k) in[k] = (static_cast<int64_t>(k) * kTPR + t) * W < cols;
   for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock; row0 < rows;
        row0 += static_cast<int64_t>(gridDim.x) * kRowsPerBlock) {
     const int64_t row = row0 + threadIdx.x / kTPR;
     const bool valid = row < rows;  // uniform per row's threads; all threads reach the reductions
     const T* p = x + (valid ? row : 0) * cols;
-    A v[kVPT][W];
-    bool in[kVPT];
-    A s = A(0);
+    const A shift = kRms ? A(0) : load_as<A>(p[0]);
+    Raw v[kVPT];
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
-      const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-      in[k] = valid && e < cols;
-      if (in[k]) {
-        load_vec<T, W>(p + e, v[k]);
-#pragma unroll
-        for (int j = 0; j < W; ++j) s += v[k][j];
+      if (valid && in[k]) {
+        const T* q = p + (static_cast<int64_t>(k) * kTPR + t) * W;
+        if constexpr (W > 1) v[k] = __ldg(reinterpret_cast<const uint4*>(q));
+        else v[k] = q[0];
       }
     }
-    A m = A(0);
-    if constexpr (!kRms) m = row_allreduce<kTPR, SumOpF>(s, smem) * inv_cols;
-    A q = A(0);
+    A s[kN];
+#pragma unroll
+    for (int i = 0; i < kN; ++i) s[i] = A(0);
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
-      if (in[k])
+      if (valid && in[k])
 #pragma unroll
         for (int j = 0; j < W; ++j) {
-          const A d = v[k][j] - m;
-          q += d * d;
+          const A d = elem(v[k], j) - shift;
+          s[kN - 1] += d * d;
+          if constexpr (!kRms) s[0] += d;
         }
-    q = row_allreduce<kTPR, SumOpF>(q, smem);
-    const A rs = rsqrt_acc(q * inv_cols + eps);
+    row_allreduce_n<kTPR>(s, smem);
+    A m = A(0), var = s[kN - 1] * inv_cols;
+    if constexpr (!kRms) {
+      const A d = s[0] * inv_cols;
+      m = shift + d;
+      var -= d * d;
+      var = var > A(0) ? var : A(0);
+    }
+    const A rs = rsqrt_acc(var + eps);
     if (!valid) continue;
     if (t == 0) {
       if constexpr (!kRms) mean_out[row] = m;
@@ -136,200 +190,12 @@ __global__ void __launch_bounds__(rows_block<kTPR>())
       A o[W];
 #pragma unroll
       for (int j = 0; j < W; ++j) {
-        A r = (v[k][j] - m) * rs;
+        A r = (elem(v[k], j) - m) * rs;
         if (w) r *= wv[j];
         if (b) r += bv[j];
         o[j] = r;
       }
       store_vec<T, W>(out + e, o);
-    }
-  }
-}
-
-// Note [Row forward variants]
-// rows_forward_kernel above keeps a row in registers as compute-precision values and reduces
-// twice (mean, then the centred variance): two dependent shuffle chains per row, during which a
-// warp has no load in flight. rows_forward_multi_kernel trades that for:
-//  - kShift (layer_norm): one round of shifted sums, s1 = sum(x - K), s2 = sum((x - K)^2) with K
-//    the row's first value (read by every thread, an L1 hit): mean = K + s1/n, var = s2/n -
-//    (s1/n)^2 clamped at 0. The cancellation is bounded by how far the mean lies from K in
-//    standard deviations, which for one value of the row is small (as GroupNorm's statistics,
-//    Note [CUDA norm kernels]); the sums of both are shuffled interleaved.
-//  - kR rows per thread: the loads of kR rows are issued before any reduction and their sums
-//    reduced together (independent shuffle chains interleave), so more bytes are in flight per
-//    warp for the same number of dependent steps.
-//  - x is kept packed as loaded (16-byte vectors) and widened on use: half the registers.
-// Chosen per launch by the tuning hook FLAME_ROWS_VARIANT (norm_rows_impl.cuh).
-
-// Synchronises the threads of one row slot: with kNamed a hardware barrier per slot (ids from 1;
-// 0 is __syncthreads'), so the slots of a block wait only for their own row; else the block.
-template <int kTPR, bool kNamed>
-__device__ __forceinline__ void row_slot_sync() {
-  if constexpr (kNamed) asm volatile("bar.sync %0, %1;" ::"r"(1 + static_cast<int>(threadIdx.x) / kTPR), "n"(kTPR)
-                                     : "memory");
-  else __syncthreads();
-}
-
-// N sums at once over the kTPR threads of a row; shuffles interleaved (smem: 32 * N entries).
-template <int kTPR, bool kNamed = false, int N, class A>
-__device__ __forceinline__ void row_allreduce_n(A (&v)[N], A* smem) {
-  constexpr int width = kTPR < 32 ? kTPR : 32;
-#pragma unroll
-  for (int m = width / 2; m > 0; m >>= 1)
-#pragma unroll
-    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], m);
-  if constexpr (kTPR > 32) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
-    row_slot_sync<kTPR, kNamed>();  // the previous round's reads are done
-    if (lane == 0)
-#pragma unroll
-      for (int i = 0; i < N; ++i) smem[i * 32 + warp] = v[i];
-    row_slot_sync<kTPR, kNamed>();
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      A a = smem[i * 32 + first];
-#pragma unroll
-      for (int w = 1; w < kTPR / 32; ++w) a += smem[i * 32 + first + w];
-      v[i] = a;
-    }
-  }
-}
-
-template <class T, int W, int kVPT, int kTPR, bool kRms, int kR, bool kShift>
-__global__ void __launch_bounds__(rows_block<kTPR>())
-    rows_forward_multi_kernel(const T* __restrict__ x, const T* __restrict__ w, const T* __restrict__ b,
-                              T* __restrict__ y, compute_t<T>* __restrict__ mean_out,
-                              compute_t<T>* __restrict__ rstd_out, int64_t rows, int64_t cols, compute_t<T> eps) {
-  using A = compute_t<T>;
-  using Raw = std::conditional_t<(W > 1), uint4, T>;
-  constexpr int kBlock = rows_block<kTPR>();
-  constexpr int kSlots = kBlock / kTPR;
-  constexpr bool kTwoSums = !kRms && kShift;
-  constexpr int kN = kTwoSums ? 2 * kR : kR;
-  __shared__ A smem[32 * kN];
-  const int t = threadIdx.x % kTPR;
-  const int slot = threadIdx.x / kTPR;
-  const A inv_cols = A(1) / static_cast<A>(cols);
-  auto elem = [](const Raw& r, int j) -> A {
-    if constexpr (W > 1) return load_as<A>(vec_elem<T>(r, j));
-    else return load_as<A>(r);
-  };
-  bool in[kVPT];
-#pragma unroll
-  for (int k = 0; k < kVPT; ++k) in[k] = (static_cast<int64_t>(k) * kTPR + t) * W < cols;
-  for (int64_t row0 = static_cast<int64_t>(blockIdx.x) * kSlots * kR; row0 < rows;
-       row0 += static_cast<int64_t>(gridDim.x) * kSlots * kR) {
-    Raw v[kR][kVPT];
-    bool valid[kR];
-    A shift[kR];
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      const int64_t row = row0 + static_cast<int64_t>(slot) * kR + r;
-      valid[r] = row < rows;  // all threads reach the reductions
-      const T* p = x + (valid[r] ? row : 0) * cols;
-      shift[r] = A(0);
-      if constexpr (kTwoSums) shift[r] = load_as<A>(p[0]);
-#pragma unroll
-      for (int k = 0; k < kVPT; ++k) {
-        if (valid[r] && in[k]) {
-          const T* q = p + (static_cast<int64_t>(k) * kTPR + t) * W;
-          if constexpr (W > 1) v[r][k] = __ldg(reinterpret_cast<const uint4*>(q));
-          else v[r][k] = q[0];
-        }
-      }
-    }
-    A m[kR], rs[kR];
-    if constexpr (kRms || kShift) {
-      // One round: sum(x - K) and sum((x - K)^2) (K = 0 for rms_norm, whose sum is unused).
-      A s[kN];
-#pragma unroll
-      for (int i = 0; i < kN; ++i) s[i] = A(0);
-#pragma unroll
-      for (int r = 0; r < kR; ++r)
-#pragma unroll
-        for (int k = 0; k < kVPT; ++k)
-          if (valid[r] && in[k])
-#pragma unroll
-            for (int j = 0; j < W; ++j) {
-              const A d = elem(v[r][k], j) - shift[r];
-              if constexpr (kTwoSums) {
-                s[2 * r] += d;
-                s[2 * r + 1] += d * d;
-              } else {
-                s[r] += d * d;
-              }
-            }
-      row_allreduce_n<kTPR>(s, smem);
-#pragma unroll
-      for (int r = 0; r < kR; ++r) {
-        if constexpr (kTwoSums) {
-          const A d = s[2 * r] * inv_cols;
-          const A var = s[2 * r + 1] * inv_cols - d * d;
-          m[r] = shift[r] + d;
-          rs[r] = rsqrt_acc((var > A(0) ? var : A(0)) + eps);
-        } else {
-          m[r] = A(0);
-          rs[r] = rsqrt_acc(s[r] * inv_cols + eps);
-        }
-      }
-    } else {
-      // Two exact rounds: the mean, then the centred variance.
-      A s[kR];
-#pragma unroll
-      for (int r = 0; r < kR; ++r) {
-        s[r] = A(0);
-#pragma unroll
-        for (int k = 0; k < kVPT; ++k)
-          if (valid[r] && in[k])
-#pragma unroll
-            for (int j = 0; j < W; ++j) s[r] += elem(v[r][k], j);
-      }
-      row_allreduce_n<kTPR>(s, smem);
-#pragma unroll
-      for (int r = 0; r < kR; ++r) {
-        m[r] = s[r] * inv_cols;
-        A q = A(0);
-#pragma unroll
-        for (int k = 0; k < kVPT; ++k)
-          if (valid[r] && in[k])
-#pragma unroll
-            for (int j = 0; j < W; ++j) {
-              const A d = elem(v[r][k], j) - m[r];
-              q += d * d;
-            }
-        s[r] = q;
-      }
-      row_allreduce_n<kTPR>(s, smem);
-#pragma unroll
-      for (int r = 0; r < kR; ++r) rs[r] = rsqrt_acc(s[r] * inv_cols + eps);
-    }
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (!valid[r]) continue;
-      const int64_t row = row0 + static_cast<int64_t>(slot) * kR + r;
-      if (t == 0) {
-        if constexpr (!kRms) mean_out[row] = m[r];
-        rstd_out[row] = rs[r];
-      }
-      T* out = y + row * cols;
-#pragma unroll
-      for (int k = 0; k < kVPT; ++k) {
-        if (!in[k]) continue;
-        const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-        A wv[W], bv[W];
-        if (w) load_vec<T, W>(w + e, wv);
-        if (b) load_vec<T, W>(b + e, bv);
-        A o[W];
-#pragma unroll
-        for (int j = 0; j < W; ++j) {
-          A q = (elem(v[r][k], j) - m[r]) * rs[r];
-          if (w) q *= wv[j];
-          if (b) q += bv[j];
-          o[j] = q;
-        }
-        store_vec<T, W>(out + e, o);
-      }
     }
   }
 }
@@ -421,7 +287,7 @@ __device__ __forceinline__ A raw_elem(const typename RawVec<T, W>::type& v, int 
 }
 
 // Both row sums in one round: a and b over the kTPR threads of a row (smem: 64 entries).
-template <int kTPR, bool kNamed = false, class A>
+template <int kTPR, class A>
 __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
   constexpr int width = kTPR < 32 ? kTPR : 32;
 #pragma unroll
@@ -432,12 +298,12 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
   if constexpr (kTPR > 32) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = (threadIdx.x / kTPR) * (kTPR / 32);  // this row's first warp
-    row_slot_sync<kTPR, kNamed>();  // the previous round's reads are done
+    __syncthreads();  // the previous round's reads are done
     if (lane == 0) {
       smem[warp] = a;
       smem[32 + warp] = b;
     }
-    row_slot_sync<kTPR, kNamed>();
+    __syncthreads();
     a = smem[first];
     b = smem[32 + first];
 #pragma unroll
@@ -450,10 +316,7 @@ __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w (mean(g) term dropped for rms).
 // part_w/part_b (null when not wanted): [gridDim.x, cols] partial sums of dy * xhat and dy.
-// kOpts (tuning variants, norm_rows_impl.cuh): bit 1, the row reductions wait at a barrier per
-// row slot, not the block's (row_slot_sync); bit 2, a pipeline of depth 3 (two rows in flight
-// while one is reduced), paid for by re-reading the weights from L1 instead of keeping them.
-template <class T, int W, int kVPT, int kTPR, bool kRms, int kOpts = 0>
+template <class T, int W, int kVPT, int kTPR, bool kRms>
 __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T, W, kTPR>()))
     rows_backward_kernel(const T* __restrict__ dy, const T* __restrict__ x, const compute_t<T>* __restrict__ mean,
                          const compute_t<T>* __restrict__ rstd, const T* __restrict__ w, T* __restrict__ dx,
@@ -470,61 +333,37 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
   const int slot = threadIdx.x / kTPR;
   const bool want_params = part_w != nullptr;
   const A inv_cols = A(1) / static_cast<A>(cols);
-  constexpr bool kNamed = (kOpts & 1) != 0;
-  constexpr bool kDeep = (kOpts & 2) != 0;
-  A aw[kVPT][W], ab[kVPT][W], wv[kDeep ? 1 : kVPT][W];
+  A aw[kVPT][W], ab[kVPT][W], wv[kVPT][W];
   bool in_cols[kVPT];
 #pragma unroll
   for (int k = 0; k < kVPT; ++k) {
     const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
     in_cols[k] = e < cols;
-    if constexpr (!kDeep) {
-      if (w && in_cols[k]) load_vec<T, W>(w + e, wv[k]);
-    }
+    if (w && in_cols[k]) load_vec<T, W>(w + e, wv[k]);
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       aw[k][j] = ab[k][j] = A(0);
-      if constexpr (!kDeep) {
-        if (!(w && in_cols[k])) wv[k][j] = A(1);
-      }
+      if (!(w && in_cols[k])) wv[k][j] = A(1);
     }
   }
-  // The weights of vector k: kept, or re-read (L1) where used.
-  auto weights = [&](int k, A (&out)[W]) {
-    if constexpr (kDeep) {
-      if (w) {
-        load_vec<T, W>(w + (static_cast<int64_t>(k) * kTPR + t) * W, out);
-      } else {
-#pragma unroll
-        for (int j = 0; j < W; ++j) out[j] = A(1);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < W; ++j) out[j] = wv[k][j];
-    }
-  };
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsPerBlock;
-  // Stages of the pipeline: packed x, dy and the statistics of the rows about to be used (the
-  // next one, and with kDeep the one after).
+  // Stage of the pipeline: packed x, dy and the row's statistics of the row about to be used.
   Raw nx[kVPT] = {}, nd[kVPT] = {};
   A nm = A(0), nrs = A(0);
-  Raw px[kDeep ? kVPT : 1] = {}, pd[kDeep ? kVPT : 1] = {};
-  A pm = A(0), prs = A(0);
-  auto fetch = [&](int64_t row, Raw* ox, Raw* od, A& om, A& ors) {
+  auto fetch = [&](int64_t row) {
     if (row >= rows) return;
-    if constexpr (!kRms) om = mean[row];
-    ors = rstd[row];
+    if constexpr (!kRms) nm = mean[row];
+    nrs = rstd[row];
 #pragma unroll
     for (int k = 0; k < kVPT; ++k)
       if (in_cols[k]) {
         const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
-        ox[k] = load_raw<T, W>(x + e);
-        od[k] = load_raw<T, W>(dy + e);
+        nx[k] = load_raw<T, W>(x + e);
+        nd[k] = load_raw<T, W>(dy + e);
       }
   };
   int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
-  fetch(row0 + slot, nx, nd, nm, nrs);
-  if constexpr (kDeep) fetch(row0 + slot + stride, px, pd, pm, prs);
+  fetch(row0 + slot);
   for (; row0 < rows; row0 += stride) {
     const int64_t row = row0 + slot;
     const bool valid = row < rows;
@@ -535,58 +374,37 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
       cd[k] = nd[k];
     }
     const A m = nm, rs = nrs;
-    // In flight while this row is reduced.
-    if constexpr (kDeep) {
-#pragma unroll
-      for (int k = 0; k < kVPT; ++k) {
-        nx[k] = px[k];
-        nd[k] = pd[k];
-      }
-      nm = pm;
-      nrs = prs;
-      fetch(row + 2 * stride, px, pd, pm, prs);
-    } else {
-      fetch(row + stride, nx, nd, nm, nrs);
-    }
+    fetch(row + stride);  // in flight while this row is reduced
     A sg = A(0), sgx = A(0);
     if (valid) {
 #pragma unroll
       for (int k = 0; k < kVPT; ++k) {
         if (!in_cols[k]) continue;
-        A wk[W];
-        weights(k, wk);
 #pragma unroll
         for (int j = 0; j < W; ++j) {
           const A d = raw_elem<T, W, A>(cd[k], j);
           const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
           aw[k][j] += d * xh;
           ab[k][j] += d;
-          const A g = d * wk[j];
+          const A g = d * wv[k][j];
           sg += g;
           sgx += g * xh;
         }
       }
     }
-    if constexpr (kRms) {
-      A one[1] = {sgx};
-      row_allreduce_n<kTPR, kNamed>(one, smem);
-      sgx = one[0];
-    } else {
-      row_allreduce2<kTPR, kNamed>(sg, sgx, smem);
-    }
+    if constexpr (kRms) sgx = row_allreduce<kTPR, SumOpF>(sgx, smem);
+    else row_allreduce2<kTPR>(sg, sgx, smem);
     if (!valid || dx == nullptr) continue;
     const A mg = kRms ? A(0) : sg * inv_cols, mgx = sgx * inv_cols;
 #pragma unroll
     for (int k = 0; k < kVPT; ++k) {
       if (!in_cols[k]) continue;
       const int64_t e = (static_cast<int64_t>(k) * kTPR + t) * W;
-      A wk[W];
-      weights(k, wk);
       A o[W];
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const A xh = (raw_elem<T, W, A>(cx[k], j) - m) * rs;
-        o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wk[j] - mg - xh * mgx);
+        o[j] = rs * (raw_elem<T, W, A>(cd[k], j) * wv[k][j] - mg - xh * mgx);
       }
       store_vec<T, W>(dx + row * cols + e, o);
     }

@@ -2,7 +2,6 @@
 // Launchers of the row kernels (layer_norm, rms_norm): configuration choice per row length
 // (Note [CUDA norm kernels]). Included by norm_rows.cu (f32, f64) and norm_rows_half.cu (bf16, f16).
 #include <algorithm>
-#include <cstdlib>
 #include <memory>
 
 #include "src/backend/cuda/norm/norm_kernels.cuh"
@@ -20,68 +19,15 @@ T* mptr(const Tensor& t) {
   return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
 }
 
-// Tuning hook (Note [Row forward variants]): FLAME_ROWS_VARIANT, read at every launch, picks a
-// kernel variant so that one benchmark run (bench_nn_norm) and one test (NormCuda.RowsVariants
-// MatchCpu) cover them all. Units digit, forward: 0 rows_forward_kernel; 1 one-round shifted sums;
-// 2 the same with two rows per thread; 3 two exact rounds with two rows per thread; 4 shifted
-// sums with four rows per thread (1-4 packed, rows_forward_multi_kernel). Tens digit, backward bits: 1 column_sum_narrow_kernel
-// for the second stage; 2 a grid that gives every block the same number of row steps; 4 a
-// barrier per row slot (row_slot_sync); 8 a pipeline of depth 3. Unset or empty:
-// kRowsDefaultVariant. Not an API: the losers are removed once measured.
-constexpr int kRowsDefaultVariant = 0;
-inline int rows_variant() {
-  const char* v = std::getenv("FLAME_ROWS_VARIANT");
-  return v != nullptr && *v != '\0' ? std::atoi(v) : kRowsDefaultVariant;
-}
-
 struct RowsFwdArgs {
   int64_t rows, cols;
   double eps;
 };
 
-// Two rows per thread only while their packed values stay within 64 registers, in blocks small
-// enough for the registers that needs (launch bounds of 512 or 1024 threads cap them at 128 or 64).
-template <class T, int W, int kVPT, int kTPR, int kWant = 2>
-constexpr int rows_fwd_pair() {
-  return rows_block<kTPR>() <= 256 && kWant * kVPT * W * static_cast<int>(sizeof(T)) <= 256 ? kWant : 1;
-}
-
 template <class T, int W, int kVPT, int kTPR, bool kRms>
 void launch_rows_fwd(cudaStream_t st, const T* x, const T* w, const T* b, T* y, compute_t<T>* mean,
                      compute_t<T>* rstd, RowsFwdArgs a) {
   constexpr int kBlock = rows_block<kTPR>();
-  constexpr int kSlots = kBlock / kTPR;
-  constexpr int kPair = rows_fwd_pair<T, W, kVPT, kTPR>();
-  const auto eps = static_cast<compute_t<T>>(a.eps);
-  switch (rows_variant() % 10) {
-    case 1:
-      rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, 1, true>
-          <<<grid_for(a.rows, kSlots, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols, eps);
-      FLAME_CUDA_CHECK_LAUNCH();
-      return;
-    case 2:
-      rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, kPair, true>
-          <<<grid_for(a.rows, kSlots * kPair, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols,
-                                                                          eps);
-      FLAME_CUDA_CHECK_LAUNCH();
-      return;
-    case 4: {
-      constexpr int kQuad = rows_fwd_pair<T, W, kVPT, kTPR, 4>();
-      rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, kQuad, true>
-          <<<grid_for(a.rows, kSlots * kQuad, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols,
-                                                                          eps);
-      FLAME_CUDA_CHECK_LAUNCH();
-      return;
-    }
-    case 3:
-      rows_forward_multi_kernel<T, W, kVPT, kTPR, kRms, kPair, false>
-          <<<grid_for(a.rows, kSlots * kPair, 1 << 20), kBlock, 0, st>>>(x, w, b, y, mean, rstd, a.rows, a.cols,
-                                                                          eps);
-      FLAME_CUDA_CHECK_LAUNCH();
-      return;
-    default:
-      break;
-  }
   rows_forward_kernel<T, W, kVPT, kTPR, kRms><<<grid_for(a.rows, kBlock / kTPR, 1 << 20), kBlock, 0, st>>>(
       x, w, b, y, mean, rstd, a.rows, a.cols, static_cast<compute_t<T>>(a.eps));
   FLAME_CUDA_CHECK_LAUNCH();
@@ -162,28 +108,17 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   using A = compute_t<T>;
   constexpr int kBlock = rows_bwd_block<kTPR>();
   constexpr int kRowsPerBlock = kBlock / kTPR;
-  const int bwd_variant = rows_variant() / 10;
-  // Barriers per row slot only where a block holds several rows that need barriers.
-  constexpr int kNamed = kTPR > 32 && kRowsPerBlock > 1 && kRowsPerBlock < 16 ? 1 : 0;
-  const int opts = ((bwd_variant & 4) ? kNamed : 0) | ((bwd_variant & 8) ? 2 : 0);
-  const auto kernel = opts == 3   ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2 | kNamed>
-                      : opts == 2 ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2>
-                      : opts == 1 ? &rows_backward_kernel<T, W, kVPT, kTPR, kRms, kNamed>
-                                  : &rows_backward_kernel<T, W, kVPT, kTPR, kRms, 0>;
+  const auto kernel = &rows_backward_kernel<T, W, kVPT, kTPR, kRms>;
   cudaStream_t st = be.stream();
   const bool params = dw != nullptr || db != nullptr;
   const std::size_t max_smem = kRowsPerBlock > 1 ? 2 * static_cast<std::size_t>(kVPT * kTPR * W) * sizeof(A) : 0;
-  // Asked once per kernel, with the largest shared memory it may use.
-  static const int per_sm[4] = {
-      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 0>, kBlock, max_smem),
-      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, kNamed>, kBlock, max_smem),
-      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2>, kBlock, max_smem),
-      rows_bwd_per_sm(&rows_backward_kernel<T, W, kVPT, kTPR, kRms, 2 | kNamed>, kBlock, max_smem)};
-  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm[opts];
+  // Asked once per configuration, with the largest shared memory it may use.
+  static const int per_sm = rows_bwd_per_sm(kernel, kBlock, max_smem);
+  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
   const int64_t blocks = ceil_div(rows, kRowsPerBlock);
-  int64_t grid = std::max<int64_t>(1, std::min(blocks, resident));
-  // Every block the same number of row steps: no last step run by a few blocks alone.
-  if (bwd_variant & 2) grid = ceil_div(blocks, ceil_div(blocks, grid));
+  const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
+  // Every block the same number of row steps (within one): no last step run by a few blocks alone.
+  const int64_t grid = std::max<int64_t>(1, ceil_div(blocks, steps));
   std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
   A *pw = nullptr, *pb = nullptr;
   if (params) {
@@ -196,10 +131,7 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
       dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
   if (params) {
-    if (bwd_variant & 1)
-      column_sum_narrow_kernel<T><<<grid_for(cols, 8), dim3(8, 64), 0, st>>>(pw, pb, dw, db, grid, cols);
-    else
-      column_sum_kernel<T><<<grid_for(cols, 32), dim3(32, 16), 0, st>>>(pw, pb, dw, db, grid, cols);
+    column_sum_narrow_kernel<T><<<grid_for(cols, 8), dim3(8, 64), 0, st>>>(pw, pb, dw, db, grid, cols);
     FLAME_CUDA_CHECK_LAUNCH();
   }
 }
