@@ -553,5 +553,33 @@ TEST(NormCuda, OnlyWeightGradient) {
   }
 }
 
+// The row kernels across their geometries (Note [CUDA norm kernels]): every forward configuration
+// (a warp per row with several rows per block, 128 and 256 threads per row, a block per row and
+// the long-row kernel), vector and scalar paths, data whose mean lies far from 0 in both
+// directions (the forward's one-round shifted sums, Note [Row forward statistics]), no affine
+// parameters, and row counts of several backward strides (the grid of equal row steps; 9001
+// rows of 64 leave the last step partly empty).
+TEST(NormCuda, RowsShapesMatchCpu) {
+  FLAME_SKIP_IF_NO_CUDA();
+  struct C {
+    int64_t rows, cols;
+    double xmean;
+    bool affine;
+  };
+  const std::vector<C> cases{{7, 1, 0.3, true},       {130, 3, 0.3, true},     {131, 96, 0.3, true},
+                             {131, 1000, 0.3, true},  {131, 1024, 0.3, false}, {130, 1024, 40.0, true},
+                             {33, 1152, -25.0, true}, {7, 4099, 0.3, true},    {5, 8192, 0.3, true},
+                             {3, 20000, 0.3, true},   {9001, 64, 0.3, true},   {4099, 1024, 0.3, true}};
+  uint64_t seed = 1200;
+  for (const C& c : cases) {
+    compare_cuda("layer_norm", [&](const Tensor& x, const Tensor& w, const Tensor& b) {
+      return F::layer_norm(x, {c.cols}, w, b);
+    }, {c.rows, c.cols}, {c.cols}, c.affine, false, seed++, c.xmean);
+    compare_cuda("rms_norm", [&](const Tensor& x, const Tensor& w, const Tensor&) {
+      return F::rms_norm(x, {c.cols}, w, 1e-6);
+    }, {c.rows, c.cols}, {c.cols}, c.affine, false, seed++, c.xmean);
+  }
+}
+
 }  // namespace
 }  // namespace flame::test

@@ -115,7 +115,10 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   // Asked once per configuration, with the largest shared memory it may use.
   static const int per_sm = rows_bwd_per_sm(kernel, kBlock, max_smem);
   const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
-  const int64_t grid = std::max<int64_t>(1, std::min(ceil_div(rows, kRowsPerBlock), resident));
+  const int64_t blocks = ceil_div(rows, kRowsPerBlock);
+  const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
+  // Every block the same number of row steps (within one): no last step run by a few blocks alone.
+  const int64_t grid = std::max<int64_t>(1, ceil_div(blocks, steps));
   std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
   A *pw = nullptr, *pb = nullptr;
   if (params) {
@@ -128,7 +131,7 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
       dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
   if (params) {
-    column_sum_kernel<T><<<grid_for(cols, 32), dim3(32, 16), 0, st>>>(pw, pb, dw, db, grid, cols);
+    column_sum_narrow_kernel<T><<<grid_for(cols, 8), dim3(8, 64), 0, st>>>(pw, pb, dw, db, grid, cols);
     FLAME_CUDA_CHECK_LAUNCH();
   }
 }
