@@ -90,7 +90,7 @@ constexpr int rows_block() {
 // loaded (16-byte vectors) and is widened where used: fewer registers, more resident warps.
 // Measured on an H100 ([32768, 1024] bf16): 76.7% -> 86.5% of copy bandwidth for layer_norm
 // against two exact rounds from registers; two or four rows per thread in flight (more
-// registers, fewer warps) and two exact rounds on packed rows were slower (docs/rows.md).
+// registers, fewer warps) and two exact rounds on packed rows were slower (docs/nn-norm.md).
 
 // N sums at once over the kTPR threads of a row; shuffles interleaved (smem: 32 * N entries).
 template <int kTPR, int N, class A>
