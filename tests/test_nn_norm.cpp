@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "flame/cuda.h"
 #include "flame/nn/norm.h"
 #include "gradcheck.h"
 #include "nn_test_util.h"
@@ -579,6 +580,34 @@ TEST(NormCuda, RowsShapesMatchCpu) {
       return F::rms_norm(x, {c.cols}, w, 1e-6);
     }, {c.rows, c.cols}, {c.cols}, c.affine, false, seed++, c.xmean);
   }
+}
+
+// The row backward's second stage is a programmatic dependent launch on sm_90 (Note [Row backward
+// second stage]): captured into a CUDA graph and replayed it gives the eager gradients.
+TEST(NormCuda, RowsBackwardUnderGraphCapture) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  Generator g(71);
+  const Tensor x0 = Tensor::randn({512, 1024}, 0.5, 2.0, DType::f32, &g).to(DType::bf16).to(dev);
+  Tensor w = Tensor::randn({1024}, 1.0, 0.2, DType::f32, &g).to(DType::bf16).to(dev).requires_grad_(true);
+  Tensor b = Tensor::randn({1024}, 0.0, 0.2, DType::f32, &g).to(DType::bf16).to(dev).requires_grad_(true);
+  const Tensor dy = Tensor::randn({512, 1024}, 0.0, 1.0, DType::f32, &g).to(DType::bf16).to(dev);
+  Tensor x = x0.detach().requires_grad_(true);
+  BackwardOptions opt;
+  opt.grad_output = dy;
+  auto run = [&] {
+    Gradients gr = F::layer_norm(x, {1024}, w, b).backward(opt);
+    return TensorList{gr.get(x), gr.get(w), gr.get(b)};
+  };
+  const TensorList eager = run();
+  cuda::Graph graph;
+  TensorList captured;
+  cuda::capture(graph, [&] { captured = run(); });
+  graph.replay();
+  cuda::synchronize();
+  ASSERT_EQ(captured.size(), eager.size());
+  // The block's row slots add their column sums by shared-memory atomics: equal up to rounding.
+  for (std::size_t i = 0; i < eager.size(); ++i) EXPECT_TRUE(close_scaled(captured[i], eager[i], 1e-2)) << i;
 }
 
 }  // namespace

@@ -410,6 +410,11 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
     }
   }
   if (!want_params) return;
+  // The column sums may be scheduled now (Note [Row backward second stage]); they wait for
+  // every block's partial row below.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
   A* pw = part_w + static_cast<int64_t>(blockIdx.x) * cols;
   A* pb = part_b + static_cast<int64_t>(blockIdx.x) * cols;
   if constexpr (kRowsPerBlock == 1) {
@@ -545,12 +550,24 @@ __global__ void __launch_bounds__(512)
 
 // The second stage with 8 columns and 64 partial rows per block (4x the blocks of
 // column_sum_kernel, a quarter of the loop per thread); 32-byte column segments stay whole sectors.
+//
+// Note [Row backward second stage]
+// On sm_90 this kernel is launched as a programmatic dependent launch of the row backward
+// (cudaLaunchAttributeProgrammaticStreamSerialization): the row backward signals
+// griddepcontrol.launch_dependents once its rows are done, so this grid's launch overlaps the
+// first grid's tail, and griddepcontrol.wait here blocks until the first grid has completed and
+// its writes are visible. The result and its order of additions are the same as a plain launch.
 template <class T>
 __global__ void __launch_bounds__(512)
     column_sum_narrow_kernel(const compute_t<T>* __restrict__ part_w, const compute_t<T>* __restrict__ part_b,
                              T* __restrict__ out_w, T* __restrict__ out_b, int64_t parts, int64_t cols) {
   using A = compute_t<T>;
   __shared__ A sw[64][9], sb[64][9];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as a programmatic dependent of the row backward (Note [Row backward second stage]):
+  // wait until that grid has finished and its partial rows are visible.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   const int64_t col = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x;
   A aw = A(0), ab = A(0);
   if (col < cols) {

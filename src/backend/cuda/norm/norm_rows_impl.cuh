@@ -130,9 +130,20 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   kernel<<<static_cast<unsigned>(grid), kBlock, smem, st>>>(
       dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
-  if (params) {
-    column_sum_narrow_kernel<T><<<grid_for(cols, 8), dim3(8, 64), 0, st>>>(pw, pb, dw, db, grid, cols);
-    FLAME_CUDA_CHECK_LAUNCH();
+  if (params) {  // a programmatic dependent launch (Note [Row backward second stage])
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid_for(cols, 8));
+    cfg.blockDim = dim3(8, 64);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const A* cpw = pw;
+    const A* cpb = pb;
+    FLAME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_narrow_kernel<T>, cpw, cpb, dw, db, grid, cols));
   }
 }
 
