@@ -31,6 +31,28 @@ inline ::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& 
   return ::testing::AssertionSuccess();
 }
 
+// max |got - want| <= tol * max(1, max |want|), on the CPU in f64.
+inline ::testing::AssertionResult close_rel(const Tensor& got, const Tensor& want, double tol) {
+  if (got.sizes() != want.sizes())
+    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
+                                         << ::testing::PrintToString(want.sizes());
+  const std::vector<double> a = got.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
+  const std::vector<double> b = want.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
+  double worst = 0, scale = 1;
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    scale = std::max(scale, std::abs(b[i]));
+    const double d = std::isnan(a[i]) != std::isnan(b[i]) ? INFINITY : std::abs(a[i] - b[i]);
+    if (d > worst || std::isnan(d)) {
+      worst = std::isnan(d) ? INFINITY : d;
+      at = i;
+    }
+  }
+  if (worst <= tol * scale) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "max abs diff " << worst << " at flat " << at << " (got " << a[at]
+                                       << ", want " << b[at] << "), allowed " << tol * scale;
+}
+
 // Checks d<v, f(x)>/d(theta) from backward() against central differences, for x (when it is
 // floating and requires grad) and every trainable parameter of `m` (all f64 on the CPU). The
 // parameters are perturbed in place, so the module's own forward is what is checked.

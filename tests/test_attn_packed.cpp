@@ -14,6 +14,7 @@
 #include "flame/nn/attention.h"
 #include "flame/profiler.h"
 #include "gradcheck.h"
+#include "nn_test_util.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -34,28 +35,6 @@ Tensor explicit_composite(const Tensor& qkv, int64_t heads, bool causal, std::op
   const Tensor o =
       F::scaled_dot_product_attention(p.select(0, 0), p.select(0, 1), p.select(0, 2), {}, 0.0, causal, scale);
   return o.transpose(1, 2).reshape({b, l, heads * hd});
-}
-
-// max |got - want| <= tol * max(1, max |want|), compared on the CPU in f64.
-::testing::AssertionResult close_rel(const Tensor& got, const Tensor& want, double tol) {
-  if (got.sizes() != want.sizes())
-    return ::testing::AssertionFailure() << "shape " << ::testing::PrintToString(got.sizes()) << " vs "
-                                         << ::testing::PrintToString(want.sizes());
-  const std::vector<double> a = got.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
-  const std::vector<double> b = want.to(DType::f64).to(Device::cpu()).contiguous().to_vec<double>();
-  double worst = 0, scale = 1;
-  std::size_t at = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    scale = std::max(scale, std::abs(b[i]));
-    const double d = std::isnan(a[i]) != std::isnan(b[i]) ? INFINITY : std::abs(a[i] - b[i]);
-    if (d > worst || std::isnan(d)) {
-      worst = std::isnan(d) ? INFINITY : d;
-      at = i;
-    }
-  }
-  if (worst <= tol * scale) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "max abs diff " << worst << " at flat " << at << " (got " << a[at]
-                                       << ", want " << b[at] << "), allowed " << tol * scale;
 }
 
 struct Result {
