@@ -9,7 +9,8 @@
 // (norm_d2d_copy). Every line also carries ms. group_norm_bf16_bwd times the backward alone (a
 // retained graph; bytes: x, dy, dx and the parameters twice).
 //
-// Usage: bench_nn_norm [--reps N] [--warmup N]
+// Usage: bench_nn_norm [--reps N] [--warmup N]; FLAME_BENCH_TRACE=1 also prints the kernels of
+// 10 forward+backward calls of each case.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "bench_timing.h"
 #include "flame/flame.h"
 #include "flame/nn/norm.h"
+#include "flame/profiler.h"
 
 namespace {
 
@@ -89,6 +91,16 @@ int main(int argc, char** argv) {
         (void)y.backward(o);
       });
       emit(name + "_fwdbwd", (5 * xb + 3 * pb) / (ms * 1e-3) / 1e9, ms, d2d);
+      if (std::getenv("FLAME_BENCH_TRACE") != nullptr) {  // where the forward+backward time goes
+        flame::profiler::KernelTrace trace;
+        trace.start();
+        for (int i = 0; i < 10; ++i) {
+          Tensor y = op(x, w, b);
+          (void)y.backward(o);
+        }
+        trace.stop();
+        std::printf("# kernels of 10 %s forward+backward calls:\n%s", name.c_str(), trace.summary(12, 100).c_str());
+      }
       if (bwd_alone) {  // the backward alone, on a retained graph
         const Tensor y = op(x, w, b);
         BackwardOptions r = o;

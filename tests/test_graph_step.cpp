@@ -43,17 +43,6 @@ Gradients make_grads(const TensorList& params, uint64_t seed, double scale = 1.0
   return g;
 }
 
-// Bit-level equality of two tensors (same dtype and shape), with the first difference named.
-::testing::AssertionResult same_bits(const Tensor& a, const Tensor& b, const std::string& what) {
-  if (a.dtype() != b.dtype() || a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape/dtype differ";
-  const std::vector<double> x = a.to_vec<double>(), y = b.to_vec<double>();
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (std::memcmp(&x[i], &y[i], sizeof(double)) != 0 && !(std::isnan(x[i]) && std::isnan(y[i])))
-      return ::testing::AssertionFailure() << what << "[" << i << "]: " << x[i] << " vs " << y[i];
-  }
-  return ::testing::AssertionSuccess();
-}
-
 const std::vector<Shape> kShapes = {{7}, {5, 3}, {33, 17}, {4, 2, 3}};
 
 // Runs `steps` steps of two optimizers built by `make(params, capturable)` on equal parameters

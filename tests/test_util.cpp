@@ -1,5 +1,6 @@
 #include "test_util.h"
 
+#include <cstring>
 #include <sstream>
 
 namespace flame::test {
@@ -143,6 +144,16 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
     return;
   }
   ADD_FAILURE() << "expected flame::Error, nothing was thrown";
+}
+
+::testing::AssertionResult same_bits(const Tensor& a, const Tensor& b, const std::string& what) {
+  if (a.dtype() != b.dtype() || a.sizes() != b.sizes()) return ::testing::AssertionFailure() << what << ": shape/dtype differ";
+  const std::vector<double> x = a.to_vec<double>(), y = b.to_vec<double>();
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (std::memcmp(&x[i], &y[i], sizeof(double)) != 0 && !(std::isnan(x[i]) && std::isnan(y[i])))
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << x[i] << " vs " << y[i];
+  }
+  return ::testing::AssertionSuccess();
 }
 
 }  // namespace flame::test

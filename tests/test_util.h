@@ -79,6 +79,10 @@ double default_atol(DType dt);
 ::testing::AssertionResult all_close(const Tensor& got, const RefTensor& want, double rtol, double atol);
 ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double rtol, double atol);
 
+// Bit-level equality of two tensors (same dtype and shape; NaN matches NaN), with the first
+// difference named.
+::testing::AssertionResult same_bits(const Tensor& a, const Tensor& b, const std::string& what);
+
 // Expects `fn` to throw flame::Error whose message contains every one of `parts`.
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
 

@@ -18,7 +18,8 @@
 //    a second kernel sums the partial rows per column (two stages, no global atomics; 8 columns
 //    and 64 partial rows per block, so that the short second stage spreads over the SMs). The
 //    grid gives every block the same number of row steps. The row loop is pipelined (Note [Row
-//    backward pipeline]).
+//    backward pipeline]). 2-byte types with 257..1024 columns take a warp per row instead, with
+//    the column accumulators in shared memory (Note [Warp row backward], norm_rows_warp.cuh).
 //    Longer rows: dx by a block per row, the parameter gradients by a column kernel.
 // Channels (group_norm, batch_norm), x [N, C, S] contiguous: a block per (n, group) or per
 // channel. GroupNorm's statistics are one pass of shifted sums (sum of x - K and its square, K

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "src/backend/cuda/norm/norm_kernels.cuh"
+#include "src/backend/cuda/norm/norm_rows_warp.cuh"
 
 namespace flame::backend::cuda::norm {
 
@@ -102,6 +103,24 @@ int rows_bwd_per_sm(K kernel, int block, std::size_t max_smem) {
   return std::max(n, 1);
 }
 
+// The second stage: part [grid, cols] x 2 -> dw, db, as a programmatic dependent launch of the
+// kernel that wrote the partial rows (Note [Row backward second stage]).
+template <class T>
+void launch_column_sums(cudaStream_t st, const compute_t<T>* pw, const compute_t<T>* pb, T* dw, T* db, int64_t parts,
+                        int64_t cols) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid_for(cols, 8));
+  cfg.blockDim = dim3(8, 64);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  FLAME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_narrow_kernel<T>, pw, pb, dw, db, parts, cols));
+}
+
 template <class T, int W, int kVPT, int kTPR, bool kRms>
 void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T>* mean, const compute_t<T>* rstd,
                      const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols) {
@@ -130,21 +149,36 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   kernel<<<static_cast<unsigned>(grid), kBlock, smem, st>>>(
       dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
-  if (params) {  // a programmatic dependent launch (Note [Row backward second stage])
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(grid_for(cols, 8));
-    cfg.blockDim = dim3(8, 64);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    const A* cpw = pw;
-    const A* cpb = pb;
-    FLAME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_narrow_kernel<T>, cpw, cpb, dw, db, grid, cols));
+  if (params) launch_column_sums<T>(st, pw, pb, dw, db, grid, cols);
+}
+
+// Note [Warp row backward]: a warp per row, 2-byte types, kVPT 16-byte vectors per lane.
+template <class T, int kVPT, bool kRms>
+void launch_rows_bwd_warp(CudaBackend& be, const T* dy, const T* x, const float* mean, const float* rstd, const T* w,
+                          T* dx, T* dw, T* db, int64_t rows, int64_t cols) {
+  const auto kernel = &rows_backward_warp_kernel<T, kVPT, kRms>;
+  constexpr int kBlock = kWarpBwdWarps * 32;
+  const std::size_t smem = warp_bwd_smem<kVPT>();
+  cudaStream_t st = be.stream();
+  static const int per_sm = [&] {
+    FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return rows_bwd_per_sm(kernel, kBlock, smem);
+  }();
+  const bool params = dw != nullptr || db != nullptr;
+  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
+  const int64_t blocks = ceil_div(rows, kWarpBwdWarps);
+  const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
+  const int64_t grid = std::max<int64_t>(1, ceil_div(blocks, steps));
+  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
+  float *pw = nullptr, *pb = nullptr;
+  if (params) {
+    part = be.allocate(2 * static_cast<std::size_t>(grid * cols) * sizeof(float));
+    pw = static_cast<float*>(part.get());
+    pb = pw + grid * cols;
   }
+  kernel<<<static_cast<unsigned>(grid), kBlock, params ? smem : 0, st>>>(dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
+  FLAME_CUDA_CHECK_LAUNCH();
+  if (params) launch_column_sums<T>(st, pw, pb, dw, db, grid, cols);
 }
 
 // At most 8 values per thread (x, dy and two accumulators per value stay in registers).
@@ -153,6 +187,16 @@ bool rows_bwd_dispatch(CudaBackend& be, const T* dy, const T* x, const compute_t
                        const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols) {
   constexpr int VPT = W >= 8 ? 1 : 8 / W;
   const int64_t nv = ceil_div(cols, W);
+  if constexpr (sizeof(T) == 2 && W == 8) {  // Note [Warp row backward]
+    if (cols > 256 && cols <= 512) {
+      launch_rows_bwd_warp<T, 2, kRms>(be, dy, x, mean, rstd, w, dx, dw, db, rows, cols);
+      return true;
+    }
+    if (cols > 512 && cols <= 1024) {
+      launch_rows_bwd_warp<T, 4, kRms>(be, dy, x, mean, rstd, w, dx, dw, db, rows, cols);
+      return true;
+    }
+  }
 #define FLAME_NORM_BWD_CASE(TPR)                                                               \
   if (nv <= int64_t(VPT) * TPR) {                                                             \
     launch_rows_bwd<T, W, VPT, TPR, kRms>(be, dy, x, mean, rstd, w, dx, dw, db, rows, cols);  \
