@@ -65,8 +65,21 @@ PatchEmbed::PatchEmbed(int64_t in_channels, int64_t hidden, int64_t patch_size) 
                                                               flame::Shape{patch_size, patch_size}));
 }
 
+// The convolution's kernel equals its stride, so each output token is one GEMM row: the patches
+// gathered as [B, h*w, C*p*p] rows (channel, then kernel row, then column, as the weight is laid
+// out) times the weight viewed as [hidden, C*p*p]. The tokens come out in their final layout, and
+// on a GPU the GEMM replaces a convolution whose 4 input channels no tensor-core kernel takes
+// (with the NCHW -> token transposes around it, about 0.5 ms of a dit-s B256 step on an H100).
 Tensor PatchEmbed::forward(const Tensor& x) {
-  return proj->forward(x).flatten(2).transpose(1, 2);  // [B, hidden, h, w] -> [B, h*w, hidden]
+  FLAME_CHECK(x.dim() == 4, "PatchEmbed", "expected [B, C, H, W], got shape ", x.sizes());
+  const Tensor& w = proj->weight();  // [hidden, C, p, p]
+  const int64_t b = x.size(0), ch = x.size(1), p = w.size(2);
+  FLAME_CHECK(ch == w.size(1) && x.size(2) % p == 0 && x.size(3) % p == 0, "PatchEmbed", "input shape ", x.sizes(),
+              " does not fit patches of ", p, "x", p, " with ", w.size(1), " channels");
+  const int64_t gh = x.size(2) / p, gw = x.size(3) / p;
+  const Tensor patches =
+      x.reshape({b, ch, gh, p, gw, p}).permute({0, 2, 4, 1, 3, 5}).reshape({b, gh * gw, ch * p * p});
+  return F::linear(patches, w.reshape({w.size(0), ch * p * p}), proj->bias());  // [B, h*w, hidden]
 }
 
 DiTAttention::DiTAttention(int64_t hidden, int64_t heads) : heads_(heads) {

@@ -36,7 +36,8 @@ DiTConfig dit_config(const std::string& name);
 
 // LayerNorm(no affine, eps 1e-6) is applied functionally; modulate(x, shift, scale) =
 // x * (1 + scale) + shift with shift/scale broadcast over tokens.
-// timm's PatchEmbed: Conv2d(in, hidden, patch, stride patch) named `proj`, flattened to tokens.
+// timm's PatchEmbed: Conv2d(in, hidden, patch, stride patch) named `proj`, flattened to tokens
+// (computed as one GEMM over the gathered patches: dit.cpp).
 class PatchEmbed : public flame::nn::Module {
  public:
   PatchEmbed(int64_t in_channels, int64_t hidden, int64_t patch_size);

@@ -221,6 +221,28 @@ TEST(ModelDit, UnpatchifyInvertsPatchify) {
   EXPECT_EQ(tk[3], im[3 * 28 + 3]);
 }
 
+// PatchEmbed computes its convolution (kernel = stride = patch) as a GEMM over gathered patches:
+// the same tokens and the same gradients as F::conv2d flattened to tokens, in f64.
+TEST(ModelDit, PatchEmbedEqualsItsConvolution) {
+  namespace F = flame::nn::functional;
+  flame::manual_seed(5);
+  fd::PatchEmbed pe(3, 16, 2);
+  pe.to(DType::f64);
+  flame::Generator gen(9);
+  const Tensor x = Tensor::randn({2, 3, 8, 6}, 0.0, 1.0, {DType::f64}, &gen).requires_grad_(true);
+  const Tensor dy = Tensor::randn({2, 12, 16}, 0.0, 1.0, {DType::f64}, &gen);
+  const Tensor w = pe.proj->weight(), b = pe.proj->bias();
+  const Tensor got = pe.forward(x);
+  const Tensor want = F::conv2d(x, w, b, {2, 2}).flatten(2).transpose(1, 2);
+  ASSERT_EQ(got.sizes(), want.sizes());
+  EXPECT_LT(fd_test::max_abs_diff(got, want), 1e-12);
+  flame::BackwardOptions o;
+  o.grad_output = dy;
+  flame::Gradients g1 = got.backward(o), g2 = want.backward(o);
+  for (const Tensor& t : {x, w, b}) EXPECT_LT(fd_test::max_abs_diff(g1.get(t), g2.get(t)), 1e-12);
+  EXPECT_THROW(pe.forward(Tensor::zeros({2, 3, 7, 6}, {DType::f64})), flame::Error);  // not whole patches
+}
+
 TEST(ModelDit, BadInputsRaiseClearErrors) {
   auto model = fd::make_model("dit-tiny");
   Tensor x = Tensor::zeros({2, 1, 28, 28}), t = Tensor::zeros({2}), y = Tensor::tensor({1, 2});
