@@ -121,6 +121,28 @@ void launch_column_sums(cudaStream_t st, const compute_t<T>* pw, const compute_t
   FLAME_CUDA_CHECK(cudaLaunchKernelEx(&cfg, column_sum_narrow_kernel<T>, pw, pb, dw, db, parts, cols));
 }
 
+// The backward's grid and partial rows: every block writes one partial row, so the grid is the
+// resident blocks (per_sm per SM), with every block the same number of row steps (within one: no
+// last step run by a few blocks alone); part holds [grid, cols] x 2 partial sums when wanted.
+template <class A>
+struct RowsBwdGrid {
+  int64_t grid = 1;
+  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels that use it have run
+  A* pw = nullptr;
+  A* pb = nullptr;
+  RowsBwdGrid(CudaBackend& be, int64_t rows, int64_t rows_per_block, int per_sm, int64_t cols, bool params) {
+    const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
+    const int64_t blocks = ceil_div(rows, rows_per_block);
+    const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
+    grid = std::max<int64_t>(1, ceil_div(blocks, steps));
+    if (params) {
+      part = be.allocate(2 * static_cast<std::size_t>(grid * cols) * sizeof(A));
+      pw = static_cast<A*>(part.get());
+      pb = pw + grid * cols;
+    }
+  }
+};
+
 template <class T, int W, int kVPT, int kTPR, bool kRms>
 void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T>* mean, const compute_t<T>* rstd,
                      const T* w, T* dx, T* dw, T* db, int64_t rows, int64_t cols) {
@@ -133,23 +155,11 @@ void launch_rows_bwd(CudaBackend& be, const T* dy, const T* x, const compute_t<T
   const std::size_t max_smem = kRowsPerBlock > 1 ? 2 * static_cast<std::size_t>(kVPT * kTPR * W) * sizeof(A) : 0;
   // Asked once per configuration, with the largest shared memory it may use.
   static const int per_sm = rows_bwd_per_sm(kernel, kBlock, max_smem);
-  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
-  const int64_t blocks = ceil_div(rows, kRowsPerBlock);
-  const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
-  // Every block the same number of row steps (within one): no last step run by a few blocks alone.
-  const int64_t grid = std::max<int64_t>(1, ceil_div(blocks, steps));
-  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
-  A *pw = nullptr, *pb = nullptr;
-  if (params) {
-    part = be.allocate(2 * static_cast<std::size_t>(grid * cols) * sizeof(A));
-    pw = static_cast<A*>(part.get());
-    pb = pw + grid * cols;
-  }
+  const RowsBwdGrid<A> g(be, rows, kRowsPerBlock, per_sm, cols, params);
   const std::size_t smem = (params && kRowsPerBlock > 1) ? 2 * static_cast<std::size_t>(cols) * sizeof(A) : 0;
-  kernel<<<static_cast<unsigned>(grid), kBlock, smem, st>>>(
-      dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
+  kernel<<<static_cast<unsigned>(g.grid), kBlock, smem, st>>>(dy, x, mean, rstd, w, dx, g.pw, g.pb, rows, cols);
   FLAME_CUDA_CHECK_LAUNCH();
-  if (params) launch_column_sums<T>(st, pw, pb, dw, db, grid, cols);
+  if (params) launch_column_sums<T>(st, g.pw, g.pb, dw, db, g.grid, cols);
 }
 
 // Note [Warp row backward]: a warp per row, 2-byte types, kVPT 16-byte vectors per lane.
@@ -165,20 +175,11 @@ void launch_rows_bwd_warp(CudaBackend& be, const T* dy, const T* x, const float*
     return rows_bwd_per_sm(kernel, kBlock, smem);
   }();
   const bool params = dw != nullptr || db != nullptr;
-  const int64_t resident = static_cast<int64_t>(sm_count(be.device())) * per_sm;
-  const int64_t blocks = ceil_div(rows, kWarpBwdWarps);
-  const int64_t steps = ceil_div(blocks, std::max<int64_t>(1, resident));
-  const int64_t grid = std::max<int64_t>(1, ceil_div(blocks, steps));
-  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
-  float *pw = nullptr, *pb = nullptr;
-  if (params) {
-    part = be.allocate(2 * static_cast<std::size_t>(grid * cols) * sizeof(float));
-    pw = static_cast<float*>(part.get());
-    pb = pw + grid * cols;
-  }
-  kernel<<<static_cast<unsigned>(grid), kBlock, params ? smem : 0, st>>>(dy, x, mean, rstd, w, dx, pw, pb, rows, cols);
+  const RowsBwdGrid<float> g(be, rows, kWarpBwdWarps, per_sm, cols, params);
+  kernel<<<static_cast<unsigned>(g.grid), kBlock, params ? smem : 0, st>>>(dy, x, mean, rstd, w, dx, g.pw, g.pb, rows,
+                                                                            cols);
   FLAME_CUDA_CHECK_LAUNCH();
-  if (params) launch_column_sums<T>(st, pw, pb, dw, db, grid, cols);
+  if (params) launch_column_sums<T>(st, g.pw, g.pb, dw, db, g.grid, cols);
 }
 
 // At most 8 values per thread (x, dy and two accumulators per value stay in registers).
