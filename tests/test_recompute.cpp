@@ -1,0 +1,215 @@
+// Activation recompute (docs/recompute.md).
+//  - RecomputeMlpGelu*: F::mlp_gelu(..., recompute_hidden = true) gives the gradients of the
+//    default (bit for bit on the CPU in f64, within rounding in bf16/f16 on CUDA, where the fused
+//    forward rounds gelu of its f32 accumulator but the backward recomputes gelu of rounded pre),
+//    holds exactly h's bytes less (autograd_saved_bytes), also under autocast and with frozen layers.
+//  - RecomputeCheap*: autograd::RecomputeCheap marks the outputs of cheap ops (F::layer_norm_modulate)
+//    so that a node saving one stores the recipe instead; same gradients, fewer saved bytes, and
+//    in-place writes to the recipe's inputs or to the marked tensor after the save still raise.
+#include <cmath>
+
+#include "flame/nn.h"
+#include "flame/nn/adaln.h"
+#include "flame/nn/linear_gelu.h"
+#include "nn_test_util.h"
+#include "test_util.h"
+
+namespace flame::test {
+namespace {
+
+namespace F = nn::functional;
+
+Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
+  Generator g(seed);
+  return Tensor::randn(s, 0.0, stddev, DType::f64, &g);
+}
+
+double tol_for(DType dt) {
+  switch (dt) {
+    case DType::bf16: return 3e-2;
+    case DType::f16: return 5e-3;
+    case DType::f32: return 2e-4;  // TF32 may be on for the GEMMs
+    default: return 0.0;           // f64 on the CPU: the same kernels in the same order
+  }
+}
+
+// Leaves on `dev` in `dt` that require grad (undefined stays undefined; frozen[i]: no grad).
+TensorList make_leaves(const TensorList& l64, DType dt, Device dev, const std::vector<bool>& frozen = {}) {
+  TensorList out;
+  for (std::size_t i = 0; i < l64.size(); ++i) {
+    if (!l64[i].defined()) {
+      out.push_back(Tensor());
+      continue;
+    }
+    Tensor t = l64[i].to(dt).to(dev);
+    if (frozen.empty() || !frozen[i]) t.requires_grad_();
+    out.push_back(t);
+  }
+  return out;
+}
+
+// Same shape and the same values bit for bit (read back as double, exact for every dtype here).
+::testing::AssertionResult same_values(const Tensor& a, const Tensor& b) {
+  if (a.sizes() != b.sizes() || a.dtype() != b.dtype())
+    return ::testing::AssertionFailure() << "shape/dtype " << shape_str(a.sizes()) << " " << dtype_name(a.dtype())
+                                         << " vs " << shape_str(b.sizes()) << " " << dtype_name(b.dtype());
+  const std::vector<double> x = a.to(Device::cpu()).contiguous().to_vec<double>();
+  const std::vector<double> y = b.to(Device::cpu()).contiguous().to_vec<double>();
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (!(x[i] == y[i]) && !(std::isnan(x[i]) && std::isnan(y[i])))
+      return ::testing::AssertionFailure() << "element " << i << ": " << x[i] << " vs " << y[i];
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct GraphRun {
+  Tensor y;
+  TensorList grads;  // per leaf, on the CPU in f64 (undefined where none)
+  std::size_t saved_bytes = 0;
+};
+
+GraphRun run_graph(const std::function<Tensor(const TensorList&)>& fn, const TensorList& leaves, const Tensor& v64) {
+  GraphRun r;
+  r.y = fn(leaves);
+  r.saved_bytes = autograd_saved_bytes(r.y);
+  const Tensor v = v64.to(r.y.dtype()).to(r.y.device());
+  const Gradients g = (r.y * v).sum().backward();
+  for (const Tensor& l : leaves) {
+    const Tensor gi = l.defined() ? g.get(l) : Tensor();
+    r.grads.push_back(gi.defined() ? gi.to(Device::cpu()).to(DType::f64) : Tensor());
+  }
+  return r;
+}
+
+void expect_same_grads(const GraphRun& a, const GraphRun& b, double tol, const std::string& what) {
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  if (tol == 0.0) {
+    EXPECT_TRUE(same_values(a.y, b.y)) << what << ": outputs";
+  } else {
+    EXPECT_TRUE(close_scaled(a.y.to(Device::cpu()).to(DType::f64), b.y.to(Device::cpu()).to(DType::f64), tol)) << what;
+  }
+  for (std::size_t i = 0; i < a.grads.size(); ++i) {
+    ASSERT_EQ(a.grads[i].defined(), b.grads[i].defined()) << what << ": gradient " << i;
+    if (!a.grads[i].defined()) continue;
+    if (tol == 0.0) {
+      EXPECT_TRUE(same_values(a.grads[i], b.grads[i])) << what << ": gradient " << i;
+    } else {
+      EXPECT_TRUE(close_scaled(a.grads[i], b.grads[i], tol, 1.0)) << what << ": gradient " << i;
+    }
+  }
+}
+
+std::vector<DType> mlp_dtypes() {
+  if (test_device().is_cpu()) return {DType::f64, DType::f32};
+  return {DType::f32, DType::bf16, DType::f16};
+}
+
+// ---- F::mlp_gelu(..., recompute_hidden) ----
+
+TEST(RecomputeMlpGelu, GradientsMatchDefault) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  struct Case {
+    Shape lead;
+    int64_t in, hidden, out;
+  };
+  uint64_t seed = 100;
+  // Aligned sizes take the fused cuBLASLt path on CUDA, odd ones the composite.
+  for (const Case& c : std::vector<Case>{{{2, 24}, 32, 64, 32}, {{7}, 5, 9, 3}}) {
+    for (DType dt : mlp_dtypes()) {
+      for (int frozen_kind = 0; frozen_kind < 3; ++frozen_kind) {
+        seed += 10;
+        const TensorList l64{rnd([&] { Shape s = c.lead; s.push_back(c.in); return s; }(), seed),
+                             rnd({c.hidden, c.in}, seed + 1, 1.0 / std::sqrt(double(c.in))), rnd({c.hidden}, seed + 2),
+                             rnd({c.out, c.hidden}, seed + 3, 1.0 / std::sqrt(double(c.hidden))),
+                             rnd({c.out}, seed + 4)};
+        Shape ys = c.lead;
+        ys.push_back(c.out);
+        const Tensor v = rnd(ys, seed + 5);
+        // 0: all train; 1: first layer frozen; 2: second layer frozen (no dW2: nothing to recompute).
+        std::vector<bool> frozen(5, false);
+        if (frozen_kind == 1) frozen[1] = frozen[2] = true;
+        if (frozen_kind == 2) frozen[3] = frozen[4] = true;
+        const TensorList leaves = make_leaves(l64, dt, dev, frozen);
+        const GraphRun base = run_graph([](const TensorList& t) { return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4]); },
+                                   leaves, v);
+        const GraphRun rec = run_graph(
+            [](const TensorList& t) { return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4], /*recompute_hidden=*/true); },
+            leaves, v);
+        const std::string what = std::string(dtype_name(dt)) + " in " + std::to_string(c.in) + " frozen " +
+                                 std::to_string(frozen_kind);
+        expect_same_grads(rec, base, tol_for(dt), what);
+        // h is [rows, hidden] in the compute dtype; held by the default only when w2 trains.
+        const int64_t rows = leaves[0].numel() / c.in;
+        const std::size_t h_bytes = frozen_kind == 2 ? 0 : static_cast<std::size_t>(rows * c.hidden) * dtype_size(dt);
+        EXPECT_EQ(base.saved_bytes - rec.saved_bytes, h_bytes) << what;
+      }
+    }
+  }
+}
+
+TEST(RecomputeMlpGelu, GradcheckF64) {
+  const TensorList in = make_leaves({rnd({3, 4}, 150), rnd({6, 4}, 151, 0.5), rnd({6}, 152), rnd({2, 6}, 153, 0.5),
+                                     rnd({2}, 154)},
+                                    DType::f64, Device::cpu());
+  // Finite differences of the forward against the recompute backward.
+  const Tensor v = rnd({3, 2}, 155);
+  const GraphRun r = run_graph(
+      [](const TensorList& t) { return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4], true); }, in, v);
+  const double eps = 1e-6;
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    std::vector<double> num(static_cast<std::size_t>(in[i].numel()));
+    for (int64_t k = 0; k < in[i].numel(); ++k) {
+      auto eval = [&](double delta) {
+        NoGradGuard ng;
+        TensorList p;
+        for (const Tensor& t : in) p.push_back(t.detach().clone());
+        Tensor flat = p[i].view({-1});
+        flat.narrow(0, k, 1).add_(Tensor::full({1}, delta, TensorOptions(DType::f64)));
+        return (F::mlp_gelu(p[0], p[1], p[2], p[3], p[4], true) * v).sum().item<double>();
+      };
+      num[static_cast<std::size_t>(k)] = (eval(eps) - eval(-eps)) / (2 * eps);
+    }
+    const std::vector<double> got = r.grads[i].contiguous().to_vec<double>();
+    for (std::size_t k = 0; k < num.size(); ++k) EXPECT_NEAR(got[k], num[k], 1e-6) << "input " << i << " elem " << k;
+  }
+}
+
+TEST(RecomputeMlpGelu, UnderAutocast) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList leaves = make_leaves({rnd({4, 16, 32}, 170), rnd({64, 32}, 171, 0.2), rnd({64}, 172),
+                                         rnd({32, 64}, 173, 0.15), rnd({32}, 174)},
+                                        DType::f32, dev);
+  const Tensor v = rnd({4, 16, 32}, 175);
+  auto with = [&](bool recompute) {
+    return run_graph(
+        [&](const TensorList& t) {
+          amp::AutocastGuard ac(DType::bf16, dev.type);
+          return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4], recompute);
+        },
+        leaves, v);
+  };
+  const GraphRun base = with(false), rec = with(true);
+  EXPECT_EQ(rec.y.dtype(), DType::bf16);
+  expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : tol_for(DType::bf16), "autocast bf16");
+  // h in bf16: 64 rows x 64 hidden x 2 bytes.
+  EXPECT_EQ(base.saved_bytes - rec.saved_bytes, std::size_t{64 * 64 * 2});
+}
+
+TEST(RecomputeMlpGelu, RetainGraphRecomputesTwice) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({5, 8}, 180), rnd({16, 8}, 181, 0.3), rnd({16}, 182), rnd({8, 16}, 183, 0.3),
+                                    rnd({8}, 184)},
+                                   DType::f32, dev);
+  const Tensor loss = F::mlp_gelu(t[0], t[1], t[2], t[3], t[4], true).square().sum();
+  BackwardOptions keep;
+  keep.retain_graph = true;
+  const Gradients g1 = loss.backward(keep);
+  const Gradients g2 = loss.backward();
+  for (const Tensor& l : t) EXPECT_TRUE(same_values(g1.get(l), g2.get(l)));
+}
+
+}  // namespace
+}  // namespace flame::test
