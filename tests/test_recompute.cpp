@@ -11,6 +11,7 @@
 #include "flame/nn.h"
 #include "flame/nn/adaln.h"
 #include "flame/nn/linear_gelu.h"
+#include "flame/recompute.h"
 #include "nn_test_util.h"
 #include "test_util.h"
 
@@ -209,6 +210,192 @@ TEST(RecomputeMlpGelu, RetainGraphRecomputesTwice) {
   const Gradients g1 = loss.backward(keep);
   const Gradients g2 = loss.backward();
   for (const Tensor& l : t) EXPECT_TRUE(same_values(g1.get(l), g2.get(l)));
+}
+
+// ---- autograd::RecomputeCheap ----
+
+// A DiT-like piece: adaLN-modulate x, then a linear layer and the MLP read the result (each saves
+// it for its weight gradient). The modulation is also read by an op that saves it (as gated_residual
+// does in a DiT), so that the recipe's inputs are held with or without recompute and the saved
+// bytes differ by the two adaLN outputs exactly.
+struct AdalnNet {
+  TensorList leaves;  // x, mod, w, b, w1, b1, w2, b2
+  int64_t B = 3, T = 10, D = 16, H = 32;
+  AdalnNet(DType dt, Device dev, uint64_t seed) {
+    leaves = make_leaves({rnd({B, T, D}, seed), rnd({B, 4 * D}, seed + 1, 0.5), rnd({D, D}, seed + 2, 0.25),
+                          rnd({D}, seed + 3), rnd({H, D}, seed + 4, 0.25), rnd({H}, seed + 5), rnd({D, H}, seed + 6, 0.2),
+                          rnd({D}, seed + 7)},
+                         dt, dev);
+  }
+  // y and the adaLN outputs n1, n2.
+  Tensor forward(const TensorList& t, Tensor* n1 = nullptr, Tensor* n2 = nullptr, bool recompute_hidden = false) const {
+    const TensorList m = t[1].chunk(4, 1);
+    const Tensor x = t[0] * 1.0;  // a non-leaf: tests may write it in place
+    const Tensor a = F::layer_norm_modulate(x, m[0], m[1], 1e-6);
+    const Tensor h = x + F::linear(a, t[2], t[3]);
+    const Tensor b = F::layer_norm_modulate(h, m[2], m[3], 1e-6);
+    if (n1) *n1 = a;
+    if (n2) *n2 = b;
+    return F::mlp_gelu(b, t[4], t[5], t[6], t[7], recompute_hidden) + (t[1] * t[1]).sum();
+  }
+};
+
+std::size_t bytes_of(const Tensor& t) { return static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype()); }
+
+TEST(RecomputeCheap, LayerNormModulateGradientsMatch) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (DType dt : mlp_dtypes()) {
+    const AdalnNet net(dt, dev, 300);
+    const Tensor v = rnd({net.B, net.T, net.D}, 310);
+    Tensor n1, n2;
+    const GraphRun base = run_graph([&](const TensorList& t) { return net.forward(t, &n1, &n2); }, net.leaves, v);
+    const std::size_t n_bytes = bytes_of(n1) + bytes_of(n2);
+    n1 = n2 = Tensor();
+    const GraphRun rec = run_graph(
+        [&](const TensorList& t) {
+          autograd::RecomputeCheap guard;
+          EXPECT_TRUE(autograd::recompute_cheap_enabled());
+          return net.forward(t);
+        },
+        net.leaves, v);
+    EXPECT_FALSE(autograd::recompute_cheap_enabled());  // the guard restored the thread's setting
+    // The recipe reruns the forward's kernels on the forward's inputs: the same values.
+    expect_same_grads(rec, base, 0.0, dtype_name(dt));
+    EXPECT_EQ(base.saved_bytes - rec.saved_bytes, n_bytes) << dtype_name(dt);
+  }
+}
+
+TEST(RecomputeCheap, WithRecomputeHiddenUnderAutocast) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const AdalnNet net(DType::f32, dev, 400);
+  const Tensor v = rnd({net.B, net.T, net.D}, 410);
+  auto go = [&](bool cheap, bool hidden, std::size_t* n_bytes) {
+    return run_graph(
+        [&](const TensorList& t) {
+          autograd::RecomputeCheap guard(cheap);
+          amp::AutocastGuard ac(DType::bf16, dev.type);
+          Tensor n1, n2;
+          Tensor y = net.forward(t, &n1, &n2, hidden);
+          EXPECT_EQ(n1.dtype(), DType::bf16);
+          if (n_bytes) *n_bytes = bytes_of(n1) + bytes_of(n2);
+          return y;
+        },
+        net.leaves, v);
+  };
+  std::size_t n_bytes = 0;
+  const GraphRun base = go(false, false, &n_bytes);
+  const GraphRun hidden = go(false, true, nullptr);
+  const GraphRun all = go(true, true, nullptr);
+  expect_same_grads(all, hidden, 0.0, "cheap + hidden vs hidden");
+  expect_same_grads(all, base, dev.is_cpu() ? 0.0 : tol_for(DType::bf16), "cheap + hidden vs none");
+  const std::size_t h_bytes = static_cast<std::size_t>(net.B * net.T * net.H) * 2;
+  EXPECT_EQ(base.saved_bytes - hidden.saved_bytes, h_bytes);
+  EXPECT_EQ(hidden.saved_bytes - all.saved_bytes, n_bytes);
+}
+
+TEST(RecomputeCheap, InPlaceWriteToRecipeInputRaises) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({2, 5, 8}, 500), rnd({8, 8}, 501, 0.3)}, DType::f32, dev);
+  const Tensor mod_leaf = rnd({2, 16}, 502).to(DType::f32).to(dev).requires_grad_();
+  autograd::RecomputeCheap guard;
+  Tensor mod = mod_leaf * 1.0;  // non-leaf: may be written in place
+  const TensorList m = mod.chunk(2, 1);
+  const Tensor x = t[0] * 1.0;
+  const Tensor loss = F::linear(F::layer_norm_modulate(x, m[0], m[1]), t[1]).square().sum();
+  {
+    NoGradGuard ng;
+    mod.mul_(2.0);  // shift and scale change after the linear layer saved the recipe
+  }
+  EXPECT_THROW((void)loss.backward(), Error);
+  // The same with the input x.
+  Tensor x2 = t[0] * 1.0;
+  const Tensor loss2 = F::linear(F::layer_norm_modulate(x2, m[0], m[1]), t[1]).square().sum();
+  {
+    NoGradGuard ng;
+    x2.add_(1.0);
+  }
+  EXPECT_THROW((void)loss2.backward(), Error);
+}
+
+TEST(RecomputeCheap, InPlaceWriteToMarkedOutput) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({2, 5, 8}, 520), rnd({2, 16}, 521), rnd({8, 8}, 522, 0.3)}, DType::f32, dev);
+  const TensorList m = t[1].chunk(2, 1);
+  // Written after the save: the backward raises, as for an ordinary saved tensor.
+  {
+    autograd::RecomputeCheap guard;
+    Tensor n = F::layer_norm_modulate(t[0], m[0], m[1]);
+    const Tensor loss = F::linear(n, t[2]).square().sum();
+    {
+      NoGradGuard ng;
+      n.add_(1.0);
+    }
+    EXPECT_THROW((void)loss.backward(), Error);
+  }
+  // Written before the save: the recipe no longer describes it, so it is saved as is and the
+  // gradients are those of the default.
+  auto go = [&](bool cheap) {
+    return run_graph(
+        [&](const TensorList& l) {
+          autograd::RecomputeCheap guard(cheap);
+          const TensorList mm = l[1].chunk(2, 1);
+          Tensor n = F::layer_norm_modulate(l[0], mm[0], mm[1]);
+          n.mul_(3.0);
+          return F::linear(n, l[2]);
+        },
+        t, rnd({2, 5, 8}, 523));
+  };
+  const GraphRun rec = go(true), base = go(false);
+  expect_same_grads(rec, base, 0.0, "written before the save");
+  EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
+}
+
+TEST(RecomputeCheap, DisabledInsideAndOutsideGradMode) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({2, 5, 8}, 540), rnd({2, 16}, 541), rnd({8, 8}, 542, 0.3)}, DType::f32, dev);
+  const TensorList m = t[1].chunk(2, 1);
+  autograd::RecomputeCheap on;
+  std::size_t marked = 0, off = 0;
+  {
+    const Tensor n = F::layer_norm_modulate(t[0], m[0], m[1]);
+    marked = autograd_saved_bytes(F::linear(n, t[2]) + (t[1] * t[1]).sum());  // mod saved either way
+  }
+  {
+    autograd::RecomputeCheap inner(false);
+    EXPECT_FALSE(autograd::recompute_cheap_enabled());
+    const Tensor n = F::layer_norm_modulate(t[0], m[0], m[1]);
+    off = autograd_saved_bytes(F::linear(n, t[2]) + (t[1] * t[1]).sum());
+  }
+  EXPECT_TRUE(autograd::recompute_cheap_enabled());
+  EXPECT_EQ(off - marked, std::size_t{2 * 5 * 8 * 4});
+  // Grad mode off: nothing to mark (no graph will save it), and the output is an ordinary tensor.
+  NoGradGuard ng;
+  const Tensor n = F::layer_norm_modulate(t[0], m[0], m[1]);
+  EXPECT_FALSE(n.requires_grad());
+}
+
+TEST(RecomputeCheap, SlicedViewIsSavedAsIs) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({2, 5, 8}, 560), rnd({2, 16}, 561), rnd({4, 4}, 562, 0.3)}, DType::f32, dev);
+  auto go = [&](bool cheap) {
+    return run_graph(
+        [&](const TensorList& l) {
+          autograd::RecomputeCheap guard(cheap);
+          const TensorList mm = l[1].chunk(2, 1);
+          const Tensor n = F::layer_norm_modulate(l[0], mm[0], mm[1]);
+          return F::linear(n.narrow(2, 2, 4), l[2]);  // a part of the output: not covered by the recipe
+        },
+        t, rnd({2, 5, 4}, 563));
+  };
+  const GraphRun rec = go(true), base = go(false);
+  expect_same_grads(rec, base, 0.0, "sliced");
+  EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
 }
 
 }  // namespace
