@@ -5,6 +5,7 @@
 //  - RecomputeDit.MatchesNoneCuda: the same on a GPU when one is present (bf16 autocast: the MLP's
 //    recomputed gelu rounds once where the fused forward rounded after the GEMM, so within bf16
 //    rounding); skips otherwise.
+//  - RecomputeDit.Trainer*: the trainer's flag, in test_recompute_trainer.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
