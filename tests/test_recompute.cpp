@@ -5,9 +5,12 @@
 //    holds exactly h's bytes less (autograd_saved_bytes), also under autocast and with frozen layers.
 //  - RecomputeCheap*: autograd::RecomputeCheap marks the outputs of cheap ops (F::layer_norm_modulate)
 //    so that a node saving one stores the recipe instead; same gradients, fewer saved bytes, and
-//    in-place writes to the recipe's inputs or to the marked tensor after the save still raise.
+//    in-place writes to the recipe's inputs or to the marked tensor after the save still raise;
+//    RecomputeCheap.GraphedStepCuda: the recomputes inside a backward captured by cuda::GraphedStep
+//    (replays give the eager, non-recompute gradients; skips without a GPU).
 #include <cmath>
 
+#include "flame/cuda/graph_step.h"
 #include "flame/nn.h"
 #include "flame/nn/adaln.h"
 #include "flame/nn/linear_gelu.h"
@@ -396,6 +399,47 @@ TEST(RecomputeCheap, SlicedViewIsSavedAsIs) {
   const GraphRun rec = go(true), base = go(false);
   expect_same_grads(rec, base, 0.0, "sliced");
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
+}
+
+TEST(RecomputeCheap, GraphedStepCuda) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda(0);
+  const AdalnNet net(DType::f32, dev, 600);
+  const TensorList& p = net.leaves;
+  Tensor x = Tensor::empty({net.B, net.T, net.D}, {DType::f32, dev});
+  TensorList grads;
+  auto grads_of = [&](const Tensor& xin, bool recompute) {
+    autograd::RecomputeCheap guard(recompute);
+    Tensor loss;
+    {
+      amp::AutocastGuard ac(DType::bf16, DeviceType::cuda);
+      TensorList in = p;
+      in[0] = xin;  // x is the step's input, not a parameter
+      loss = net.forward(in, nullptr, nullptr, recompute).to(DType::f32).square().mean();
+    }
+    TensorList params(p.begin() + 1, p.end());
+    BackwardOptions bo;
+    bo.inputs = params;
+    const Gradients g = loss.backward(bo);
+    TensorList out;
+    for (const Tensor& q : params) out.push_back(g.get(q));
+    return out;
+  };
+  cuda::GraphedStep step([&] { grads = grads_of(x, true); }, {.warmup_steps = 2});
+  for (int t = 0; t < 5; ++t) {
+    const Tensor xt = rnd({net.B, net.T, net.D}, 610 + t).to(DType::f32).to(dev);
+    const TensorList ref = grads_of(xt, false);
+    cuda::GraphedStep::copy_input(x, xt);
+    step();
+    EXPECT_EQ(step.captured(), t >= 2) << "step " << t;
+    ASSERT_EQ(grads.size(), ref.size());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_TRUE(close_scaled(grads[i].to(Device::cpu()).to(DType::f64), ref[i].to(Device::cpu()).to(DType::f64),
+                               tol_for(DType::bf16), 1.0))
+          << "step " << t << " gradient " << i;
+    }
+  }
+  EXPECT_EQ(step.replays(), 3);
 }
 
 }  // namespace

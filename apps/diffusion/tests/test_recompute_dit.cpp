@@ -145,8 +145,9 @@ TEST(RecomputeDit, MatchesNoneCuda) {
     const double tol = amp ? 3e-2 : 1e-4;
     expect_match(mlp, none, tol, "mlp vs none" + tag);
     expect_match(all, none, tol, "all vs none" + tag);
-    // The adaLN recipes rerun the same kernel: all and mlp differ only in what is saved.
-    expect_match(all, mlp, 1e-6, "all vs mlp" + tag);
+    // The adaLN recipes rerun the same kernel: all and mlp differ only in what is saved (up to
+    // the order of any atomic sums in the backward kernels, which bf16 roundings can amplify).
+    expect_match(all, mlp, amp ? 1e-2 : 1e-5, "all vs mlp" + tag);
     EXPECT_LT(mlp.saved_bytes, none.saved_bytes) << tag;
     EXPECT_LT(all.saved_bytes, mlp.saved_bytes) << tag;
     const fd::DiTConfig c = fd::dit_config("dit-tiny");
