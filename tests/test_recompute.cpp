@@ -401,6 +401,29 @@ TEST(RecomputeCheap, SlicedViewIsSavedAsIs) {
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
 }
 
+// checkpoint() keeps the tensors its function captures by identity (they key the recompute's
+// gradients): a marked output captured that way is held as itself, not as its recipe.
+TEST(RecomputeCheap, CheckpointCaptureKeepsIdentity) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({rnd({2, 5, 8}, 580), rnd({2, 16}, 581), rnd({8, 8}, 582, 0.3)}, DType::f32, dev);
+  auto go = [&](bool cheap) {
+    return run_graph(
+        [&](const TensorList& l) {
+          autograd::RecomputeCheap guard(cheap);
+          const TensorList mm = l[1].chunk(2, 1);
+          const Tensor n = F::layer_norm_modulate(l[0], mm[0], mm[1]);
+          // n is captured by the lambda (not passed as an input) and also saved by a plain linear.
+          const Tensor c = checkpoint([n, w = l[2]](const TensorList& in) { return (F::linear(n, w) * in[0]).tanh(); },
+                                      {l[0] * 1.0});
+          return c + F::linear(n, l[2]);
+        },
+        t, rnd({2, 5, 8}, 583));
+  };
+  const GraphRun rec = go(true), base = go(false);
+  expect_same_grads(rec, base, 0.0, "checkpoint capture");
+}
+
 TEST(RecomputeCheap, GraphedStepCuda) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda(0);

@@ -201,8 +201,10 @@ Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::Backwa
 SavedTensor::SavedTensor(const Tensor& t, const char* op, bool detach, bool allow_hooks) : op_(op) {
   if (!t.defined()) return;
   version_ = t.version();
-  // Note [Recompute cheap] (recompute.cpp): one pointer test when the storage has no recipe.
-  if (t.impl()->storage && t.impl()->storage->recipe) [[unlikely]] {
+  // Note [Recompute cheap] (recompute.cpp): one pointer test when the storage has no recipe. As
+  // for hooks, a tensor kept for its identity or a leaf that requires grad is held as it is.
+  const Storage* st = t.impl()->storage.get();
+  if (st && st->recipe && allow_hooks && !(t.is_leaf() && t.requires_grad())) [[unlikely]] {
     recomputed_ = autograd_detail::recompute_saved(t);
     if (recomputed_) return;
   }

@@ -7,7 +7,9 @@
 // marks its output: Storage::recipe holds the op's inputs as SavedTensors and a function that
 // reruns the op. The mark sits on the storage, not the tensor, because the consumer usually
 // saves a view of the output it made itself (a reshape to [rows, in] under no-grad).
-//  - Save: SavedTensor's constructor sees the storage's recipe and keeps a RecomputedSaved
+//  - Save: SavedTensor's constructor sees the storage's recipe and, where saved-tensor hooks
+//    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
+//    that requires grad), keeps a RecomputedSaved
 //    instead of the tensor when the recipe still describes the bytes (storage version unchanged
 //    since the mark) and the saved tensor is a contiguous view of all of them (same offset 0 and
 //    element count); any other view is saved as usual. Then nothing keeps the output alive but
@@ -18,9 +20,10 @@
 //    off, autocast excluded (the op already received the dtypes it computed in) and marking
 //    off, and its result must have the output's shape, dtype and device. Recipes rerun the same
 //    kernels on the same inputs, so the recomputed values are the forward's bit for bit.
-//  - Inputs are held detached (no graph is kept alive through a storage) and not packed by
-//    saved-tensor hooks (they are mostly tensors the op's own node saves anyway; offloading
-//    them twice would cost a second copy). autograd_saved_bytes() counts them.
+//  - Inputs are held detached (no graph is kept alive through a storage) as plain tensors: not
+//    packed by saved-tensor hooks (they are mostly tensors the op's own node saves anyway;
+//    offloading them twice would cost a second copy) and not replaced by their own recipes.
+//    autograd_saved_bytes() counts them.
 //  - Lifetime: the recipe lives as long as the output's storage or a node that saved it. A
 //    caller who keeps the output also keeps the recipe's inputs: mark only inside a training
 //    forward.
