@@ -6,6 +6,7 @@
 //  - RecomputeCheap*: autograd::RecomputeCheap marks the outputs of cheap ops (F::layer_norm_modulate)
 //    so that a node saving one stores the recipe instead; same gradients, fewer saved bytes, and
 //    in-place writes to the recipe's inputs or to the marked tensor after the save still raise;
+//    layer_norm and rms_norm; a marked tensor captured by checkpoint() keeps its identity;
 //    RecomputeCheap.GraphedStepCuda: the recomputes inside a backward captured by cuda::GraphedStep
 //    (replays give the eager, non-recompute gradients; skips without a GPU).
 #include <cmath>
@@ -422,6 +423,34 @@ TEST(RecomputeCheap, CheckpointCaptureKeepsIdentity) {
   };
   const GraphRun rec = go(true), base = go(false);
   expect_same_grads(rec, base, 0.0, "checkpoint capture");
+}
+
+TEST(RecomputeCheap, LayerNormAndRmsNorm) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (DType dt : mlp_dtypes()) {
+    for (bool rms : {false, true}) {
+      const TensorList t = make_leaves({rnd({3, 7, 16}, 700), rnd({16}, 701), rnd({16}, 702), rnd({8, 16}, 703, 0.3),
+                                        rnd({8}, 704)},
+                                       dt, dev);
+      auto go = [&](bool cheap) {
+        return run_graph(
+            [&](const TensorList& l) {
+              autograd::RecomputeCheap guard(cheap);
+              const Tensor n = rms ? F::rms_norm(l[0], {16}, l[1], 1e-5) : F::layer_norm(l[0], {16}, l[1], l[2], 1e-5);
+              return F::linear(n, l[3], l[4]);
+            },
+            t, rnd({3, 7, 8}, 705));
+      };
+      const GraphRun rec = go(true), base = go(false);
+      const std::string what = std::string(rms ? "rms_norm " : "layer_norm ") + dtype_name(dt);
+      expect_same_grads(rec, base, 0.0, what);
+      // The norm's output goes; its recipe holds x and weight (saved by the norm node anyway) and,
+      // for layer_norm, the bias (which nothing else saves).
+      const std::size_t y_bytes = 3 * 7 * 16 * dtype_size(dt), b_bytes = rms ? 0 : 16 * dtype_size(dt);
+      EXPECT_EQ(base.saved_bytes - rec.saved_bytes, y_bytes - b_bytes) << what;
+    }
+  }
 }
 
 TEST(RecomputeCheap, GraphedStepCuda) {

@@ -3,17 +3,18 @@
 // Note [Recompute cheap]
 // Activation memory of a training step is mostly tensors saved for the weight gradients of the
 // next layer: the input of a linear layer is often the output of a normalisation that costs one
-// pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate)
-// marks its output: Storage::recipe holds the op's inputs as SavedTensors and a function that
-// reruns the op. The mark sits on the storage, not the tensor, because the consumer usually
-// saves a view of the output it made itself (a reshape to [rows, in] under no-grad).
+// pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate,
+// layer_norm, rms_norm) marks its output, as one op (the ops of its composite path do not):
+// Storage::recipe holds the op's inputs as SavedTensors and a function that reruns the op. The
+// mark sits on the storage, not the tensor, because the consumer usually saves a view of the
+// output it made itself (a reshape to [rows, in] under no-grad).
 //  - Save: SavedTensor's constructor sees the storage's recipe and, where saved-tensor hooks
 //    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
-//    that requires grad), keeps a RecomputedSaved
-//    instead of the tensor when the recipe still describes the bytes (storage version unchanged
-//    since the mark) and the saved tensor is a contiguous view of all of them (same offset 0 and
-//    element count); any other view is saved as usual. Then nothing keeps the output alive but
-//    its ordinary users, and it goes back to the pool when the forward no longer needs it.
+//    that requires grad), keeps a RecomputedSaved instead of the tensor when the recipe still
+//    describes the bytes (storage version unchanged since the mark) and the saved tensor is a
+//    contiguous view of all of them (same offset 0 and element count); any other view is saved
+//    as usual. Then nothing keeps the output alive but its ordinary users, and it goes back to
+//    the pool when the forward no longer needs it.
 //  - Get: the output's storage, while still alive, must have the version the save saw (an
 //    in-place write after the save raises as for an ordinary saved tensor); the recipe inputs
 //    are version-checked by their own SavedTensor::get(). The recipe then runs with grad mode

@@ -25,6 +25,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
+#include "flame/recompute.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
@@ -137,8 +138,13 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
 // src/autograd/recompute.cpp): the same impl on the same inputs, so a linear layer that saves it
 // for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
+// The op is marked as one: the ops of its composite path do not mark their own outputs.
 Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  Tensor y = layer_norm_modulate_impl(x, shift, scale, eps, out);
+  Tensor y;
+  {
+    autograd::RecomputeCheap whole_op(false);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out);
+  }
   if (autograd_detail::should_mark_recomputable()) {
     autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
       return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
