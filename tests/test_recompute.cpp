@@ -38,6 +38,18 @@ double tol_for(DType dt) {
   }
 }
 
+// Two runs that differ only in what was saved: equal on the CPU; on CUDA within the reordering of
+// atomic sums in backward kernels (a last-bit difference, amplified by one low-precision rounding).
+double rerun_tol(DType dt) {
+  if (test_device().is_cpu()) return 0.0;
+  switch (dt) {
+    case DType::bf16: return 1.6e-2;
+    case DType::f16: return 2e-3;
+    case DType::f32: return 1e-5;
+    default: return 1e-12;
+  }
+}
+
 // Leaves on `dev` in `dt` that require grad (undefined stays undefined; frozen[i]: no grad).
 TensorList make_leaves(const TensorList& l64, DType dt, Device dev, const std::vector<bool>& frozen = {}) {
   TensorList out;
@@ -213,7 +225,13 @@ TEST(RecomputeMlpGelu, RetainGraphRecomputesTwice) {
   keep.retain_graph = true;
   const Gradients g1 = loss.backward(keep);
   const Gradients g2 = loss.backward();
-  for (const Tensor& l : t) EXPECT_TRUE(same_values(g1.get(l), g2.get(l)));
+  for (const Tensor& l : t) {
+    if (dev.is_cpu()) {
+      EXPECT_TRUE(same_values(g1.get(l), g2.get(l)));
+    } else {
+      EXPECT_TRUE(close_scaled(g1.get(l).to(Device::cpu()), g2.get(l).to(Device::cpu()), rerun_tol(DType::f32), 1.0));
+    }
+  }
 }
 
 // ---- autograd::RecomputeCheap ----
@@ -265,7 +283,7 @@ TEST(RecomputeCheap, LayerNormModulateGradientsMatch) {
         net.leaves, v);
     EXPECT_FALSE(autograd::recompute_cheap_enabled());  // the guard restored the thread's setting
     // The recipe reruns the forward's kernels on the forward's inputs: the same values.
-    expect_same_grads(rec, base, 0.0, dtype_name(dt));
+    expect_same_grads(rec, base, rerun_tol(dt), dtype_name(dt));
     EXPECT_EQ(base.saved_bytes - rec.saved_bytes, n_bytes) << dtype_name(dt);
   }
 }
@@ -292,7 +310,7 @@ TEST(RecomputeCheap, WithRecomputeHiddenUnderAutocast) {
   const GraphRun base = go(false, false, &n_bytes);
   const GraphRun hidden = go(false, true, nullptr);
   const GraphRun all = go(true, true, nullptr);
-  expect_same_grads(all, hidden, 0.0, "cheap + hidden vs hidden");
+  expect_same_grads(all, hidden, rerun_tol(DType::bf16), "cheap + hidden vs hidden");
   expect_same_grads(all, base, dev.is_cpu() ? 0.0 : tol_for(DType::bf16), "cheap + hidden vs none");
   const std::size_t h_bytes = static_cast<std::size_t>(net.B * net.T * net.H) * 2;
   EXPECT_EQ(base.saved_bytes - hidden.saved_bytes, h_bytes);
@@ -354,7 +372,7 @@ TEST(RecomputeCheap, InPlaceWriteToMarkedOutput) {
         t, rnd({2, 5, 8}, 523));
   };
   const GraphRun rec = go(true), base = go(false);
-  expect_same_grads(rec, base, 0.0, "written before the save");
+  expect_same_grads(rec, base, rerun_tol(DType::f32), "written before the save");
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
 }
 
@@ -398,7 +416,7 @@ TEST(RecomputeCheap, SlicedViewIsSavedAsIs) {
         t, rnd({2, 5, 4}, 563));
   };
   const GraphRun rec = go(true), base = go(false);
-  expect_same_grads(rec, base, 0.0, "sliced");
+  expect_same_grads(rec, base, rerun_tol(DType::f32), "sliced");
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
 }
 
@@ -422,7 +440,7 @@ TEST(RecomputeCheap, CheckpointCaptureKeepsIdentity) {
         t, rnd({2, 5, 8}, 583));
   };
   const GraphRun rec = go(true), base = go(false);
-  expect_same_grads(rec, base, 0.0, "checkpoint capture");
+  expect_same_grads(rec, base, rerun_tol(DType::f32), "checkpoint capture");
 }
 
 TEST(RecomputeCheap, LayerNormAndRmsNorm) {
@@ -444,7 +462,7 @@ TEST(RecomputeCheap, LayerNormAndRmsNorm) {
       };
       const GraphRun rec = go(true), base = go(false);
       const std::string what = std::string(rms ? "rms_norm " : "layer_norm ") + dtype_name(dt);
-      expect_same_grads(rec, base, 0.0, what);
+      expect_same_grads(rec, base, rerun_tol(dt), what);
       // The norm's output goes; its recipe holds x and weight (saved by the norm node anyway) and,
       // for layer_norm, the bias (which nothing else saves).
       const std::size_t y_bytes = 3 * 7 * 16 * dtype_size(dt), b_bytes = rms ? 0 : 16 * dtype_size(dt);

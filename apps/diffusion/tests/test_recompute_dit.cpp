@@ -154,8 +154,10 @@ TEST(RecomputeDit, MatchesNoneCuda) {
     const std::size_t elem = amp ? 2 : 4;
     EXPECT_EQ(none.saved_bytes - mlp.saved_bytes, static_cast<std::size_t>(c.depth * tokens_x_hidden(4) * 4) * elem)
         << tag;
-    // The fused adaLN node saves x and scale (the modulation) itself: exactly the outputs go.
-    EXPECT_EQ(mlp.saved_bytes - all.saved_bytes, static_cast<std::size_t>((2 * c.depth + 1) * tokens_x_hidden(4)) * elem)
-        << tag;
+    // The fused adaLN node saves x and scale (the modulation) itself: the outputs go, less at
+    // most the final layer's modulation where only its recipe holds it (a composed adaLN).
+    const std::size_t n_bytes = static_cast<std::size_t>((2 * c.depth + 1) * tokens_x_hidden(4)) * elem;
+    EXPECT_LE(mlp.saved_bytes - all.saved_bytes, n_bytes) << tag;
+    EXPECT_GE(mlp.saved_bytes - all.saved_bytes, n_bytes - static_cast<std::size_t>(4 * 2 * c.hidden * 4)) << tag;
   }
 }
