@@ -471,6 +471,30 @@ TEST(RecomputeCheap, LayerNormAndRmsNorm) {
   }
 }
 
+// An input written in place after the op ran but before a node saves the output: the recipe no
+// longer describes the output, so the output is saved as is and the backward succeeds. (Only W
+// trains: no adaLN node saves x, so nothing else would notice.)
+TEST(RecomputeCheap, InputWrittenBeforeSaveFallsBack) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList w = make_leaves({rnd({8, 8}, 590, 0.3)}, DType::f32, dev);
+  auto go = [&](bool cheap) {
+    return run_graph(
+        [&](const TensorList& l) {
+          autograd::RecomputeCheap guard(cheap);
+          Tensor x = rnd({2, 5, 8}, 591).to(DType::f32).to(dev);
+          const TensorList mm = rnd({2, 16}, 592).to(DType::f32).to(dev).chunk(2, 1);
+          const Tensor n = F::layer_norm_modulate(x, mm[0], mm[1]);
+          x.add_(1.0);
+          return F::linear(n, l[0]);
+        },
+        w, rnd({2, 5, 8}, 593));
+  };
+  const GraphRun rec = go(true), base = go(false);
+  expect_same_grads(rec, base, rerun_tol(DType::f32), "input written before the save");
+  EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
+}
+
 TEST(RecomputeCheap, GraphedStepCuda) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda(0);

@@ -164,6 +164,7 @@ class SavedTensor {
   bool recomputed() const { return recomputed_ != nullptr; }
   // What a recomputed tensor's recipe holds (its inputs; empty otherwise), for accounting.
   TensorList recipe_inputs() const;
+  uint64_t saved_version() const { return version_; }  // the storage version at save time
 
  private:
   Tensor tensor_;

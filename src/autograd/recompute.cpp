@@ -11,10 +11,10 @@
 //  - Save: SavedTensor's constructor sees the storage's recipe and, where saved-tensor hooks
 //    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
 //    that requires grad), keeps a RecomputedSaved instead of the tensor when the recipe still
-//    describes the bytes (storage version unchanged since the mark) and the saved tensor is a
-//    contiguous view of all of them (same offset 0 and element count); any other view is saved
-//    as usual. Then nothing keeps the output alive but its ordinary users, and it goes back to
-//    the pool when the forward no longer needs it.
+//    describes the bytes (neither the output nor an input written since the mark) and the saved
+//    tensor is a contiguous view of all of them (same offset 0 and element count); any other
+//    view is saved as usual. Then nothing keeps the output alive but its ordinary users, and it
+//    goes back to the pool when the forward no longer needs it.
 //  - Get: the output's storage, while still alive, must have the version the save saw (an
 //    in-place write after the save raises as for an ordinary saved tensor); the recipe inputs
 //    are version-checked by their own SavedTensor::get(). The recipe then runs with grad mode
@@ -80,6 +80,9 @@ std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
   if (impl.storage->version.load() != r->version || impl.offset != 0 || !t.is_contiguous() ||
       t.dtype() != r->dtype || t.numel() != shape_numel(r->sizes))
     return nullptr;
+  for (const SavedTensor& in : r->inputs) {  // an input written since the op ran: the recipe is stale
+    if (in.defined() && in.raw().version() != in.saved_version()) return nullptr;
+  }
   auto s = std::make_shared<RecomputedSaved>();
   s->recipe = r;
   s->sizes = t.sizes();
