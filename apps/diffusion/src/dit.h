@@ -73,7 +73,7 @@ class DiTMlp : public flame::nn::Module {
   std::string name() const override { return "Mlp"; }
   Tensor forward(const Tensor& x) override;  // fc1 -> GELU(tanh) -> fc2
   std::shared_ptr<flame::nn::Linear> fc1, fc2;
-  bool recompute_hidden = false;  // F::mlp_gelu's option (DiTRecompute::mlp)
+  bool recompute_hidden = false;  // F::mlp_gelu's option (DiTRecompute::mlp); unused with LoRA adapters
 };
 
 class DiTBlock : public flame::nn::Module {
