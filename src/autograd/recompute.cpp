@@ -32,6 +32,8 @@
 //    capture records them like any other rule's work.
 #include "src/autograd/recompute.h"
 
+#include <string>
+
 #include "flame/recompute.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/record.h"
@@ -115,7 +117,16 @@ Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char*
   }
   TensorList in;
   in.reserve(r.inputs.size());
-  for (const SavedTensor& t : r.inputs) in.push_back(t.get());
+  for (const SavedTensor& t : r.inputs) {
+    try {
+      in.push_back(t.get());
+    } catch (const Error& e) {  // say which saved tensor needed it: the user never saved this input
+      std::string what = e.what();
+      if (what.rfind("backward: ", 0) == 0) what.erase(0, 10);
+      FLAME_FAIL("backward", what, " (an input of the recipe that recomputes the output of ", r.op, ", saved for ", op,
+                 " under autograd::RecomputeCheap)");
+    }
+  }
   Tensor y;
   {
     RecipeScope scope;
