@@ -146,9 +146,8 @@ Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char*
 TensorList SavedTensor::recipe_inputs() const {
   TensorList out;
   if (!recomputed_) return out;
-  for (const SavedTensor& t : recomputed_->recipe->inputs) {
+  for (const SavedTensor& t : recomputed_->recipe->inputs) {  // held as plain tensors (never recipes)
     if (t.defined()) out.push_back(t.raw());
-    for (const Tensor& u : t.recipe_inputs()) out.push_back(u);
   }
   return out;
 }
