@@ -33,7 +33,10 @@
 //
 // Usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
 //                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]
+//                    [--recompute none,mlp,all]
 //
+// --recompute runs each DiT case once per level listed (DiTRecompute, docs/recompute.md); the
+// levels other than none are named step_<model>_b<batch>_recompute_<level>.
 // --memory-report runs one more step of each case under flame::profiler::MemoryProfiler and prints
 // its report ("where the peak went", by op and module) as '#' lines after the case's result.
 #include <algorithm>
@@ -81,6 +84,9 @@ struct Args {
   bool memory_report = false;  // one more step under the memory profiler: where each peak went
   int trace = 0;               // > 0: that many more steps under profiler::KernelTrace (CUDA): where the time went
   std::string trace_json;      // with --trace: also write the kernels as a Chrome trace (chrome://tracing, Perfetto)
+  // DiT activation recompute levels, one case each (DiTRecompute); "none" keeps the case's plain
+  // name (the PyTorch twin's), the others add "_recompute_<level>".
+  std::vector<std::string> recompute{"none"};
 };
 
 // One case: a step to time and what to report about it. `step` is the seam a graph-capture
@@ -211,13 +217,14 @@ double mlp_flops(int64_t batch) {
 // The trainer's step for a diffusion preset (Note [Step benchmark method]).
 // graph: the trainer's --compile step (capturable AdamW and EMA, sync-free clipping), for cuda::GraphedStep.
 Workload diffusion_workload(const std::string& preset, int64_t batch, const Device& dev, std::optional<DType> amp,
-                            bool graph) {
+                            bool graph, const std::string& recompute = "none") {
   auto model = flame_diffusion::make_model(preset, 0);
+  if (auto* dit = dynamic_cast<flame_diffusion::DiT*>(model.get())) dit->set_recompute(flame_diffusion::parse_dit_recompute(recompute));
   model->to(dev);
   model->train();
   Workload w;
   w.batch = batch;
-  w.name = "step_" + preset + "_b" + std::to_string(batch);
+  w.name = "step_" + preset + "_b" + std::to_string(batch) + (recompute == "none" ? "" : "_recompute_" + recompute);
   if (preset.rfind("dit", 0) == 0) {
     w.flops = dit_flops(flame_diffusion::dit_config(preset), batch);
   } else {
@@ -308,7 +315,8 @@ Args parse(int argc, char** argv) {
   auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
-                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N [--trace-json FILE]]\n");
+                 "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N [--trace-json FILE]] "
+                 "[--recompute none,mlp,all]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -344,6 +352,14 @@ Args parse(int argc, char** argv) {
       a.trace = std::max(0, std::atoi(next().c_str()));
     } else if (s == "--memory-report") {
       a.memory_report = true;
+    } else if (s == "--recompute") {
+      a.recompute.clear();
+      std::stringstream ss(next());
+      for (std::string r; std::getline(ss, r, ',');) {
+        if (r != "none" && r != "mlp" && r != "all") usage();
+        a.recompute.push_back(r);
+      }
+      if (a.recompute.empty()) usage();
     } else {
       usage();
     }
@@ -392,12 +408,22 @@ int main(int argc, char** argv) {
     }
   }
 
+  // One case per model, and for DiT models one per --recompute level.
+  std::vector<std::pair<std::string, std::string>> cases;
   for (const std::string& model : args.models) {
+    if (model.rfind("dit", 0) == 0) {
+      for (const std::string& r : args.recompute) cases.emplace_back(model, r);
+    } else {
+      cases.emplace_back(model, "none");
+    }
+  }
+  for (const auto& [model, recompute] : cases) {
     const int64_t batch = args.batch > 0 ? args.batch : default_batch(model);
-    std::string name = "step_" + model + "_b" + std::to_string(batch);
+    std::string name = "step_" + model + "_b" + std::to_string(batch) + (recompute == "none" ? "" : "_recompute_" + recompute);
     try {
       const bool graph = args.mode == "graph";
-      Workload w = model == "mlp" ? mlp_workload(batch, dev, amp, graph) : diffusion_workload(model, batch, dev, amp, graph);
+      Workload w = model == "mlp" ? mlp_workload(batch, dev, amp, graph)
+                                  : diffusion_workload(model, batch, dev, amp, graph, recompute);
       name = w.name;
       if (graph) {
         // The whole step as one CUDA graph (cuda::GraphedStep: eager warm-up, capture, replays).

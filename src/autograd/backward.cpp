@@ -269,6 +269,11 @@ std::size_t autograd_saved_bytes(const Tensor& root) {
     const Node* n = stack.back();
     stack.pop_back();
     for (const SavedTensor& s : n->saved_tensors()) {
+      if (s.recomputed()) {  // Note [Recompute cheap]: what its recipe holds
+        for (const Tensor& t : s.recipe_inputs()) {
+          if (storages.insert(t.impl()->storage.get()).second) bytes += t.impl()->storage->nbytes;
+        }
+      }
       if (!s.defined()) continue;
       const Storage* st = s.raw().impl()->storage.get();
       if (storages.insert(st).second) bytes += st->nbytes;

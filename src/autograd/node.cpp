@@ -9,6 +9,7 @@
 
 #include "flame/ops.h"
 #include "src/autograd/anomaly.h"
+#include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/profiler/context.h"
@@ -200,6 +201,13 @@ Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::Backwa
 SavedTensor::SavedTensor(const Tensor& t, const char* op, bool detach, bool allow_hooks) : op_(op) {
   if (!t.defined()) return;
   version_ = t.version();
+  // Note [Recompute cheap] (recompute.cpp): one pointer test when the storage has no recipe. As
+  // for hooks, a tensor kept for its identity or a leaf that requires grad is held as it is.
+  const Storage* st = t.impl()->storage.get();
+  if (st && st->recipe && allow_hooks && !(t.is_leaf() && t.requires_grad())) [[unlikely]] {
+    recomputed_ = autograd_detail::recompute_saved(t);
+    if (recomputed_) return;
+  }
   // Note [Saved tensor hooks]: one thread-local read when no hooks are active.
   if (allow_hooks && autograd_detail::saved_hooks_active() && !(t.is_leaf() && t.requires_grad())) {
     packed_ = autograd_detail::pack_saved(t);
@@ -209,6 +217,7 @@ SavedTensor::SavedTensor(const Tensor& t, const char* op, bool detach, bool allo
 }
 
 Tensor SavedTensor::get() const {
+  if (recomputed_) [[unlikely]] return autograd_detail::unpack_recomputed(*recomputed_, version_, op_);
   if (packed_) return autograd_detail::unpack_saved(*packed_, version_, op_);
   if (tensor_.defined()) {
     FLAME_CHECK(tensor_.version() == version_, "backward",

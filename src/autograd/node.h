@@ -143,6 +143,7 @@ struct AutogradMeta {
 // output detached.
 namespace autograd_detail {
 struct PackedSaved;  // saved_hooks.cpp: a tensor packed by autograd::SavedTensorHooks
+struct RecomputedSaved;  // recompute.cpp: a tensor kept as the recipe that makes it
 }
 
 // Note [Saved tensor hooks] (src/autograd/saved_hooks.cpp): while autograd::SavedTensorHooks are
@@ -159,12 +160,18 @@ class SavedTensor {
   bool defined() const { return tensor_.defined(); }
   const Tensor& raw() const { return tensor_; }  // no version check (for accounting); empty when packed
   bool packed() const { return packed_ != nullptr; }
+  // Kept as a recipe (Note [Recompute cheap] in src/autograd/recompute.cpp): get() reruns it.
+  bool recomputed() const { return recomputed_ != nullptr; }
+  // What a recomputed tensor's recipe holds (its inputs; empty otherwise), for accounting.
+  TensorList recipe_inputs() const;
+  uint64_t saved_version() const { return version_; }  // the storage version at save time
 
  private:
   Tensor tensor_;
   uint64_t version_ = 0;
   const char* op_ = "";
   std::shared_ptr<autograd_detail::PackedSaved> packed_;
+  std::shared_ptr<const autograd_detail::RecomputedSaved> recomputed_;
 };
 
 namespace autograd_detail {

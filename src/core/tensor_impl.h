@@ -7,6 +7,10 @@
 
 namespace flame {
 
+namespace autograd_detail {
+struct Recipe;  // src/autograd/recompute.h
+}
+
 // Bytes on one device. Shared by every view of a tensor; the version counter counts in-place
 // writes so that autograd can detect a saved tensor that was overwritten.
 struct Storage {
@@ -19,6 +23,9 @@ struct Storage {
   // CPU storage in page-locked memory from the pinned host cache (src/memory/pinned.h); the
   // deleter of `data` hands the block back to that cache.
   bool pinned = false;
+  // Set while autograd::RecomputeCheap is active by the cheap op that wrote these bytes: how to
+  // write them again (Note [Recompute cheap] in src/autograd/recompute.cpp).
+  std::shared_ptr<const autograd_detail::Recipe> recipe;
 };
 
 struct AutogradMeta;  // src/autograd/node.h

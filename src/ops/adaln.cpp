@@ -14,6 +14,7 @@
 //    the output); gated_residual saves gate and y. Their backward is one kernel each that also
 //    sums the modulation gradients over the tokens (Note [adaLN kernels] in
 //    src/backend/cuda/adaln/adaln.cu).
+//  - autograd::RecomputeCheap: layer_norm_modulate marks its output recomputable (below).
 //  - Autocast: layer_norm_modulate normalises in f32 (as layer_norm) and returns the autocast dtype,
 //    fused or composed, so both paths give the same dtype; gated_residual has no policy (the
 //    promotion of its inputs, as the composite's add and multiply).
@@ -24,7 +25,9 @@
 #include "flame/autograd.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
+#include "flame/recompute.h"
 #include "src/amp/autocast.h"
+#include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"
 #include "src/compile/trace_hooks.h"
@@ -132,6 +135,24 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
   return y.dtype() == out ? y : y.to(out);
 }
 
+// Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
+// src/autograd/recompute.cpp): the same impl on the same inputs, so a linear layer that saves it
+// for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
+// The op is marked as one: the ops of its composite path do not mark their own outputs.
+Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+  Tensor y;
+  {
+    autograd::RecomputeCheap whole_op(false);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out);
+  }
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
+      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+    });
+  }
+  return y;
+}
+
 }  // namespace
 
 Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps) {
@@ -148,10 +169,10 @@ Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& s
   if (amp::detail::should_autocast(x)) {  // Note [adaLN ops]: f32 statistics, the autocast dtype out
     const DType low = amp::detail::low_dtype(x);
     amp::detail::AutocastOpScope scope;
-    return layer_norm_modulate_impl(amp::detail::cast_f32(x), shift, scale, eps, low);
+    return layer_norm_modulate_marked(amp::detail::cast_f32(x), shift, scale, eps, low);
   }
-  return layer_norm_modulate_impl(x, shift, scale, eps,
-                                  promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype()));
+  return layer_norm_modulate_marked(x, shift, scale, eps,
+                                    promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype()));
 }
 
 Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {

@@ -23,7 +23,8 @@
 //    copy; otherwise it keeps its strided matmul + add, which needs no copy. Without a bias it
 //    is a plain matmul as before. Either way its result and gradients are the same math.
 //  - linear_gelu and mlp_gelu are always one op and one autograd node, whichever way they ran.
-//    The pre-activation (and for mlp_gelu the hidden activation) is saved in the compute dtype.
+//    The pre-activation (and for mlp_gelu the hidden activation, unless recompute_hidden asks
+//    the backward to redo gelu(pre) instead) is saved in the compute dtype.
 //  - Autocast: the three follow linear's policy (low precision, bias included).
 #include <optional>
 
@@ -134,11 +135,12 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   return linear_act("linear_gelu", x, weight, bias, /*gelu=*/true);
 }
 
-Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2) {
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                bool recompute_hidden) {
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: as linear, biases included
     amp::detail::AutocastOpScope scope;
     return mlp_gelu(amp::detail::cast_low(x), amp::detail::cast_low(w1), amp::detail::cast_low(b1),
-                    amp::detail::cast_low(w2), amp::detail::cast_low(b2));
+                    amp::detail::cast_low(w2), amp::detail::cast_low(b2), recompute_hidden);
   }
   check_linear_args("mlp_gelu", x, w1, b1, "w1");
   FLAME_CHECK(w2.defined() && w2.dim() == 2 && w2.size(1) == w1.size(0), "mlp_gelu",
@@ -162,7 +164,7 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
     Tensor unused;
     y = dense("mlp_gelu", h, w2, b2, /*gelu=*/false, false, /*compose=*/true, unused).view(with_last(x, out));
   }
-  if (grad) rules::mlp_gelu(y, x, w1, b1, w2, b2, x2, pre, h);
+  if (grad) rules::mlp_gelu(y, x, w1, b1, w2, b2, x2, pre, h, recompute_hidden);
   return y;
 }
 

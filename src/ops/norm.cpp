@@ -19,6 +19,7 @@
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
+#include "src/autograd/recompute.h"
 #include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"
 #include "src/compile/trace_hooks.h"
@@ -68,6 +69,13 @@ Tensor rows_norm(const char* op, const Tensor& x, const Shape& normalized_shape,
   Tensor rstd = make_empty({rows}, sd, x.device(), op);
   if (x.numel() > 0) backend::backend_for(x.device()).norm_rows_forward(y, mean, rstd, xc, wc, bc, eps);
   rules::norm_rows(y, xc, wc, bc, mean, rstd);
+  // Under autograd::RecomputeCheap a node that saves y keeps this call instead (Note [Recompute
+  // cheap] in src/autograd/recompute.cpp); its inputs are what the norm node saves anyway.
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, op, {xc, wc, bc}, [op, normalized_shape, eps, rms](const TensorList& in) {
+      return rows_norm(op, in[0], normalized_shape, in[1], in[2], eps, rms);
+    });
+  }
   return y;
 }
 

@@ -1,10 +1,12 @@
 #include "dit.h"
 
 #include <cmath>
+#include <optional>
 #include <sstream>
 
 #include "flame/nn/adaln.h"
 #include "flame/nn/linear_gelu.h"
+#include "flame/recompute.h"
 
 namespace flame_diffusion {
 
@@ -36,6 +38,23 @@ void zero_linear(nn::Linear& l) {
 }
 
 }  // namespace
+
+DiTRecompute parse_dit_recompute(const std::string& name) {
+  if (name == "none") return DiTRecompute::none;
+  if (name == "mlp") return DiTRecompute::mlp;
+  if (name == "all") return DiTRecompute::all;
+  FLAME_FAIL("DiT", "unknown recompute level '", name, "' (known: none, mlp, all)");
+  return DiTRecompute::none;
+}
+
+const char* dit_recompute_name(DiTRecompute r) {
+  switch (r) {
+    case DiTRecompute::none: return "none";
+    case DiTRecompute::mlp: return "mlp";
+    case DiTRecompute::all: return "all";
+  }
+  return "none";
+}
 
 DiTConfig dit_config(const std::string& name) {
   DiTConfig c;
@@ -105,7 +124,7 @@ DiTMlp::DiTMlp(int64_t hidden, int64_t mlp_hidden) {
 // adapter on fc2, fc1 + GELU alone fuse; a LoRA-wrapped fc1 keeps its own forward.
 Tensor DiTMlp::forward(const Tensor& x) {
   if (!fc1->has_lora() && !fc2->has_lora())
-    return F::mlp_gelu(x, fc1->weight(), fc1->bias(), fc2->weight(), fc2->bias());
+    return F::mlp_gelu(x, fc1->weight(), fc1->bias(), fc2->weight(), fc2->bias(), recompute_hidden);
   const Tensor h = fc1->has_lora() ? fc1->forward(x).gelu(/*tanh=*/true)
                                    : F::linear_gelu(x, fc1->weight(), fc1->bias());
   return fc2->forward(h);
@@ -156,6 +175,12 @@ DiT::DiT(const DiTConfig& config, uint64_t seed) : config_(config) {
   final_layer = register_module("final_layer", std::make_shared<DiTFinalLayer>(c.hidden, c.patch_size, c.in_channels));
   flame::Generator gen(seed);
   initialize_weights(&gen);
+  set_recompute(c.recompute);
+}
+
+void DiT::set_recompute(DiTRecompute r) {
+  config_.recompute = r;
+  for (auto& blk : blocks) blk->mlp->recompute_hidden = r != DiTRecompute::none;
 }
 
 // As the reference's initialize_weights: xavier-uniform Linear weights with zero biases; the
@@ -187,6 +212,7 @@ std::string DiT::extra_repr() const {
   std::ostringstream os;
   os << "preset=" << config_.name << ", hidden=" << config_.hidden << ", depth=" << config_.depth
      << ", heads=" << config_.heads << ", patch=" << config_.patch_size;
+  if (config_.recompute != DiTRecompute::none) os << ", recompute=" << dit_recompute_name(config_.recompute);
   return os.str();
 }
 
@@ -197,6 +223,10 @@ Tensor DiT::unpatchify(const Tensor& tokens) const {
 
 Tensor DiT::forward(const Tensor& x, const Tensor& t, const Tensor& y) {
   check_inputs(x, t, y);
+  // DiTRecompute::all: the adaLN outputs are kept as recipes by the layers that save them. Only
+  // turned on here: an outer guard of the caller stays in force either way.
+  std::optional<flame::autograd::RecomputeCheap> recompute_cheap;
+  if (config_.recompute == DiTRecompute::all) recompute_cheap.emplace();
   Tensor h = x_embedder->forward(x) + pos_embed;
   Tensor c = t_embedder->forward(t.to(DType::f32) * config_.time_scale) + y_embedder->forward(y);
   for (auto& blk : blocks) h = blk->forward(h, c);

@@ -15,6 +15,16 @@
 
 namespace flame_diffusion {
 
+// What the training forward leaves for the backward to recompute instead of saving
+// (docs/recompute.md): none; mlp: each MLP keeps its pre-activation only and the backward redoes
+// gelu (F::mlp_gelu's recompute_hidden); all: mlp, and the adaLN outputs (the inputs of qkv, the
+// MLP and the final linear) are rerun from what their own nodes save (autograd::RecomputeCheap).
+// The same values and gradients up to the rounding of the recomputed gelu in low precision.
+enum class DiTRecompute { none, mlp, all };
+// "none", "mlp", "all"; anything else raises an error listing these.
+DiTRecompute parse_dit_recompute(const std::string& name);
+const char* dit_recompute_name(DiTRecompute r);
+
 struct DiTConfig {
   std::string name = "dit-s";
   int64_t input_size = 28;
@@ -27,6 +37,7 @@ struct DiTConfig {
   int64_t num_classes = 10;
   int64_t frequency_dim = 256;
   double time_scale = 1000.0;  // the embedding sees t * time_scale
+  DiTRecompute recompute = DiTRecompute::none;  // a training-memory setting, not saved with weights
   int64_t grid() const { return input_size / patch_size; }
   int64_t tokens() const { return grid() * grid(); }
 };
@@ -63,6 +74,7 @@ class DiTMlp : public flame::nn::Module {
   std::string name() const override { return "Mlp"; }
   Tensor forward(const Tensor& x) override;  // fc1 -> GELU(tanh) -> fc2
   std::shared_ptr<flame::nn::Linear> fc1, fc2;
+  bool recompute_hidden = false;  // F::mlp_gelu's option (DiTRecompute::mlp); unused with LoRA adapters
 };
 
 class DiTBlock : public flame::nn::Module {
@@ -98,6 +110,9 @@ class DiT : public DiffusionModel {
   int64_t num_classes() const override { return config_.num_classes; }
   std::string preset() const override { return config_.name; }
   const DiTConfig& config() const { return config_; }
+  // Changes what the next training forwards save (DiTConfig::recompute); weights are unchanged.
+  void set_recompute(DiTRecompute r);
+  DiTRecompute recompute() const { return config_.recompute; }
 
   // [B, T, p*p*C] -> [B, C, H, W] (token (i, j) holds the p x p patch at rows i*p.., cols j*p..,
   // channel fastest, as the reference's einsum "nhwpqc->nchpwq").

@@ -67,6 +67,11 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
   cmd->add_flag("--compile,!--no-compile", c.compile,
                 "capture the training step in a CUDA graph and replay it (default on with CUDA; "
                 "not with --accum > 1)");
+  cmd->add_option("--recompute", c.recompute,
+                 "DiT activations recomputed in the backward instead of saved: none, mlp (the MLP hidden "
+                 "activation) or all (mlp and the adaLN outputs); less memory, a little more time")
+      ->check(CLI::IsMember({"none", "mlp", "all"}))
+      ->capture_default_str();
   cmd->add_option("--classifier", c.classifier, "at the end, classify samples with this classifier (train_classifier)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--eval-per-class", c.eval_per_class, "samples per class for --classifier")->capture_default_str();

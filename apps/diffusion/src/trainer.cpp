@@ -349,14 +349,15 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   const std::string plot_path = (fs::path(c.out) / "loss.png").string();
   const auto classes = c.classes.empty() ? all_classes(r.model->num_classes()) : c.classes;
 
-  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s%s\n",
+  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s%s%s\n",
                tag.c_str(), r.model->preset().c_str(), static_cast<long long>(r.model->num_parameters()),
                static_cast<long long>(r.model->num_parameters(true)), r.objective->name().c_str(),
                static_cast<long long>(c.steps), static_cast<long long>(c.batch),
                c.accum > 1 ? (" (" + std::to_string(c.accum) + " micro-batches)").c_str() : "",
                r.dev.is_cuda() ? ("cuda:" + std::to_string(r.dev.index)).c_str() : "cpu",
                r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "",
-               compile ? ", compiled step (CUDA graph)" : "");
+               compile ? ", compiled step (CUDA graph)" : "",
+               c.recompute != "none" ? (", recompute " + c.recompute).c_str() : "");
   if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
 
   ProgressBar bar(c.steps, c.progress_bar && main_rank);
@@ -627,6 +628,17 @@ std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device
   return model;
 }
 
+// --recompute: a DiT setting; other models have nothing to recompute and say so.
+void apply_recompute(DiffusionModel& model, const std::string& level) {
+  const DiTRecompute r = parse_dit_recompute(level);
+  if (auto* dit = dynamic_cast<DiT*>(&model)) {
+    dit->set_recompute(r);
+  } else if (r != DiTRecompute::none) {
+    throw std::runtime_error("--recompute " + level + ": only DiT models recompute activations; " +
+                             model.preset() + " is not one");
+  }
+}
+
 }  // namespace
 
 TrainResult train(const TrainConfig& config) {
@@ -636,6 +648,7 @@ TrainResult train(const TrainConfig& config) {
   r.amp = autocast_dtype(config.amp, r.dev);
   flame::manual_seed(config.seed);
   r.model = make_model(config.model, config.seed);
+  apply_recompute(*r.model, config.recompute);
   r.model->to(r.dev);
   r.objective = make_objective(config.objective);
   r.trainable = r.model->parameters();
@@ -653,6 +666,7 @@ TrainResult finetune(const TrainConfig& config) {
   flame::manual_seed(config.seed);
   std::string objective;
   r.model = load_model(config.base_checkpoint, r.dev, /*use_ema=*/true, &objective);
+  apply_recompute(*r.model, config.recompute);
   r.cfg.model = r.model->preset();
   r.objective = make_objective(objective);
   const auto targets = config.lora_targets.empty() ? default_lora_targets(r.model->preset()) : config.lora_targets;

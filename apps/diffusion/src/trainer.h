@@ -46,6 +46,9 @@ struct TrainConfig {
   bool progress_bar = true;
   // Capture the training step in a CUDA graph (CUDA only; not with accum > 1, which steps eagerly).
   bool compile = true;
+  // DiT activation recompute (DiTRecompute): none, mlp or all. Less memory held between the
+  // forward and the backward for a little more backward time (docs/recompute.md).
+  std::string recompute = "none";
   // Sampling of the grids written during and after training.
   SampleOptions sampling{.sampler = SamplerKind::euler, .steps = 32, .cfg_scale = 2.0, .seed = 1234};
   int64_t samples_per_class = 10;

@@ -11,5 +11,10 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias = T
 // linear(gelu(linear(x, w1, b1), approximate="tanh"), w2, b2): x [..., in], w1 [hidden, in],
 // b1 [hidden], w2 [out, hidden], b2 [out] (biases may be undefined) -> [..., out]. Its backward
 // applies gelu' in the epilogue of the second layer's data-gradient GEMM.
-Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2);
+// recompute_hidden: the node keeps the hidden pre-activation only, not the activation h =
+// gelu(pre) as well, and its backward recomputes h (one elementwise pass, a temporary freed right
+// after the second layer's weight-gradient GEMM): [..., hidden] fewer bytes held per call until
+// the backward, for one extra read of pre and write of h there (docs/recompute.md).
+Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
+                bool recompute_hidden = false);
 }  // namespace flame::nn::functional

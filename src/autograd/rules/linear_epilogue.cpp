@@ -58,24 +58,33 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
 }
 
 // Inputs {x, w1, b1, w2, b2}. Saved slots: x2 (need w1), w1 (need x), w2 (need anything below
-// the second layer), pre (same), h (need w2). args.count = rows.
+// the second layer), pre (same, or need w2 when recomputing h), h (need w2, unless recomputing:
+// args.op == 1). args.count = rows.
 TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
   const auto& e = n.edges();
   auto need = [&](std::size_t i) { return e.size() > i && e[i].meta != nullptr; };
   const bool need_x = need(0), need_w1 = need(1), need_b1 = need(2), need_w2 = need(3), need_b2 = need(4);
   const bool need_hidden = need_x || need_w1 || need_b1;
+  const bool recompute = n.args().op == 1;
   std::size_t slot = 0;
   const Tensor x2 = need_w1 ? n.saved(slot++) : Tensor();
   const Tensor w1 = need_x ? n.saved(slot++) : Tensor();
   const Tensor w2 = need_hidden ? n.saved(slot++) : Tensor();
-  const Tensor pre = need_hidden ? n.saved(slot++) : Tensor();
-  const Tensor h = need_w2 ? n.saved(slot++) : Tensor();
+  const Tensor pre = need_hidden || (recompute && need_w2) ? n.saved(slot++) : Tensor();
   const DType dt = e[1].dtype;
   const Device dev = e[1].device;
   const int64_t rows = n.args().count, hidden = e[1].shape[0], out = e[3].shape[0];
   const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
   Tensor dx, dw1, db1, dw2, db2;
-  weight_and_bias_grads(g2, h, need_w2, need_b2, dw2, db2);
+  if (need_w2 || need_b2) {
+    // h lives only for this GEMM when recomputed: the same unary kernel as the forward's
+    // composite (the fused forward rounds gelu of the f32 accumulator, so low-precision h may
+    // differ from it in the last bit).
+    const Tensor h = !need_w2     ? Tensor()
+                     : recompute ? unary_op(UnaryOp::gelu_tanh, pre, backend::UnaryParams{})
+                                 : n.saved(slot++);
+    weight_and_bias_grads(g2, h, need_w2, need_b2, dw2, db2);
+  }
   if (need_hidden) {
     // d at the hidden pre-activation, (g2 W2) * gelu_tanh'(pre), in one GEMM if possible. db1
     // comes from the dW1 GEMM (BGRADB) rather than from DGELU_BGRAD here: on an H100 the
@@ -107,19 +116,18 @@ void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& 
 }
 
 void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-              const Tensor& x2, const Tensor& pre, const Tensor& h) {
+              const Tensor& x2, const Tensor& pre, const Tensor& h, bool recompute_hidden) {
   if (!needs_grad({x, w1, b1, w2, b2})) return;
   const bool need_hidden = x.requires_grad() || w1.requires_grad() || (b1.defined() && b1.requires_grad());
   RuleArgs args;
   args.count = x2.size(0);
+  args.op = recompute_hidden ? 1 : 0;
   Node& n = record(y, "MlpGeluBackward", {x, w1, b1, w2, b2}, &mlp_gelu_backward, std::move(args));
   if (w1.requires_grad()) n.save(x2);
   if (x.requires_grad()) n.save(w1);
-  if (need_hidden) {
-    n.save(w2);
-    n.save(pre);
-  }
-  if (w2.requires_grad()) n.save(h);
+  if (need_hidden) n.save(w2);
+  if (need_hidden || (recompute_hidden && w2.requires_grad())) n.save(pre);
+  if (w2.requires_grad() && !recompute_hidden) n.save(h);
 }
 
 }  // namespace flame::rules

@@ -11,6 +11,7 @@ void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& 
                      const Tensor& pre);
 // y [..., out] = linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (mlp_gelu): x2 as above, pre the
 // first layer's pre-activation and h = gelu_tanh(pre), both [rows, hidden] contiguous.
+// recompute_hidden: save pre but not h; the backward recomputes h for w2's gradient.
 void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-              const Tensor& x2, const Tensor& pre, const Tensor& h);
+              const Tensor& x2, const Tensor& pre, const Tensor& h, bool recompute_hidden = false);
 }  // namespace flame::rules

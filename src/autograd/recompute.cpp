@@ -1,0 +1,155 @@
+// Selective recompute of cheap saved tensors: autograd::RecomputeCheap (include/flame/recompute.h).
+//
+// Note [Recompute cheap]
+// Activation memory of a training step is mostly tensors saved for the weight gradients of the
+// next layer: the input of a linear layer is often the output of a normalisation that costs one
+// pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate,
+// layer_norm, rms_norm) marks its output, as one op (the ops of its composite path do not):
+// Storage::recipe holds the op's inputs as SavedTensors and a function that reruns the op. The
+// mark sits on the storage, not the tensor, because the consumer usually saves a view of the
+// output it made itself (a reshape to [rows, in] under no-grad).
+//  - Save: SavedTensor's constructor sees the storage's recipe and, where saved-tensor hooks
+//    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
+//    that requires grad), keeps a RecomputedSaved instead of the tensor when the recipe still
+//    describes the bytes (neither the output nor an input written since the mark) and the saved
+//    tensor is a contiguous view of all of them (same offset 0 and element count); any other
+//    view is saved as usual. Then nothing keeps the output alive but its ordinary users, and it
+//    goes back to the pool when the forward no longer needs it.
+//  - Get: the output's storage, while still alive, must have the version the save saw (an
+//    in-place write after the save raises as for an ordinary saved tensor); the recipe inputs
+//    are version-checked by their own SavedTensor::get(). The recipe then runs with grad mode
+//    off, autocast excluded (the op already received the dtypes it computed in) and marking
+//    off, and its result must have the output's shape, dtype and device. Recipes rerun the same
+//    kernels on the same inputs, so the recomputed values are the forward's bit for bit.
+//  - Inputs are held detached (no graph is kept alive through a storage) as plain tensors: not
+//    packed by saved-tensor hooks (they are mostly tensors the op's own node saves anyway;
+//    offloading them twice would cost a second copy) and not replaced by their own recipes.
+//    autograd_saved_bytes() counts them.
+//  - Lifetime: the recipe lives as long as the output's storage or a node that saved it. A
+//    caller who keeps the output also keeps the recipe's inputs: mark only inside a training
+//    forward.
+//  - The recipe launches ordinary ops on the current stream, so a backward under CUDA-graph
+//    capture records them like any other rule's work.
+#include "src/autograd/recompute.h"
+
+#include <string>
+
+#include "flame/recompute.h"
+#include "src/amp/autocast.h"
+#include "src/autograd/record.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame {
+
+namespace autograd_detail {
+thread_local bool t_recompute_cheap = false;
+}  // namespace autograd_detail
+
+namespace autograd {
+RecomputeCheap::RecomputeCheap(bool enabled) : previous_(autograd_detail::t_recompute_cheap) {
+  autograd_detail::t_recompute_cheap = enabled;
+}
+RecomputeCheap::~RecomputeCheap() { autograd_detail::t_recompute_cheap = previous_; }
+bool recompute_cheap_enabled() { return autograd_detail::t_recompute_cheap; }
+}  // namespace autograd
+
+namespace autograd_detail {
+
+bool should_mark_recomputable() { return t_recompute_cheap && grad_enabled(); }
+
+void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn) {
+  if (!out.defined() || out.numel() == 0) return;
+  const TensorImpl& impl = *out.impl();
+  if (!impl.storage || impl.offset != 0 || !out.is_contiguous() ||
+      impl.storage->nbytes != static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype()))
+    return;  // not the sole content of its storage: nothing to gain, keep it saved as is
+  auto r = std::make_shared<Recipe>();
+  r->op = op;
+  r->inputs.reserve(inputs.size());
+  for (const Tensor& t : inputs) r->inputs.emplace_back(t, op, /*detach=*/true, /*allow_hooks=*/false);
+  r->fn = std::move(fn);
+  r->storage = impl.storage;
+  r->version = impl.storage->version.load();
+  r->sizes = out.sizes();
+  r->dtype = out.dtype();
+  r->device = out.device();
+  impl.storage->recipe = std::move(r);
+}
+
+std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
+  const TensorImpl& impl = *t.impl();
+  const std::shared_ptr<const Recipe>& r = impl.storage->recipe;
+  if (impl.storage->version.load() != r->version || impl.offset != 0 || !t.is_contiguous() ||
+      t.dtype() != r->dtype || t.numel() != shape_numel(r->sizes))
+    return nullptr;
+  for (const SavedTensor& in : r->inputs) {  // an input written since the op ran: the recipe is stale
+    if (in.defined() && in.raw().version() != in.saved_version()) return nullptr;
+  }
+  auto s = std::make_shared<RecomputedSaved>();
+  s->recipe = r;
+  s->sizes = t.sizes();
+  return s;
+}
+
+namespace {
+// Grad mode off, autocast excluded and no marking while a recipe runs; restored on error.
+class RecipeScope {
+ public:
+  RecipeScope() : previous_(t_recompute_cheap) { t_recompute_cheap = false; }
+  ~RecipeScope() { t_recompute_cheap = previous_; }
+  RecipeScope(const RecipeScope&) = delete;
+  RecipeScope& operator=(const RecipeScope&) = delete;
+
+ private:
+  bool previous_;
+  NoGradGuard no_grad_;
+  amp::detail::AutocastOpScope no_autocast_;
+};
+}  // namespace
+
+Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char* op) {
+  const Recipe& r = *s.recipe;
+  if (const std::shared_ptr<Storage> st = r.storage.lock()) {
+    const uint64_t now = st->version.load();
+    FLAME_CHECK(now == version, "backward", "a tensor saved for the gradient of ", op, " (shape ", s.sizes,
+                ", recomputable output of ", r.op, ") was modified by an in-place op: its version is ", now,
+                ", expected ", version);
+  }
+  TensorList in;
+  in.reserve(r.inputs.size());
+  for (const SavedTensor& t : r.inputs) {
+    try {
+      in.push_back(t.get());
+    } catch (const Error& e) {  // say which saved tensor needed it: the user never saved this input
+      std::string what = e.what();
+      if (what.rfind("backward: ", 0) == 0) what.erase(0, 10);
+      FLAME_FAIL("backward", what, " (an input of the recipe that recomputes the output of ", r.op, ", saved for ", op,
+                 " under autograd::RecomputeCheap)");
+    }
+  }
+  Tensor y;
+  {
+    RecipeScope scope;
+    y = r.fn(in);
+  }
+  FLAME_CHECK(y.defined() && y.sizes() == r.sizes && y.dtype() == r.dtype && y.device() == r.device,
+              "autograd::RecomputeCheap", "the recipe of ", r.op, " must return shape ", r.sizes, ", dtype ",
+              dtype_name(r.dtype), " and device ", r.device.str(), "; got ",
+              y.defined() ? shape_str(y.sizes()) + " " + dtype_name(y.dtype()) + " " + y.device().str()
+                          : std::string("an undefined tensor"),
+              " (saved for ", op, ")");
+  return y.contiguous().view(s.sizes);
+}
+
+}  // namespace autograd_detail
+
+TensorList SavedTensor::recipe_inputs() const {
+  TensorList out;
+  if (!recomputed_) return out;
+  for (const SavedTensor& t : recomputed_->recipe->inputs) {  // held as plain tensors (never recipes)
+    if (t.defined()) out.push_back(t.raw());
+  }
+  return out;
+}
+
+}  // namespace flame

@@ -1,0 +1,45 @@
+#pragma once
+// Internal side of autograd::RecomputeCheap (include/flame/recompute.h): how an op marks its
+// output, and how a saved tensor keeps and reruns the mark. Note [Recompute cheap] in
+// recompute.cpp.
+#include <functional>
+#include <memory>
+
+#include "src/autograd/node.h"
+
+namespace flame::autograd_detail {
+
+extern thread_local bool t_recompute_cheap;
+
+// Makes a marked output again from its recipe inputs (grad mode off, autocast excluded, marking
+// off while it runs). Must return the output's shape, dtype and device.
+using RecipeFn = std::function<Tensor(const TensorList& inputs)>;
+
+struct Recipe {
+  const char* op = "";  // static: the op that wrote the output (for error messages)
+  std::vector<SavedTensor> inputs;
+  RecipeFn fn;
+  std::weak_ptr<Storage> storage;  // the output's (the version check while it is alive)
+  uint64_t version = 0;            // the output's storage version when marked
+  Shape sizes;
+  DType dtype = DType::f32;
+  Device device;
+};
+
+struct RecomputedSaved {
+  std::shared_ptr<const Recipe> recipe;
+  Shape sizes;  // the saved tensor's shape (a contiguous view of the whole output)
+};
+
+// Whether an op should mark its output now: RecomputeCheap is on and grad mode is on.
+bool should_mark_recomputable();
+// Attaches the recipe to out's storage when out owns it whole (contiguous from offset 0);
+// inputs are held as saved tensors (version-checked when the recipe runs).
+void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn);
+// The recipe of t's storage when it still describes t's bytes (not written since the mark) and t
+// is a contiguous view of all of them; null otherwise (t is then saved as usual).
+std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t);
+// Reruns the recipe for a saved tensor; raises when the output or an input was written in place.
+Tensor unpack_recomputed(const RecomputedSaved& r, uint64_t version, const char* op);
+
+}  // namespace flame::autograd_detail
