@@ -147,13 +147,17 @@ TEST(AccumIntoEngine, NormResidualMatchesUnfused) {
 // The DiT block (apps/diffusion/src/dit.cpp): h = gated_residual(x, gate, f(layer_norm_modulate(x,
 // shift, scale))) with the modulation as chunks of one projection. On the CPU the adaLN ops
 // compose (their layer_norm takes the sum); on CUDA the fused adaLN kernel reads it.
-Tensor dit_block(const TensorList& l) {
+// mod_dtype: the modulation cast to it first (as the DiT's projection under autocast gives it);
+// node: receives the grad_fn name of the adaLN output (which path ran).
+Tensor dit_block(const TensorList& l, DType mod_dtype, std::string* node = nullptr) {
   const Tensor x = l[0] * 1.25;
   const int64_t d = x.size(-1);
-  const Tensor m = l[1];  // [B, 3D]
+  const Tensor m = l[1].to(mod_dtype);  // [B, 3D]
   const Tensor y = F::layer_norm_modulate(x, m.narrow(1, 0, d), m.narrow(1, d, d), 1e-6);
+  if (node) *node = y.grad_fn_name();
   return F::gated_residual(x, m.narrow(1, 2 * d, d), F::linear(y, l[2]));
 }
+Tensor dit_block_plain(const TensorList& l) { return dit_block(l, l[1].dtype()); }
 
 TEST(AccumIntoEngine, DitPatternMatchesUnfused) {
   FLAME_SKIP_IF_NO_DEVICE();
@@ -164,7 +168,7 @@ TEST(AccumIntoEngine, DitPatternMatchesUnfused) {
     const TensorList v = {rnd({2, 7, 32}, 11, dt, dev), rnd({2, 96}, 12, dt, dev, 0.0, 0.5),
                           rnd({32, 32}, 13, dt, dev, 0.0, 0.2)};
     const Tensor gout = rnd({2, 7, 32}, 14, dt, dev);
-    const Result fused = run(true, v, dit_block, gout), plain = run(false, v, dit_block, gout);
+    const Result fused = run(true, v, dit_block_plain, gout), plain = run(false, v, dit_block_plain, gout);
     EXPECT_EQ(fused.handed, 1u);
     EXPECT_EQ(fused.owned, 0u) << "the gated residual's x-gradient is a pass-through";
     EXPECT_TRUE(same_grads(fused, plain, tol_for(dt)));
@@ -275,7 +279,7 @@ TEST(AccumIntoEngine, PassThroughSumIsNotWritten) {
                          rnd({32, 32}, 58, DType::f32, dev, 0.0, 0.2)};
   const Tensor gd = rnd({2, 7, 32}, 59, DType::f32, dev);
   const Tensor gd_kept = gd.clone();
-  const Result df = run(true, vd, dit_block, gd), dp = run(false, vd, dit_block, gd);
+  const Result df = run(true, vd, dit_block_plain, gd), dp = run(false, vd, dit_block_plain, gd);
   EXPECT_EQ(df.handed, 1u);
   EXPECT_TRUE(close_rel(gd, gd_kept, 0.0)) << "the caller's grad_output was written";
   EXPECT_TRUE(same_grads(df, dp, 1e-5));
@@ -354,15 +358,23 @@ void check_dit_cuda(DType xdt, DType mdt, bool autocast, uint64_t seed) {
   SCOPED_TRACE(std::string("x ") + dtype_name(xdt) + " mod " + dtype_name(mdt) + (autocast ? " autocast" : ""));
   const Device dev = Device::cuda();
   const int64_t b = 3, t = 37, d = 64;
-  const TensorList v = {rnd({b, t, d}, seed, xdt, dev), rnd({b, 3 * d}, seed + 1, mdt, dev, 0.0, 0.5),
-                        rnd({d, d}, seed + 2, mdt, dev, 0.0, 0.2)};
+  // The branch's weight in the adaLN output's dtype (an f32 parameter under autocast).
+  const DType wdt = autocast ? DType::f32 : promote_types(xdt, mdt);
+  const TensorList v = {rnd({b, t, d}, seed, xdt, dev), rnd({b, 3 * d}, seed + 1, autocast ? DType::f32 : mdt, dev, 0.0, 0.5),
+                        rnd({d, d}, seed + 2, wdt, dev, 0.0, 0.2)};
   const Tensor gout = rnd({b, t, d}, seed + 3, xdt, dev);
-  const Build build = [autocast](const TensorList& l) {
-    if (!autocast) return dit_block(l);
+  std::string node;
+  const Build build = [autocast, &node](const TensorList& l) {
+    if (!autocast) return dit_block(l, l[1].dtype(), &node);
     amp::AutocastGuard guard(DType::bf16);
-    return dit_block(l);
+    return dit_block(l, DType::bf16, &node);
   };
   const Result fused = run(true, v, build, gout), plain = run(false, v, build, gout);
+  // The fused adaLN op takes (x, modulation, output) = (f32, f32, f32), (f32, bf16, bf16: autocast)
+  // and (half, same, same); f32 x with a bf16 modulation outside autocast composes (its layer_norm
+  // then takes the sum).
+  const bool fused_op = !(xdt == DType::f32 && mdt != DType::f32 && !autocast);
+  EXPECT_EQ(node, fused_op ? "LayerNormModulateBackward" : "AddBackward");
   EXPECT_EQ(fused.handed, 1u);
   EXPECT_EQ(plain.handed, 0u);
   // f32 x: the kernel adds in f32 what the engine would have added in f32 (one rounding each);
@@ -370,8 +382,8 @@ void check_dit_cuda(DType xdt, DType mdt, bool autocast, uint64_t seed) {
   EXPECT_TRUE(same_grads(fused, plain, xdt == DType::f32 ? 1e-6 : 2e-2));
   TensorList v64;
   for (const Tensor& x : v) v64.push_back(x.to(DType::f64).to(Device::cpu()));
-  const Result ref = run(true, v64, dit_block, gout.to(DType::f64).to(Device::cpu()));
-  const double tol = (xdt == DType::f32 && mdt == DType::f32 && !autocast) ? 1e-4 : 4e-2;
+  const Result ref = run(true, v64, dit_block_plain, gout.to(DType::f64).to(Device::cpu()));
+  const double tol = (xdt == DType::f32 && mdt == DType::f32) ? 1e-4 : 4e-2;
   EXPECT_TRUE(same_grads(fused, ref, tol));
 }
 
@@ -381,7 +393,7 @@ TEST(AccumIntoAdaln, DitPatternMatchesCpuReference) {
   check_dit_cuda(DType::f32, DType::bf16, false, 110);  // an f32 sum while the modulation is bf16
   check_dit_cuda(DType::bf16, DType::bf16, false, 120);
   check_dit_cuda(DType::f16, DType::f16, false, 130);
-  check_dit_cuda(DType::f32, DType::f32, true, 140);  // autocast: bf16 modulation and branch, f32 x
+  check_dit_cuda(DType::f32, DType::bf16, true, 140);  // autocast: bf16 modulation and branch, f32 x
 }
 
 // Three consumers: the sum handed to the adaLN rule is owned, so the kernel writes into it (base
@@ -436,7 +448,7 @@ TEST(AccumIntoAdaln, HookAndRetainGraph) {
   const TensorList v = {rnd({2, 9, 64}, 401, DType::f32, dev), rnd({2, 192}, 402, DType::f32, dev, 0.0, 0.5),
                         rnd({64, 64}, 403, DType::f32, dev, 0.0, 0.2)};
   const Tensor gout = rnd({2, 9, 64}, 404, DType::f32, dev);
-  const Result plain = run(false, v, dit_block, gout);
+  const Result plain = run(false, v, dit_block_plain, gout);
   FusionScope on(true);
   TensorList l;
   for (const Tensor& t : v) l.push_back(t.clone().requires_grad_());
