@@ -33,6 +33,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/core/tensor_impl.h"
 
 namespace flame::backend::cuda {
 namespace {
@@ -168,8 +169,8 @@ template <class X, class M, class O, int kC>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     adaln_backward_kernel(const O* __restrict__ dy, const X* __restrict__ x, const float* __restrict__ mean,
                           const float* __restrict__ rstd, const M* __restrict__ scale, int64_t ld, X* dx,
-                          const X* base, float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale, int64_t T, int D,
-                          int64_t rows_per_slice) {
+                          const X* base, float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale,
+                          int64_t T, int D, int64_t rows_per_slice) {
   extern __shared__ float acc[];  // [kBwdWarps][2][D]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.x;
@@ -427,6 +428,8 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
   if (base.defined() && (!dx.defined() || !rows_ok(base, D) || base.dtype() != dx.dtype() ||
                          base.sizes() != dx.sizes() || base.device() != dx.device()))
     return false;
+  // base is dx itself or apart from it: a partial overlap would read elements other lanes wrote.
+  if (base.defined() && base.data_ptr() != dx.data_ptr() && base.impl()->storage == dx.impl()->storage) return false;
   for (const Tensor* t : {&dshift, &dscale})
     if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
   DeviceGuard guard(device());
