@@ -360,7 +360,8 @@ void check_dit_cuda(DType xdt, DType mdt, bool autocast, uint64_t seed) {
   const int64_t b = 3, t = 37, d = 64;
   // The branch's weight in the adaLN output's dtype (an f32 parameter under autocast).
   const DType wdt = autocast ? DType::f32 : promote_types(xdt, mdt);
-  const TensorList v = {rnd({b, t, d}, seed, xdt, dev), rnd({b, 3 * d}, seed + 1, autocast ? DType::f32 : mdt, dev, 0.0, 0.5),
+  const DType leaf_mdt = autocast ? DType::f32 : mdt;  // under autocast the block casts it
+  const TensorList v = {rnd({b, t, d}, seed, xdt, dev), rnd({b, 3 * d}, seed + 1, leaf_mdt, dev, 0.0, 0.5),
                         rnd({d, d}, seed + 2, wdt, dev, 0.0, 0.2)};
   const Tensor gout = rnd({b, t, d}, seed + 3, xdt, dev);
   std::string node;
@@ -403,7 +404,8 @@ TEST(AccumIntoAdaln, OwnedSumWrittenInPlace) {
   const Device dev = Device::cuda();
   for (int64_t d : {96, 768}) {
     SCOPED_TRACE("D " + std::to_string(d));
-    const TensorList v = {rnd({2, 50, d}, 200 + d, DType::f32, dev), rnd({2, 3 * d}, 201 + d, DType::f32, dev, 0.0, 0.5)};
+    const TensorList v = {rnd({2, 50, d}, 200 + d, DType::f32, dev),
+                          rnd({2, 3 * d}, 201 + d, DType::f32, dev, 0.0, 0.5)};
     const Tensor gout = rnd({2, 50, d}, 202 + d, DType::f32, dev);
     const Build build = [d](const TensorList& l) {
       const Tensor x = l[0] * 1.25;
