@@ -15,8 +15,29 @@
 // autocast cast of a weight) runs as soon as its layer is done, not after a depth-first descent
 // to the bottom of the network. Parameters' gradients thus complete layer by layer, which is
 // what post-accumulate hooks (DDP's buckets) need to overlap communication with the backward.
+//
+// Note [Accumulate base]
+// A tensor used twice (the residual stream x of a DiT block feeds the gated residual and the
+// adaLN norm) has its gradient summed here: the first contribution waits in pending, the second
+// rule writes its own gradient, and add_into adds the two, one more pass over the tensor. A rule
+// can take that add into its own kernel: recorded with Node::accept_accumulate_base(i), it is
+// handed, just before it runs, the pending sum of input i (Node::accumulate_base(i)) and then
+// returns base + its own gradient for that input, which replaces the pending sum instead of being
+// added to it. The contract:
+//  - Only a non-leaf vertex's pending sum of the edge's shape, dtype and device is handed (leaves
+//    and the tensors of BackwardOptions::inputs are summed as before), at most one input per node,
+//    and never while anomaly mode checks each rule's own gradient. The vertex's hooks still run
+//    once, on the complete sum, when its last contribution arrives.
+//  - The rule writes into the base only when Node::accumulate_base_owned() (this pass made that
+//    buffer); otherwise it is some rule's pass-through that may be held elsewhere, and the rule
+//    returns a fresh tensor. Its result for that input is the base itself (owned, written in place)
+//    or a buffer nothing else holds: the pass owns it afterwards. Returning no gradient for that
+//    input gives the base back unchanged. Whatever layout the base has, the rule may fall back to
+//    composing base + gradient: the result is the same, only the fused add is lost.
 #include <atomic>
+#include <cstdlib>
 #include <queue>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -57,6 +78,41 @@ void add_into(Tensor& pending, bool& owned, Tensor g) {
   }
 }
 
+// Note [Accumulate base]: read once from the environment, switched by tests.
+std::atomic<bool>& accumulate_base_flag() {
+  static std::atomic<bool> on = [] {
+    const char* v = std::getenv("FLAME_FUSED_GRAD_ACCUMULATION");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
+std::atomic<uint64_t> g_bases_handed{0}, g_bases_owned{0};
+
+// Note [Accumulate base]: moves the pending sum of one input of `node` into node.scratch.base when
+// its rule accepts one; returns the edge's index, or -1 when nothing was handed.
+int hand_accumulate_base(Node& node) {
+  if (!node.accepts_accumulate_base() || autograd_detail::t_state.anomaly ||
+      !accumulate_base_flag().load(std::memory_order_relaxed))
+    return -1;
+  const std::span<const Node::Edge> edges = node.edges();
+  for (std::size_t i = 0; i < edges.size(); ++i) {
+    const Node::Edge& e = edges[i];
+    if (!node.accepts_accumulate_base(i) || !e.meta || e.slot >= 0) continue;  // leaves: as before
+    Node::Scratch& c = e.meta->grad_fn->scratch;
+    Tensor& p = c.pending;
+    if (!p.defined() || p.device() != e.device || p.dtype() != e.dtype || !(e.shape == p.sizes())) continue;
+    node.scratch.base = std::move(p);
+    p = Tensor();
+    node.scratch.base_input = static_cast<int32_t>(i);
+    node.scratch.base_owned = c.owned;
+    g_bases_handed.fetch_add(1, std::memory_order_relaxed);
+    if (c.owned) g_bases_owned.fetch_add(1, std::memory_order_relaxed);
+    return static_cast<int>(i);
+  }
+  return -1;
+}
+
 Tensor run_hooks(AutogradMeta* m, Tensor g) {
   for (std::size_t i = 0; i < m->hooks.size(); ++i) {
     Tensor replaced = m->hooks[i](g);
@@ -78,6 +134,14 @@ struct BackwardDepthGuard {
 };
 
 }  // namespace
+
+namespace autograd_detail {
+bool accumulate_base_enabled() { return accumulate_base_flag().load(std::memory_order_relaxed); }
+bool set_accumulate_base_enabled(bool on) { return accumulate_base_flag().exchange(on); }
+AccumulateBaseCounts accumulate_base_counts() {
+  return {g_bases_handed.load(std::memory_order_relaxed), g_bases_owned.load(std::memory_order_relaxed)};
+}
+}  // namespace autograd_detail
 
 Gradients Tensor::backward() const { return backward(BackwardOptions{}); }
 
@@ -134,7 +198,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     Node* n = root->grad_fn.get();
     FLAME_CHECK(!n->released(), "backward", "trying to backward through the graph a second time (op ", n->name(),
                 "): pass retain_graph = true to the first backward");
-    n->scratch = Node::Scratch{run, 0, false, Tensor(), root};
+    n->scratch = Node::Scratch{run, 0, false, Tensor(), root, Tensor(), -1, false};
     discovered.push_back(n);
     for (std::size_t k = 0; k < discovered.size(); ++k) {
       for (const Node::Edge& e : discovered[k]->edges()) {
@@ -150,7 +214,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
         if (c->scratch.run != run) {
           FLAME_CHECK(!c->released(), "backward", "trying to backward through the graph a second time (op ",
                       c->name(), "): pass retain_graph = true to the first backward");
-          c->scratch = Node::Scratch{run, 0, false, Tensor(), m};
+          c->scratch = Node::Scratch{run, 0, false, Tensor(), m, Tensor(), -1, false};
           discovered.push_back(c);
         }
         ++c->scratch.deps;
@@ -191,6 +255,18 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     add_into(c->scratch.pending, c->scratch.owned, std::move(gi));
     if (--c->scratch.deps == 0) ready.push(c);
   };
+  // Note [Accumulate base]: the rule's base + gradient replaces the pending sum it was taken from
+  // (another edge of the same node may have delivered to that vertex meanwhile: then it is added).
+  auto deliver_based = [&](const Node::Edge& e, Tensor gi, bool owned) {
+    Node* c = e.meta->grad_fn.get();
+    if (c->scratch.pending.defined()) {
+      add_into(c->scratch.pending, c->scratch.owned, std::move(gi));
+    } else {
+      c->scratch.pending = std::move(gi);
+      c->scratch.owned = owned;
+    }
+    if (--c->scratch.deps == 0) ready.push(c);
+  };
 
   try {
     if (root_leaf >= 0) {
@@ -225,9 +301,18 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
         }
       } else {
         TensorList grads;
+        const int based = hand_accumulate_base(node);
         {
           BackwardDepthGuard depth;
           grads = node.apply(g);
+        }
+        Tensor base;
+        bool base_owned = false;
+        if (based >= 0) {
+          base = std::move(node.scratch.base);
+          node.scratch.base = Tensor();
+          node.scratch.base_input = -1;
+          base_owned = node.scratch.base_owned;
         }
         // Note [Anomaly mode] (anomaly.cpp): check what the rule returned before it is summed.
         if (autograd_detail::t_state.anomaly) [[unlikely]] anomaly_detail::check_backward(node, g, grads);
@@ -243,6 +328,17 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
                         gi.sizes(), " for input ", i, " of shape ", e.shape);
             if (gi.dtype() != e.dtype) gi = gi.to(e.dtype);
           }
+          if (static_cast<int>(i) == based) {
+            // The sum the rule returned is the base written in place or a buffer of its own.
+            if (!gi.defined()) {
+              deliver_based(e, std::move(base), base_owned);
+            } else {
+              const bool same = gi.impl()->storage == base.impl()->storage;
+              base = Tensor();
+              deliver_based(e, std::move(gi), same ? base_owned : true);
+            }
+            continue;
+          }
           deliver(e, std::move(gi));
         }
       }
@@ -250,7 +346,11 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     }
   } catch (...) {
     // Leave no gradient behind in the nodes of a graph that may live on.
-    for (Node* n : discovered) n->scratch.pending = Tensor();
+    for (Node* n : discovered) {
+      n->scratch.pending = Tensor();
+      n->scratch.base = Tensor();
+      n->scratch.base_input = -1;
+    }
     throw;
   }
   if (options.accumulate_into) return Gradients();

@@ -229,6 +229,19 @@ class Node {
   std::span<const SavedTensor> saved_tensors() const { return {saved_.data(), saved_.size()}; }
   const RuleArgs& args() const { return args_; }
 
+  // Note [Accumulate base] (backward.cpp). At record time: the rule accepts, for input i (< 8), the
+  // gradient sum already pending on that input's vertex and then returns base + its own gradient.
+  void accept_accumulate_base(std::size_t i) { accept_base_ |= static_cast<uint8_t>(1u << i); }
+  bool accepts_accumulate_base() const { return accept_base_ != 0; }
+  bool accepts_accumulate_base(std::size_t i) const { return i < 8 && (accept_base_ >> i & 1u) != 0; }
+  // In the rule: the pending sum the engine handed for input i (undefined when none; then the rule
+  // returns its own gradient alone), and whether the pass owns it (the rule may write into it).
+  const Tensor& accumulate_base(std::size_t i) const {
+    static const Tensor none;
+    return scratch.base_input == static_cast<int32_t>(i) ? scratch.base : none;
+  }
+  bool accumulate_base_owned() const { return scratch.base_owned; }
+
   // State of the backward pass walking this node (Note [Backward order] in backward.cpp). A
   // graph's non-leaf part is walked by one backward at a time; threads share only leaves.
   struct Scratch {
@@ -237,6 +250,10 @@ class Node {
     bool owned = false;             // pending is a buffer this backward made (may add in place)
     Tensor pending;                 // sum of the contributions so far
     AutogradMeta* meta = nullptr;   // the vertex (its hooks run on the summed gradient)
+    // Note [Accumulate base]: set only while the rule runs.
+    Tensor base;                    // an input's pending sum handed to the rule
+    int32_t base_input = -1;        // which input it belongs to
+    bool base_owned = false;        // the pass owns it (the rule may write into it)
   };
   Scratch scratch;
 
@@ -256,6 +273,7 @@ class Node {
   RuleFn rule_ = nullptr;
   RuleArgs args_;
   bool released_ = false;
+  uint8_t accept_base_ = 0;  // Note [Accumulate base]: inputs whose rule takes a pending sum
 };
 
 }  // namespace flame

@@ -41,6 +41,16 @@ extern thread_local ThreadState t_state;
 // Tells the active collector that an op read these tensors (the ones requiring grad are kept).
 void collect_reads(std::initializer_list<std::reference_wrapper<const Tensor>> inputs);
 void collect_reads(const TensorList& inputs);
+// Note [Accumulate base] (backward.cpp): whether the engine hands pending sums to the rules that
+// accept one. On unless the environment sets FLAME_FUSED_GRAD_ACCUMULATION=0; tests and benchmarks
+// switch it to compare the two paths. Returns the previous setting.
+bool accumulate_base_enabled();
+bool set_accumulate_base_enabled(bool on);
+// Pending sums handed to rules so far in the process, and how many of them the pass owned (tests).
+struct AccumulateBaseCounts {
+  uint64_t handed = 0, owned = 0;
+};
+AccumulateBaseCounts accumulate_base_counts();
 }  // namespace autograd_detail
 
 // Grad mode is on and at least one input requires a gradient.

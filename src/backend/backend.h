@@ -181,9 +181,13 @@ class Backend {
   virtual bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                              const Tensor& shift, const Tensor& scale, double eps) { return false; }
   // dx (x's dtype), dshift and dscale ([B, D] contiguous, the modulation's dtype; each may be
-  // undefined) of the forward above given dy (y's dtype).
+  // undefined) of the forward above given dy (y's dtype). When base is defined (dx's shape and
+  // dtype, contiguous; it may be dx itself) dx = base + the gradient: the engine's pending sum of
+  // x (Note [Accumulate base] in src/autograd/backward.cpp); a backend that declines it is asked
+  // again without it and the rule composes the sum.
   virtual bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
-                              const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale) {
+                              const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
+                              const Tensor& base) {
     return false;
   }
   // out = x + gate * y (gate broadcast over T).

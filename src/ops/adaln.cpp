@@ -15,6 +15,10 @@
 //    sums the modulation gradients over the tokens (Note [adaLN kernels] in
 //    src/backend/cuda/adaln/adaln.cu).
 //  - autograd::RecomputeCheap: layer_norm_modulate marks its output recomputable (below).
+//  - x's gradient takes the engine's pending sum (Note [Accumulate base] in
+//    src/autograd/backward.cpp): in a DiT block x also feeds the gated residual, whose
+//    pass-through gradient arrives first; the backward kernel writes that sum + dx in one pass
+//    instead of dx and a separate add. A base the kernel declines is added here (the same sum).
 //  - Autocast: layer_norm_modulate normalises in f32 (as layer_norm) and returns the autocast dtype,
 //    fused or composed, so both paths give the same dtype; gated_residual has no policy (the
 //    promotion of its inputs, as the composite's add and multiply).
@@ -73,14 +77,24 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
   const Tensor x3 = n.saved(0), mean = n.saved(1), rstd = n.saved(2), scale = n.saved(3);
   const Device dev = x3.device();
   const Shape& xs = n.args().shape;
-  Tensor dx = e[0].meta ? make_empty(xs, x3.dtype(), dev) : Tensor();
   Tensor dshift = e[1].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   Tensor dscale = e[2].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   const Tensor dy = grad.to(static_cast<DType>(n.args().op)).contiguous().view(x3.sizes());
-  const bool ok = backend::backend_for(dev).adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale,
-                                                           dy, x3, mean, rstd, scale);
+  auto& be = backend::backend_for(dev);
+  // Note [Accumulate base]: x's pending gradient sum, read by the kernel's final write of dx.
+  const Tensor& base = n.accumulate_base(0);
+  if (e[0].meta && base.defined() && base.is_contiguous() && base.dtype() == x3.dtype()) {
+    // Written in place when this backward owns the sum, into a fresh buffer otherwise.
+    const Tensor dx = n.accumulate_base_owned() ? base : make_empty(xs, x3.dtype(), dev);
+    if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, base.view(x3.sizes())))
+      return {dx, dshift, dscale};
+  }
+  Tensor dx = e[0].meta ? make_empty(xs, x3.dtype(), dev) : Tensor();
+  const bool ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd,
+                                    scale, Tensor());
   FLAME_CHECK(ok, "layer_norm_modulate", "the backend ran the forward but declined its backward (x ", xs, " ",
               dtype_name(x3.dtype()), ", scale ", dtype_name(scale.dtype()), ")");
+  if (dx.defined() && base.defined()) dx = base + dx;  // the kernel declined the base: the same sum
   return {dx, dshift, dscale};
 }
 
@@ -123,6 +137,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
         args.op = static_cast<int>(out);
         args.shape = x.sizes();
         Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
+        n.accept_accumulate_base(0);
         n.save(x3);
         n.save(mean);
         n.save(rstd);

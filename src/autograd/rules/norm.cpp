@@ -51,6 +51,17 @@ TensorList norm_backward(const Tensor& grad, const Node& n) {
     case Kind::group: be.group_norm_backward(dx, dw, db, dy, s.x, s.mean, s.rstd, s.weight, n.args().dim); break;
     case Kind::batch: be.batch_norm_backward(dx, dw, db, dy, s.x, s.mean, s.rstd, s.weight, n.args().count != 0); break;
   }
+  // Note [Accumulate base] (backward.cpp): layer_norm/rms_norm take x's pending sum. The row
+  // kernels do not read it yet, so the sum is composed here (the add the engine would do; in
+  // place when this backward owns the base).
+  if (const Tensor& base = n.accumulate_base(0); base.defined() && dx.defined()) {
+    if (n.accumulate_base_owned()) {
+      Tensor owned = base;
+      dx = owned.add_(dx);
+    } else {
+      dx = base + dx;
+    }
+  }
   return {dx, dw, db};
 }
 
@@ -73,6 +84,7 @@ void record_norm(Tensor& y, Kind kind, const Tensor& x, const Tensor& weight, co
   args.need[0] = mean.defined();
   args.need[1] = weight.defined();
   Node& n = record(y, node_name(kind, !mean.defined()), {x, weight, bias}, &norm_backward, std::move(args));
+  if (kind == Kind::rows) n.accept_accumulate_base(0);
   n.save(x);
   n.save(rstd);
   if (mean.defined()) n.save(mean);

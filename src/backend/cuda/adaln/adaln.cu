@@ -13,6 +13,12 @@
 //    warps per column and writes the batch's dshift/dscale itself when it covers all T rows, or a
 //    partial row that a second kernel sums over the slices otherwise (deterministic either way).
 //    dx needs the two row sums of g = dy * (1 + scale) and g * x-hat: one warp reduction each.
+//    With a base (the engine's pending gradient sum of x, Note [Accumulate base] in
+//    src/autograd/backward.cpp) the final write stores base + dx, rounded once: the separate add
+//    kernel and its passes over [B, T, D] are gone. base may be dx itself (the engine owns it), so
+//    neither carries __restrict__ and base is read with a plain load (not the read-only path,
+//    which requires data unwritten during the kernel); each element is read, then written, by the
+//    one lane that owns it.
 //  - gated residual: out = x + gate * y elementwise in vectors of 4; its backward has the layout
 //    of the adaLN backward with one accumulator (dgate = sum over T of dout * y) and writes
 //    dy = dout * gate.
@@ -27,6 +33,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/core/tensor_impl.h"
 
 namespace flame::backend::cuda {
 namespace {
@@ -45,6 +52,20 @@ __device__ __forceinline__ void ld4(const T* p, float (&v)[4]) {
     v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
   } else {
     const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    T e[4];
+    memcpy(e, &r, sizeof(r));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = load_as<float>(e[j]);
+  }
+}
+// ld4 without the read-only cache: for data this kernel also writes (the accumulate base).
+template <class T>
+__device__ __forceinline__ void ld4_rw(const T* p, float (&v)[4]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4 r = *reinterpret_cast<const float4*>(p);
+    v[0] = r.x, v[1] = r.y, v[2] = r.z, v[3] = r.w;
+  } else {
+    const uint2 r = *reinterpret_cast<const uint2*>(p);
     T e[4];
     memcpy(e, &r, sizeof(r));
 #pragma unroll
@@ -147,9 +168,9 @@ __global__ void slice_sum_kernel(const float* __restrict__ part, M* __restrict__
 template <class X, class M, class O, int kC>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     adaln_backward_kernel(const O* __restrict__ dy, const X* __restrict__ x, const float* __restrict__ mean,
-                          const float* __restrict__ rstd, const M* __restrict__ scale, int64_t ld, X* __restrict__ dx,
-                          float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale, int64_t T, int D,
-                          int64_t rows_per_slice) {
+                          const float* __restrict__ rstd, const M* __restrict__ scale, int64_t ld, X* dx,
+                          const X* base, float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale,
+                          int64_t T, int D, int64_t rows_per_slice) {
   extern __shared__ float acc[];  // [kBwdWarps][2][D]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.x;
@@ -210,6 +231,12 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
           float o[4];
 #pragma unroll
           for (int j = 0; j < 4; ++j) o[j] = rs * (g[c][j] - mg - xh[c][j] * mgx);
+          if (base) {
+            float bv[4];
+            ld4_rw(base + row * D + e, bv);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) o[j] += bv[j];
+          }
           st4(dx + row * D + e, o);
         }
       }
@@ -391,11 +418,18 @@ bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tenso
 }
 
 bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
-                                 const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale) {
+                                 const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
+                                 const Tensor& base) {
   if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(dy, x.size(2))) return false;
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   if (!mod_ok(scale, B, D) || dy.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype())) return false;
   if (dx.defined() && (!rows_ok(dx, D) || dx.dtype() != x.dtype())) return false;
+  // The base is read in dx's final write: it needs dx and dx's layout (it may be dx itself).
+  if (base.defined() && (!dx.defined() || !rows_ok(base, D) || base.dtype() != dx.dtype() ||
+                         base.sizes() != dx.sizes() || base.device() != dx.device()))
+    return false;
+  // base is dx itself or apart from it: a partial overlap would read elements other lanes wrote.
+  if (base.defined() && base.data_ptr() != dx.data_ptr() && base.impl()->storage == dx.impl()->storage) return false;
   for (const Tensor* t : {&dshift, &dscale})
     if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
   DeviceGuard guard(device());
@@ -415,7 +449,8 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
           static_cast<const O*>(dy.data_ptr()), static_cast<const X*>(x.data_ptr()),
           static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
-          static_cast<float*>(part.get()), dsh, dsc, T, static_cast<int>(D), per);
+          base.defined() ? static_cast<const X*>(base.data_ptr()) : nullptr, static_cast<float*>(part.get()), dsh,
+          dsc, T, static_cast<int>(D), per);
       FLAME_CUDA_CHECK_LAUNCH();
     };
     if (D <= 512) go(&adaln_backward_kernel<X, M, O, 4>);
