@@ -1,7 +1,10 @@
 // Linear epilogue benchmarks (FLAME side; bench/bench_epi_torch.py is the PyTorch twin, same
 // names, shapes, dtypes and timing): F::linear with bias, F::linear_gelu and the DiT MLP, bf16,
 // forward (no grad) and forward+backward (gradients of x, weights and biases), on the DiT-S
-// shapes (M = 256*196 = 50176 tokens, 384 -> 1536 and 1536 -> 384) and a square 8192 x 4096 x 4096.
+// shapes (M = 256*196 = 50176 tokens, 384 -> 1536 and 1536 -> 384) and a square 8192 x 4096 x 4096;
+// then single pieces of the DiT-S step (piece_*: fc1 forward with GELU_AUX, the MLP's DGELU data
+// gradient, the weight + bias gradients of fc1 and qkv) with FLAME-only variants of the epilogue
+// autotuning (_heuristic, _bgradb, _colsum; docs/epi.md).
 //
 // Method (bench/bench_timing.h): random inputs; warm-up calls; `reps` calls back to back on
 // FLAME's stream with a CUDA event between consecutive calls; the median per-call time. TFLOP/s

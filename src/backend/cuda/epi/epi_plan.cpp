@@ -19,8 +19,8 @@
 // plain GEMMs' rate). So, when cuda::epilogue_autotune() is on (default; FLAME_EPI_AUTOTUNE=0
 // turns it off) a plan-cache miss outside graph capture asks the heuristic for up to 8
 // algorithms and times each on the call's own operands: one warm-up run and 3 timed runs between
-// two CUDA events on the call's stream, the host waiting for the second event (once per
-// candidate; this is the one host synchronisation of the path, once per new shape per process).
+// two CUDA events on the call's stream, all candidates queued back to back, then the host waits
+// for the last event (the one host synchronisation of the path: once per new shape per process).
 // Outputs (d, the aux written by GELU_AUX, the bias gradient) are overwritten by the real call
 // that follows; inputs are only read. The fastest is cached under the tuned key and every later
 // call of the shape runs it, so the choice is fixed within a process; timing noise may make
@@ -220,23 +220,31 @@ cublasStatus_t launch_choice(CudaBackend& be, const EpiKey& key, const EpiPlan& 
   return st;
 }
 
-// Destroys the CUDA events of a timing on every way out.
-struct EventPair {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  EventPair() {
-    FLAME_CUDA_CHECK(cudaEventCreate(&start));
-    const cudaError_t err = cudaEventCreate(&stop);
-    if (err != cudaSuccess) {
-      cudaEventDestroy(start);
-      raise_cuda_error(err, "cudaEventCreate", __FILE__, __LINE__);
+// The CUDA events of a timing (two per candidate), destroyed on every way out.
+class TimingEvents {
+ public:
+  explicit TimingEvents(std::size_t n) : ev_(n, nullptr) {
+    for (cudaEvent_t& e : ev_) {
+      const cudaError_t err = cudaEventCreate(&e);
+      if (err != cudaSuccess) {
+        e = nullptr;
+        release();
+        raise_cuda_error(err, "cudaEventCreate", __FILE__, __LINE__);
+      }
     }
   }
-  ~EventPair() {
-    cudaEventDestroy(start);
-    cudaEventDestroy(stop);
+  ~TimingEvents() { release(); }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+  cudaEvent_t operator[](std::size_t i) const { return ev_[i]; }
+
+ private:
+  void release() {
+    for (cudaEvent_t& e : ev_)
+      if (e != nullptr) (void)cudaEventDestroy(e);
+    ev_.assign(ev_.size(), nullptr);
   }
-  EventPair(const EventPair&) = delete;
-  EventPair& operator=(const EventPair&) = delete;
+  std::vector<cudaEvent_t> ev_;
 };
 
 std::string describe_choice(const EpiChoice& ch) {
@@ -251,43 +259,51 @@ std::string describe_choice(const EpiChoice& ch) {
 }
 
 // Times every candidate on the call's own operands (Note [Epilogue autotuning]) and returns the
-// fastest; the host waits for each candidate's runs. Candidates cuBLASLt refuses are skipped; when
-// it refuses all, the first is kept (the real call then refuses too, and the op composes).
+// fastest. All runs are queued first; the host then waits once, for the last event. Candidates
+// cuBLASLt refuses are skipped; when it refuses all, the first is kept (the real call then
+// refuses too, and the op composes).
 EpiChoice tune_choices(CudaBackend& be, const EpiKey& key, const EpiPlan& plan, const std::vector<EpiChoice>& cands,
                        const EpiCall& c, bool verbose) {
   const cudaStream_t stream = be.stream();
-  EventPair ev;
-  std::size_t best = cands.size();
-  float best_ms = 0.0f;
-  uint64_t timed = 0;
+  const std::size_t n = cands.size();
+  TimingEvents ev(2 * n);  // candidate i: [2i] before its timed runs, [2i + 1] after
+  std::vector<char> ran(n, 0);
+  cudaEvent_t last = nullptr;
+  for (std::size_t i = 0; i < n; ++i) {
+    cublasStatus_t st = launch_choice(be, key, plan, cands[i], c);  // warm-up
+    if (st != CUBLAS_STATUS_SUCCESS) {
+      if (verbose) std::fprintf(stderr, "flame: epilogue autotune: [%zu] %s refused (%s)\n", i,
+                                describe_choice(cands[i]).c_str(), cublasLtGetStatusName(st));
+      continue;
+    }
+    FLAME_CUDA_CHECK(cudaEventRecord(ev[2 * i], stream));
+    for (int r = 0; r < kTimedReps && st == CUBLAS_STATUS_SUCCESS; ++r) st = launch_choice(be, key, plan, cands[i], c);
+    FLAME_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], stream));
+    last = ev[2 * i + 1];
+    ran[i] = st == CUBLAS_STATUS_SUCCESS ? 1 : 0;
+  }
+  if (last != nullptr) FLAME_CUDA_CHECK(cudaEventSynchronize(last));  // the one host wait
   if (verbose)
     std::fprintf(stderr, "flame: epilogue autotune: epilogue %d dtype %s m %llu n %llu k %llu, %zu candidates\n",
                  key.epilogue, dtype_name(static_cast<DType>(key.dtype)), static_cast<unsigned long long>(key.m),
-                 static_cast<unsigned long long>(key.n), static_cast<unsigned long long>(key.k), cands.size());
-  for (std::size_t i = 0; i < cands.size(); ++i) {
-    cublasStatus_t st = launch_choice(be, key, plan, cands[i], c);  // warm-up
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      if (verbose) std::fprintf(stderr, "  [%zu] %s: refused (%s)\n", i, describe_choice(cands[i]).c_str(),
-                                cublasLtGetStatusName(st));
-      continue;
-    }
-    FLAME_CUDA_CHECK(cudaEventRecord(ev.start, stream));
-    for (int r = 0; r < kTimedReps && st == CUBLAS_STATUS_SUCCESS; ++r) st = launch_choice(be, key, plan, cands[i], c);
-    FLAME_CUDA_CHECK(cudaEventRecord(ev.stop, stream));
-    FLAME_CUDA_CHECK(cudaEventSynchronize(ev.stop));
-    if (st != CUBLAS_STATUS_SUCCESS) continue;
+                 static_cast<unsigned long long>(key.n), static_cast<unsigned long long>(key.k), n);
+  std::size_t best = n;
+  float best_ms = 0.0f;
+  uint64_t timed = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!ran[i]) continue;
     float ms = 0.0f;
-    FLAME_CUDA_CHECK(cudaEventElapsedTime(&ms, ev.start, ev.stop));
+    FLAME_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
     ms /= static_cast<float>(kTimedReps);
     ++timed;
     if (verbose) std::fprintf(stderr, "  [%zu] %s: %.1f us\n", i, describe_choice(cands[i]).c_str(), ms * 1e3);
-    if (best == cands.size() || ms < best_ms) {  // ties keep the heuristic's order
+    if (best == n || ms < best_ms) {  // ties keep the heuristic's order
       best = i;
       best_ms = ms;
     }
   }
   epi_tune::count_timed(timed);
-  if (best == cands.size()) best = 0;
+  if (best == n) best = 0;
   if (verbose) std::fprintf(stderr, "  chosen: [%zu]\n", best);
   return cands[best];
 }
