@@ -199,12 +199,13 @@ void set_epilogue_autotune(bool enable);
 bool epilogue_autotune();
 // How a weight-gradient GEMM with a bias gradient gets it: `automatic` times cuBLASLt's BGRADB
 // epilogue against a plain GEMM plus FLAME's column-sum kernel (BGRADB when not tuning);
-// `epilogue` and `column_sum` force one kind (benchmarks, tests). Applies to shapes planned after.
+// `epilogue` and `column_sum` force one kind (benchmarks, tests). Plans are cached per setting
+// (of both switches), so a change applies from the next call on.
 enum class EpilogueBiasGrad { automatic, epilogue, column_sum };
 void set_epilogue_bias_grad(EpilogueBiasGrad mode);
 EpilogueBiasGrad epilogue_bias_grad();
 struct EpilogueTuneStats {
-  uint64_t tuned_plans = 0;       // shapes whose algorithm was chosen by timing
+  uint64_t tuned_plans = 0;       // plans made with autotuning (timed when 2+ candidates)
   uint64_t heuristic_plans = 0;   // shapes that took the heuristic's first answer
   uint64_t timed_candidates = 0;  // candidates timed, over all tuned plans
   uint64_t column_sum_plans = 0;  // plans (either kind) whose bias gradient is the column-sum kernel
