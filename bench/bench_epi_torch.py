@@ -2,7 +2,9 @@
 """PyTorch twin of bench/bench_epi.cpp: F.linear with bias, gelu(F.linear(...), approximate='tanh')
 and the DiT-S MLP in bf16, forward (no grad) and forward+backward, same names, shapes and timing
 (CUDA events between back-to-back calls, warm-up, median). TFLOP/s counts the GEMMs only (2MNK
-forward, 6MNK forward+backward per layer). Gradients come from torch.autograd.grad (no accumulation
+forward, 6MNK forward+backward per layer), and the piece_* lines time single pieces of the DiT-S
+MLP/attention step (fc1 forward with the pre-activation saved, the MLP's data gradient through
+gelu', the weight+bias gradients of fc1 and qkv). Gradients come from torch.autograd.grad (no accumulation
 into .grad), as FLAME's backward returns a fresh store. The FLAME-only lines (*_unfused,
 *_mlp_gelu) have no twin here.
 
@@ -70,6 +72,39 @@ def main():
     x = x0.detach().requires_grad_()
     emit("dit_mlp_fwdbwd", 3 * flops,
          median_ms(torch, lambda: torch.autograd.grad(mlp(x), [x, w1, b1, w2, b2], dy), reps, warmup))
+    del x0, x, w1, b1, w2, b2, dy
+
+    # Pieces (bench_epi.cpp's piece_* lines; its _heuristic/_bgradb/_colsum variants are FLAME-only).
+    # fc1 forward with autograd recording (weights require grad; gelu saves its input).
+    x = torch.randn(M, D, **bf16)
+    w = (torch.randn(H, D, **bf16) * (1.0 / math.sqrt(D))).requires_grad_()
+    b = (torch.randn(H, **bf16) * 0.1).requires_grad_()
+    emit("piece_fc1_gelu_aux_fwd", 2.0 * M * D * H,
+         median_ms(torch, lambda: F.gelu(F.linear(x, w, b), approximate="tanh"), reps, warmup))
+    del x, w, b
+    # The MLP's data gradient: dh = (dy W2) * gelu'(pre), dx = dh W1; only x requires grad,
+    # backward alone on a retained graph.
+    x = torch.randn(M, D, **bf16).requires_grad_()
+    w1 = torch.randn(H, D, **bf16) * (1.0 / math.sqrt(D))
+    b1 = torch.randn(H, **bf16) * 0.1
+    w2 = torch.randn(D, H, **bf16) * (1.0 / math.sqrt(H))
+    b2 = torch.randn(D, **bf16) * 0.1
+    dy = torch.randn(M, D, **bf16)
+    y = F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+    emit("piece_mlp_dgelu_dx_bwd", 2.0 * 2.0 * M * D * H,
+         median_ms(torch, lambda: torch.autograd.grad(y, [x], dy, retain_graph=True), reps, warmup))
+    del x, w1, b1, w2, b2, dy, y
+    # Weight and bias gradients of fc1 (dy [M, 1536]) and qkv (dy [M, 1152]), input [M, 384]:
+    # only the weight and bias require grad, backward alone on a retained graph.
+    for tag, N in (("fc1", H), ("qkv", 1152)):
+        x = torch.randn(M, D, **bf16)
+        w = (torch.randn(N, D, **bf16) * (1.0 / math.sqrt(D))).requires_grad_()
+        b = (torch.randn(N, **bf16) * 0.1).requires_grad_()
+        dy = torch.randn(M, N, **bf16)
+        y = F.linear(x, w, b)
+        emit(f"piece_{tag}_wgrad_bgrad", 2.0 * M * D * N,
+             median_ms(torch, lambda: torch.autograd.grad(y, [w, b], dy, retain_graph=True), reps, warmup))
+        del x, w, b, dy, y
     return 0
 
 

@@ -188,4 +188,29 @@ std::size_t memory_limit(int device = 0);  // 0: no cap
 void set_allow_tf32(bool allow);
 bool allow_tf32();
 
+// ---- epilogue GEMM autotuning (docs/epi.md) ----
+// Linear's fused cuBLASLt GEMMs (bias, GELU and bias-gradient epilogues) time up to 8 candidate
+// algorithms on the first call of each new shape outside graph capture and keep the fastest for
+// the rest of the process; that first call waits for the GPU once (the timing). Default on; the
+// environment variable FLAME_EPI_AUTOTUNE=0 turns it off at start-up (=verbose also prints each
+// choice to stderr). Off, and for a shape first seen under capture, the heuristic's first
+// algorithm runs. The choice is fixed per process; it may differ between processes and GPUs.
+void set_epilogue_autotune(bool enable);
+bool epilogue_autotune();
+// How a weight-gradient GEMM with a bias gradient gets it: `automatic` times cuBLASLt's BGRADB
+// epilogue against a plain GEMM plus FLAME's column-sum kernel (BGRADB when not tuning);
+// `epilogue` and `column_sum` force one kind (benchmarks, tests). Plans are cached per setting
+// (of both switches), so a change applies from the next call on.
+enum class EpilogueBiasGrad { automatic, epilogue, column_sum };
+void set_epilogue_bias_grad(EpilogueBiasGrad mode);
+EpilogueBiasGrad epilogue_bias_grad();
+struct EpilogueTuneStats {
+  uint64_t tuned_plans = 0;       // plans made with autotuning (timed when 2+ candidates)
+  uint64_t heuristic_plans = 0;   // shapes that took the heuristic's first answer
+  uint64_t timed_candidates = 0;  // candidates timed, over all tuned plans
+  uint64_t column_sum_plans = 0;  // plans (either kind) whose bias gradient is the column-sum kernel
+};
+// Process-wide counters (all devices); zeros in a build without CUDA.
+EpilogueTuneStats epilogue_tune_stats();
+
 }  // namespace flame::cuda

@@ -15,40 +15,17 @@
 //  - dgelu    dpre [M, N] = (dy [M, P] @ w [P, N]) * gelu'(pre) is D [N, M] (ld N) = A B with
 //    A = w, stored [N, P] (ld N, op N), and B = dy, stored [P, M] (ld P, op N); EPILOGUE_DGELU
 //    or DGELU_BGRAD, whose bias gradient has D's row count N; aux (pre) is laid out like D.
-// cuBLASLt's GELU is the tanh approximation, as gelu_tanh.
-//
-// Note [Epilogue plans]
-// Layouts and the heuristic's algorithm are cached per device, dtype, compute type, epilogue,
-// transposes, sizes and leading dims (the rule in Note [Linear epilogues] fixes every pointer to
-// 16-byte alignment, so alignment needs no key). A shape the heuristic offers nothing for is
-// cached as unsupported, so the question is asked once and the call returns false from then on
-// (as it does when cuBLASLt answers NOT_SUPPORTED at launch, before running anything). The operation
-// descriptor carries the bias and aux pointers, so it is made per call (host memory only, safe
-// under graph capture) and never shared between threads. The workspace is matmul.cu's
-// (Note [Matmul workspace]); under capture it comes from the graph's pool.
+// cuBLASLt's GELU is the tanh approximation, as gelu_tanh. Plans, their cache and their
+// autotuning: epi_plan.cpp (Note [Epilogue plans], Note [Epilogue autotuning]).
 #include <cublasLt.h>
 
-#include <algorithm>
 #include <cstring>
-#include <memory>
-#include <shared_mutex>
-#include <unordered_map>
 
-#include "flame/cuda.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
-#include "src/backend/cuda/epi/lt_shared.h"
-#include "src/backend/cuda/memory_pool.h"
+#include "src/backend/cuda/epi/epi_plan.h"
 #include "src/core/dispatch.h"
 #include "src/ops/scalar_math.h"
-
-#define FLAME_EPI_CHECK(op, call)                                                                    \
-  do {                                                                                               \
-    cublasStatus_t flame_st_ = (call);                                                               \
-    if (flame_st_ != CUBLAS_STATUS_SUCCESS)                                                          \
-      FLAME_FAIL(op, "cuBLASLt call ", #call, " failed: ", cublasLtGetStatusName(flame_st_), " (",  \
-                 cublasLtGetStatusString(flame_st_), ") at ", __FILE__, ":", __LINE__);             \
-  } while (0)
 
 namespace flame::backend::cuda {
 namespace {
@@ -88,139 +65,6 @@ __global__ void gelu_tanh_backward_vec(T* __restrict__ dpre, const T* __restrict
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Epilogue GEMM plans (Note [Epilogue plans]).
-// ---------------------------------------------------------------------------------------------
-struct EpiKey {
-  int device;
-  int dtype;
-  int compute;
-  int epilogue;
-  bool ta, tb;
-  uint64_t m, n, k;
-  int64_t lda, ldb, ldc, ld_aux;
-  bool operator==(const EpiKey& o) const { return std::memcmp(this, &o, sizeof(EpiKey)) == 0; }
-};
-struct EpiKeyHash {
-  std::size_t operator()(const EpiKey& k) const {
-    const auto* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the (zero-initialised) bytes
-    for (std::size_t i = 0; i < sizeof(EpiKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<std::size_t>(h);
-  }
-};
-struct EpiPlan {
-  bool supported = false;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
-  cublasLtMatmulAlgo_t algo{};
-  std::size_t workspace = 0;
-};
-
-std::shared_mutex& epi_mutex() {
-  static std::shared_mutex mu;
-  return mu;
-}
-std::unordered_map<EpiKey, EpiPlan, EpiKeyHash>& epi_cache() {
-  static auto* cache = new std::unordered_map<EpiKey, EpiPlan, EpiKeyHash>();  // never destroyed
-  return *cache;
-}
-
-// The pointers a call binds to its operation descriptor.
-struct EpiPointers {
-  const void* bias = nullptr;  // bias (forward) or bias gradient (backward); may be null
-  const void* aux = nullptr;   // pre-activation: written by GELU_AUX*, read by DGELU*
-};
-
-struct Types {
-  cudaDataType_t type;
-  cublasComputeType_t compute;
-};
-Types types_of(DType dt) {
-  switch (dt) {
-    case DType::bf16: return {CUDA_R_16BF, CUBLAS_COMPUTE_32F};
-    case DType::f16: return {CUDA_R_16F, CUBLAS_COMPUTE_32F};
-    default:
-      return {CUDA_R_32F, flame::cuda::allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F};
-  }
-}
-
-// A fresh operation descriptor for key with p bound; the caller destroys it.
-cublasLtMatmulDesc_t make_desc(const EpiKey& key, const EpiPointers& p) {
-  cublasLtMatmulDesc_t op = nullptr;
-  FLAME_EPI_CHECK("linear", cublasLtMatmulDescCreate(&op, static_cast<cublasComputeType_t>(key.compute), CUDA_R_32F));
-  const cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const auto epi = static_cast<cublasLtEpilogue_t>(key.epilogue);
-  cublasStatus_t st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
-  if (st == CUBLAS_STATUS_SUCCESS && p.bias != nullptr)
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p.bias, sizeof(p.bias));
-  if (st == CUBLAS_STATUS_SUCCESS && p.aux != nullptr) {
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &p.aux, sizeof(p.aux));
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &key.ld_aux, sizeof(key.ld_aux));
-  }
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    cublasLtMatmulDescDestroy(op);
-    FLAME_FAIL("linear", "cannot describe the epilogue GEMM (epilogue ", key.epilogue,
-               "): ", cublasLtGetStatusName(st));
-  }
-  return op;
-}
-
-void destroy_layouts(EpiPlan& plan) {
-  if (plan.la) cublasLtMatrixLayoutDestroy(plan.la);
-  if (plan.lb) cublasLtMatrixLayoutDestroy(plan.lb);
-  if (plan.lc) cublasLtMatrixLayoutDestroy(plan.lc);
-  plan.la = plan.lb = plan.lc = nullptr;
-}
-
-// The cached plan of key (built on a miss with the heuristic; unsupported when it offers nothing).
-const EpiPlan& get_epi_plan(const EpiKey& key, cudaDataType_t type, const EpiPointers& p) {
-  {
-    std::shared_lock<std::shared_mutex> lock(epi_mutex());
-    const auto it = epi_cache().find(key);
-    if (it != epi_cache().end()) return it->second;
-  }
-  EpiPlan plan;
-  const uint64_t a_rows = key.ta ? key.k : key.m, a_cols = key.ta ? key.m : key.k;
-  const uint64_t b_rows = key.tb ? key.n : key.k, b_cols = key.tb ? key.k : key.n;
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.la, type, a_rows, a_cols, key.lda));
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.lb, type, b_rows, b_cols, key.ldb));
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.lc, type, key.m, key.n, key.ldc));
-  cublasLtMatmulDesc_t op = make_desc(key, p);
-  cublasLtMatmulPreference_t pref = nullptr;
-  FLAME_EPI_CHECK("linear", cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kLtWorkspaceBytes;
-  const uint32_t align = 16;
-  cublasStatus_t st =
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
-  }
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(shared_lt_handle(key.device), op, plan.la, plan.lb, plan.lc, plan.lc, pref, 1,
-                                        &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  cublasLtMatmulDescDestroy(op);
-  if (st == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
-    plan.supported = true;
-    plan.algo = result.algo;
-    plan.workspace = result.workspaceSize;
-  } else {
-    destroy_layouts(plan);  // cached as unsupported: the op layer composes this shape
-  }
-  std::unique_lock<std::shared_mutex> lock(epi_mutex());
-  const auto [it, inserted] = epi_cache().emplace(key, plan);
-  if (!inserted) destroy_layouts(plan);  // another thread built it meanwhile: keep theirs
-  return it->second;
-}
-
 // The rule's dtype and layout part (Note [Linear epilogues]): bf16/f16/f32, contiguous, 16-byte
 // aligned. Undefined tensors pass.
 bool fits(const Tensor& t, DType dt) {
@@ -230,46 +74,6 @@ bool fits(const Tensor& t, DType dt) {
 bool epilogue_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16 || dt == DType::f32; }
 bool size_ok(int64_t v) { return v >= 1 && v <= INT32_MAX; }
 bool size8_ok(int64_t v) { return size_ok(v) && v % 8 == 0; }
-
-// Runs the GEMM of key with p bound; false (and nothing written) when cuBLASLt cannot.
-bool run_epi(CudaBackend& be, const EpiKey& key, cudaDataType_t type, const EpiPointers& p, const void* a,
-             const void* b, void* d) {
-  const EpiPlan& plan = get_epi_plan(key, type, p);
-  if (!plan.supported) return false;
-  const cudaStream_t stream = be.stream();
-  std::shared_ptr<void> captured_workspace;
-  void* workspace = nullptr;
-  if (plan.workspace > 0) {
-    if (thread_is_capturing(be.device())) {  // Note [Matmul workspace]
-      captured_workspace = be.allocate(plan.workspace);
-      workspace = captured_workspace.get();
-    } else {
-      std::size_t have = 0;
-      workspace = shared_lt_workspace(be.device(), stream, &have);
-      if (have < plan.workspace) return false;
-    }
-  }
-  cublasLtMatmulDesc_t op = make_desc(key, p);
-  const float one = 1.0f, zero = 0.0f;
-  const cublasStatus_t st = cublasLtMatmul(shared_lt_handle(be.device()), op, &one, a, plan.la, b, plan.lb, &zero, d,
-                                           plan.lc, d, plan.lc, &plan.algo, workspace, plan.workspace, stream);
-  cublasLtMatmulDescDestroy(op);
-  if (st == CUBLAS_STATUS_NOT_SUPPORTED) return false;  // refused before launching: compose instead
-  FLAME_EPI_CHECK("linear", st);
-  if (launch_blocking()) {  // Note [Launch blocking]: name the GEMM if it faults
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status == cudaStreamCaptureStatusNone) {
-      const cudaError_t err = cudaStreamSynchronize(stream);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        FLAME_FAIL("linear", "cuBLASLt epilogue GEMM (epilogue ", key.epilogue, ") m=", key.m, " n=", key.n,
-                   " k=", key.k, " failed on the GPU: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
-      }
-    }
-  }
-  return true;
-}
 
 EpiKey base_key(const CudaBackend& be, DType dt, cublasComputeType_t compute, cublasLtEpilogue_t epi) {
   EpiKey key;
@@ -311,10 +115,13 @@ bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tens
   key.ldb = K;
   key.ldc = N;
   key.ld_aux = pre.defined() ? N : 0;
-  EpiPointers p;
-  p.bias = bias.defined() ? bias.data_ptr() : nullptr;
-  p.aux = pre.defined() ? pre.data_ptr() : nullptr;
-  return run_epi(*this, key, t.type, p, w.data_ptr(), x.data_ptr(), y.data_ptr());
+  EpiCall c;
+  c.a = w.data_ptr();
+  c.b = x.data_ptr();
+  c.d = y.data_ptr();
+  c.bias = bias.defined() ? bias.data_ptr() : nullptr;
+  c.aux = pre.defined() ? pre.data_ptr() : nullptr;
+  return run_epi(*this, key, t.type, c);
 }
 
 // Note [Epilogue GEMM layouts], wgrad.
@@ -336,9 +143,15 @@ bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, cons
   key.lda = K;
   key.ldb = N;
   key.ldc = K;
-  EpiPointers p;
-  p.bias = dbias.data_ptr();
-  return run_epi(*this, key, t.type, p, x.data_ptr(), dy.data_ptr(), dw.data_ptr());
+  EpiCall c;
+  c.a = x.data_ptr();
+  c.b = dy.data_ptr();
+  c.d = dw.data_ptr();
+  c.bias = dbias.data_ptr();
+  c.sum_src = dy.data_ptr();  // db = column sums of dy [M, N]
+  c.sum_rows = M;
+  c.sum_cols = N;
+  return run_epi(*this, key, t.type, c);
 }
 
 // Note [Epilogue GEMM layouts], dgelu.
@@ -364,10 +177,18 @@ bool CudaBackend::linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, co
   key.ldb = P;
   key.ldc = N;
   key.ld_aux = N;
-  EpiPointers p;
-  p.bias = dbias.defined() ? dbias.data_ptr() : nullptr;
-  p.aux = pre.data_ptr();
-  return run_epi(*this, key, t.type, p, w.data_ptr(), dy.data_ptr(), dpre.data_ptr());
+  EpiCall c;
+  c.a = w.data_ptr();
+  c.b = dy.data_ptr();
+  c.d = dpre.data_ptr();
+  c.bias = dbias.defined() ? dbias.data_ptr() : nullptr;
+  c.aux = pre.data_ptr();
+  if (dbias.defined()) {  // db = column sums of dpre [M, N], the GEMM's own output
+    c.sum_src = dpre.data_ptr();
+    c.sum_rows = M;
+    c.sum_cols = N;
+  }
+  return run_epi(*this, key, t.type, c);
 }
 
 bool CudaBackend::gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) {
