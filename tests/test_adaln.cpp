@@ -1,5 +1,5 @@
 // The fused adaLN ops (Note [adaLN ops] in src/ops/adaln.cpp): F::layer_norm_modulate and
-// F::gated_residual.
+// F::gated_residual (and F::gated_residual_modulate, the two in one).
 //  - AdalnOps.*: forward and every gradient on the device under test (FLAME_TEST_DEVICE) in
 //    f32 / bf16 / f16 and the autocast mix (f32 x, bf16 modulation) against a float64 CPU
 //    reference written here with plain ops (mean, square, sqrt: not the ops under test), from the
@@ -10,6 +10,8 @@
 //  - AdalnGradcheck.*: float64 finite differences on the CPU.
 //  - AdalnAutocast.*, AdalnErrors.*.
 #include <cmath>
+#include <optional>
+#include <tuple>
 
 #include "flame/nn.h"
 #include "gradcheck.h"
@@ -170,6 +172,66 @@ TEST(AdalnOps, GatedResidual) {
     check_gated(c, {DType::bf16, DType::bf16}, seed += 10);
     check_gated(c, {DType::f16, DType::f16}, seed += 10);
   }
+}
+
+// F::gated_residual_modulate gives what its two ops give, values and gradients (on CUDA one kernel
+// computes both outputs; the graph is the same two nodes), also under autocast.
+void check_gated_modulate(const Case& c, Dtypes dt, bool autocast, uint64_t seed) {
+  SCOPED_TRACE(std::string(c.what) + " x " + dtype_name(dt.x) + " mod " + dtype_name(dt.m) +
+               (autocast ? " autocast" : ""));
+  const Device dev = test_device();
+  const int64_t b = c.x.front(), d = c.x.back();
+  const Tensor x0 = rnd(c.x, seed, 0.5, 2.0).to(dt.x).to(dev);
+  const Tensor br0 = rnd(c.x, seed + 1).to(dt.m).to(dev);
+  const Tensor m0 = rnd({b, 3 * d}, seed + 2, 0.0, 0.5).to(dt.m).to(dev);
+  auto run = [&](bool fused) {
+    Tensor x = x0.detach().requires_grad_(true), br = br0.detach().requires_grad_(true);
+    Tensor m = m0.detach().requires_grad_(true);
+    Tensor h, y;
+    {
+      std::optional<amp::AutocastGuard> ac;
+      if (autocast) ac.emplace(DType::bf16, dev.type);
+      if (fused) {
+        std::tie(h, y) = F::gated_residual_modulate(x, m.narrow(1, 0, d), br, m.narrow(1, d, d), m.narrow(1, 2 * d, d),
+                                                    1e-6);
+      } else {
+        h = F::gated_residual(x, m.narrow(1, 0, d), br);
+        y = F::layer_norm_modulate(h, m.narrow(1, d, d), m.narrow(1, 2 * d, d), 1e-6);
+      }
+    }
+    const Tensor gy = rnd(c.x, seed + 3).to(y.dtype()).to(dev), gh = rnd(c.x, seed + 4).to(h.dtype()).to(dev);
+    Gradients g = ((y * gy).sum().to(DType::f32) + (h * gh).sum().to(DType::f32)).backward();
+    return TensorList{h, y, g.get(x), g.get(br), g.get(m)};
+  };
+  const TensorList want = run(false), got = run(true);
+  const char* names[] = {"h", "y", "dx", "dbranch", "dmodulation"};
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(got[i].dtype(), want[i].dtype()) << names[i];
+    EXPECT_TRUE(close_scaled(got[i], want[i], 1e-6)) << names[i];
+  }
+}
+
+TEST(AdalnOps, GatedResidualModulate) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 450;
+  for (const Case& c : kLnCases) {
+    check_gated_modulate(c, {DType::f32, DType::f32}, false, seed += 10);
+    check_gated_modulate(c, {DType::f32, DType::bf16}, true, seed += 10);
+    check_gated_modulate(c, {DType::f32, DType::bf16}, false, seed += 10);  // f32 out: composed
+    check_gated_modulate(c, {DType::bf16, DType::bf16}, false, seed += 10);
+    check_gated_modulate(c, {DType::f16, DType::f16}, false, seed += 10);
+  }
+  const Device dev = test_device();
+  Tensor x = rnd({2, 5, 64}, 490).to(DType::f32).to(dev).requires_grad_(true);
+  Tensor m = rnd({2, 192}, 491).to(DType::f32).to(dev).requires_grad_(true);
+  const auto [h, y] = F::gated_residual_modulate(x, m.narrow(1, 0, 64), rnd({2, 5, 64}, 492).to(DType::f32).to(dev),
+                                                 m.narrow(1, 64, 64), m.narrow(1, 128, 64));
+  if (dev.is_cuda()) {  // the two ops' nodes, from one kernel
+    EXPECT_EQ(h.grad_fn_name(), "GatedResidualBackward");
+    EXPECT_EQ(y.grad_fn_name(), "LayerNormModulateBackward");
+  }
+  expect_error([&] { F::gated_residual_modulate(x, m.narrow(1, 0, 64), x, m.narrow(1, 0, 32), m.narrow(1, 64, 64)); },
+               {"gated_residual_modulate", "shift", "[2, 64]", "[2, 32]"});
 }
 
 // Only some inputs need a gradient: the others get none, the rest are still right.

@@ -40,7 +40,7 @@ TEST(AutogradEngine, ParametersCompleteLayerByLayer) {
     const Tensor mod = c.silu().matmul(side_w[i]);  // recorded before the layer's main op
     h = h + (h.matmul(main_w[i]) * mod).tanh();
   }
-  h.square().sum().backward();
+  (void)h.square().sum().backward();
   const std::vector<std::string> want = {"main3", "side3", "main2", "side2", "main1", "side1", "main0", "side0"};
   EXPECT_EQ(order, want);
 }

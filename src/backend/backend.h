@@ -190,6 +190,13 @@ class Backend {
                               const Tensor& base) {
     return false;
   }
+  // h = x + gate * branch (x's dtype, branch: gate's), then y, mean, rstd of h as adaln_forward:
+  // a gated residual and the adaLN that reads its result, in one pass over the rows.
+  virtual bool adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                      const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
+                                      const Tensor& scale, double eps) {
+    return false;
+  }
   // out = x + gate * y (gate broadcast over T).
   virtual bool gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) {
     return false;

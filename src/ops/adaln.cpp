@@ -117,6 +117,48 @@ TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   return {e[0].meta ? dout : Tensor(), e[1].meta ? dgate : Tensor(), dy};
 }
 
+// The node of a fused layer_norm_modulate: x3 is x as the kernel read it ([B, T, D] contiguous).
+void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& x3,
+                  const Tensor& mean, const Tensor& rstd, DType out) {
+  if (!needs_grad({x, shift, scale})) return;
+  RuleArgs args;
+  args.op = static_cast<int>(out);
+  args.shape = x.sizes();
+  Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
+  n.accept_accumulate_base(0);
+  n.save(x3);
+  n.save(mean);
+  n.save(rstd);
+  n.save(scale);
+}
+
+// The node of a fused gated_residual: y3 is y as the kernel read it ([B, T, D] contiguous).
+void record_gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const Tensor& y, const Tensor& y3,
+                           DType out) {
+  if (!needs_grad({x, gate, y})) return;
+  RuleArgs args;
+  args.op = static_cast<int>(out);
+  args.shape = x.sizes();
+  Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
+  n.save(gate);
+  n.save(y3);
+}
+
+void check_gated_residual(const char* op, const Tensor& x, const Tensor& gate, const Tensor& y) {
+  check_rows_input(op, x);
+  check_modulation(op, "gate", gate, x);
+  FLAME_CHECK(y.defined() && y.sizes() == x.sizes(), op, "y must have the input's shape ", x.sizes(), ", got ",
+              y.defined() ? y.sizes() : Shape{});
+  FLAME_CHECK(is_floating(y.dtype()) && y.device() == x.device(), op, "y must be floating and on ", x.device().str(),
+              ", got ", dtype_name(y.dtype()), " on ", y.device().str());
+}
+
+void check_modulate(const char* op, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps) {
+  check_modulation(op, "shift", shift, x);
+  check_modulation(op, "scale", scale, x);
+  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
+}
+
 Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
   const int64_t d = x.size(-1);
   if (x.numel() > 0 && !x.device().is_cpu()) {
@@ -132,22 +174,20 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
       fused = backend::backend_for(x.device()).adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps);
     }
     if (fused) {
-      if (needs_grad({x, shift, scale})) {
-        RuleArgs args;
-        args.op = static_cast<int>(out);
-        args.shape = x.sizes();
-        Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
-        n.accept_accumulate_base(0);
-        n.save(x3);
-        n.save(mean);
-        n.save(rstd);
-        n.save(scale);
-      }
+      record_adaln(y, x, shift, scale, x3, mean, rstd, out);
       return y;
     }
   }
   Tensor y = layer_norm(x, {d}, {}, {}, eps) * (per_sample(scale, x) + 1.0) + per_sample(shift, x);
   return y.dtype() == out ? y : y.to(out);
+}
+
+void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
+      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+    });
+  }
 }
 
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
@@ -160,11 +200,7 @@ Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Te
     autograd::RecomputeCheap whole_op(false);
     y = layer_norm_modulate_impl(x, shift, scale, eps, out);
   }
-  if (autograd_detail::should_mark_recomputable()) {
-    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
-      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
-    });
-  }
+  mark_adaln_output(y, x, shift, scale, eps, out);
   return y;
 }
 
@@ -178,9 +214,7 @@ Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& s
   }
   const char* op = "layer_norm_modulate";
   check_rows_input(op, x);
-  check_modulation(op, "shift", shift, x);
-  check_modulation(op, "scale", scale, x);
-  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
+  check_modulate(op, x, shift, scale, eps);
   if (amp::detail::should_autocast(x)) {  // Note [adaLN ops]: f32 statistics, the autocast dtype out
     const DType low = amp::detail::low_dtype(x);
     amp::detail::AutocastOpScope scope;
@@ -196,12 +230,7 @@ Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
                                           [](const TensorList& in) { return gated_residual(in[0], in[1], in[2]); });
   }
   const char* op = "gated_residual";
-  check_rows_input(op, x);
-  check_modulation(op, "gate", gate, x);
-  FLAME_CHECK(y.defined() && y.sizes() == x.sizes(), op, "y must have the input's shape ", x.sizes(), ", got ",
-              y.defined() ? y.sizes() : Shape{});
-  FLAME_CHECK(is_floating(y.dtype()) && y.device() == x.device(), op, "y must be floating and on ", x.device().str(),
-              ", got ", dtype_name(y.dtype()), " on ", y.device().str());
+  check_gated_residual(op, x, gate, y);
   const DType out = promote_types(promote_types(x.dtype(), gate.dtype()), y.dtype());
   if (x.numel() > 0 && !x.device().is_cpu() && out == x.dtype()) {
     Tensor o, y3;
@@ -214,18 +243,53 @@ Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
       fused = backend::backend_for(x.device()).gated_residual_forward(o.view(s3), x.contiguous().view(s3), gate, y3);
     }
     if (fused) {
-      if (needs_grad({x, gate, y})) {
-        RuleArgs args;
-        args.op = static_cast<int>(out);
-        args.shape = x.sizes();
-        Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
-        n.save(gate);
-        n.save(y3);
-      }
+      record_gated_residual(o, x, gate, y, y3, out);
       return o;
     }
   }
   return x + per_sample(gate, x) * y;
+}
+
+std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor& gate, const Tensor& branch,
+                                                  const Tensor& shift, const Tensor& scale, double eps) {
+  auto composed = [&] {
+    Tensor h = gated_residual(x, gate, branch);
+    Tensor y = layer_norm_modulate(h, shift, scale, eps);
+    return std::pair<Tensor, Tensor>{std::move(h), std::move(y)};
+  };
+  if (compile_detail::active_tracer()) return composed();  // traced as its two ops
+  const char* op = "gated_residual_modulate";
+  check_gated_residual(op, x, gate, branch);
+  check_modulate(op, x, shift, scale, eps);
+  const DType hdt = promote_types(promote_types(x.dtype(), gate.dtype()), branch.dtype());
+  const bool autocast = amp::detail::should_autocast(x);
+  // The fused kernel covers h in x's dtype and, under autocast, an f32 h (layer_norm_modulate
+  // normalises in f32): otherwise the two ops run one after the other.
+  if (x.numel() == 0 || x.device().is_cpu() || hdt != x.dtype() || (autocast && x.dtype() != DType::f32))
+    return composed();
+  const DType out = autocast ? amp::detail::low_dtype(x)
+                             : promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype());
+  Tensor h, y, b3, h3, mean, rstd;
+  bool fused = false;
+  {
+    NoGradGuard no_grad;
+    const Shape s3 = btd(x);
+    b3 = branch.contiguous().view(s3);
+    h = make_empty(x.sizes(), hdt, x.device(), op);
+    h3 = h.view(s3);
+    y = make_empty(x.sizes(), out, x.device(), op);
+    mean = make_empty({s3[0] * s3[1]}, DType::f32, x.device(), op);
+    rstd = make_empty({s3[0] * s3[1]}, DType::f32, x.device(), op);
+    fused = backend::backend_for(x.device())
+                .adaln_residual_forward(h3, y.view(s3), mean, rstd, x.contiguous().view(s3), gate, b3, shift, scale,
+                                        eps);
+  }
+  if (!fused) return composed();
+  // The graph of the two ops: h's node, then y's reading h.
+  record_gated_residual(h, x, gate, branch, b3, hdt);
+  record_adaln(y, h, shift, scale, h3, mean, rstd, out);
+  mark_adaln_output(y, h, shift, scale, eps, out);
+  return {h, y};
 }
 
 }  // namespace flame::nn::functional

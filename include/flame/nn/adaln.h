@@ -4,6 +4,8 @@
 // its inputs once and writes the modulation gradients itself (summed over the tokens, no separate
 // reduction); elsewhere, and for shapes or dtypes the kernels do not cover, the same math runs as
 // ordinary ops (which is also the CPU reference).
+#include <utility>
+
 #include "flame/tensor.h"
 
 namespace flame::nn::functional {
@@ -19,5 +21,12 @@ Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& s
 // shape). Result dtype: the promotion of the three (f32 for an f32 residual stream with bf16
 // branches under autocast).
 Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y);
+
+// {h, y} with h = gated_residual(x, gate, branch) and y = layer_norm_modulate(h, shift, scale, eps):
+// a block's residual update and the modulated norm of the next branch, which reads it. The same
+// values, dtypes and autograd graph as the two calls (two nodes); on CUDA one kernel computes both
+// and reads the residual stream once (x f32, or x's half type without autocast).
+std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor& gate, const Tensor& branch,
+                                                  const Tensor& shift, const Tensor& scale, double eps = 1e-5);
 
 }  // namespace flame::nn::functional

@@ -151,6 +151,9 @@ class CudaBackend final : public Backend {
                           const Tensor& pre) override;
   bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) override;
   // ---- adaln ---- (adaln/adaln.cu)
+  bool adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                              const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
+                              const Tensor& scale, double eps) override;
   bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
                      const Tensor& scale, double eps) override;
   bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy, const Tensor& x,

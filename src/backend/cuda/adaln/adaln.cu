@@ -95,6 +95,13 @@ __device__ __forceinline__ void st4(T* p, const float (&v)[4]) {
   }
 }
 
+// v rounded to T and widened back (what a load of v stored as T would give).
+template <class T>
+__device__ __forceinline__ void ld4_cast(const float (&v)[4], float (&r)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = load_as<float>(store_as<T>(v[j]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
@@ -102,11 +109,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---- layer_norm + modulate ----
-template <class X, class M, class O, int kC>
+// kRes: the row is h = x + gate * branch (written to h), the gated residual before this adaLN.
+template <class X, class M, class O, int kC, bool kRes = false>
 __global__ void __launch_bounds__(kFwdWarps * 32)
     adaln_forward_kernel(const X* __restrict__ x, const M* __restrict__ shift, const M* __restrict__ scale,
                          int64_t ld, O* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
-                         int64_t rows, int64_t T, int D, float eps) {
+                         int64_t rows, int64_t T, int D, float eps, const M* __restrict__ gate, int64_t ld_gate,
+                         const M* __restrict__ branch, X* __restrict__ h) {
   const int lane = threadIdx.x & 31;
   const float inv_d = 1.f / static_cast<float>(D);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + (threadIdx.x >> 5); row < rows;
@@ -119,6 +128,20 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
       const int e = (c * 32 + lane) * 4;
       if (e < D) {
         ld4(xr + e, v[c]);
+        if constexpr (kRes) {
+          float gv[4], bv[4];
+          ld4(gate + (row / T) * ld_gate + e, gv);
+          ld4(branch + row * D + e, bv);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) v[c][j] = v[c][j] + gv[j] * bv[j];  // as gated_residual_forward_kernel
+          st4(h + row * D + e, v[c]);
+          if constexpr (!std::is_same_v<X, float>) {  // the row as stored, so that y is LN(h)
+            float r[4];
+            ld4_cast<X>(v[c], r);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[c][j] = r[j];
+          }
+        }
         s += (v[c][0] + v[c][1]) + (v[c][2] + v[c][3]);
       }
     }
@@ -452,11 +475,43 @@ bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tenso
           static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
           static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
-          static_cast<float>(eps));
+          static_cast<float>(eps), nullptr, 0, nullptr, nullptr);
       FLAME_CUDA_CHECK_LAUNCH();
     };
     if (D <= 512) go(&adaln_forward_kernel<X, M, O, 4>);
     else go(&adaln_forward_kernel<X, M, O, 12>);
+  });
+}
+
+bool CudaBackend::adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                         const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
+                                         const Tensor& scale, double eps) {
+  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2)) || !rows_ok(h, x.size(2)) ||
+      !rows_ok(branch, x.size(2)))
+    return false;
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), rows = B * T;
+  if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || !mod_ok(gate, B, D) || shift.dtype() != scale.dtype() ||
+      gate.dtype() != scale.dtype() || branch.dtype() != scale.dtype() || h.dtype() != x.dtype() ||
+      shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
+    return false;
+  if (!mean.is_contiguous() || !rstd.is_contiguous() || mean.dtype() != DType::f32 || rstd.dtype() != DType::f32)
+    return false;
+  DeviceGuard guard(device());
+  cudaStream_t st = stream();
+  const int64_t ld = scale.stride(0);
+  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
+    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
+    auto go = [&](auto kernel) {
+      kernel<<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
+          static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
+          static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
+          static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
+          static_cast<float>(eps), static_cast<const M*>(gate.data_ptr()), gate.stride(0),
+          static_cast<const M*>(branch.data_ptr()), static_cast<X*>(h.data_ptr()));
+      FLAME_CUDA_CHECK_LAUNCH();
+    };
+    if (D <= 512) go(&adaln_forward_kernel<X, M, O, 4, true>);
+    else go(&adaln_forward_kernel<X, M, O, 12, true>);
   });
 }
 
