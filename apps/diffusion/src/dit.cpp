@@ -3,6 +3,7 @@
 #include <cmath>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 #include "flame/nn/adaln.h"
 #include "flame/nn/linear_gelu.h"
@@ -138,9 +139,11 @@ DiTBlock::DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio) {
                                           std::initializer_list<nn::ModulePtr>{std::make_shared<nn::SiLU>(), ada_linear}));
 }
 
+// shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp (the reference's order)
+flame::TensorList DiTBlock::modulation(const Tensor& c) { return ada_linear->forward(c.silu()).chunk(6, 1); }
+
 Tensor DiTBlock::forward(const Tensor& x, const Tensor& c) {
-  // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp (the reference's order)
-  flame::TensorList m = ada_linear->forward(c.silu()).chunk(6, 1);
+  flame::TensorList m = modulation(c);
   // h = x + gate_msa * attn(...) and the MLP branch's modulated norm of h in one op (one kernel on
   // CUDA: the residual stream is read once for both).
   const auto [h, n] = F::gated_residual_modulate(x, m[2], attn->forward(F::layer_norm_modulate(x, m[0], m[1], kNormEps)),
@@ -155,8 +158,10 @@ DiTFinalLayer::DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_cha
                                           std::initializer_list<nn::ModulePtr>{std::make_shared<nn::SiLU>(), ada_linear}));
 }
 
+flame::TensorList DiTFinalLayer::modulation(const Tensor& c) { return ada_linear->forward(c.silu()).chunk(2, 1); }
+
 Tensor DiTFinalLayer::forward(const Tensor& x, const Tensor& c) {
-  flame::TensorList m = ada_linear->forward(c.silu()).chunk(2, 1);  // shift, scale
+  flame::TensorList m = modulation(c);  // shift, scale
   return linear->forward(F::layer_norm_modulate(x, m[0], m[1], kNormEps));
 }
 
@@ -232,8 +237,20 @@ Tensor DiT::forward(const Tensor& x, const Tensor& t, const Tensor& y) {
   if (config_.recompute == DiTRecompute::all) recompute_cheap.emplace();
   Tensor h = x_embedder->forward(x) + pos_embed;
   Tensor c = t_embedder->forward(t.to(DType::f32) * config_.time_scale) + y_embedder->forward(y);
-  for (auto& blk : blocks) h = blk->forward(h, c);
-  return unpatchify(final_layer->forward(h, c));
+  // The blocks' and the final layer's forwards, with every residual update fused with the norm
+  // that reads it (F::gated_residual_modulate: one kernel on CUDA): the same ops and values as
+  // blk->forward(h, c) in turn, then final_layer->forward(h, c).
+  flame::TensorList m = blocks.front()->modulation(c);
+  Tensor n = F::layer_norm_modulate(h, m[0], m[1], kNormEps);
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    DiTBlock& blk = *blocks[i];
+    const auto [h1, n2] = F::gated_residual_modulate(h, m[2], blk.attn->forward(n), m[3], m[4], kNormEps);
+    const Tensor branch = blk.mlp->forward(n2);
+    flame::TensorList next = i + 1 < blocks.size() ? blocks[i + 1]->modulation(c) : final_layer->modulation(c);
+    std::tie(h, n) = F::gated_residual_modulate(h1, m[5], branch, next[0], next[1], kNormEps);
+    m = std::move(next);
+  }
+  return unpatchify(final_layer->linear->forward(n));
 }
 
 }  // namespace flame_diffusion

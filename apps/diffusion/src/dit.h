@@ -82,6 +82,10 @@ class DiTBlock : public flame::nn::Module {
   DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio);
   std::string name() const override { return "DiTBlock"; }
   Tensor forward(const Tensor& x, const Tensor& c);
+  // adaLN_modulation(c) as its six [B, hidden] chunks: shift, scale, gate of the attention branch,
+  // then of the MLP branch. DiT::forward walks the blocks through these pieces so that each
+  // residual update is fused with the norm that reads it (F::gated_residual_modulate).
+  flame::TensorList modulation(const Tensor& c);
   std::shared_ptr<DiTAttention> attn;
   std::shared_ptr<DiTMlp> mlp;
   std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 6 hidden
@@ -92,6 +96,7 @@ class DiTFinalLayer : public flame::nn::Module {
   DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels);
   std::string name() const override { return "FinalLayer"; }
   Tensor forward(const Tensor& x, const Tensor& c);  // [B, T, p*p*out]
+  flame::TensorList modulation(const Tensor& c);     // shift, scale: [B, hidden] each
   std::shared_ptr<flame::nn::Linear> linear;
   std::shared_ptr<flame::nn::Linear> ada_linear;  // adaLN_modulation.1: hidden -> 2 hidden
 };

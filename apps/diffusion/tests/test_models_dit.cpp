@@ -221,6 +221,28 @@ TEST(ModelDit, UnpatchifyInvertsPatchify) {
   EXPECT_EQ(tk[3], im[3 * 28 + 3]);
 }
 
+// DiT::forward fuses each residual update with the norm that reads it
+// (F::gated_residual_modulate): the result is that of the blocks' own forwards in turn.
+TEST(ModelDit, ForwardEqualsBlockByBlock) {
+  fd::DiT model(fd::dit_config("dit-tiny"));
+  model.to(DType::f64);
+  flame::Generator gen(12);
+  const Tensor x = Tensor::randn({2, 1, 28, 28}, 0.0, 1.0, {DType::f64}, &gen);
+  const Tensor t = Tensor::rand({2}, {DType::f64}, &gen), y = Tensor::tensor({3, 7});
+  // Non-zero modulations (the init zeroes them, which would hide the gates and shifts).
+  flame::NoGradGuard no_grad;
+  auto randomise = [&](const Tensor& w) { Tensor(w).copy_(Tensor::randn(w.sizes(), 0.0, 0.05, {DType::f64}, &gen)); };
+  for (auto& blk : model.blocks) randomise(blk->ada_linear->weight());
+  randomise(model.final_layer->ada_linear->weight());
+  randomise(model.final_layer->linear->weight());  // zero at init, which would hide everything before it
+  const Tensor got = model.forward(x, t, y);
+  Tensor h = model.x_embedder->forward(x) + model.pos_embed;
+  const Tensor c = model.t_embedder->forward(t * model.config().time_scale) + model.y_embedder->forward(y);
+  for (auto& blk : model.blocks) h = blk->forward(h, c);
+  const Tensor want = model.unpatchify(model.final_layer->forward(h, c));
+  EXPECT_LT(fd_test::max_abs_diff(got, want), 1e-12);
+}
+
 // PatchEmbed computes its convolution (kernel = stride = patch) as a GEMM over gathered patches:
 // the same tokens and the same gradients as F::conv2d flattened to tokens, in f64.
 TEST(ModelDit, PatchEmbedEqualsItsConvolution) {
