@@ -237,7 +237,7 @@ TEST(ModelDit, ForwardEqualsBlockByBlock) {
   randomise(model.final_layer->linear->weight());  // zero at init, which would hide everything before it
   const Tensor got = model.forward(x, t, y);
   Tensor h = model.x_embedder->forward(x) + model.pos_embed;
-  const Tensor c = model.t_embedder->forward(t * model.config().time_scale) + model.y_embedder->forward(y);
+  const Tensor c = model.t_embedder->forward(t.to(DType::f32) * model.config().time_scale) + model.y_embedder->forward(y);
   for (auto& blk : model.blocks) h = blk->forward(h, c);
   const Tensor want = model.unpatchify(model.final_layer->forward(h, c));
   EXPECT_LT(fd_test::max_abs_diff(got, want), 1e-12);
