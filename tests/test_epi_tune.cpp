@@ -165,6 +165,21 @@ void family_case(Family f, int64_t rows, int64_t in, int64_t out, DType dt, uint
   expect_case(what, op, ref, leaves, v, dt);
 }
 
+// linear_gelu under no-grad: the GELU_BIAS epilogue (no pre-activation saved).
+void nograd_gelu_case(int64_t rows, int64_t in, int64_t out, DType dt, uint64_t seed) {
+  const Tensor x = rounded(rnd({rows, in}, seed), dt);
+  const Tensor w = rounded(rnd({out, in}, seed + 1, 1.0 / std::sqrt(double(in))), dt);
+  const Tensor b = rounded(rnd({out}, seed + 2, 0.5), dt);
+  const Tensor want = ref_gelu(x.matmul(w.t()) + b);
+  const Device gpu = Device::cuda(0);
+  NoGradGuard no_grad;
+  const Tensor xg = x.to(dt).to(gpu), wg = w.to(dt).to(gpu), bg = b.to(dt).to(gpu);
+  const Tensor got = F::linear_gelu(xg, wg, bg).to(Device::cpu());
+  EXPECT_TRUE(close_scaled(got, want, tol_for(dt))) << "no-grad linear_gelu rows " << rows << ", " << dtype_name(dt);
+  EXPECT_EQ(F::linear_gelu(xg, wg, bg).to(Device::cpu()).to_vec<double>(), got.to_vec<double>())
+      << "no-grad linear_gelu: bits differ between calls";
+}
+
 std::string mode_name(bool autotune, EpilogueBiasGrad m) {
   const char* bg = m == EpilogueBiasGrad::automatic ? "automatic" : m == EpilogueBiasGrad::epilogue ? "epilogue"
                                                                                                      : "column_sum";
@@ -214,6 +229,7 @@ TEST(EpiTune, EveryEpilogueMatchesReferenceInEveryMode) {
           SCOPED_TRACE(mode_name(autotune, m));
           const cuda::EpilogueTuneStats before = cuda::epilogue_tune_stats();
           family_case(f, fresh_rows(), 64, 96, dt, seed += 10);
+          if (f == Family::linear_gelu) nograd_gelu_case(fresh_rows(), 64, 96, dt, seed += 10);
           const cuda::EpilogueTuneStats after = cuda::epilogue_tune_stats();
           // Fresh shapes: the forward and the weight-gradient GEMMs made new plans of the kind
           // the switch asks for, and none of the other kind (bf16: every epilogue has an
