@@ -13,6 +13,7 @@
 #include "flame/optim.h"
 #include "flame/profiler.h"
 #include "flame/random.h"
+#include "flame/recompute.h"
 #include "flame/scalar.h"
 #include "flame/state_dict.h"
 #include "flame/stateful.h"
