@@ -81,6 +81,7 @@ class DiTBlock : public flame::nn::Module {
  public:
   DiTBlock(int64_t hidden, int64_t heads, double mlp_ratio);
   std::string name() const override { return "DiTBlock"; }
+  using flame::nn::Module::forward;  // the one-input form stays visible (not hidden by the overload)
   Tensor forward(const Tensor& x, const Tensor& c);
   // adaLN_modulation(c) as its six [B, hidden] chunks: shift, scale, gate of the attention branch,
   // then of the MLP branch. DiT::forward walks the blocks through these pieces so that each
@@ -95,6 +96,7 @@ class DiTFinalLayer : public flame::nn::Module {
  public:
   DiTFinalLayer(int64_t hidden, int64_t patch_size, int64_t out_channels);
   std::string name() const override { return "FinalLayer"; }
+  using flame::nn::Module::forward;  // the one-input form stays visible (not hidden by the overload)
   Tensor forward(const Tensor& x, const Tensor& c);  // [B, T, p*p*out]
   flame::TensorList modulation(const Tensor& c);     // shift, scale: [B, hidden] each
   std::shared_ptr<flame::nn::Linear> linear;

@@ -43,6 +43,7 @@ class ResBlock : public flame::nn::Module {
  public:
   ResBlock(int64_t in_ch, int64_t out_ch, int64_t emb_dim, int64_t groups);
   std::string name() const override { return "ResBlock"; }
+  using flame::nn::Module::forward;  // the one-input form stays visible (not hidden by the overload)
   Tensor forward(const Tensor& x, const Tensor& c);  // c: [B, emb_dim]
   std::shared_ptr<flame::nn::GroupNorm> norm1, norm2;
   std::shared_ptr<flame::nn::Conv2d> conv1, conv2, skip;  // skip is null when in_ch == out_ch
