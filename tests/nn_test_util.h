@@ -10,6 +10,12 @@
 
 namespace flame::test {
 
+// Normal f64 values N(0, stddev^2) drawn on the CPU from `seed`: every device gets the same inputs.
+inline Tensor randn_f64(const Shape& s, uint64_t seed, double stddev = 1.0) {
+  Generator g(seed);
+  return Tensor::randn(s, 0.0, stddev, DType::f64, &g);
+}
+
 // |got - want| <= tol * (|want| + max(max|want|, floor)) element by element, both read as double.
 // A gradient that cancels to almost nothing (two values per group, a row of one) is compared at
 // the scale of the terms it is made of (floor 1: inputs and weights are O(1)).

@@ -60,11 +60,6 @@ int64_t fresh_rows() {
   return next.fetch_add(26);
 }
 
-Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
-  Generator g(seed);
-  return Tensor::randn(s, 0.0, stddev, DType::f64, &g);
-}
-
 double tol_for(DType dt) {
   switch (dt) {
     case DType::bf16: return 2e-2;
@@ -136,15 +131,15 @@ const char* family_name(Family f) {
 
 // One forward+backward of the family on [rows, in] -> out (mlp: in -> out -> in).
 void family_case(Family f, int64_t rows, int64_t in, int64_t out, DType dt, uint64_t seed) {
-  TensorList leaves{rnd({rows, in}, seed), rnd({out, in}, seed + 1, 1.0 / std::sqrt(double(in))),
-                    rnd({out}, seed + 2, 0.5)};
+  TensorList leaves{randn_f64({rows, in}, seed), randn_f64({out, in}, seed + 1, 1.0 / std::sqrt(double(in))),
+                    randn_f64({out}, seed + 2, 0.5)};
   int64_t y_cols = out;
   if (f == Family::mlp_gelu) {
-    leaves.push_back(rnd({in, out}, seed + 3, 1.0 / std::sqrt(double(out))));
-    leaves.push_back(rnd({in}, seed + 4, 0.5));
+    leaves.push_back(randn_f64({in, out}, seed + 3, 1.0 / std::sqrt(double(out))));
+    leaves.push_back(randn_f64({in}, seed + 4, 0.5));
     y_cols = in;
   }
-  const Tensor v = rnd({rows, y_cols}, seed + 5);
+  const Tensor v = randn_f64({rows, y_cols}, seed + 5);
   Fn op, ref;
   switch (f) {
     case Family::linear_bias:
@@ -167,9 +162,9 @@ void family_case(Family f, int64_t rows, int64_t in, int64_t out, DType dt, uint
 
 // linear_gelu under no-grad: the GELU_BIAS epilogue (no pre-activation saved).
 void nograd_gelu_case(int64_t rows, int64_t in, int64_t out, DType dt, uint64_t seed) {
-  const Tensor x = rounded(rnd({rows, in}, seed), dt);
-  const Tensor w = rounded(rnd({out, in}, seed + 1, 1.0 / std::sqrt(double(in))), dt);
-  const Tensor b = rounded(rnd({out}, seed + 2, 0.5), dt);
+  const Tensor x = rounded(randn_f64({rows, in}, seed), dt);
+  const Tensor w = rounded(randn_f64({out, in}, seed + 1, 1.0 / std::sqrt(double(in))), dt);
+  const Tensor b = rounded(randn_f64({out}, seed + 2, 0.5), dt);
   const Tensor want = ref_gelu(x.matmul(w.t()) + b);
   const Device gpu = Device::cuda(0);
   NoGradGuard no_grad;
@@ -274,8 +269,9 @@ TEST(EpiTune, ColumnSumBiasGradientShapes) {
   for (DType dt : {DType::bf16, DType::f16, DType::f32}) {
     for (int64_t out : {8, 24, 40, 136, 384, 1152, 1536}) {
       for (int64_t rows : {int64_t(1), int64_t(3), int64_t(70), fresh_rows(), int64_t(4099) + 2 * out}) {
-        const TensorList leaves{rnd({rows, 16}, seed), rnd({out, 16}, seed + 1, 0.25), rnd({out}, seed + 2)};
-        const Tensor v = rnd({rows, out}, seed + 3);
+        const TensorList leaves{randn_f64({rows, 16}, seed), randn_f64({out, 16}, seed + 1, 0.25),
+                                randn_f64({out}, seed + 2)};
+        const Tensor v = randn_f64({rows, out}, seed + 3);
         seed += 10;
         const Outputs got = run_on([](const TensorList& t) { return F::linear(t[0], t[1], t[2]); },
                                    {rounded(leaves[0], dt), rounded(leaves[1], dt), rounded(leaves[2], dt)},
@@ -298,9 +294,10 @@ struct Static {
 };
 Static static_inputs(int64_t rows, int64_t in, int64_t out, DType dt, uint64_t seed) {
   const Device gpu = Device::cuda(0);
-  return {rnd({rows, in}, seed).to(dt).to(gpu).requires_grad_(),
-          rnd({out, in}, seed + 1, 1.0 / std::sqrt(double(in))).to(dt).to(gpu).requires_grad_(),
-          rnd({out}, seed + 2, 0.5).to(dt).to(gpu).requires_grad_(), rnd({rows, out}, seed + 3).to(dt).to(gpu)};
+  return {randn_f64({rows, in}, seed).to(dt).to(gpu).requires_grad_(),
+          randn_f64({out, in}, seed + 1, 1.0 / std::sqrt(double(in))).to(dt).to(gpu).requires_grad_(),
+          randn_f64({out}, seed + 2, 0.5).to(dt).to(gpu).requires_grad_(),
+          randn_f64({rows, out}, seed + 3).to(dt).to(gpu)};
 }
 struct StepResult {
   Tensor y, dx, dw, db;
@@ -397,10 +394,11 @@ class EpiTuneChildEnvironment : public ::testing::Environment {
       ok = 0;
       const int64_t rows = 333, in = 64, out = 72;
       const DType dt = DType::bf16;
-      const Tensor x = rounded(rnd({rows, in}, 7), dt), w = rounded(rnd({out, in}, 8, 0.125), dt);
-      const Tensor b = rounded(rnd({out}, 9), dt), v = rounded(rnd({rows, out}, 10), dt);
+      const Tensor x = rounded(randn_f64({rows, in}, 7), dt), w = rounded(randn_f64({out, in}, 8, 0.125), dt);
+      const Tensor b = rounded(randn_f64({out}, 9), dt), v = rounded(randn_f64({rows, out}, 10), dt);
       const Device gpu = Device::cuda(0);
-      const Tensor xg = x.to(dt).to(gpu), wg = w.to(dt).to(gpu).requires_grad_(), bg = b.to(dt).to(gpu).requires_grad_();
+      const Tensor xg = x.to(dt).to(gpu), wg = w.to(dt).to(gpu).requires_grad_(),
+                   bg = b.to(dt).to(gpu).requires_grad_();
       const Tensor y = F::linear(xg, wg, bg);
       BackwardOptions o;
       o.grad_output = v.to(dt).to(gpu);

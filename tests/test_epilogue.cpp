@@ -21,12 +21,6 @@ namespace {
 
 namespace F = nn::functional;
 
-Tensor rnd(const Shape& s, uint64_t seed, double stddev = 1.0) {
-  Generator g(seed);
-  return Tensor::randn(s, 0.0, stddev, DType::f64, &g);
-}
-
-
 double tol_for(DType dt) {
   switch (dt) {
     case DType::bf16: return 2e-2;
@@ -132,12 +126,12 @@ const std::vector<Case>& cases() {
 
 void linear_family_case(bool gelu, bool bias, XLayout layout, DType dt, const Case& c, uint64_t seed,
                         const std::vector<bool>& frozen = {}) {
-  const TensorList leaves{rnd(leaf_shape(c.lead, layout, c.in), seed),
-                          rnd({c.out, c.in}, seed + 1, 1.0 / std::sqrt(static_cast<double>(c.in))),
-                          bias ? rnd({c.out}, seed + 2) : Tensor()};
+  const TensorList leaves{randn_f64(leaf_shape(c.lead, layout, c.in), seed),
+                          randn_f64({c.out, c.in}, seed + 1, 1.0 / std::sqrt(static_cast<double>(c.in))),
+                          bias ? randn_f64({c.out}, seed + 2) : Tensor()};
   Shape ys = c.lead;
   ys.push_back(c.out);
-  const Tensor v = rnd(ys, seed + 3);
+  const Tensor v = randn_f64(ys, seed + 3);
   const int64_t in = c.in;
   auto op = [&](const TensorList& t) {
     const Tensor x = shape_input(t[0], layout, in);
@@ -201,9 +195,9 @@ TEST(EpilogueLinearGelu, NearZeroAndLargePreActivations) {
   for (DType dt : {DType::f32, DType::bf16}) {
     for (double scale : {1e-3, 30.0}) {
       const int64_t in = 32, out = 16;
-      const TensorList leaves{rnd({24, in}, 501) * (scale < 1 ? scale : 1.0), rnd({out, in}, 502, 0.1),
-                              rnd({out}, 503) * scale};
-      const Tensor v = rnd({24, out}, 504);
+      const TensorList leaves{randn_f64({24, in}, 501) * (scale < 1 ? scale : 1.0), randn_f64({out, in}, 502, 0.1),
+                              randn_f64({out}, 503) * scale};
+      const Tensor v = randn_f64({24, out}, 504);
       auto op = [](const TensorList& t) { return F::linear_gelu(t[0], t[1], t[2]); };
       auto ref = [](const TensorList& t) { return ref_dense(t[0], t[1], t[2], true); };
       expect_matches(scale < 1 ? "near zero" : "large", op, ref, leaves, v, dt);
@@ -223,14 +217,14 @@ TEST(EpilogueMlpGelu, MatchesReference) {
       for (bool bias : {true, false}) {
         for (int frozen_kind = 0; frozen_kind < 3; ++frozen_kind) {
           seed += 10;
-          const TensorList leaves{rnd(leaf_shape(c.lead, XLayout::contiguous, c.in), seed),
-                                  rnd({c.hidden, c.in}, seed + 1, 1.0 / std::sqrt(double(c.in))),
-                                  bias ? rnd({c.hidden}, seed + 2) : Tensor(),
-                                  rnd({c.out, c.hidden}, seed + 3, 1.0 / std::sqrt(double(c.hidden))),
-                                  bias ? rnd({c.out}, seed + 4) : Tensor()};
+          const TensorList leaves{randn_f64(leaf_shape(c.lead, XLayout::contiguous, c.in), seed),
+                                  randn_f64({c.hidden, c.in}, seed + 1, 1.0 / std::sqrt(double(c.in))),
+                                  bias ? randn_f64({c.hidden}, seed + 2) : Tensor(),
+                                  randn_f64({c.out, c.hidden}, seed + 3, 1.0 / std::sqrt(double(c.hidden))),
+                                  bias ? randn_f64({c.out}, seed + 4) : Tensor()};
           Shape ys = c.lead;
           ys.push_back(c.out);
-          const Tensor v = rnd(ys, seed + 5);
+          const Tensor v = randn_f64(ys, seed + 5);
           // 0: all train; 1: first layer frozen (x and layer 2 only); 2: second layer frozen.
           std::vector<bool> frozen(5, false);
           if (frozen_kind == 1) frozen[1] = frozen[2] = true;
@@ -250,16 +244,18 @@ TEST(EpilogueMlpGelu, MatchesReference) {
 TEST(EpilogueMlpGelu, EqualsLinearGeluThenLinear) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
-  const Tensor x = rnd({8, 16}, 700).to(DType::f32).to(dev);
-  const Tensor w1 = rnd({32, 16}, 701, 0.25).to(DType::f32).to(dev), b1 = rnd({32}, 702).to(DType::f32).to(dev);
-  const Tensor w2 = rnd({16, 32}, 703, 0.2).to(DType::f32).to(dev), b2 = rnd({16}, 704).to(DType::f32).to(dev);
+  const Tensor x = randn_f64({8, 16}, 700).to(DType::f32).to(dev);
+  const Tensor w1 = randn_f64({32, 16}, 701, 0.25).to(DType::f32).to(dev),
+               b1 = randn_f64({32}, 702).to(DType::f32).to(dev);
+  const Tensor w2 = randn_f64({16, 32}, 703, 0.2).to(DType::f32).to(dev),
+               b2 = randn_f64({16}, 704).to(DType::f32).to(dev);
   EXPECT_TRUE(close_scaled(F::mlp_gelu(x, w1, b1, w2, b2).to(Device::cpu()),
                            F::linear(F::linear_gelu(x, w1, b1), w2, b2).to(Device::cpu()), 1e-5));
 }
 
 TEST(EpilogueGradcheck, LinearGeluF64) {
   for (bool bias : {true, false}) {
-    const TensorList in{rnd({2, 3, 4}, 800), rnd({5, 4}, 801, 0.5), bias ? rnd({5}, 802) : Tensor()};
+    const TensorList in{randn_f64({2, 3, 4}, 800), randn_f64({5, 4}, 801, 0.5), bias ? randn_f64({5}, 802) : Tensor()};
     const GradcheckResult r =
         bias ? gradcheck([](const TensorList& t) { return F::linear_gelu(t[0], t[1], t[2]); }, in)
              : gradcheck([](const TensorList& t) { return F::linear_gelu(t[0], t[1]); }, {in[0], in[1]});
@@ -267,29 +263,29 @@ TEST(EpilogueGradcheck, LinearGeluF64) {
   }
   // 1-d input.
   const GradcheckResult v = gradcheck([](const TensorList& t) { return F::linear_gelu(t[0], t[1], t[2]); },
-                                      {rnd({4}, 803), rnd({3, 4}, 804), rnd({3}, 805)});
+                                      {randn_f64({4}, 803), randn_f64({3, 4}, 804), randn_f64({3}, 805)});
   EXPECT_TRUE(v.ok) << v.message;
 }
 
 TEST(EpilogueGradcheck, MlpGeluF64) {
-  const GradcheckResult r =
-      gradcheck([](const TensorList& t) { return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4]); },
-                {rnd({3, 4}, 810), rnd({6, 4}, 811, 0.5), rnd({6}, 812), rnd({2, 6}, 813, 0.5), rnd({2}, 814)});
+  const GradcheckResult r = gradcheck([](const TensorList& t) { return F::mlp_gelu(t[0], t[1], t[2], t[3], t[4]); },
+                                      {randn_f64({3, 4}, 810), randn_f64({6, 4}, 811, 0.5), randn_f64({6}, 812),
+                                       randn_f64({2, 6}, 813, 0.5), randn_f64({2}, 814)});
   EXPECT_TRUE(r.ok) << r.message;
 }
 
 TEST(EpilogueGradcheck, LinearBiasF64) {
   const GradcheckResult r = gradcheck([](const TensorList& t) { return F::linear(t[0], t[1], t[2]); },
-                                      {rnd({2, 5, 8}, 820), rnd({8, 8}, 821), rnd({8}, 822)});
+                                      {randn_f64({2, 5, 8}, 820), randn_f64({8, 8}, 821), randn_f64({8}, 822)});
   EXPECT_TRUE(r.ok) << r.message;
 }
 
 TEST(EpilogueLinearGelu, OneNodeAndEmptyShapes) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
-  const Tensor w = rnd({8, 16}, 830).to(DType::f32).to(dev).requires_grad_();
-  const Tensor b = rnd({8}, 831).to(DType::f32).to(dev).requires_grad_();
-  const Tensor x = rnd({4, 16}, 832).to(DType::f32).to(dev);
+  const Tensor w = randn_f64({8, 16}, 830).to(DType::f32).to(dev).requires_grad_();
+  const Tensor b = randn_f64({8}, 831).to(DType::f32).to(dev).requires_grad_();
+  const Tensor x = randn_f64({4, 16}, 832).to(DType::f32).to(dev);
   const Tensor y = F::linear_gelu(x, w, b);
   EXPECT_EQ(y.grad_fn_name(), "LinearGeluBackward");
   {
@@ -312,9 +308,9 @@ TEST(EpilogueLinearGelu, OneNodeAndEmptyShapes) {
 TEST(EpilogueAutocast, LinearGeluFollowsLinearPolicy) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
-  const Tensor x = rnd({6, 32}, 900).to(DType::f32).to(dev).requires_grad_();
-  const Tensor w = rnd({16, 32}, 901, 0.2).to(DType::f32).to(dev).requires_grad_();
-  const Tensor b = rnd({16}, 902).to(DType::f32).to(dev).requires_grad_();
+  const Tensor x = randn_f64({6, 32}, 900).to(DType::f32).to(dev).requires_grad_();
+  const Tensor w = randn_f64({16, 32}, 901, 0.2).to(DType::f32).to(dev).requires_grad_();
+  const Tensor b = randn_f64({16}, 902).to(DType::f32).to(dev).requires_grad_();
   Tensor y, y_ref;
   {
     amp::AutocastGuard autocast(DType::bf16, dev.type);
@@ -343,10 +339,10 @@ TEST(EpilogueRule, FusedBiasGemmOnlyWhereTheLayoutAllows) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda();
   auto node_of = [&](const Shape& xs, int64_t in, int64_t out, DType dt, bool transposed_w, bool sliced_x) {
-    Tensor x = rnd(sliced_x ? Shape{xs[0], in + 2} : xs, 950).to(dt).to(dev);
+    Tensor x = randn_f64(sliced_x ? Shape{xs[0], in + 2} : xs, 950).to(dt).to(dev);
     if (sliced_x) x = x.narrow(1, 0, in);
-    Tensor w = transposed_w ? rnd({in, out}, 951).to(dt).to(dev).t() : rnd({out, in}, 951).to(dt).to(dev);
-    const Tensor b = rnd({out}, 952).to(dt).to(dev).requires_grad_();
+    Tensor w = transposed_w ? randn_f64({in, out}, 951).to(dt).to(dev).t() : randn_f64({out, in}, 951).to(dt).to(dev);
+    const Tensor b = randn_f64({out}, 952).to(dt).to(dev).requires_grad_();
     const Tensor y = F::linear(x, w, b);
     const Tensor want = ref_dense(x.to(Device::cpu()).to(DType::f64), w.detach().to(Device::cpu()).to(DType::f64),
                                   b.detach().to(Device::cpu()).to(DType::f64), false);
@@ -365,19 +361,20 @@ TEST(EpilogueRule, FusedBiasGemmOnlyWhereTheLayoutAllows) {
 }
 
 TEST(EpilogueRule, CpuAlwaysComposes) {
-  const Tensor x = rnd({4, 16}, 960), w = rnd({8, 16}, 961).requires_grad_(), b = rnd({8}, 962).requires_grad_();
+  const Tensor x = randn_f64({4, 16}, 960), w = randn_f64({8, 16}, 961).requires_grad_(),
+               b = randn_f64({8}, 962).requires_grad_();
   EXPECT_NE(F::linear(x, w, b).grad_fn_name(), "AddmmBackward");
 }
 
 TEST(EpilogueErrors, NameOpShapesAndDtypes) {
-  const Tensor x = rnd({4, 16}, 970), w = rnd({8, 16}, 971), b = rnd({8}, 972);
-  expect_error([&] { (void)F::linear_gelu(x, rnd({8, 15}, 1), b); }, {"linear_gelu", "in_features = 15"});
-  expect_error([&] { (void)F::linear_gelu(x, w, rnd({7}, 1)); }, {"linear_gelu", "bias", "[8]"});
+  const Tensor x = randn_f64({4, 16}, 970), w = randn_f64({8, 16}, 971), b = randn_f64({8}, 972);
+  expect_error([&] { (void)F::linear_gelu(x, randn_f64({8, 15}, 1), b); }, {"linear_gelu", "in_features = 15"});
+  expect_error([&] { (void)F::linear_gelu(x, w, randn_f64({7}, 1)); }, {"linear_gelu", "bias", "[8]"});
   expect_error([&] { (void)F::linear_gelu(x.to(DType::f32), w, b); }, {"linear_gelu", "f32", "f64"});
   expect_error([&] { (void)F::linear_gelu(x.to(DType::i64), w.to(DType::i64), b.to(DType::i64)); },
                {"linear_gelu", "floating", "i64"});
-  expect_error([&] { (void)F::mlp_gelu(x, w, b, rnd({4, 7}, 1), Tensor()); }, {"mlp_gelu", "w2", "[4, 7]"});
-  expect_error([&] { (void)F::mlp_gelu(x, w, b, rnd({4, 8}, 1), rnd({5}, 2)); }, {"mlp_gelu", "b2", "[4]"});
+  expect_error([&] { (void)F::mlp_gelu(x, w, b, randn_f64({4, 7}, 1), Tensor()); }, {"mlp_gelu", "w2", "[4, 7]"});
+  expect_error([&] { (void)F::mlp_gelu(x, w, b, randn_f64({4, 8}, 1), randn_f64({5}, 2)); }, {"mlp_gelu", "b2", "[4]"});
 }
 
 }  // namespace
