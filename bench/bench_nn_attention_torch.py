@@ -9,6 +9,7 @@ its default backend choice.
 """
 import argparse
 import json
+import os
 
 from bench_timing import median_ms
 
@@ -36,6 +37,17 @@ def bench_shape(torch, base, b, h, s, d, causal, reps, warmup):
         torch.autograd.grad(out, (q, k, v), gout)
 
     emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
+    if os.environ.get("FLAME_BENCH_TRACE"):  # where the forward+backward time goes
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fwdbwd()
+            torch.cuda.synchronize()
+        print(f"# kernels of 10 {base}{suffix} forward+backward calls (cuDNN {torch.backends.cudnn.version()}):")
+        try:
+            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=100)
+        except (AttributeError, KeyError):
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=100)
+        print(table)
 
 
 def bench_packed(torch, b, l, h, d, reps, warmup):

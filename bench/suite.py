@@ -66,6 +66,13 @@ ORDER = [
     ("nn_norm", "flame", 30, 10), ("nn_norm", "eager", 45, 15),
     ("nn_attention", "flame", 30, 10), ("nn_attention", "eager", 45, 15),
     ("nn_conv", "flame", 45, 10), ("nn_conv", "eager", 60, 15),
+    # Attention and conv run the same cuDNN kernels on both sides, at the GPU's power cap: their
+    # times drift a few percent with its power state, so they run in three alternating rounds
+    # (FLAME, PyTorch, FLAME, ...) and each side's median round counts (Note [Alternating rounds]).
+    ("nn_attention", "flame", 30, 0), ("nn_attention", "eager", 45, 0),
+    ("nn_conv", "flame", 45, 0), ("nn_conv", "eager", 60, 0),
+    ("nn_attention", "flame", 30, 0), ("nn_attention", "eager", 45, 0),
+    ("nn_conv", "flame", 45, 0), ("nn_conv", "eager", 60, 0),
     ("train_optim", "flame", 45, 10), ("train_optim", "eager", 60, 15),
     ("ops", "compile", 90, 20), ("nn_norm", "compile", 90, 20),
     ("nn_pool", "flame", 30, 0), ("nn_pool", "eager", 45, 0),
@@ -76,7 +83,7 @@ ORDER = [
 
 FIELDS = ["family", "work", "unit", "flame_ms", "eager_ms", "ratio_eager", "compile_ms", "ratio_compile",
           "rate", "rate_unit", "eager_rate", "compile_rate", "mfu", "img_s", "peak_mib_flame",
-          "peak_mib_eager", "peak_mib_compile", "compile_s", "flops", "flops_counted"]
+          "peak_mib_eager", "peak_mib_compile", "compile_s", "flops", "flops_counted", "rounds"]
 
 
 # ---------------------------------------------------------------------------------- the machine
@@ -248,6 +255,18 @@ def rec_rate(rec):
     return None, ""
 
 
+# Note [Alternating rounds]
+# A family listed more than once in ORDER gives each (case, side) one record per round; the row
+# takes the record with the median time of its side (the lower median for an even count), and
+# "rounds" says how many there were. Rounds alternate FLAME and PyTorch, so a drift in the GPU's
+# clocks (power cap, temperature) reaches both sides alike instead of favouring whichever ran first.
+def median_record(recs):
+    timed = sorted((r for r in recs if rec_ms(r) is not None), key=rec_ms)
+    if not timed:
+        return recs[-1]
+    return timed[(len(timed) - 1) // 2]
+
+
 def join(runs):
     """One row per (family, benchmark name), FLAME's order first."""
     by = {}
@@ -258,10 +277,11 @@ def join(runs):
             if key not in by:
                 by[key] = {}
                 order.append(key)
-            by[key][r["side"]] = rec
+            by[key].setdefault(r["side"], []).append(rec)
     rows = []
     for fam, name in order:
-        sides = by[(fam, name)]
+        rounds = {s: len(v) for s, v in by[(fam, name)].items()}
+        sides = {s: median_record(v) for s, v in by[(fam, name)].items()}
         f, e, c = sides.get("flame"), sides.get("eager"), sides.get("compile")
         fm, em, cm = rec_ms(f), rec_ms(e), rec_ms(c)
         rate, unit = rec_rate(f)
@@ -273,7 +293,8 @@ def join(runs):
                "peak_mib_flame": (f or {}).get("peak_mib"), "peak_mib_eager": (e or {}).get("peak_mib"),
                "peak_mib_compile": (c or {}).get("peak_mib"), "compile_s": (c or {}).get("compile_s"),
                "flops": (f or e or {}).get("flops"), "flops_counted": (e or {}).get("flops_counted"),
-               "errors": {s: v["error"] for s, v in sides.items() if "error" in v}}
+               "errors": {s: v["error"] for s, v in sides.items() if "error" in v},
+               "rounds": max(rounds.values())}
         rows.append(row)
         g = sides.get("flame_graph")
         if g:  # the same work as a whole-step CUDA graph (bench_steps --mode graph)
@@ -386,6 +407,14 @@ HEAD = ["work", "FLAME ms", "eager ms", "ratio", "compile ms", "ratio", "FLAME T
         "peak MiB F/e/c"]
 
 
+def rounds_line(rows):
+    fams = sorted({(r["family"], r["rounds"]) for r in rows if r.get("rounds", 1) > 1})
+    if not fams:
+        return ""
+    return ("alternating rounds (each side's median round; Note [Alternating rounds] in bench/suite.py): "
+            + ", ".join(f"{f} {n}" for f, n in fams))
+
+
 def text_table(rows, info, runs):
     lines = machine_lines(info) + [""]
     body = [cells(r) for r in rows]
@@ -402,6 +431,8 @@ def text_table(rows, info, runs):
     lines.append("")
     lines.append("ratio = FLAME time / PyTorch time (below 1.00x: FLAME faster); compile = torch.compile "
                  "(default mode); '-' = not measured (same kernel as eager, or not run)")
+    if rounds_line(rows):
+        lines.append(rounds_line(rows))
     lines.append("issue #12 targets (this run, FLAME eager):")
     lines += [f"  {t}" for t in target_lines(rows)]
     if compile_lines(rows):
@@ -433,6 +464,8 @@ def markdown(rows, info, runs, png_name):
     out.append("")
     if png_name:
         out += [f"![FLAME time / PyTorch time per case]({png_name})", ""]
+    if rounds_line(rows):
+        out += [rounds_line(rows)[0].upper() + rounds_line(rows)[1:] + ".", ""]
     out += ["Issue #12 targets in this run:", ""] + [f"- {t}" for t in target_lines(rows)] + [""]
     if compile_lines(rows):
         out += ["torch.compile warm-up (compilation, not in the step times): " + ", ".join(compile_lines(rows)), ""]

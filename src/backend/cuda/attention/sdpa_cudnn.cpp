@@ -10,11 +10,13 @@
 // threads at once, so handles and plan caches are per thread (thread_local): no locks, and two
 // threads never share a plan. The handle is bound to the current stream on every call
 // (Note [Current stream] in cuda_backend.h), and the workspace comes from FLAME's pool on that
-// stream (freed stream-ordered after the call; a graph-private block under capture).
+// stream (freed stream-ordered after the call; a graph-private block under capture). The first
+// eager execution of a plan may time the heuristic's candidates (Note [cuDNN autotuning]).
 #include <cudnn.h>
 
 #include <cstring>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -27,6 +29,7 @@
 #pragma GCC diagnostic pop
 
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/cudnn_autotune.h"
 
 namespace flame::backend::cuda {
 
@@ -72,7 +75,8 @@ struct KeyHash {
 
 struct Plan {
   std::shared_ptr<fe::graph::Graph> graph;
-  int64_t workspace = 0;
+  int64_t workspace = 0;  // of the heuristic's plan
+  cudnn_autotune::State tune;
 };
 
 fe::DataType_t io_type(DType dt) {
@@ -117,6 +121,7 @@ void finish(Plan& plan, cudnnHandle_t handle, const std::vector<int64_t>& key) {
   check_fe(g.check_support(handle), "check_support", key);
   check_fe(g.build_plans(handle), "build_plans", key);
   check_fe(g.get_workspace_size(plan.workspace), "get_workspace_size", key);
+  plan.tune = cudnn_autotune::build_candidates(g);
 }
 
 void new_graph(Plan& plan, DType dt) {
@@ -128,7 +133,7 @@ void new_graph(Plan& plan, DType dt) {
 
 using PlanCache = std::unordered_map<std::vector<int64_t>, Plan, KeyHash>;
 
-const Plan& forward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, const Tensor& out, const Tensor& stats,
+Plan& forward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, const Tensor& out, const Tensor& stats,
                          const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias, double scale,
                          bool causal) {
   thread_local PlanCache cache;
@@ -150,7 +155,7 @@ const Plan& forward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, 
   return cache.emplace(key, std::move(plan)).first->second;
 }
 
-const Plan& backward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, const Tensor& dq, const Tensor& dk,
+Plan& backward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, const Tensor& dq, const Tensor& dk,
                           const Tensor& dv, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& dout, const Tensor& stats, const Tensor& bias, double scale, bool causal) {
   thread_local PlanCache cache;
@@ -179,11 +184,18 @@ const Plan& backward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key,
   return cache.emplace(key, std::move(plan)).first->second;
 }
 
-void run(CudaBackend& be, const Plan& plan, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
+void run(CudaBackend& be, Plan& plan, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
          const std::vector<int64_t>& key) {
+  if (!plan.tune.done) {  // Note [cuDNN autotuning]
+    std::string what = key[0] == 0 ? "SDPA forward [B,H,L,S,E,Ev] = [" : "SDPA backward [B,H,L,S,E,Ev] = [";
+    for (int i = 3; i < 9; ++i) what += std::to_string(key[i]) + (i < 8 ? "," : "]");
+    cudnn_autotune::tune(plan.tune, *plan.graph, handle, pack, be.stream(),
+                         [&be](std::size_t n) { return be.allocate(n); }, what);
+  }
+  const int64_t bytes = plan.tune.index < 0 ? plan.workspace : plan.tune.workspace;
   std::shared_ptr<void> ws;
-  if (plan.workspace > 0) ws = be.allocate(static_cast<std::size_t>(plan.workspace));
-  check_fe(plan.graph->execute(handle, pack, ws.get()), "execute", key);
+  if (bytes > 0) ws = be.allocate(static_cast<std::size_t>(bytes));
+  check_fe(cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, ws.get()), "execute", key);
 }
 
 // Makes `device` current for the scope (common.cuh's DeviceGuard needs nvcc; this file is host C++).
@@ -222,7 +234,7 @@ void CudaBackend::sdpa_forward(const Tensor& out, const Tensor& stats, const Ten
   FLAME_CUDNN_CHECK(cudnnSetStream(handle, stream()));
   std::vector<int64_t> key = base_key(0, device_, q, k, v, bias, scale, causal);
   append(key, strides4(out));
-  const Plan& plan = forward_plan(handle, key, out, stats, q, k, v, bias, scale, causal);
+  Plan& plan = forward_plan(handle, key, out, stats, q, k, v, bias, scale, causal);
   std::unordered_map<int64_t, void*> pack{{kQ, q.data_ptr()},   {kK, k.data_ptr()},        {kV, v.data_ptr()},
                                           {kO, out.data_ptr()}, {kStats, stats.data_ptr()}};
   if (bias.defined()) pack[kBias] = bias.data_ptr();
@@ -246,7 +258,7 @@ void CudaBackend::sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor
   append(key, strides4(dq));
   append(key, strides4(dk));
   append(key, strides4(dv));
-  const Plan& plan = backward_plan(handle, key, dq, dk, dv, q, k, v, out, dout, stats, bias, scale, causal);
+  Plan& plan = backward_plan(handle, key, dq, dk, dv, q, k, v, out, dout, stats, bias, scale, causal);
   std::unordered_map<int64_t, void*> pack{
       {kQ, q.data_ptr()},   {kK, k.data_ptr()},       {kV, v.data_ptr()},        {kO, out.data_ptr()},
       {kDO, dout.data_ptr()}, {kStats, stats.data_ptr()}, {kDQ, dq.data_ptr()}, {kDK, dk.data_ptr()},

@@ -12,6 +12,8 @@
 // runs as a 2-d one with a leading spatial dim of size 1 (cuDNN wants 4-d or 5-d tensors).
 // A problem cuDNN cannot build a plan for is cached as a failure; a channels-last one is then run
 // contiguous through staging copies (Note [cuDNN layout fallback]), a contiguous one raises.
+// The first eager execution of a plan may time the heuristic's candidates and keep the fastest
+// (Note [cuDNN autotuning] in cudnn_autotune.h).
 //
 // Note [cuDNN handles]
 // cuDNN handles are not safe to share between threads that set different streams, so each thread
@@ -43,6 +45,7 @@
 #include <cudnn_frontend.h>
 
 #include "src/backend/cuda/cuda_backend.h"
+#include "src/backend/cuda/cudnn_autotune.h"
 #include "src/ops/conv.h"
 
 namespace flame::backend::cuda {
@@ -142,7 +145,8 @@ constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3;
 struct ConvPlan {
   std::shared_ptr<fe::graph::Graph> graph;  // null: cuDNN could not build this one (error below)
   std::string error;
-  int64_t workspace = 0;
+  int64_t workspace = 0;        // of the heuristic's plan
+  cudnn_autotune::State tune;   // guarded by run_mutex
   std::mutex run_mutex;
 };
 
@@ -275,6 +279,7 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
   check_fe(graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "plan build", name, what);
   auto plan = std::make_unique<ConvPlan>();
   check_fe(graph->get_workspace_size(plan->workspace), "workspace query", name, what);
+  plan->tune = cudnn_autotune::build_candidates(*graph);
   plan->graph = std::move(graph);
   return plan;
 }
@@ -384,11 +389,15 @@ void run_conv(CudaBackend& be, ConvOp op, const Tensor& x, const Tensor& w, cons
     else be.copy(w, wc);
     return;
   }
-  std::shared_ptr<void> workspace;
-  if (plan.workspace > 0) workspace = be.allocate(static_cast<std::size_t>(plan.workspace));
   std::unordered_map<int64_t, void*> pack{{kUidX, x.data_ptr()}, {kUidW, w.data_ptr()}, {kUidY, y.data_ptr()}};
   std::lock_guard<std::mutex> lock(plan.run_mutex);
-  const fe::error_t e = plan.graph->execute(handle, pack, workspace.get());
+  if (!plan.tune.done)  // Note [cuDNN autotuning]
+    cudnn_autotune::tune(plan.tune, *plan.graph, handle, pack, stream,
+                         [&be](std::size_t n) { return be.allocate(n); }, describe(op, x, w, y, p));
+  const int64_t bytes = plan.tune.index < 0 ? plan.workspace : plan.tune.workspace;
+  std::shared_ptr<void> workspace;
+  if (bytes > 0) workspace = be.allocate(static_cast<std::size_t>(bytes));
+  const fe::error_t e = cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, workspace.get());
   if (e.is_bad()) {
     fe::error_t copy = e;
     FLAME_FAIL(name.c_str(), "cuDNN execution failed for ", describe(op, x, w, y, p), ": ", copy.get_message());
