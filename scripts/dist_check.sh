@@ -7,8 +7,8 @@
 # Builds nothing. Runs (1) the Dist* tests on "nccl" (FLAME_TEST_DEVICE=cuda), (2) flame-diffusion
 # under flame-run on all GPUs for 60 steps, (3) the weak-scaling bench of a dit-s step, 1 vs 2 (vs 4) GPUs,
 # FLAME (dist_bench under flame-run) and PyTorch DDP (torchrun) in the same run, with the
-# all-reduce/backward overlap from CUDA events. Prints a summary last; exit status 1 if a part
-# failed. Under 300 s.
+# all-reduce/backward overlap from CUDA events, FLAME eager and as one CUDA graph. Prints a summary
+# last; exit status 1 if a part failed. About 300 s with the default batches.
 set -u
 BUILD="${1:-build-cuda}"
 LOGS="$BUILD/dist-check"
@@ -53,46 +53,56 @@ else
 fi
 
 # ---- 3. scaling bench, FLAME vs PyTorch DDP ----
+# Per-GPU batches in DIST_BATCHES (default 64 and 256, the trainer's); FLAME eager and as one CUDA
+# graph (dist_bench --mode graph, the trainer's --compile), PyTorch DDP eager.
 DB="$BUILD/apps/diffusion/dist_bench"
-B=64
 : >"$LOGS/bench.log"
-if [[ -x "$DB" ]]; then
-  timeout 60 "$DB" --batch $B >>"$LOGS/bench.log" 2>&1 || note "dist_bench 1 GPU failed"
-  for g in 2 4 8; do
-    [[ $g -le $NGPU ]] || continue
-    timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B >>"$LOGS/bench.log" 2>&1 || note "dist_bench $g GPUs failed"
-  done
-fi
-if python3 -c "import torch" 2>/dev/null; then
-  timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || note "torch bench 1 GPU failed"
-  for g in 2 4 8; do
-    [[ $g -le $NGPU ]] || continue
-    timeout 90 python3 -m torch.distributed.run --nproc-per-node $g bench/bench_dist_torch.py --batch $B \
-      >>"$LOGS/bench.log" 2>&1 || note "torch bench $g GPUs failed"
-  done
-else
-  note "PyTorch not installed: no torchrun comparison"
-fi
+for B in ${DIST_BATCHES:-64 256}; do
+  if [[ -x "$DB" ]]; then
+    for mode in eager graph; do
+      timeout 60 "$DB" --batch $B --mode $mode >>"$LOGS/bench.log" 2>&1 || note "dist_bench 1 GPU B$B $mode failed"
+      for g in 2 4 8; do
+        [[ $g -le $NGPU ]] || continue
+        timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B --mode $mode >>"$LOGS/bench.log" 2>&1 ||
+          note "dist_bench $g GPUs B$B $mode failed"
+      done
+    done
+  fi
+  if python3 -c "import torch" 2>/dev/null; then
+    timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || note "torch bench 1 GPU failed"
+    for g in 2 4 8; do
+      [[ $g -le $NGPU ]] || continue
+      timeout 90 python3 -m torch.distributed.run --nproc-per-node $g bench/bench_dist_torch.py --batch $B \
+        >>"$LOGS/bench.log" 2>&1 || note "torch bench $g GPUs failed"
+    done
+  else
+    note "PyTorch not installed: no torchrun comparison"
+  fi
+done
 grep -E '^(BENCH|OVERLAP)' "$LOGS/bench.log"
 python3 - "$LOGS/bench.log" <<'PY' | while IFS= read -r l; do note "$l"; done
-import json, sys
+import json, re, sys
 rows = {}
 for line in open(sys.argv[1]):
     if line.startswith("BENCH "):
         r = json.loads(line[6:])
-        rows[(r["impl"], r["gpus"])] = r
-for impl in ("flame", "torch"):
-    one = rows.get((impl, 1))
+        m = re.match(r"ddp_step/([^/]+)/b(\d+)_per_gpu/gpus\d+(/graph)?$", r["name"])
+        if not m:
+            continue
+        kind = r["impl"] + (" graph" if m.group(3) else (" eager" if r["impl"] == "flame" else " DDP"))
+        rows.setdefault((int(m.group(2)), kind), {})[r["gpus"]] = r
+for (batch, kind), by in sorted(rows.items()):
+    one = by.get(1)
     if not one:
-        print(f"scaling {impl}: no 1-GPU result")
+        print(f"scaling {kind} {batch}/GPU: no 1-GPU result")
         continue
-    parts = [f"1 GPU {one['ms']:.1f} ms/step {one['images_per_s']:.0f} img/s"]
+    parts = [f"1 GPU {one['ms']:.2f} ms/step"]
     for g in (2, 4, 8):
-        r = rows.get((impl, g))
+        r = by.get(g)
         if r:
             eff = r["images_per_s"] / (g * one["images_per_s"])
-            parts.append(f"{g} GPUs {r['ms']:.1f} ms/step {r['images_per_s']:.0f} img/s, weak-scaling efficiency {eff:.0%}")
-    print(f"scaling {impl}: " + "; ".join(parts))
+            parts.append(f"{g} GPUs {r['ms']:.2f} ms/step, weak scaling {eff:.1%}")
+    print(f"scaling {kind} {batch}/GPU: " + "; ".join(parts))
 PY
 grep -E '^OVERLAP' "$LOGS/bench.log" | while IFS= read -r l; do note "$l"; done
 

@@ -241,6 +241,13 @@ TEST(DistDDP, MatchesOneProcessWithTheGlobalBatchOnTwoAndFourRanks) {
   }
 }
 
+TEST(DistDDP, CapturedInACudaGraphMatchesOneProcessOnTwoRanks) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  if (!using_nccl()) GTEST_SKIP() << "CUDA graphs hold collectives on the nccl backend only (FLAME_TEST_DEVICE=cuda)";
+  const auto r = run_ranks("ddp_graph", 2, {});
+  EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
 TEST(DistZero, MatchesOneProcessAdamWAndConsolidatesItsState) {
   DIST_SKIP_UNLESS_RANKS(2);
   for (int world : {2, 3}) {

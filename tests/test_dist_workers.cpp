@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <random>
 
+#include "flame/cuda/graph_step.h"
 #include "flame/io/safetensors.h"
 #include "flame/nn.h"
 #include "flame/optim.h"
@@ -211,6 +212,67 @@ int ddp() {
   return 0;
 }
 
+// DDP captured into a CUDA graph (nccl): two eager warm-up steps, the capture, then replays with
+// each step's batch copied into static inputs; the parameters must follow the one-process run
+// with the global batch. Host waits inside a capture raise and leave the group usable.
+int ddp_graph() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  WCHECK(dev.is_cuda());
+  auto model = make_model(R == 0 ? 11 : 29, dev);
+  dist::DistributedDataParallel ddp(model, dist::DDPOptions{.bucket_cap_mb = 100.0 / (1024 * 1024),
+                                                            .record_launch_events = true});
+  auto ref = make_model(11, dev);
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9, .capturable = true});
+  optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  Tensor x = Tensor::empty({kBatch / W, 5}, TensorOptions(DType::f32, dev));
+  Tensor y = Tensor::empty({kBatch / W, 3}, TensorOptions(DType::f32, dev));
+  Tensor loss_out;
+  cuda::GraphedStep step(
+      [&] {
+        Tensor loss = mse_loss(ddp(x), y);
+        Gradients g = loss.backward();
+        ddp.finish_gradients(g);
+        opt.step(g);
+        loss_out = loss.detach();
+      },
+      cuda::GraphedStepOptions{.warmup_steps = 2, .device = dev.index});
+  constexpr int kSteps = 6;
+  for (int s = 0; s < kSteps; ++s) {
+    cuda::GraphedStep::copy_input(x, shard(batch_x(s, dev), R, W));
+    cuda::GraphedStep::copy_input(y, shard(batch_y(s, dev), R, W));
+    step();
+    pg->watch("captured DDP step " + std::to_string(s));
+    // This rank's loss: the reference model's (the same parameters before the update) on the shard.
+    Tensor ref_loss;
+    {
+      NoGradGuard ng;
+      ref_loss = mse_loss(ref->forward(shard(batch_x(s, dev), R, W)), shard(batch_y(s, dev), R, W));
+    }
+    WCHECK(close(loss_out, ref_loss, 2e-5, "loss of step " + std::to_string(s)));
+    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
+    ref_opt.step(rg);
+  }
+  WCHECK(step.captured());
+  WCHECK(step.replays() == kSteps - 2);
+  WCHECK(same_params(*model, *ref, 2e-5, "after 2 eager and 4 replayed steps"));
+  // Host waits are refused while capturing; the aborted capture leaves the group working.
+  bool barrier_raised = false;
+  try {
+    cuda::Graph g;
+    cuda::capture(g, [&] { pg->barrier(); }, dev.index);
+  } catch (const Error&) {
+    barrier_raised = true;
+  }
+  WCHECK(barrier_raised);
+  Tensor t = Tensor::ones({4}, TensorOptions(DType::f32, dev));
+  pg->all_reduce(t);
+  WCHECK(close(t, Tensor::full({4}, static_cast<double>(W)), 0, "all_reduce after the refused capture"));
+  pg->barrier();
+  return 0;
+}
+
 std::vector<optim::ParamGroup> adamw_groups(nn::Module& m) {
   optim::AdamWOptions o{.lr = 0.05, .weight_decay = 0.1};
   TensorList weights, biases;
@@ -362,6 +424,7 @@ int run_worker(const std::string& name) {
     int rc = 0;
     if (name == "collectives") rc = collectives();
     else if (name == "ddp") rc = ddp();
+    else if (name == "ddp_graph") rc = ddp_graph();
     else if (name == "zero") rc = zero();
     else if (name == "ckpt_save") rc = ckpt_save();
     else if (name == "ckpt_resume") rc = ckpt_resume();

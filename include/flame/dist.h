@@ -104,7 +104,11 @@ struct ProcessGroupOptions {
 // Collectives on contiguous tensors, in place, as torch.distributed: every rank calls the same
 // collectives in the same order with tensors of the same shape and dtype. async: returns at once
 // (wait on the Work before reading or writing the tensors); otherwise the call waits as
-// Work::wait does.
+// Work::wait does. On "nccl" the collectives (and DistributedDataParallel) may be captured into a
+// CUDA graph (cuda::Graph, cuda::GraphedStep; Note [Collectives in CUDA graphs] in
+// src/dist/nccl_group.cpp): run them eagerly once first, keep their tensors alive while the graph
+// lives, wait() on every captured Work before the capture ends, and watch() after each replay.
+// barrier() and Work::is_completed() are host waits/queries and raise under capture.
 class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
@@ -125,6 +129,12 @@ class ProcessGroup {
   virtual void barrier() = 0;
   // Stops the group after a failure: later calls raise; peers see the connection close.
   virtual void abort(const std::string& reason) = 0;
+  // Bounds the work queued so far on the current stream by the group's timeout, as if it were a
+  // collective: "nccl" records an event there, and its watchdog fails the group (naming `what`)
+  // when the event is not reached in time. For collectives the group cannot see: those replayed
+  // from a CUDA graph (Note [Collectives in CUDA graphs]); call it after each replay. A no-op on
+  // "tcp", whose collectives run on the host. Not during a capture.
+  virtual void watch(const std::string& what) { (void)what; }
 
   TCPStore& store() { return *store_; }
 

@@ -13,6 +13,12 @@
 // each bucket slot back into the store, so every rank's store holds the same averaged gradient
 // for every parameter. A parameter whose gradient arrives again after its bucket was launched
 // (two backward passes without no_sync) is an error naming it.
+//
+// A synchronised step may be captured into a CUDA graph (the trainer's --compile): the hooks and
+// finish_gradients() run as host code at the capture, recording the bucket copies, the
+// all-reduces (Note [Collectives in CUDA graphs] in nccl_group.cpp) and the copies back; every
+// replay runs them in that order. The graph fixes which parameters get gradients, as any replayed
+// step does; the buckets are allocated here, so they outlive the graph.
 #include <algorithm>
 #include <chrono>
 #include <numeric>
@@ -67,7 +73,8 @@ struct DistributedDataParallel::State {
   }
 
   void launch(Bucket& b) {
-    if (record_events) {
+    // A timing event cannot be recorded into a CUDA graph: captured steps record none.
+    if (record_events && !cuda::is_capturing(b.flat.device().index)) {
       auto e = std::make_shared<cuda::Event>(/*enable_timing=*/true);
       e->record(cuda::Stream::current(b.flat.device().index));
       launch_events.push_back(std::move(e));

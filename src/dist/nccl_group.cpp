@@ -18,6 +18,19 @@
 // (FLAME_DIST_EXIT_ON_FAILURE=0 keeps it alive), because a training loop blocked elsewhere (in a
 // synchronising read waiting for the collective) may never call into the group again: never a
 // silent hang. The report and the exit timer come before ncclCommAbort, which may itself wait.
+//
+// Note [Collectives in CUDA graphs]
+// A collective called while the current stream is being captured (cuda::Graph, GraphedStep) is
+// recorded, not run: the fork (the communication stream waits on an event of the capturing
+// stream) and NCCL's kernels become part of the graph, and Work::wait() joins the communication
+// stream back into the capture, as every captured Work must be before the capture ends. NCCL
+// supports capture once the communicator is connected, which the eager warm-up steps do. What a
+// captured call skips: the watchdog entry (its event belongs to the graph and cannot be queried
+// from the host) and record_stream (the graph holds no allocations of the caller: its tensors
+// must outlive the graph, like every tensor a graph reads). The watchdog therefore cannot see the
+// collectives of a replay; ProcessGroup::watch() after each replay puts an event behind the
+// replay on the watch list, so a dead or hung peer still fails the group within the timeout.
+// Host waits (barrier, Work::is_completed) raise under capture.
 #include "src/dist/internal.h"
 
 #if defined(FLAME_WITH_NCCL)
@@ -68,7 +81,7 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 
 struct Pending {
   uint64_t seq;
-  const char* name;
+  std::string name;
   std::shared_ptr<fc::Event> done;
   Clock::time_point start;
 };
@@ -136,11 +149,16 @@ struct Core {
 struct NcclWork final : Work::State {
   std::shared_ptr<Core> core;
   std::shared_ptr<fc::Event> done;
+  bool captured = false;  // recorded into a CUDA graph (Note [Collectives in CUDA graphs])
   void wait() override {
     if (core->failed.load()) FLAME_FAIL("dist", core->snapshot_error());
     fc::Stream::current(core->device).wait(*done);
   }
-  bool completed() const override { return core->failed.load() || done->query(); }
+  bool completed() const override {
+    FLAME_CHECK(!captured, "dist::Work::is_completed", "the collective was captured into a CUDA graph: it runs at "
+                "each replay and has no completion to query; wait() orders the stream after it");
+    return core->failed.load() || done->query();
+  }
   // The host waits (barrier), bounded by the watchdog's timeout.
   void host_wait() {
     while (!done->query()) {
@@ -167,7 +185,7 @@ void watchdog(std::shared_ptr<Core> core) {
         try {
           finished = it->done->query();
         } catch (const std::exception& ex) {
-          problem = std::string("CUDA error while waiting for ") + it->name + " #" + std::to_string(it->seq) + ": " +
+          problem = "CUDA error while waiting for " + it->name + " #" + std::to_string(it->seq) + ": " +
                     ex.what();
           break;
         }
@@ -175,7 +193,7 @@ void watchdog(std::shared_ptr<Core> core) {
           it = core->pending.erase(it);
         } else {
           if (Clock::now() - it->start > core->timeout)
-            problem = std::string(it->name) + " #" + std::to_string(it->seq) + " did not finish within " +
+            problem = it->name + " #" + std::to_string(it->seq) + " did not finish within " +
                       std::to_string(core->timeout.count()) + " ms (a peer died, hung or called another collective)";
           break;  // later collectives queue behind this one
         }
@@ -314,6 +332,8 @@ class NcclGroup final : public ProcessGroup {
   }
 
   void barrier() override {
+    FLAME_CHECK(!fc::is_capturing(core_->device), "dist::barrier",
+                "the host waits for every rank: not while a CUDA graph is being captured on cuda:", core_->device);
     Tensor t = Tensor::ones({1}, TensorOptions(DType::f32, device()));
     Work w = all_reduce(t, ReduceOp::sum, true);
     last_->host_wait();
@@ -322,11 +342,22 @@ class NcclGroup final : public ProcessGroup {
 
   void abort(const std::string& reason) override { core_->fail("the group was aborted: " + reason, false); }
 
+  void watch(const std::string& what) override {
+    FLAME_CHECK(!fc::is_capturing(core_->device), "dist::ProcessGroup::watch",
+                "call it after a replay, not while capturing on cuda:", core_->device);
+    if (core_->failed.load()) FLAME_FAIL("dist::ProcessGroup::watch", core_->snapshot_error());
+    auto done = std::make_shared<fc::Event>();
+    done->record(fc::Stream::current(core_->device));
+    std::lock_guard<std::mutex> lk(core_->mu);
+    core_->pending.push_back(Pending{++core_->seq, what, done, Clock::now()});
+  }
+
  private:
   Work enqueue(const char* name, std::initializer_list<Tensor> tensors, bool async,
                const std::function<ncclResult_t(ncclComm_t, cudaStream_t)>& call) {
     if (core_->failed.load()) FLAME_FAIL((std::string("dist::") + name).c_str(), core_->snapshot_error());
     cudaSetDevice(core_->device);
+    const bool captured = fc::is_capturing(core_->device);  // Note [Collectives in CUDA graphs]
     const fc::Stream compute = fc::Stream::current(core_->device);
     fc::Event ready;
     ready.record(compute);
@@ -342,12 +373,14 @@ class NcclGroup final : public ProcessGroup {
                   r == ncclInProgress ? "call did not return within the timeout" : ncclGetErrorString(r), " (",
                   ncclGetLastError(core_->comm), ")");
       done->record(*comm_stream_);
-      core_->pending.push_back(Pending{seq, name, done, Clock::now()});
+      if (!captured) core_->pending.push_back(Pending{seq, name, done, Clock::now()});
     }
-    for (const Tensor& t : tensors) fc::record_stream(t, *comm_stream_);
+    if (!captured)
+      for (const Tensor& t : tensors) fc::record_stream(t, *comm_stream_);
     auto work = std::make_shared<NcclWork>();
     work->core = core_;
     work->done = done;
+    work->captured = captured;
     last_ = work;
     Work w(work);
     if (!async) w.wait();

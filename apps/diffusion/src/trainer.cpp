@@ -283,10 +283,6 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                  static_cast<long long>(c.accum));
     compile = false;
   }
-  if (compile && dist_world() > 1) {  // DDP's collectives run from backward hooks, outside a graph
-    std::fprintf(stderr, "--compile: not under flame-run with %d ranks yet; this run steps eagerly\n", dist_world());
-    compile = false;
-  }
   optim::AdamW opt(r.trainable, {.lr = c.lr, .weight_decay = c.weight_decay, .capturable = compile});
   optim::SchedulerPtr sched;
   if (c.schedule == "cosine") {
@@ -384,7 +380,9 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   // are summed on the device into `loss_window` and read (one wait) only at log lines, so the CSV
   // gets one row per --log-every steps holding the window's mean loss and the last gradient norm.
   // The random streams are those of the eager loop (Note [Graph-safe RNG]), so a compiled run
-  // follows the eager run up to floating-point reassociation.
+  // follows the eager run up to floating-point reassociation. Under flame-run the graph holds
+  // DDP's bucket all-reduces too (Note [Collectives in CUDA graphs] in src/dist/nccl_group.cpp);
+  // each step is then handed to the process group's watchdog, which cannot see inside a replay.
   Tensor s_images, s_labels, s_loss, s_gnorm, loss_window;
   std::unique_ptr<flame::cuda::GraphedStep> graphed;
   std::function<void()> compiled_step;
@@ -399,6 +397,7 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
             loss = r.objective->loss(*r.model, s_images, y, &gen);
           }
           flame::Gradients g = loss.backward();
+          if (ddp) ddp->finish_gradients(g);  // the bucket all-reduces are part of the graph
           s_gnorm = c.grad_clip > 0 ? flame::clip_grad_norm(g, c.grad_clip) : flame::grad_norm(g);
           opt.step(g);
           ema.update();
@@ -433,6 +432,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
     } else {
       compiled_step();
     }
+    // A replay's all-reduces are invisible to the NCCL watchdog: bound the step by its timeout.
+    if (world > 1) flame::dist::default_group().watch("compiled step " + std::to_string(step));
     sched->step();  // the next step's lr, written to the device (no wait)
     ++step;
     ++unread;
