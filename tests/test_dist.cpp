@@ -287,6 +287,20 @@ TEST(DistFailure, KilledRankMakesTheOthersFailNamingItWithinTheTimeout) {
   EXPECT_LT(secs, timeout_s + 20.0) << r.report();
 }
 
+TEST(DistFailure, PeerStoppingDuringGraphReplaysFailsTheOthersWithinTheTimeout) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  if (!using_nccl()) GTEST_SKIP() << "CUDA graphs hold collectives on the nccl backend only (FLAME_TEST_DEVICE=cuda)";
+  const auto start = std::chrono::steady_clock::now();
+  const auto r = run_ranks("graph_hang", 2, {{"FLAME_DIST_TIMEOUT", "3"}}, 40, /*kill_after=*/1);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Rank 0 fails: its next watch() raises (status 3) or the exit timer ends it (status 1).
+  const int s0 = r.status[0];
+  EXPECT_TRUE(WIFEXITED(s0) && (WEXITSTATUS(s0) == 1 || WEXITSTATUS(s0) == 3)) << r.report();
+  EXPECT_NE(r.output[0].find("did not finish within"), std::string::npos) << r.report();
+  EXPECT_NE(r.output[0].find("graph replay"), std::string::npos) << r.report();
+  EXPECT_LT(secs, 30.0) << r.report();
+}
+
 TEST(DistFailure, HungRankTimesOutNamingIt) {
   DIST_SKIP_UNLESS_RANKS(3);
   if (using_nccl()) GTEST_SKIP() << "the NCCL watchdog cannot tell which peer hangs; the tcp run covers naming it";

@@ -414,6 +414,22 @@ int hang() {
   return 1;
 }
 
+// A peer that stops replaying a graph with a collective inside: the others' watch() entries are
+// not reached, so their watchdog fails the group within the timeout instead of waiting forever.
+int graph_hang() {
+  auto pg = init();
+  const Device dev = pg->device();
+  Tensor t = Tensor::ones({1024}, TensorOptions(DType::f32, dev));
+  cuda::GraphedStep step([&] { pg->all_reduce(t, dist::ReduceOp::avg); }, {.warmup_steps = 1, .device = dev.index});
+  for (int i = 0; i < 4000; ++i) {  // 20 s of steps: far beyond the 3 s timeout
+    if (pg->rank() == 1 && i == 5) std::this_thread::sleep_for(std::chrono::seconds(60));
+    step();
+    pg->watch("graph replay " + std::to_string(i));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return 1;
+}
+
 int sleep_worker() {
   std::this_thread::sleep_for(std::chrono::seconds(30));
   return 0;
@@ -431,6 +447,7 @@ int run_worker(const std::string& name) {
     else if (name == "die") rc = die();
     else if (name == "hang") rc = hang();
     else if (name == "sleep") rc = sleep_worker();
+    else if (name == "graph_hang") rc = graph_hang();
     else {
       std::fprintf(stderr, "unknown worker %s\n", name.c_str());
       return 2;
