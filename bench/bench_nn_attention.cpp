@@ -9,7 +9,7 @@
 //     select composite (the twin: unbind for packed, indexing for select), so the gain shows.
 // fwdbwd = forward + backward with a fixed upstream gradient (q, k, v require grad).
 // Usage: bench_nn_attention [--reps N] [--warmup N]; FLAME_BENCH_TRACE=1 also prints the kernels of
-// ten forward+backward calls of each shape (the twin prints PyTorch's with torch.profiler).
+// the timed forward+backward calls of each shape (the twin prints PyTorch's with torch.profiler).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,16 +60,18 @@ void bench_shape(const std::string& base, int64_t b, int64_t h, int64_t s, int64
     v.requires_grad_();
     flame::BackwardOptions opt;
     opt.grad_output = gout;
+    // FLAME_BENCH_TRACE: the kernels of the timed calls themselves (warm-up included), to see
+    // where the forward+backward time goes and whether the GPU idles between calls.
+    const bool tracing = std::getenv("FLAME_BENCH_TRACE") != nullptr;
+    flame::profiler::KernelTrace trace;
+    if (tracing) trace.start();
     emit(base + "_fwdbwd" + suffix, median_ms(reps, warmup, [&] {
            (void)F::scaled_dot_product_attention(q, k, v, {}, 0.0, causal).backward(opt);
          }));
-    if (std::getenv("FLAME_BENCH_TRACE") != nullptr) {  // where the forward+backward time goes
-      flame::profiler::KernelTrace trace;
-      trace.start();
-      for (int i = 0; i < 10; ++i) (void)F::scaled_dot_product_attention(q, k, v, {}, 0.0, causal).backward(opt);
+    if (tracing) {
       trace.stop();
-      std::printf("# kernels of 10 %s forward+backward calls:\n%s", (base + suffix).c_str(),
-                  trace.summary(12, 100).c_str());
+      std::printf("# kernels of the %d timed %s forward+backward calls (and %d warm-up):\n%s", reps,
+                  (base + suffix).c_str(), warmup, trace.summary(12, 100).c_str());
     }
   } catch (const std::exception& e) {
     std::printf("BENCH {\"name\": \"%s\", \"error\": \"see stderr\"}\n", (base + suffix).c_str());

@@ -36,18 +36,19 @@ def bench_shape(torch, base, b, h, s, d, causal, reps, warmup):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         torch.autograd.grad(out, (q, k, v), gout)
 
-    emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
-    if os.environ.get("FLAME_BENCH_TRACE"):  # where the forward+backward time goes
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                fwdbwd()
-            torch.cuda.synchronize()
-        print(f"# kernels of 10 {base}{suffix} forward+backward calls (cuDNN {torch.backends.cudnn.version()}):")
-        try:
-            table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=100)
-        except (AttributeError, KeyError):
-            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=100)
-        print(table)
+    if not os.environ.get("FLAME_BENCH_TRACE"):
+        emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
+        return
+    # The kernels of the timed calls themselves (warm-up included), as the FLAME side traces them.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        emit(base + "_fwdbwd" + suffix, median_ms(torch, fwdbwd, reps, warmup))
+    print(f"# kernels of the {reps} timed {base}{suffix} forward+backward calls (and {warmup} warm-up; "
+          f"cuDNN {torch.backends.cudnn.version()}):")
+    try:
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=100)
+    except (AttributeError, KeyError):
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=100)
+    print(table)
 
 
 def bench_packed(torch, b, l, h, d, reps, warmup):

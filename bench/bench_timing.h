@@ -2,7 +2,8 @@
 // Timing shared by the CUDA benchmarks (bench/bench_nn_*.cpp): the method every PyTorch twin
 // repeats in bench/bench_timing.py. Warm-up calls, then `reps` calls queued back to back on the
 // stream with an event recorded between consecutive calls; the result is the median per-call time
-// in milliseconds (no host synchronisation inside the timed region).
+// in milliseconds (no host synchronisation inside the timed region). FLAME_BENCH_DUMP=1 also prints
+// every call's time in order to stderr.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -60,6 +61,11 @@ inline double median_ms(cudaStream_t stream, int reps, int warmup, const std::fu
     ms.push_back(t);
   }
   for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
+  if (std::getenv("FLAME_BENCH_DUMP") != nullptr) {  // every call's time, in order (drift, outliers)
+    std::fprintf(stderr, "# per-call ms:");
+    for (double t : ms) std::fprintf(stderr, " %.4f", t);
+    std::fprintf(stderr, "\n");
+  }
   std::sort(ms.begin(), ms.end());
   const std::size_t n = ms.size();
   return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
