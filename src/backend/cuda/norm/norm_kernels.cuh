@@ -551,19 +551,22 @@ __global__ void __launch_bounds__(512)
 
 // The second stage with 8 columns and 64 partial rows per block (4x the blocks of
 // column_sum_kernel, a quarter of the loop per thread); 32-byte column segments stay whole sectors.
+// kPair = false sums part_w into out_w (not null) alone, part_b and out_b unused: the epilogue
+// GEMMs' bias gradient (Note [Epilogue column sum] in epi/column_sum.cu) is that one-output form.
 //
 // Note [Row backward second stage]
 // On sm_90 this kernel is launched as a programmatic dependent launch of the row backward
 // (cudaLaunchAttributeProgrammaticStreamSerialization): the row backward signals
 // griddepcontrol.launch_dependents once its rows are done, so this grid's launch overlaps the
 // first grid's tail, and griddepcontrol.wait here blocks until the first grid has completed and
-// its writes are visible. The result and its order of additions are the same as a plain launch.
-template <class T>
+// its writes are visible. The result and its order of additions are the same as a plain launch;
+// in a plain launch (the epilogue's) the wait has no prerequisite grid and returns at once.
+template <class T, bool kPair = true>
 __global__ void __launch_bounds__(512)
     column_sum_narrow_kernel(const compute_t<T>* __restrict__ part_w, const compute_t<T>* __restrict__ part_b,
                              T* __restrict__ out_w, T* __restrict__ out_b, int64_t parts, int64_t cols) {
   using A = compute_t<T>;
-  __shared__ A sw[64][9], sb[64][9];
+  __shared__ A sw[64][9], sb[kPair ? 64 : 1][9];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the row backward (Note [Row backward second stage]):
   // wait until that grid has finished and its partial rows are visible.
@@ -574,23 +577,27 @@ __global__ void __launch_bounds__(512)
   if (col < cols) {
     for (int64_t p = threadIdx.y; p < parts; p += 64) {
       aw += part_w[p * cols + col];
-      ab += part_b[p * cols + col];
+      if constexpr (kPair) ab += part_b[p * cols + col];
     }
   }
   sw[threadIdx.y][threadIdx.x] = aw;
-  sb[threadIdx.y][threadIdx.x] = ab;
+  if constexpr (kPair) sb[threadIdx.y][threadIdx.x] = ab;
   __syncthreads();
   // A fixed tree over the 64 partial sums (deterministic).
   for (int h = 32; h > 0; h >>= 1) {
     if (threadIdx.y < h) {
       sw[threadIdx.y][threadIdx.x] += sw[threadIdx.y + h][threadIdx.x];
-      sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + h][threadIdx.x];
+      if constexpr (kPair) sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + h][threadIdx.x];
     }
     __syncthreads();
   }
   if (threadIdx.y == 0 && col < cols) {
-    if (out_w) out_w[col] = store_as<T>(sw[0][threadIdx.x]);
-    if (out_b) out_b[col] = store_as<T>(sb[0][threadIdx.x]);
+    if constexpr (kPair) {
+      if (out_w) out_w[col] = store_as<T>(sw[0][threadIdx.x]);
+      if (out_b) out_b[col] = store_as<T>(sb[0][threadIdx.x]);
+    } else {
+      out_w[col] = store_as<T>(sw[0][threadIdx.x]);
+    }
   }
 }
 
