@@ -287,6 +287,26 @@ __device__ __forceinline__ A raw_elem(const typename RawVec<T, W>::type& v, int 
   else return load_as<A>(v);
 }
 
+// The pipeline's next stage: row's statistics and this thread's packed x and dy (vector k at
+// column (k * kTPR + t) * W, where in_cols[k]); nothing past the last row. Shared by
+// rows_backward_kernel and rows_backward_warp_kernel (kTPR = 32, t = lane).
+template <class T, int W, int kVPT, int kTPR, bool kRms, class A>
+__device__ __forceinline__ void fetch_row(const T* x, const T* dy, const A* mean, const A* rstd, int64_t row,
+                                          int64_t rows, int64_t cols, int t, const bool (&in_cols)[kVPT],
+                                          typename RawVec<T, W>::type (&nx)[kVPT],
+                                          typename RawVec<T, W>::type (&nd)[kVPT], A& nm, A& nrs) {
+  if (row >= rows) return;
+  if constexpr (!kRms) nm = mean[row];
+  nrs = rstd[row];
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k)
+    if (in_cols[k]) {
+      const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
+      nx[k] = load_raw<T, W>(x + e);
+      nd[k] = load_raw<T, W>(dy + e);
+    }
+}
+
 // Both row sums in one round: a and b over the kTPR threads of a row (smem: 64 entries).
 template <int kTPR, class A>
 __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
@@ -352,16 +372,7 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
   Raw nx[kVPT] = {}, nd[kVPT] = {};
   A nm = A(0), nrs = A(0);
   auto fetch = [&](int64_t row) {
-    if (row >= rows) return;
-    if constexpr (!kRms) nm = mean[row];
-    nrs = rstd[row];
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k)
-      if (in_cols[k]) {
-        const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
-        nx[k] = load_raw<T, W>(x + e);
-        nd[k] = load_raw<T, W>(dy + e);
-      }
+    fetch_row<T, W, kVPT, kTPR, kRms>(x, dy, mean, rstd, row, rows, cols, t, in_cols, nx, nd, nm, nrs);
   };
   int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   fetch(row0 + slot);
