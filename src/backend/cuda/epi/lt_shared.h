@@ -35,24 +35,31 @@ inline void lt_destroy_layouts(cublasLtMatrixLayout_t& la, cublasLtMatrixLayout_
   la = lb = lc = nullptr;
 }
 
+// Runs create() and, when it worked, configure() (both return a status); on failure *obj is
+// destroyed if it was made and left null, so that nothing stays created.
+template <class Obj, class Create, class Configure>
+cublasStatus_t lt_create(Obj* obj, cublasStatus_t (*destroy)(Obj), Create&& create, Configure&& configure) {
+  cublasStatus_t st = create();
+  if (st == CUBLAS_STATUS_SUCCESS) {
+    st = configure();
+    if (st != CUBLAS_STATUS_SUCCESS) destroy(*obj);
+  }
+  if (st != CUBLAS_STATUS_SUCCESS) *obj = nullptr;
+  return st;
+}
+
 inline cublasStatus_t lt_make_layout(cublasLtMatrixLayout_t* l, cudaDataType_t type, uint64_t rows, uint64_t cols,
                                      int64_t ld, int32_t batch, int64_t stride) {
-  *l = nullptr;
-  cublasStatus_t st = cublasLtMatrixLayoutCreate(l, type, rows, cols, ld);
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    *l = nullptr;
-    return st;
-  }
-  if (batch > 1) {
-    st = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch));
-    if (st == CUBLAS_STATUS_SUCCESS)
-      st = cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride));
-    if (st != CUBLAS_STATUS_SUCCESS) {
-      cublasLtMatrixLayoutDestroy(*l);
-      *l = nullptr;
-    }
-  }
-  return st;
+  return lt_create(
+      l, cublasLtMatrixLayoutDestroy, [&] { return cublasLtMatrixLayoutCreate(l, type, rows, cols, ld); },
+      [&] {
+        if (batch <= 1) return CUBLAS_STATUS_SUCCESS;
+        const cublasStatus_t st =
+            cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch));
+        if (st != CUBLAS_STATUS_SUCCESS) return st;
+        return cublasLtMatrixLayoutSetAttribute(*l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                                sizeof(stride));
+      });
 }
 
 // The layouts of A, B and C = D for s (the caller destroys them, lt_destroy_layouts).
@@ -71,21 +78,14 @@ inline cublasStatus_t lt_gemm_layouts(cudaDataType_t type, const LtGemmShape& s,
 // caller adds any epilogue and destroys it).
 inline cublasStatus_t lt_gemm_desc(cublasLtMatmulDesc_t* op, cublasComputeType_t compute, cudaDataType_t scale,
                                    bool ta, bool tb) {
-  *op = nullptr;
-  cublasStatus_t st = cublasLtMatmulDescCreate(op, compute, scale);
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    *op = nullptr;
-    return st;
-  }
   const cublasOperation_t opa = ta ? CUBLAS_OP_T : CUBLAS_OP_N, opb = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  st = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb));
-  if (st != CUBLAS_STATUS_SUCCESS) {
-    cublasLtMatmulDescDestroy(*op);
-    *op = nullptr;
-  }
-  return st;
+  return lt_create(
+      op, cublasLtMatmulDescDestroy, [&] { return cublasLtMatmulDescCreate(op, compute, scale); },
+      [&] {
+        const cublasStatus_t st = cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSA, &opa, sizeof(opa));
+        if (st != CUBLAS_STATUS_SUCCESS) return st;
+        return cublasLtMatmulDescSetAttribute(*op, CUBLASLT_MATMUL_DESC_TRANSB, &opb, sizeof(opb));
+      });
 }
 
 // Sets a heuristic preference's workspace cap and the alignments (bytes) of A, B and C; D is
