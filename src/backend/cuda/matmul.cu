@@ -163,14 +163,7 @@ struct PlanKey {
   uint32_t align_a, align_b, align_c;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
-struct PlanKeyHash {
-  std::size_t operator()(const PlanKey& k) const {
-    const auto* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the (zero-initialised) bytes
-    for (std::size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<std::size_t>(h);
-  }
-};
+using PlanKeyHash = LtKeyHash<PlanKey>;
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;

@@ -17,6 +17,18 @@ constexpr std::size_t kLtWorkspaceBytes = 32u << 20;
 cublasLtHandle_t shared_lt_handle(int device);
 void* shared_lt_workspace(int device, cudaStream_t stream, std::size_t* nbytes);
 
+// The plan caches' hash: FNV-1a over a key's bytes (keys are zero-initialised, padding included,
+// and compared with memcmp).
+template <class Key>
+struct LtKeyHash {
+  std::size_t operator()(const Key& k) const {
+    const auto* p = reinterpret_cast<const unsigned char*>(&k);
+    uint64_t h = 1469598103934665603ull;
+    for (std::size_t i = 0; i < sizeof(Key); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return static_cast<std::size_t>(h);
+  }
+};
+
 // A column-major GEMM D [m, n] = op(A) op(B): A stored [ta ? k : m, ta ? m : k] with leading
 // dimension lda, B stored [tb ? n : k, tb ? k : n] (ldb), C = D [m, n] (ldc); batch > 1 adds
 // strided batches (stride_* elements apart).

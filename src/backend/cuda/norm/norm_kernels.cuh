@@ -37,6 +37,18 @@
 
 namespace flame::backend::cuda::norm {
 
+// Launcher helpers (norm_rows_impl.cuh, norm_channels.cu): a tensor's typed data, null when it
+// is not defined; whether a pointer (null: absent) allows 16-byte vectors.
+template <class T>
+const T* cptr(const Tensor& t) {
+  return t.defined() ? static_cast<const T*>(t.data_ptr()) : nullptr;
+}
+template <class T>
+T* mptr(const Tensor& t) {
+  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
+}
+inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Sum with an identity, for block_reduce.
 template <class A>
 struct NormSum {
