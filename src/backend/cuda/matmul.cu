@@ -163,14 +163,7 @@ struct PlanKey {
   uint32_t align_a, align_b, align_c;
   bool operator==(const PlanKey& o) const { return std::memcmp(this, &o, sizeof(PlanKey)) == 0; }
 };
-struct PlanKeyHash {
-  std::size_t operator()(const PlanKey& k) const {
-    const auto* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the (zero-initialised) bytes
-    for (std::size_t i = 0; i < sizeof(PlanKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<std::size_t>(h);
-  }
-};
+using PlanKeyHash = LtKeyHash<PlanKey>;
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr;
@@ -180,16 +173,10 @@ struct Plan {
 
 constexpr std::size_t kMaxWorkspace = 32u << 20;
 
-cublasLtMatrixLayout_t make_layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld, int32_t batch,
-                                   int64_t stride) {
-  cublasLtMatrixLayout_t l = nullptr;
-  FLAME_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&l, type, rows, cols, ld));
-  if (batch > 1) {
-    FLAME_CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &batch, sizeof(batch)));
-    FLAME_CUBLAS_CHECK(
-        cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
-  }
-  return l;
+void destroy_plan(Plan& plan) {
+  lt_destroy_layouts(plan.la, plan.lb, plan.lc);
+  cublasLtMatmulDescDestroy(plan.op);
+  plan.op = nullptr;
 }
 
 // Note [Matmul workspace]: one per (device, stream), created on first use, never freed.
@@ -240,35 +227,22 @@ const Plan& get_plan(const PlanKey& key, cudaDataType_t type, cublasComputeType_
     if (it != plan_cache().end()) return it->second;
   }
   Plan plan;
-  FLAME_CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, compute, scale));
-  const cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
-  FLAME_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-  FLAME_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-  plan.la = make_layout(type, key.ta ? key.k : key.m, key.ta ? key.m : key.k, key.lda, key.batch, key.stride_a);
-  plan.lb = make_layout(type, key.tb ? key.n : key.k, key.tb ? key.k : key.n, key.ldb, key.batch, key.stride_b);
-  plan.lc = make_layout(type, key.m, key.n, key.ldc, key.batch, key.stride_c);
+  FLAME_CUBLAS_CHECK(lt_gemm_desc(&plan.op, compute, scale, key.ta, key.tb));
+  const LtGemmShape shape{key.ta,  key.tb,  key.m,     key.n,        key.k,       key.lda,
+                          key.ldb, key.ldc, key.batch, key.stride_a, key.stride_b, key.stride_c};
+  const cublasStatus_t made = lt_gemm_layouts(type, shape, plan.la, plan.lb, plan.lc);
+  if (made != CUBLAS_STATUS_SUCCESS) destroy_plan(plan);
+  FLAME_CUBLAS_CHECK(made);
   cublasLtMatmulPreference_t pref = nullptr;
   FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  const uint64_t ws = kMaxWorkspace;
-  FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.align_a,
-                                                          sizeof(uint32_t)));
-  FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.align_b,
-                                                          sizeof(uint32_t)));
-  FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.align_c,
-                                                          sizeof(uint32_t)));
-  FLAME_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.align_c,
-                                                          sizeof(uint32_t)));
+  FLAME_CUBLAS_CHECK(lt_set_preference(pref, kMaxWorkspace, key.align_a, key.align_b, key.align_c));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(lt_handle(key.device), plan.op, plan.la, plan.lb, plan.lc,
                                                            plan.lc, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
-    cublasLtMatrixLayoutDestroy(plan.la);
-    cublasLtMatrixLayoutDestroy(plan.lb);
-    cublasLtMatrixLayoutDestroy(plan.lc);
-    cublasLtMatmulDescDestroy(plan.op);
+    destroy_plan(plan);
     FLAME_FAIL("matmul", "cuBLASLt found no algorithm for m=", key.m, " n=", key.n, " k=", key.k, " lda=", key.lda,
                " ldb=", key.ldb, " batch=", key.batch, " (", cublasLtGetStatusName(st), ")");
   }
@@ -277,10 +251,7 @@ const Plan& get_plan(const PlanKey& key, cudaDataType_t type, cublasComputeType_
   std::unique_lock<std::shared_mutex> lock(plan_mutex());
   const auto [it, inserted] = plan_cache().emplace(key, plan);
   if (!inserted) {  // another thread built the same plan meanwhile: keep theirs
-    cublasLtMatrixLayoutDestroy(plan.la);
-    cublasLtMatrixLayoutDestroy(plan.lb);
-    cublasLtMatrixLayoutDestroy(plan.lc);
-    cublasLtMatmulDescDestroy(plan.op);
+    destroy_plan(plan);
   }
   return it->second;
 }

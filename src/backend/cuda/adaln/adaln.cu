@@ -454,65 +454,103 @@ int64_t rows_per_slice(int device, int64_t B, int64_t T) {
   return (T + slices - 1) / slices;
 }
 
+// The grid of a backward kernel, dim3(B, count) blocks of kBwdWarps warps, with K accumulators
+// of D floats per warp in shared memory; with more than one slice per batch, the [B, count, K, D]
+// partial rows that slice_sum_kernel adds (stream-ordered: freed after the kernels queued while
+// this lives have run).
+struct BwdSlices {
+  int64_t per;  // rows per slice
+  int count;
+  std::size_t smem;
+  std::shared_ptr<void> part;
+  BwdSlices(CudaBackend& be, int64_t B, int64_t T, int64_t D, int K)
+      : per(rows_per_slice(be.device(), B, T)),
+        count(static_cast<int>((T + per - 1) / per)),
+        smem(static_cast<std::size_t>(kBwdWarps) * K * D * sizeof(float)) {
+    if (count > 1) part = be.allocate(static_cast<std::size_t>(B) * count * K * D * sizeof(float));
+  }
+  dim3 grid(int64_t B) const { return dim3(static_cast<unsigned>(B), static_cast<unsigned>(count)); }
+  float* partial() const { return static_cast<float*>(part.get()); }
+};
+
+// The second stage when a batch's rows took several slices: out_k [B, D] = the slices' sums.
+template <class M, int K>
+void launch_slice_sum(cudaStream_t st, const BwdSlices& sl, M* out0, M* out1, int64_t B, int64_t D) {
+  if (sl.count <= 1) return;
+  slice_sum_kernel<M, K><<<grid_for(B * D, 256), 256, 0, st>>>(sl.partial(), out0, out1, B, sl.count,
+                                                               static_cast<int>(D));
+  FLAME_CUDA_CHECK_LAUNCH();
+}
+
+// Calls f(std::integral_constant<int, kC>{}) with the chunks of 128 columns a lane holds: 4 for
+// rows of up to 512 values (the pipelined backward fits), else 12 (Note [adaLN kernels]).
+template <class F>
+void with_chunks(int64_t D, F&& f) {
+  if (D <= 512) f(std::integral_constant<int, 4>{});
+  else f(std::integral_constant<int, 12>{});
+}
+
+// The operands of adaln_residual_forward that adaln_forward lacks (all null there).
+struct ResidualArgs {
+  const void* gate = nullptr;
+  int64_t ld_gate = 0;
+  const void* branch = nullptr;
+  void* h = nullptr;
+};
+
+// What adaln_forward and adaln_residual_forward both require of their shared operands.
+bool forward_ok(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
+                const Tensor& scale) {
+  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2))) return false;
+  const int64_t B = x.size(0), D = x.size(2);
+  if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || shift.dtype() != scale.dtype() ||
+      shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
+    return false;
+  return mean.is_contiguous() && rstd.is_contiguous() && mean.dtype() == DType::f32 && rstd.dtype() == DType::f32;
+}
+
+// Queues adaln_forward_kernel on be's stream: a warp per row (Note [adaLN kernels]); kRes adds
+// the gated residual before the norm (r's operands).
+template <bool kRes>
+bool launch_forward(CudaBackend& be, const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                    const Tensor& shift, const Tensor& scale, double eps, const ResidualArgs& r) {
+  const int64_t T = x.size(1), D = x.size(2), rows = x.size(0) * T;
+  DeviceGuard guard(be.device());
+  cudaStream_t st = be.stream();
+  const int64_t ld = scale.stride(0);
+  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
+    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
+    with_chunks(D, [&](auto chunks) {
+      constexpr int kC = decltype(chunks)::value;
+      adaln_forward_kernel<X, M, O, kC, kRes><<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
+          static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
+          static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
+          static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
+          static_cast<float>(eps), static_cast<const M*>(r.gate), r.ld_gate, static_cast<const M*>(r.branch),
+          static_cast<X*>(r.h));
+      FLAME_CUDA_CHECK_LAUNCH();
+    });
+  });
+}
+
 }  // namespace
 
 bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
                                 const Tensor& shift, const Tensor& scale, double eps) {
-  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2))) return false;
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), rows = B * T;
-  if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || shift.dtype() != scale.dtype() ||
-      shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
-    return false;
-  if (!mean.is_contiguous() || !rstd.is_contiguous() || mean.dtype() != DType::f32 || rstd.dtype() != DType::f32)
-    return false;
-  DeviceGuard guard(device());
-  cudaStream_t st = stream();
-  const int64_t ld = scale.stride(0);
-  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
-    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
-    auto go = [&](auto kernel) {
-      kernel<<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
-          static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
-          static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
-          static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
-          static_cast<float>(eps), nullptr, 0, nullptr, nullptr);
-      FLAME_CUDA_CHECK_LAUNCH();
-    };
-    if (D <= 512) go(&adaln_forward_kernel<X, M, O, 4>);
-    else go(&adaln_forward_kernel<X, M, O, 12>);
-  });
+  if (!forward_ok(y, mean, rstd, x, shift, scale)) return false;
+  return launch_forward<false>(*this, y, mean, rstd, x, shift, scale, eps, ResidualArgs{});
 }
 
 bool CudaBackend::adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                          const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
                                          const Tensor& scale, double eps) {
-  if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2)) || !rows_ok(h, x.size(2)) ||
-      !rows_ok(branch, x.size(2)))
+  if (!forward_ok(y, mean, rstd, x, shift, scale) || !rows_ok(h, x.size(2)) || !rows_ok(branch, x.size(2)))
     return false;
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2), rows = B * T;
-  if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || !mod_ok(gate, B, D) || shift.dtype() != scale.dtype() ||
-      gate.dtype() != scale.dtype() || branch.dtype() != scale.dtype() || h.dtype() != x.dtype() ||
-      shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
+  if (!mod_ok(gate, x.size(0), x.size(2)) || gate.dtype() != scale.dtype() || branch.dtype() != scale.dtype() ||
+      h.dtype() != x.dtype())
     return false;
-  if (!mean.is_contiguous() || !rstd.is_contiguous() || mean.dtype() != DType::f32 || rstd.dtype() != DType::f32)
-    return false;
-  DeviceGuard guard(device());
-  cudaStream_t st = stream();
-  const int64_t ld = scale.stride(0);
-  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
-    using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
-    auto go = [&](auto kernel) {
-      kernel<<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
-          static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
-          static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
-          static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
-          static_cast<float>(eps), static_cast<const M*>(gate.data_ptr()), gate.stride(0),
-          static_cast<const M*>(branch.data_ptr()), static_cast<X*>(h.data_ptr()));
-      FLAME_CUDA_CHECK_LAUNCH();
-    };
-    if (D <= 512) go(&adaln_forward_kernel<X, M, O, 4, true>);
-    else go(&adaln_forward_kernel<X, M, O, 12, true>);
-  });
+  return launch_forward<true>(*this, y, mean, rstd, x, shift, scale, eps,
+                              ResidualArgs{gate.data_ptr(), gate.stride(0), branch.data_ptr(), h.data_ptr()});
 }
 
 bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
@@ -532,32 +570,22 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
     if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
   DeviceGuard guard(device());
   cudaStream_t st = stream();
-  const int64_t per = rows_per_slice(device(), B, T);
-  const int slices = static_cast<int>((T + per - 1) / per);
-  const std::size_t smem = static_cast<std::size_t>(kBwdWarps) * 2 * D * sizeof(float);
-  std::shared_ptr<void> part;  // stream-ordered: freed after the kernels below have run
-  if (slices > 1) part = allocate(static_cast<std::size_t>(B) * slices * 2 * D * sizeof(float));
+  const BwdSlices sl(*this, B, T, D, 2);
   const int64_t ld = scale.stride(0);
   return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
     using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
     M* dsh = dshift.defined() ? static_cast<M*>(dshift.data_ptr()) : nullptr;
     M* dsc = dscale.defined() ? static_cast<M*>(dscale.data_ptr()) : nullptr;
-    auto go = [&](auto kernel) {
-      kernel<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(slices)), kBwdWarps * 32, smem, st>>>(
+    with_chunks(D, [&](auto chunks) {
+      adaln_backward_kernel<X, M, O, decltype(chunks)::value><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const O*>(dy.data_ptr()), static_cast<const X*>(x.data_ptr()),
           static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
-          base.defined() ? static_cast<const X*>(base.data_ptr()) : nullptr, static_cast<float*>(part.get()), dsh,
-          dsc, T, static_cast<int>(D), per);
+          base.defined() ? static_cast<const X*>(base.data_ptr()) : nullptr, sl.partial(), dsh, dsc, T,
+          static_cast<int>(D), sl.per);
       FLAME_CUDA_CHECK_LAUNCH();
-    };
-    if (D <= 512) go(&adaln_backward_kernel<X, M, O, 4>);
-    else go(&adaln_backward_kernel<X, M, O, 12>);
-    if (slices > 1) {
-      slice_sum_kernel<M, 2><<<grid_for(B * D, 256), 256, 0, st>>>(static_cast<const float*>(part.get()), dsh, dsc, B,
-                                                                     slices, static_cast<int>(D));
-      FLAME_CUDA_CHECK_LAUNCH();
-    }
+    });
+    launch_slice_sum<M, 2>(st, sl, dsh, dsc, B, D);
   });
 }
 
@@ -586,27 +614,17 @@ bool CudaBackend::gated_residual_backward(const Tensor& dy, const Tensor& dgate,
     return false;
   DeviceGuard guard(device());
   cudaStream_t st = stream();
-  const int64_t per = rows_per_slice(device(), B, T);
-  const int slices = static_cast<int>((T + per - 1) / per);
-  const std::size_t smem = static_cast<std::size_t>(kBwdWarps) * D * sizeof(float);
-  std::shared_ptr<void> part;
-  if (slices > 1) part = allocate(static_cast<std::size_t>(B) * slices * D * sizeof(float));
+  const BwdSlices sl(*this, B, T, D, 1);
   return dispatch_pair(dout.dtype(), gate.dtype(), [&]<class X, class M>() {
     M* dg = static_cast<M*>(dgate.data_ptr());
-    auto go = [&](auto kernel) {
-      kernel<<<dim3(static_cast<unsigned>(B), static_cast<unsigned>(slices)), kBwdWarps * 32, smem, st>>>(
+    with_chunks(D, [&](auto chunks) {
+      gated_residual_backward_kernel<X, M, decltype(chunks)::value><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const X*>(dout.data_ptr()), static_cast<const M*>(y.data_ptr()),
           static_cast<const M*>(gate.data_ptr()), gate.stride(0), dy.defined() ? static_cast<M*>(dy.data_ptr()) : nullptr,
-          static_cast<float*>(part.get()), dg, T, static_cast<int>(D), per);
+          sl.partial(), dg, T, static_cast<int>(D), sl.per);
       FLAME_CUDA_CHECK_LAUNCH();
-    };
-    if (D <= 512) go(&gated_residual_backward_kernel<X, M, 4>);
-    else go(&gated_residual_backward_kernel<X, M, 12>);
-    if (slices > 1) {
-      slice_sum_kernel<M, 1><<<grid_for(B * D, 256), 256, 0, st>>>(static_cast<const float*>(part.get()), dg, nullptr,
-                                                                     B, slices, static_cast<int>(D));
-      FLAME_CUDA_CHECK_LAUNCH();
-    }
+    });
+    launch_slice_sum<M, 1>(st, sl, dg, nullptr, B, D);
   });
 }
 

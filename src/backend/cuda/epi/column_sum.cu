@@ -11,7 +11,8 @@
 //     registers; the block adds its row lanes in shared memory in a fixed order and writes one
 //     f32 partial row per row range.
 //  2. a block of 8 columns x 64 lanes adds the partial rows of its columns in a fixed tree and
-//     rounds once to the output dtype.
+//     rounds once to the output dtype: the norms' column_sum_narrow_kernel with one output
+//     (norm/norm_kernels.cuh).
 // The geometry depends only on the shape, the dtype and the device's SM count and occupancy, so
 // the order of additions (and the bits) is fixed within a process.
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/epi/column_sum.h"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/backend/cuda/norm/norm_kernels.cuh"
 
 namespace flame::backend::cuda {
 namespace {
@@ -76,24 +78,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Stage 2. Block (8 columns, 64 lanes): lane l adds partial rows l, l + 64, ...; then a fixed tree.
-template <class T>
-__global__ void __launch_bounds__(512)
-    epi_colsum_final_kernel(const float* __restrict__ part, T* __restrict__ out, int64_t parts, int64_t cols) {
-  __shared__ float sh[64][9];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * 8 + threadIdx.x;
-  float s = 0.0f;
-  if (col < cols)
-    for (int64_t p = threadIdx.y; p < parts; p += 64) s += part[p * cols + col];
-  sh[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  for (int h = 32; h > 0; h >>= 1) {
-    if (threadIdx.y < h) sh[threadIdx.y][threadIdx.x] += sh[threadIdx.y + h][threadIdx.x];
-    __syncthreads();
-  }
-  if (threadIdx.y == 0 && col < cols) out[col] = store_as<T>(sh[0][threadIdx.x]);
-}
-
 template <class T, int kTX>
 void launch_column_sum(CudaBackend& be, const T* g, int64_t rows, int64_t cols, T* out) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));
@@ -122,7 +106,9 @@ void launch_column_sum(CudaBackend& be, const T* g, int64_t rows, int64_t cols, 
   kernel<<<dim3(static_cast<unsigned>(strips), static_cast<unsigned>(parts)), dim3(kTX, kTY), 0, st>>>(
       g, pp, rows, cols, rows_per_part);
   FLAME_CUDA_CHECK_LAUNCH();
-  epi_colsum_final_kernel<T><<<static_cast<unsigned>(ceil_div(cols, 8)), dim3(8, 64), 0, st>>>(pp, out, parts, cols);
+  // Stage 2: the norms' second stage in its one-output form (Note [Row backward second stage]).
+  norm::column_sum_narrow_kernel<T, false>
+      <<<static_cast<unsigned>(ceil_div(cols, 8)), dim3(8, 64), 0, st>>>(pp, nullptr, out, nullptr, parts, cols);
   FLAME_CUDA_CHECK_LAUNCH();
 }
 

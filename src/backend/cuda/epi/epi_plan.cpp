@@ -117,14 +117,10 @@ int without_bias_grad(int epilogue) {
 // ones are left unset); the caller destroys it.
 cublasLtMatmulDesc_t make_desc(const EpiKey& key, int epilogue, const void* bias, const void* aux) {
   cublasLtMatmulDesc_t op = nullptr;
-  FLAME_EPI_CHECK("linear", cublasLtMatmulDescCreate(&op, static_cast<cublasComputeType_t>(key.compute), CUDA_R_32F));
-  const cublasOperation_t ta = key.ta ? CUBLAS_OP_T : CUBLAS_OP_N, tb = key.tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  FLAME_EPI_CHECK("linear",
+                  lt_gemm_desc(&op, static_cast<cublasComputeType_t>(key.compute), CUDA_R_32F, key.ta, key.tb));
   const auto epi = static_cast<cublasLtEpilogue_t>(epilogue);
-  cublasStatus_t st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb));
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
+  cublasStatus_t st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi));
   if (st == CUBLAS_STATUS_SUCCESS && bias != nullptr)
     st = cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
   if (st == CUBLAS_STATUS_SUCCESS && aux != nullptr) {
@@ -140,12 +136,7 @@ cublasLtMatmulDesc_t make_desc(const EpiKey& key, int epilogue, const void* bias
   return op;
 }
 
-void destroy_layouts(EpiPlan& plan) {
-  if (plan.la) cublasLtMatrixLayoutDestroy(plan.la);
-  if (plan.lb) cublasLtMatrixLayoutDestroy(plan.lb);
-  if (plan.lc) cublasLtMatrixLayoutDestroy(plan.lc);
-  plan.la = plan.lb = plan.lc = nullptr;
-}
+void destroy_layouts(EpiPlan& plan) { lt_destroy_layouts(plan.la, plan.lb, plan.lc); }
 
 // Up to `want` algorithms the heuristic offers for plan's layouts with `epilogue`, best first.
 std::vector<EpiChoice> heuristic_choices(const EpiKey& key, const EpiPlan& plan, int epilogue, bool column_sum,
@@ -158,13 +149,7 @@ std::vector<EpiChoice> heuristic_choices(const EpiKey& key, const EpiPlan& plan,
     cublasLtMatmulDescDestroy(op);
     FLAME_EPI_CHECK("linear", st);
   }
-  const uint64_t ws = kLtWorkspaceBytes;
-  const uint32_t align = 16;
-  st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
-    if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align));
-  }
+  st = lt_set_preference(pref, kLtWorkspaceBytes, 16, 16, 16);  // every pointer 16-byte aligned (Note [Epilogue plans])
   std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<std::size_t>(want));
   int found = 0;
   if (st == CUBLAS_STATUS_SUCCESS)
@@ -340,11 +325,8 @@ const EpiPlan& get_epi_plan(CudaBackend& be, EpiKey key, cudaDataType_t type, co
   }
   const bool tuned = key.plan == kPlanTuned;
   EpiPlan plan;
-  const uint64_t a_rows = key.ta ? key.k : key.m, a_cols = key.ta ? key.m : key.k;
-  const uint64_t b_rows = key.tb ? key.n : key.k, b_cols = key.tb ? key.k : key.n;
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.la, type, a_rows, a_cols, key.lda));
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.lb, type, b_rows, b_cols, key.ldb));
-  FLAME_EPI_CHECK("linear", cublasLtMatrixLayoutCreate(&plan.lc, type, key.m, key.n, key.ldc));
+  const LtGemmShape shape{key.ta, key.tb, key.m, key.n, key.k, key.lda, key.ldb, key.ldc};
+  FLAME_EPI_CHECK("linear", lt_gemm_layouts(type, shape, plan.la, plan.lb, plan.lc));
   const int want = tuned ? kCandidates : 1;
   std::vector<EpiChoice> cands;
   if (twin < 0 || mode != flame::cuda::EpilogueBiasGrad::column_sum)

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "flame/dtype.h"
+#include "src/backend/cuda/epi/lt_shared.h"
 
 namespace flame::backend::cuda {
 
@@ -25,14 +26,7 @@ struct EpiKey {
   int64_t lda, ldb, ldc, ld_aux;
   bool operator==(const EpiKey& o) const { return std::memcmp(this, &o, sizeof(EpiKey)) == 0; }
 };
-struct EpiKeyHash {
-  std::size_t operator()(const EpiKey& k) const {
-    const auto* p = reinterpret_cast<const unsigned char*>(&k);
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the (zero-initialised) bytes
-    for (std::size_t i = 0; i < sizeof(EpiKey); ++i) h = (h ^ p[i]) * 1099511628211ull;
-    return static_cast<std::size_t>(h);
-  }
-};
+using EpiKeyHash = LtKeyHash<EpiKey>;
 
 // The operands of one call.
 struct EpiCall {

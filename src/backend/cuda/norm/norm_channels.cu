@@ -402,16 +402,6 @@ __global__ void __launch_bounds__(kChannelBlock)
   }
 }
 
-template <class T>
-const T* cptr(const Tensor& t) {
-  return t.defined() ? static_cast<const T*>(t.data_ptr()) : nullptr;
-}
-template <class T>
-T* mptr(const Tensor& t) {
-  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
-}
-bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 struct NCS {
   int64_t n, c, s;
 };

@@ -37,6 +37,18 @@
 
 namespace flame::backend::cuda::norm {
 
+// Launcher helpers (norm_rows_impl.cuh, norm_channels.cu): a tensor's typed data, null when it
+// is not defined; whether a pointer (null: absent) allows 16-byte vectors.
+template <class T>
+const T* cptr(const Tensor& t) {
+  return t.defined() ? static_cast<const T*>(t.data_ptr()) : nullptr;
+}
+template <class T>
+T* mptr(const Tensor& t) {
+  return t.defined() ? static_cast<T*>(t.data_ptr()) : nullptr;
+}
+inline bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Sum with an identity, for block_reduce.
 template <class A>
 struct NormSum {
@@ -287,6 +299,26 @@ __device__ __forceinline__ A raw_elem(const typename RawVec<T, W>::type& v, int 
   else return load_as<A>(v);
 }
 
+// The pipeline's next stage: row's statistics and this thread's packed x and dy (vector k at
+// column (k * kTPR + t) * W, where in_cols[k]); nothing past the last row. Shared by
+// rows_backward_kernel and rows_backward_warp_kernel (kTPR = 32, t = lane).
+template <class T, int W, int kVPT, int kTPR, bool kRms, class A>
+__device__ __forceinline__ void fetch_row(const T* x, const T* dy, const A* mean, const A* rstd, int64_t row,
+                                          int64_t rows, int64_t cols, int t, const bool (&in_cols)[kVPT],
+                                          typename RawVec<T, W>::type (&nx)[kVPT],
+                                          typename RawVec<T, W>::type (&nd)[kVPT], A& nm, A& nrs) {
+  if (row >= rows) return;
+  if constexpr (!kRms) nm = mean[row];
+  nrs = rstd[row];
+#pragma unroll
+  for (int k = 0; k < kVPT; ++k)
+    if (in_cols[k]) {
+      const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
+      nx[k] = load_raw<T, W>(x + e);
+      nd[k] = load_raw<T, W>(dy + e);
+    }
+}
+
 // Both row sums in one round: a and b over the kTPR threads of a row (smem: 64 entries).
 template <int kTPR, class A>
 __device__ __forceinline__ void row_allreduce2(A& a, A& b, A* smem) {
@@ -352,16 +384,7 @@ __global__ void __launch_bounds__(rows_bwd_block<kTPR>(), (rows_bwd_min_blocks<T
   Raw nx[kVPT] = {}, nd[kVPT] = {};
   A nm = A(0), nrs = A(0);
   auto fetch = [&](int64_t row) {
-    if (row >= rows) return;
-    if constexpr (!kRms) nm = mean[row];
-    nrs = rstd[row];
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k)
-      if (in_cols[k]) {
-        const int64_t e = row * cols + (static_cast<int64_t>(k) * kTPR + t) * W;
-        nx[k] = load_raw<T, W>(x + e);
-        nd[k] = load_raw<T, W>(dy + e);
-      }
+    fetch_row<T, W, kVPT, kTPR, kRms>(x, dy, mean, rstd, row, rows, cols, t, in_cols, nx, nd, nm, nrs);
   };
   int64_t row0 = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
   fetch(row0 + slot);
@@ -551,19 +574,22 @@ __global__ void __launch_bounds__(512)
 
 // The second stage with 8 columns and 64 partial rows per block (4x the blocks of
 // column_sum_kernel, a quarter of the loop per thread); 32-byte column segments stay whole sectors.
+// kPair = false sums part_w into out_w (not null) alone, part_b and out_b unused: the epilogue
+// GEMMs' bias gradient (Note [Epilogue column sum] in epi/column_sum.cu) is that one-output form.
 //
 // Note [Row backward second stage]
 // On sm_90 this kernel is launched as a programmatic dependent launch of the row backward
 // (cudaLaunchAttributeProgrammaticStreamSerialization): the row backward signals
 // griddepcontrol.launch_dependents once its rows are done, so this grid's launch overlaps the
 // first grid's tail, and griddepcontrol.wait here blocks until the first grid has completed and
-// its writes are visible. The result and its order of additions are the same as a plain launch.
-template <class T>
+// its writes are visible. The result and its order of additions are the same as a plain launch;
+// in a plain launch (the epilogue's) the wait has no prerequisite grid and returns at once.
+template <class T, bool kPair = true>
 __global__ void __launch_bounds__(512)
     column_sum_narrow_kernel(const compute_t<T>* __restrict__ part_w, const compute_t<T>* __restrict__ part_b,
                              T* __restrict__ out_w, T* __restrict__ out_b, int64_t parts, int64_t cols) {
   using A = compute_t<T>;
-  __shared__ A sw[64][9], sb[64][9];
+  __shared__ A sw[64][9], sb[kPair ? 64 : 1][9];
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched as a programmatic dependent of the row backward (Note [Row backward second stage]):
   // wait until that grid has finished and its partial rows are visible.
@@ -574,23 +600,27 @@ __global__ void __launch_bounds__(512)
   if (col < cols) {
     for (int64_t p = threadIdx.y; p < parts; p += 64) {
       aw += part_w[p * cols + col];
-      ab += part_b[p * cols + col];
+      if constexpr (kPair) ab += part_b[p * cols + col];
     }
   }
   sw[threadIdx.y][threadIdx.x] = aw;
-  sb[threadIdx.y][threadIdx.x] = ab;
+  if constexpr (kPair) sb[threadIdx.y][threadIdx.x] = ab;
   __syncthreads();
   // A fixed tree over the 64 partial sums (deterministic).
   for (int h = 32; h > 0; h >>= 1) {
     if (threadIdx.y < h) {
       sw[threadIdx.y][threadIdx.x] += sw[threadIdx.y + h][threadIdx.x];
-      sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + h][threadIdx.x];
+      if constexpr (kPair) sb[threadIdx.y][threadIdx.x] += sb[threadIdx.y + h][threadIdx.x];
     }
     __syncthreads();
   }
   if (threadIdx.y == 0 && col < cols) {
-    if (out_w) out_w[col] = store_as<T>(sw[0][threadIdx.x]);
-    if (out_b) out_b[col] = store_as<T>(sb[0][threadIdx.x]);
+    if constexpr (kPair) {
+      if (out_w) out_w[col] = store_as<T>(sw[0][threadIdx.x]);
+      if (out_b) out_b[col] = store_as<T>(sb[0][threadIdx.x]);
+    } else {
+      out_w[col] = store_as<T>(sw[0][threadIdx.x]);
+    }
   }
 }
 

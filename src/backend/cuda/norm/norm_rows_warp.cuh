@@ -61,16 +61,7 @@ __global__ void __launch_bounds__(kWarpBwdWarps * 32, 2)
   uint4 nx[kVPT] = {}, nd[kVPT] = {};
   float nm = 0.f, nrs = 0.f;
   auto fetch = [&](int64_t row) {
-    if (row >= rows) return;
-    if constexpr (!kRms) nm = mean[row];
-    nrs = rstd[row];
-#pragma unroll
-    for (int k = 0; k < kVPT; ++k)
-      if (in_cols[k]) {
-        const int64_t e = row * cols + (static_cast<int64_t>(k) * 32 + lane) * W;
-        nx[k] = __ldg(reinterpret_cast<const uint4*>(x + e));
-        nd[k] = __ldg(reinterpret_cast<const uint4*>(dy + e));
-      }
+    fetch_row<T, W, kVPT, 32, kRms>(x, dy, mean, rstd, row, rows, cols, lane, in_cols, nx, nd, nm, nrs);
   };
   int64_t row = static_cast<int64_t>(blockIdx.x) * kWarpBwdWarps + warp;
   fetch(row);
