@@ -6,9 +6,12 @@
 //    same bf16 inputs; a problem first seen under graph capture runs the heuristic's plan (nothing
 //    timed inside the capture), replays correctly, and is tuned by the next eager call.
 //    Each case uses sizes no other case uses, so its problems miss the process-wide plan caches.
+//  - CudnnHandle.*: a thread whose first cuDNN call is inside a graph capture (Note [cuDNN handle
+//    under capture]): SDPA handles are per thread, so a new thread creates one there.
 #include <gtest/gtest.h>
 
 #include <string>
+#include <thread>
 
 #include "flame/cuda.h"
 #include "flame/nn.h"
@@ -111,12 +114,6 @@ TEST(CudnnTune, ConvolutionTunedAndUntunedMatchReference) {
 TEST(CudnnTune, ConvolutionFirstSeenUnderCaptureTunesEagerlyAfter) {
   FLAME_SKIP_IF_NO_CUDA();
   const AutotuneScope scope(true);
-  // cuDNN cannot create this thread's handle inside a capture (docs/nn-conv.md): one eager conv
-  // of another size first, as a program would have run one before capturing.
-  {
-    const ConvCase warm = conv_case(9, 11, 350);
-    (void)conv_step(warm.x, warm.w, warm.b, warm.dy);
-  }
   const ConvCase c = conv_case(17, 29, 300);
   const cuda::CudnnTuneStats t0 = cuda::cudnn_tune_stats();
   cuda::Graph graph;
@@ -164,6 +161,30 @@ TEST(CudnnTune, AttentionTunedAndUntunedMatchReference) {
     for (int i = 0; i < 4; ++i)
       EXPECT_TRUE(close_rel(got[i], want[i], kTol)) << (on ? "autotune on: " : "autotune off: ") << names[i];
   }
+}
+
+TEST(CudnnHandle, FirstCallOfANewThreadInsideACapture) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  const Tensor q = randn_f64({2, 2, 136, 64}, 600).to(DType::bf16).to(dev);
+  const Tensor k = randn_f64({2, 2, 136, 64}, 601).to(DType::bf16).to(dev);
+  const Tensor v = randn_f64({2, 2, 136, 64}, 602).to(DType::bf16).to(dev);
+  Tensor captured;
+  std::string error;
+  std::thread t([&] {
+    try {
+      cuda::Graph g;
+      cuda::capture(g, [&] { captured = F::scaled_dot_product_attention(q, k, v); });
+      g.replay();
+      captured = captured.to(Device::cpu());  // before the graph (and its pool) goes
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  t.join();
+  ASSERT_TRUE(error.empty()) << error;
+  auto cpu = [](const Tensor& x) { return x.to(Device::cpu()).to(DType::f64); };
+  EXPECT_TRUE(close_rel(captured, F::scaled_dot_product_attention(cpu(q), cpu(k), cpu(v)), kTol));
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/cudnn_autotune.h"
+#include "src/backend/cuda/cudnn_handle.h"
 
 namespace flame::backend::cuda {
 
@@ -59,8 +60,7 @@ cudnnHandle_t cudnn_handle(int device) {
   thread_local std::unordered_map<int, cudnnHandle_t> handles;
   auto it = handles.find(device);
   if (it != handles.end()) return it->second;
-  cudnnHandle_t h = nullptr;
-  FLAME_CUDNN_CHECK(cudnnCreate(&h));
+  cudnnHandle_t h = create_cudnn_handle(device, kOp);  // Note [cuDNN handle under capture]
   handles.emplace(device, h);
   return h;
 }

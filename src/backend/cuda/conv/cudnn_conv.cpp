@@ -46,6 +46,7 @@
 
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/cudnn_autotune.h"
+#include "src/backend/cuda/cudnn_handle.h"
 #include "src/ops/conv.h"
 
 namespace flame::backend::cuda {
@@ -108,14 +109,7 @@ cudnnHandle_t thread_handle(int device, cudaStream_t stream, const std::string& 
         fl.free[device].pop_back();
       }
     }
-    if (h == nullptr) {
-      int prev = 0;
-      cudaGetDevice(&prev);
-      cudaSetDevice(device);
-      const cudnnStatus_t st = cudnnCreate(&h);
-      cudaSetDevice(prev);
-      check_cudnn(st, "cudnnCreate", op);
-    }
+    if (h == nullptr) h = create_cudnn_handle(device, op.c_str());  // Note [cuDNN handle under capture]
   }
   check_cudnn(cudnnSetStream(h, stream), "cudnnSetStream", op);
   return h;
