@@ -3,34 +3,19 @@
 #include "src/backend/epi_tune.h"
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
+
+#include "src/backend/tune_switch.h"
 
 namespace flame::backend::epi_tune {
 namespace {
 
-constexpr int kUnset = -1;
-std::atomic<int> g_level{kUnset};
+TuneSwitch g_switch{"FLAME_EPI_AUTOTUNE", 1};
 std::atomic<int> g_bias_grad{static_cast<int>(cuda::EpilogueBiasGrad::automatic)};
 std::atomic<uint64_t> g_tuned{0}, g_heuristic{0}, g_timed{0}, g_column_sum{0};
 
-int level_from_env() {
-  const char* v = std::getenv("FLAME_EPI_AUTOTUNE");
-  if (v == nullptr || *v == '\0') return 1;
-  if (std::strcmp(v, "0") == 0 || std::strcmp(v, "off") == 0 || std::strcmp(v, "false") == 0) return 0;
-  if (std::strcmp(v, "2") == 0 || std::strcmp(v, "verbose") == 0) return 2;
-  return 1;
-}
-
 }  // namespace
 
-int level() {
-  int v = g_level.load(std::memory_order_relaxed);
-  if (v != kUnset) return v;
-  int expected = kUnset;
-  g_level.compare_exchange_strong(expected, level_from_env());  // a racing setter wins
-  return g_level.load(std::memory_order_relaxed);
-}
+int level() { return g_switch.level(); }
 
 void count_plan(bool tuned, bool column_sum) {
   (tuned ? g_tuned : g_heuristic).fetch_add(1, std::memory_order_relaxed);
@@ -43,11 +28,7 @@ void count_timed(uint64_t candidates) { g_timed.fetch_add(candidates, std::memor
 namespace flame::cuda {
 namespace et = backend::epi_tune;
 
-void set_epilogue_autotune(bool enable) {
-  // Keeps the verbose level of the environment when switching on.
-  const int cur = et::level();
-  et::g_level.store(enable ? (cur == 2 ? 2 : 1) : 0, std::memory_order_relaxed);
-}
+void set_epilogue_autotune(bool enable) { et::g_switch.set(enable); }
 bool epilogue_autotune() { return et::level() != 0; }
 
 void set_epilogue_bias_grad(EpilogueBiasGrad mode) {
