@@ -53,22 +53,28 @@ else
 fi
 
 # ---- 3. scaling bench, FLAME vs PyTorch DDP ----
-# Per-GPU batches in DIST_BATCHES (default 64 and 256, the trainer's); FLAME eager and as one CUDA
-# graph (dist_bench --mode graph, the trainer's --compile), PyTorch DDP eager.
+# Per-GPU batches in DIST_BATCHES (default 64 and 256, the trainer's); FLAME modes in DIST_MODES
+# (default: eager, graph = one CUDA graph as the trainer's --compile, graph-bf16 = graph with the
+# gradients all-reduced in bf16), PyTorch DDP eager (DIST_TORCH=0 skips it).
 DB="$BUILD/apps/diffusion/dist_bench"
 : >"$LOGS/bench.log"
 for B in ${DIST_BATCHES:-64 256}; do
   if [[ -x "$DB" ]]; then
-    for mode in eager graph; do
-      timeout 60 "$DB" --batch $B --mode $mode >>"$LOGS/bench.log" 2>&1 || note "dist_bench 1 GPU B$B $mode failed"
+    for mode in ${DIST_MODES:-eager graph graph-bf16}; do
+      args=(--mode "${mode%-bf16}")
+      [[ $mode == *-bf16 ]] && args+=(--reduce bf16)  # no DDP on one GPU: the 2-GPU runs only
+      [[ $mode != *-bf16 ]] && { timeout 60 "$DB" --batch $B "${args[@]}" >>"$LOGS/bench.log" 2>&1 ||
+        note "dist_bench 1 GPU B$B $mode failed"; }
       for g in 2 4 8; do
         [[ $g -le $NGPU ]] || continue
-        timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B --mode $mode >>"$LOGS/bench.log" 2>&1 ||
+        timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B "${args[@]}" >>"$LOGS/bench.log" 2>&1 ||
           note "dist_bench $g GPUs B$B $mode failed"
       done
     done
   fi
-  if python3 -c "import torch" 2>/dev/null; then
+  if [[ "${DIST_TORCH:-1}" == 0 ]]; then
+    :
+  elif python3 -c "import torch" 2>/dev/null; then
     timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || note "torch bench 1 GPU failed"
     for g in 2 4 8; do
       [[ $g -le $NGPU ]] || continue
@@ -86,11 +92,18 @@ rows = {}
 for line in open(sys.argv[1]):
     if line.startswith("BENCH "):
         r = json.loads(line[6:])
-        m = re.match(r"ddp_step/([^/]+)/b(\d+)_per_gpu/gpus\d+(/graph)?$", r["name"])
+        m = re.match(r"ddp_step/([^/]+)/b(\d+)_per_gpu/gpus\d+(/graph)?(/bf16reduce)?$", r["name"])
         if not m:
             continue
         kind = r["impl"] + (" graph" if m.group(3) else (" eager" if r["impl"] == "flame" else " DDP"))
+        if m.group(4):  # bf16 reduction: 2+ GPUs, against the same mode's one-GPU step
+            kind += " bf16-reduce"
         rows.setdefault((int(m.group(2)), kind), {})[r["gpus"]] = r
+for (batch, kind), by in rows.items():
+    if kind.endswith(" bf16-reduce") and 1 not in by:
+        one = rows.get((batch, kind[: -len(" bf16-reduce")]), {}).get(1)
+        if one:
+            by[1] = one
 for (batch, kind), by in sorted(rows.items()):
     one = by.get(1)
     if not one:

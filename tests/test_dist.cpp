@@ -241,6 +241,23 @@ TEST(DistDDP, MatchesOneProcessWithTheGlobalBatchOnTwoAndFourRanks) {
   }
 }
 
+TEST(DistDDP, Bf16ReductionHalvesTheBucketsAndFollowsOneProcess) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  const auto r = run_ranks("ddp_bf16", 2, {});
+  EXPECT_TRUE(r.all_ok()) << r.report();
+}
+
+TEST(DistDDP, RejectsAReduceDtypeThatIsNotAFloat) {
+  auto model = std::make_shared<nn::Linear>(3, 2);
+  try {
+    dist::DistributedDataParallel ddp(model, dist::DDPOptions{.reduce_dtype = DType::i32});
+    ADD_FAILURE() << "an i32 reduce_dtype was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("reduce_dtype must be bf16, f16 or f32, got i32"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(DistDDP, CapturedInACudaGraphMatchesOneProcessOnTwoRanks) {
   DIST_SKIP_UNLESS_RANKS(2);
   if (!using_nccl()) GTEST_SKIP() << "CUDA graphs hold collectives on the nccl backend only (FLAME_TEST_DEVICE=cuda)";

@@ -212,6 +212,37 @@ int ddp() {
   return 0;
 }
 
+// DDP reducing f32 gradients in bf16 (DDPOptions::reduce_dtype): the buckets hold bf16 (half the
+// bytes), the store gets f32 averages, and the parameters follow the one-process run within the
+// rounding of the gradients to bf16.
+int ddp_bf16() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  auto model = make_model(11, dev);
+  dist::DistributedDataParallel ddp(
+      model, dist::DDPOptions{.bucket_cap_mb = 100.0 / (1024 * 1024), .reduce_dtype = DType::bf16});
+  int64_t numel = 0;
+  for (auto& p : model->parameters()) numel += p.numel();
+  std::size_t bytes = 0;
+  for (std::size_t b : ddp.bucket_bytes()) bytes += b;
+  WCHECK(bytes == static_cast<std::size_t>(numel) * 2);
+  auto ref = make_model(11, dev);
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9});
+  optim::SGD ref_opt(ref->parameters(), {.lr = 0.1, .momentum = 0.9});
+  for (int s = 0; s < 4; ++s) {
+    Gradients g = mse_loss(ddp(shard(batch_x(s, dev), R, W)), shard(batch_y(s, dev), R, W)).backward();
+    ddp.finish_gradients(g);
+    for (auto& p : model->parameters()) WCHECK(g.get(p).dtype() == DType::f32);
+    opt.step(g);
+    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
+    ref_opt.step(rg);
+  }
+  WCHECK(same_params(*model, *ref, 5e-3, "after 4 steps with bf16 reduction"));
+  pg->barrier();
+  return 0;
+}
+
 // DDP captured into a CUDA graph (nccl): two eager warm-up steps, the capture, then replays with
 // each step's batch copied into static inputs; the parameters must follow the one-process run
 // with the global batch. Host waits inside a capture raise and leave the group usable.
@@ -441,6 +472,7 @@ int run_worker(const std::string& name) {
     if (name == "collectives") rc = collectives();
     else if (name == "ddp") rc = ddp();
     else if (name == "ddp_graph") rc = ddp_graph();
+    else if (name == "ddp_bf16") rc = ddp_bf16();
     else if (name == "zero") rc = zero();
     else if (name == "ckpt_save") rc = ckpt_save();
     else if (name == "ckpt_resume") rc = ckpt_resume();

@@ -12,7 +12,9 @@
 // are zeroed: a parameter some rank did not use still reduces consistently), waits, and copies
 // each bucket slot back into the store, so every rank's store holds the same averaged gradient
 // for every parameter. A parameter whose gradient arrives again after its bucket was launched
-// (two backward passes without no_sync) is an error naming it.
+// (two backward passes without no_sync) is an error naming it. With DDPOptions::reduce_dtype the
+// buckets of floating gradients hold that dtype: the copy in rounds each gradient to it, the
+// all-reduce averages in it, and the copy back converts to the gradient's dtype.
 //
 // A synchronised step may be captured into a CUDA graph (the trainer's --compile): the hooks and
 // finish_gradients() run as host code at the capture, recording the bucket copies, the
@@ -114,6 +116,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
   FLAME_CHECK(module_ != nullptr, "DistributedDataParallel", "null module");
   FLAME_CHECK(options.bucket_cap_mb > 0, "DistributedDataParallel", "bucket_cap_mb must be positive, got ",
               options.bucket_cap_mb);
+  FLAME_CHECK(!options.reduce_dtype || *options.reduce_dtype == DType::bf16 || *options.reduce_dtype == DType::f16 ||
+                  *options.reduce_dtype == DType::f32,
+              "DistributedDataParallel", "reduce_dtype must be bf16, f16 or f32, got ",
+              dtype_name(*options.reduce_dtype));
   state_->group = group ? std::move(group) : default_group_ptr();
   state_->record_events = options.record_launch_events && state_->group->device().is_cuda();
   ProcessGroup& pg = *state_->group;
@@ -169,8 +175,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<nn::Module> mod
     state_->slots.push_back(std::move(s));
   }
   for (std::size_t b = 0; b < state_->buckets.size(); ++b) {
-    const Slot& first = state_->slots[state_->buckets[b].slots.front()];
-    state_->buckets[b].flat = Tensor::zeros({sizes[b]}, TensorOptions(first.param.dtype(), dev));
+    const DType dt = state_->slots[state_->buckets[b].slots.front()].param.dtype();
+    // Floating gradients travel in reduce_dtype when one is set (the copies in and out convert).
+    const DType wire = options.reduce_dtype && is_floating(dt) ? *options.reduce_dtype : dt;
+    state_->buckets[b].flat = Tensor::zeros({sizes[b]}, TensorOptions(wire, dev));
   }
 
   std::weak_ptr<State> weak = state_;
@@ -215,7 +223,7 @@ void DistributedDataParallel::finish_gradients(Gradients& grads) {
         const Slot& sl = s.slots[i];
         Tensor avg = bk.flat.narrow(0, sl.offset, sl.param.numel()).view(sl.param.sizes());
         if (grads.contains(sl.param)) grads.at(sl.param).copy_(avg);
-        else grads.set(sl.param, avg);
+        else grads.set(sl.param, avg.dtype() == sl.param.dtype() ? avg : avg.to(sl.param.dtype()));
       }
     }
   }

@@ -13,7 +13,8 @@
 // --mode graph captures forward, backward, the bucket all-reduces and the (capturable) AdamW step
 // into one cuda::GraphedStep, as the trainer's --compile does (the first `warmup` steps eager,
 // then capture + replays; the BENCH name ends in /graph); a captured step records no launch
-// events, so it prints no overlap line.
+// events, so it prints no overlap line. --reduce bf16 all-reduces the f32 gradients in bf16
+// (DDPOptions::reduce_dtype; the name ends in /bf16reduce).
 #include <flame/amp.h>
 #include <flame/cuda.h>
 #include <flame/cuda/graph_step.h>
@@ -22,6 +23,7 @@
 #include <flame/optim/optimizers.h>
 
 #include <algorithm>
+#include <optional>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -39,6 +41,7 @@ int main(int argc, char** argv) {
   int64_t batch = 64;
   int steps = 30, warmup = 5;
   std::string mode = "eager";
+  std::optional<DType> reduce;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--model") preset = argv[i + 1];
@@ -47,9 +50,12 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") warmup = std::atoi(argv[i + 1]);
     else if (a == "--mode" && (std::string(argv[i + 1]) == "eager" || std::string(argv[i + 1]) == "graph"))
       mode = argv[i + 1];
+    else if (a == "--reduce" && std::string(argv[i + 1]) == "bf16")
+      reduce = DType::bf16;
     else {
       std::fprintf(stderr,
-                   "usage: dist_bench [--model P] [--batch PER_GPU] [--steps N] [--warmup N] [--mode eager|graph]\n");
+                   "usage: dist_bench [--model P] [--batch PER_GPU] [--steps N] [--warmup N] [--mode eager|graph] "
+                   "[--reduce bf16]\n");
       return 2;
     }
   }
@@ -65,7 +71,9 @@ int main(int argc, char** argv) {
     model->to(dev);
     const bool graph = mode == "graph";
     std::unique_ptr<dist::DistributedDataParallel> ddp;
-    if (world > 1) ddp = std::make_unique<dist::DistributedDataParallel>(model, dist::DDPOptions{.record_launch_events = true});
+    if (world > 1)
+      ddp = std::make_unique<dist::DistributedDataParallel>(
+          model, dist::DDPOptions{.record_launch_events = true, .reduce_dtype = reduce});
     optim::AdamW opt(model->parameters(), {.lr = 1e-4, .weight_decay = 0.0, .capturable = graph});
     Generator gen(1234 + static_cast<uint64_t>(rank));
     const int64_t C = model->in_channels(), S = model->image_size();
@@ -132,7 +140,8 @@ int main(int argc, char** argv) {
     if (rank == 0) {
       std::printf("BENCH {\"name\": \"ddp_step/%s/b%lld_per_gpu/gpus%d%s\", \"impl\": \"flame\", \"ms\": %.3f, "
                   "\"images_per_s\": %.1f, \"gpus\": %d, \"buckets\": %zu}\n",
-                  preset.c_str(), static_cast<long long>(batch), world, graph ? "/graph" : "", ms,
+                  preset.c_str(), static_cast<long long>(batch), world,
+                  (std::string(graph ? "/graph" : "") + (reduce ? "/bf16reduce" : "")).c_str(), ms,
                   static_cast<double>(batch * world) / (ms / 1000.0), world, buckets);
       if (ddp && !graph)
         std::printf("OVERLAP flame %s gpus%d: first bucket launched %.2f ms into the step, backward ends at %.2f ms, "
