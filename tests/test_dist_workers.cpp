@@ -170,6 +170,12 @@ bool same_params(nn::Module& a, nn::Module& b, double tol, const char* what) {
   return ok;
 }
 
+// One step of the one-process reference: the global batch of step s.
+void reference_step(nn::Module& ref, optim::Optimizer& opt, int s, Device dev) {
+  Gradients g = mse_loss(ref.forward(batch_x(s, dev)), batch_y(s, dev)).backward();
+  opt.step(g);
+}
+
 int ddp() {
   auto pg = init();
   const int W = pg->size(), R = pg->rank();
@@ -204,8 +210,7 @@ int ddp() {
     ddp.finish_gradients(g);
     WCHECK(ddp.last_launch_times().size() == ddp.num_buckets());
     opt.step(g);
-    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
-    ref_opt.step(rg);
+    reference_step(*ref, ref_opt, s, dev);
   }
   WCHECK(same_params(*model, *ref, 2e-5, "after 4 steps"));
   pg->barrier();
@@ -235,8 +240,7 @@ int ddp_bf16() {
     ddp.finish_gradients(g);
     for (auto& p : model->parameters()) WCHECK(g.get(p).dtype() == DType::f32);
     opt.step(g);
-    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
-    ref_opt.step(rg);
+    reference_step(*ref, ref_opt, s, dev);
   }
   WCHECK(same_params(*model, *ref, 5e-3, "after 4 steps with bf16 reduction"));
   pg->barrier();
@@ -282,8 +286,7 @@ int ddp_graph() {
       ref_loss = mse_loss(ref->forward(shard(batch_x(s, dev), R, W)), shard(batch_y(s, dev), R, W));
     }
     WCHECK(close(loss_out, ref_loss, 2e-5, "loss of step " + std::to_string(s)));
-    Gradients rg = mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward();
-    ref_opt.step(rg);
+    reference_step(*ref, ref_opt, s, dev);
   }
   WCHECK(step.captured());
   WCHECK(step.replays() == kSteps - 2);
