@@ -61,7 +61,7 @@ inline double median_ms(cudaStream_t stream, int reps, int warmup, const std::fu
     ms.push_back(t);
   }
   for (auto& e : ev) BENCH_CUDA_CHECK(cudaEventDestroy(e));
-  if (std::getenv("FLAME_BENCH_DUMP") != nullptr) {  // every call's time, in order (drift, outliers)
+  if (const char* dump = std::getenv("FLAME_BENCH_DUMP"); dump != nullptr && *dump != '\0') {  // every call, in order
     std::fprintf(stderr, "# per-call ms:");
     for (double t : ms) std::fprintf(stderr, " %.4f", t);
     std::fprintf(stderr, "\n");

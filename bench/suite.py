@@ -257,14 +257,17 @@ def rec_rate(rec):
 
 # Note [Alternating rounds]
 # A family listed more than once in ORDER gives each (case, side) one record per round; the row
-# takes the record with the median time of its side (the lower median for an even count), and
-# "rounds" says how many there were. Rounds alternate FLAME and PyTorch, so a drift in the GPU's
+# takes the median time of each side (the mean of the middle two for an even count), and "rounds"
+# says how many rounds both sides completed (a budget cut can leave one side a round short). Rounds alternate FLAME and PyTorch, so a drift in the GPU's
 # clocks (power cap, temperature) reaches both sides alike instead of favouring whichever ran first.
 def median_record(recs):
     timed = sorted((r for r in recs if rec_ms(r) is not None), key=rec_ms)
     if not timed:
         return recs[-1]
-    return timed[(len(timed) - 1) // 2]
+    mid = timed[(len(timed) - 1) // 2]
+    if len(timed) % 2 == 0:  # an even count: the mean of the middle two, not the faster one
+        mid = dict(mid, ms=0.5 * (rec_ms(mid) + rec_ms(timed[len(timed) // 2])))
+    return mid
 
 
 def join(runs):
@@ -280,7 +283,7 @@ def join(runs):
             by[key].setdefault(r["side"], []).append(rec)
     rows = []
     for fam, name in order:
-        rounds = {s: len(v) for s, v in by[(fam, name)].items()}
+        rounds = {s: len(v) for s, v in by[(fam, name)].items() if s in ("flame", "eager")}
         sides = {s: median_record(v) for s, v in by[(fam, name)].items()}
         f, e, c = sides.get("flame"), sides.get("eager"), sides.get("compile")
         fm, em, cm = rec_ms(f), rec_ms(e), rec_ms(c)
@@ -294,7 +297,7 @@ def join(runs):
                "peak_mib_compile": (c or {}).get("peak_mib"), "compile_s": (c or {}).get("compile_s"),
                "flops": (f or e or {}).get("flops"), "flops_counted": (e or {}).get("flops_counted"),
                "errors": {s: v["error"] for s, v in sides.items() if "error" in v},
-               "rounds": max(rounds.values())}
+               "rounds": min(rounds.values()) if rounds else 1}
         rows.append(row)
         g = sides.get("flame_graph")
         if g:  # the same work as a whole-step CUDA graph (bench_steps --mode graph)

@@ -10,6 +10,7 @@
 # all-reduce/backward overlap from CUDA events, FLAME eager and as one CUDA graph. Prints a summary
 # last; exit status 1 if a part failed. About 300 s with the default batches.
 set -u
+shopt -s lastpipe  # `... | while read; do note; done` runs in this shell, so its notes reach the summary
 BUILD="${1:-build-cuda}"
 LOGS="$BUILD/dist-check"
 mkdir -p "$LOGS"
@@ -18,6 +19,7 @@ RUN="$BUILD/tools/flame-run"
 STATUS=0
 SUMMARY=()
 note() { SUMMARY+=("$1"); echo "dist_check: $1"; }
+fail() { note "$1"; STATUS=1; }
 t_start=$(date +%s)
 command -v nvidia-smi >/dev/null && nvidia-smi -L
 NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -64,22 +66,22 @@ for B in ${DIST_BATCHES:-64 256}; do
       args=(--mode "${mode%-bf16}")
       [[ $mode == *-bf16 ]] && args+=(--reduce bf16)  # no DDP on one GPU: the 2-GPU runs only
       [[ $mode != *-bf16 ]] && { timeout 60 "$DB" --batch $B "${args[@]}" >>"$LOGS/bench.log" 2>&1 ||
-        note "dist_bench 1 GPU B$B $mode failed"; }
+        fail "dist_bench 1 GPU B$B $mode failed"; }
       for g in 2 4 8; do
         [[ $g -le $NGPU ]] || continue
         timeout 80 "$RUN" --nproc-per-node $g "$DB" --batch $B "${args[@]}" >>"$LOGS/bench.log" 2>&1 ||
-          note "dist_bench $g GPUs B$B $mode failed"
+          fail "dist_bench $g GPUs B$B $mode failed"
       done
     done
   fi
   if [[ "${DIST_TORCH:-1}" == 0 ]]; then
     :
   elif python3 -c "import torch" 2>/dev/null; then
-    timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || note "torch bench 1 GPU failed"
+    timeout 60 python3 bench/bench_dist_torch.py --batch $B >>"$LOGS/bench.log" 2>&1 || fail "torch bench 1 GPU failed"
     for g in 2 4 8; do
       [[ $g -le $NGPU ]] || continue
       timeout 90 python3 -m torch.distributed.run --nproc-per-node $g bench/bench_dist_torch.py --batch $B \
-        >>"$LOGS/bench.log" 2>&1 || note "torch bench $g GPUs failed"
+        >>"$LOGS/bench.log" 2>&1 || fail "torch bench $g GPUs failed"
     done
   else
     note "PyTorch not installed: no torchrun comparison"

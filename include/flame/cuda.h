@@ -213,14 +213,14 @@ struct EpilogueTuneStats {
 // Process-wide counters (all devices); zeros in a build without CUDA.
 EpilogueTuneStats epilogue_tune_stats();
 
-// ---- cuDNN plan autotuning (convolution and fused attention; docs/nn.md) ----
+// ---- cuDNN plan autotuning (convolution and fused attention; docs/nn-conv.md) ----
 // cuDNN's heuristic ranks engine configurations without running them. With autotuning on, the
 // first call of each new convolution or SDPA problem outside graph capture also builds the
 // heuristic's next candidates (up to 8 in all), times each on the call's own operands, and keeps
 // the fastest for the rest of the process; that call waits for the GPU once. Like
 // torch.backends.cudnn.benchmark = True, and off by default like it: on an H100 the heuristic's
 // first plan was the fastest (within 3%) for every benchmarked conv and attention problem but one
-// (docs/nn.md). FLAME_CUDNN_AUTOTUNE=1 turns it on at start-up (=verbose also prints each problem's
+// (docs/nn-conv.md). The switch applies to problems first seen after it changes. FLAME_CUDNN_AUTOTUNE=1 turns it on at start-up (=verbose also prints each problem's
 // candidates and timings). Off, and for a problem first seen under capture, the heuristic's first
 // plan that builds runs.
 void set_cudnn_autotune(bool enable);

@@ -108,7 +108,8 @@ struct ProcessGroupOptions {
 // CUDA graph (cuda::Graph, cuda::GraphedStep; Note [Collectives in CUDA graphs] in
 // src/dist/nccl_group.cpp): run them eagerly once first, keep their tensors alive while the graph
 // lives, wait() on every captured Work before the capture ends, and watch() after each replay.
-// barrier() and Work::is_completed() are host waits/queries and raise under capture.
+// barrier() raises during a capture, and Work::is_completed() raises for a captured Work (it runs
+// at every replay: there is no single completion to query).
 class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;

@@ -29,8 +29,10 @@
 // from the host) and record_stream (the graph holds no allocations of the caller: its tensors
 // must outlive the graph, like every tensor a graph reads). The watchdog therefore cannot see the
 // collectives of a replay; ProcessGroup::watch() after each replay puts an event behind the
-// replay on the watch list, so a dead or hung peer still fails the group within the timeout.
-// Host waits (barrier, Work::is_completed) raise under capture.
+// replay on the watch list, so a dead or hung peer still fails the group within the timeout. As
+// for eager collectives, the clock starts when the host queues the work, not when the GPU reaches
+// it, so a host running far ahead of the GPU spends some of the timeout in the queue. barrier()
+// raises during a capture; Work::is_completed() raises for a captured Work.
 #include "src/dist/internal.h"
 
 #if defined(FLAME_WITH_NCCL)

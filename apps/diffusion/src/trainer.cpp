@@ -423,7 +423,10 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
       try {
         (*graphed)();
       } catch (const flame::Error& e) {
-        if (!capturing_now) throw;
+        // With several ranks a failed capture may have recorded some of DDP's collectives on this
+        // rank only, and the ranks would decide on their own: stop, naming the cause, rather than
+        // go on out of step with the others.
+        if (!capturing_now || world > 1) throw;
         // A failed capture ran nothing: say why and go on with the same step function, eagerly.
         std::fprintf(stderr, "\n--compile: %s\n--compile: continuing without the CUDA graph\n", e.what());
         graphed.reset();

@@ -141,7 +141,7 @@ int main(int argc, char** argv) {
       std::printf("BENCH {\"name\": \"ddp_step/%s/b%lld_per_gpu/gpus%d%s\", \"impl\": \"flame\", \"ms\": %.3f, "
                   "\"images_per_s\": %.1f, \"gpus\": %d, \"buckets\": %zu}\n",
                   preset.c_str(), static_cast<long long>(batch), world,
-                  (std::string(graph ? "/graph" : "") + (reduce ? "/bf16reduce" : "")).c_str(), ms,
+                  (std::string(graph ? "/graph" : "") + (reduce && ddp ? "/bf16reduce" : "")).c_str(), ms,
                   static_cast<double>(batch * world) / (ms / 1000.0), world, buckets);
       if (ddp && !graph)
         std::printf("OVERLAP flame %s gpus%d: first bucket launched %.2f ms into the step, backward ends at %.2f ms, "

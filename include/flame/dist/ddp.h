@@ -34,7 +34,7 @@ struct DDPOptions {
   // CUDA: record a timing event on the compute stream at each bucket launch (the point where the
   // bucket's gradients are ready on the GPU), for overlap measurements (last_launch_events()).
   bool record_launch_events = false;
-  // Reduce floating gradients in this dtype (bf16 or f16) instead of their own, like PyTorch's
+  // Reduce floating gradients in this dtype (bf16, f16 or f32) instead of their own, like PyTorch's
   // bf16_compress_hook: half the bytes on the wire (and in the buckets) for f32 gradients, at the
   // cost of rounding each gradient to the reduce dtype before the average; the averaged result is
   // written back in the gradient's dtype. Unset (default): gradients are reduced as they are.

@@ -4,7 +4,7 @@
 // first choice is not always the fastest on this GPU for this problem. With autotuning on
 // (flame::cuda::set_cudnn_autotune, FLAME_CUDNN_AUTOTUNE=1; off by default, as PyTorch's
 // cudnn.benchmark, since the heuristic's pick measured fastest for nearly every problem the
-// benchmarks run: docs/nn.md has the figures), a plan cache entry also
+// benchmarks run: docs/nn-conv.md has the figures), a plan cache entry also
 // builds the heuristic's next configurations, up to kCandidates in all, and the first execution
 // outside a CUDA graph capture times each one that builds (a warm-up run, then kTimedRuns runs
 // between CUDA events on the call's stream, their median) on the call's own operands. The fastest
@@ -13,7 +13,10 @@
 // Convolution (fprop, dgrad, wgrad) and SDPA (forward, backward) only write their outputs and
 // workspace, so the extra runs change nothing but time. A candidate whose workspace exceeds
 // kMaxWorkspace is skipped. The timing waits for the GPU once per problem; under capture the
-// heuristic's plan runs until an eager call tunes it. Included after cudnn_frontend.h.
+// heuristic's plan runs until an eager call tunes it. The switch is read when a problem's plan is
+// made: a problem first seen with autotuning off keeps the heuristic's plan for the process, and
+// one made with it on is tuned at its first eager call even if the switch changed in between.
+// Included after cudnn_frontend.h.
 #include <cuda_runtime.h>
 #include <cudnn.h>
 
@@ -72,15 +75,16 @@ void tune(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t,
           const Allocate& allocate, const std::string& what) {
   if (st.done || capturing(stream)) return;
   st.done = true;
-  cudaEvent_t ev[kTimedRuns + 1];
-  for (auto& e : ev)
-    if (cudaEventCreate(&e) != cudaSuccess) return;
+  cudaEvent_t ev[kTimedRuns + 1] = {};
   struct Destroy {
     cudaEvent_t* ev;
     ~Destroy() {
-      for (int i = 0; i <= kTimedRuns; ++i) (void)cudaEventDestroy(ev[i]);
+      for (int i = 0; i <= kTimedRuns; ++i)
+        if (ev[i] != nullptr) (void)cudaEventDestroy(ev[i]);
     }
   } destroy{ev};
+  for (auto& e : ev)
+    if (cudaEventCreate(&e) != cudaSuccess) return;
   std::vector<std::pair<int64_t, double>> timed;  // (index, median ms)
   std::string report;
   for (int64_t idx : st.candidates) {
@@ -106,8 +110,10 @@ void tune(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t,
   (void)cudaGetLastError();  // a candidate that failed to launch leaves nothing behind
   if (timed.empty()) return;
   auto best = std::min_element(timed.begin(), timed.end(), [](auto& a, auto& b) { return a.second < b.second; });
-  // The heuristic's first plan that built keeps its place unless clearly beaten.
-  if (best->first != timed.front().first && best->second > timed.front().second * (1.0 - kMinGain))
+  // The heuristic's own plan (the first candidate that built) keeps its place unless clearly
+  // beaten; when it could not be timed, the fastest timed one runs.
+  if (timed.front().first == st.candidates.front() && best->first != timed.front().first &&
+      best->second > timed.front().second * (1.0 - kMinGain))
     best = timed.begin();
   st.index = best->first;
   (void)g.get_workspace_size_plan_at_index(st.index, st.workspace);
