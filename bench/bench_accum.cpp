@@ -37,11 +37,7 @@ using flame::DType;
 using flame::Tensor;
 namespace F = flame::nn::functional;
 
-void emit(const std::string& name, double gbps, double ms) {
-  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f}\n", name.c_str(), gbps,
-              ms);
-  std::fflush(stdout);
-}
+void emit(const std::string& name, double gbps, double ms) { flame::bench::emit_rate(name, gbps, "GB/s", ms); }
 
 }  // namespace
 

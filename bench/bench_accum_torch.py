@@ -9,25 +9,15 @@ same 30 bytes per element as the FLAME side. PyTorch always adds x's two gradien
 
 Usage: python3 bench/bench_accum_torch.py [--reps N] [--warmup N]
 """
-import argparse
-import json
-
-from bench_timing import median_ms
+from bench_timing import emit_rate, median_ms, twin_start
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    args = ap.parse_args()
-    import torch
-    import torch.nn.functional as F
-    if not torch.cuda.is_available():
-        print("# bench_accum_torch: no CUDA device; nothing to measure")
+    start = twin_start("bench_accum_torch", __doc__.splitlines()[0])
+    if start is None:
         return 0
-    dev = torch.device("cuda", 0)
-    print(f"# bench_accum_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
-          f"reps {args.reps}, warm-up {args.warmup}", flush=True)
+    args, torch, dev = start
+    import torch.nn.functional as F
     b, t, d = 256, 196, 384
     x0 = (torch.randn(b, t, d, device=dev) * 2.0 + 0.5).requires_grad_()
     m = (torch.randn(b, 3 * d, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
@@ -39,8 +29,7 @@ def main():
         h = x + gate * y
     ms = median_ms(torch, lambda: torch.autograd.grad(h, [x0, m], dh, retain_graph=True), args.reps, args.warmup)
     gbps = 30.0 * b * t * d / (ms * 1e-3) / 1e9
-    print("BENCH " + json.dumps({"name": "accum_dit_residual_bwd", "value": float(f"{gbps:.4g}"), "unit": "GB/s",
-                                 "ms": round(ms, 4)}), flush=True)
+    emit_rate("accum_dit_residual_bwd", gbps, "GB/s", ms)
     return 0
 
 

@@ -36,11 +36,7 @@ using flame::Tensor;
 using flame::TensorList;
 using flame::bench::median_ms;
 
-void emit(const std::string& name, double gbps, double ms) {
-  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"GB/s\", \"ms\": %.4f}\n", name.c_str(), gbps,
-              ms);
-  std::fflush(stdout);
-}
+void emit(const std::string& name, double gbps, double ms) { flame::bench::emit_rate(name, gbps, "GB/s", ms); }
 
 struct Case {
   std::string name;

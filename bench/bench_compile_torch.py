@@ -8,31 +8,17 @@ given output gradient, as FLAME's backward returns a fresh gradient store.
 
 Usage: python3 bench/bench_compile_torch.py [--reps N] [--warmup N]
 """
-import argparse
-import json
 import math
 
-from bench_timing import median_ms
-
-
-def emit(name, gbps, ms):
-    print("BENCH " + json.dumps({"name": name, "value": float(f"{gbps:.4g}"), "unit": "GB/s",
-                                 "ms": round(ms, 4)}), flush=True)
+from bench_timing import emit_rate, median_ms, twin_start
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    args = ap.parse_args()
-    import torch
-    import torch.nn.functional as F
-    if not torch.cuda.is_available():
-        print("# bench_compile_torch: no CUDA device; nothing to measure")
+    start = twin_start("bench_compile_torch", __doc__.splitlines()[0], ", bf16")
+    if start is None:
         return 0
-    dev = torch.device("cuda", 0)
-    print(f"# bench_compile_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
-          f"reps {args.reps}, warm-up {args.warmup}, bf16", flush=True)
+    args, torch, dev = start
+    import torch.nn.functional as F
     B, T, D = 256, 196, 384
     N = B * T
     cases = [
@@ -67,7 +53,7 @@ def main():
                         torch.autograd.grad(y, grad_ins, dy)
                 warm = args.warmup + (10 if variant == "torch_compile" else 2)
                 ms = median_ms(torch, run, args.reps, warm)
-                emit(f"compile_{name}_{mode}_{variant}", bytes_ / (ms * 1e-3) / 1e9, ms)
+                emit_rate(f"compile_{name}_{mode}_{variant}", bytes_ / (ms * 1e-3) / 1e9, "GB/s", ms)
             c = torch._dynamo.utils.counters
             print(f"# {name}_{mode}: dynamo frames {dict(c['frames'])}, stats {dict(c['stats'])}, "
                   f"graph breaks {sum(c['graph_break'].values())}", flush=True)

@@ -10,31 +10,21 @@ into .grad), as FLAME's backward returns a fresh store. The FLAME-only lines (*_
 
 Usage: python3 bench/bench_epi_torch.py [--reps N] [--warmup N]
 """
-import argparse
-import json
 import math
 
-from bench_timing import median_ms
+from bench_timing import emit_rate, median_ms, twin_start
 
 
 def emit(name, flops, ms):
-    print("BENCH " + json.dumps({"name": name, "value": float(f"{flops / (ms * 1e-3) / 1e12:.4g}"),
-                                 "unit": "TFLOP/s", "ms": round(ms, 4)}), flush=True)
+    emit_rate(name, flops / (ms * 1e-3) / 1e12, "TFLOP/s", ms)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    args = ap.parse_args()
-    import torch
-    import torch.nn.functional as F
-    if not torch.cuda.is_available():
-        print("# bench_epi_torch: no CUDA device; nothing to measure")
+    start = twin_start("bench_epi_torch", __doc__.splitlines()[0], ", bf16")
+    if start is None:
         return 0
-    dev = torch.device("cuda", 0)
-    print(f"# bench_epi_torch: PyTorch {torch.__version__} on {torch.cuda.get_device_name(0)}, "
-          f"reps {args.reps}, warm-up {args.warmup}, bf16", flush=True)
+    args, torch, dev = start
+    import torch.nn.functional as F
     reps, warmup = args.reps, args.warmup
     bf16 = dict(device=dev, dtype=torch.bfloat16)
 

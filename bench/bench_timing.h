@@ -71,6 +71,13 @@ inline double median_ms(cudaStream_t stream, int reps, int warmup, const std::fu
   return n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
 }
 
+// One BENCH line with a rate (GB/s, TFLOP/s) and the time it came from (the twins' emit_rate).
+inline void emit_rate(const std::string& name, double value, const char* unit, double ms) {
+  std::printf("BENCH {\"name\": \"%s\", \"value\": %.4g, \"unit\": \"%s\", \"ms\": %.4f}\n", name.c_str(), value,
+              unit, ms);
+  std::fflush(stdout);
+}
+
 // On the current FLAME stream.
 inline double median_ms(int reps, int warmup, const std::function<void()>& fn) {
   return median_ms(static_cast<cudaStream_t>(flame::cuda::current_stream()), reps, warmup, fn);

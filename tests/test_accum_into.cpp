@@ -524,11 +524,7 @@ TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
     opt.grad_output = gout;
     cuda::synchronize();
     profiler::KernelTrace trace;
-    try {
-      trace.start();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
+    if (std::string why = start_trace(trace); !why.empty()) return why;
     const Gradients g = out.backward(opt);
     cuda::synchronize();
     trace.stop();

@@ -355,11 +355,7 @@ TEST(AttnPackedCudaRoutes, BackwardRunsOnlyTheAttentionKernels) {
     const Tensor out = forward();
     cuda::synchronize();
     profiler::KernelTrace trace;
-    try {
-      trace.start();
-    } catch (const Error& e) {
-      return std::string(e.what());
-    }
+    if (std::string why = start_trace(trace); !why.empty()) return why;
     const Tensor dqkv = qkv.grad(out.backward(opt));
     trace.stop();
     for (const profiler::KernelRecord& r : trace.records()) {

@@ -156,4 +156,13 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
   return ::testing::AssertionSuccess();
 }
 
+std::string start_trace(profiler::KernelTrace& trace) {
+  try {
+    trace.start();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return {};
+}
+
 }  // namespace flame::test

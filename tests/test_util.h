@@ -86,4 +86,8 @@ double default_atol(DType dt);
 // Expects `fn` to throw flame::Error whose message contains every one of `parts`.
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts);
 
+// Starts `trace`; the error's text when the kernel trace is not available here (no CUPTI access),
+// empty when it started. For cases that count kernels and skip with that reason otherwise.
+std::string start_trace(profiler::KernelTrace& trace);
+
 }  // namespace flame::test

@@ -23,12 +23,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
+#include "src/backend/cuda/tune_timing.h"
 #include "src/backend/cudnn_tune.h"
 
 namespace flame::backend::cuda::cudnn_autotune {
@@ -38,21 +38,23 @@ constexpr int kTimedRuns = 3;
 constexpr double kMinGain = 0.03;
 constexpr int64_t kMaxWorkspace = int64_t{1} << 30;
 
-// Per cached plan: the candidates built for timing, and the outcome.
+// Per cached plan: the plan that executes, the candidates built for timing, and whether they were.
 struct State {
   std::vector<int64_t> candidates;  // plan indices that built, heuristic order
   bool done = true;                 // nothing (left) to time
   int64_t index = -1;               // plan to execute; -1: the graph's own choice (Graph::execute)
-  int64_t workspace = 0;            // bytes for `index`
+  int64_t workspace = 0;            // bytes the executing plan needs
 };
 
 inline bool enabled() { return cudnn_tune::level() > 0; }
 
-// After build_plans(HEURISTICS_CHOICE): builds configurations 0..kCandidates-1 (the one already
-// built is kept) and records which built. Nothing to tune when fewer than two did.
+// After build_plans(HEURISTICS_CHOICE): the heuristic's plan and its workspace execute; with
+// autotuning on, also builds configurations 0..kCandidates-1 (the one already built is kept) and
+// records which built. Nothing to tune when fewer than two did.
 template <class Graph>
-State build_candidates(Graph& g) {
+State plan_state(Graph& g, int64_t heuristic_workspace) {
   State st;
+  st.workspace = heuristic_workspace;
   if (!enabled()) return st;
   const int64_t n = std::min<int64_t>(g.get_execution_plan_count(), kCandidates);
   for (int64_t i = 0; i < n; ++i)
@@ -61,36 +63,21 @@ State build_candidates(Graph& g) {
   return st;
 }
 
-inline bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
-}
-
-using Allocate = std::function<std::shared_ptr<void>(std::size_t)>;
-
 // Times st.candidates on the call's operands (outside capture only) and fills st.index and
 // st.workspace with the choice. `what` names the problem in verbose output.
 template <class Graph>
-void tune(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack, cudaStream_t stream,
-          const Allocate& allocate, const std::string& what) {
-  if (st.done || capturing(stream)) return;
+void tune(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack, CudaBackend& be,
+          const std::string& what) {
+  if (st.done || capturing_now(be)) return;
   st.done = true;
-  cudaEvent_t ev[kTimedRuns + 1] = {};
-  struct Destroy {
-    cudaEvent_t* ev;
-    ~Destroy() {
-      for (int i = 0; i <= kTimedRuns; ++i)
-        if (ev[i] != nullptr) (void)cudaEventDestroy(ev[i]);
-    }
-  } destroy{ev};
-  for (auto& e : ev)
-    if (cudaEventCreate(&e) != cudaSuccess) return;
+  const cudaStream_t stream = be.stream();
+  TimingEvents ev(kTimedRuns + 1);
   std::vector<std::pair<int64_t, double>> timed;  // (index, median ms)
   std::string report;
   for (int64_t idx : st.candidates) {
     int64_t ws = 0;
     if (g.get_workspace_size_plan_at_index(idx, ws).is_bad() || ws > kMaxWorkspace) continue;
-    std::shared_ptr<void> buf = ws > 0 ? allocate(static_cast<std::size_t>(ws)) : nullptr;
+    std::shared_ptr<void> buf = ws > 0 ? be.allocate(static_cast<std::size_t>(ws)) : nullptr;
     if (g.execute_plan_at_index(handle, pack, buf.get(), idx).is_bad()) continue;  // warm-up
     bool ok = cudaEventRecord(ev[0], stream) == cudaSuccess;
     for (int r = 0; ok && r < kTimedRuns; ++r)
@@ -123,10 +110,16 @@ void tune(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t,
                  timed.size(), static_cast<long long>(st.index), report.c_str());
 }
 
-// Executes the tuned plan, or the graph's own choice while untuned.
-template <class Graph>
-auto execute(const State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack, void* ws) {
-  return st.index < 0 ? g.execute(handle, pack, ws) : g.execute_plan_at_index(handle, pack, ws, st.index);
+// One execution: tunes first when due (`describe()` names the problem in verbose output), then
+// runs the chosen plan (the graph's own while untuned) with its workspace from be's pool, freed
+// in stream order after the call.
+template <class Graph, class Describe>
+auto execute(State& st, Graph& g, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack, CudaBackend& be,
+             Describe&& describe) {
+  if (!st.done) tune(st, g, handle, pack, be, describe());
+  std::shared_ptr<void> ws;
+  if (st.workspace > 0) ws = be.allocate(static_cast<std::size_t>(st.workspace));
+  return st.index < 0 ? g.execute(handle, pack, ws.get()) : g.execute_plan_at_index(handle, pack, ws.get(), st.index);
 }
 
 }  // namespace flame::backend::cuda::cudnn_autotune

@@ -75,8 +75,7 @@ struct KeyHash {
 
 struct Plan {
   std::shared_ptr<fe::graph::Graph> graph;
-  int64_t workspace = 0;  // of the heuristic's plan
-  cudnn_autotune::State tune;
+  cudnn_autotune::State tune;  // the plan that executes and its workspace
 };
 
 fe::DataType_t io_type(DType dt) {
@@ -120,8 +119,9 @@ void finish(Plan& plan, cudnnHandle_t handle, const std::vector<int64_t>& key) {
   check_fe(g.create_execution_plans({fe::HeurMode_t::A}), "create_execution_plans", key);
   check_fe(g.check_support(handle), "check_support", key);
   check_fe(g.build_plans(handle), "build_plans", key);
-  check_fe(g.get_workspace_size(plan.workspace), "get_workspace_size", key);
-  plan.tune = cudnn_autotune::build_candidates(g);
+  int64_t workspace = 0;
+  check_fe(g.get_workspace_size(workspace), "get_workspace_size", key);
+  plan.tune = cudnn_autotune::plan_state(g, workspace);
 }
 
 void new_graph(Plan& plan, DType dt) {
@@ -186,16 +186,12 @@ Plan& backward_plan(cudnnHandle_t handle, const std::vector<int64_t>& key, const
 
 void run(CudaBackend& be, Plan& plan, cudnnHandle_t handle, std::unordered_map<int64_t, void*>& pack,
          const std::vector<int64_t>& key) {
-  if (!plan.tune.done) {  // Note [cuDNN autotuning]
+  auto describe = [&key] {  // Note [cuDNN autotuning]
     std::string what = key[0] == 0 ? "SDPA forward [B,H,L,S,E,Ev] = [" : "SDPA backward [B,H,L,S,E,Ev] = [";
     for (int i = 3; i < 9; ++i) what += std::to_string(key[i]) + (i < 8 ? "," : "]");
-    cudnn_autotune::tune(plan.tune, *plan.graph, handle, pack, be.stream(),
-                         [&be](std::size_t n) { return be.allocate(n); }, what);
-  }
-  const int64_t bytes = plan.tune.index < 0 ? plan.workspace : plan.tune.workspace;
-  std::shared_ptr<void> ws;
-  if (bytes > 0) ws = be.allocate(static_cast<std::size_t>(bytes));
-  check_fe(cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, ws.get()), "execute", key);
+    return what;
+  };
+  check_fe(cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, be, describe), "execute", key);
 }
 
 // Makes `device` current for the scope (common.cuh's DeviceGuard needs nvcc; this file is host C++).

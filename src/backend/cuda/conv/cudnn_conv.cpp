@@ -139,8 +139,7 @@ constexpr int64_t kUidX = 1, kUidW = 2, kUidY = 3;
 struct ConvPlan {
   std::shared_ptr<fe::graph::Graph> graph;  // null: cuDNN could not build this one (error below)
   std::string error;
-  int64_t workspace = 0;        // of the heuristic's plan
-  cudnn_autotune::State tune;   // guarded by run_mutex
+  cudnn_autotune::State tune;  // the plan that executes and its workspace; guarded by run_mutex
   std::mutex run_mutex;
 };
 
@@ -272,8 +271,9 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
   check_fe(graph->check_support(handle), "support check (no engine supports this convolution)", name, what);
   check_fe(graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "plan build", name, what);
   auto plan = std::make_unique<ConvPlan>();
-  check_fe(graph->get_workspace_size(plan->workspace), "workspace query", name, what);
-  plan->tune = cudnn_autotune::build_candidates(*graph);
+  int64_t workspace = 0;
+  check_fe(graph->get_workspace_size(workspace), "workspace query", name, what);
+  plan->tune = cudnn_autotune::plan_state(*graph, workspace);
   plan->graph = std::move(graph);
   return plan;
 }
@@ -385,18 +385,13 @@ void run_conv(CudaBackend& be, ConvOp op, const Tensor& x, const Tensor& w, cons
   }
   std::unordered_map<int64_t, void*> pack{{kUidX, x.data_ptr()}, {kUidW, w.data_ptr()}, {kUidY, y.data_ptr()}};
   std::lock_guard<std::mutex> lock(plan.run_mutex);
-  if (!plan.tune.done)  // Note [cuDNN autotuning]
-    cudnn_autotune::tune(plan.tune, *plan.graph, handle, pack, stream,
-                         [&be](std::size_t n) { return be.allocate(n); }, describe(op, x, w, y, p));
-  const int64_t bytes = plan.tune.index < 0 ? plan.workspace : plan.tune.workspace;
-  std::shared_ptr<void> workspace;
-  if (bytes > 0) workspace = be.allocate(static_cast<std::size_t>(bytes));
-  const fe::error_t e = cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, workspace.get());
+  // Tunes when due (Note [cuDNN autotuning]); the workspace goes back to the pool in stream order.
+  const fe::error_t e =
+      cudnn_autotune::execute(plan.tune, *plan.graph, handle, pack, be, [&] { return describe(op, x, w, y, p); });
   if (e.is_bad()) {
     fe::error_t copy = e;
     FLAME_FAIL(name.c_str(), "cuDNN execution failed for ", describe(op, x, w, y, p), ": ", copy.get_message());
   }
-  // workspace goes back to the pool here, ordered after the conv on this stream.
 }
 
 }  // namespace

@@ -54,6 +54,7 @@
 #include "src/backend/cuda/epi/column_sum.h"
 #include "src/backend/cuda/epi/lt_shared.h"
 #include "src/backend/cuda/memory_pool.h"
+#include "src/backend/cuda/tune_timing.h"
 #include "src/backend/epi_tune.h"
 
 #define FLAME_EPI_CHECK(op, call)                                                                    \
@@ -171,15 +172,6 @@ std::vector<EpiChoice> heuristic_choices(const EpiKey& key, const EpiPlan& plan,
   return out;
 }
 
-// Whether the calling thread's work on be's stream is being captured into a graph (FLAME's own,
-// or the caller's capture of a stream it handed to FLAME).
-bool capturing_now(const CudaBackend& be) {
-  if (thread_is_capturing(be.device())) return true;
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  FLAME_CUDA_CHECK(cudaStreamIsCapturing(be.stream(), &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 // Queues one run of the call with `ch` on be's stream: the GEMM, then the column sum of a
 // column-sum plan. A status other than SUCCESS means nothing was queued (NOT_SUPPORTED: cuBLASLt
 // refused before launching, or the shared workspace is too small).
@@ -207,33 +199,6 @@ cublasStatus_t launch_choice(CudaBackend& be, const EpiKey& key, const EpiPlan& 
     epi_column_sum(be, static_cast<DType>(key.dtype), c.sum_src, c.sum_rows, c.sum_cols, const_cast<void*>(c.bias));
   return st;
 }
-
-// The CUDA events of a timing (two per candidate), destroyed on every way out.
-class TimingEvents {
- public:
-  explicit TimingEvents(std::size_t n) : ev_(n, nullptr) {
-    for (cudaEvent_t& e : ev_) {
-      const cudaError_t err = cudaEventCreate(&e);
-      if (err != cudaSuccess) {
-        e = nullptr;
-        release();
-        raise_cuda_error(err, "cudaEventCreate", __FILE__, __LINE__);
-      }
-    }
-  }
-  ~TimingEvents() { release(); }
-  TimingEvents(const TimingEvents&) = delete;
-  TimingEvents& operator=(const TimingEvents&) = delete;
-  cudaEvent_t operator[](std::size_t i) const { return ev_[i]; }
-
- private:
-  void release() {
-    for (cudaEvent_t& e : ev_)
-      if (e != nullptr) (void)cudaEventDestroy(e);
-    ev_.assign(ev_.size(), nullptr);
-  }
-  std::vector<cudaEvent_t> ev_;
-};
 
 std::string describe_choice(const EpiChoice& ch) {
   int id = -1, tile = -1, stages = -1;
