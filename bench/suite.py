@@ -53,7 +53,8 @@ FAMILIES = {
 }
 # Extra arguments of FLAME programs: the steps also print where each step's memory peak went
 # (logs.txt), for the memory target.
-FLAME_ARGS = {"steps": ["--memory-report"]}
+# The DiT step also with --recompute mlp (docs/recompute.md): the memory side of the trade.
+FLAME_ARGS = {"steps": ["--memory-report", "--recompute", "none,mlp"]}
 # The run order with each run's time limit in seconds: (family, side, nominal, reserved). A run's
 # limit is its nominal one, cut so that the `reserved` seconds of every later run still fit in
 # the budget; runs with nothing reserved (the optional families at the end) run only when time is
@@ -285,6 +286,13 @@ def join(runs):
     for fam, name in order:
         rounds = {s: len(v) for s, v in by[(fam, name)].items() if s in ("flame", "eager")}
         sides = {s: median_record(v) for s, v in by[(fam, name)].items()}
+        # A FLAME-only variant of a step (step_<model>_b<batch>_recompute_<level>: the same model
+        # and batch with activation recompute) is compared with the twin's rows of the step.
+        base = name.split("_recompute_")[0]
+        if base != name and (fam, base) in by:
+            for s in ("eager", "compile"):
+                if s not in sides and s in by[(fam, base)]:
+                    sides[s] = median_record(by[(fam, base)][s])
         f, e, c = sides.get("flame"), sides.get("eager"), sides.get("compile")
         fm, em, cm = rec_ms(f), rec_ms(e), rec_ms(c)
         rate, unit = rec_rate(f)

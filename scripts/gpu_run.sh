@@ -32,7 +32,7 @@ TEST_REGEX=""
 # Cases that skip in a CUDA build by design (Note [Counting CUDA cases]); --allow-skip adds more.
 ALLOW_SKIP="CudaJitConfig\.WithoutCudaEveryCallRaises|OffloadPinned\.WithoutCudaPinningRaisesAndNonBlockingCopiesFallBack"
 # flame::dist cases that need 2+ GPUs (one rank per GPU on "nccl"); scripts/dist_check.sh runs them on 2.
-ALLOW_SKIP="$ALLOW_SKIP|Dist(Collectives|DDP|Zero|Checkpoint|Failure|Launcher)\.[A-Za-z]+"
+ALLOW_SKIP="$ALLOW_SKIP|Dist(Collectives|DDP|Zero|Checkpoint|Failure|Launcher)\.[A-Za-z0-9_]+"
 SAN_FILTER="CudaJit*:*CudaMatchesCpu*"
 RACE_FILTER=""
 JOBS=8

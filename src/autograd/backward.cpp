@@ -34,6 +34,17 @@
 //    or a buffer nothing else holds: the pass owns it afterwards. Returning no gradient for that
 //    input gives the base back unchanged. Whatever layout the base has, the rule may fall back to
 //    composing base + gradient: the result is the same, only the fused add is lost.
+// Note [Prepared gradients]
+// A fused kernel may compute more than its own node's gradients: the adaLN backward of a DiT
+// block holds the complete gradient of the residual h it normalised (Note [Fused residual
+// backward] in src/ops/adaln.cpp), which is all the gated residual that produced h needs. The
+// rule checks Node::completes_input(i) (its contribution is the last that vertex awaits, so the
+// tensor it returns becomes the vertex's gradient as is) and hands the producer's gradients over
+// with Node::prepare(grads, returned). Hooks still run on the vertex's gradient before the
+// producer's rule, so that rule validates with take_prepared(grad): the prepared gradients are
+// used only when grad is the same tensor at the same version (a hook that returned another tensor
+// or wrote this one in place, or a further contribution, makes it compute as usual). The stash
+// lives in the producer's scratch: a new pass clears it, taking it empties it.
 #include <atomic>
 #include <cstdlib>
 #include <queue>

@@ -94,6 +94,41 @@ void Node::release() {
   released_ = true;
 }
 
+namespace {
+std::atomic<uint64_t> g_prepared{0}, g_prepared_taken{0};
+}  // namespace
+
+namespace autograd_detail {
+PreparedCounts prepared_counts() {
+  return {g_prepared.load(std::memory_order_relaxed), g_prepared_taken.load(std::memory_order_relaxed)};
+}
+}  // namespace autograd_detail
+
+bool Node::completes_input(std::size_t i) const {
+  if (i >= edges_.size()) return false;
+  const Edge& e = edges_[i];
+  if (!e.meta || e.slot >= 0 || !e.meta->grad_fn) return false;  // no gradient, a leaf or a stop
+  const Scratch& c = e.meta->grad_fn->scratch;
+  return c.run == scratch.run && c.deps == 1;
+}
+
+void Node::prepare(TensorList grads, const Tensor& for_grad) const {
+  scratch.prepared = std::move(grads);
+  scratch.prepared_for = for_grad.impl();
+  scratch.prepared_version = for_grad.version();
+  g_prepared.fetch_add(1, std::memory_order_relaxed);
+}
+
+TensorList Node::take_prepared(const Tensor& grad) const {
+  TensorList out = std::move(scratch.prepared);
+  scratch.prepared = TensorList();
+  const bool valid = !out.empty() && grad.defined() && grad.impl() == scratch.prepared_for &&
+                     grad.version() == scratch.prepared_version;
+  scratch.prepared_for = nullptr;
+  if (valid) g_prepared_taken.fetch_add(1, std::memory_order_relaxed);
+  return valid ? out : TensorList();
+}
+
 std::size_t Node::save(const Tensor& t, bool is_output) {
   // Inputs are held as they are: their history was complete before this node existed, so it
   // cannot lead back here. The node's own output is held detached, or it would own itself

@@ -254,8 +254,25 @@ class Node {
     Tensor base;                    // an input's pending sum handed to the rule
     int32_t base_input = -1;        // which input it belongs to
     bool base_owned = false;        // the pass owns it (the rule may write into it)
+    // Note [Prepared gradients]: this node's gradients, computed ahead by another rule of this
+    // pass for the gradient tensor prepared_for at version prepared_version.
+    mutable TensorList prepared;
+    mutable const void* prepared_for = nullptr;
+    mutable uint64_t prepared_version = 0;
   };
   Scratch scratch;
+
+  // In the rule: whether this node's gradient for input i is the last contribution that input's
+  // vertex awaits in the running backward (a non-leaf input that is not a stop of the pass).
+  bool completes_input(std::size_t i) const;
+  // Note [Prepared gradients] (backward.cpp): a rule that computed another node's gradients along
+  // with its own (a fused kernel) hands them over with prepare(), naming the tensor it returns for
+  // that node's vertex; that node's rule asks take_prepared(grad), which returns them only when
+  // grad is still that tensor, unwritten since (no hook replaced or edited it, nothing else was
+  // added), and an empty list otherwise (the rule then computes as usual).
+  void prepare(TensorList grads, const Tensor& for_grad) const;
+  TensorList take_prepared(const Tensor& grad) const;
+  RuleFn rule() const { return rule_; }
 
   // Where the node came from, filled at record time only while anomaly mode or a memory profiler
   // is on (Note [Anomaly mode] in anomaly.cpp): the forward op's index since anomaly mode began

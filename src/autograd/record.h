@@ -51,6 +51,12 @@ struct AccumulateBaseCounts {
   uint64_t handed = 0, owned = 0;
 };
 AccumulateBaseCounts accumulate_base_counts();
+// Note [Prepared gradients] (backward.cpp): gradients handed over by Node::prepare so far in the
+// process, and how many of them the receiving rule used (tests).
+struct PreparedCounts {
+  uint64_t prepared = 0, taken = 0;
+};
+PreparedCounts prepared_counts();
 }  // namespace autograd_detail
 
 // Grad mode is on and at least one input requires a gradient.

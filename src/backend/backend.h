@@ -177,24 +177,39 @@ class Backend {
   // op layer then composes (the CPU backend keeps these defaults: the composite is the reference).
   // x, y, dy, dx, out, ...: [B, T, D] contiguous; shift, scale, gate: [B, D] with column stride 1
   // (any row stride, e.g. chunks of one [B, k*D] projection); mean/rstd [B*T] f32 per row.
-  // y = layer_norm(x) * (1 + scale) + shift, y's dtype may differ from x's (autocast).
+  // y = layer_norm(x) * (1 + scale) + shift, y's dtype may differ from x's (autocast). xhat, when
+  // defined (y's dtype and shape), also receives the normalised x, (x - mean) * rstd: what the
+  // backward reads instead of x and mean when y's dtype is narrower than x's.
   virtual bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                             const Tensor& shift, const Tensor& scale, double eps) { return false; }
-  // dx (x's dtype), dshift and dscale ([B, D] contiguous, the modulation's dtype; each may be
-  // undefined) of the forward above given dy (y's dtype). When base is defined (dx's shape and
-  // dtype, contiguous; it may be dx itself) dx = base + the gradient: the engine's pending sum of
-  // x (Note [Accumulate base] in src/autograd/backward.cpp); a backend that declines it is asked
-  // again without it and the rule composes the sum.
-  virtual bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
-                              const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
-                              const Tensor& base) {
+                             const Tensor& shift, const Tensor& scale, double eps, const Tensor& xhat) {
     return false;
   }
-  // h = x + gate * branch (x's dtype, branch: gate's), then y, mean, rstd of h as adaln_forward:
-  // a gated residual and the adaLN that reads its result, in one pass over the rows.
+  // What an adaLN backward may also do (each part undefined: not done).
+  struct AdalnBackwardMore {
+    // dx's pending gradient sum (dx's shape and dtype, contiguous; it may be dx itself): dx =
+    // base + the gradient (Note [Accumulate base] in src/autograd/backward.cpp). A backend that
+    // declines it is asked again without it and the rule composes the sum.
+    Tensor base;
+    // The gated residual x = x_prev + gate * branch (gate [B, D] as shift, branch [B, T, D] in
+    // gate's dtype) whose complete gradient the final dx is: then also dbranch = gate * dx
+    // (branch's dtype, may be undefined) and dgate = sum over T of dx * branch ([B, D]
+    // contiguous, gate's dtype). Note [Fused residual backward] in src/ops/adaln.cpp.
+    Tensor gate, branch, dbranch, dgate;
+  };
+  // dx (x's dtype), dshift and dscale ([B, D] contiguous, the modulation's dtype; each may be
+  // undefined) of the forward above given dy (y's dtype). With mean undefined, x is the x-hat the
+  // forward wrote (y's dtype); dx still has the dtype of the forward's x (more.base's, or f32 when
+  // x-hat is narrower and there is no base).
+  virtual bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
+                              const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
+                              const AdalnBackwardMore& more) {
+    return false;
+  }
+  // h = x + gate * branch (x's dtype, branch: gate's), then y, mean, rstd (and xhat) of h as
+  // adaln_forward: a gated residual and the adaLN that reads its result, in one pass over the rows.
   virtual bool adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                       const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
-                                      const Tensor& scale, double eps) {
+                                      const Tensor& scale, double eps, const Tensor& xhat) {
     return false;
   }
   // out = x + gate * y (gate broadcast over T).

@@ -71,29 +71,93 @@ Shape btd(const Tensor& x) {
   return {b, (b == 0 || d == 0) ? 0 : x.numel() / (b * d), d};
 }
 
-// Saved: x as [B, T, D], mean, rstd, scale; args.op: the result dtype, args.shape: x's shape.
+// Note [Fused residual backward]
+// In gated_residual_modulate's graph the residual h = x + gate * branch feeds this block's adaLN
+// (y's node) and the next residual (a pass-through of its gradient). The adaLN node runs last of
+// the two (the next block's nodes were recorded later), and its kernel already writes h's complete
+// gradient dh = pending + its own (Note [Accumulate base]). When that is the last contribution
+// h's vertex awaits (Node::completes_input), the same kernel also computes what h's node, the
+// gated residual, needs: dbranch = gate * dh and dgate = sum over T of dh * branch, and hands
+// them over (Note [Prepared gradients] in src/autograd/backward.cpp). That saves the gated
+// residual's own pass over dh and branch (on an H100, dit-s: 62 us per call). The prepared
+// gradients are used only if h's gradient is still the tensor the kernel wrote; a hook that
+// replaces or edits it makes the gated residual compute as before, from the edited gradient.
+
+TensorList gated_residual_rule(const Tensor& grad, const Node& n);
+
+// Saved: x as [B, T, D] and mean, or (args.need[0]) x-hat in the result dtype; then rstd, scale.
+// args.op: the result dtype, args.shape: x's shape, args.need[1]: x is the h of a
+// gated_residual_modulate, whose gated residual node may take prepared gradients.
 TensorList adaln_rule(const Tensor& grad, const Node& n) {
   const auto& e = n.edges();
-  const Tensor x3 = n.saved(0), mean = n.saved(1), rstd = n.saved(2), scale = n.saved(3);
+  const bool hat = n.args().need[0];
+  const Tensor x3 = n.saved(0);
+  const Tensor mean = hat ? Tensor() : n.saved(1);
+  const Tensor rstd = n.saved(hat ? 1 : 2), scale = n.saved(hat ? 2 : 3);
+  const DType xdt = hat ? DType::f32 : x3.dtype();  // x-hat is saved only for an f32 x
   const Device dev = x3.device();
   const Shape& xs = n.args().shape;
   Tensor dshift = e[1].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   Tensor dscale = e[2].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   const Tensor dy = grad.to(static_cast<DType>(n.args().op)).contiguous().view(x3.sizes());
   auto& be = backend::backend_for(dev);
+  // Note [Fused residual backward]: h's node, when it wants gate or branch gradients from the
+  // complete dh this backward writes.
+  Node* partner = nullptr;
+  if (n.args().need[1] && e[0].meta && n.completes_input(0)) {
+    Node* p = e[0].meta->grad_fn.get();
+    if (p && p->rule() == gated_residual_rule && !p->released() && (p->edges()[1].meta || p->edges()[2].meta))
+      partner = p;
+  }
+  backend::Backend::AdalnBackwardMore more;
+  Tensor dbranch;
+  if (partner) {
+    const Tensor gate = partner->saved(0), br = partner->saved(1);
+    more.gate = gate;
+    more.branch = br;
+    more.dgate = make_empty({gate.size(0), gate.size(1)}, gate.dtype(), dev);
+    if (partner->edges()[2].meta) {
+      dbranch = make_empty(partner->args().shape, br.dtype(), dev);
+      more.dbranch = dbranch.view(br.sizes());
+    }
+  }
+  // Hands the gated residual's gradients to its node, for the dh returned.
+  auto hand_over = [&](const Tensor& dx) {
+    if (partner) partner->prepare({partner->edges()[1].meta ? more.dgate : Tensor(), dbranch}, dx);
+  };
   // Note [Accumulate base]: x's pending gradient sum, read by the kernel's final write of dx.
   const Tensor& base = n.accumulate_base(0);
-  if (e[0].meta && base.defined() && base.is_contiguous() && base.dtype() == x3.dtype()) {
+  if (e[0].meta && base.defined() && base.is_contiguous() && base.dtype() == xdt) {
     // Written in place when this backward owns the sum, into a fresh buffer otherwise.
-    const Tensor dx = n.accumulate_base_owned() ? base : make_empty(xs, x3.dtype(), dev);
-    if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, base.view(x3.sizes())))
+    const Tensor dx = n.accumulate_base_owned() ? base : make_empty(xs, xdt, dev);
+    more.base = base.view(x3.sizes());
+    if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, more)) {
+      hand_over(dx);
       return {dx, dshift, dscale};
+    }
+    if (partner) {  // the fused residual part declined: without it
+      more.gate = more.branch = more.dbranch = more.dgate = Tensor();
+      partner = nullptr;
+      if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, more))
+        return {dx, dshift, dscale};
+    }
+    more.base = Tensor();
   }
-  Tensor dx = e[0].meta ? make_empty(xs, x3.dtype(), dev) : Tensor();
-  const bool ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd,
-                                    scale, Tensor());
+  if (base.defined()) {  // the sum is composed below: the kernel's dx is not dh
+    more = backend::Backend::AdalnBackwardMore();
+    partner = nullptr;
+  }
+  Tensor dx = e[0].meta ? make_empty(xs, xdt, dev) : Tensor();
+  bool ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd, scale,
+                              more);
+  if (ok) hand_over(dx);
+  if (!ok && partner) {
+    more = backend::Backend::AdalnBackwardMore();
+    partner = nullptr;
+    ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd, scale, more);
+  }
   FLAME_CHECK(ok, "layer_norm_modulate", "the backend ran the forward but declined its backward (x ", xs, " ",
-              dtype_name(x3.dtype()), ", scale ", dtype_name(scale.dtype()), ")");
+              dtype_name(xdt), ", scale ", dtype_name(scale.dtype()), ")");
   if (dx.defined() && base.defined()) dx = base + dx;  // the kernel declined the base: the same sum
   return {dx, dshift, dscale};
 }
@@ -101,6 +165,9 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
 // Saved: gate, y as [B, T, D]; args.op: the result dtype (x's); args.shape: x's shape.
 TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   const auto& e = n.edges();
+  // Note [Fused residual backward]: computed by the adaLN backward that read this h.
+  TensorList prepared = n.take_prepared(grad);
+  if (!prepared.empty()) return {e[0].meta ? grad : Tensor(), std::move(prepared[0]), std::move(prepared[1])};
   const Tensor gate = n.saved(0), y3 = n.saved(1);
   const Shape& xs = n.args().shape;
   const Tensor dout = grad.to(static_cast<DType>(n.args().op)).contiguous();
@@ -117,17 +184,21 @@ TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   return {e[0].meta ? dout : Tensor(), e[1].meta ? dgate : Tensor(), dy};
 }
 
-// The node of a fused layer_norm_modulate: x3 is x as the kernel read it ([B, T, D] contiguous).
-void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& x3,
-                  const Tensor& mean, const Tensor& rstd, DType out) {
+// The node of a fused layer_norm_modulate: xs3 is x as the kernel read it ([B, T, D] contiguous)
+// with mean, or x-hat as it wrote it (mean undefined). residual: x is the h of a
+// gated_residual_modulate, recorded just before (Note [Fused residual backward]).
+void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& xs3,
+                  const Tensor& mean, const Tensor& rstd, DType out, bool residual = false) {
   if (!needs_grad({x, shift, scale})) return;
   RuleArgs args;
   args.op = static_cast<int>(out);
   args.shape = x.sizes();
+  args.need[0] = !mean.defined();
+  args.need[1] = residual;
   Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
   n.accept_accumulate_base(0);
-  n.save(x3);
-  n.save(mean);
+  n.save(xs3);
+  if (mean.defined()) n.save(mean);
   n.save(rstd);
   n.save(scale);
 }
@@ -142,6 +213,18 @@ void record_gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const
   Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
   n.save(gate);
   n.save(y3);
+}
+
+// Note [Saved x-hat]: where the result dtype is narrower than x's (an f32 residual stream under
+// bf16 autocast), the fused forward also writes x-hat = (x - mean) * rstd in the result dtype and
+// the node saves that instead of x and mean: half the bytes, and x itself (the residual stream)
+// is no longer held by the graph. The backward then reads x-hat rounded to the result dtype
+// (relative error 2^-9 in bf16, the precision of the linear layer's saved input y beside it)
+// where it would recompute it in f32. Allocated only when a gradient is wanted.
+Tensor xhat_buffer(const Tensor& x, const Tensor& shift, const Tensor& scale, const Shape& s3, DType out) {
+  if (dtype_size(out) >= dtype_size(x.dtype()) || !is_floating(out)) return Tensor();
+  if (!(grad_enabled() && (x.requires_grad() || shift.requires_grad() || scale.requires_grad()))) return Tensor();
+  return make_empty(s3, out, x.device(), "layer_norm_modulate");
 }
 
 void check_gated_residual(const char* op, const Tensor& x, const Tensor& gate, const Tensor& y) {
@@ -159,7 +242,9 @@ void check_modulate(const char* op, const Tensor& x, const Tensor& shift, const 
   FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
 }
 
-Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+// xhat_out: receives the x-hat the node saved (Note [Saved x-hat]), when it saved one.
+Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
+                                Tensor* xhat_out = nullptr) {
   const int64_t d = x.size(-1);
   if (x.numel() > 0 && !x.device().is_cpu()) {
     Tensor y, x3, mean, rstd;
@@ -171,10 +256,17 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
       y = make_empty(x.sizes(), out, x.device(), "layer_norm_modulate");
       mean = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
       rstd = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
-      fused = backend::backend_for(x.device()).adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps);
+    }
+    const Tensor xhat = xhat_buffer(x, shift, scale, x3.sizes(), out);
+    {
+      NoGradGuard no_grad;
+      fused = backend::backend_for(x.device())
+                  .adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps, xhat);
     }
     if (fused) {
-      record_adaln(y, x, shift, scale, x3, mean, rstd, out);
+      if (xhat.defined()) record_adaln(y, x, shift, scale, xhat, Tensor(), rstd, out);
+      else record_adaln(y, x, shift, scale, x3, mean, rstd, out);
+      if (xhat_out && y.grad_fn_name() == "LayerNormModulateBackward") *xhat_out = xhat;
       return y;
     }
   }
@@ -182,12 +274,23 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
   return y.dtype() == out ? y : y.to(out);
 }
 
-void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  if (autograd_detail::should_mark_recomputable()) {
-    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
-      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
+                       const Tensor& xhat = Tensor()) {
+  if (!autograd_detail::should_mark_recomputable()) return;
+  if (xhat.defined()) {
+    // Note [Saved x-hat]: the node holds x-hat, not x; y is redone from it (an elementwise pass)
+    // rather than from x, which the recipe would otherwise keep alive.
+    const Shape ys = y.sizes();
+    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {xhat, shift, scale}, [ys, out](const TensorList& in) {
+      const Tensor xh = in[0].to(DType::f32);
+      const Tensor r = xh * (per_sample(in[2], xh).to(DType::f32) + 1.0) + per_sample(in[1], xh).to(DType::f32);
+      return r.to(out).view(ys);
     });
+    return;
   }
+  autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
+    return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+  });
 }
 
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
@@ -195,12 +298,12 @@ void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Te
 // for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
 // The op is marked as one: the ops of its composite path do not mark their own outputs.
 Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  Tensor y;
+  Tensor y, xhat;
   {
     autograd::RecomputeCheap whole_op(false);
-    y = layer_norm_modulate_impl(x, shift, scale, eps, out);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out, &xhat);
   }
-  mark_adaln_output(y, x, shift, scale, eps, out);
+  mark_adaln_output(y, x, shift, scale, eps, out, xhat);
   return y;
 }
 
@@ -271,9 +374,10 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
                              : promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype());
   Tensor h, y, b3, h3, mean, rstd;
   bool fused = false;
+  const Shape s3 = btd(x);
+  const Tensor xhat = xhat_buffer(x, shift, scale, s3, out);
   {
     NoGradGuard no_grad;
-    const Shape s3 = btd(x);
     b3 = branch.contiguous().view(s3);
     h = make_empty(x.sizes(), hdt, x.device(), op);
     h3 = h.view(s3);
@@ -282,13 +386,14 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
     rstd = make_empty({s3[0] * s3[1]}, DType::f32, x.device(), op);
     fused = backend::backend_for(x.device())
                 .adaln_residual_forward(h3, y.view(s3), mean, rstd, x.contiguous().view(s3), gate, b3, shift, scale,
-                                        eps);
+                                        eps, xhat);
   }
   if (!fused) return composed();
   // The graph of the two ops: h's node, then y's reading h.
   record_gated_residual(h, x, gate, branch, b3, hdt);
-  record_adaln(y, h, shift, scale, h3, mean, rstd, out);
-  mark_adaln_output(y, h, shift, scale, eps, out);
+  if (xhat.defined()) record_adaln(y, h, shift, scale, xhat, Tensor(), rstd, out, /*residual=*/true);
+  else record_adaln(y, h, shift, scale, h3, mean, rstd, out, /*residual=*/true);
+  mark_adaln_output(y, h, shift, scale, eps, out, y.grad_fn_name() == "LayerNormModulateBackward" ? xhat : Tensor());
   return {h, y};
 }
 

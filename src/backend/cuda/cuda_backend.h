@@ -153,11 +153,12 @@ class CudaBackend final : public Backend {
   // ---- adaln ---- (adaln/adaln.cu)
   bool adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                               const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
-                              const Tensor& scale, double eps) override;
+                              const Tensor& scale, double eps, const Tensor& xhat) override;
   bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
-                     const Tensor& scale, double eps) override;
+                     const Tensor& scale, double eps, const Tensor& xhat) override;
   bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy, const Tensor& x,
-                      const Tensor& mean, const Tensor& rstd, const Tensor& scale, const Tensor& base) override;
+                      const Tensor& mean, const Tensor& rstd, const Tensor& scale,
+                      const AdalnBackwardMore& more) override;
   bool gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) override;
   bool gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
                                const Tensor& gate) override;

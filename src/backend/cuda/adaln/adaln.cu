@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
     adaln_forward_kernel(const X* __restrict__ x, const M* __restrict__ shift, const M* __restrict__ scale,
                          int64_t ld, O* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
                          int64_t rows, int64_t T, int D, float eps, const M* __restrict__ gate, int64_t ld_gate,
-                         const M* __restrict__ branch, X* __restrict__ h) {
+                         const M* __restrict__ branch, X* __restrict__ h, O* __restrict__ xhat) {
   const int lane = threadIdx.x & 31;
   const float inv_d = 1.f / static_cast<float>(D);
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + (threadIdx.x >> 5); row < rows;
@@ -164,12 +164,16 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
     for (int c = 0; c < kC; ++c) {
       const int e = (c * 32 + lane) * 4;
       if (e < D) {
-        float a[4], o[4], t[4];
+        float a[4], o[4], t[4], xh[4];
         ld4(sc + e, a);
         ld4(sh + e, t);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) o[j] = (v[c][j] - m) * rs * (1.f + a[j]) + t[j];
+        for (int j = 0; j < 4; ++j) {
+          xh[j] = (v[c][j] - m) * rs;
+          o[j] = xh[j] * (1.f + a[j]) + t[j];
+        }
         st4(yr + e, o);
+        if (xhat) st4(xhat + row * D + e, xh);
       }
     }
     if (lane == 0) {
@@ -179,10 +183,11 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
   }
 }
 
-// Per-slice column sums -> [B, D] in the modulation's dtype: part is [B, S, K, D], out_k [B, D].
+// Per-slice column sums -> [B, D] in the modulation's dtype: part is [B, S, K, D], out_k [B, D]
+// (null: not wanted).
 template <class M, int K>
 __global__ void slice_sum_kernel(const float* __restrict__ part, M* __restrict__ out0, M* __restrict__ out1,
-                                 int64_t B, int S, int D) {
+                                 M* __restrict__ out2, int64_t B, int S, int D) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= B * D) return;
   const int64_t b = i / D;
@@ -191,36 +196,54 @@ __global__ void slice_sum_kernel(const float* __restrict__ part, M* __restrict__
   for (int s = 0; s < S; ++s)
 #pragma unroll
     for (int k = 0; k < K; ++k) acc[k] += part[((b * S + s) * K + k) * D + d];
-  if (out0) out0[i] = store_as<M>(acc[0]);
-  if constexpr (K > 1) {
-    if (out1) out1[i] = store_as<M>(acc[1]);
-  }
+  M* out[3] = {out0, out1, out2};
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+    if (out[k]) out[k][i] = store_as<M>(acc[k]);
 }
 
-template <class X, class M, class O, int kC>
+// The operands of the fused gated-residual part of a backward (Note [Fused residual backward] in
+// src/ops/adaln.cpp); null pointers where there is none.
+template <class M>
+struct ResBwd {
+  const M* gate = nullptr;
+  int64_t ld_gate = 0;
+  const M* branch = nullptr;
+  M* dbranch = nullptr;
+  M* dgate = nullptr;
+};
+
+// kHat: xin is x-hat in O (saved by the forward; no mean) instead of x in X.
+// kRes: the final dx (dh of the gated residual h = x_prev + gate * branch whose result x is) also
+// gives dbranch = gate * dh and a third accumulator, dgate = sum over T of dh * branch.
+template <class X, class M, class O, int kC, bool kHat, bool kRes>
 __global__ void __launch_bounds__(kBwdWarps * 32)
-    adaln_backward_kernel(const O* __restrict__ dy, const X* __restrict__ x, const float* __restrict__ mean,
-                          const float* __restrict__ rstd, const M* __restrict__ scale, int64_t ld, X* dx,
-                          const X* base, float* __restrict__ part, M* __restrict__ dshift, M* __restrict__ dscale,
-                          int64_t T, int D, int64_t rows_per_slice) {
-  extern __shared__ float acc[];  // [kBwdWarps][2][D]
+    adaln_backward_kernel(const O* __restrict__ dy, const std::conditional_t<kHat, O, X>* __restrict__ xin,
+                          const float* __restrict__ mean, const float* __restrict__ rstd, const M* __restrict__ scale,
+                          int64_t ld, X* dx, const X* base, float* __restrict__ part, M* __restrict__ dshift,
+                          M* __restrict__ dscale, int64_t T, int D, int64_t rows_per_slice, ResBwd<M> res) {
+  using XI = std::conditional_t<kHat, O, X>;
+  constexpr int K = kRes ? 3 : 2;
+  extern __shared__ float acc[];  // [kBwdWarps][K][D]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * rows_per_slice;
   const int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
-  float* mine = acc + static_cast<int64_t>(warp) * 2 * D;
+  float* mine = acc + static_cast<int64_t>(warp) * K * D;
   const M* sc = scale + b * ld;
   float a1[kC][4];  // 1 + scale of this lane's columns
+  float gv[kRes ? kC : 1][4];  // the gate of this lane's columns (kRes)
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
     const int e = (c * 32 + lane) * 4;
     if (e < D) {
       ld4(sc + e, a1[c]);
+      if constexpr (kRes) ld4(res.gate + b * res.ld_gate + e, gv[c]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         a1[c][j] += 1.f;
-        mine[e + j] = 0.f;
-        mine[D + e + j] = 0.f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) mine[k * D + e + j] = 0.f;
       }
     }
   }
@@ -229,35 +252,49 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   // x, dy and base are in flight while this row is reduced and written. Rows of more than 512
   // values (kC 12) would not fit two stages in registers: they load each row at its start.
   constexpr bool kPipe = kC <= 4;
-  Raw4<X> nx[kC] = {}, nb[kC] = {};
+  Raw4<XI> nx[kC] = {};
+  Raw4<X> nb[kC] = {};
   Raw4<O> nd[kC] = {};
+  Raw4<M> nr[kRes ? kC : 1] = {};
   float nm = 0.f, nrs = 0.f;
   auto fetch = [&](int64_t t) {
     if (t >= t1) return;
     const int64_t row = b * T + t;
-    nm = mean[row];
+    if constexpr (!kHat) nm = mean[row];
     nrs = rstd[row];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       const int e = (c * 32 + lane) * 4;
       if (e < D) {
-        nx[c] = ldraw4(x + row * D + e);
+        nx[c] = ldraw4(xin + row * D + e);
         nd[c] = ldraw4(dy + row * D + e);
         if (base) nb[c] = ldraw4<X, false>(base + row * D + e);  // may be dx itself: no read-only path
+        if constexpr (kRes) nr[c] = ldraw4(res.branch + row * D + e);
       }
+    }
+  };
+  // x-hat of 4 loaded values.
+  auto hat = [&](const Raw4<XI>& r, float m, float rs, float (&xh)[4]) {
+    unpack4<XI>(r, xh);
+    if constexpr (!kHat) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) xh[j] = (xh[j] - m) * rs;
     }
   };
   if constexpr (kPipe) fetch(t0 + warp);
   for (int64_t t = t0 + warp; t < t1; t += kBwdWarps) {
     const int64_t row = b * T + t;
     if constexpr (!kPipe) fetch(t);
-    Raw4<X> cx[kC], cb[kC];
+    Raw4<XI> cx[kC];
+    Raw4<X> cb[kC];
     Raw4<O> cd[kC];
+    Raw4<M> cr[kRes ? kC : 1];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
       cx[c] = nx[c];
       cd[c] = nd[c];
       cb[c] = nb[c];
+      if constexpr (kRes) cr[c] = nr[c];
     }
     const float m = nm, rs = nrs;
     if constexpr (kPipe) fetch(t + kBwdWarps);
@@ -266,8 +303,8 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     for (int c = 0; c < kC; ++c) {
       const int e = (c * 32 + lane) * 4;
       if (e < D) {
-        float xv[4], dv[4];
-        unpack4<X>(cx[c], xv);
+        float xh[4], dv[4];
+        hat(cx[c], m, rs, xh);
         unpack4<O>(cd[c], dv);
         float4 ash = *reinterpret_cast<float4*>(mine + e);
         float4 asc = *reinterpret_cast<float4*>(mine + D + e);
@@ -275,12 +312,11 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
         float* pasc = &asc.x;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float xh = (xv[j] - m) * rs;
           const float g = dv[j] * a1[c][j];
           s1 += g;
-          s2 += g * xh;
+          s2 += g * xh[j];
           pash[j] += dv[j];
-          pasc[j] += dv[j] * xh;
+          pasc[j] += dv[j] * xh[j];
         }
         *reinterpret_cast<float4*>(mine + e) = ash;
         *reinterpret_cast<float4*>(mine + D + e) = asc;
@@ -292,11 +328,11 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       for (int c = 0; c < kC; ++c) {
         const int e = (c * 32 + lane) * 4;
         if (e < D) {
-          float xv[4], dv[4], o[4];
-          unpack4<X>(cx[c], xv);
+          float xh[4], dv[4], o[4];
+          hat(cx[c], m, rs, xh);
           unpack4<O>(cd[c], dv);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) o[j] = rs * (dv[j] * a1[c][j] - mg - (xv[j] - m) * rs * mgx);
+          for (int j = 0; j < 4; ++j) o[j] = rs * (dv[j] * a1[c][j] - mg - xh[j] * mgx);
           if (base) {
             float bv[4];
             unpack4<X>(cb[c], bv);
@@ -304,26 +340,45 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
             for (int j = 0; j < 4; ++j) o[j] += bv[j];
           }
           st4(dx + row * D + e, o);
+          if constexpr (kRes) {  // from dh as stored, as the unfused gated residual backward reads it
+            float dh[4], br[4], db[4];
+            if constexpr (std::is_same_v<X, float>) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) dh[j] = o[j];
+            } else {
+              ld4_cast<X>(o, dh);
+            }
+            unpack4<M>(cr[c], br);
+            float4 ag = *reinterpret_cast<float4*>(mine + 2 * D + e);
+            float* pag = &ag.x;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              pag[j] += dh[j] * br[j];
+              db[j] = dh[j] * gv[c][j];
+            }
+            *reinterpret_cast<float4*>(mine + 2 * D + e) = ag;
+            if (res.dbranch) st4(res.dbranch + row * D + e, db);
+          }
         }
       }
     }
   }
   __syncthreads();
   const bool whole = gridDim.y == 1;
-  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * 2 * D;
+  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * K * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float ssh = 0.f, ssc = 0.f;
+    float s[K] = {};
 #pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w) {
-      ssh += acc[w * 2 * D + d];
-      ssc += acc[w * 2 * D + D + d];
-    }
+    for (int w = 0; w < kBwdWarps; ++w)
+#pragma unroll
+      for (int k = 0; k < K; ++k) s[k] += acc[(w * K + k) * D + d];
     if (!whole) {
-      pp[d] = ssh;
-      pp[D + d] = ssc;
+#pragma unroll
+      for (int k = 0; k < K; ++k) pp[k * D + d] = s[k];
     } else {
-      if (dshift) dshift[b * D + d] = store_as<M>(ssh);
-      if (dscale) dscale[b * D + d] = store_as<M>(ssc);
+      if (dshift) dshift[b * D + d] = store_as<M>(s[0]);
+      if (dscale) dscale[b * D + d] = store_as<M>(s[1]);
+      if constexpr (kRes) res.dgate[b * D + d] = store_as<M>(s[K - 1]);
     }
   }
 }
@@ -475,9 +530,9 @@ struct BwdSlices {
 
 // The second stage when a batch's rows took several slices: out_k [B, D] = the slices' sums.
 template <class M, int K>
-void launch_slice_sum(cudaStream_t st, const BwdSlices& sl, M* out0, M* out1, int64_t B, int64_t D) {
+void launch_slice_sum(cudaStream_t st, const BwdSlices& sl, M* out0, M* out1, M* out2, int64_t B, int64_t D) {
   if (sl.count <= 1) return;
-  slice_sum_kernel<M, K><<<grid_for(B * D, 256), 256, 0, st>>>(sl.partial(), out0, out1, B, sl.count,
+  slice_sum_kernel<M, K><<<grid_for(B * D, 256), 256, 0, st>>>(sl.partial(), out0, out1, out2, B, sl.count,
                                                                static_cast<int>(D));
   FLAME_CUDA_CHECK_LAUNCH();
 }
@@ -500,12 +555,13 @@ struct ResidualArgs {
 
 // What adaln_forward and adaln_residual_forward both require of their shared operands.
 bool forward_ok(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
-                const Tensor& scale) {
+                const Tensor& scale, const Tensor& xhat) {
   if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2))) return false;
   const int64_t B = x.size(0), D = x.size(2);
   if (!mod_ok(shift, B, D) || !mod_ok(scale, B, D) || shift.dtype() != scale.dtype() ||
       shift.stride(0) != scale.stride(0) || y.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype()))
     return false;
+  if (xhat.defined() && (!rows_ok(xhat, D) || xhat.dtype() != y.dtype() || xhat.sizes() != y.sizes())) return false;
   return mean.is_contiguous() && rstd.is_contiguous() && mean.dtype() == DType::f32 && rstd.dtype() == DType::f32;
 }
 
@@ -513,7 +569,8 @@ bool forward_ok(const Tensor& y, const Tensor& mean, const Tensor& rstd, const T
 // the gated residual before the norm (r's operands).
 template <bool kRes>
 bool launch_forward(CudaBackend& be, const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                    const Tensor& shift, const Tensor& scale, double eps, const ResidualArgs& r) {
+                    const Tensor& shift, const Tensor& scale, double eps, const ResidualArgs& r,
+                    const Tensor& xhat) {
   const int64_t T = x.size(1), D = x.size(2), rows = x.size(0) * T;
   DeviceGuard guard(be.device());
   cudaStream_t st = be.stream();
@@ -527,39 +584,58 @@ bool launch_forward(CudaBackend& be, const Tensor& y, const Tensor& mean, const 
           static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
           static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
           static_cast<float>(eps), static_cast<const M*>(r.gate), r.ld_gate, static_cast<const M*>(r.branch),
-          static_cast<X*>(r.h));
+          static_cast<X*>(r.h), xhat.defined() ? static_cast<O*>(xhat.data_ptr()) : nullptr);
       FLAME_CUDA_CHECK_LAUNCH();
     });
   });
 }
 
+// Whether the fused gated-residual part of a backward fits: rows of up to 512 values (the
+// pipelined kernel; three accumulator rows per warp), operands in the modulation's dtype.
+bool residual_more_ok(const Backend::AdalnBackwardMore& more, const Tensor& scale, int64_t B, int64_t T, int64_t D) {
+  const Tensor& gate = more.gate;
+  if (!mod_ok(gate, B, D) || gate.dtype() != scale.dtype() || D > 512) return false;
+  if (!rows_ok(more.branch, D) || more.branch.dtype() != gate.dtype() || more.branch.size(0) != B ||
+      more.branch.size(1) != T)
+    return false;
+  const Tensor& db = more.dbranch;
+  if (db.defined() && (!rows_ok(db, D) || db.dtype() != gate.dtype() || db.sizes() != more.branch.sizes()))
+    return false;
+  const Tensor& dg = more.dgate;
+  return dg.defined() && dg.is_contiguous() && dg.dtype() == gate.dtype() && dg.numel() == B * D;
+}
+
 }  // namespace
 
 bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                                const Tensor& shift, const Tensor& scale, double eps) {
-  if (!forward_ok(y, mean, rstd, x, shift, scale)) return false;
-  return launch_forward<false>(*this, y, mean, rstd, x, shift, scale, eps, ResidualArgs{});
+                                const Tensor& shift, const Tensor& scale, double eps, const Tensor& xhat) {
+  if (!forward_ok(y, mean, rstd, x, shift, scale, xhat)) return false;
+  return launch_forward<false>(*this, y, mean, rstd, x, shift, scale, eps, ResidualArgs{}, xhat);
 }
 
 bool CudaBackend::adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
                                          const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
-                                         const Tensor& scale, double eps) {
-  if (!forward_ok(y, mean, rstd, x, shift, scale) || !rows_ok(h, x.size(2)) || !rows_ok(branch, x.size(2)))
+                                         const Tensor& scale, double eps, const Tensor& xhat) {
+  if (!forward_ok(y, mean, rstd, x, shift, scale, xhat) || !rows_ok(h, x.size(2)) || !rows_ok(branch, x.size(2)))
     return false;
   if (!mod_ok(gate, x.size(0), x.size(2)) || gate.dtype() != scale.dtype() || branch.dtype() != scale.dtype() ||
       h.dtype() != x.dtype())
     return false;
   return launch_forward<true>(*this, y, mean, rstd, x, shift, scale, eps,
-                              ResidualArgs{gate.data_ptr(), gate.stride(0), branch.data_ptr(), h.data_ptr()});
+                              ResidualArgs{gate.data_ptr(), gate.stride(0), branch.data_ptr(), h.data_ptr()}, xhat);
 }
 
 bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
                                  const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
-                                 const Tensor& base) {
+                                 const AdalnBackwardMore& more) {
   if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(dy, x.size(2))) return false;
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  if (!mod_ok(scale, B, D) || dy.dtype() != (x.dtype() == DType::f32 ? scale.dtype() : x.dtype())) return false;
-  if (dx.defined() && (!rows_ok(dx, D) || dx.dtype() != x.dtype())) return false;
+  const bool hat = !mean.defined();  // x is x-hat in dy's dtype, the forward's x was f32
+  const DType xd = hat ? DType::f32 : x.dtype();
+  if (!mod_ok(scale, B, D) || dy.dtype() != (xd == DType::f32 ? scale.dtype() : xd)) return false;
+  if (hat && (x.dtype() != dy.dtype() || dy.dtype() == DType::f32)) return false;
+  if (dx.defined() && (!rows_ok(dx, D) || dx.dtype() != xd)) return false;
+  const Tensor& base = more.base;
   // The base is read in dx's final write: it needs dx and dx's layout (it may be dx itself).
   if (base.defined() && (!dx.defined() || !rows_ok(base, D) || base.dtype() != dx.dtype() ||
                          base.sizes() != dx.sizes() || base.device() != dx.device()))
@@ -568,24 +644,55 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
   if (base.defined() && base.data_ptr() != dx.data_ptr() && base.impl()->storage == dx.impl()->storage) return false;
   for (const Tensor* t : {&dshift, &dscale})
     if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
+  const bool res = more.gate.defined();
+  if (res && (!dx.defined() || !residual_more_ok(more, scale, B, T, D))) return false;
   DeviceGuard guard(device());
   cudaStream_t st = stream();
-  const BwdSlices sl(*this, B, T, D, 2);
+  const BwdSlices sl(*this, B, T, D, res ? 3 : 2);
   const int64_t ld = scale.stride(0);
-  return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
+  return dispatch_pair(xd, scale.dtype(), [&]<class X, class M>() {
     using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
     M* dsh = dshift.defined() ? static_cast<M*>(dshift.data_ptr()) : nullptr;
     M* dsc = dscale.defined() ? static_cast<M*>(dscale.data_ptr()) : nullptr;
-    with_chunks(D, [&](auto chunks) {
-      adaln_backward_kernel<X, M, O, decltype(chunks)::value><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
-          static_cast<const O*>(dy.data_ptr()), static_cast<const X*>(x.data_ptr()),
-          static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
+    ResBwd<M> rb;
+    if (res) {
+      rb.gate = static_cast<const M*>(more.gate.data_ptr());
+      rb.ld_gate = more.gate.stride(0);
+      rb.branch = static_cast<const M*>(more.branch.data_ptr());
+      rb.dbranch = more.dbranch.defined() ? static_cast<M*>(more.dbranch.data_ptr()) : nullptr;
+      rb.dgate = static_cast<M*>(more.dgate.data_ptr());
+    }
+    auto go = [&]<int kC, bool kHat, bool kRes>() {
+      using XI = std::conditional_t<kHat, O, X>;
+      adaln_backward_kernel<X, M, O, kC, kHat, kRes><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
+          static_cast<const O*>(dy.data_ptr()), static_cast<const XI*>(x.data_ptr()),
+          hat ? nullptr : static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
           base.defined() ? static_cast<const X*>(base.data_ptr()) : nullptr, sl.partial(), dsh, dsc, T,
-          static_cast<int>(D), sl.per);
+          static_cast<int>(D), sl.per, rb);
       FLAME_CUDA_CHECK_LAUNCH();
-    });
-    launch_slice_sum<M, 2>(st, sl, dsh, dsc, B, D);
+    };
+    // x-hat is saved only where it is narrower than x (f32 x, half modulation); the residual part
+    // only for rows the pipelined kernel covers.
+    constexpr bool kHatOk = std::is_same_v<X, float> && !std::is_same_v<M, float>;
+    if (D <= 512) {
+      if (hat) {
+        if constexpr (kHatOk) {
+          if (res) go.template operator()<4, true, true>();
+          else go.template operator()<4, true, false>();
+        }
+      } else if (res) {
+        go.template operator()<4, false, true>();
+      } else {
+        go.template operator()<4, false, false>();
+      }
+    } else if (hat) {
+      if constexpr (kHatOk) go.template operator()<12, true, false>();
+    } else {
+      go.template operator()<12, false, false>();
+    }
+    if (res) launch_slice_sum<M, 3>(st, sl, dsh, dsc, rb.dgate, B, D);
+    else launch_slice_sum<M, 2>(st, sl, dsh, dsc, nullptr, B, D);
   });
 }
 
@@ -624,7 +731,7 @@ bool CudaBackend::gated_residual_backward(const Tensor& dy, const Tensor& dgate,
           sl.partial(), dg, T, static_cast<int>(D), sl.per);
       FLAME_CUDA_CHECK_LAUNCH();
     });
-    launch_slice_sum<M, 1>(st, sl, dg, nullptr, B, D);
+    launch_slice_sum<M, 1>(st, sl, dg, nullptr, nullptr, B, D);
   });
 }
 
