@@ -55,6 +55,7 @@ FAMILIES = {
 # (logs.txt), for the memory target.
 # The DiT step also with --recompute mlp (docs/recompute.md): the memory side of the trade.
 FLAME_ARGS = {"steps": ["--memory-report", "--recompute", "none,mlp"]}
+FLAME_GRAPH_ARGS = {"steps": ["--recompute", "none,mlp"]}
 # The run order with each run's time limit in seconds: (family, side, nominal, reserved). A run's
 # limit is its nominal one, cut so that the `reserved` seconds of every later run still fit in
 # the budget; runs with nothing reserved (the optional families at the end) run only when time is
@@ -143,7 +144,7 @@ def plan(args):
         if side == "flame":
             cmd = [os.path.join(bench_dir, prog)] + FLAME_ARGS.get(fam, [])
         elif side == "flame_graph":  # the trainer's --compile step: one CUDA graph, fused chains
-            cmd = [os.path.join(bench_dir, prog), "--mode", "graph"]
+            cmd = [os.path.join(bench_dir, prog), "--mode", "graph"] + FLAME_GRAPH_ARGS.get(fam, [])
         elif side == "eager":
             cmd = [sys.executable, os.path.join(HERE, twin)] + eager_args
         else:
