@@ -13,7 +13,9 @@ Writes into --out: table.txt (the table, GPU and clocks at the top), results.jso
 every raw BENCH record, the joined rows), results.csv (the rows), ratios.png (bar chart of the
 ratios; needs matplotlib) and logs.txt (every program's output, folded into one file).
 --markdown FILE also writes the table as markdown (bench/RESULTS.md). --from-json re-renders the
-outputs from an earlier results.json without running anything. docs/benchmarks.md has the method.
+outputs from an earlier results.json without running anything; --from-logs does the same from a
+run's logs.txt alone (where results.json did not come back), --commit naming the measured commit.
+docs/benchmarks.md has the method.
 
 Exit status 1 when a program failed, timed out or was not built, or a case printed an error.
 
@@ -21,12 +23,14 @@ Usage:
   python3 bench/suite.py --build build-gpu --out OUT [--time-budget SECONDS] [--only FAMILY,..]
                          [--skip FAMILY,..] [--no-compile] [--markdown RESULTS.md] [--dry-run]
   python3 bench/suite.py --from-json OUT/results.json --out OUT [--markdown bench/RESULTS.md]
+  python3 bench/suite.py --from-logs OUT/logs.txt [--commit HASH] --out OUT [--markdown ...]
 """
 import argparse
 import csv
 import datetime
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -216,6 +220,42 @@ def run_limited(cmd, env, limit, path):
     except OSError:
         pass
     return out, rc
+
+
+def runs_from_logs(text, commit=""):
+    """(machine info, runs) recovered from a run's logs.txt: its three header lines (machine_lines)
+    and, per program, the output between its '=====' and '-----' lines."""
+    lines = text.split("\n")
+    info = {}
+    m = re.match(r"FLAME benchmark suite, (.*?), FLAME (\S+), PyTorch (.*)$", lines[0] if lines else "")
+    if not m:
+        raise ValueError("not a bench/suite.py logs.txt (its first line is not the suite's header)")
+    info.update(date=m.group(1), flame_commit=commit or m.group(2), torch=m.group(3))
+    g = re.match(r"GPU: (.*?), driver (\S+), (.*?), power limit (.*?), (\S+), (\S+) C$", lines[1])
+    if g:
+        info.update({"name": g.group(1), "driver_version": g.group(2), "memory.total": g.group(3),
+                     "power.limit": g.group(4), "pstate": g.group(5), "temperature.gpu": g.group(6)})
+    c = re.match(r"clocks: SM (.*?) \(max (.*?)\), memory (.*?) \(max (.*?)\)", lines[2])
+    if c:
+        info.update({"clocks.sm": c.group(1), "clocks.max.sm": c.group(2), "clocks.mem": c.group(3),
+                     "clocks.max.mem": c.group(4)})
+    runs, cur, out = [], None, []
+    for line in lines[3:]:
+        start = re.match(r"===== (\S+) / (\S+): (.*) \(limit (\d+) s\)$", line)
+        if start:
+            cur = {"family": start.group(1), "side": start.group(2), "cmd": shlex.split(start.group(3)),
+                   "limit": int(start.group(4)), "min": 0, "records": []}
+            runs.append(cur)
+            out = []
+            continue
+        end = re.match(r"----- (\S+) / (\S+): (.*) in ([\d.]+) s$", line)
+        if end and cur is not None:
+            cur.update(status=end.group(3), seconds=float(end.group(4)), records=parse_records("\n".join(out), cur["side"]))
+            cur = None
+            continue
+        if cur is not None:
+            out.append(line)
+    return info, runs
 
 
 def parse_records(text, side):
@@ -585,6 +625,8 @@ def main():
                     help="torch.compile mode of the step runs (e.g. max-autotune-no-cudagraphs; default: default)")
     ap.add_argument("--markdown", default="", help="also write the table as markdown here")
     ap.add_argument("--from-json", default="", help="re-render from an earlier results.json; runs nothing")
+    ap.add_argument("--from-logs", default="", help="re-render from an earlier run's logs.txt; runs nothing")
+    ap.add_argument("--commit", default="", help="with --from-logs: the measured FLAME commit")
     ap.add_argument("--dry-run", action="store_true", help="list the runs and their limits; run nothing")
     args = ap.parse_args()
     args.only = [s for s in args.only.split(",") if s]
@@ -595,6 +637,12 @@ def main():
               file=sys.stderr)
         return 2
 
+    if args.from_logs:
+        with open(args.from_logs, encoding="utf-8", errors="replace") as f:
+            info, runs = runs_from_logs(f.read(), args.commit)
+        os.makedirs(args.out, exist_ok=True)
+        print(render(args.out, info, runs, join(runs), args.markdown), end="")
+        return 0
     if args.from_json:
         with open(args.from_json, encoding="utf-8") as f:
             data = json.load(f)
