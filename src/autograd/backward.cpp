@@ -38,9 +38,11 @@
 // A fused kernel may compute more than its own node's gradients: the adaLN backward of a DiT
 // block holds the complete gradient of the residual h it normalised (Note [Fused residual
 // backward] in src/ops/adaln.cpp), which is all the gated residual that produced h needs. The
-// rule checks Node::completes_input(i) (its contribution is the last that vertex awaits, so the
-// tensor it returns becomes the vertex's gradient as is) and hands the producer's gradients over
-// with Node::prepare(grads, returned). Hooks still run on the vertex's gradient before the
+// rule checks Node::completes_input(i) (its contribution is the last that vertex awaits and no
+// other sum is pending there, so the tensor it returns becomes the vertex's gradient as is:
+// the pending sum, if any, was handed to it as its base) and hands the producer's gradients over
+// with Node::prepare(grads, returned), which holds `returned` itself (an address and a version
+// alone could match a later tensor at a reused address). Hooks still run on the vertex's gradient before the
 // producer's rule, so that rule validates with take_prepared(grad): the prepared gradients are
 // used only when grad is the same tensor at the same version (a hook that returned another tensor
 // or wrote this one in place, or a further contribution, makes it compute as usual). The stash
@@ -361,6 +363,8 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
       n->scratch.pending = Tensor();
       n->scratch.base = Tensor();
       n->scratch.base_input = -1;
+      n->scratch.prepared = TensorList();  // Note [Prepared gradients]
+      n->scratch.prepared_for = Tensor();
     }
     throw;
   }

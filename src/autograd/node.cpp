@@ -109,12 +109,12 @@ bool Node::completes_input(std::size_t i) const {
   const Edge& e = edges_[i];
   if (!e.meta || e.slot >= 0 || !e.meta->grad_fn) return false;  // no gradient, a leaf or a stop
   const Scratch& c = e.meta->grad_fn->scratch;
-  return c.run == scratch.run && c.deps == 1;
+  return c.run == scratch.run && c.deps == 1 && !c.pending.defined();
 }
 
 void Node::prepare(TensorList grads, const Tensor& for_grad) const {
   scratch.prepared = std::move(grads);
-  scratch.prepared_for = for_grad.impl();
+  scratch.prepared_for = for_grad;
   scratch.prepared_version = for_grad.version();
   g_prepared.fetch_add(1, std::memory_order_relaxed);
 }
@@ -122,9 +122,9 @@ void Node::prepare(TensorList grads, const Tensor& for_grad) const {
 TensorList Node::take_prepared(const Tensor& grad) const {
   TensorList out = std::move(scratch.prepared);
   scratch.prepared = TensorList();
-  const bool valid = !out.empty() && grad.defined() && grad.impl() == scratch.prepared_for &&
-                     grad.version() == scratch.prepared_version;
-  scratch.prepared_for = nullptr;
+  const bool valid = !out.empty() && grad.defined() && scratch.prepared_for.defined() &&
+                     grad.impl() == scratch.prepared_for.impl() && grad.version() == scratch.prepared_version;
+  scratch.prepared_for = Tensor();
   if (valid) g_prepared_taken.fetch_add(1, std::memory_order_relaxed);
   return valid ? out : TensorList();
 }

@@ -257,13 +257,14 @@ class Node {
     // Note [Prepared gradients]: this node's gradients, computed ahead by another rule of this
     // pass for the gradient tensor prepared_for at version prepared_version.
     mutable TensorList prepared;
-    mutable const void* prepared_for = nullptr;
+    mutable Tensor prepared_for;
     mutable uint64_t prepared_version = 0;
   };
   Scratch scratch;
 
   // In the rule: whether this node's gradient for input i is the last contribution that input's
-  // vertex awaits in the running backward (a non-leaf input that is not a stop of the pass).
+  // vertex awaits in the running backward and nothing is pending there (a non-leaf input that is
+  // not a stop of the pass; a pending sum must have been handed to this rule as its base).
   bool completes_input(std::size_t i) const;
   // Note [Prepared gradients] (backward.cpp): a rule that computed another node's gradients along
   // with its own (a fused kernel) hands them over with prepare(), naming the tensor it returns for

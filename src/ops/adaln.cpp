@@ -220,10 +220,12 @@ void record_gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const
 // the node saves that instead of x and mean: half the bytes, and x itself (the residual stream)
 // is no longer held by the graph. The backward then reads x-hat rounded to the result dtype
 // (relative error 2^-9 in bf16, the precision of the linear layer's saved input y beside it)
-// where it would recompute it in f32. Allocated only when a gradient is wanted.
-Tensor xhat_buffer(const Tensor& x, const Tensor& shift, const Tensor& scale, const Shape& s3, DType out) {
-  if (dtype_size(out) >= dtype_size(x.dtype()) || !is_floating(out)) return Tensor();
-  if (!(grad_enabled() && (x.requires_grad() || shift.requires_grad() || scale.requires_grad()))) return Tensor();
+// where it would recompute it in f32. Allocated only when a gradient is wanted (`wanted`: the
+// node will be recorded). Not under RecomputeCheap, whose recipe reruns the op on x: its values
+// must be the forward's bit for bit (x-hat rounded to the result dtype would not give them), and
+// x stays alive for the recipe anyway.
+Tensor xhat_buffer(bool wanted, const Tensor& x, const Shape& s3, DType out) {
+  if (!wanted || dtype_size(out) >= dtype_size(x.dtype()) || !is_floating(out)) return Tensor();
   return make_empty(s3, out, x.device(), "layer_norm_modulate");
 }
 
@@ -242,9 +244,10 @@ void check_modulate(const char* op, const Tensor& x, const Tensor& shift, const 
   FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
 }
 
-// xhat_out: receives the x-hat the node saved (Note [Saved x-hat]), when it saved one.
+// allow_xhat: the node may save x-hat (Note [Saved x-hat]); not while its output is marked
+// recomputable, whose recipe reruns this on x and must give the forward's values bit for bit.
 Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
-                                Tensor* xhat_out = nullptr) {
+                                bool allow_xhat = true) {
   const int64_t d = x.size(-1);
   if (x.numel() > 0 && !x.device().is_cpu()) {
     Tensor y, x3, mean, rstd;
@@ -257,7 +260,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
       mean = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
       rstd = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
     }
-    const Tensor xhat = xhat_buffer(x, shift, scale, x3.sizes(), out);
+    const Tensor xhat = allow_xhat ? xhat_buffer(needs_grad({x, shift, scale}), x, x3.sizes(), out) : Tensor();
     {
       NoGradGuard no_grad;
       fused = backend::backend_for(x.device())
@@ -266,7 +269,6 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
     if (fused) {
       if (xhat.defined()) record_adaln(y, x, shift, scale, xhat, Tensor(), rstd, out);
       else record_adaln(y, x, shift, scale, x3, mean, rstd, out);
-      if (xhat_out && y.grad_fn_name() == "LayerNormModulateBackward") *xhat_out = xhat;
       return y;
     }
   }
@@ -274,23 +276,12 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
   return y.dtype() == out ? y : y.to(out);
 }
 
-void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
-                       const Tensor& xhat = Tensor()) {
-  if (!autograd_detail::should_mark_recomputable()) return;
-  if (xhat.defined()) {
-    // Note [Saved x-hat]: the node holds x-hat, not x; y is redone from it (an elementwise pass)
-    // rather than from x, which the recipe would otherwise keep alive.
-    const Shape ys = y.sizes();
-    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {xhat, shift, scale}, [ys, out](const TensorList& in) {
-      const Tensor xh = in[0].to(DType::f32);
-      const Tensor r = xh * (per_sample(in[2], xh).to(DType::f32) + 1.0) + per_sample(in[1], xh).to(DType::f32);
-      return r.to(out).view(ys);
+void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
+      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
     });
-    return;
   }
-  autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
-    return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
-  });
 }
 
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
@@ -298,12 +289,13 @@ void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Te
 // for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
 // The op is marked as one: the ops of its composite path do not mark their own outputs.
 Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  Tensor y, xhat;
+  const bool marked = autograd_detail::should_mark_recomputable();
+  Tensor y;
   {
     autograd::RecomputeCheap whole_op(false);
-    y = layer_norm_modulate_impl(x, shift, scale, eps, out, &xhat);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out, /*allow_xhat=*/!marked);
   }
-  mark_adaln_output(y, x, shift, scale, eps, out, xhat);
+  mark_adaln_output(y, x, shift, scale, eps, out);
   return y;
 }
 
@@ -375,7 +367,10 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   Tensor h, y, b3, h3, mean, rstd;
   bool fused = false;
   const Shape s3 = btd(x);
-  const Tensor xhat = xhat_buffer(x, shift, scale, s3, out);
+  // Note [Saved x-hat]; not for an output marked recomputable (its recipe reads h).
+  const Tensor xhat = autograd_detail::should_mark_recomputable()
+                          ? Tensor()
+                          : xhat_buffer(needs_grad({x, gate, branch, shift, scale}), x, s3, out);
   {
     NoGradGuard no_grad;
     b3 = branch.contiguous().view(s3);
@@ -393,7 +388,7 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   record_gated_residual(h, x, gate, branch, b3, hdt);
   if (xhat.defined()) record_adaln(y, h, shift, scale, xhat, Tensor(), rstd, out, /*residual=*/true);
   else record_adaln(y, h, shift, scale, h3, mean, rstd, out, /*residual=*/true);
-  mark_adaln_output(y, h, shift, scale, eps, out, y.grad_fn_name() == "LayerNormModulateBackward" ? xhat : Tensor());
+  mark_adaln_output(y, h, shift, scale, eps, out);
   return {h, y};
 }
 
