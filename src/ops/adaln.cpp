@@ -121,6 +121,19 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
       more.dbranch = dbranch.view(br.sizes());
     }
   }
+  auto drop_partner = [&] {
+    more.gate = more.branch = more.dbranch = more.dgate = Tensor();
+    partner = nullptr;
+  };
+  // Runs the kernel into dx (undefined: x wants no gradient) with `more`; when the backend declines
+  // the fused residual part, again without it.
+  auto run = [&](const Tensor& dx) {
+    const Tensor d3 = dx.defined() ? dx.view(x3.sizes()) : dx;
+    if (be.adaln_backward(d3, dshift, dscale, dy, x3, mean, rstd, scale, more)) return true;
+    if (!partner) return false;
+    drop_partner();
+    return be.adaln_backward(d3, dshift, dscale, dy, x3, mean, rstd, scale, more);
+  };
   // Hands the gated residual's gradients to its node, for the dh returned.
   auto hand_over = [&](const Tensor& dx) {
     if (partner) partner->prepare({partner->edges()[1].meta ? more.dgate : Tensor(), dbranch}, dx);
@@ -131,31 +144,16 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
     // Written in place when this backward owns the sum, into a fresh buffer otherwise.
     const Tensor dx = n.accumulate_base_owned() ? base : make_empty(xs, xdt, dev);
     more.base = base.view(x3.sizes());
-    if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, more)) {
+    if (run(dx)) {
       hand_over(dx);
       return {dx, dshift, dscale};
     }
-    if (partner) {  // the fused residual part declined: without it
-      more.gate = more.branch = more.dbranch = more.dgate = Tensor();
-      partner = nullptr;
-      if (be.adaln_backward(dx.view(x3.sizes()), dshift, dscale, dy, x3, mean, rstd, scale, more))
-        return {dx, dshift, dscale};
-    }
     more.base = Tensor();
   }
-  if (base.defined()) {  // the sum is composed below: the kernel's dx is not dh
-    more = backend::Backend::AdalnBackwardMore();
-    partner = nullptr;
-  }
+  if (base.defined()) drop_partner();  // the sum is composed below: the kernel's dx is not dh
   Tensor dx = e[0].meta ? make_empty(xs, xdt, dev) : Tensor();
-  bool ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd, scale,
-                              more);
+  const bool ok = run(dx);
   if (ok) hand_over(dx);
-  if (!ok && partner) {
-    more = backend::Backend::AdalnBackwardMore();
-    partner = nullptr;
-    ok = be.adaln_backward(dx.defined() ? dx.view(x3.sizes()) : dx, dshift, dscale, dy, x3, mean, rstd, scale, more);
-  }
   FLAME_CHECK(ok, "layer_norm_modulate", "the backend ran the forward but declined its backward (x ", xs, " ",
               dtype_name(xdt), ", scale ", dtype_name(scale.dtype()), ")");
   if (dx.defined() && base.defined()) dx = base + dx;  // the kernel declined the base: the same sum
@@ -184,21 +182,25 @@ TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   return {e[0].meta ? dout : Tensor(), e[1].meta ? dgate : Tensor(), dy};
 }
 
-// The node of a fused layer_norm_modulate: xs3 is x as the kernel read it ([B, T, D] contiguous)
-// with mean, or x-hat as it wrote it (mean undefined). residual: x is the h of a
-// gated_residual_modulate, recorded just before (Note [Fused residual backward]).
-void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& xs3,
-                  const Tensor& mean, const Tensor& rstd, DType out, bool residual = false) {
+// The node of a fused layer_norm_modulate: x3 is x as the kernel read it ([B, T, D] contiguous),
+// saved with mean, or xhat as the kernel wrote it when defined (Note [Saved x-hat]). residual: x
+// is the h of a gated_residual_modulate, recorded just before (Note [Fused residual backward]).
+void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& x3,
+                  const Tensor& mean, const Tensor& rstd, const Tensor& xhat, DType out, bool residual = false) {
   if (!needs_grad({x, shift, scale})) return;
   RuleArgs args;
   args.op = static_cast<int>(out);
   args.shape = x.sizes();
-  args.need[0] = !mean.defined();
+  args.need[0] = xhat.defined();
   args.need[1] = residual;
   Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
   n.accept_accumulate_base(0);
-  n.save(xs3);
-  if (mean.defined()) n.save(mean);
+  if (xhat.defined()) {
+    n.save(xhat);
+  } else {
+    n.save(x3);
+    n.save(mean);
+  }
   n.save(rstd);
   n.save(scale);
 }
@@ -267,8 +269,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
                   .adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps, xhat);
     }
     if (fused) {
-      if (xhat.defined()) record_adaln(y, x, shift, scale, xhat, Tensor(), rstd, out);
-      else record_adaln(y, x, shift, scale, x3, mean, rstd, out);
+      record_adaln(y, x, shift, scale, x3, mean, rstd, xhat, out);
       return y;
     }
   }
@@ -386,8 +387,7 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   if (!fused) return composed();
   // The graph of the two ops: h's node, then y's reading h.
   record_gated_residual(h, x, gate, branch, b3, hdt);
-  if (xhat.defined()) record_adaln(y, h, shift, scale, xhat, Tensor(), rstd, out, /*residual=*/true);
-  else record_adaln(y, h, shift, scale, h3, mean, rstd, out, /*residual=*/true);
+  record_adaln(y, h, shift, scale, h3, mean, rstd, xhat, out, /*residual=*/true);
   mark_adaln_output(y, h, shift, scale, eps, out);
   return {h, y};
 }

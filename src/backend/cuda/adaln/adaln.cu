@@ -672,25 +672,16 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
           static_cast<int>(D), sl.per, rb);
       FLAME_CUDA_CHECK_LAUNCH();
     };
-    // x-hat is saved only where it is narrower than x (f32 x, half modulation); the residual part
-    // only for rows the pipelined kernel covers.
-    constexpr bool kHatOk = std::is_same_v<X, float> && !std::is_same_v<M, float>;
-    if (D <= 512) {
-      if (hat) {
-        if constexpr (kHatOk) {
-          if (res) go.template operator()<4, true, true>();
-          else go.template operator()<4, true, false>();
-        }
-      } else if (res) {
-        go.template operator()<4, false, true>();
-      } else {
-        go.template operator()<4, false, false>();
-      }
-    } else if (hat) {
-      if constexpr (kHatOk) go.template operator()<12, true, false>();
-    } else {
-      go.template operator()<12, false, false>();
-    }
+    // Rows of up to 512 values take the pipelined kernel and may have the residual part
+    // (residual_more_ok); x-hat is saved only where it is narrower than x (f32 x, a half
+    // modulation: no other pair reaches here with it).
+    auto pick = [&]<bool kHat>() {
+      if (D > 512) go.template operator()<12, kHat, false>();
+      else if (res) go.template operator()<4, kHat, true>();
+      else go.template operator()<4, kHat, false>();
+    };
+    if (!hat) pick.template operator()<false>();
+    else if constexpr (std::is_same_v<X, float> && !std::is_same_v<M, float>) pick.template operator()<true>();
     if (res) launch_slice_sum<M, 3>(st, sl, dsh, dsc, rb.dgate, B, D);
     else launch_slice_sum<M, 2>(st, sl, dsh, dsc, nullptr, B, D);
   });
