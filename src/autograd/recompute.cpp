@@ -20,7 +20,9 @@
 //    are version-checked by their own SavedTensor::get(). The recipe then runs with grad mode
 //    off, autocast excluded (the op already received the dtypes it computed in) and marking
 //    off, and its result must have the output's shape, dtype and device. Recipes rerun the same
-//    kernels on the same inputs, so the recomputed values are the forward's bit for bit.
+//    kernels on the same inputs, so the recomputed values are the forward's bit for bit; one
+//    exception: an adaLN that saved x-hat (Note [Saved x-hat] in src/ops/adaln.cpp) redoes its
+//    output from the rounded x-hat, within one rounding of the forward's.
 //  - Inputs are held detached (no graph is kept alive through a storage) as plain tensors: not
 //    packed by saved-tensor hooks (they are mostly tensors the op's own node saves anyway;
 //    offloading them twice would cost a second copy) and not replaced by their own recipes.

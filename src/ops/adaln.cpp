@@ -223,9 +223,10 @@ void record_gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const
 // is no longer held by the graph. The backward then reads x-hat rounded to the result dtype
 // (relative error 2^-9 in bf16, the precision of the linear layer's saved input y beside it)
 // where it would recompute it in f32. Allocated only when a gradient is wanted (`wanted`: the
-// node will be recorded). Not under RecomputeCheap, whose recipe reruns the op on x: its values
-// must be the forward's bit for bit (x-hat rounded to the result dtype would not give them), and
-// x stays alive for the recipe anyway.
+// node will be recorded). Under RecomputeCheap the output's recipe redoes it from x-hat, shift and
+// scale (one elementwise pass), not from x, which it would otherwise keep alive: the one recipe
+// that is not the forward bit for bit (Note [Recompute cheap]): its values come from x-hat
+// rounded to the result dtype, within one rounding of the forward's.
 Tensor xhat_buffer(bool wanted, const Tensor& x, const Shape& s3, DType out) {
   if (!wanted || dtype_size(out) >= dtype_size(x.dtype()) || !is_floating(out)) return Tensor();
   return make_empty(s3, out, x.device(), "layer_norm_modulate");
@@ -246,10 +247,9 @@ void check_modulate(const char* op, const Tensor& x, const Tensor& shift, const 
   FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
 }
 
-// allow_xhat: the node may save x-hat (Note [Saved x-hat]); not while its output is marked
-// recomputable, whose recipe reruns this on x and must give the forward's values bit for bit.
+// xhat_out: receives the x-hat the node saved (Note [Saved x-hat]), when it saved one.
 Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
-                                bool allow_xhat = true) {
+                                Tensor* xhat_out = nullptr) {
   const int64_t d = x.size(-1);
   if (x.numel() > 0 && !x.device().is_cpu()) {
     Tensor y, x3, mean, rstd;
@@ -262,7 +262,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
       mean = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
       rstd = make_empty({rows}, DType::f32, x.device(), "layer_norm_modulate");
     }
-    const Tensor xhat = allow_xhat ? xhat_buffer(needs_grad({x, shift, scale}), x, x3.sizes(), out) : Tensor();
+    const Tensor xhat = xhat_buffer(needs_grad({x, shift, scale}), x, x3.sizes(), out);
     {
       NoGradGuard no_grad;
       fused = backend::backend_for(x.device())
@@ -270,6 +270,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
     }
     if (fused) {
       record_adaln(y, x, shift, scale, x3, mean, rstd, xhat, out);
+      if (xhat_out) *xhat_out = xhat;
       return y;
     }
   }
@@ -277,12 +278,22 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
   return y.dtype() == out ? y : y.to(out);
 }
 
-void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  if (autograd_detail::should_mark_recomputable()) {
-    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
-      return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+// xhat: what the node saved instead of x (Note [Saved x-hat]), undefined when it saved x.
+void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
+                       const Tensor& xhat) {
+  if (!autograd_detail::should_mark_recomputable()) return;
+  if (xhat.defined()) {
+    const Shape ys = y.sizes();
+    autograd_detail::mark_recomputable(y, "layer_norm_modulate", {xhat, shift, scale}, [ys, out](const TensorList& in) {
+      const Tensor xh = in[0].to(DType::f32);
+      const Tensor r = xh * (per_sample(in[2], xh).to(DType::f32) + 1.0) + per_sample(in[1], xh).to(DType::f32);
+      return r.to(out).view(ys);
     });
+    return;
   }
+  autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
+    return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
+  });
 }
 
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
@@ -290,13 +301,12 @@ void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Te
 // for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
 // The op is marked as one: the ops of its composite path do not mark their own outputs.
 Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
-  const bool marked = autograd_detail::should_mark_recomputable();
-  Tensor y;
+  Tensor y, xhat;
   {
     autograd::RecomputeCheap whole_op(false);
-    y = layer_norm_modulate_impl(x, shift, scale, eps, out, /*allow_xhat=*/!marked);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out, &xhat);
   }
-  mark_adaln_output(y, x, shift, scale, eps, out);
+  mark_adaln_output(y, x, shift, scale, eps, out, xhat);
   return y;
 }
 
@@ -368,10 +378,7 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   Tensor h, y, b3, h3, mean, rstd;
   bool fused = false;
   const Shape s3 = btd(x);
-  // Note [Saved x-hat]; not for an output marked recomputable (its recipe reads h).
-  const Tensor xhat = autograd_detail::should_mark_recomputable()
-                          ? Tensor()
-                          : xhat_buffer(needs_grad({x, gate, branch, shift, scale}), x, s3, out);
+  const Tensor xhat = xhat_buffer(needs_grad({x, gate, branch, shift, scale}), x, s3, out);  // Note [Saved x-hat]
   {
     NoGradGuard no_grad;
     b3 = branch.contiguous().view(s3);
@@ -388,7 +395,7 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   // The graph of the two ops: h's node, then y's reading h.
   record_gated_residual(h, x, gate, branch, b3, hdt);
   record_adaln(y, h, shift, scale, h3, mean, rstd, xhat, out, /*residual=*/true);
-  mark_adaln_output(y, h, shift, scale, eps, out);
+  mark_adaln_output(y, h, shift, scale, eps, out, xhat);
   return {h, y};
 }
 
