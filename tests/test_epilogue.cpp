@@ -332,6 +332,98 @@ TEST(EpilogueAutocast, LinearGeluFollowsLinearPolicy) {
   EXPECT_TRUE(close_scaled(g.get(x).to(Device::cpu()), gr.get(x).to(Device::cpu()), 3e-2));
 }
 
+// Note [Master-weight epilogues]: under bf16 autocast linear, linear_gelu and mlp_gelu with f32
+// weights that want gradients record one node on the f32 leaves. The weight and bias gradients
+// arrive in f32: on CUDA straight from the GEMM's f32 accumulator (so within f32 rounding of a
+// float64 reference computed from the same bf16 operands, far tighter than a bf16 gradient could
+// be); on the CPU, which composes, exactly the unfused autocast's bf16 gradient cast up.
+TEST(EpilogueAutocast, MasterWeightsGetF32GradientsFromOneNode) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const bool fused = dev.is_cuda();
+  const int64_t M = 48, K = 32, H = 64, N = 16;
+  // Every operand and the upstream gradient bf16-exact, so both sides see the same numbers.
+  auto leaf = [&](Shape s, uint64_t seed, double scale) {
+    return rounded(randn_f64(s, seed, scale), DType::bf16).to(DType::f32).to(dev).requires_grad_();
+  };
+  for (int kind = 0; kind < 4; ++kind) {  // linear + bias, linear without bias, linear_gelu, mlp_gelu
+    SCOPED_TRACE(kind);
+    const Tensor x = leaf({M, K}, 980, 1.0), w1 = leaf({H, K}, 981, 0.2), b1 = leaf({H}, 982, 1.0),
+                 w2 = leaf({N, H}, 983, 0.2), b2 = leaf({N}, 984, 1.0);
+    const bool bias = kind != 1;
+    auto fn = [&](const Tensor& xx, const Tensor& a, const Tensor& ab, const Tensor& c, const Tensor& cb) {
+      switch (kind) {
+        case 0: return F::linear(xx, a, ab);
+        case 1: return F::linear(xx, a, Tensor());
+        case 2: return F::linear_gelu(xx, a, ab);
+        default: return F::mlp_gelu(xx, a, ab, c, cb);
+      }
+    };
+    const int64_t out = kind == 3 ? N : H;
+    const Tensor v = rounded(randn_f64({M, out}, 985), DType::bf16).to(DType::f32).to(dev);
+    Tensor y;
+    {
+      amp::AutocastGuard autocast(DType::bf16, dev.type);
+      y = fn(x, w1, b1, w2, b2);
+    }
+    ASSERT_EQ(y.dtype(), DType::bf16);
+    if (fused && kind != 1) EXPECT_NE(y.grad_fn_name().find("Backward"), std::string::npos);
+    BackwardOptions o;
+    o.grad_output = v.to(DType::bf16);
+    Gradients g = y.backward(o);
+    const TensorList params = kind == 3 ? TensorList{w1, b1, w2, b2} : bias ? TensorList{w1, b1} : TensorList{w1};
+    // The unfused autocast, by hand: bf16 copies, bf16 gradients cast up.
+    const Tensor xb = x.detach().to(DType::bf16).requires_grad_();
+    TensorList pb;
+    for (const Tensor& p : params) pb.push_back(p.detach().to(DType::bf16).requires_grad_());
+    const Tensor yb = kind == 3 ? fn(xb, pb[0], pb[1], pb[2], pb[3]) : fn(xb, pb[0], bias ? pb[1] : Tensor(), {}, {});
+    BackwardOptions ob;
+    ob.grad_output = v.to(DType::bf16);
+    Gradients gb = yb.backward(ob);
+    EXPECT_TRUE(close_scaled(y.detach().to(Device::cpu()), yb.detach().to(Device::cpu()), 1e-2));
+    EXPECT_TRUE(close_scaled(g.get(x).to(Device::cpu()), gb.get(xb).to(Device::cpu()), fused ? 2e-2 : 0.0));
+    // float64 reference from the same bf16 operands.
+    const Tensor x64 = x.detach().to(Device::cpu()).to(DType::f64).requires_grad_();
+    TensorList p64;
+    for (const Tensor& p : params) p64.push_back(p.detach().to(Device::cpu()).to(DType::f64).requires_grad_());
+    Tensor y64;
+    if (kind == 3) y64 = ref_dense(ref_dense(x64, p64[0], p64[1], true), p64[2], p64[3], false);
+    else y64 = ref_dense(x64, p64[0], bias ? p64[1] : Tensor(), kind == 2);
+    BackwardOptions o64;
+    o64.grad_output = v.to(Device::cpu()).to(DType::f64);
+    Gradients g64 = y64.backward(o64);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      SCOPED_TRACE(i);
+      const Tensor gi = g.get(params[i]);
+      ASSERT_TRUE(gi.defined());
+      EXPECT_EQ(gi.dtype(), DType::f32);
+      const Tensor unfused = gb.get(pb[i]).to(DType::f32).to(Device::cpu());
+      if (!fused) {
+        EXPECT_TRUE(close_scaled(gi.to(Device::cpu()), unfused, 0.0));  // the same composite
+        continue;
+      }
+      // Gradients made of bf16 operands only (x and the upstream gradient) are f32-accurate: the
+      // plain linear's and mlp_gelu's b2. w2's reads the bf16-rounded hidden activation, and the
+      // hidden layer's go through a bf16 gelu' product (as the unfused path's do).
+      const bool last = kind < 2 || (kind == 3 && i == 3);
+      const double tol = last ? 1e-5 : 2e-2;
+      EXPECT_TRUE(close_scaled(gi.to(Device::cpu()), g64.get(p64[i]).to(DType::f32), tol));
+      if (last) EXPECT_FALSE(close_scaled(unfused, g64.get(p64[i]).to(DType::f32), 1e-5)) << "bf16-rounded";
+    }
+  }
+  // A frozen f32 weight takes the ordinary casts; its bias still gets an f32 gradient.
+  const Tensor x = leaf({M, K}, 990, 1.0), b = leaf({H}, 992, 1.0);
+  const Tensor w = rounded(randn_f64({H, K}, 991, 0.2), DType::bf16).to(DType::f32).to(dev);
+  Tensor y;
+  {
+    amp::AutocastGuard autocast(DType::bf16, dev.type);
+    y = F::linear(x, w, b);
+  }
+  Gradients g = y.to(DType::f32).sum().backward();
+  EXPECT_EQ(g.get(b).dtype(), DType::f32);
+  EXPECT_TRUE(close_scaled(g.get(b).to(Device::cpu()), Tensor::full({H}, static_cast<double>(M), DType::f32), 0.0));
+}
+
 // The rule (Note [Linear epilogues]): on CUDA, F::linear with a bias on aligned bf16/f16/f32
 // operands is one fused GEMM node; odd sizes, f64, a transposed weight or a strided input keep the
 // matmul + add composite. Values are right either way.

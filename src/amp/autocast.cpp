@@ -41,6 +41,7 @@
 #include "flame/amp.h"
 #include "flame/autograd.h"
 #include "src/autograd/node.h"
+#include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::amp {
@@ -100,6 +101,9 @@ Tensor cached_cast(const Tensor& x, DType to) {
     CacheEntry& e = it->second;
     if (e.version == x.version() && e.grad_mode == grad_mode && !node_released(e.cast)) {
       ++s.hits;
+      // A hit reads x as the cast would: a checkpointed function's first (no-grad) forward must
+      // still report it (Note [Checkpoint captures] in functions.cpp).
+      (void)needs_grad({x});
       return e.cast;
     }
   }

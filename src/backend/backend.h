@@ -156,12 +156,15 @@ class Backend {
   // Fused cuBLASLt epilogues of Linear (Note [Linear epilogues] in src/ops/linear_epilogue.cpp).
   // Each returns false, writing nothing, when the backend has no fused kernel for these dtypes,
   // layouts or sizes; the op layer then runs the unfused composite, which is also the reference
-  // (the CPU backend keeps these defaults). Every tensor is contiguous and of one dtype.
+  // (the CPU backend keeps these defaults). Every tensor is contiguous and of one dtype, except
+  // the master-weight gradients (Note [Master-weight epilogues] in src/ops/linear_epilogue.cpp):
+  // beside bf16/f16 dy and x, the wgrad's dw and dbias may be f32.
   // y [M, N] = act(x [M, K] @ w [N, K]^T + bias [N]); bias may be undefined; act is gelu_tanh when
   // `gelu`, and pre (when defined) receives the value before it.
   virtual bool linear_bias_act(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w,
                                const Tensor& bias, bool gelu) { return false; }
-  // dw [N, K] = dy [M, N]^T @ x [M, K] and dbias [N] = the column sums of dy, in one GEMM.
+  // dw [N, K] = dy [M, N]^T @ x [M, K] and dbias [N] (when defined) = the column sums of dy, in
+  // one GEMM.
   virtual bool linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
     return false;
   }

@@ -35,7 +35,9 @@ std::string py_bool(bool b) { return b ? "True" : "False"; }
 Tensor functional::linear(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: low precision, bias included
     amp::detail::AutocastOpScope scope;
-    return linear(amp::detail::cast_low(x), amp::detail::cast_low(weight), amp::detail::cast_low(bias));
+    const Tensor xl = amp::detail::cast_low(x);
+    if (auto y = flame::detail::linear_master(xl, weight, bias)) return *y;  // Note [Master-weight epilogues]
+    return linear(xl, amp::detail::cast_low(weight), amp::detail::cast_low(bias));
   }
   FLAME_CHECK(x.defined() && weight.defined(), "linear", "undefined input or weight");
   FLAME_CHECK(weight.dim() == 2, "linear", "weight must be 2-d [out_features, in_features], got shape ",

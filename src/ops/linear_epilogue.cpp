@@ -25,7 +25,25 @@
 //  - linear_gelu and mlp_gelu are always one op and one autograd node, whichever way they ran.
 //    The pre-activation (and for mlp_gelu the hidden activation, unless recompute_hidden asks
 //    the backward to redo gelu(pre) instead) is saved in the compute dtype.
-//  - Autocast: the three follow linear's policy (low precision, bias included).
+//  - Autocast: the three follow linear's policy (low precision, bias included), with the f32
+//    weights and biases kept as the node's inputs (below).
+//
+// Note [Master-weight epilogues]
+// Under bf16/f16 autocast a Linear's f32 weight would be cast to the low dtype by a recorded op,
+// whose backward casts the low-precision weight gradient back up: two small kernels per weight
+// and per bias, every step, and a gradient rounded to bf16 on its way into an f32 store. When the
+// weight is f32 and wants a gradient (the trainable master weights of mixed precision), linear,
+// linear_gelu and mlp_gelu record one node whose inputs are the f32 weight and bias themselves:
+//  - forward: the GEMMs read low-precision copies of the weight and bias (the autocast casts,
+//    made without a graph, cached per scope as any autocast cast; cuBLASLt 13's bias epilogues
+//    offer no algorithm for an f32 bias beside a bf16 result).
+//  - backward: the weight-gradient GEMM writes dW (and its bias-gradient epilogue db) in f32
+//    straight from its f32 accumulator; no cast kernels, no bf16 rounding of the gradient. Where
+//    the backend declines, the composite computes them in the low dtype and casts up, which is
+//    exactly the unfused autocast's result (and what the CPU reference does).
+// Hooks on the weight see the same f32 gradient as before; the low-precision copy is internal and
+// saved for the data gradient as the cast used to be. A weight that is frozen (no gradient) or
+// not f32 takes the ordinary casts.
 #include <optional>
 
 #include "flame/autograd.h"
@@ -42,21 +60,23 @@
 namespace flame {
 namespace {
 
+// master: weight and bias are the f32 masters of a low-precision x (Note [Master-weight
+// epilogues]); their dtypes are checked by the caller.
 void check_linear_args(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias,
-                       const char* wname = "weight") {
+                       const char* wname = "weight", bool master = false) {
   FLAME_CHECK(x.defined() && weight.defined(), op, "undefined input or ", wname);
   FLAME_CHECK(weight.dim() == 2, op, wname, " must be 2-d [out_features, in_features], got shape ", weight.sizes());
   FLAME_CHECK(x.dim() >= 1 && x.size(-1) == weight.size(1), op, "input of shape ", x.sizes(),
               " does not end in in_features = ", weight.size(1), " (", wname, " shape ", weight.sizes(), ")");
   FLAME_CHECK(is_floating(x.dtype()), op, "expects floating tensors, got ", dtype_name(x.dtype()));
-  FLAME_CHECK(x.dtype() == weight.dtype(), op, "input dtype ", dtype_name(x.dtype()), " differs from ", wname,
-              " dtype ", dtype_name(weight.dtype()));
+  FLAME_CHECK(master || x.dtype() == weight.dtype(), op, "input dtype ", dtype_name(x.dtype()), " differs from ",
+              wname, " dtype ", dtype_name(weight.dtype()));
   FLAME_CHECK(x.device() == weight.device(), op, "input on ", x.device().str(), ", ", wname, " on ",
               weight.device().str());
   if (bias.defined()) {
     FLAME_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), op, "bias must have shape [", weight.size(0),
                 "], got ", bias.sizes());
-    FLAME_CHECK(bias.dtype() == weight.dtype() && bias.device() == weight.device(), op, "bias is ",
+    FLAME_CHECK((master || bias.dtype() == weight.dtype()) && bias.device() == weight.device(), op, "bias is ",
                 dtype_name(bias.dtype()), " on ", bias.device().str(), ", ", wname, " is ",
                 dtype_name(weight.dtype()), " on ", weight.device().str());
   }
@@ -72,6 +92,19 @@ Shape with_last(const Tensor& x, int64_t last) {
   Shape s(x.sizes().begin(), x.sizes().end() - 1);
   s.push_back(last);
   return s;
+}
+
+// Whether autocast hands linear's f32 weight w to the op itself (Note [Master-weight epilogues]):
+// x already in a half dtype, w f32 and wanting a gradient, gradients recorded.
+bool master_weight(const Tensor& xl, const Tensor& w) {
+  return xl.defined() && (xl.dtype() == DType::bf16 || xl.dtype() == DType::f16) && w.defined() && w.dtype() == DType::f32 &&
+         w.requires_grad() && grad_enabled();
+}
+// The low-precision copy of a master weight the GEMMs read: the autocast cast, without a graph.
+Tensor run_copy(const Tensor& w, DType dt) {
+  if (!w.defined() || w.dtype() == dt) return w;
+  NoGradGuard no_grad;
+  return amp::detail::cast_low(w);
 }
 
 // One dense layer on x2 [rows, in] (contiguous): act(x2 w^T + b) as [rows, out], fused when the
@@ -97,31 +130,46 @@ Tensor dense(const char* op, const Tensor& x2, const Tensor& w, const Tensor& b,
   return p.gelu(/*tanh_approximation=*/true);
 }
 
-// linear (gelu = false, fused or nothing) and linear_gelu (always).
-Tensor linear_act(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu) {
+// linear (gelu = false, fused or nothing, unless w is a master weight) and linear_gelu (always).
+// w_run: what the GEMMs read (w, or its low-precision copy when w is a master weight; b is then
+// read through its copy too).
+Tensor linear_act(const char* op, const Tensor& x, const Tensor& w, const Tensor& b, bool gelu, const Tensor& w_run) {
   const int64_t in = w.size(1), out = w.size(0), rows = leading_rows(x);
   const bool grad = needs_grad({x, w, b});
+  const bool master = w_run.dtype() != w.dtype();
   Tensor y, x2, pre;
   {
     NoGradGuard no_grad;
     x2 = x.reshape({rows, in});
-    if (!gelu && !x2.is_contiguous()) return Tensor();  // linear keeps its copy-free strided path
+    if (!gelu && !master && !x2.is_contiguous()) return Tensor();  // linear keeps its copy-free strided path
     x2 = x2.contiguous();
-    y = dense(op, x2, w, b, gelu, grad, /*compose=*/gelu, pre);
+    y = dense(op, x2, w_run, master ? run_copy(b, w_run.dtype()) : b, gelu, grad, /*compose=*/gelu || master, pre);
     if (!y.defined()) return y;
     y = y.view(with_last(x, out));
   }
-  if (grad) rules::linear_epilogue(y, x, w, b, x2, pre);
+  if (grad) rules::linear_epilogue(y, x, w, b, x2, pre, w_run);
   return y;
+}
+
+void check_master_bias(const char* op, const Tensor& x, const Tensor& b, const char* bname = "bias") {
+  FLAME_CHECK(!b.defined() || b.dtype() == DType::f32 || b.dtype() == x.dtype(), op, bname, " is ",
+              dtype_name(b.dtype()), ", expected f32 or the input's ", dtype_name(x.dtype()));
 }
 
 }  // namespace
 
 std::optional<Tensor> detail::linear_bias_fused(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (!bias.defined() || x.device().is_cpu()) return std::nullopt;  // the CPU backend always declines
-  Tensor y = linear_act("linear", x, weight, bias, /*gelu=*/false);
+  Tensor y = linear_act("linear", x, weight, bias, /*gelu=*/false, weight);
   if (!y.defined()) return std::nullopt;
   return y;
+}
+
+std::optional<Tensor> detail::linear_master(const Tensor& xl, const Tensor& weight, const Tensor& bias) {
+  if (!master_weight(xl, weight)) return std::nullopt;
+  check_linear_args("linear", xl, weight, bias, "weight", /*master=*/true);
+  check_master_bias("linear", xl, bias);
+  return linear_act("linear", xl, weight, bias, /*gelu=*/false, run_copy(weight, xl.dtype()));
 }
 
 namespace nn::functional {
@@ -129,42 +177,73 @@ namespace nn::functional {
 Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: as linear, bias included
     amp::detail::AutocastOpScope scope;
-    return linear_gelu(amp::detail::cast_low(x), amp::detail::cast_low(weight), amp::detail::cast_low(bias));
+    const Tensor xl = amp::detail::cast_low(x);
+    if (master_weight(xl, weight)) {  // Note [Master-weight epilogues]
+      check_linear_args("linear_gelu", xl, weight, bias, "weight", /*master=*/true);
+      check_master_bias("linear_gelu", xl, bias);
+      return linear_act("linear_gelu", xl, weight, bias, /*gelu=*/true, run_copy(weight, xl.dtype()));
+    }
+    return linear_gelu(xl, amp::detail::cast_low(weight), amp::detail::cast_low(bias));
   }
   check_linear_args("linear_gelu", x, weight, bias);
-  return linear_act("linear_gelu", x, weight, bias, /*gelu=*/true);
+  return linear_act("linear_gelu", x, weight, bias, /*gelu=*/true, weight);
 }
 
 Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
                 bool recompute_hidden) {
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: as linear, biases included
-    amp::detail::AutocastOpScope scope;
-    return mlp_gelu(amp::detail::cast_low(x), amp::detail::cast_low(w1), amp::detail::cast_low(b1),
-                    amp::detail::cast_low(w2), amp::detail::cast_low(b2), recompute_hidden);
+  // Autocast (Note [Autocast policy]: as linear, biases included): each layer's weight either is
+  // a master weight (Note [Master-weight epilogues]; the GEMMs read w_run) or is cast as usual.
+  Tensor xl = x, w1u = w1, b1u = b1, w2u = w2, b2u = b2, w1r = w1, w2r = w2;
+  bool master1 = false, master2 = false;
+  std::optional<amp::detail::AutocastOpScope> scope;
+  if (amp::detail::should_autocast(x)) {
+    scope.emplace();
+    xl = amp::detail::cast_low(x);
+    auto pick = [&](const Tensor& w, const Tensor& b, Tensor& wu, Tensor& bu, Tensor& wr) {
+      if (master_weight(xl, w)) {
+        wr = run_copy(w, xl.dtype());
+        return true;
+      }
+      wu = wr = amp::detail::cast_low(w);
+      bu = amp::detail::cast_low(b);
+      return false;
+    };
+    master1 = pick(w1, b1, w1u, b1u, w1r);
+    master2 = pick(w2, b2, w2u, b2u, w2r);
   }
-  check_linear_args("mlp_gelu", x, w1, b1, "w1");
-  FLAME_CHECK(w2.defined() && w2.dim() == 2 && w2.size(1) == w1.size(0), "mlp_gelu",
-              "w2 must be 2-d [out_features, ", w1.size(0), "] to follow w1 of shape ", w1.sizes(), ", got ",
-              w2.defined() ? w2.sizes() : Shape{});
-  FLAME_CHECK(w2.dtype() == w1.dtype() && w2.device() == w1.device(), "mlp_gelu", "w2 is ", dtype_name(w2.dtype()),
-              " on ", w2.device().str(), ", w1 is ", dtype_name(w1.dtype()), " on ", w1.device().str());
-  if (b2.defined()) {
-    FLAME_CHECK(b2.dim() == 1 && b2.size(0) == w2.size(0), "mlp_gelu", "b2 must have shape [", w2.size(0), "], got ",
-                b2.sizes());
-    FLAME_CHECK(b2.dtype() == w2.dtype() && b2.device() == w2.device(), "mlp_gelu", "b2 is ", dtype_name(b2.dtype()),
-                " on ", b2.device().str(), ", w2 is ", dtype_name(w2.dtype()), " on ", w2.device().str());
+  check_linear_args("mlp_gelu", xl, w1r, master1 ? Tensor() : b1u, "w1");
+  if (master1) {
+    check_master_bias("mlp_gelu", xl, b1u, "b1");
+    FLAME_CHECK(!b1u.defined() || (b1u.dim() == 1 && b1u.size(0) == w1r.size(0) && b1u.device() == w1r.device()),
+                "mlp_gelu", "b1 must have shape [", w1r.size(0), "] on ", w1r.device().str(), ", got ",
+                b1u.sizes(), " on ", b1u.device().str());
   }
-  const int64_t in = w1.size(1), out = w2.size(0), rows = leading_rows(x);
-  const bool grad = needs_grad({x, w1, b1, w2, b2});
+  FLAME_CHECK(w2r.defined() && w2r.dim() == 2 && w2r.size(1) == w1r.size(0), "mlp_gelu",
+              "w2 must be 2-d [out_features, ", w1r.size(0), "] to follow w1 of shape ", w1r.sizes(), ", got ",
+              w2r.defined() ? w2r.sizes() : Shape{});
+  FLAME_CHECK(w2r.dtype() == w1r.dtype() && w2r.device() == w1r.device(), "mlp_gelu", "w2 is ",
+              dtype_name(w2r.dtype()), " on ", w2r.device().str(), ", w1 is ", dtype_name(w1r.dtype()), " on ",
+              w1r.device().str());
+  if (b2u.defined()) {
+    FLAME_CHECK(b2u.dim() == 1 && b2u.size(0) == w2r.size(0), "mlp_gelu", "b2 must have shape [", w2r.size(0),
+                "], got ", b2u.sizes());
+    FLAME_CHECK((master2 ? b2u.dtype() == DType::f32 || b2u.dtype() == w2r.dtype() : b2u.dtype() == w2r.dtype()) &&
+                    b2u.device() == w2r.device(),
+                "mlp_gelu", "b2 is ", dtype_name(b2u.dtype()), " on ", b2u.device().str(), ", w2 is ",
+                dtype_name(w2r.dtype()), " on ", w2r.device().str());
+  }
+  const int64_t in = w1r.size(1), out = w2r.size(0), rows = leading_rows(xl);
+  const bool grad = needs_grad({xl, w1u, b1u, w2u, b2u});
   Tensor y, x2, pre, h;
   {
     NoGradGuard no_grad;
-    x2 = x.reshape({rows, in}).contiguous();
-    h = dense("mlp_gelu", x2, w1, b1, /*gelu=*/true, grad, /*compose=*/true, pre);
+    x2 = xl.reshape({rows, in}).contiguous();
+    h = dense("mlp_gelu", x2, w1r, run_copy(b1u, w1r.dtype()), /*gelu=*/true, grad, /*compose=*/true, pre);
     Tensor unused;
-    y = dense("mlp_gelu", h, w2, b2, /*gelu=*/false, false, /*compose=*/true, unused).view(with_last(x, out));
+    y = dense("mlp_gelu", h, w2r, run_copy(b2u, w2r.dtype()), /*gelu=*/false, false, /*compose=*/true, unused)
+            .view(with_last(xl, out));
   }
-  if (grad) rules::mlp_gelu(y, x, w1, b1, w2, b2, x2, pre, h, recompute_hidden);
+  if (grad) rules::mlp_gelu(y, xl, w1u, b1u, w2u, b2u, x2, pre, h, recompute_hidden, w1r, w2r);
   return y;
 }
 

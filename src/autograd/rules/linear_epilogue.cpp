@@ -2,7 +2,9 @@
 // (d = dy, or dy * gelu_tanh'(pre) for linear_gelu): dx = d W, dW = d^T x, db = column sums of d.
 // The backend fuses where it can (Note [Linear epilogues]): d in one elementwise kernel, dW and db
 // in one GEMM (bias-gradient epilogue); for mlp_gelu the hidden layer's d comes out of the second
-// layer's data-gradient GEMM (dGELU epilogue). Where the backend declines,
+// layer's data-gradient GEMM (dGELU epilogue). f32 master weights (Note [Master-weight epilogues])
+// get f32 dW and db from the same GEMM; the saved W is the low-precision copy the forward read.
+// Where the backend declines,
 // the same formulas run as ordinary ops. Saved: x (as the GEMM read it) when W needs a gradient,
 // W when x does (or, for mlp_gelu, when the hidden layer does), and pre.
 #include "src/autograd/rules/linear_epilogue.h"
@@ -26,16 +28,27 @@ Tensor gelu_tanh_grad_of(const Tensor& dy, const Tensor& pre) {
   return dy * unary_op(UnaryOp::gelu_tanh_grad, pre, backend::UnaryParams{});
 }
 
-// dW = d^T x2 and db = column sums of d, each only when wanted.
-void weight_and_bias_grads(const Tensor& d, const Tensor& x2, bool need_w, bool need_b, Tensor& dw, Tensor& db) {
-  if (need_w && need_b) {
+// dW = d^T x2 and db = column sums of d, each only when wanted, in the dtypes of w's and b's
+// edges: d's, or f32 for master weights (Note [Master-weight epilogues]), straight from the GEMM's
+// accumulator where the backend can; else in d's dtype and cast up, as the unfused autocast did.
+void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge* we, const Node::Edge* be, Tensor& dw,
+                           Tensor& db) {
+  const bool need_w = we != nullptr && we->meta != nullptr, need_b = be != nullptr && be->meta != nullptr;
+  const DType wdt = need_w ? we->dtype : d.dtype(), bdt = need_b ? be->dtype : d.dtype();
+  if (need_w && (need_b || wdt != d.dtype())) {
     const int64_t out = d.size(1), in = x2.size(1);
-    dw = make_empty({out, in}, d.dtype(), d.device());
-    db = make_empty({out}, d.dtype(), d.device());
+    dw = make_empty({out, in}, wdt, d.device());
+    db = need_b ? make_empty({out}, bdt, d.device()) : Tensor();
     if (backend::backend_for(d.device()).linear_wgrad_bgrad(dw, db, d, x2)) return;
   }
-  if (need_w) dw = d.t().matmul(x2);
-  if (need_b) db = d.sum({0});
+  if (need_w) {
+    dw = d.t().matmul(x2);
+    if (wdt != dw.dtype()) dw = dw.to(wdt);
+  }
+  if (need_b) {
+    db = d.sum({0});
+    if (bdt != db.dtype()) db = db.to(bdt);
+  }
 }
 
 // Saved slots: x2 (args.need[0]), w (args.need[1]), pre (args.op == 1). args.count = rows.
@@ -47,13 +60,13 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const Tensor x2 = n.args().need[0] ? n.saved(slot++) : Tensor();
   const Tensor w = n.args().need[1] ? n.saved(slot++) : Tensor();
   const Tensor pre = n.args().op == 1 ? n.saved(slot++) : Tensor();
-  const DType dt = e[1].dtype;
+  const DType dt = e[0].dtype;  // the GEMMs' dtype (w's may be f32: Note [Master-weight epilogues])
   const int64_t rows = n.args().count, out = e[1].shape[0];
   const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
   const Tensor d = pre.defined() ? gelu_tanh_grad_of(g2, pre) : g2;
   Tensor dx, dw, db;
   if (need_x) dx = d.matmul(w).reshape(e[0].shape.vec());
-  weight_and_bias_grads(d, x2, need_w, need_b, dw, db);
+  if (need_w || need_b) weight_and_bias_grads(d, x2, &e[1], e.size() > 2 ? &e[2] : nullptr, dw, db);
   return {dx, dw, db};
 }
 
@@ -71,7 +84,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
   const Tensor w1 = need_x ? n.saved(slot++) : Tensor();
   const Tensor w2 = need_hidden ? n.saved(slot++) : Tensor();
   const Tensor pre = need_hidden || (recompute && need_w2) ? n.saved(slot++) : Tensor();
-  const DType dt = e[1].dtype;
+  const DType dt = e[0].dtype;  // the GEMMs' dtype (the weights' may be f32: Note [Master-weight epilogues])
   const Device dev = e[1].device;
   const int64_t rows = n.args().count, hidden = e[1].shape[0], out = e[3].shape[0];
   const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
@@ -83,7 +96,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     const Tensor h = !need_w2     ? Tensor()
                      : recompute ? unary_op(UnaryOp::gelu_tanh, pre, backend::UnaryParams{})
                                  : n.saved(slot++);
-    weight_and_bias_grads(g2, h, need_w2, need_b2, dw2, db2);
+    weight_and_bias_grads(g2, h, &e[3], e.size() > 4 ? &e[4] : nullptr, dw2, db2);
   }
   if (need_hidden) {
     // d at the hidden pre-activation, (g2 W2) * gelu_tanh'(pre), in one GEMM if possible. db1
@@ -92,7 +105,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     Tensor d = make_empty({rows, hidden}, dt, dev);
     if (!backend::backend_for(dev).linear_dgelu_bgrad(d, Tensor(), g2, w2, pre))
       d = gelu_tanh_grad_of(g2.matmul(w2), pre);
-    weight_and_bias_grads(d, x2, need_w1, need_b1, dw1, db1);
+    if (need_w1 || need_b1) weight_and_bias_grads(d, x2, &e[1], &e[2], dw1, db1);
     if (need_x) dx = d.matmul(w1).reshape(e[0].shape.vec());
   }
   return {dx, dw1, db1, dw2, db2};
@@ -101,7 +114,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
 }  // namespace
 
 void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& x2,
-                     const Tensor& pre) {
+                     const Tensor& pre, const Tensor& w_run) {
   if (!needs_grad({x, w, b})) return;
   RuleArgs args;
   args.op = pre.defined() ? 1 : 0;
@@ -111,12 +124,13 @@ void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& 
   Node& n = record(y, pre.defined() ? "LinearGeluBackward" : "AddmmBackward", {x, w, b}, &linear_epilogue_backward,
                    std::move(args));
   if (w.requires_grad()) n.save(x2);
-  if (x.requires_grad()) n.save(w);
+  if (x.requires_grad()) n.save(w_run);
   if (pre.defined()) n.save(pre);
 }
 
 void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,
-              const Tensor& x2, const Tensor& pre, const Tensor& h, bool recompute_hidden) {
+              const Tensor& x2, const Tensor& pre, const Tensor& h, bool recompute_hidden, const Tensor& w1_run,
+              const Tensor& w2_run) {
   if (!needs_grad({x, w1, b1, w2, b2})) return;
   const bool need_hidden = x.requires_grad() || w1.requires_grad() || (b1.defined() && b1.requires_grad());
   RuleArgs args;
@@ -124,8 +138,8 @@ void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, co
   args.op = recompute_hidden ? 1 : 0;
   Node& n = record(y, "MlpGeluBackward", {x, w1, b1, w2, b2}, &mlp_gelu_backward, std::move(args));
   if (w1.requires_grad()) n.save(x2);
-  if (x.requires_grad()) n.save(w1);
-  if (need_hidden) n.save(w2);
+  if (x.requires_grad()) n.save(w1_run);
+  if (need_hidden) n.save(w2_run);
   if (need_hidden || (recompute_hidden && w2.requires_grad())) n.save(pre);
   if (w2.requires_grad() && !recompute_hidden) n.save(h);
 }

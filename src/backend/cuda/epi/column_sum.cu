@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <class T, int kTX>
-void launch_column_sum(CudaBackend& be, const T* g, int64_t rows, int64_t cols, T* out) {
+void launch_column_sum(CudaBackend& be, const T* g, int64_t rows, int64_t cols, void* out, bool out_f32) {
   constexpr int V = 16 / static_cast<int>(sizeof(T));
   constexpr int kTY = kThreads / kTX;
   const auto kernel = &epi_colsum_partial_kernel<T, kTX>;
@@ -107,35 +107,41 @@ void launch_column_sum(CudaBackend& be, const T* g, int64_t rows, int64_t cols, 
       g, pp, rows, cols, rows_per_part);
   FLAME_CUDA_CHECK_LAUNCH();
   // Stage 2: the norms' second stage in its one-output form (Note [Row backward second stage]).
-  norm::column_sum_narrow_kernel<T, false>
-      <<<static_cast<unsigned>(ceil_div(cols, 8)), dim3(8, 64), 0, st>>>(pp, nullptr, out, nullptr, parts, cols);
+  const dim3 grid2(static_cast<unsigned>(ceil_div(cols, 8))), block2(8, 64);
+  if (out_f32)
+    norm::column_sum_narrow_kernel<float, false>
+        <<<grid2, block2, 0, st>>>(pp, nullptr, static_cast<float*>(out), nullptr, parts, cols);
+  else
+    norm::column_sum_narrow_kernel<T, false>
+        <<<grid2, block2, 0, st>>>(pp, nullptr, static_cast<T*>(out), nullptr, parts, cols);
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-bool epi_column_sum_fits(DType dt, const void* g, int64_t cols, const void* out) {
+bool epi_column_sum_fits(DType dt, const void* g, int64_t cols, const void* out, DType out_dt) {
   if (dt != DType::bf16 && dt != DType::f16 && dt != DType::f32) return false;
+  if (out_dt != dt && out_dt != DType::f32) return false;
   const int64_t v = 16 / static_cast<int64_t>(dtype_size(dt));
   return cols >= 1 && cols % v == 0 && (reinterpret_cast<uintptr_t>(g) & 15u) == 0 && out != nullptr;
 }
 
-void epi_column_sum(CudaBackend& be, DType dt, const void* g, int64_t rows, int64_t cols, void* out) {
-  FLAME_CHECK(epi_column_sum_fits(dt, g, cols, out), "linear",
-              "epilogue column sum: unsupported dtype/layout (", dtype_name(dt), ", cols ", cols, ")");
+void epi_column_sum(CudaBackend& be, DType dt, const void* g, int64_t rows, int64_t cols, void* out, DType out_dt) {
+  FLAME_CHECK(epi_column_sum_fits(dt, g, cols, out, out_dt), "linear", "epilogue column sum: unsupported dtype/layout (",
+              dtype_name(dt), " into ", dtype_name(out_dt), ", cols ", cols, ")");
+  const bool out_f32 = out_dt != dt;
   if (rows <= 0 || cols <= 0) return;
   auto run = [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int V = 16 / static_cast<int>(sizeof(T));
     const int64_t packs = cols / V;
     const auto* gp = static_cast<const T*>(g);
-    auto* op = static_cast<T*>(out);
     // The widest strip (32 packs = 512 contiguous bytes of a row) that divides the row's packs,
     // so that no lanes idle (384 bf16 columns: 48 packs, strips of 16); else the widest that fits.
     const int tx = packs % 32 == 0 ? 32 : packs % 16 == 0 ? 16 : packs % 8 == 0 ? 8 : packs > 16 ? 32 : packs > 8 ? 16 : 8;
-    if (tx == 32) launch_column_sum<T, 32>(be, gp, rows, cols, op);
-    else if (tx == 16) launch_column_sum<T, 16>(be, gp, rows, cols, op);
-    else launch_column_sum<T, 8>(be, gp, rows, cols, op);
+    if (tx == 32) launch_column_sum<T, 32>(be, gp, rows, cols, out, out_f32);
+    else if (tx == 16) launch_column_sum<T, 16>(be, gp, rows, cols, out, out_f32);
+    else launch_column_sum<T, 8>(be, gp, rows, cols, out, out_f32);
   };
   switch (dt) {
     case DType::bf16: run(type_tag<bfloat16>{}); break;

@@ -196,7 +196,8 @@ cublasStatus_t launch_choice(CudaBackend& be, const EpiKey& key, const EpiPlan& 
                                            c.d, plan.lc, c.d, plan.lc, &ch.algo, workspace, ch.workspace, stream);
   cublasLtMatmulDescDestroy(op);
   if (st == CUBLAS_STATUS_SUCCESS && ch.column_sum)
-    epi_column_sum(be, static_cast<DType>(key.dtype), c.sum_src, c.sum_rows, c.sum_cols, const_cast<void*>(c.bias));
+    epi_column_sum(be, static_cast<DType>(key.dtype), c.sum_src, c.sum_rows, c.sum_cols, const_cast<void*>(c.bias),
+                   static_cast<DType>(key.out_dtype));
   return st;
 }
 
@@ -291,13 +292,15 @@ const EpiPlan& get_epi_plan(CudaBackend& be, EpiKey key, cudaDataType_t type, co
   const bool tuned = key.plan == kPlanTuned;
   EpiPlan plan;
   const LtGemmShape shape{key.ta, key.tb, key.m, key.n, key.k, key.lda, key.ldb, key.ldc};
-  FLAME_EPI_CHECK("linear", lt_gemm_layouts(type, shape, plan.la, plan.lb, plan.lc));
+  FLAME_EPI_CHECK("linear", lt_gemm_layouts(type, shape, plan.la, plan.lb, plan.lc,
+                                            types_of(static_cast<DType>(key.out_dtype)).type));
   const int want = tuned ? kCandidates : 1;
   std::vector<EpiChoice> cands;
   if (twin < 0 || mode != flame::cuda::EpilogueBiasGrad::column_sum)
     cands = heuristic_choices(key, plan, key.epilogue, false, c, want);
   const bool sum_ok = twin >= 0 && c.sum_src != nullptr &&
-                      epi_column_sum_fits(static_cast<DType>(key.dtype), c.sum_src, c.sum_cols, c.bias);
+                      epi_column_sum_fits(static_cast<DType>(key.dtype), c.sum_src, c.sum_cols, c.bias,
+                                          static_cast<DType>(key.out_dtype));
   if (sum_ok && (mode == flame::cuda::EpilogueBiasGrad::column_sum ||
                  (mode == flame::cuda::EpilogueBiasGrad::automatic && tuned))) {
     const std::vector<EpiChoice> more = heuristic_choices(key, plan, twin, true, c, want);

@@ -21,6 +21,8 @@ struct EpiKey {
   int epilogue;
   int plan;       // kPlanHeuristic or kPlanTuned: a shape may have both
   int bias_grad;  // the cuda::EpilogueBiasGrad asked for (bias-gradient epilogues; else 0)
+  int out_dtype;  // C/D's and the bias gradient's dtype: dtype, or f32 for a half wgrad GEMM
+                  // writing f32 (Note [Master-weight epilogues] in src/ops/linear_epilogue.cpp)
   bool ta, tb;
   uint64_t m, n, k;
   int64_t lda, ldb, ldc, ld_aux;

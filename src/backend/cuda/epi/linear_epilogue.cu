@@ -72,6 +72,11 @@ bool fits(const Tensor& t, DType dt) {
   return t.dtype() == dt && t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15u) == 0;
 }
 bool epilogue_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16 || dt == DType::f32; }
+// A master-weight operand (Note [Master-weight epilogues]): the compute dtype, or f32 beside a
+// half compute dtype.
+DType master_dtype(const Tensor& t, DType dt) {
+  return t.defined() && t.dtype() == DType::f32 && dt != DType::f32 ? DType::f32 : dt;
+}
 bool size_ok(int64_t v) { return v >= 1 && v <= INT32_MAX; }
 bool size8_ok(int64_t v) { return size_ok(v) && v % 8 == 0; }
 
@@ -82,6 +87,7 @@ EpiKey base_key(const CudaBackend& be, DType dt, cublasComputeType_t compute, cu
   key.dtype = static_cast<int>(dt);
   key.compute = static_cast<int>(compute);
   key.epilogue = static_cast<int>(epi);
+  key.out_dtype = static_cast<int>(dt);
   return key;
 }
 
@@ -126,15 +132,20 @@ bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tens
 
 // Note [Epilogue GEMM layouts], wgrad.
 bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
-  const DType dt = dw.dtype();
-  if (!epilogue_dtype(dt) || !dbias.defined() || dw.dim() != 2 || dy.dim() != 2 || x.dim() != 2) return false;
-  if (!fits(dw, dt) || !fits(dbias, dt) || !fits(dy, dt) || !fits(x, dt)) return false;
+  const DType dt = dy.dtype(), out_dt = master_dtype(dw, dt);
+  // Without a bias gradient this is a plain GEMM, matmul's business, unless it writes f32.
+  if (!epilogue_dtype(dt) || (!dbias.defined() && out_dt == dt)) return false;
+  if (dw.dim() != 2 || dy.dim() != 2 || x.dim() != 2) return false;
+  if (!fits(dw, out_dt) || !fits(dbias, out_dt) || !fits(dy, dt) || !fits(x, dt)) return false;
   const int64_t N = dw.size(0), K = dw.size(1), M = dy.size(0);
-  if (dy.size(1) != N || x.size(0) != M || x.size(1) != K || dbias.dim() != 1 || dbias.size(0) != N) return false;
+  if (dy.size(1) != N || x.size(0) != M || x.size(1) != K) return false;
+  if (dbias.defined() && (dbias.dim() != 1 || dbias.size(0) != N)) return false;
   if (!size_ok(M) || !size8_ok(N) || !size8_ok(K)) return false;
   DeviceGuard guard(device());
   const Types t = types_of(dt);
-  EpiKey key = base_key(*this, dt, t.compute, CUBLASLT_EPILOGUE_BGRADB);
+  EpiKey key =
+      base_key(*this, dt, t.compute, dbias.defined() ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT);
+  key.out_dtype = static_cast<int>(out_dt);
   key.ta = false;
   key.tb = true;
   key.m = static_cast<uint64_t>(K);
@@ -147,10 +158,12 @@ bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, cons
   c.a = x.data_ptr();
   c.b = dy.data_ptr();
   c.d = dw.data_ptr();
-  c.bias = dbias.data_ptr();
-  c.sum_src = dy.data_ptr();  // db = column sums of dy [M, N]
-  c.sum_rows = M;
-  c.sum_cols = N;
+  if (dbias.defined()) {
+    c.bias = dbias.data_ptr();
+    c.sum_src = dy.data_ptr();  // db = column sums of dy [M, N]
+    c.sum_rows = M;
+    c.sum_cols = N;
+  }
   return run_epi(*this, key, t.type, c);
 }
 

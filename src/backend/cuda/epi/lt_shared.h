@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 namespace flame::backend::cuda {
 // The workspace's size (matmul.cu's kMaxWorkspace): the most an epilogue plan may ask for.
@@ -74,14 +75,16 @@ inline cublasStatus_t lt_make_layout(cublasLtMatrixLayout_t* l, cudaDataType_t t
       });
 }
 
-// The layouts of A, B and C = D for s (the caller destroys them, lt_destroy_layouts).
+// The layouts of A, B and C = D for s (the caller destroys them, lt_destroy_layouts); C and D
+// take ctype where given (a half GEMM writing f32), else type.
 inline cublasStatus_t lt_gemm_layouts(cudaDataType_t type, const LtGemmShape& s, cublasLtMatrixLayout_t& la,
-                                      cublasLtMatrixLayout_t& lb, cublasLtMatrixLayout_t& lc) {
+                                      cublasLtMatrixLayout_t& lb, cublasLtMatrixLayout_t& lc,
+                                      std::optional<cudaDataType_t> ctype = std::nullopt) {
   la = lb = lc = nullptr;
   cublasStatus_t st = lt_make_layout(&la, type, s.ta ? s.k : s.m, s.ta ? s.m : s.k, s.lda, s.batch, s.stride_a);
   if (st == CUBLAS_STATUS_SUCCESS)
     st = lt_make_layout(&lb, type, s.tb ? s.n : s.k, s.tb ? s.k : s.n, s.ldb, s.batch, s.stride_b);
-  if (st == CUBLAS_STATUS_SUCCESS) st = lt_make_layout(&lc, type, s.m, s.n, s.ldc, s.batch, s.stride_c);
+  if (st == CUBLAS_STATUS_SUCCESS) st = lt_make_layout(&lc, ctype.value_or(type), s.m, s.n, s.ldc, s.batch, s.stride_c);
   if (st != CUBLAS_STATUS_SUCCESS) lt_destroy_layouts(la, lb, lc);
   return st;
 }
