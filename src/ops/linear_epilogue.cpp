@@ -60,8 +60,8 @@
 namespace flame {
 namespace {
 
-// master: weight and bias are the f32 masters of a low-precision x (Note [Master-weight
-// epilogues]); their dtypes are checked by the caller.
+// master: weight (or the copy the GEMMs read) and bias belong to an f32 master weight beside a
+// low-precision x (Note [Master-weight epilogues]): the bias may then be f32 or x's dtype.
 void check_linear_args(const char* op, const Tensor& x, const Tensor& weight, const Tensor& bias,
                        const char* wname = "weight", bool master = false) {
   FLAME_CHECK(x.defined() && weight.defined(), op, "undefined input or ", wname);
@@ -76,7 +76,8 @@ void check_linear_args(const char* op, const Tensor& x, const Tensor& weight, co
   if (bias.defined()) {
     FLAME_CHECK(bias.dim() == 1 && bias.size(0) == weight.size(0), op, "bias must have shape [", weight.size(0),
                 "], got ", bias.sizes());
-    FLAME_CHECK((master || bias.dtype() == weight.dtype()) && bias.device() == weight.device(), op, "bias is ",
+    const bool dtype_ok = master ? bias.dtype() == DType::f32 || bias.dtype() == x.dtype() : bias.dtype() == weight.dtype();
+    FLAME_CHECK(dtype_ok && bias.device() == weight.device(), op, "bias is ",
                 dtype_name(bias.dtype()), " on ", bias.device().str(), ", ", wname, " is ",
                 dtype_name(weight.dtype()), " on ", weight.device().str());
   }
@@ -151,9 +152,12 @@ Tensor linear_act(const char* op, const Tensor& x, const Tensor& w, const Tensor
   return y;
 }
 
-void check_master_bias(const char* op, const Tensor& x, const Tensor& b, const char* bname = "bias") {
-  FLAME_CHECK(!b.defined() || b.dtype() == DType::f32 || b.dtype() == x.dtype(), op, bname, " is ",
-              dtype_name(b.dtype()), ", expected f32 or the input's ", dtype_name(x.dtype()));
+// linear (gelu = false) or linear_gelu under autocast on an f32 master weight (Note [Master-weight
+// epilogues]); nullopt when w is not one (the caller casts as usual).
+std::optional<Tensor> master_act(const char* op, const Tensor& xl, const Tensor& w, const Tensor& b, bool gelu) {
+  if (!master_weight(xl, w)) return std::nullopt;
+  check_linear_args(op, xl, w, b, "weight", /*master=*/true);
+  return linear_act(op, xl, w, b, gelu, run_copy(w, xl.dtype()));
 }
 
 }  // namespace
@@ -166,10 +170,7 @@ std::optional<Tensor> detail::linear_bias_fused(const Tensor& x, const Tensor& w
 }
 
 std::optional<Tensor> detail::linear_master(const Tensor& xl, const Tensor& weight, const Tensor& bias) {
-  if (!master_weight(xl, weight)) return std::nullopt;
-  check_linear_args("linear", xl, weight, bias, "weight", /*master=*/true);
-  check_master_bias("linear", xl, bias);
-  return linear_act("linear", xl, weight, bias, /*gelu=*/false, run_copy(weight, xl.dtype()));
+  return master_act("linear", xl, weight, bias, /*gelu=*/false);
 }
 
 namespace nn::functional {
@@ -178,11 +179,7 @@ Tensor linear_gelu(const Tensor& x, const Tensor& weight, const Tensor& bias) {
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: as linear, bias included
     amp::detail::AutocastOpScope scope;
     const Tensor xl = amp::detail::cast_low(x);
-    if (master_weight(xl, weight)) {  // Note [Master-weight epilogues]
-      check_linear_args("linear_gelu", xl, weight, bias, "weight", /*master=*/true);
-      check_master_bias("linear_gelu", xl, bias);
-      return linear_act("linear_gelu", xl, weight, bias, /*gelu=*/true, run_copy(weight, xl.dtype()));
-    }
+    if (auto y = master_act("linear_gelu", xl, weight, bias, /*gelu=*/true)) return *y;
     return linear_gelu(xl, amp::detail::cast_low(weight), amp::detail::cast_low(bias));
   }
   check_linear_args("linear_gelu", x, weight, bias);
@@ -211,13 +208,7 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
     master1 = pick(w1, b1, w1u, b1u, w1r);
     master2 = pick(w2, b2, w2u, b2u, w2r);
   }
-  check_linear_args("mlp_gelu", xl, w1r, master1 ? Tensor() : b1u, "w1");
-  if (master1) {
-    check_master_bias("mlp_gelu", xl, b1u, "b1");
-    FLAME_CHECK(!b1u.defined() || (b1u.dim() == 1 && b1u.size(0) == w1r.size(0) && b1u.device() == w1r.device()),
-                "mlp_gelu", "b1 must have shape [", w1r.size(0), "] on ", w1r.device().str(), ", got ",
-                b1u.sizes(), " on ", b1u.device().str());
-  }
+  check_linear_args("mlp_gelu", xl, w1r, b1u, "w1", master1);
   FLAME_CHECK(w2r.defined() && w2r.dim() == 2 && w2r.size(1) == w1r.size(0), "mlp_gelu",
               "w2 must be 2-d [out_features, ", w1r.size(0), "] to follow w1 of shape ", w1r.sizes(), ", got ",
               w2r.defined() ? w2r.sizes() : Shape{});
@@ -227,8 +218,7 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   if (b2u.defined()) {
     FLAME_CHECK(b2u.dim() == 1 && b2u.size(0) == w2r.size(0), "mlp_gelu", "b2 must have shape [", w2r.size(0),
                 "], got ", b2u.sizes());
-    FLAME_CHECK((master2 ? b2u.dtype() == DType::f32 || b2u.dtype() == w2r.dtype() : b2u.dtype() == w2r.dtype()) &&
-                    b2u.device() == w2r.device(),
+    FLAME_CHECK((b2u.dtype() == w2r.dtype() || (master2 && b2u.dtype() == DType::f32)) && b2u.device() == w2r.device(),
                 "mlp_gelu", "b2 is ", dtype_name(b2u.dtype()), " on ", b2u.device().str(), ", w2 is ",
                 dtype_name(w2r.dtype()), " on ", w2r.device().str());
   }

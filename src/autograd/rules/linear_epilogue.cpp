@@ -31,10 +31,10 @@ Tensor gelu_tanh_grad_of(const Tensor& dy, const Tensor& pre) {
 // dW = d^T x2 and db = column sums of d, each only when wanted, in the dtypes of w's and b's
 // edges: d's, or f32 for master weights (Note [Master-weight epilogues]), straight from the GEMM's
 // accumulator where the backend can; else in d's dtype and cast up, as the unfused autocast did.
-void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge* we, const Node::Edge* be, Tensor& dw,
+void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge& we, const Node::Edge& be, Tensor& dw,
                            Tensor& db) {
-  const bool need_w = we != nullptr && we->meta != nullptr, need_b = be != nullptr && be->meta != nullptr;
-  const DType wdt = need_w ? we->dtype : d.dtype(), bdt = need_b ? be->dtype : d.dtype();
+  const bool need_w = we.meta != nullptr, need_b = be.meta != nullptr;
+  const DType wdt = need_w ? we.dtype : d.dtype(), bdt = need_b ? be.dtype : d.dtype();
   if (need_w && (need_b || wdt != d.dtype())) {
     const int64_t out = d.size(1), in = x2.size(1);
     dw = make_empty({out, in}, wdt, d.device());
@@ -54,8 +54,7 @@ void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge* 
 // Saved slots: x2 (args.need[0]), w (args.need[1]), pre (args.op == 1). args.count = rows.
 TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const auto& e = n.edges();
-  const bool need_x = e[0].meta != nullptr, need_w = e[1].meta != nullptr;
-  const bool need_b = e.size() > 2 && e[2].meta != nullptr;
+  const bool need_x = e[0].meta != nullptr;
   std::size_t slot = 0;
   const Tensor x2 = n.args().need[0] ? n.saved(slot++) : Tensor();
   const Tensor w = n.args().need[1] ? n.saved(slot++) : Tensor();
@@ -66,7 +65,7 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const Tensor d = pre.defined() ? gelu_tanh_grad_of(g2, pre) : g2;
   Tensor dx, dw, db;
   if (need_x) dx = d.matmul(w).reshape(e[0].shape.vec());
-  if (need_w || need_b) weight_and_bias_grads(d, x2, &e[1], e.size() > 2 ? &e[2] : nullptr, dw, db);
+  weight_and_bias_grads(d, x2, e[1], e[2], dw, db);
   return {dx, dw, db};
 }
 
@@ -96,7 +95,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     const Tensor h = !need_w2     ? Tensor()
                      : recompute ? unary_op(UnaryOp::gelu_tanh, pre, backend::UnaryParams{})
                                  : n.saved(slot++);
-    weight_and_bias_grads(g2, h, &e[3], e.size() > 4 ? &e[4] : nullptr, dw2, db2);
+    weight_and_bias_grads(g2, h, e[3], e[4], dw2, db2);
   }
   if (need_hidden) {
     // d at the hidden pre-activation, (g2 W2) * gelu_tanh'(pre), in one GEMM if possible. db1
@@ -105,7 +104,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     Tensor d = make_empty({rows, hidden}, dt, dev);
     if (!backend::backend_for(dev).linear_dgelu_bgrad(d, Tensor(), g2, w2, pre))
       d = gelu_tanh_grad_of(g2.matmul(w2), pre);
-    if (need_w1 || need_b1) weight_and_bias_grads(d, x2, &e[1], &e[2], dw1, db1);
+    weight_and_bias_grads(d, x2, e[1], e[2], dw1, db1);
     if (need_x) dx = d.matmul(w1).reshape(e[0].shape.vec());
   }
   return {dx, dw1, db1, dw2, db2};

@@ -72,11 +72,6 @@ bool fits(const Tensor& t, DType dt) {
   return t.dtype() == dt && t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15u) == 0;
 }
 bool epilogue_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16 || dt == DType::f32; }
-// A master-weight operand (Note [Master-weight epilogues]): the compute dtype, or f32 beside a
-// half compute dtype.
-DType master_dtype(const Tensor& t, DType dt) {
-  return t.defined() && t.dtype() == DType::f32 && dt != DType::f32 ? DType::f32 : dt;
-}
 bool size_ok(int64_t v) { return v >= 1 && v <= INT32_MAX; }
 bool size8_ok(int64_t v) { return size_ok(v) && v % 8 == 0; }
 
@@ -132,9 +127,11 @@ bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tens
 
 // Note [Epilogue GEMM layouts], wgrad.
 bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
-  const DType dt = dy.dtype(), out_dt = master_dtype(dw, dt);
+  // dw and dbias: dy's dtype, or f32 beside half dy (Note [Master-weight epilogues]).
+  const DType dt = dy.dtype(), out_dt = dw.dtype();
+  if (!epilogue_dtype(dt) || (out_dt != dt && out_dt != DType::f32)) return false;
   // Without a bias gradient this is a plain GEMM, matmul's business, unless it writes f32.
-  if (!epilogue_dtype(dt) || (!dbias.defined() && out_dt == dt)) return false;
+  if (!dbias.defined() && out_dt == dt) return false;
   if (dw.dim() != 2 || dy.dim() != 2 || x.dim() != 2) return false;
   if (!fits(dw, out_dt) || !fits(dbias, out_dt) || !fits(dy, dt) || !fits(x, dt)) return false;
   const int64_t N = dw.size(0), K = dw.size(1), M = dy.size(0);
