@@ -56,11 +56,15 @@ bool is_autocast_enabled(DeviceType device_type = DeviceType::cuda);
 DType get_autocast_dtype(DeviceType device_type = DeviceType::cuda);  // bf16 unless a guard set f16
 
 // The cast cache of this thread (Note [Autocast cast cache] in src/amp/autocast.cpp): a weight
-// (a leaf that requires grad) is cast once per outermost autocast scope.
+// (a leaf that requires grad) is cast once per outermost autocast scope. An f32 master weight
+// read by Linear keeps its low-precision copy across scopes instead, rewritten by the fused
+// optimizers (Note [Kept low-precision copies]).
 struct AutocastCacheStats {
   uint64_t hits = 0;     // casts answered from the cache
   uint64_t misses = 0;   // casts made and stored in the cache
   std::size_t entries = 0;
+  uint64_t low_copy_hits = 0;    // casts answered by a kept copy equal to its weight
+  uint64_t low_copy_writes = 0;  // kept copies made or rewritten because their weight changed
 };
 AutocastCacheStats autocast_cache_stats();
 void clear_autocast_cache();  // also resets the hit/miss counters

@@ -34,6 +34,31 @@
 // fresh cast). Casts of anything else (activations, buffers, frozen weights) are not cached.
 // Autocast is off in backward (the engine runs rules and hooks under AutocastOffGuard);
 // checkpoint() recomputes its forward under the autocast state it first ran with.
+//
+// Note [Kept low-precision copies]
+// The scope cache still casts every weight once per step, ~130 small kernels in a DiT step. A
+// master weight (an f32 leaf that requires grad, read by linear's master path: Note
+// [Master-weight epilogues] in src/ops/linear_epilogue.cpp) instead keeps its bf16/f16 copy
+// across steps (AutogradMeta::low_copy), and the fused optimizers write it in the same pass that
+// updates the weight (OptimTensor::low), so the next forward casts nothing. The copy records the
+// weight's storage and version when it was made equal to the weight:
+//  - master_low_copy: equal -> returned as is; the weight changed since (an in-place edit, a
+//    load, an optimizer without a fused kernel) -> rewritten in place first; none yet -> made,
+//    except during a CUDA graph capture (its memory would be graph-private), which then takes the
+//    scope cache's cast. Rewriting in place bumps the copy's version, so a graph saved before
+//    that raises in backward rather than reading the new values.
+//  - a fused optimizer step passes the copy to its kernel, then marks it equal after bumping the
+//    weight's version (low_copy_for_update / low_copy_updated); the copy's own version is bumped
+//    too.
+//  - a captured graph that reads a kept copy replays no cast, so a replay must find it equal to
+//    the weight: the capture registers a replay prologue per copy (random_detail::GraphRng) that
+//    rewrites it first when the weight's host-side version moved since (eager edits between
+//    replays). Inside the graph, its own optimizer keeps the two equal.
+//  - a no-grad cast of such a weight (evaluation under autocast) uses the copy when it is equal,
+//    and the scope cache otherwise; only the master path makes or rewrites copies.
+// The copy is the same rounding of the same f32 values as the cast it replaces, so results are
+// bit-identical. It costs half the weight's bytes for the weight's lifetime (the scope cache held
+// the same bytes through every forward and backward).
 #include "src/amp/autocast.h"
 
 #include <unordered_map>
@@ -43,6 +68,7 @@
 #include "src/autograd/node.h"
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
+#include "src/random/graph_rng.h"
 
 namespace flame::amp {
 namespace detail {
@@ -76,6 +102,7 @@ struct ThreadState {
   int nesting = 0;
   std::unordered_map<CacheKey, CacheEntry, CacheKeyHash> cache;
   uint64_t hits = 0, misses = 0;
+  uint64_t low_copy_hits = 0, low_copy_writes = 0;
 };
 
 ThreadState& state() {
@@ -90,12 +117,47 @@ bool node_released(const Tensor& t) {
   return meta && meta->grad_fn && meta->grad_fn->released();
 }
 
+const void* storage_of(const Tensor& x) { return x.impl()->storage.get(); }
+
+// x's kept copy when it has one of dtype `to` in x's layout (equal to x or not).
+LowCopy* kept_copy(const Tensor& x, DType to) {
+  const auto& meta = x.impl()->autograd;
+  LowCopy* k = meta ? meta->low_copy.get() : nullptr;
+  if (k == nullptr || k->copy.dtype() != to || k->copy.device() != x.device() || k->copy.sizes() != x.sizes() ||
+      k->copy.strides() != x.strides())
+    return nullptr;
+  return k;
+}
+
+bool equal_to(const LowCopy& k, const Tensor& x) { return k.storage == storage_of(x) && k.version == x.version(); }
+
+// Makes k equal to x (in place: a captured graph may read k's memory).
+void rewrite(LowCopy& k, const Tensor& x) {
+  NoGradGuard no_grad;
+  k.copy.copy_(x);
+  k.storage = storage_of(x);
+  k.version = x.version();
+}
+
+// The graph capturing on this thread for x's device, or nullptr.
+random_detail::GraphRng* capturing_graph(const Tensor& x) {
+  random_detail::GraphRng* g = random_detail::current_graph_rng();
+  return g != nullptr && x.device().is_cuda() && g->device() == x.device().index ? g : nullptr;
+}
+
 Tensor cached_cast(const Tensor& x, DType to) {
   ThreadState& s = state();
   const bool cacheable = s.nesting > 0 && x.dtype() == DType::f32 && x.requires_grad() && x.is_leaf();
   if (!cacheable) return x.to(to);
-  const CacheKey key{x.impl(), to};
   const bool grad_mode = grad_enabled();
+  if (!grad_mode) {
+    if (LowCopy* k = kept_copy(x, to); k != nullptr && equal_to(*k, x) && capturing_graph(x) == nullptr) {
+      ++s.low_copy_hits;
+      (void)needs_grad({x});
+      return k->copy;
+    }
+  }
+  const CacheKey key{x.impl(), to};
   auto it = s.cache.find(key);
   if (it != s.cache.end()) {
     CacheEntry& e = it->second;
@@ -116,6 +178,58 @@ Tensor cached_cast(const Tensor& x, DType to) {
 }  // namespace
 
 DType low_dtype(const Tensor& x) { return state().dtype[static_cast<int>(x.device().type)]; }
+
+Tensor master_low_copy(const Tensor& w) {
+  if (!w.defined() || w.dtype() != DType::f32 || !w.requires_grad() || !w.is_leaf() ||
+      !is_non_overlapping_and_dense(w))
+    return cast_low(w);
+  const DType to = low_dtype(w);
+  ThreadState& s = state();
+  (void)needs_grad({w});  // a checkpoint's collector sees the read whichever way it goes
+  random_detail::GraphRng* graph = capturing_graph(w);
+  auto& meta = w.impl()->autograd;
+  LowCopy* k = kept_copy(w, to);
+  if (k == nullptr) {
+    if (graph != nullptr) return cast_low(w);
+    NoGradGuard no_grad;
+    auto made = std::make_shared<LowCopy>();
+    made->copy = make_empty_in_layout_of(w, to, w.device(), "autocast");
+    meta->low_copy = made;
+    rewrite(*made, w);
+    ++s.low_copy_writes;
+    return made->copy;
+  }
+  if (equal_to(*k, w)) {
+    ++s.low_copy_hits;
+  } else {
+    rewrite(*k, w);
+    ++s.low_copy_writes;
+  }
+  if (graph != nullptr) {
+    graph->add_replay_prologue(k, [w, keep = meta->low_copy] {
+      if (!equal_to(*keep, w)) rewrite(*keep, w);
+    });
+  }
+  return k->copy;
+}
+
+Tensor low_copy_for_update(const Tensor& w) {
+  if (!w.defined() || w.dtype() != DType::f32) return Tensor();
+  const auto& meta = w.impl()->autograd;
+  LowCopy* k = meta ? meta->low_copy.get() : nullptr;
+  if (k == nullptr || k->copy.device() != w.device() || k->copy.sizes() != w.sizes() ||
+      k->copy.strides() != w.strides() || k->storage != storage_of(w))
+    return Tensor();
+  return k->copy;
+}
+
+void low_copy_updated(const Tensor& w) {
+  const auto& meta = w.impl()->autograd;
+  LowCopy* k = meta ? meta->low_copy.get() : nullptr;
+  if (k == nullptr) return;
+  k->version = w.version();
+  bump_version(k->copy);
+}
 
 Tensor cast_low(const Tensor& x) {
   if (!x.defined() || !eligible(x.dtype())) return x;
@@ -209,7 +323,7 @@ DType get_autocast_dtype(DeviceType device_type) { return state().dtype[static_c
 
 AutocastCacheStats autocast_cache_stats() {
   const auto& s = state();
-  return AutocastCacheStats{s.hits, s.misses, s.cache.size()};
+  return AutocastCacheStats{s.hits, s.misses, s.cache.size(), s.low_copy_hits, s.low_copy_writes};
 }
 
 void clear_autocast_cache() {
@@ -217,6 +331,8 @@ void clear_autocast_cache() {
   s.cache.clear();
   s.hits = 0;
   s.misses = 0;
+  s.low_copy_hits = 0;
+  s.low_copy_writes = 0;
 }
 
 }  // namespace flame::amp

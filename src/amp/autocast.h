@@ -47,6 +47,22 @@ Tensor cast_f32(const Tensor& x);
 // The low dtype of x's device type.
 DType low_dtype(const Tensor& x);
 
+// Note [Kept low-precision copies] (src/amp/autocast.cpp): the bf16/f16 copy of an f32 master
+// weight that linear's GEMMs read, kept across steps and rewritten by the fused optimizers.
+struct LowCopy {
+  Tensor copy;                       // dense, in the weight's layout, on its device
+  const void* storage = nullptr;     // the weight's storage when copy was last made equal to it
+  uint64_t version = 0;              // the weight's version then
+  bool replay_hooked = false;        // a captured graph refreshes it before each replay
+};
+// The low-precision copy of master weight w (an f32 leaf that requires grad) for a node that
+// records w itself: its kept copy, made or refreshed when w changed. Made without a graph.
+Tensor master_low_copy(const Tensor& w);
+// The kept copy of w for an optimizer to write beside w's update (undefined when w has none that
+// is dense in w's layout), and the call after the update and w's version bump that marks it equal.
+Tensor low_copy_for_update(const Tensor& w);
+void low_copy_updated(const Tensor& w);
+
 // The autocast settings of this thread, captured by checkpoint() at forward time and put back
 // (with exclusion lifted and one nesting level, so the cast cache is cleared after) while the
 // forward is recomputed inside backward.

@@ -128,6 +128,10 @@ class InlineShape {
   Shape heap_;  // used only beyond kInline dims
 };
 
+namespace amp::detail {
+struct LowCopy;  // src/amp/autocast.h: Note [Kept low-precision copies]
+}
+
 // Per-tensor autograd state. Leaves (grad_fn == null) that require grad receive entries in the
 // Gradients store; non-leaves pass their gradient on to grad_fn.
 struct AutogradMeta {
@@ -135,6 +139,7 @@ struct AutogradMeta {
   std::shared_ptr<Node> grad_fn;
   std::vector<GradHook> hooks;
   std::vector<std::function<void(const Tensor&)>> post_accumulate_hooks;  // leaves only
+  std::shared_ptr<amp::detail::LowCopy> low_copy;  // an f32 master weight's kept bf16/f16 copy
 };
 
 // A tensor a rule reads during backward, with the storage version at save time. Held detached by

@@ -39,6 +39,9 @@ struct OptimTensor {
   Tensor param;   // updated in place (rounded from `master` when that is defined)
   Tensor grad;
   Tensor master;  // f32 master weights of a half parameter, or undefined
+  // An f32 parameter's kept bf16/f16 copy (Note [Kept low-precision copies], src/amp/autocast.cpp),
+  // or undefined: written in the same pass as the rounding of the updated parameter.
+  Tensor low;
   // sgd: momentum_buffer (undefined when momentum == 0); adam: exp_avg, exp_avg_sq,
   // max_exp_avg_sq (amsgrad only); lion: exp_avg.
   Tensor state[3];

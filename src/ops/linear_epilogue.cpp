@@ -101,11 +101,12 @@ bool master_weight(const Tensor& xl, const Tensor& w) {
   return xl.defined() && (xl.dtype() == DType::bf16 || xl.dtype() == DType::f16) && w.defined() && w.dtype() == DType::f32 &&
          w.requires_grad() && grad_enabled();
 }
-// The low-precision copy of a master weight the GEMMs read: the autocast cast, without a graph.
+// The low-precision copy of a master weight the GEMMs read, without a graph: the weight's kept
+// copy (Note [Kept low-precision copies] in src/amp/autocast.cpp).
 Tensor run_copy(const Tensor& w, DType dt) {
   if (!w.defined() || w.dtype() == dt) return w;
   NoGradGuard no_grad;
-  return amp::detail::cast_low(w);
+  return amp::detail::master_low_copy(w);
 }
 
 // One dense layer on x2 [rows, in] (contiguous): act(x2 w^T + b) as [rows, out], fused when the

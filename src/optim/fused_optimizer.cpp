@@ -35,6 +35,7 @@
 
 #include "flame/cuda.h"
 #include "flame/optim/optimizers.h"
+#include "src/amp/autocast.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -238,6 +239,7 @@ void FusedOptimizer::step(const Gradients& grads) {
     advance_device_steps(active);
   }
   // Pass 2: create missing state, advance the step counters, update.
+  low_written_.clear();
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (active[g].empty()) continue;
     for (Active& a : active[g]) {
@@ -262,6 +264,8 @@ void FusedOptimizer::step(const Gradients& grads) {
     update_group(g, active[g]);
     for (const Active& a : active[g]) bump_version(a.param);
   }
+  for (const Tensor& p : low_written_) amp::detail::low_copy_updated(p);
+  low_written_.clear();
 }
 
 void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& active, int kind, bool amsgrad,
@@ -296,6 +300,10 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
     e.param = a.param;
     e.grad = a.grad;
     e.master = st.master;
+    if (!e.master.defined()) {
+      e.low = amp::detail::low_copy_for_update(a.param);
+      if (e.low.defined()) low_written_.push_back(a.param);
+    }
     const double t = static_cast<double>(st.step);
     switch (h.kind) {
       case backend::OptimKind::sgd:

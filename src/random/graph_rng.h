@@ -15,6 +15,7 @@
 // replay stream. So replay r draws exactly what an eager run of the same ops would draw at that
 // generator state, and every replay draws new numbers.
 #include <cstdint>
+#include <functional>
 
 #include "flame/random.h"
 #include "flame/tensor.h"
@@ -28,6 +29,10 @@ class GraphRng {
   virtual int device() const = 0;
   // Fills `dst` (contiguous, on device()) as the backend's random() would for the next offset of `g`.
   virtual void random(backend::RandomKind kind, const Tensor& dst, Generator& g, double a, double b) = 0;
+  // Host work the graph runs on the replay stream before each replay, once per key (the first
+  // registration of a key wins), in registration order; kept alive as long as the captured graph.
+  // Used by kept low-precision weight copies (Note [Kept low-precision copies], src/amp).
+  virtual void add_replay_prologue(const void* key, std::function<void()> fn) = 0;
 };
 
 // The GraphRng capturing on this thread, or nullptr.

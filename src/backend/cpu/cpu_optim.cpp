@@ -75,6 +75,15 @@ void optim_tensor(const optim_math::Hyper<compute_t<S>>& h, const OptimHyper& ra
     }
     param[i] = convert<P>(p);
   }
+  if constexpr (std::is_same_v<P, float>) {
+    if (e.low.defined()) {
+      dispatch_floating(e.low.dtype(), "optim_step", [&](auto ltag) {
+        using L = typename decltype(ltag)::type;
+        L* low = slots<L>(e.low);
+        for (int64_t i = 0; i < n; ++i) low[i] = convert<L>(param[i]);
+      });
+    }
+  }
 }
 
 }  // namespace

@@ -16,7 +16,8 @@
 //    and offset from a device-resident pair per generator, which replay() refills first.
 // replay() launches the executable graph on the current stream, after a wait on the previous
 // replay's event if that ran on another stream (the Philox pairs and private blocks are shared by
-// all replays). The destructor waits for the last replay before freeing the pool.
+// all replays) and after the host prologues the capture registered (GraphRng::
+// add_replay_prologue: kept weight copies brought up to date with eager edits). The destructor waits for the last replay before freeing the pool.
 #include <algorithm>
 #include <mutex>
 #include <optional>
@@ -67,6 +68,7 @@ struct Graph::Impl final : random_detail::GraphRng {
   random_detail::GraphRng* previous_rng = nullptr;
   uint64_t* philox = nullptr;  // device: 2 * kMaxGraphGenerators words
   std::vector<GeneratorSlot> generators;
+  std::vector<std::pair<const void*, std::function<void()>>> prologues;  // run before each replay
   cudaEvent_t last_replay = nullptr;
   cudaStream_t last_replay_stream = nullptr;
 
@@ -84,6 +86,12 @@ struct Graph::Impl final : random_detail::GraphRng {
     }
     const std::size_t slot = static_cast<std::size_t>(it - generators.begin());
     bc::cuda_backend(device_).random_from_device_state(kind, dst, philox + 2 * slot, offset - it->start, a, b);
+  }
+
+  void add_replay_prologue(const void* key, std::function<void()> fn) override {
+    for (const auto& p : prologues)
+      if (p.first == key) return;
+    prologues.emplace_back(key, std::move(fn));
   }
 
   // Ends the thread's capture state (stream, pool routing, RNG hook) and rewinds the generators.
@@ -134,6 +142,7 @@ struct Graph::Impl final : random_detail::GraphRng {
     if (philox != nullptr) (void)cudaFree(philox);
     philox = nullptr;
     generators.clear();
+    prologues.clear();
     capture_stream.reset();
     last_replay_stream = nullptr;
     (void)cudaGetLastError();
@@ -175,6 +184,7 @@ void Graph::capture_begin(int device) {
   g.capture_stream = Stream::create(device);
   g.pool = std::make_shared<bc::GraphPool>();
   g.generators.clear();
+  g.prologues.clear();
   be.pool().begin_capture(g.pool);
   g.guard.emplace(*g.capture_stream);
   g.previous_rng = random_detail::current_graph_rng();
@@ -230,6 +240,7 @@ void Graph::replay() {
   if (g.last_replay_stream != nullptr && g.last_replay_stream != s) {
     FLAME_CUDA_CHECK(cudaStreamWaitEvent(s, g.last_replay, 0));
   }
+  for (const auto& p : g.prologues) p.second();
   if (!g.generators.empty()) {
     // Note [Graph-safe RNG]: reserve this replay's offsets now, in host order.
     PhiloxPairs pairs{};

@@ -34,7 +34,7 @@ namespace {
 
 constexpr int kThreads = 512;
 constexpr int64_t kChunk = 32768;  // elements; a multiple of 4 so chunks keep the vector alignment
-constexpr int kMaxTensors = 288;
+constexpr int kMaxTensors = 272;
 constexpr int kMaxEmaTensors = 800;
 
 struct OptimTensorArgs {
@@ -42,6 +42,7 @@ struct OptimTensorArgs {
   const void* grad;
   void* master;
   void* state[3];
+  void* low;  // f32 parameters: the kept bf16/f16 copy (OptimTensor::low), or null
   int64_t numel;
   double step_size;
   double bias2_sqrt;
@@ -49,8 +50,11 @@ struct OptimTensorArgs {
   uint64_t rng_offset;
   const double* device_step;  // capturable steps: t, from which the three scalars above are computed
   int32_t first;
-  int32_t aligned;
+  int16_t aligned;
+  int16_t low_kind;  // LowKind of `low`
 };
+
+enum LowKind : int16_t { kLowNone = 0, kLowBf16 = 1, kLowF16 = 2 };
 
 struct OptimLaunchArgs {
   OptimHyper hyper;
@@ -145,6 +149,24 @@ struct OptimElement {
     }
   }
 
+  // The kept low-precision copy of an f32 parameter: element i (or 4 from i) rounded as a cast.
+  __device__ __forceinline__ void store_low(int64_t i, float v) const {
+    if (t.low_kind == kLowBf16) static_cast<bfloat16*>(t.low)[i] = dconvert<bfloat16>(v);
+    else static_cast<float16*>(t.low)[i] = dconvert<float16>(v);
+  }
+  template <class H>
+  __device__ __forceinline__ void store_low4_as(int64_t i, const float* v) const {
+    Vec4<H> lv;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) lv.v[j] = dconvert<H>(v[j]);
+    store4(static_cast<H*>(t.low), i, lv);
+  }
+  __device__ __forceinline__ void store_low4(int64_t i, const float* v) const {
+    if (t.low_kind == kLowBf16) store_low4_as<bfloat16>(i, v);
+    else store_low4_as<float16>(i, v);
+  }
+  static constexpr bool kHasLow = !kMaster && std::is_same_v<P, float>;
+
   // Which state slots this optimizer reads and writes.
   __device__ __forceinline__ bool has(int slot) const { return t.state[slot] != nullptr; }
 
@@ -164,7 +186,11 @@ struct OptimElement {
     for (int k = 0; k < 3; ++k)
       if (st[k]) st[k][i] = dconvert<S>(s[k]);
     if constexpr (kMaster) master[i] = dconvert<S>(p);
-    param[i] = round_param(p, i);
+    const P out = round_param(p, i);
+    param[i] = out;
+    if constexpr (kHasLow) {
+      if (t.low_kind != kLowNone) store_low(i, out);
+    }
   }
 
   __device__ __forceinline__ void vector(int64_t i) const {
@@ -217,6 +243,9 @@ struct OptimElement {
 #pragma unroll
     for (int j = 0; j < 4; ++j) pv.v[j] = round_param(p[j], i + j);
     store4(param, i, pv);
+    if constexpr (kHasLow) {
+      if (t.low_kind != kLowNone) store_low4(i, pv.v);
+    }
   }
 };
 
@@ -354,6 +383,14 @@ void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>
       a.grad = e.grad.data_ptr();
       a.master = e.master.defined() ? e.master.data_ptr() : nullptr;
       for (int k = 0; k < 3; ++k) a.state[k] = e.state[k].defined() ? e.state[k].data_ptr() : nullptr;
+      a.low = nullptr;
+      a.low_kind = kLowNone;
+      if (e.low.defined() && pdt == DType::f32 && !master) {
+        FLAME_CHECK(e.low.dtype() == DType::bf16 || e.low.dtype() == DType::f16, "optim_step",
+                    "kept copy of dtype ", dtype_name(e.low.dtype()), " (expected bf16 or f16)");
+        a.low = e.low.data_ptr();
+        a.low_kind = e.low.dtype() == DType::bf16 ? kLowBf16 : kLowF16;
+      }
       a.numel = n;
       a.step_size = e.step_size;
       a.bias2_sqrt = e.bias2_sqrt;
@@ -363,6 +400,7 @@ void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>
       a.first = e.first ? 1 : 0;
       bool al = aligned4(a.param, psize) && aligned4(a.grad, psize) && aligned4(a.master, ssize);
       for (int k = 0; k < 3; ++k) al = al && aligned4(a.state[k], ssize);
+      al = al && aligned4(a.low, 2);
       a.aligned = al ? 1 : 0;
       FLAME_CHECK(static_cast<int64_t>(chunk) + chunks_of(n) < INT32_MAX, "optim_step", "too many elements in one call");
       args.chunk_start[count] = chunk;
