@@ -33,7 +33,7 @@
 //
 // Usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
 //                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]
-//                    [--recompute none,mlp,all]
+//                    [--recompute none,mlp,mlp:N,all]
 //
 // --recompute runs each DiT case once per level listed (DiTRecompute, docs/recompute.md); the
 // levels other than none are named step_<model>_b<batch>_recompute_<level>.
@@ -219,7 +219,7 @@ double mlp_flops(int64_t batch) {
 Workload diffusion_workload(const std::string& preset, int64_t batch, const Device& dev, std::optional<DType> amp,
                             bool graph, const std::string& recompute = "none") {
   auto model = flame_diffusion::make_model(preset, 0);
-  if (auto* dit = dynamic_cast<flame_diffusion::DiT*>(model.get())) dit->set_recompute(flame_diffusion::parse_dit_recompute(recompute));
+  if (auto* dit = dynamic_cast<flame_diffusion::DiT*>(model.get())) dit->set_recompute(flame_diffusion::parse_dit_recompute_spec(recompute));
   model->to(dev);
   model->train();
   Workload w;
@@ -316,7 +316,7 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
                  "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N [--trace-json FILE]] "
-                 "[--recompute none,mlp,all]\n");
+                 "[--recompute none,mlp,mlp:N,all]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -356,7 +356,11 @@ Args parse(int argc, char** argv) {
       a.recompute.clear();
       std::stringstream ss(next());
       for (std::string r; std::getline(ss, r, ',');) {
-        if (r != "none" && r != "mlp" && r != "all") usage();
+        try {
+          (void)flame_diffusion::parse_dit_recompute_spec(r);
+        } catch (const std::exception&) {
+          usage();
+        }
         a.recompute.push_back(r);
       }
       if (a.recompute.empty()) usage();

@@ -48,6 +48,24 @@ DiTRecompute parse_dit_recompute(const std::string& name) {
   return DiTRecompute::none;
 }
 
+DiTRecomputeSpec parse_dit_recompute_spec(const std::string& spec) {
+  if (spec.rfind("mlp:", 0) == 0) {
+    const std::string n = spec.substr(4);
+    const bool digits = !n.empty() && n.size() <= 9 && n.find_first_not_of("0123456789") == std::string::npos;
+    FLAME_CHECK(digits, "DiT", "recompute '", spec, "': expected mlp:N with N a block count (known: none, mlp, mlp:N, all)");
+    return {DiTRecompute::mlp, std::stoll(n)};
+  }
+  if (spec == "none" || spec == "mlp" || spec == "all") return {parse_dit_recompute(spec), -1};
+  FLAME_FAIL("DiT", "unknown recompute level '", spec, "' (known: none, mlp, mlp:N, all)");
+  return {};
+}
+
+std::string dit_recompute_spec_name(const DiTRecomputeSpec& spec) {
+  std::string s = dit_recompute_name(spec.level);
+  if (spec.level == DiTRecompute::mlp && spec.mlp_blocks >= 0) s.append(1, ':').append(std::to_string(spec.mlp_blocks));
+  return s;
+}
+
 const char* dit_recompute_name(DiTRecompute r) {
   switch (r) {
     case DiTRecompute::none: return "none";
@@ -183,12 +201,19 @@ DiT::DiT(const DiTConfig& config, uint64_t seed) : config_(config) {
   final_layer = register_module("final_layer", std::make_shared<DiTFinalLayer>(c.hidden, c.patch_size, c.in_channels));
   flame::Generator gen(seed);
   initialize_weights(&gen);
-  set_recompute(c.recompute);
+  set_recompute(c.recompute, c.recompute_mlp_blocks);
 }
 
-void DiT::set_recompute(DiTRecompute r) {
+void DiT::set_recompute(DiTRecompute r, int64_t mlp_blocks) {
+  const auto depth = static_cast<int64_t>(blocks.size());
+  FLAME_CHECK(mlp_blocks <= depth && (mlp_blocks >= 0 || mlp_blocks == -1), "DiT.set_recompute",
+              "mlp blocks ", mlp_blocks, " for a model of depth ", depth, " (expected -1 for all, or 0..", depth, ")");
+  FLAME_CHECK(mlp_blocks == -1 || r == DiTRecompute::mlp, "DiT.set_recompute", "a block count applies to level mlp, not ",
+              dit_recompute_name(r));
   config_.recompute = r;
-  for (auto& blk : blocks) blk->mlp->recompute_hidden = r != DiTRecompute::none;
+  config_.recompute_mlp_blocks = mlp_blocks;
+  const int64_t n = r == DiTRecompute::none ? 0 : mlp_blocks < 0 ? depth : mlp_blocks;
+  for (int64_t i = 0; i < depth; ++i) blocks[static_cast<std::size_t>(i)]->mlp->recompute_hidden = i < n;
 }
 
 // As the reference's initialize_weights: xavier-uniform Linear weights with zero biases; the
@@ -220,7 +245,7 @@ std::string DiT::extra_repr() const {
   std::ostringstream os;
   os << "preset=" << config_.name << ", hidden=" << config_.hidden << ", depth=" << config_.depth
      << ", heads=" << config_.heads << ", patch=" << config_.patch_size;
-  if (config_.recompute != DiTRecompute::none) os << ", recompute=" << dit_recompute_name(config_.recompute);
+  if (config_.recompute != DiTRecompute::none) os << ", recompute=" << dit_recompute_spec_name(recompute_spec());
   return os.str();
 }
 

@@ -24,6 +24,16 @@ enum class DiTRecompute { none, mlp, all };
 // "none", "mlp", "all"; anything else raises an error listing these.
 DiTRecompute parse_dit_recompute(const std::string& name);
 const char* dit_recompute_name(DiTRecompute r);
+// A level and, for mlp, how many blocks use it (the first N; -1: all): "mlp:8" recomputes the
+// MLP hidden activation in blocks 0-7 only, a dial between none and mlp (each block that
+// recomputes saves its [tokens, mlp_hidden] activation and pays one gelu pass over it).
+struct DiTRecomputeSpec {
+  DiTRecompute level = DiTRecompute::none;
+  int64_t mlp_blocks = -1;
+};
+// "none", "mlp", "mlp:N" (N >= 0), "all"; anything else raises an error listing these.
+DiTRecomputeSpec parse_dit_recompute_spec(const std::string& spec);
+std::string dit_recompute_spec_name(const DiTRecomputeSpec& spec);
 
 struct DiTConfig {
   std::string name = "dit-s";
@@ -38,6 +48,7 @@ struct DiTConfig {
   int64_t frequency_dim = 256;
   double time_scale = 1000.0;  // the embedding sees t * time_scale
   DiTRecompute recompute = DiTRecompute::none;  // a training-memory setting, not saved with weights
+  int64_t recompute_mlp_blocks = -1;             // with mlp: the first N blocks only (-1: every block)
   int64_t grid() const { return input_size / patch_size; }
   int64_t tokens() const { return grid() * grid(); }
 };
@@ -118,8 +129,12 @@ class DiT : public DiffusionModel {
   std::string preset() const override { return config_.name; }
   const DiTConfig& config() const { return config_; }
   // Changes what the next training forwards save (DiTConfig::recompute); weights are unchanged.
-  void set_recompute(DiTRecompute r);
+  // mlp_blocks (level mlp only): the first N blocks recompute, the others save (-1: all; N must
+  // not exceed depth).
+  void set_recompute(DiTRecompute r, int64_t mlp_blocks = -1);
+  void set_recompute(const DiTRecomputeSpec& spec) { set_recompute(spec.level, spec.mlp_blocks); }
   DiTRecompute recompute() const { return config_.recompute; }
+  DiTRecomputeSpec recompute_spec() const { return {config_.recompute, config_.recompute_mlp_blocks}; }
 
   // [B, T, p*p*C] -> [B, C, H, W] (token (i, j) holds the p x p patch at rows i*p.., cols j*p..,
   // channel fastest, as the reference's einsum "nhwpqc->nchpwq").

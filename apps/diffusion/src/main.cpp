@@ -11,6 +11,7 @@
 #include <exception>
 #include <string>
 
+#include "dit.h"
 #include "embed.h"
 #include "trainer.h"
 
@@ -69,8 +70,16 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
                 "not with --accum > 1)");
   cmd->add_option("--recompute", c.recompute,
                  "DiT activations recomputed in the backward instead of saved: none, mlp (the MLP hidden "
-                 "activation) or all (mlp and the adaLN outputs); less memory, a little more time")
-      ->check(CLI::IsMember({"none", "mlp", "all"}))
+                 "activation), mlp:N (mlp in the first N blocks only) or all (mlp and the adaLN outputs); "
+                 "less memory, a little more time")
+      ->check([](const std::string& s) {
+        try {
+          (void)parse_dit_recompute_spec(s);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      })
       ->capture_default_str();
   cmd->add_option("--classifier", c.classifier, "at the end, classify samples with this classifier (train_classifier)")
       ->check(CLI::ExistingFile);

@@ -634,10 +634,10 @@ std::shared_ptr<DiffusionModel> load_model(const std::string& path, const Device
 
 // --recompute: a DiT setting; other models have nothing to recompute and say so.
 void apply_recompute(DiffusionModel& model, const std::string& level) {
-  const DiTRecompute r = parse_dit_recompute(level);
+  const DiTRecomputeSpec r = parse_dit_recompute_spec(level);
   if (auto* dit = dynamic_cast<DiT*>(&model)) {
     dit->set_recompute(r);
-  } else if (r != DiTRecompute::none) {
+  } else if (r.level != DiTRecompute::none) {
     throw std::runtime_error("--recompute " + level + ": only DiT models recompute activations; " +
                              model.preset() + " is not one");
   }

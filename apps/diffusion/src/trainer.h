@@ -46,7 +46,7 @@ struct TrainConfig {
   bool progress_bar = true;
   // Capture the training step in a CUDA graph (CUDA only; not with accum > 1, which steps eagerly).
   bool compile = true;
-  // DiT activation recompute (DiTRecompute): none, mlp or all. Less memory held between the
+  // DiT activation recompute (DiTRecomputeSpec): none, mlp, mlp:N or all. Less memory held between the
   // forward and the backward for a little more backward time (docs/recompute.md).
   std::string recompute = "none";
   // Sampling of the grids written during and after training.

@@ -31,9 +31,11 @@ struct StepResult {
 };
 
 // One forward/backward of a perturbed dit-tiny (the zero-initialised layers take part) at `level`.
-StepResult dit_step(fd::DiTRecompute level, flame::Device dev, std::optional<DType> amp, int64_t batch = 2) {
+StepResult dit_step(fd::DiTRecompute level, flame::Device dev, std::optional<DType> amp, int64_t batch = 2,
+                    int64_t mlp_blocks = -1) {
   fd::DiTConfig cfg = fd::dit_config("dit-tiny");
   cfg.recompute = level;
+  cfg.recompute_mlp_blocks = mlp_blocks;
   fd::DiT model(cfg, 5);
   fd_test::perturb(model, 0.05, 6);
   model.to(dev);
@@ -104,6 +106,43 @@ TEST(RecomputeDit, ParseAndSetter) {
   for (auto& b : model.blocks) EXPECT_TRUE(b->mlp->recompute_hidden);
   model.set_recompute(fd::DiTRecompute::none);
   for (auto& b : model.blocks) EXPECT_FALSE(b->mlp->recompute_hidden);
+
+  // mlp:N: the first N blocks only.
+  const fd::DiTRecomputeSpec s = fd::parse_dit_recompute_spec("mlp:1");
+  EXPECT_EQ(s.level, fd::DiTRecompute::mlp);
+  EXPECT_EQ(s.mlp_blocks, 1);
+  EXPECT_EQ(fd::dit_recompute_spec_name(s), "mlp:1");
+  EXPECT_EQ(fd::parse_dit_recompute_spec("all").level, fd::DiTRecompute::all);
+  EXPECT_EQ(fd::parse_dit_recompute_spec("mlp").mlp_blocks, -1);
+  model.set_recompute(s);
+  ASSERT_GE(model.blocks.size(), 2u);
+  for (std::size_t i = 0; i < model.blocks.size(); ++i) EXPECT_EQ(model.blocks[i]->mlp->recompute_hidden, i < 1) << i;
+  EXPECT_EQ(fd::dit_recompute_spec_name(model.recompute_spec()), "mlp:1");
+  for (const char* bad : {"mlp:", "mlp:x", "mlp:-1", "all:2"}) {
+    try {
+      (void)fd::parse_dit_recompute_spec(bad);
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const flame::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("mlp:N"), std::string::npos) << e.what();
+    }
+  }
+  const int64_t depth = static_cast<int64_t>(model.blocks.size());
+  try {
+    model.set_recompute(fd::DiTRecompute::mlp, depth + 1);
+    ADD_FAILURE() << "no error for more blocks than the depth";
+  } catch (const flame::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("depth"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(fd::dit_recompute_spec_name(model.recompute_spec()), "mlp:1");  // unchanged by the refusal
+}
+
+// mlp:1 saves exactly one block's hidden activation, with the same loss and gradients.
+TEST(RecomputeDit, PartialMlpMatchesNoneCpu) {
+  const flame::Device cpu = flame::Device::cpu();
+  const StepResult none = dit_step(fd::DiTRecompute::none, cpu, std::nullopt);
+  const StepResult one = dit_step(fd::DiTRecompute::mlp, cpu, std::nullopt, 2, 1);
+  expect_match(one, none, 0.0, "mlp:1 vs none");
+  EXPECT_EQ(none.saved_bytes - one.saved_bytes, static_cast<std::size_t>(tokens_x_hidden(2) * 4 * 4));
 }
 
 TEST(RecomputeDit, MatchesNoneCpu) {
