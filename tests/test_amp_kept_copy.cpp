@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "flame/amp.h"
+#include "flame/cuda.h"
 #include "flame/cuda/graph_step.h"
 #include "flame/flame.h"
 #include "flame/nn.h"
@@ -221,6 +222,47 @@ TEST(AmpKeptCopyCuda, ReplayedStepsReadCopiesTheOptimizerWrites) {
     }
   }
   EXPECT_EQ(step.replays(), 5);
+}
+
+// An optimizer step captured alone (cuda::Graph) and replayed: each replay advances the weights'
+// versions as an eager step would, so a forward after it never reads a copy made before it.
+// copies_at_capture: the copies exist when the step is captured (the graph writes them) or are
+// made only afterwards (the graph cannot write them; the forward must rewrite them).
+void expect_replayed_optimizer_keeps_copies_right(bool copies_at_capture) {
+  SCOPED_TRACE(copies_at_capture ? "copies made before the capture" : "copies made after the capture");
+  const Device cuda = Device::cuda(0);
+  Net net(32, 64, 16, 40);
+  for (Tensor& p : net.params) p = p.detach().to(cuda).requires_grad_(true);
+  optim::AdamW opt(net.params, {.lr = 1e-2, .capturable = true});
+  Gradients grads;
+  for (std::size_t i = 0; i < net.params.size(); ++i) grads.set(net.params[i], rnd(net.params[i].sizes(), 50 + i).to(cuda));
+  const Tensor x = rnd({24, 32}, 60).to(cuda), y = rnd({24, 16}, 61).to(cuda);
+  auto forward = [&](amp::AutocastCacheStats* stats) {
+    amp::AutocastGuard ac(DType::bf16, DeviceType::cuda);
+    const Tensor loss = mse_loss(net.forward(x), y).detach();
+    if (stats) *stats = amp::autocast_cache_stats();
+    return loss;
+  };
+  opt.step(grads);  // eager: the optimizer's state
+  if (copies_at_capture) (void)forward(nullptr);
+  cuda::Graph graph;
+  cuda::capture(graph, [&] { opt.step(grads); });
+  if (!copies_at_capture) (void)forward(nullptr);
+  const uint64_t v0 = net.params[0].version();
+  graph.replay();
+  EXPECT_GT(net.params[0].version(), v0) << "a replay advances the updated weights' versions";
+  amp::AutocastCacheStats st;
+  const Tensor got = forward(&st);
+  EXPECT_EQ(st.low_copy_writes, copies_at_capture ? 0u : 4u);
+  EXPECT_EQ(st.low_copy_hits, copies_at_capture ? 4u : 0u);
+  net.touch();  // the reference: every copy rewritten from the weights as they are now
+  EXPECT_TRUE(same_bits(got, forward(nullptr), "loss after the replay"));
+}
+
+TEST(AmpKeptCopyCuda, ReplayedOptimizerStepAdvancesVersions) {
+  FLAME_SKIP_IF_NO_CUDA();
+  expect_replayed_optimizer_keeps_copies_right(true);
+  expect_replayed_optimizer_keeps_copies_right(false);
 }
 
 }  // namespace

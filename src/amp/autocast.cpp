@@ -54,6 +54,12 @@
 //    the weight: the capture registers a replay prologue per copy (random_detail::GraphRng) that
 //    rewrites it first when the weight's host-side version moved since (eager edits between
 //    replays). Inside the graph, its own optimizer keeps the two equal.
+//  - a replay updates weights without running the host code that bumps their versions, so a
+//    captured optimizer step registers a replay epilogue per weight that does (and marks the copy
+//    its kernel wrote): a copy made after the capture, which the graph does not write, is then
+//    seen as stale by the next eager forward instead of being read.
+//  - one mutex guards the copies' bookkeeping (threads may share weights); the kernels that write
+//    and read a copy are ordered as the weight's own are (the caller's streams).
 //  - a no-grad cast of such a weight (evaluation under autocast) uses the copy when it is equal,
 //    and the scope cache otherwise; only the master path makes or rewrites copies.
 // The copy is the same rounding of the same f32 values as the cast it replaces, so results are
@@ -61,6 +67,7 @@
 // the same bytes through every forward and backward).
 #include "src/amp/autocast.h"
 
+#include <mutex>
 #include <unordered_map>
 
 #include "flame/amp.h"
@@ -119,6 +126,12 @@ bool node_released(const Tensor& t) {
 
 const void* storage_of(const Tensor& x) { return x.impl()->storage.get(); }
 
+// Guards every AutogradMeta::low_copy and LowCopy (threads may share weights).
+std::mutex& low_copy_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 // x's kept copy when it has one of dtype `to` in x's layout (equal to x or not).
 LowCopy* kept_copy(const Tensor& x, DType to) {
   const auto& meta = x.impl()->autograd;
@@ -150,8 +163,9 @@ Tensor cached_cast(const Tensor& x, DType to) {
   const bool cacheable = s.nesting > 0 && x.dtype() == DType::f32 && x.requires_grad() && x.is_leaf();
   if (!cacheable) return x.to(to);
   const bool grad_mode = grad_enabled();
-  if (!grad_mode) {
-    if (LowCopy* k = kept_copy(x, to); k != nullptr && equal_to(*k, x) && capturing_graph(x) == nullptr) {
+  if (!grad_mode && capturing_graph(x) == nullptr) {
+    std::lock_guard<std::mutex> lock(low_copy_mutex());
+    if (LowCopy* k = kept_copy(x, to); k != nullptr && equal_to(*k, x)) {
       ++s.low_copy_hits;
       (void)needs_grad({x});
       return k->copy;
@@ -187,34 +201,41 @@ Tensor master_low_copy(const Tensor& w) {
   ThreadState& s = state();
   (void)needs_grad({w});  // a checkpoint's collector sees the read whichever way it goes
   random_detail::GraphRng* graph = capturing_graph(w);
-  auto& meta = w.impl()->autograd;
-  LowCopy* k = kept_copy(w, to);
-  if (k == nullptr) {
-    if (graph != nullptr) return cast_low(w);
-    NoGradGuard no_grad;
-    auto made = std::make_shared<LowCopy>();
-    made->copy = make_empty_in_layout_of(w, to, w.device(), "autocast");
-    meta->low_copy = made;
-    rewrite(*made, w);
-    ++s.low_copy_writes;
-    return made->copy;
+  {
+    std::lock_guard<std::mutex> lock(low_copy_mutex());
+    auto& meta = w.impl()->autograd;
+    LowCopy* k = kept_copy(w, to);
+    if (k == nullptr && graph == nullptr) {
+      NoGradGuard no_grad;
+      auto made = std::make_shared<LowCopy>();
+      made->copy = make_empty_in_layout_of(w, to, w.device(), "autocast");
+      rewrite(*made, w);
+      meta->low_copy = made;
+      ++s.low_copy_writes;
+      return made->copy;
+    }
+    if (k != nullptr) {
+      if (equal_to(*k, w)) {
+        ++s.low_copy_hits;
+      } else {
+        rewrite(*k, w);
+        ++s.low_copy_writes;
+      }
+      if (graph != nullptr) {
+        graph->add_replay_hook(random_detail::GraphRng::When::before, k, [w, keep = meta->low_copy] {
+          std::lock_guard<std::mutex> hook_lock(low_copy_mutex());
+          if (!equal_to(*keep, w)) rewrite(*keep, w);
+        });
+      }
+      return k->copy;
+    }
   }
-  if (equal_to(*k, w)) {
-    ++s.low_copy_hits;
-  } else {
-    rewrite(*k, w);
-    ++s.low_copy_writes;
-  }
-  if (graph != nullptr) {
-    graph->add_replay_prologue(k, [w, keep = meta->low_copy] {
-      if (!equal_to(*keep, w)) rewrite(*keep, w);
-    });
-  }
-  return k->copy;
+  return cast_low(w);  // capturing, and no kept copy yet: the scope cache's cast, inside the graph
 }
 
 Tensor low_copy_for_update(const Tensor& w) {
   if (!w.defined() || w.dtype() != DType::f32) return Tensor();
+  std::lock_guard<std::mutex> lock(low_copy_mutex());
   const auto& meta = w.impl()->autograd;
   LowCopy* k = meta ? meta->low_copy.get() : nullptr;
   if (k == nullptr || k->copy.device() != w.device() || k->copy.sizes() != w.sizes() ||
@@ -223,12 +244,31 @@ Tensor low_copy_for_update(const Tensor& w) {
   return k->copy;
 }
 
-void low_copy_updated(const Tensor& w) {
+namespace {
+// Marks w's kept copy equal to w when it is `written` (the copy an update wrote beside w).
+void mark_written(const Tensor& w, const Tensor& written) {
+  if (!written.defined()) return;
+  std::lock_guard<std::mutex> lock(low_copy_mutex());
   const auto& meta = w.impl()->autograd;
   LowCopy* k = meta ? meta->low_copy.get() : nullptr;
-  if (k == nullptr) return;
+  if (k == nullptr || k->copy.impl() != written.impl()) return;
+  k->storage = storage_of(w);
   k->version = w.version();
   bump_version(k->copy);
+}
+}  // namespace
+
+void low_copy_updated(const Tensor& w, const Tensor& written) {
+  mark_written(w, written);
+  random_detail::GraphRng* graph = capturing_graph(w);
+  if (graph == nullptr) return;
+  // Each replay updates w again without this host code: advance w's version as the eager step
+  // did (so kept copies, and graphs that saved w, see the change), and mark the copy the captured
+  // kernel writes, when that is still w's copy.
+  graph->add_replay_hook(random_detail::GraphRng::When::after, w.impl(), [w, written] {
+    bump_version(w);
+    mark_written(w, written);
+  });
 }
 
 Tensor cast_low(const Tensor& x) {

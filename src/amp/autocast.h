@@ -59,9 +59,12 @@ struct LowCopy {
 // records w itself: its kept copy, made or refreshed when w changed. Made without a graph.
 Tensor master_low_copy(const Tensor& w);
 // The kept copy of w for an optimizer to write beside w's update (undefined when w has none that
-// is dense in w's layout), and the call after the update and w's version bump that marks it equal.
+// is dense in w's layout), and the call after the in-place update and w's version bump: marks
+// `written` (the copy the update wrote, or undefined) equal to w; during a CUDA graph capture it
+// also registers a replay epilogue that advances w's version after every replay, as the eager
+// step did, and marks `written` again.
 Tensor low_copy_for_update(const Tensor& w);
-void low_copy_updated(const Tensor& w);
+void low_copy_updated(const Tensor& w, const Tensor& written);
 
 // The autocast settings of this thread, captured by checkpoint() at forward time and put back
 // (with exclusion lifted and one nesting level, so the cast cache is cleared after) while the

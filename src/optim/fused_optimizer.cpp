@@ -31,6 +31,7 @@
 // writes them.
 #include <cmath>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "flame/cuda.h"
@@ -264,7 +265,17 @@ void FusedOptimizer::step(const Gradients& grads) {
     update_group(g, active[g]);
     for (const Active& a : active[g]) bump_version(a.param);
   }
-  for (const Tensor& p : low_written_) amp::detail::low_copy_updated(p);
+  // Kept low-precision copies the kernels wrote are equal to their weights again; a captured step
+  // also advances every updated weight's version after each replay (Note [Kept low-precision
+  // copies] in src/amp/autocast.cpp).
+  std::unordered_map<const TensorImpl*, Tensor> written;
+  for (auto& [p, low] : low_written_) written.emplace(p.impl(), low);
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    for (const Active& a : active[g]) {
+      auto it = written.find(a.param.impl());
+      if (it != written.end() || capturing_on(a.param))
+        amp::detail::low_copy_updated(a.param, it != written.end() ? it->second : Tensor());
+    }
   low_written_.clear();
 }
 
@@ -302,7 +313,7 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
     e.master = st.master;
     if (!e.master.defined()) {
       e.low = amp::detail::low_copy_for_update(a.param);
-      if (e.low.defined()) low_written_.push_back(a.param);
+      if (e.low.defined()) low_written_.emplace_back(a.param, e.low);
     }
     const double t = static_cast<double>(st.step);
     switch (h.kind) {

@@ -29,10 +29,13 @@ class GraphRng {
   virtual int device() const = 0;
   // Fills `dst` (contiguous, on device()) as the backend's random() would for the next offset of `g`.
   virtual void random(backend::RandomKind kind, const Tensor& dst, Generator& g, double a, double b) = 0;
-  // Host work the graph runs on the replay stream before each replay, once per key (the first
-  // registration of a key wins), in registration order; kept alive as long as the captured graph.
-  // Used by kept low-precision weight copies (Note [Kept low-precision copies], src/amp).
-  virtual void add_replay_prologue(const void* key, std::function<void()> fn) = 0;
+  // Host work the graph runs before (on the replay stream) or after each replay's launch, once per
+  // (when, key) (the first registration wins), in registration order; kept as long as the captured
+  // graph. Kept low-precision weight copies are brought up to date before a replay, and a captured
+  // optimizer step advances its parameters' versions after it, as an eager step would (Note [Kept
+  // low-precision copies], src/amp/autocast.cpp).
+  enum class When { before, after };
+  virtual void add_replay_hook(When when, const void* key, std::function<void()> fn) = 0;
 };
 
 // The GraphRng capturing on this thread, or nullptr.

@@ -16,8 +16,9 @@
 //    and offset from a device-resident pair per generator, which replay() refills first.
 // replay() launches the executable graph on the current stream, after a wait on the previous
 // replay's event if that ran on another stream (the Philox pairs and private blocks are shared by
-// all replays) and after the host prologues the capture registered (GraphRng::
-// add_replay_prologue: kept weight copies brought up to date with eager edits). The destructor waits for the last replay before freeing the pool.
+// all replays) and after the host prologues the capture registered (GraphRng::add_replay_hook:
+// kept weight copies brought up to date with eager edits); the epilogues run after the launch
+// (a captured optimizer step advancing its parameters' versions). The destructor waits for the last replay before freeing the pool.
 #include <algorithm>
 #include <mutex>
 #include <optional>
@@ -68,7 +69,8 @@ struct Graph::Impl final : random_detail::GraphRng {
   random_detail::GraphRng* previous_rng = nullptr;
   uint64_t* philox = nullptr;  // device: 2 * kMaxGraphGenerators words
   std::vector<GeneratorSlot> generators;
-  std::vector<std::pair<const void*, std::function<void()>>> prologues;  // run before each replay
+  // Host hooks (GraphRng::add_replay_hook) run before / after each replay's launch.
+  std::vector<std::pair<const void*, std::function<void()>>> prologues, epilogues;
   cudaEvent_t last_replay = nullptr;
   cudaStream_t last_replay_stream = nullptr;
 
@@ -88,10 +90,11 @@ struct Graph::Impl final : random_detail::GraphRng {
     bc::cuda_backend(device_).random_from_device_state(kind, dst, philox + 2 * slot, offset - it->start, a, b);
   }
 
-  void add_replay_prologue(const void* key, std::function<void()> fn) override {
-    for (const auto& p : prologues)
-      if (p.first == key) return;
-    prologues.emplace_back(key, std::move(fn));
+  void add_replay_hook(When when, const void* key, std::function<void()> fn) override {
+    auto& hooks = when == When::before ? prologues : epilogues;
+    for (const auto& h : hooks)
+      if (h.first == key) return;
+    hooks.emplace_back(key, std::move(fn));
   }
 
   // Ends the thread's capture state (stream, pool routing, RNG hook) and rewinds the generators.
@@ -143,6 +146,7 @@ struct Graph::Impl final : random_detail::GraphRng {
     philox = nullptr;
     generators.clear();
     prologues.clear();
+    epilogues.clear();
     capture_stream.reset();
     last_replay_stream = nullptr;
     (void)cudaGetLastError();
@@ -185,6 +189,7 @@ void Graph::capture_begin(int device) {
   g.pool = std::make_shared<bc::GraphPool>();
   g.generators.clear();
   g.prologues.clear();
+  g.epilogues.clear();
   be.pool().begin_capture(g.pool);
   g.guard.emplace(*g.capture_stream);
   g.previous_rng = random_detail::current_graph_rng();
@@ -257,6 +262,7 @@ void Graph::replay() {
   if (bc::launch_blocking()) FLAME_CUDA_CHECK(cudaStreamSynchronize(s));
   FLAME_CUDA_CHECK(cudaEventRecord(g.last_replay, s));
   g.last_replay_stream = s;
+  for (const auto& h : g.epilogues) h.second();
 }
 
 void Graph::reset() {
