@@ -164,8 +164,23 @@ TEST(DistProcessGroup, InitFromAnEmptyEnvironmentIsAWorldOfOne) {
   EXPECT_EQ(dist::default_group().backend(), "tcp");
   EXPECT_THROW(dist::init_process_group(o), Error);  // already initialised
   Tensor t = Tensor::from_vec(std::vector<float>{3, -1}, {2});
+  uint64_t v = t.version();
   dist::default_group().all_reduce(t, dist::ReduceOp::max);
   EXPECT_EQ(t.to_vec<float>(), (std::vector<float>{3, -1}));
+  // Collectives write in place and say so (Note [Collectives write in place]).
+  EXPECT_GT(t.version(), v);
+  v = t.version();
+  dist::default_group().broadcast(t, 0);
+  EXPECT_GT(t.version(), v);
+  Tensor gathered = Tensor::empty({2});
+  v = gathered.version();
+  dist::default_group().all_gather(gathered, t);
+  EXPECT_GT(gathered.version(), v);
+  EXPECT_EQ(gathered.to_vec<float>(), (std::vector<float>{3, -1}));
+  Tensor scattered = Tensor::empty({2});
+  v = scattered.version();
+  dist::default_group().reduce_scatter(scattered, t);
+  EXPECT_GT(scattered.version(), v);
   dist::default_group().barrier();
   dist::destroy_process_group();
   EXPECT_FALSE(dist::is_initialized());

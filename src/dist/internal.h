@@ -9,6 +9,12 @@
 
 namespace flame::dist {
 
+// Note [Collectives write in place]
+// all_reduce and broadcast write their tensor, all_gather and reduce_scatter their output: like
+// any in-place op they bump its version when they are queued, so that what is keyed on the version
+// (saved tensors' checks, a Linear weight's kept low-precision copy: docs/amp.md) sees the new
+// values, e.g. the parameters DistributedDataParallel broadcasts from rank 0.
+
 // A queued collective. Backends derive from it.
 struct Work::State {
   virtual ~State() = default;

@@ -33,6 +33,7 @@
 // for eager collectives, the clock starts when the host queues the work, not when the GPU reaches
 // it, so a host running far ahead of the GPU spends some of the timeout in the queue. barrier()
 // raises during a capture; Work::is_completed() raises for a captured Work.
+#include "src/core/tensor_impl.h"
 #include "src/dist/internal.h"
 
 #if defined(FLAME_WITH_NCCL)
@@ -287,6 +288,7 @@ class NcclGroup final : public ProcessGroup {
                 "ReduceOp::avg needs a floating tensor, got ", dtype_name(t.dtype()));
     void* p = t.data_ptr();
     const std::size_t n = static_cast<std::size_t>(t.numel());
+    bump_version(t);  // written in place (Note [Collectives write in place] in internal.h)
     return enqueue("all_reduce", {t}, async, [=](ncclComm_t c, cudaStream_t s) {
       return ncclAllReduce(p, p, n, dt, nccl_op(op), c, s);
     });
@@ -302,6 +304,7 @@ class NcclGroup final : public ProcessGroup {
     const void* in = input.data_ptr();
     void* out = output.data_ptr();
     const std::size_t n = static_cast<std::size_t>(output.numel());
+    bump_version(output);  // written in place (Note [Collectives write in place] in internal.h)
     return enqueue("reduce_scatter", {output, input}, async, [=](ncclComm_t c, cudaStream_t s) {
       return ncclReduceScatter(in, out, n, dt, nccl_op(op), c, s);
     });
@@ -317,6 +320,7 @@ class NcclGroup final : public ProcessGroup {
     const void* in = input.data_ptr();
     void* out = output.data_ptr();
     const std::size_t n = static_cast<std::size_t>(input.numel());
+    bump_version(output);  // written in place (Note [Collectives write in place] in internal.h)
     return enqueue("all_gather", {output, input}, async, [=](ncclComm_t c, cudaStream_t s) {
       return ncclAllGather(in, out, n, dt, c, s);
     });
@@ -328,6 +332,7 @@ class NcclGroup final : public ProcessGroup {
     const ncclDataType_t dt = nccl_dtype(t.dtype(), "dist::broadcast");
     void* p = t.data_ptr();
     const std::size_t n = static_cast<std::size_t>(t.numel());
+    bump_version(t);  // written in place (Note [Collectives write in place] in internal.h)
     return enqueue("broadcast", {t}, async, [=](ncclComm_t c, cudaStream_t s) {
       return ncclBroadcast(p, p, n, dt, root, c, s);
     });

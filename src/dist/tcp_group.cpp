@@ -17,6 +17,7 @@
 
 #include "flame/autograd.h"
 #include "flame/ops.h"
+#include "src/core/tensor_impl.h"
 #include "src/dist/internal.h"
 #include "src/dist/socket.h"
 
@@ -83,6 +84,7 @@ class TcpGroup final : public ProcessGroup {
   Work all_reduce(Tensor& t, ReduceOp op, bool async) override {
     check_tensor(t, "dist::all_reduce");
     check_op(t.dtype(), op, "dist::all_reduce");
+    bump_version(t);  // written in place (Note [Collectives write in place] in internal.h)
     Tensor tt = t;
     return submit("all_reduce", async, [this, tt, op](uint64_t seq) mutable {
       Tensor result = star_reduce(tt, op, seq);
@@ -99,6 +101,7 @@ class TcpGroup final : public ProcessGroup {
                 "input of ", input.numel(), " ", dtype_name(input.dtype()), " elements must be world size (", size_,
                 ") times the output's ", output.numel(), " ", dtype_name(output.dtype()));
     check_op(input.dtype(), op, "dist::reduce_scatter");
+    bump_version(output);  // written in place (Note [Collectives write in place] in internal.h)
     Tensor out = output, in = input;
     return submit("reduce_scatter", async, [this, out, in, op](uint64_t seq) mutable {
       Tensor full = star_reduce(in, op, seq);
@@ -122,6 +125,7 @@ class TcpGroup final : public ProcessGroup {
     FLAME_CHECK(output.numel() == input.numel() * size_ && input.dtype() == output.dtype(), "dist::all_gather",
                 "output of ", output.numel(), " ", dtype_name(output.dtype()), " elements must be world size (", size_,
                 ") times the input's ", input.numel(), " ", dtype_name(input.dtype()));
+    bump_version(output);  // written in place (Note [Collectives write in place] in internal.h)
     Tensor out = output, in = input;
     return submit("all_gather", async, [this, out, in](uint64_t seq) mutable {
       const int64_t n = in.numel();
@@ -141,6 +145,7 @@ class TcpGroup final : public ProcessGroup {
   Work broadcast(Tensor& t, int root, bool async) override {
     check_tensor(t, "dist::broadcast");
     FLAME_CHECK(root >= 0 && root < size_, "dist::broadcast", "root ", root, " is not a rank of a group of ", size_);
+    bump_version(t);  // written in place (Note [Collectives write in place] in internal.h)
     Tensor tt = t;
     return submit("broadcast", async, [this, tt, root](uint64_t seq) mutable {
       const auto d = Clock::now() + timeout_;
