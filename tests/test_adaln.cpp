@@ -27,6 +27,10 @@ struct PreparedCounts {
 };
 PreparedCounts prepared_counts();
 bool set_accumulate_base_enabled(bool on);
+struct RowSumCounts {
+  uint64_t attached = 0, taken = 0;
+};
+RowSumCounts row_sum_counts();
 }  // namespace flame::autograd_detail
 
 namespace flame::test {
@@ -417,6 +421,76 @@ TEST(AdalnFusedResidual, PreparedGradientsMatchTheTwoOpsAndHooksFallBack) {
     for (std::size_t i = 0; i < want.size(); ++i) {
       ASSERT_TRUE(got[i].defined() && want[i].defined()) << i;
       EXPECT_TRUE(close_scaled(got[i], want[i], 1e-5)) << "gradient " << i;
+    }
+  }
+}
+
+// Note [Gradient row sums]: with Linear branches (f32 master weights and biases under autocast, as
+// the DiT's proj and fc2), the fused residual backward also sums each branch gradient's columns,
+// and the Linear takes its bias gradient from them. The gradients match the two ops' path (the
+// bias gradients within bf16 rounding: the fused sums add the f32 products, the two ops the
+// bf16-rounded gradient); a hook on one residual makes that stage's Linear sum as usual.
+TEST(AdalnFusedResidual, LinearBranchesTakeTheirBiasGradientsFromTheKernel) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = test_device();
+  const int64_t B = 3, T = 37, D = 128;
+  constexpr int kStages = 3;
+  const Tensor x0 = rnd({B, T, D}, 1951, 0.5, 2.0).to(DType::f32).to(dev);
+  TensorList m0, w0, b0;
+  for (int k = 0; k <= kStages; ++k) {
+    m0.push_back(rnd({B, 3 * D}, 1960 + k, 0.0, 0.5).to(DType::bf16).to(dev));
+    w0.push_back(rnd({D, D}, 1970 + k, 0.0, 0.1).to(DType::f32).to(dev));
+    b0.push_back(rnd({D}, 1980 + k, 0.0, 0.5).to(DType::f32).to(dev));
+  }
+  const Tensor gy = rnd({B, T, D}, 1990).to(DType::bf16).to(dev);
+  auto run = [&](bool fused, int hook_stage) {
+    Tensor x = x0.detach().requires_grad_(true);
+    TensorList m, w, b;
+    for (int k = 0; k <= kStages; ++k) {
+      m.push_back(m0[k].detach().requires_grad_(true));
+      w.push_back(w0[k].detach().requires_grad_(true));
+      b.push_back(b0[k].detach().requires_grad_(true));
+    }
+    Tensor y;
+    {
+      amp::AutocastGuard autocast(DType::bf16, dev.type);
+      Tensor h = x;
+      y = F::layer_norm_modulate(h, m[0].narrow(1, D, D), m[0].narrow(1, 2 * D, D));
+      for (int k = 1; k <= kStages; ++k) {
+        const Tensor branch = F::linear(y, w[k], b[k]);
+        const Tensor gate = m[k].narrow(1, 0, D), shift = m[k].narrow(1, D, D), scale = m[k].narrow(1, 2 * D, D);
+        if (fused) {
+          std::tie(h, y) = F::gated_residual_modulate(h, gate, branch, shift, scale);
+        } else {
+          h = F::gated_residual(h, gate, branch);
+          y = F::layer_norm_modulate(h, shift, scale);
+        }
+        if (k == hook_stage) h.register_hook([](const Tensor& g) { return g * 1.0; });
+      }
+    }
+    Gradients g = (y * gy).sum().to(DType::f32).backward();
+    TensorList out{g.get(x)};
+    for (int k = 1; k <= kStages; ++k) {
+      out.push_back(g.get(m[k]));
+      out.push_back(g.get(w[k]));
+      out.push_back(g.get(b[k]));
+    }
+    return out;
+  };
+  for (int hook_stage : {-1, 2}) {
+    SCOPED_TRACE("hook on stage " + std::to_string(hook_stage));
+    const TensorList want = run(false, hook_stage);
+    const autograd_detail::RowSumCounts before = autograd_detail::row_sum_counts();
+    const TensorList got = run(true, hook_stage);
+    const autograd_detail::RowSumCounts after = autograd_detail::row_sum_counts();
+    EXPECT_EQ(after.attached - before.attached, static_cast<uint64_t>(kStages));
+    EXPECT_EQ(after.taken - before.taken, static_cast<uint64_t>(hook_stage < 0 ? kStages : kStages - 1));
+    ASSERT_EQ(got.size(), want.size());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      ASSERT_TRUE(got[i].defined() && want[i].defined()) << i;
+      const bool bias_grad = i > 0 && (i - 1) % 3 == 2;
+      EXPECT_EQ(got[i].dtype(), want[i].dtype()) << i;
+      EXPECT_TRUE(close_scaled(got[i], want[i], bias_grad ? 1e-2 : 1e-5)) << "gradient " << i;
     }
   }
 }

@@ -6,11 +6,13 @@
 #include <mutex>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 #include "flame/ops.h"
 #include "src/autograd/anomaly.h"
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
+#include "src/core/tensor_impl.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/profiler/context.h"
 
@@ -101,6 +103,54 @@ std::atomic<uint64_t> g_prepared{0}, g_prepared_taken{0};
 namespace autograd_detail {
 PreparedCounts prepared_counts() {
   return {g_prepared.load(std::memory_order_relaxed), g_prepared_taken.load(std::memory_order_relaxed)};
+}
+}  // namespace autograd_detail
+
+// Note [Gradient row sums]: the attached sums of this thread, keyed by the gradient's memory
+// (storage, offset, element count) and version; the storage is held weakly, so an entry whose
+// gradient is gone is dropped at the next attach. Few entries are ever live (one per fused
+// residual backward whose consumer has not run yet).
+namespace {
+struct RowSums {
+  std::weak_ptr<Storage> storage;
+  const Storage* key = nullptr;
+  int64_t offset = 0, numel = 0;
+  uint64_t version = 0;
+  Tensor sums;
+};
+thread_local std::vector<RowSums> t_row_sums;
+std::atomic<uint64_t> g_row_sums_attached{0}, g_row_sums_taken{0};
+}  // namespace
+
+namespace autograd_detail {
+void attach_row_sums(const Tensor& grad, Tensor sums) {
+  auto& v = t_row_sums;
+  std::erase_if(v, [](const RowSums& r) { return r.storage.expired(); });
+  const auto& st = grad.impl()->storage;
+  std::erase_if(v, [&](const RowSums& r) { return r.key == st.get(); });
+  if (v.size() >= 64) v.erase(v.begin());
+  v.push_back({st, st.get(), grad.storage_offset(), grad.numel(), grad.version(), std::move(sums)});
+  g_row_sums_attached.fetch_add(1, std::memory_order_relaxed);
+}
+
+Tensor take_row_sums(const Tensor& grad) {
+  auto& v = t_row_sums;
+  if (v.empty() || !grad.defined()) return Tensor();
+  const Storage* key = grad.impl()->storage.get();
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    if (it->key != key) continue;
+    const bool same = !it->storage.expired() && it->offset == grad.storage_offset() && it->numel == grad.numel() &&
+                      it->version == grad.version() && grad.dim() > 0 && it->sums.numel() == grad.size(-1);
+    Tensor out = same ? std::move(it->sums) : Tensor();
+    v.erase(it);
+    if (out.defined()) g_row_sums_taken.fetch_add(1, std::memory_order_relaxed);
+    return out;
+  }
+  return Tensor();
+}
+
+RowSumCounts row_sum_counts() {
+  return {g_row_sums_attached.load(std::memory_order_relaxed), g_row_sums_taken.load(std::memory_order_relaxed)};
 }
 }  // namespace autograd_detail
 

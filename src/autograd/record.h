@@ -57,6 +57,18 @@ struct PreparedCounts {
   uint64_t prepared = 0, taken = 0;
 };
 PreparedCounts prepared_counts();
+// Note [Gradient row sums] (node.cpp): a rule whose kernel writes a gradient g [..., N] may also
+// compute its sums over every dim but the last (f32 [N], from the values before g's rounding) and
+// attach them; the rule that consumes g (a Linear whose output it is: its bias gradient) takes
+// them instead of summing g again. Taken only while g is the same memory at the same version
+// (a hook that replaced or edited it, or a further contribution summed into it, makes the
+// consumer sum as usual); thread-local, as a backward pass runs its rules on one thread.
+void attach_row_sums(const Tensor& grad, Tensor sums);
+Tensor take_row_sums(const Tensor& grad);
+struct RowSumCounts {
+  uint64_t attached = 0, taken = 0;
+};
+RowSumCounts row_sum_counts();  // so far in the process (tests)
 }  // namespace autograd_detail
 
 // Grad mode is on and at least one input requires a gradient.

@@ -198,6 +198,11 @@ class Backend {
     // (branch's dtype, may be undefined) and dgate = sum over T of dx * branch ([B, D]
     // contiguous, gate's dtype). Note [Fused residual backward] in src/ops/adaln.cpp.
     Tensor gate, branch, dbranch, dgate;
+    // With dbranch: its column sums over every row, f32 [D] contiguous, from the f32 products before
+    // dbranch's rounding (the bias gradient of the Linear that made branch: Note [Gradient row
+    // sums] in src/autograd/node.cpp), or undefined. A backend may leave it unwritten only by
+    // declining the whole residual part.
+    Tensor dbias;
   };
   // dx (x's dtype), dshift and dscale ([B, D] contiguous, the modulation's dtype; each may be
   // undefined) of the forward above given dy (y's dtype). With mean undefined, x is the x-hat the

@@ -31,9 +31,16 @@ Tensor gelu_tanh_grad_of(const Tensor& dy, const Tensor& pre) {
 // dW = d^T x2 and db = column sums of d, each only when wanted, in the dtypes of w's and b's
 // edges: d's, or f32 for master weights (Note [Master-weight epilogues]), straight from the GEMM's
 // accumulator where the backend can; else in d's dtype and cast up, as the unfused autocast did.
+// sums: d's column sums when a fused kernel already has them (Note [Gradient row sums]), else
+// undefined; db is then taken from them.
 void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge& we, const Node::Edge& be, Tensor& dw,
-                           Tensor& db) {
-  const bool need_w = we.meta != nullptr, need_b = be.meta != nullptr;
+                           Tensor& db, const Tensor& sums = Tensor()) {
+  const bool need_w = we.meta != nullptr;
+  bool need_b = be.meta != nullptr;
+  if (need_b && sums.defined()) {
+    db = sums.dtype() == be.dtype ? sums : sums.to(be.dtype);
+    need_b = false;
+  }
   const DType wdt = need_w ? we.dtype : d.dtype(), bdt = need_b ? be.dtype : d.dtype();
   if (need_w && (need_b || wdt != d.dtype())) {
     const int64_t out = d.size(1), in = x2.size(1);
@@ -63,9 +70,11 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const int64_t rows = n.args().count, out = e[1].shape[0];
   const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
   const Tensor d = pre.defined() ? gelu_tanh_grad_of(g2, pre) : g2;
+  // Note [Gradient row sums]: the bias gradient of a plain linear may come with g.
+  const Tensor sums = !pre.defined() && e[2].meta ? autograd_detail::take_row_sums(g) : Tensor();
   Tensor dx, dw, db;
   if (need_x) dx = d.matmul(w).reshape(e[0].shape.vec());
-  weight_and_bias_grads(d, x2, e[1], e[2], dw, db);
+  weight_and_bias_grads(d, x2, e[1], e[2], dw, db, sums);
   return {dx, dw, db};
 }
 
@@ -95,7 +104,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     const Tensor h = !need_w2     ? Tensor()
                      : recompute ? unary_op(UnaryOp::gelu_tanh, pre, backend::UnaryParams{})
                                  : n.saved(slot++);
-    weight_and_bias_grads(g2, h, e[3], e[4], dw2, db2);
+    weight_and_bias_grads(g2, h, e[3], e[4], dw2, db2, need_b2 ? autograd_detail::take_row_sums(g) : Tensor());
   }
   if (need_hidden) {
     // d at the hidden pre-activation, (g2 W2) * gelu_tanh'(pre), in one GEMM if possible. db1

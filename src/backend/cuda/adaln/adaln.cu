@@ -36,6 +36,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/backend/cuda/norm/norm_kernels.cuh"
 #include "src/core/tensor_impl.h"
 
 namespace flame::backend::cuda {
@@ -211,19 +212,24 @@ struct ResBwd {
   const M* branch = nullptr;
   M* dbranch = nullptr;
   M* dgate = nullptr;
+  float* bias_rows = nullptr;  // kBias: [B * slices, D], each block's column sums of gate * dh
 };
 
 // kHat: xin is x-hat in O (saved by the forward; no mean) instead of x in X.
 // kRes: the final dx (dh of the gated residual h = x_prev + gate * branch whose result x is) also
 // gives dbranch = gate * dh and a third accumulator, dgate = sum over T of dh * branch.
-template <class X, class M, class O, int kC, bool kHat, bool kRes>
+// kBias (with kRes): a fourth, the block's column sums of gate * dh in f32 (before dbranch's
+// rounding), written as one row of res.bias_rows per block for a column sum over the rows.
+template <class X, class M, class O, int kC, bool kHat, bool kRes, bool kBias = false>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     adaln_backward_kernel(const O* __restrict__ dy, const std::conditional_t<kHat, O, X>* __restrict__ xin,
                           const float* __restrict__ mean, const float* __restrict__ rstd, const M* __restrict__ scale,
                           int64_t ld, X* dx, const X* base, float* __restrict__ part, M* __restrict__ dshift,
                           M* __restrict__ dscale, int64_t T, int D, int64_t rows_per_slice, ResBwd<M> res) {
   using XI = std::conditional_t<kHat, O, X>;
-  constexpr int K = kRes ? 3 : 2;
+  static_assert(kRes || !kBias);
+  constexpr int K = kRes ? (kBias ? 4 : 3) : 2;
+  constexpr int kGate = kRes ? 2 : 0;  // dgate's accumulator (the bias sums follow it)
   extern __shared__ float acc[];  // [kBwdWarps][K][D]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t b = blockIdx.x;
@@ -349,14 +355,19 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
               ld4_cast<X>(o, dh);
             }
             unpack4<M>(cr[c], br);
-            float4 ag = *reinterpret_cast<float4*>(mine + 2 * D + e);
+            float4 ag = *reinterpret_cast<float4*>(mine + kGate * D + e);
             float* pag = &ag.x;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               pag[j] += dh[j] * br[j];
               db[j] = dh[j] * gv[c][j];
             }
-            *reinterpret_cast<float4*>(mine + 2 * D + e) = ag;
+            *reinterpret_cast<float4*>(mine + kGate * D + e) = ag;
+            if constexpr (kBias) {
+              float4 ab = *reinterpret_cast<float4*>(mine + (kGate + 1) * D + e);
+              ab.x += db[0], ab.y += db[1], ab.z += db[2], ab.w += db[3];
+              *reinterpret_cast<float4*>(mine + (kGate + 1) * D + e) = ab;
+            }
             if (res.dbranch) st4(res.dbranch + row * D + e, db);
           }
         }
@@ -364,8 +375,10 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     }
   }
   __syncthreads();
+  // The modulation sums (K0 of them) go through part / the outputs; the bias sums to bias_rows.
+  constexpr int K0 = kRes ? 3 : 2;
   const bool whole = gridDim.y == 1;
-  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * K * D;
+  float* pp = whole ? nullptr : part + (b * gridDim.y + blockIdx.y) * K0 * D;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float s[K] = {};
 #pragma unroll
@@ -374,12 +387,13 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       for (int k = 0; k < K; ++k) s[k] += acc[(w * K + k) * D + d];
     if (!whole) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) pp[k * D + d] = s[k];
+      for (int k = 0; k < K0; ++k) pp[k * D + d] = s[k];
     } else {
       if (dshift) dshift[b * D + d] = store_as<M>(s[0]);
       if (dscale) dscale[b * D + d] = store_as<M>(s[1]);
-      if constexpr (kRes) res.dgate[b * D + d] = store_as<M>(s[K - 1]);
+      if constexpr (kRes) res.dgate[b * D + d] = store_as<M>(s[kGate]);
     }
+    if constexpr (kBias) res.bias_rows[(b * gridDim.y + blockIdx.y) * D + d] = s[kGate + 1];
   }
 }
 
@@ -518,10 +532,12 @@ struct BwdSlices {
   int count;
   std::size_t smem;
   std::shared_ptr<void> part;
-  BwdSlices(CudaBackend& be, int64_t B, int64_t T, int64_t D, int K)
+  // K: the accumulators that go through the partial rows; k_smem: all of them (K, or K + 1 with
+  // the bias sums, which take their own rows).
+  BwdSlices(CudaBackend& be, int64_t B, int64_t T, int64_t D, int K, int k_smem = 0)
       : per(rows_per_slice(be.device(), B, T)),
         count(static_cast<int>((T + per - 1) / per)),
-        smem(static_cast<std::size_t>(kBwdWarps) * K * D * sizeof(float)) {
+        smem(static_cast<std::size_t>(kBwdWarps) * std::max(K, k_smem) * D * sizeof(float)) {
     if (count > 1) part = be.allocate(static_cast<std::size_t>(B) * count * K * D * sizeof(float));
   }
   dim3 grid(int64_t B) const { return dim3(static_cast<unsigned>(B), static_cast<unsigned>(count)); }
@@ -646,9 +662,16 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
     if (t->defined() && (!t->is_contiguous() || t->dtype() != scale.dtype() || t->numel() != B * D)) return false;
   const bool res = more.gate.defined();
   if (res && (!dx.defined() || !residual_more_ok(more, scale, B, T, D))) return false;
+  const Tensor& dbias = more.dbias;
+  const bool bias = res && dbias.defined();
+  if (bias && (!more.dbranch.defined() || dbias.dtype() != DType::f32 || !dbias.is_contiguous() || dbias.numel() != D ||
+               dbias.device() != dx.device()))
+    return false;
   DeviceGuard guard(device());
   cudaStream_t st = stream();
-  const BwdSlices sl(*this, B, T, D, res ? 3 : 2);
+  const BwdSlices sl(*this, B, T, D, res ? 3 : 2, bias ? 4 : 0);
+  // kBias: one row of bias sums per block, then their column sum into dbias (stream-ordered).
+  std::shared_ptr<void> bias_rows = bias ? allocate(static_cast<std::size_t>(B) * sl.count * D * sizeof(float)) : nullptr;
   const int64_t ld = scale.stride(0);
   return dispatch_pair(xd, scale.dtype(), [&]<class X, class M>() {
     using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
@@ -661,10 +684,11 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
       rb.branch = static_cast<const M*>(more.branch.data_ptr());
       rb.dbranch = more.dbranch.defined() ? static_cast<M*>(more.dbranch.data_ptr()) : nullptr;
       rb.dgate = static_cast<M*>(more.dgate.data_ptr());
+      rb.bias_rows = static_cast<float*>(bias_rows.get());
     }
-    auto go = [&]<int kC, bool kHat, bool kRes>() {
+    auto go = [&]<int kC, bool kHat, bool kRes, bool kBias = false>() {
       using XI = std::conditional_t<kHat, O, X>;
-      adaln_backward_kernel<X, M, O, kC, kHat, kRes><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
+      adaln_backward_kernel<X, M, O, kC, kHat, kRes, kBias><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const O*>(dy.data_ptr()), static_cast<const XI*>(x.data_ptr()),
           hat ? nullptr : static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
@@ -677,6 +701,7 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
     // modulation: no other pair reaches here with it).
     auto pick = [&]<bool kHat>() {
       if (D > 512) go.template operator()<12, kHat, false>();
+      else if (bias) go.template operator()<4, kHat, true, true>();
       else if (res) go.template operator()<4, kHat, true>();
       else go.template operator()<4, kHat, false>();
     };
@@ -684,6 +709,12 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
     else if constexpr (std::is_same_v<X, float> && !std::is_same_v<M, float>) pick.template operator()<true>();
     if (res) launch_slice_sum<M, 3>(st, sl, dsh, dsc, rb.dgate, B, D);
     else launch_slice_sum<M, 2>(st, sl, dsh, dsc, nullptr, B, D);
+    if (bias) {  // the norms' second stage over the B * slices rows (Note [Row backward second stage])
+      const dim3 grid2(static_cast<unsigned>((D + 7) / 8)), block2(8, 64);
+      norm::column_sum_narrow_kernel<float, false><<<grid2, block2, 0, st>>>(
+          rb.bias_rows, nullptr, static_cast<float*>(dbias.data_ptr()), nullptr, B * sl.count, D);
+      FLAME_CUDA_CHECK_LAUNCH();
+    }
   });
 }
 
