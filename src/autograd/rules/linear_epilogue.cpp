@@ -45,8 +45,11 @@ void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge& 
   if (need_w && (need_b || wdt != d.dtype())) {
     const int64_t out = d.size(1), in = x2.size(1);
     dw = make_empty({out, in}, wdt, d.device());
-    db = need_b ? make_empty({out}, bdt, d.device()) : Tensor();
-    if (backend::backend_for(d.device()).linear_wgrad_bgrad(dw, db, d, x2)) return;
+    Tensor db_out = need_b ? make_empty({out}, bdt, d.device()) : Tensor();
+    if (backend::backend_for(d.device()).linear_wgrad_bgrad(dw, db_out, d, x2)) {
+      if (need_b) db = db_out;
+      return;
+    }
   }
   if (need_w) {
     dw = d.t().matmul(x2);
