@@ -59,7 +59,7 @@ FAMILIES = {
 # (logs.txt), for the memory target.
 # The DiT step also with --recompute mlp (docs/recompute.md): the memory side of the trade.
 FLAME_ARGS = {"steps": ["--memory-report", "--recompute", "none,mlp"]}
-FLAME_GRAPH_ARGS = {"steps": ["--recompute", "none,mlp,mlp:8"]}
+FLAME_GRAPH_ARGS = {"steps": ["--recompute", "none,mlp,mlp:9"]}
 # The run order with each run's time limit in seconds: (family, side, nominal, reserved). A run's
 # limit is its nominal one, cut so that the `reserved` seconds of every later run still fit in
 # the budget; runs with nothing reserved (the optional families at the end) run only when time is
