@@ -10,8 +10,10 @@
 //  - AdalnGradcheck.*: float64 finite differences on the CPU.
 //  - AdalnAutocast.*, AdalnErrors.*.
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "flame/amp.h"
 #include "flame/autograd.h"
@@ -352,69 +354,86 @@ TEST(AdalnSaved, XhatInTheResultDtypeInsteadOfTheF32Input) {
   EXPECT_GE(autograd_saved_bytes(y32), static_cast<std::size_t>(B * T * D * 4 + 2 * B * T * 4));
 }
 
-// Note [Fused residual backward]: a chain of DiT-style stages. Each stage's adaLN backward also
-// computes its gated residual's gradients (taken by that node); a hook that edits one residual's
-// gradient makes that stage compute as the two ops do, from the edited gradient.
-TEST(AdalnFusedResidual, PreparedGradientsMatchTheTwoOpsAndHooksFallBack) {
-  FLAME_SKIP_IF_NO_CUDA();
-  const Device dev = test_device();
-  const int64_t B = 3, T = 37, D = 128;
-  constexpr int kStages = 3;
-  const Tensor x0 = rnd({B, T, D}, 951, 0.5, 2.0).to(DType::f32).to(dev);
-  TensorList m0, c0;
-  for (int k = 0; k <= kStages; ++k) {
-    m0.push_back(rnd({B, 3 * D}, 960 + k, 0.0, 0.5).to(DType::bf16).to(dev));
-    c0.push_back(rnd({D}, 970 + k).to(DType::bf16).to(dev));
+// A chain of DiT-style stages under bf16 autocast (Note [Fused residual backward]): y0 =
+// layer_norm_modulate(x); stage k = 1..kStages: h = h + gate * branch(y, params[k]) and y =
+// layer_norm_modulate(h), as gated_residual_modulate (fused) or the two ops. hook_stage: the stage
+// whose residual gets hooks scaling its gradient by hook_scales, each returning a new tensor (-1:
+// none). The gradients of x, each stage's modulation and each stage's branch parameters, in that
+// order per stage.
+struct StageChain {
+  static constexpr int kStages = 3;
+  int64_t B = 3, T = 37, D = 128;
+  Tensor x0, gy;
+  TensorList m0;                     // [B, 3D] bf16 per stage (0: the first norm's)
+  std::vector<TensorList> params0;   // per stage (0: none)
+  std::function<Tensor(const Tensor& y, const TensorList& params)> branch;
+  std::vector<double> hook_scales = {2.0, 1.0};
+
+  StageChain(Device dev, uint64_t x_seed, uint64_t m_seed, uint64_t gy_seed) {
+    x0 = rnd({B, T, D}, x_seed, 0.5, 2.0).to(DType::f32).to(dev);
+    for (int k = 0; k <= kStages; ++k) m0.push_back(rnd({B, 3 * D}, m_seed + k, 0.0, 0.5).to(DType::bf16).to(dev));
+    gy = rnd({B, T, D}, gy_seed).to(DType::bf16).to(dev);
   }
-  const Tensor gy = rnd({B, T, D}, 980).to(DType::bf16).to(dev);
-  // hook_stage: the stage whose residual gets a hook doubling its gradient (-1: none).
-  auto run = [&](bool fused, int hook_stage) {
+
+  TensorList run(bool fused, int hook_stage) const {
+    const Device dev = x0.device();
     Tensor x = x0.detach().requires_grad_(true);
-    TensorList m, c;
-    for (int k = 0; k <= kStages; ++k) {
-      m.push_back(m0[k].detach().requires_grad_(true));
-      c.push_back(c0[k].detach().requires_grad_(true));
-    }
+    TensorList m;
+    std::vector<TensorList> p(params0.size());
+    for (int k = 0; k <= kStages; ++k) m.push_back(m0[k].detach().requires_grad_(true));
+    for (std::size_t k = 0; k < params0.size(); ++k)
+      for (const Tensor& t : params0[k]) p[k].push_back(t.detach().requires_grad_(true));
     Tensor y;
     {
       amp::AutocastGuard autocast(DType::bf16, dev.type);
       Tensor h = x;
       y = F::layer_norm_modulate(h, m[0].narrow(1, D, D), m[0].narrow(1, 2 * D, D));
       for (int k = 1; k <= kStages; ++k) {
-        const Tensor branch = y * c[k];
+        const Tensor br = branch(y, p[k]);
         const Tensor gate = m[k].narrow(1, 0, D), shift = m[k].narrow(1, D, D), scale = m[k].narrow(1, 2 * D, D);
         if (fused) {
-          std::tie(h, y) = F::gated_residual_modulate(h, gate, branch, shift, scale);
+          std::tie(h, y) = F::gated_residual_modulate(h, gate, br, shift, scale);
         } else {
-          h = F::gated_residual(h, gate, branch);
+          h = F::gated_residual(h, gate, br);
           y = F::layer_norm_modulate(h, shift, scale);
         }
-        if (k == hook_stage) {  // two hooks, each returning a new tensor
-          h.register_hook([](const Tensor& g) { return g * 2.0; });
-          h.register_hook([](const Tensor& g) { return g * 1.0; });
-        }
+        if (k == hook_stage)
+          for (double f : hook_scales) h.register_hook([f](const Tensor& g) { return g * f; });
       }
     }
     Gradients g = (y * gy).sum().to(DType::f32).backward();
     TensorList out{g.get(x)};
     for (int k = 0; k <= kStages; ++k) {
       out.push_back(g.get(m[k]));
-      if (k > 0) out.push_back(g.get(c[k]));
+      if (k > 0)
+        for (const Tensor& t : p[k]) out.push_back(g.get(t));
     }
     return out;
-  };
+  }
+};
+
+// Each stage's adaLN backward also computes its gated residual's gradients (taken by that node); a
+// hook that edits one residual's gradient makes that stage compute as the two ops do, from the
+// edited gradient.
+TEST(AdalnFusedResidual, PreparedGradientsMatchTheTwoOpsAndHooksFallBack) {
+  FLAME_SKIP_IF_NO_CUDA();
+  StageChain chain(test_device(), 951, 960, 980);
+  chain.params0.resize(StageChain::kStages + 1);
+  for (int k = 1; k <= StageChain::kStages; ++k)
+    chain.params0[k] = {rnd({chain.D}, 970 + k).to(DType::bf16).to(chain.x0.device())};
+  chain.branch = [](const Tensor& y, const TensorList& p) { return y * p[0]; };
   // With the engine's base hand-over off, h's pending sum (the next stage's pass-through) is not
   // in the adaLN's dx: only the last stage, whose h has no other consumer, may prepare.
   for (bool based : {true, false})
   for (int hook_stage : {-1, 2}) {
     SCOPED_TRACE("hook on stage " + std::to_string(hook_stage) + (based ? "" : ", no base hand-over"));
     const bool was = autograd_detail::set_accumulate_base_enabled(based);
-    const TensorList want = run(false, hook_stage);
+    const TensorList want = chain.run(false, hook_stage);
     const autograd_detail::PreparedCounts before = autograd_detail::prepared_counts();
-    const TensorList got = run(true, hook_stage);
+    const TensorList got = chain.run(true, hook_stage);
     const autograd_detail::PreparedCounts after = autograd_detail::prepared_counts();
     autograd_detail::set_accumulate_base_enabled(was);
-    const uint64_t prepared = based ? kStages : 1;
+    const uint64_t prepared = based ? StageChain::kStages : 1;
     EXPECT_EQ(after.prepared - before.prepared, prepared);
     EXPECT_EQ(after.taken - before.taken, hook_stage < 0 || !based ? prepared : prepared - 1);
     ASSERT_EQ(got.size(), want.size());
@@ -432,63 +451,29 @@ TEST(AdalnFusedResidual, PreparedGradientsMatchTheTwoOpsAndHooksFallBack) {
 // bf16-rounded gradient); a hook on one residual makes that stage's Linear sum as usual.
 TEST(AdalnFusedResidual, LinearBranchesTakeTheirBiasGradientsFromTheKernel) {
   FLAME_SKIP_IF_NO_CUDA();
-  const Device dev = test_device();
-  const int64_t B = 3, T = 37, D = 128;
-  constexpr int kStages = 3;
-  const Tensor x0 = rnd({B, T, D}, 1951, 0.5, 2.0).to(DType::f32).to(dev);
-  TensorList m0, w0, b0;
-  for (int k = 0; k <= kStages; ++k) {
-    m0.push_back(rnd({B, 3 * D}, 1960 + k, 0.0, 0.5).to(DType::bf16).to(dev));
-    w0.push_back(rnd({D, D}, 1970 + k, 0.0, 0.1).to(DType::f32).to(dev));
-    b0.push_back(rnd({D}, 1980 + k, 0.0, 0.5).to(DType::f32).to(dev));
-  }
-  const Tensor gy = rnd({B, T, D}, 1990).to(DType::bf16).to(dev);
-  auto run = [&](bool fused, int hook_stage) {
-    Tensor x = x0.detach().requires_grad_(true);
-    TensorList m, w, b;
-    for (int k = 0; k <= kStages; ++k) {
-      m.push_back(m0[k].detach().requires_grad_(true));
-      w.push_back(w0[k].detach().requires_grad_(true));
-      b.push_back(b0[k].detach().requires_grad_(true));
-    }
-    Tensor y;
-    {
-      amp::AutocastGuard autocast(DType::bf16, dev.type);
-      Tensor h = x;
-      y = F::layer_norm_modulate(h, m[0].narrow(1, D, D), m[0].narrow(1, 2 * D, D));
-      for (int k = 1; k <= kStages; ++k) {
-        const Tensor branch = F::linear(y, w[k], b[k]);
-        const Tensor gate = m[k].narrow(1, 0, D), shift = m[k].narrow(1, D, D), scale = m[k].narrow(1, 2 * D, D);
-        if (fused) {
-          std::tie(h, y) = F::gated_residual_modulate(h, gate, branch, shift, scale);
-        } else {
-          h = F::gated_residual(h, gate, branch);
-          y = F::layer_norm_modulate(h, shift, scale);
-        }
-        if (k == hook_stage) h.register_hook([](const Tensor& g) { return g * 1.0; });
-      }
-    }
-    Gradients g = (y * gy).sum().to(DType::f32).backward();
-    TensorList out{g.get(x)};
-    for (int k = 1; k <= kStages; ++k) {
-      out.push_back(g.get(m[k]));
-      out.push_back(g.get(w[k]));
-      out.push_back(g.get(b[k]));
-    }
-    return out;
-  };
+  StageChain chain(test_device(), 1951, 1960, 1990);
+  chain.hook_scales = {1.0};
+  const Device dev = chain.x0.device();
+  const int64_t D = chain.D;
+  chain.params0.resize(StageChain::kStages + 1);
+  for (int k = 1; k <= StageChain::kStages; ++k)
+    chain.params0[k] = {rnd({D, D}, 1970 + k, 0.0, 0.1).to(DType::f32).to(dev),
+                        rnd({D}, 1980 + k, 0.0, 0.5).to(DType::f32).to(dev)};
+  chain.branch = [](const Tensor& y, const TensorList& p) { return F::linear(y, p[0], p[1]); };
   for (int hook_stage : {-1, 2}) {
     SCOPED_TRACE("hook on stage " + std::to_string(hook_stage));
-    const TensorList want = run(false, hook_stage);
+    const TensorList want = chain.run(false, hook_stage);
     const autograd_detail::RowSumCounts before = autograd_detail::row_sum_counts();
-    const TensorList got = run(true, hook_stage);
+    const TensorList got = chain.run(true, hook_stage);
     const autograd_detail::RowSumCounts after = autograd_detail::row_sum_counts();
-    EXPECT_EQ(after.attached - before.attached, static_cast<uint64_t>(kStages));
-    EXPECT_EQ(after.taken - before.taken, static_cast<uint64_t>(hook_stage < 0 ? kStages : kStages - 1));
+    const uint64_t stages = StageChain::kStages;
+    EXPECT_EQ(after.attached - before.attached, stages);
+    EXPECT_EQ(after.taken - before.taken, hook_stage < 0 ? stages : stages - 1);
     ASSERT_EQ(got.size(), want.size());
     for (std::size_t i = 0; i < want.size(); ++i) {
       ASSERT_TRUE(got[i].defined() && want[i].defined()) << i;
-      const bool bias_grad = i > 0 && (i - 1) % 3 == 2;
+      // Order: x, m0, then per stage m, weight, bias.
+      const bool bias_grad = i >= 2 && (i - 2) % 3 == 2;
       EXPECT_EQ(got[i].dtype(), want[i].dtype()) << i;
       EXPECT_TRUE(close_scaled(got[i], want[i], bias_grad ? 1e-2 : 1e-5)) << "gradient " << i;
     }
