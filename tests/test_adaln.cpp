@@ -33,6 +33,8 @@ struct RowSumCounts {
   uint64_t attached = 0, taken = 0;
 };
 RowSumCounts row_sum_counts();
+void attach_row_sums(const Tensor& grad, Tensor sums);
+Tensor take_row_sums(const Tensor& grad);
 }  // namespace flame::autograd_detail
 
 namespace flame::test {
@@ -478,6 +480,31 @@ TEST(AdalnFusedResidual, LinearBranchesTakeTheirBiasGradientsFromTheKernel) {
       EXPECT_TRUE(close_scaled(got[i], want[i], bias_grad ? 1e-2 : 1e-5)) << "gradient " << i;
     }
   }
+}
+
+// Note [Gradient row sums]: the registry hands sums back only for the same memory, unchanged, in
+// a layout where each element is still in its column; once.
+TEST(GradientRowSums, TakenOnlyForTheSameUnchangedMemory) {
+  namespace ad = autograd_detail;
+  const Tensor sums = Tensor::from_vec(std::vector<float>{1, 2, 3, 4}, {4});
+  Tensor g = Tensor::zeros({2, 3, 4});
+  ad::attach_row_sums(g, sums);
+  EXPECT_FALSE(ad::take_row_sums(Tensor::zeros({2, 3, 4})).defined()) << "other memory";
+  const Tensor got = ad::take_row_sums(g.reshape({6, 4}));  // a contiguous view, same columns
+  ASSERT_TRUE(got.defined());
+  EXPECT_EQ(got.to_vec<float>(), (std::vector<float>{1, 2, 3, 4}));
+  EXPECT_FALSE(ad::take_row_sums(g).defined()) << "taken once";
+  ad::attach_row_sums(g, sums);
+  g.add_(1.0);
+  EXPECT_FALSE(ad::take_row_sums(g).defined()) << "edited in place since";
+  Tensor sq = Tensor::zeros({4, 4});
+  ad::attach_row_sums(sq, sums);
+  EXPECT_FALSE(ad::take_row_sums(sq.t()).defined()) << "a transposed view moves the columns";
+  ad::attach_row_sums(sq, sums);
+  EXPECT_FALSE(ad::take_row_sums(sq.narrow(0, 0, 2)).defined()) << "part of the memory";
+  EXPECT_TRUE(ad::take_row_sums(sq).defined());
+  ad::attach_row_sums(g, Tensor::zeros({3}));  // sums that do not match the last dim: ignored
+  EXPECT_FALSE(ad::take_row_sums(g).defined());
 }
 
 TEST(AdalnErrors, NameTheOpAndShapes) {

@@ -124,6 +124,7 @@ std::atomic<uint64_t> g_row_sums_attached{0}, g_row_sums_taken{0};
 
 namespace autograd_detail {
 void attach_row_sums(const Tensor& grad, Tensor sums) {
+  if (!grad.defined() || grad.dim() == 0 || !grad.is_contiguous() || sums.numel() != grad.size(-1)) return;
   auto& v = t_row_sums;
   std::erase_if(v, [](const RowSums& r) { return r.storage.expired(); });
   const auto& st = grad.impl()->storage;
@@ -139,11 +140,15 @@ Tensor take_row_sums(const Tensor& grad) {
   const Storage* key = grad.impl()->storage.get();
   for (auto it = v.begin(); it != v.end(); ++it) {
     if (it->key != key) continue;
+    // Contiguous with the same last dim: every element sits in the same column as when attached
+    // (a view that moved the last dim, e.g. a transpose of a square tensor, does not match).
     const bool same = !it->storage.expired() && it->offset == grad.storage_offset() && it->numel == grad.numel() &&
-                      it->version == grad.version() && grad.dim() > 0 && it->sums.numel() == grad.size(-1);
-    Tensor out = same ? std::move(it->sums) : Tensor();
+                      it->version == grad.version() && grad.dim() > 0 && grad.is_contiguous() &&
+                      it->sums.numel() == grad.size(-1);
+    if (!same) continue;  // another view of that memory: the entry waits for its own consumer
+    Tensor out = std::move(it->sums);
     v.erase(it);
-    if (out.defined()) g_row_sums_taken.fetch_add(1, std::memory_order_relaxed);
+    g_row_sums_taken.fetch_add(1, std::memory_order_relaxed);
     return out;
   }
   return Tensor();
