@@ -18,6 +18,11 @@
 #include "flame/optim/optimizers.h"
 #include "test_util.h"
 
+// Internal (src/amp/autocast.h; libflame exports it): the kept copy an optimizer would write.
+namespace flame::amp::detail {
+Tensor low_copy_for_update(const Tensor& w);
+}
+
 namespace flame::test {
 namespace {
 
@@ -122,6 +127,26 @@ TEST(AmpKeptCopy, LinearKeepsItsCopyAcrossScopes) {
     EXPECT_EQ(s.low_copy_writes, 0u);
     EXPECT_TRUE(all_close(y2, want(), 0.0, 0.0));
   }
+}
+
+// set_data (Module::to, weight streaming) gives the handle other data: the copy is dropped with
+// the old data (no device memory kept for it), and the next forward makes one from the new data.
+TEST(AmpKeptCopy, SetDataDropsTheCopy) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  Tensor w = rnd({8, 16}, 6);
+  w.requires_grad_(true);
+  const Tensor x = rnd({4, 16}, 7);
+  {
+    amp::AutocastGuard ac(DType::bf16, dev_type());
+    (void)F::linear(x, w);
+  }
+  EXPECT_TRUE(amp::detail::low_copy_for_update(w).defined());
+  w.set_data(rnd({8, 16}, 8));
+  EXPECT_FALSE(amp::detail::low_copy_for_update(w).defined());
+  amp::AutocastGuard ac(DType::bf16, dev_type());
+  const Tensor y = F::linear(x, w);
+  EXPECT_EQ(amp::autocast_cache_stats().low_copy_writes, 1u);
+  EXPECT_TRUE(all_close(y.detach(), F::linear(x.to(DType::bf16), w.detach().to(DType::bf16)), 0.0, 0.0));
 }
 
 // A graph that saved the copy before a rewrite cannot silently read the new values.

@@ -244,6 +244,13 @@ Tensor low_copy_for_update(const Tensor& w) {
   return k->copy;
 }
 
+void drop_low_copy(const Tensor& w) {
+  if (!w.defined() || !w.impl()->autograd) return;
+  std::shared_ptr<LowCopy> gone;  // released after the lock
+  std::lock_guard<std::mutex> lock(low_copy_mutex());
+  gone = std::move(w.impl()->autograd->low_copy);
+}
+
 namespace {
 // Marks w's kept copy equal to w when it is `written` (the copy an update wrote beside w).
 void mark_written(const Tensor& w, const Tensor& written) {

@@ -64,6 +64,8 @@ Tensor master_low_copy(const Tensor& w);
 // also registers a replay epilogue that advances w's version after every replay, as the eager
 // step did, and marks `written` again.
 Tensor low_copy_for_update(const Tensor& w);
+// Forgets w's kept copy (Tensor::set_data: the data behind the handle changed).
+void drop_low_copy(const Tensor& w);
 void low_copy_updated(const Tensor& w, const Tensor& written);
 
 // The autocast settings of this thread, captured by checkpoint() at forward time and put back

@@ -7,6 +7,7 @@
 // describing the old storage.
 #include <atomic>
 
+#include "src/amp/autocast.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
@@ -35,6 +36,9 @@ void Tensor::set_data(const Tensor& data) {
   uint64_t cur = v.load();
   while (cur <= old_version && !v.compare_exchange_weak(cur, old_version + 1)) {
   }
+  // A kept low-precision copy describes the old data; its memory goes with it (Module::to, and
+  // weight streaming's device copies, which would otherwise stay on the GPU).
+  amp::detail::drop_low_copy(*this);
 }
 
 }  // namespace flame
