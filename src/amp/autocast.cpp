@@ -234,13 +234,10 @@ Tensor master_low_copy(const Tensor& w) {
 }
 
 Tensor low_copy_for_update(const Tensor& w) {
-  if (!w.defined() || w.dtype() != DType::f32) return Tensor();
+  if (!w.defined() || w.dtype() != DType::f32 || !w.impl()->autograd) return Tensor();
   std::lock_guard<std::mutex> lock(low_copy_mutex());
-  const auto& meta = w.impl()->autograd;
-  LowCopy* k = meta ? meta->low_copy.get() : nullptr;
-  if (k == nullptr || k->copy.device() != w.device() || k->copy.sizes() != w.sizes() ||
-      k->copy.strides() != w.strides() || k->storage != storage_of(w))
-    return Tensor();
+  const LowCopy* k = w.impl()->autograd->low_copy.get();
+  if (k == nullptr || kept_copy(w, k->copy.dtype()) != k || k->storage != storage_of(w)) return Tensor();
   return k->copy;
 }
 

@@ -34,9 +34,9 @@
 // and per bias, every step, and a gradient rounded to bf16 on its way into an f32 store. When the
 // weight is f32 and wants a gradient (the trainable master weights of mixed precision), linear,
 // linear_gelu and mlp_gelu record one node whose inputs are the f32 weight and bias themselves:
-//  - forward: the GEMMs read low-precision copies of the weight and bias (the autocast casts,
-//    made without a graph, cached per scope as any autocast cast; cuBLASLt 13's bias epilogues
-//    offer no algorithm for an f32 bias beside a bf16 result).
+//  - forward: the GEMMs read low-precision copies of the weight and bias, made without a graph
+//    and kept across steps (Note [Kept low-precision copies] in src/amp/autocast.cpp; the bias
+//    too: cuBLASLt 13's bias epilogues offer no algorithm for an f32 bias beside a bf16 result).
 //  - backward: the weight-gradient GEMM writes dW (and its bias-gradient epilogue db) in f32
 //    straight from its f32 accumulator; no cast kernels, no bf16 rounding of the gradient. Where
 //    the backend declines, the composite computes them in the low dtype and casts up, which is

@@ -31,7 +31,6 @@
 // writes them.
 #include <cmath>
 #include <string>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "flame/cuda.h"
@@ -240,7 +239,7 @@ void FusedOptimizer::step(const Gradients& grads) {
     advance_device_steps(active);
   }
   // Pass 2: create missing state, advance the step counters, update.
-  low_written_.clear();
+  low_written_.assign(params_.size(), Tensor());
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     if (active[g].empty()) continue;
     for (Active& a : active[g]) {
@@ -268,14 +267,8 @@ void FusedOptimizer::step(const Gradients& grads) {
   // Kept low-precision copies the kernels wrote are equal to their weights again; a captured step
   // also advances every updated weight's version after each replay (Note [Kept low-precision
   // copies] in src/amp/autocast.cpp).
-  std::unordered_map<const TensorImpl*, Tensor> written;
-  for (auto& [p, low] : low_written_) written.emplace(p.impl(), low);
   for (std::size_t g = 0; g < groups_.size(); ++g)
-    for (const Active& a : active[g]) {
-      auto it = written.find(a.param.impl());
-      if (it != written.end() || capturing_on(a.param))
-        amp::detail::low_copy_updated(a.param, it != written.end() ? it->second : Tensor());
-    }
+    for (const Active& a : active[g]) amp::detail::low_copy_updated(a.param, low_written_[a.index]);
   low_written_.clear();
 }
 
@@ -313,7 +306,7 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
     e.master = st.master;
     if (!e.master.defined()) {
       e.low = amp::detail::low_copy_for_update(a.param);
-      if (e.low.defined()) low_written_.emplace_back(a.param, e.low);
+      low_written_[a.index] = e.low;
     }
     const double t = static_cast<double>(st.step);
     switch (h.kind) {

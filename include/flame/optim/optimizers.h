@@ -209,9 +209,10 @@ class FusedOptimizer : public Optimizer {
   std::vector<Tensor> hyper_device_;
   std::vector<std::vector<double>> hyper_written_;
   Tensor steps_device_;
-  // (parameter, kept low-precision copy) pairs the current step's fused kernels wrote (Note [Kept
-  // low-precision copies] in src/amp/autocast.cpp), marked up to date after the version bump.
-  std::vector<std::pair<Tensor, Tensor>> low_written_;
+  // During step(), per parameter index: the kept low-precision copy the fused kernel wrote, or
+  // undefined (Note [Kept low-precision copies] in src/amp/autocast.cpp); marked up to date after
+  // the version bump.
+  TensorList low_written_;
 };
 
 class SGD final : public FusedOptimizer {
