@@ -6,4 +6,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/build.sh "$@"
 cd "${BUILD_DIR:-build}"
-ctest --output-on-failure -j "${JOBS:-$(nproc)}"
+rc=0
+ctest --output-on-failure -j "${JOBS:-$(nproc)}" || rc=$?
+if [ "$rc" -ne 0 ]; then
+  # ctest's summary names the failing entries; a shard's output is long, so the failing cases and
+  # the shuffle seed (to rerun that order: --gtest_shuffle --gtest_random_seed=N) come once more, last.
+  log=Testing/Temporary/LastTest.log
+  if [ -f "$log" ]; then
+    echo "---- failing GoogleTest cases (from $log) ----"
+    grep -E "^shuffle seed|^\[  FAILED  \]|Failure$|^[^ ]+:[0-9]+: Failure" "$log" | head -40 || true
+  fi
+fi
+exit "$rc"
