@@ -448,7 +448,7 @@ TEST(MemProfTest, JsonHasTheFields) {
   EXPECT_TRUE(found);
 
   // save_json writes the same document; without the trace it keeps the timeline.
-  const std::string path = ::testing::TempDir() + "memprof_test.json";
+  const std::string path = test::unique_temp_path("memprof", ".json");
   prof.save_json(path, /*with_trace=*/false);
   std::ifstream f(path);
   const nlohmann::json k = nlohmann::json::parse(f);

@@ -26,12 +26,7 @@ std::vector<std::string> names_of(const Module& m) {
   return out;
 }
 
-std::string temp_path(const std::string& stem) {
-  return (std::filesystem::temp_directory_path() /
-          (stem + "_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + "_" +
-           std::to_string(reinterpret_cast<uintptr_t>(&stem)) + ".safetensors"))
-      .string();
-}
+std::string temp_path(const std::string& stem) { return unique_temp_path(stem, ".safetensors"); }
 
 // ---- convolutions ----
 TEST(NnConvModule, ShapesNamesInitAndForward) {

@@ -1,5 +1,8 @@
 #include "test_util.h"
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
 #include <sstream>
 
@@ -128,6 +131,14 @@ namespace {
 ::testing::AssertionResult all_close(const Tensor& got, const Tensor& want, double rtol, double atol) {
   return compare(got.sizes(), got.dtype(), got.to_vec<double>(), want.sizes(), want.dtype(),
                  want.to_vec<double>(), rtol, atol);
+}
+
+std::string unique_temp_path(const std::string& stem, const std::string& ext) {
+  static std::atomic<int64_t> counter{0};
+  std::string dir = ::testing::TempDir();
+  if (!dir.empty() && dir.back() != '/') dir += '/';
+  return dir + "flame_" + stem + "_" + std::to_string(static_cast<long>(::getpid())) + "_" +
+         std::to_string(counter.fetch_add(1)) + ext;
 }
 
 void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {

@@ -90,4 +90,9 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 // empty when it started. For cases that count kernels and skip with that reason otherwise.
 std::string start_trace(profiler::KernelTrace& trace);
 
+// A path in the test temp folder that no other call, thread or process uses: ctest runs the
+// suite in several processes at once (the shards and the shuffled whole), each running the same
+// cases. `stem` and `ext` (with its dot) only make the name readable.
+std::string unique_temp_path(const std::string& stem, const std::string& ext);
+
 }  // namespace flame::test

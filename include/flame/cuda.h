@@ -232,4 +232,20 @@ struct CudnnTuneStats {
 // Process-wide counters (all devices); zeros in a build without CUDA.
 CudnnTuneStats cudnn_tune_stats();
 
+// ---- short-sequence attention (docs/nn-attention.md) ----
+// FLAME's own fused SDPA kernels for short sequences instead of cuDNN's: taken for bf16/f16 with
+// head dim 64, at most 256 queries and 256 keys, no mask, not causal, and 16-byte aligned operands
+// whose batch, head and row strides are multiples of 8 elements (a DiT's attention; every other
+// call stays on cuDNN). They tile by 16 instead of 64/128 (196 tokens pad to 208, not 256) and
+// need no dQ accumulation pass. Default off; FLAME_SHORT_ATTENTION=1 turns it on at start-up. The
+// switch is read at every call, so a graph captured with it on replays these kernels.
+void set_short_attention(bool enable);
+bool short_attention();
+struct ShortAttentionStats {
+  uint64_t forward_calls = 0;   // sdpa forwards that ran the short kernels
+  uint64_t backward_calls = 0;  // and backwards
+};
+// Process-wide counters (all devices); zeros in a build without CUDA.
+ShortAttentionStats short_attention_stats();
+
 }  // namespace flame::cuda

@@ -1,7 +1,8 @@
 // Fused scaled dot-product attention on CUDA through cuDNN's SDPA graph nodes (cudnn-frontend),
 // forward and backward (Backend::sdpa_forward / sdpa_backward; the contract is Note [Fused SDPA
 // contract] in src/ops/attention.cpp). Routing around known cuDNN failures happens in the op
-// layer, not here.
+// layer, not here; with flame::cuda::set_short_attention on, what FLAME's short-sequence kernels
+// take runs there instead (Note [Short-sequence attention] in sdpa_short.cu).
 //
 // Note [cuDNN SDPA plans]
 // A built cudnn-frontend graph (operation graph + the heuristic's first plan that builds) is
@@ -28,9 +29,11 @@
 #include <cudnn_frontend.h>
 #pragma GCC diagnostic pop
 
+#include "src/backend/cuda/attention/sdpa_short.h"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/cudnn_autotune.h"
 #include "src/backend/cuda/cudnn_handle.h"
+#include "src/backend/short_attention.h"
 
 namespace flame::backend::cuda {
 
@@ -226,6 +229,11 @@ void CudaBackend::sdpa_forward(const Tensor& out, const Tensor& stats, const Ten
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}}) check_operand(*t, name, dt);
   if (bias.defined()) check_operand(bias, "bias", dt);
   CurrentDevice guard(device_);
+  if (short_attention::enabled() && sdpa_short::supports(q, k, v, bias, causal, {&out})) {
+    sdpa_short::forward(out, stats, q, k, v, scale, stream());  // Note [Short-sequence attention]
+    short_attention::count(true);
+    return;
+  }
   cudnnHandle_t handle = cudnn_handle(device_);
   FLAME_CUDNN_CHECK(cudnnSetStream(handle, stream()));
   std::vector<int64_t> key = base_key(0, device_, q, k, v, bias, scale, causal);
@@ -246,6 +254,11 @@ void CudaBackend::sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor
     check_operand(*t, name, dt);
   if (bias.defined()) check_operand(bias, "bias", dt);
   CurrentDevice guard(device_);
+  if (short_attention::enabled() && sdpa_short::supports(q, k, v, bias, causal, {&out, &dout, &dq, &dk, &dv})) {
+    sdpa_short::backward(dq, dk, dv, q, k, v, out, dout, stats, scale, stream());
+    short_attention::count(false);
+    return;
+  }
   cudnnHandle_t handle = cudnn_handle(device_);
   FLAME_CUDNN_CHECK(cudnnSetStream(handle, stream()));
   std::vector<int64_t> key = base_key(1, device_, q, k, v, bias, scale, causal);

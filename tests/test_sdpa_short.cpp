@@ -1,0 +1,188 @@
+// FLAME's short-sequence attention kernels (Note [Short-sequence attention] in
+// src/backend/cuda/attention/sdpa_short.cu) against the f32 math path: odd and unequal lengths up
+// to 256, bf16 and f16, a fused-qkv layout, large scores (the online softmax's rescaling), CUDA
+// graph capture; calls they must not take stay on cuDNN. CUDA only.
+#include <sstream>
+#include <string>
+
+#include "flame/cuda.h"
+#include "flame/nn/attention.h"
+#include "nn_test_util.h"
+#include "test_util.h"
+
+namespace flame::test {
+namespace {
+namespace F = flame::nn::functional;
+
+// Turns the short kernels on (or off) for a scope.
+class ShortAttentionGuard {
+ public:
+  explicit ShortAttentionGuard(bool on) : before_(cuda::short_attention()) { cuda::set_short_attention(on); }
+  ~ShortAttentionGuard() { cuda::set_short_attention(before_); }
+  ShortAttentionGuard(const ShortAttentionGuard&) = delete;
+  ShortAttentionGuard& operator=(const ShortAttentionGuard&) = delete;
+
+ private:
+  bool before_;
+};
+
+Tensor rnd(const Shape& shape, uint64_t seed, DType dt, double stddev = 1.0) {
+  Generator g(seed);
+  return Tensor::randn(shape, 0.0, stddev, {DType::f64, Device::cpu()}, &g).to(dt).to(Device::cuda());
+}
+
+struct Case {
+  DType dt;
+  int64_t b, h, l, s;
+  double stddev;  // of q and k: larger gives peakier softmax rows
+};
+
+std::string case_name(const Case& c) {
+  std::ostringstream os;
+  os << dtype_name(c.dt) << "_b" << c.b << "h" << c.h << "_l" << c.l << "_s" << c.s
+     << (c.stddev != 1.0 ? "_peaky" : "");
+  return os.str();
+}
+
+struct Result {
+  Tensor out, dq, dk, dv;
+};
+
+// Forward and backward with a fixed upstream gradient; inputs drawn in the case's dtype, then
+// converted to `dt` (so the f32 reference sees the same values).
+Result run(const Case& c, DType dt, bool short_kernels) {
+  constexpr int64_t d = 64;
+  Tensor q = rnd({c.b, c.h, c.l, d}, 1, c.dt, c.stddev).to(dt).requires_grad_();
+  Tensor k = rnd({c.b, c.h, c.s, d}, 2, c.dt, c.stddev).to(dt).requires_grad_();
+  Tensor v = rnd({c.b, c.h, c.s, d}, 3, c.dt).to(dt).requires_grad_();
+  const Tensor gout = rnd({c.b, c.h, c.l, d}, 4, c.dt).to(dt);
+  ShortAttentionGuard on(short_kernels);
+  Result r;
+  r.out = F::scaled_dot_product_attention(q, k, v);
+  BackwardOptions opt;
+  opt.grad_output = gout;
+  Gradients g = r.out.backward(opt);
+  r.dq = q.grad(g);
+  r.dk = k.grad(g);
+  r.dv = v.grad(g);
+  return r;
+}
+
+void expect_close(const Result& got, const Result& want, double tol, const std::string& what) {
+  EXPECT_TRUE(close_rel(got.out, want.out, tol)) << what << " out";
+  EXPECT_TRUE(close_rel(got.dq, want.dq, tol)) << what << " dq";
+  EXPECT_TRUE(close_rel(got.dk, want.dk, tol)) << what << " dk";
+  EXPECT_TRUE(close_rel(got.dv, want.dv, tol)) << what << " dv";
+}
+
+class SdpaShortCuda : public ::testing::TestWithParam<Case> {};
+
+TEST_P(SdpaShortCuda, MatchesMathAndCudnn) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Case c = GetParam();
+  const cuda::ShortAttentionStats before = cuda::short_attention_stats();
+  const Result got = run(c, c.dt, true);
+  const cuda::ShortAttentionStats after = cuda::short_attention_stats();
+  EXPECT_EQ(after.forward_calls, before.forward_calls + 1) << "the short forward did not run";
+  EXPECT_EQ(after.backward_calls, before.backward_calls + 1) << "the short backward did not run";
+  const Result math = run(c, DType::f32, false);
+  const double tol = c.dt == DType::bf16 ? 3e-2 : 1e-2;
+  expect_close(got, math, tol, case_name(c) + " vs f32 math");
+  // cuDNN on the same half inputs: both round P and dS to the input dtype.
+  const Result cudnn = run(c, c.dt, false);
+  expect_close(got, cudnn, tol, case_name(c) + " vs cuDNN");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SdpaShortCuda,
+    ::testing::Values(Case{DType::bf16, 2, 3, 196, 196, 1.0}, Case{DType::f16, 2, 3, 196, 196, 1.0},
+                      Case{DType::bf16, 1, 2, 1, 77, 1.0}, Case{DType::bf16, 2, 2, 17, 16, 1.0},
+                      Case{DType::bf16, 1, 2, 16, 17, 1.0}, Case{DType::f16, 2, 1, 64, 64, 1.0},
+                      Case{DType::bf16, 1, 2, 65, 63, 1.0}, Case{DType::bf16, 1, 2, 255, 256, 1.0},
+                      Case{DType::f16, 1, 2, 256, 256, 1.0}, Case{DType::bf16, 1, 2, 100, 37, 1.0},
+                      Case{DType::bf16, 3, 5, 49, 200, 1.0}, Case{DType::bf16, 2, 2, 196, 196, 3.0},
+                      Case{DType::f16, 1, 3, 130, 250, 3.0}),
+    [](const ::testing::TestParamInfo<Case>& i) { return case_name(i.param); });
+
+// A DiT block's layout: q, k, v strided views of one [B, L, 3, H, D] projection, the output in
+// [B, L, H, D] memory, the gradients written into one qkv gradient.
+TEST(SdpaShortCudaRoutes, PackedQkvOfADitBlock) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const int64_t B = 2, L = 196, H = 6, D = 64;
+  Tensor qkv = rnd({B, L, 3 * H * D}, 9, DType::bf16).requires_grad_();
+  const Tensor gout = rnd({B, L, H * D}, 10, DType::bf16);
+  auto run_packed = [&](bool short_kernels) {
+    ShortAttentionGuard on(short_kernels);
+    const Tensor out = F::attention_qkv_packed(qkv, H);
+    EXPECT_STREQ(F::sdpa_last_path(), "fused_packed");
+    BackwardOptions opt;
+    opt.grad_output = gout;
+    Gradients g = out.backward(opt);
+    return std::pair{out, qkv.grad(g)};
+  };
+  const cuda::ShortAttentionStats before = cuda::short_attention_stats();
+  const auto [out, dqkv] = run_packed(true);
+  const cuda::ShortAttentionStats after = cuda::short_attention_stats();
+  EXPECT_EQ(after.forward_calls, before.forward_calls + 1);
+  EXPECT_EQ(after.backward_calls, before.backward_calls + 1);
+  const auto [want_out, want_dqkv] = run_packed(false);
+  EXPECT_TRUE(close_rel(out, want_out, 3e-2));
+  EXPECT_TRUE(close_rel(dqkv, want_dqkv, 3e-2));
+}
+
+// What the kernels do not take runs on cuDNN with the switch on: a mask, causal, head dim 128,
+// more than 256 keys or queries.
+TEST(SdpaShortCudaRoutes, OtherCallsStayOnCudnn) {
+  FLAME_SKIP_IF_NO_CUDA();
+  ShortAttentionGuard on(true);
+  const cuda::ShortAttentionStats before = cuda::short_attention_stats();
+  auto fwd_bwd = [](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal) {
+    Tensor qq = q.detach().requires_grad_(), kk = k.detach().requires_grad_(), vv = v.detach().requires_grad_();
+    const Tensor out = F::scaled_dot_product_attention(qq, kk, vv, mask, 0.0, causal);
+    (void)out.sum().backward();
+  };
+  const Tensor q = rnd({1, 2, 100, 64}, 20, DType::bf16), k = rnd({1, 2, 100, 64}, 21, DType::bf16);
+  const Tensor mask = rnd({1, 1, 100, 100}, 22, DType::bf16);
+  fwd_bwd(q, k, k, {}, true);
+  fwd_bwd(q, k, k, mask, false);
+  const Tensor q128 = rnd({1, 2, 100, 128}, 23, DType::bf16);
+  fwd_bwd(q128, q128, q128, {}, false);
+  const Tensor long_kv = rnd({1, 2, 257, 64}, 24, DType::bf16);
+  fwd_bwd(q, long_kv, long_kv, {}, false);
+  fwd_bwd(long_kv, q, q, {}, false);
+  const cuda::ShortAttentionStats after = cuda::short_attention_stats();
+  EXPECT_EQ(after.forward_calls, before.forward_calls);
+  EXPECT_EQ(after.backward_calls, before.backward_calls);
+}
+
+// Captured forward and backward replay the short kernels and give the eager values.
+TEST(SdpaShortCudaRoutes, GraphCaptureReplaysTheSameValues) {
+  FLAME_SKIP_IF_NO_CUDA();
+  ShortAttentionGuard on(true);
+  const Case c{DType::bf16, 2, 3, 196, 196, 1.0};
+  const Result eager = run(c, DType::bf16, true);
+  Tensor q = rnd({2, 3, 196, 64}, 1, DType::bf16).requires_grad_();
+  Tensor k = rnd({2, 3, 196, 64}, 2, DType::bf16).requires_grad_();
+  Tensor v = rnd({2, 3, 196, 64}, 3, DType::bf16).requires_grad_();
+  const Tensor gout = rnd({2, 3, 196, 64}, 4, DType::bf16);
+  cuda::Graph graph;
+  Tensor out, dq, dk, dv;
+  cuda::capture(graph, [&] {
+    out = F::scaled_dot_product_attention(q, k, v);
+    BackwardOptions opt;
+    opt.grad_output = gout;
+    Gradients g = out.backward(opt);
+    dq = q.grad(g);
+    dk = k.grad(g);
+    dv = v.grad(g);
+  });
+  graph.replay();
+  cuda::synchronize();
+  EXPECT_TRUE(same_bits(out, eager.out, "out"));
+  EXPECT_TRUE(same_bits(dq, eager.dq, "dq"));
+  EXPECT_TRUE(same_bits(dk, eager.dk, "dk"));
+  EXPECT_TRUE(same_bits(dv, eager.dv, "dv"));
+}
+
+}  // namespace
+}  // namespace flame::test
