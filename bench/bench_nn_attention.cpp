@@ -7,6 +7,8 @@
 //   sdpa_qkv_packed_bf16_fwdbwd: B256 L196 H6 D64 (dit-s) from qkv [B, L, 3HD] through
 //     attention_qkv_packed; sdpa_qkv_select_bf16_fwdbwd: the same through the reshape/permute/
 //     select composite (the twin: unbind for packed, indexing for select), so the gain shows.
+//   *_short: s256_d64, dit_s196_d64 and the packed pair again with FLAME's short-sequence kernels
+//     (flame::cuda::set_short_attention) instead of cuDNN; the twin measures PyTorch again.
 // fwdbwd = forward + backward with a fixed upstream gradient (q, k, v require grad).
 // Usage: bench_nn_attention [--reps N] [--warmup N]; FLAME_BENCH_TRACE=1 also prints the kernels of
 // the timed forward+backward calls of each shape (the twin prints PyTorch's with torch.profiler).
@@ -80,7 +82,7 @@ void bench_shape(const std::string& base, int64_t b, int64_t h, int64_t s, int64
 }
 
 // fwd + bwd of attention over a packed qkv [B, L, 3HD] (requires grad) to [B, L, HD].
-void bench_packed(int64_t b, int64_t l, int64_t h, int64_t d, int reps, int warmup) {
+void bench_packed(int64_t b, int64_t l, int64_t h, int64_t d, int reps, int warmup, const std::string& suffix) {
   const Device dev = Device::cuda();
   flame::Generator g(1234);
   Tensor qkv = Tensor::randn({b, l, 3 * h * d}, 0.0, 1.0, {DType::bf16, dev}, &g).requires_grad_();
@@ -92,10 +94,11 @@ void bench_packed(int64_t b, int64_t l, int64_t h, int64_t d, int reps, int warm
     const Tensor o = F::scaled_dot_product_attention(p.select(0, 0), p.select(0, 1), p.select(0, 2));
     return o.transpose(1, 2).reshape({b, l, h * d});
   };
-  const std::pair<const char*, std::function<Tensor()>> cases[] = {
-      {"sdpa_qkv_packed_bf16_fwdbwd", [&] { return F::attention_qkv_packed(qkv, h); }},
-      {"sdpa_qkv_select_bf16_fwdbwd", select_composite}};
-  for (const auto& [name, fn] : cases) {
+  const std::pair<std::string, std::function<Tensor()>> cases[] = {
+      {"sdpa_qkv_packed" + suffix + "_bf16_fwdbwd", [&] { return F::attention_qkv_packed(qkv, h); }},
+      {"sdpa_qkv_select" + suffix + "_bf16_fwdbwd", select_composite}};
+  for (const auto& [label, fn] : cases) {
+    const char* name = label.c_str();
     try {
       emit(name, median_ms(reps, warmup, [&] { (void)fn().backward(opt); }));
       const std::string want = std::string(name).find("packed") != std::string::npos ? "fused_packed" : "fused";
@@ -125,6 +128,13 @@ int main(int argc, char** argv) {
   bench_shape("sdpa_bf16_s256_d64", 32, 16, 256, 64, false, reps, warmup);
   // dit-s at B256: 6 heads of 64 over 196 tokens (an odd length, not a multiple of the tile).
   bench_shape("sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, false, reps, warmup);
-  bench_packed(256, 196, 6, 64, reps, warmup);
+  bench_packed(256, 196, 6, 64, reps, warmup, "");
+  // The same short problems on FLAME's short-sequence kernels (flame::cuda::set_short_attention).
+  flame::cuda::set_short_attention(true);
+  bench_shape("sdpa_bf16_s256_d64_short", 32, 16, 256, 64, false, reps, warmup);
+  bench_shape("sdpa_bf16_dit_s196_d64_short", 256, 6, 196, 64, false, reps, warmup);
+  bench_packed(256, 196, 6, 64, reps, warmup, "_short");
+  const flame::cuda::ShortAttentionStats st = flame::cuda::short_attention_stats();
+  if (st.forward_calls == 0 || st.backward_calls == 0) std::printf("# the short-sequence kernels did not run\n");
   return 0;
 }

@@ -6,6 +6,7 @@ its default backend choice.
   sdpa_qkv_packed_bf16_fwdbwd: B256 L196 H6 D64 (dit-s) from qkv [B, L, 3HD]: reshape/permute/
     unbind + SDPA + transpose/reshape (timm's attention); sdpa_qkv_select_bf16_fwdbwd: the same
     with q, k, v taken by indexing (one select each, as FLAME's select composite)
+  *_short: the twins of FLAME's rows on its short-sequence kernels (the same PyTorch calls again)
 """
 import argparse
 import json
@@ -51,7 +52,7 @@ def bench_shape(torch, base, b, h, s, d, causal, reps, warmup):
     print(table)
 
 
-def bench_packed(torch, b, l, h, d, reps, warmup):
+def bench_packed(torch, b, l, h, d, reps, warmup, suffix=""):
     import torch.nn.functional as F
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(1234)
@@ -63,7 +64,8 @@ def bench_packed(torch, b, l, h, d, reps, warmup):
         q, k, v = p.unbind(0) if unbind else (p[0], p[1], p[2])
         return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, l, h * d)
 
-    for name, unbind in (("sdpa_qkv_packed_bf16_fwdbwd", True), ("sdpa_qkv_select_bf16_fwdbwd", False)):
+    for name, unbind in (("sdpa_qkv_packed" + suffix + "_bf16_fwdbwd", True),
+                         ("sdpa_qkv_select" + suffix + "_bf16_fwdbwd", False)):
         emit(name, median_ms(torch, lambda: torch.autograd.grad(attend(unbind), (qkv,), gout), reps, warmup))
 
 
@@ -81,6 +83,10 @@ def main():
     bench_shape(torch, "sdpa_bf16_s256_d64", 32, 16, 256, 64, False, args.reps, args.warmup)
     bench_shape(torch, "sdpa_bf16_dit_s196_d64", 256, 6, 196, 64, False, args.reps, args.warmup)
     bench_packed(torch, 256, 196, 6, 64, args.reps, args.warmup)
+    # Twins of FLAME's *_short rows (its short-sequence kernels): PyTorch measured again.
+    bench_shape(torch, "sdpa_bf16_s256_d64_short", 32, 16, 256, 64, False, args.reps, args.warmup)
+    bench_shape(torch, "sdpa_bf16_dit_s196_d64_short", 256, 6, 196, 64, False, args.reps, args.warmup)
+    bench_packed(torch, 256, 196, 6, 64, args.reps, args.warmup, "_short")
 
 
 if __name__ == "__main__":
