@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -463,10 +464,20 @@ int smem_bytes(int rows, bool with_stats) {
   return 2 * pad * kRow * 2 + (with_stats ? 2 * pad * static_cast<int>(sizeof(float)) : 0);
 }
 
-template <class K>
-void launch(K kernel, const Params& p, int grid, int smem, cudaStream_t stream) {
-  FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kThreads, smem, stream>>>(p);
+// Above 48 KB a kernel needs its dynamic shared-memory limit raised, once per device (not per
+// call: the first call may be inside a graph capture). Raised to the largest size any call uses.
+template <auto Kernel>
+void launch(const Params& p, int grid, int smem, cudaStream_t stream) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> raised[kMaxDevices];  // per kernel (a template argument)
+  int device = 0;
+  FLAME_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= kMaxDevices || !raised[device].load(std::memory_order_acquire)) {
+    FLAME_CUDA_CHECK(
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes(kMaxSeq, true)));
+    if (device < kMaxDevices) raised[device].store(true, std::memory_order_release);
+  }
+  Kernel<<<grid, kThreads, smem, stream>>>(p);
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
@@ -493,9 +504,9 @@ void forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tens
   const int smem = smem_bytes(p.S, false);
   auto s = static_cast<cudaStream_t>(stream);
   if (q.dtype() == DType::bf16)
-    launch(forward_kernel<__nv_bfloat16>, p, grid, smem, s);
+    launch<forward_kernel<__nv_bfloat16>>(p, grid, smem, s);
   else
-    launch(forward_kernel<__half>, p, grid, smem, s);
+    launch<forward_kernel<__half>>(p, grid, smem, s);
 }
 
 void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -510,11 +521,11 @@ void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor
   const int grid = static_cast<int>(q.size(0) * q.size(1));
   auto s = static_cast<cudaStream_t>(stream);
   if (q.dtype() == DType::bf16) {
-    launch(backward_dq_kernel<__nv_bfloat16>, p, grid, smem_bytes(p.S, false), s);
-    launch(backward_dkv_kernel<__nv_bfloat16>, p, grid, smem_bytes(p.L, true), s);
+    launch<backward_dq_kernel<__nv_bfloat16>>(p, grid, smem_bytes(p.S, false), s);
+    launch<backward_dkv_kernel<__nv_bfloat16>>(p, grid, smem_bytes(p.L, true), s);
   } else {
-    launch(backward_dq_kernel<__half>, p, grid, smem_bytes(p.S, false), s);
-    launch(backward_dkv_kernel<__half>, p, grid, smem_bytes(p.L, true), s);
+    launch<backward_dq_kernel<__half>>(p, grid, smem_bytes(p.S, false), s);
+    launch<backward_dkv_kernel<__half>>(p, grid, smem_bytes(p.L, true), s);
   }
 }
 
