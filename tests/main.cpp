@@ -3,12 +3,18 @@
 // of skipped cases that pass: main() exits non-zero before running anything. CUDA-only cases of
 // a CPU run still skip, each with a message.
 //
+// Note [Per-case seeds]: every case starts with the default generator seeded from its own name,
+// so a case draws the same numbers whatever ran before it (the shuffled run, a shard, a filter):
+// no case depends on another's draws. FLAME_TEST_SEED=<n> mixes n into every case's seed, to
+// run the suite under other draws and find a case whose assertions hold only for some.
+//
 // FLAME_TEST_SUMMARY_DIR=<dir> makes the process write <dir>/<pid>.txt when it ends: how many
 // cases ran, passed, failed and skipped, and the names of the skipped ones. scripts/gpu_run.sh
 // adds these up over the shards to check that the CUDA run ran every case it should have.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -47,6 +53,21 @@ class SummaryWriter : public ::testing::EmptyTestEventListener {
   std::string dir_;
 };
 
+// Note [Per-case seeds].
+class PerCaseSeed : public ::testing::EmptyTestEventListener {
+ public:
+  explicit PerCaseSeed(uint64_t mix) : mix_(mix) {}
+  void OnTestStart(const ::testing::TestInfo& info) override {
+    uint64_t h = 1469598103934665603ull;  // FNV-1a of "Suite.Case"
+    for (const char* p : {info.test_suite_name(), ".", info.name()})
+      for (; *p != '\0'; ++p) h = (h ^ static_cast<unsigned char>(*p)) * 1099511628211ull;
+    flame::manual_seed(h ^ (mix_ * 0x9e3779b97f4a7c15ull));
+  }
+
+ private:
+  uint64_t mix_;
+};
+
 bool listing_only() { return ::testing::GTEST_FLAG(list_tests); }
 
 }  // namespace
@@ -72,6 +93,10 @@ int main(int argc, char** argv) {
     );
     return 1;
   }
+  const char* seed = std::getenv("FLAME_TEST_SEED");
+  const uint64_t mix = seed != nullptr && *seed != '\0' ? std::strtoull(seed, nullptr, 10) : 0;
+  ::testing::UnitTest::GetInstance()->listeners().Append(new PerCaseSeed(mix));
+  if (mix != 0) std::printf("FLAME tests: FLAME_TEST_SEED=%llu\n", static_cast<unsigned long long>(mix));
   if (const char* dir = std::getenv("FLAME_TEST_SUMMARY_DIR"); dir != nullptr && *dir != '\0') {
     ::testing::UnitTest::GetInstance()->listeners().Append(new SummaryWriter(dir));
   }

@@ -131,7 +131,11 @@ void kill_rounds(bool rotate, int iters) {
   }
   const unsigned seed = static_cast<unsigned>(std::random_device{}());
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> delay_ms(0.0, 3.0 * save_ms);
+  // Kill delays are uniform in [0, spread * save_ms). A loaded machine (ctest runs the shards in
+  // parallel) makes a child's saves slower than the timing above, so the spread adapts: a child
+  // that completed no save widens it, one killed outside a save after completing some narrows it,
+  // which keeps both kinds of kill coming whatever the load.
+  double spread = 3.0;
   const int kIters = iters;
   int64_t known = 0;  // newest step a child reported as saved
   int prev_kept = 0;  // rotating: the checkpoint files the previous iteration found
@@ -149,6 +153,7 @@ void kill_rounds(bool rotate, int iters) {
     int64_t msg = 0;
     const bool ready = ::read(fds[0], &msg, sizeof msg) == sizeof msg && msg == -1;
     if (ready) {
+      std::uniform_real_distribution<double> delay_ms(0.0, spread * save_ms);
       std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(delay_ms(rng)));
       ::kill(pid, SIGKILL);
     }
@@ -162,7 +167,13 @@ void kill_rounds(bool rotate, int iters) {
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL)
         << "iteration " << it << ": the child ended by itself (status " << status << ")";
     const std::string files = rotate ? target : dir;
-    if (std::filesystem::exists(files) && has_temporary(files)) ++killed_mid_save;
+    const bool mid_save = std::filesystem::exists(files) && has_temporary(files);
+    if (mid_save) ++killed_mid_save;
+    if (reported <= known) {
+      spread = std::min(spread * 2.0, 200.0);  // no save completed in this child's life
+    } else if (!mid_save) {
+      spread = std::max(spread * 0.75, 1.0);
+    }
     const std::optional<std::string> latest =
         rotate ? latest_checkpoint(target)
                : (std::filesystem::exists(target) ? std::optional<std::string>(target) : std::nullopt);
@@ -205,8 +216,9 @@ void kill_rounds(bool rotate, int iters) {
     ASSERT_FALSE(has_temporary(files)) << "a dead child's temporary was not removed";
   }
   std::printf("[ kill test%s ] %d kills, %d during a save's write (temporary left), last step %lld, save %.1f ms, "
-              "seed %u\n",
-              rotate ? " (rotating)" : "", kIters, killed_mid_save, static_cast<long long>(known), save_ms, seed);
+              "final delay spread %.3g x save, seed %u\n",
+              rotate ? " (rotating)" : "", kIters, killed_mid_save, static_cast<long long>(known), save_ms, spread,
+              seed);
   EXPECT_GT(known, 0) << "no save ever completed: the delays are too short to test anything";
   EXPECT_GE(killed_mid_save, kIters / 6) << "too few kills landed inside a save to test its atomicity";
   std::error_code ec;
