@@ -204,6 +204,14 @@ __device__ __forceinline__ void mma_pb(float acc[8][4], const float p[8][4], con
   }
 }
 
+// 2^x with the hardware approximation (ex2.approx: ~2 ulp, 2^-inf = 0), as flash kernels use for
+// the softmax; exp2f without fast-math takes a slower exact path.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -274,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
         }
       }
       const float mn_lo = fmaxf(m_lo, quad_max(mx_lo)), mn_hi = fmaxf(m_hi, quad_max(mx_hi));
-      const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);  // 0 on the first chunk
+      const float al_lo = fast_exp2(m_lo - mn_lo), al_hi = fast_exp2(m_hi - mn_hi);  // 0 on the first chunk
       m_lo = mn_lo;
       m_hi = mn_hi;
       float sum_lo = 0.f, sum_hi = 0.f;
@@ -282,8 +290,8 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          s[j][e] = exp2f(s[j][e] - mn_lo);
-          s[j][2 + e] = exp2f(s[j][2 + e] - mn_hi);
+          s[j][e] = fast_exp2(s[j][e] - mn_lo);
+          s[j][2 + e] = fast_exp2(s[j][2 + e] - mn_hi);
           sum_lo += s[j][e];
           sum_hi += s[j][2 + e];
         }
@@ -357,8 +365,8 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(Params P) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const bool valid = k0 + j * 8 + 2 * c + e < P.S;
-          const float p_lo = valid ? exp2f(s[j][e] * P.scale_log2 - lse_lo) : 0.f;
-          const float p_hi = valid ? exp2f(s[j][2 + e] * P.scale_log2 - lse_hi) : 0.f;
+          const float p_lo = valid ? fast_exp2(s[j][e] * P.scale_log2 - lse_lo) : 0.f;
+          const float p_hi = valid ? fast_exp2(s[j][2 + e] * P.scale_log2 - lse_hi) : 0.f;
           s[j][e] = p_lo * (dp[j][e] - d_lo);  // dS
           s[j][2 + e] = p_hi * (dp[j][2 + e] - d_hi);
         }
@@ -422,8 +430,8 @@ __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(Params P) {
           const int col = q0 + j * 8 + 2 * c + e;
           const float lq = col < lpad ? lse[col] : INFINITY;
           const float dcol = col < lpad ? dd[col] : 0.f;
-          const float p_lo = exp2f(s[j][e] * P.scale_log2 - lq);
-          const float p_hi = exp2f(s[j][2 + e] * P.scale_log2 - lq);
+          const float p_lo = fast_exp2(s[j][e] * P.scale_log2 - lq);
+          const float p_hi = fast_exp2(s[j][2 + e] * P.scale_log2 - lq);
           s[j][e] = p_lo;
           s[j][2 + e] = p_hi;
           dp[j][e] = p_lo * (dp[j][e] - dcol);  // dS^T
