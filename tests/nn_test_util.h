@@ -37,6 +37,18 @@ inline ::testing::AssertionResult close_scaled(const Tensor& got, const Tensor& 
   return ::testing::AssertionSuccess();
 }
 
+// An attention output and the gradients of q, k and v for the upstream gradient `gout`.
+struct AttentionGrads {
+  Tensor out, dq, dk, dv;
+};
+inline AttentionGrads attention_grads(const Tensor& out, const Tensor& gout, const Tensor& q, const Tensor& k,
+                                      const Tensor& v) {
+  BackwardOptions opt;
+  opt.grad_output = gout;
+  const Gradients g = out.backward(opt);
+  return {out, q.grad(g), k.grad(g), v.grad(g)};
+}
+
 // max |got - want| <= tol * max(1, max |want|), on the CPU in f64.
 inline ::testing::AssertionResult close_rel(const Tensor& got, const Tensor& want, double tol) {
   if (got.sizes() != want.sizes())

@@ -330,14 +330,13 @@ FusedVsMath run_cuda(const CudaCase& c, DType dt, SdpaBackend backend, uint64_t 
   const Tensor gout = input({c.b, c.h, c.l, c.d}, seed + 4);
   SdpaBackendGuard guard(backend);
   FusedVsMath r;
-  r.out = F::scaled_dot_product_attention(q, k, v, mask, 0.0, c.causal);
+  const Tensor out = F::scaled_dot_product_attention(q, k, v, mask, 0.0, c.causal);
   r.path = F::sdpa_last_path();
-  BackwardOptions opt;
-  opt.grad_output = gout;
-  Gradients g = r.out.backward(opt);
-  r.dq = q.grad(g);
-  r.dk = k.grad(g);
-  r.dv = v.grad(g);
+  const AttentionGrads g = attention_grads(out, gout, q, k, v);
+  r.out = g.out;
+  r.dq = g.dq;
+  r.dk = g.dk;
+  r.dv = g.dv;
   return r;
 }
 
@@ -408,25 +407,20 @@ TEST(SdpaCudaRoutes, GraphCaptureOfLongNonCausalKv) {
     (void)F::scaled_dot_product_attention(q, k, v).backward(opt);
   }
   cuda::Graph graph;
-  Tensor out, dq, dk, dv;
+  AttentionGrads got;
   const char* path = "";
   cuda::capture(graph, [&] {
-    out = F::scaled_dot_product_attention(q, k, v);
+    const Tensor out = F::scaled_dot_product_attention(q, k, v);
     path = F::sdpa_last_path();
-    BackwardOptions opt;
-    opt.grad_output = gout;
-    Gradients g = out.backward(opt);
-    dq = q.grad(g);
-    dk = k.grad(g);
-    dv = v.grad(g);
+    got = attention_grads(out, gout, q, k, v);
   });
   graph.replay();
   cuda::synchronize();
   EXPECT_STREQ(path, "fused_chunked");
-  EXPECT_TRUE(close_rel(out, m.out, 3e-2));
-  EXPECT_TRUE(close_rel(dq, m.dq, 3e-2));
-  EXPECT_TRUE(close_rel(dk, m.dk, 3e-2));
-  EXPECT_TRUE(close_rel(dv, m.dv, 3e-2));
+  EXPECT_TRUE(close_rel(got.out, m.out, 3e-2));
+  EXPECT_TRUE(close_rel(got.dq, m.dq, 3e-2));
+  EXPECT_TRUE(close_rel(got.dk, m.dk, 3e-2));
+  EXPECT_TRUE(close_rel(got.dv, m.dv, 3e-2));
 }
 
 TEST(SdpaCudaRoutes, ChunkedEagerMatchesMath) {

@@ -44,9 +44,7 @@ std::string case_name(const Case& c) {
   return os.str();
 }
 
-struct Result {
-  Tensor out, dq, dk, dv;
-};
+using Result = AttentionGrads;
 
 // Forward and backward with a fixed upstream gradient; inputs drawn in the case's dtype, then
 // converted to `dt` (so the f32 reference sees the same values).
@@ -57,15 +55,7 @@ Result run(const Case& c, DType dt, bool short_kernels) {
   Tensor v = rnd({c.b, c.h, c.s, d}, 3, c.dt).to(dt).requires_grad_();
   const Tensor gout = rnd({c.b, c.h, c.l, d}, 4, c.dt).to(dt);
   ShortAttentionGuard on(short_kernels);
-  Result r;
-  r.out = F::scaled_dot_product_attention(q, k, v);
-  BackwardOptions opt;
-  opt.grad_output = gout;
-  Gradients g = r.out.backward(opt);
-  r.dq = q.grad(g);
-  r.dk = k.grad(g);
-  r.dv = v.grad(g);
-  return r;
+  return attention_grads(F::scaled_dot_product_attention(q, k, v), gout, q, k, v);
 }
 
 void expect_close(const Result& got, const Result& want, double tol, const std::string& what) {
@@ -166,22 +156,14 @@ TEST(SdpaShortCudaRoutes, GraphCaptureReplaysTheSameValues) {
   Tensor v = rnd({2, 3, 196, 64}, 3, DType::bf16).requires_grad_();
   const Tensor gout = rnd({2, 3, 196, 64}, 4, DType::bf16);
   cuda::Graph graph;
-  Tensor out, dq, dk, dv;
-  cuda::capture(graph, [&] {
-    out = F::scaled_dot_product_attention(q, k, v);
-    BackwardOptions opt;
-    opt.grad_output = gout;
-    Gradients g = out.backward(opt);
-    dq = q.grad(g);
-    dk = k.grad(g);
-    dv = v.grad(g);
-  });
+  Result got;
+  cuda::capture(graph, [&] { got = attention_grads(F::scaled_dot_product_attention(q, k, v), gout, q, k, v); });
   graph.replay();
   cuda::synchronize();
-  EXPECT_TRUE(same_bits(out, eager.out, "out"));
-  EXPECT_TRUE(same_bits(dq, eager.dq, "dq"));
-  EXPECT_TRUE(same_bits(dk, eager.dk, "dk"));
-  EXPECT_TRUE(same_bits(dv, eager.dv, "dv"));
+  EXPECT_TRUE(same_bits(got.out, eager.out, "out"));
+  EXPECT_TRUE(same_bits(got.dq, eager.dq, "dq"));
+  EXPECT_TRUE(same_bits(got.dk, eager.dk, "dk"));
+  EXPECT_TRUE(same_bits(got.dv, eager.dv, "dv"));
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "src/backend/cuda/attention/sdpa_short.h"
 #include "src/backend/cuda/common.cuh"
@@ -66,42 +67,34 @@ struct Params {
   float scale_log2;    // scale * log2(e)
 };
 
+// One m16n8k16 tensor-core MMA (f32 accumulate) and the packing of f32 pairs into T pairs.
 template <class T>
-struct Mma;
-template <>
-struct Mma<__nv_bfloat16> {
+struct Mma {
+  static constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   static __device__ __forceinline__ void run(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (kBf16) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+          "{%0,%1,%2,%3};\n"
+          : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
   }
+  using T2 = std::conditional_t<kBf16, __nv_bfloat162, __half2>;
   static __device__ __forceinline__ uint32_t pack(float x, float y) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    T2 h;
+    if constexpr (kBf16) h = __floats2bfloat162_rn(x, y); else h = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&h);
   }
   static __device__ __forceinline__ float2 unpack(uint32_t u) {
-    __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&u);
-    return __bfloat1622float2(h);
-  }
-};
-template <>
-struct Mma<__half> {
-  static __device__ __forceinline__ void run(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float x, float y) {
-    __half2 h = __floats2half2_rn(x, y);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-  static __device__ __forceinline__ float2 unpack(uint32_t u) {
-    __half2 h = *reinterpret_cast<__half2*>(&u);
-    return __half22float2(h);
+    const T2 h = *reinterpret_cast<T2*>(&u);
+    if constexpr (kBf16) return __bfloat1622float2(h); else return __half22float2(h);
   }
 };
 
@@ -139,6 +132,16 @@ __device__ __forceinline__ void stage(T* sm, const Operand& t, int b, int h, int
     if (r < n) v = *reinterpret_cast<const uint4*>(row_ptr<T>(t, b, h, r) + c);
     *reinterpret_cast<uint4*>(sm + r * kRow + c) = v;
   }
+}
+
+// Rows [0, n) of two [N, 64] operands of head (b, h), each padded to a multiple of 16 rows, one
+// after the other from `sm`; returns where the second starts. The caller synchronizes.
+template <class T>
+__device__ __forceinline__ T* stage_two(T* sm, const Operand& x, const Operand& y, int b, int h, int n) {
+  const int pad = (n + 15) / 16 * 16;
+  stage<T>(sm, x, b, h, n, pad);
+  stage<T>(sm + pad * kRow, y, b, h, n, pad);
+  return sm + pad * kRow;
 }
 
 // The A fragments (16 rows x 64 dims, four k-steps of 16) of rows r0.. of an operand, from global
@@ -248,12 +251,9 @@ __device__ __forceinline__ void store_rows(const OutOperand& t, int b, int h, in
 template <class T>
 __global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, spad = (P.S + 15) / 16 * 16;
   T* ks = reinterpret_cast<T*>(smem_raw);
-  const int spad = (P.S + 15) / 16 * 16;
-  T* vs = ks + spad * kRow;
-  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
-  stage<T>(ks, P.k, b, h, P.S, spad);
-  stage<T>(vs, P.v, b, h, P.S, spad);
+  const T* vs = stage_two<T>(ks, P.k, P.v, b, h, P.S);
   __syncthreads();
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -320,12 +320,9 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
 template <class T>
 __global__ void __launch_bounds__(kThreads) backward_dq_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, spad = (P.S + 15) / 16 * 16;
   T* ks = reinterpret_cast<T*>(smem_raw);
-  const int spad = (P.S + 15) / 16 * 16;
-  T* vs = ks + spad * kRow;
-  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
-  stage<T>(ks, P.k, b, h, P.S, spad);
-  stage<T>(vs, P.v, b, h, P.S, spad);
+  const T* vs = stage_two<T>(ks, P.k, P.v, b, h, P.S);
   __syncthreads();
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -382,14 +379,11 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(Params P) {
 template <class T>
 __global__ void __launch_bounds__(kThreads) backward_dkv_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, lpad = (P.L + 15) / 16 * 16;
   T* qs = reinterpret_cast<T*>(smem_raw);
-  const int lpad = (P.L + 15) / 16 * 16;
-  T* dos = qs + lpad * kRow;
+  T* dos = stage_two<T>(qs, P.q, P.dout, b, h, P.L);
   float* lse = reinterpret_cast<float*>(dos + lpad * kRow);  // log2 domain; +inf past L
   float* dd = lse + lpad;                                      // D = rowsum(dO * O); 0 past L
-  const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads;
-  stage<T>(qs, P.q, b, h, P.L, lpad);
-  stage<T>(dos, P.dout, b, h, P.L, lpad);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const float* st = P.stats_in + (static_cast<int64_t>(b) * P.heads + h) * P.L;
   for (int r = warp; r < lpad; r += kWarps) {  // a warp per query row: 2 dims per lane
