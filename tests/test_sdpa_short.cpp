@@ -65,6 +65,24 @@ void expect_close(const Result& got, const Result& want, double tol, const std::
   EXPECT_TRUE(close_rel(got.dv, want.dv, tol)) << what << " dv";
 }
 
+// The switch exists in every build; the CPU backend's fused reference never runs the kernels.
+TEST(SdpaShortSwitch, TogglesAndTheCpuPathDoesNotCount) {
+  const bool before = cuda::short_attention();
+  {
+    ShortAttentionGuard on(true);
+    EXPECT_TRUE(cuda::short_attention());
+    const cuda::ShortAttentionStats s0 = cuda::short_attention_stats();
+    Generator g(5);
+    const Tensor q = Tensor::randn({1, 2, 9, 64}, 0.0, 1.0, {DType::f32, Device::cpu()}, &g);
+    F::SdpaBackendGuard fused(F::SdpaBackend::fused);
+    (void)F::scaled_dot_product_attention(q, q, q);
+    EXPECT_EQ(cuda::short_attention_stats().forward_calls, s0.forward_calls);
+    ShortAttentionGuard off(false);
+    EXPECT_FALSE(cuda::short_attention());
+  }
+  EXPECT_EQ(cuda::short_attention(), before);
+}
+
 class SdpaShortCuda : public ::testing::TestWithParam<Case> {};
 
 TEST_P(SdpaShortCuda, MatchesMathAndCudnn) {
