@@ -33,10 +33,13 @@
 //
 // Usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N]
 //                    [--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report]
-//                    [--recompute none,mlp,mlp:N,all]
+//                    [--recompute none,mlp,mlp:N,all] [--attention default,short]
 //
 // --recompute runs each DiT case once per level listed (DiTRecompute, docs/recompute.md); the
 // levels other than none are named step_<model>_b<batch>_recompute_<level>.
+// --attention runs each case once per choice listed: "default" leaves cuda::set_short_attention as
+// it is (off unless FLAME_SHORT_ATTENTION=1), "short" turns FLAME's short-sequence attention kernels
+// on for the case (docs/nn-attention.md) and adds "_short_attention" to its name.
 // --memory-report runs one more step of each case under flame::profiler::MemoryProfiler and prints
 // its report ("where the peak went", by op and module) as '#' lines after the case's result.
 #include <algorithm>
@@ -87,6 +90,7 @@ struct Args {
   // DiT activation recompute levels, one case each (DiTRecompute); "none" keeps the case's plain
   // name (the PyTorch twin's), the others add "_recompute_<level>".
   std::vector<std::string> recompute{"none"};
+  std::vector<std::string> attention{"default"};  // "default" and/or "short", one case each
 };
 
 // One case: a step to time and what to report about it. `step` is the seam a graph-capture
@@ -316,7 +320,7 @@ Args parse(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: bench_steps [--device cuda|cpu] [--model dit-s,unet-s,mlp] [--batch N] [--steps N] "
                  "[--warmup N] [--mode eager|graph] [--amp auto|bf16|off] [--no-gemm] [--memory-report] [--trace N [--trace-json FILE]] "
-                 "[--recompute none,mlp,mlp:N,all]\n");
+                 "[--recompute none,mlp,mlp:N,all] [--attention default,short]\n");
     std::exit(2);
   };
   for (int i = 1; i < argc; ++i) {
@@ -364,6 +368,14 @@ Args parse(int argc, char** argv) {
         a.recompute.push_back(r);
       }
       if (a.recompute.empty()) usage();
+    } else if (s == "--attention") {
+      a.attention.clear();
+      std::stringstream ss(next());
+      for (std::string r; std::getline(ss, r, ',');) {
+        if (r != "default" && r != "short") usage();
+        a.attention.push_back(r);
+      }
+      if (a.attention.empty()) usage();
     } else {
       usage();
     }
@@ -412,23 +424,34 @@ int main(int argc, char** argv) {
     }
   }
 
-  // One case per model, and for DiT models one per --recompute level.
-  std::vector<std::pair<std::string, std::string>> cases;
+  // One case per model and --attention choice, and for DiT models one per --recompute level.
+  struct Case {
+    std::string model, recompute;
+    bool short_attention;
+  };
+  std::vector<Case> cases;
   for (const std::string& model : args.models) {
-    if (model.rfind("dit", 0) == 0) {
-      for (const std::string& r : args.recompute) cases.emplace_back(model, r);
-    } else {
-      cases.emplace_back(model, "none");
+    for (const std::string& a : args.attention) {
+      if (model == "mlp" && a == "short") continue;  // no attention in it
+      if (model.rfind("dit", 0) == 0) {
+        for (const std::string& r : args.recompute) cases.push_back({model, r, a == "short"});
+      } else {
+        cases.push_back({model, "none", a == "short"});
+      }
     }
   }
-  for (const auto& [model, recompute] : cases) {
+  const bool short_attention_default = flame::cuda::short_attention();
+  for (const auto& [model, recompute, short_attention] : cases) {
     const int64_t batch = args.batch > 0 ? args.batch : default_batch(model);
-    std::string name = "step_" + model + "_b" + std::to_string(batch) + (recompute == "none" ? "" : "_recompute_" + recompute);
+    const std::string suffix = short_attention ? "_short_attention" : "";
+    std::string name = "step_" + model + "_b" + std::to_string(batch) +
+                       (recompute == "none" ? "" : "_recompute_" + recompute) + suffix;
+    flame::cuda::set_short_attention(short_attention || short_attention_default);
     try {
       const bool graph = args.mode == "graph";
       Workload w = model == "mlp" ? mlp_workload(batch, dev, amp, graph)
                                   : diffusion_workload(model, batch, dev, amp, graph, recompute);
-      name = w.name;
+      name = w.name + suffix;
       if (graph) {
         // The whole step as one CUDA graph (cuda::GraphedStep: eager warm-up, capture, replays).
         auto graphed = std::make_shared<flame::cuda::GraphedStep>(
@@ -505,5 +528,6 @@ int main(int argc, char** argv) {
     }
     if (dev.is_cuda()) flame::cuda::empty_cache(dev.index);
   }
+  flame::cuda::set_short_attention(short_attention_default);
   return 0;
 }
