@@ -81,6 +81,9 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
         }
       })
       ->capture_default_str();
+  cmd->add_flag("--short-attention", c.short_attention,
+                "FLAME's short-sequence attention kernels instead of cuDNN's (CUDA; head dim 64, up to 256 "
+                "tokens; FLAME_SHORT_ATTENTION=1 does the same)");
   cmd->add_option("--classifier", c.classifier, "at the end, classify samples with this classifier (train_classifier)")
       ->check(CLI::ExistingFile);
   cmd->add_option("--eval-per-class", c.eval_per_class, "samples per class for --classifier")->capture_default_str();

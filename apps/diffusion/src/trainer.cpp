@@ -345,7 +345,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
   const std::string plot_path = (fs::path(c.out) / "loss.png").string();
   const auto classes = c.classes.empty() ? all_classes(r.model->num_classes()) : c.classes;
 
-  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s%s%s\n",
+  if (c.short_attention) flame::cuda::set_short_attention(true);
+  std::fprintf(stderr, "%s: %s (%lld parameters, %lld trainable), %s objective, %lld steps of %lld images%s on %s%s%s%s%s\n",
                tag.c_str(), r.model->preset().c_str(), static_cast<long long>(r.model->num_parameters()),
                static_cast<long long>(r.model->num_parameters(true)), r.objective->name().c_str(),
                static_cast<long long>(c.steps), static_cast<long long>(c.batch),
@@ -353,7 +354,8 @@ TrainResult run_loop(Run& r, const std::string& tag, const std::function<void(co
                r.dev.is_cuda() ? ("cuda:" + std::to_string(r.dev.index)).c_str() : "cpu",
                r.amp ? (std::string(", autocast ") + (r.amp == DType::bf16 ? "bf16" : "f16")).c_str() : "",
                compile ? ", compiled step (CUDA graph)" : "",
-               c.recompute != "none" ? (", recompute " + c.recompute).c_str() : "");
+               c.recompute != "none" ? (", recompute " + c.recompute).c_str() : "",
+               flame::cuda::short_attention() ? ", short-sequence attention kernels" : "");
   if (r.dev.is_cuda()) flame::cuda::reset_peak_memory_stats(r.dev.index);
 
   ProgressBar bar(c.steps, c.progress_bar && main_rank);

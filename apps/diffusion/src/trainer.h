@@ -49,6 +49,9 @@ struct TrainConfig {
   // DiT activation recompute (DiTRecomputeSpec): none, mlp, mlp:N or all. Less memory held between the
   // forward and the backward for a little more backward time (docs/recompute.md).
   std::string recompute = "none";
+  // FLAME's short-sequence attention kernels instead of cuDNN's (flame::cuda::set_short_attention,
+  // docs/nn-attention.md); the process-wide switch is turned on for the run.
+  bool short_attention = false;
   // Sampling of the grids written during and after training.
   SampleOptions sampling{.sampler = SamplerKind::euler, .steps = 32, .cfg_scale = 2.0, .seed = 1234};
   int64_t samples_per_class = 10;
