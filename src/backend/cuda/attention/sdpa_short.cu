@@ -15,8 +15,9 @@
 //    logsumexp and D of every query, a warp per 16-key tile accumulates dK and dV in registers).
 //    P and dP are computed twice (once per kernel): 7 MMA passes instead of FlashAttention-2's 5,
 //    traded for no dQ atomics, no conversion pass and no cross-warp reduction.
-// Shared-memory rows are 72 halves (144 bytes): ldmatrix reads eight 16-byte rows per phase, and
-// that stride puts them on distinct banks. Keys (or queries) past the sequence are zero-filled
+// Shared-memory rows are 64 halves, their eight 16-byte chunks swizzled (chunk ^ row % 8):
+// ldmatrix reads the same chunk of eight consecutive rows per phase, and the swizzle puts them on
+// distinct banks without padding (so four blocks of 196-key heads fit on an SM, not three). Keys (or queries) past the sequence are zero-filled
 // and masked out of the softmax (-inf score) or given an infinite logsumexp (zero probability).
 // Only what the supports() check accepts comes here; everything else stays on cuDNN.
 #include <cuda_bf16.h>
@@ -39,7 +40,7 @@ constexpr int kD = 64;           // head dim
 constexpr int kMaxSeq = 256;     // queries and keys
 constexpr int kWarps = 4;        // per block
 constexpr int kThreads = kWarps * 32;
-constexpr int kRow = kD + 8;     // shared-memory row stride in halves (Note above)
+constexpr int kRow = kD;         // shared-memory row stride in halves (swizzled: Note above)
 constexpr int kChunk = 64;       // keys (forward, dQ) or queries (dK/dV) per softmax step
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -123,14 +124,19 @@ __device__ __forceinline__ T* row_ptr(const OutOperand& t, int b, int h, int r) 
   return static_cast<T*>(t.ptr) + b * t.sb + h * t.sh + static_cast<int64_t>(r) * t.sr;
 }
 
-// Rows [0, n) of a [N, 64] operand into shared memory (row stride kRow), rows [n, rows) zeroed.
+// Where element (row r, column col) of a staged [N, 64] operand lives in shared memory: its 16-byte
+// chunk col / 8 is stored at chunk (col / 8) ^ (r % 8) of the row (Note above). `col` % 8 == 0 for
+// the ldmatrix and staging addresses.
+__device__ __forceinline__ int swz(int r, int col) { return r * kRow + ((((col >> 3) ^ (r & 7)) << 3) | (col & 7)); }
+
+// Rows [0, n) of a [N, 64] operand into shared memory (swizzled rows), rows [n, rows) zeroed.
 template <class T>
 __device__ __forceinline__ void stage(T* sm, const Operand& t, int b, int h, int n, int rows) {
   for (int i = threadIdx.x; i < rows * (kD / 8); i += kThreads) {
     const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < n) v = *reinterpret_cast<const uint4*>(row_ptr<T>(t, b, h, r) + c);
-    *reinterpret_cast<uint4*>(sm + r * kRow + c) = v;
+    *reinterpret_cast<uint4*>(sm + swz(r, c)) = v;
   }
 }
 
@@ -175,7 +181,7 @@ __device__ __forceinline__ void mma_abt(float acc[8][4], const uint32_t a[4][4],
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       uint32_t r[4];
-      ldsm4(r, sm + (n0 + p * 16 + (mi / 2) * 8 + ri) * kRow + ks * 16 + (mi % 2) * 8);
+      ldsm4(r, sm + swz(n0 + p * 16 + (mi / 2) * 8 + ri, ks * 16 + (mi % 2) * 8));
       Mma<T>::run(acc[2 * p], a[ks], r[0], r[1]);
       Mma<T>::run(acc[2 * p + 1], a[ks], r[2], r[3]);
     }
@@ -200,7 +206,7 @@ __device__ __forceinline__ void mma_pb(float acc[8][4], const float p[8][4], con
 #pragma unroll
     for (int dp = 0; dp < 4; ++dp) {  // pairs of 8-dim tiles
       uint32_t r[4];
-      ldsm4_t(r, sm + (k0 + kt * 16 + (mi % 2) * 8 + ri) * kRow + dp * 16 + (mi / 2) * 8);
+      ldsm4_t(r, sm + swz(k0 + kt * 16 + (mi % 2) * 8 + ri, dp * 16 + (mi / 2) * 8));
       Mma<T>::run(acc[2 * dp], a, r[0], r[1]);
       Mma<T>::run(acc[2 * dp + 1], a, r[2], r[3]);
     }
