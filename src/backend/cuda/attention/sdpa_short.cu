@@ -38,7 +38,7 @@ namespace {
 
 constexpr int kD = 64;           // head dim
 constexpr int kMaxSeq = 256;     // queries and keys
-constexpr int kWarps = 4;        // per block
+constexpr int kWarps = 4;        // per block; blocks per SM: 4 forward, 3 dQ, 2 dK/dV (registers)
 constexpr int kThreads = kWarps * 32;
 constexpr int kRow = kD;         // shared-memory row stride in halves (swizzled: Note above)
 constexpr int kChunk = 64;       // keys (forward, dQ) or queries (dK/dV) per softmax step
@@ -255,7 +255,7 @@ __device__ __forceinline__ void store_rows(const OutOperand& t, int b, int h, in
 // ---- forward ----
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
+__global__ void __launch_bounds__(kThreads, 4) forward_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, spad = (P.S + 15) / 16 * 16;
   T* ks = reinterpret_cast<T*>(smem_raw);
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kThreads) forward_kernel(Params P) {
 // ---- backward: dQ ----
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) backward_dq_kernel(Params P) {
+__global__ void __launch_bounds__(kThreads, 3) backward_dq_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, spad = (P.S + 15) / 16 * 16;
   T* ks = reinterpret_cast<T*>(smem_raw);
@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads) backward_dq_kernel(Params P) {
 // ---- backward: dK and dV ----
 
 template <class T>
-__global__ void __launch_bounds__(kThreads) backward_dkv_kernel(Params P) {
+__global__ void __launch_bounds__(kThreads, 2) backward_dkv_kernel(Params P) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, lpad = (P.L + 15) / 16 * 16;
   T* qs = reinterpret_cast<T*>(smem_raw);
