@@ -20,6 +20,8 @@
 // distinct banks without padding (so four blocks of 196-key heads fit on an SM, not three). Keys (or queries) past the sequence are zero-filled
 // and masked out of the softmax (-inf score) or given an infinite logsumexp (zero probability).
 // Only what the supports() check accepts comes here; everything else stays on cuDNN.
+// tools/sdpa_short_model.py (ctest model.sdpa_short) is a fragment-level NumPy model of these
+// kernels checked against plain attention: change it with them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
