@@ -10,6 +10,14 @@
 #include "nn_test_util.h"
 #include "test_util.h"
 
+// Engine counters (src/autograd/record.h; libflame exports them).
+namespace flame::autograd_detail {
+struct RowSumCounts {
+  uint64_t attached = 0, taken = 0;
+};
+RowSumCounts row_sum_counts();
+}  // namespace flame::autograd_detail
+
 namespace flame::test {
 namespace {
 namespace F = flame::nn::functional;
@@ -136,6 +144,37 @@ TEST(SdpaShortCudaRoutes, PackedQkvOfADitBlock) {
   const auto [want_out, want_dqkv] = run_packed(false);
   EXPECT_TRUE(close_rel(out, want_out, 3e-2));
   EXPECT_TRUE(close_rel(dqkv, want_dqkv, 3e-2));
+}
+
+// The short backward sums dq, dk and dv per column as it writes them; the projection that made
+// qkv takes those sums as its bias gradient (Note [Gradient row sums]) instead of summing the qkv
+// gradient again. The bias gradient matches cuDNN's route, where the projection sums it itself.
+TEST(SdpaShortCudaRoutes, QkvBiasGradientFromTheKernelsColumnSums) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const int64_t B = 2, L = 196, H = 6, C = H * 64;
+  const Tensor x = rnd({B, L, C}, 30, DType::bf16, 0.2);
+  Tensor w = rnd({3 * C, C}, 31, DType::bf16, 0.05).requires_grad_();
+  Tensor bias = rnd({3 * C}, 32, DType::bf16).requires_grad_();
+  const Tensor gout = rnd({B, L, C}, 33, DType::bf16);
+  auto bias_grad = [&](bool short_kernels, autograd_detail::RowSumCounts* delta) {
+    ShortAttentionGuard on(short_kernels);
+    const autograd_detail::RowSumCounts before = autograd_detail::row_sum_counts();
+    const Tensor out = F::attention_qkv_packed(F::linear(x, w, bias), H);
+    BackwardOptions opt;
+    opt.grad_output = gout;
+    const Gradients g = out.backward(opt);
+    const autograd_detail::RowSumCounts after = autograd_detail::row_sum_counts();
+    *delta = {after.attached - before.attached, after.taken - before.taken};
+    return std::pair{bias.grad(g), w.grad(g)};
+  };
+  autograd_detail::RowSumCounts with{}, without{};
+  const auto [db, dw] = bias_grad(true, &with);
+  const auto [want_db, want_dw] = bias_grad(false, &without);
+  EXPECT_EQ(with.attached, 1u);
+  EXPECT_EQ(with.taken, 1u) << "the projection did not take the kernels' column sums";
+  EXPECT_EQ(without.attached, 0u);
+  EXPECT_TRUE(close_rel(db, want_db, 3e-2));
+  EXPECT_TRUE(close_rel(dw, want_dw, 3e-2));
 }
 
 // What the kernels do not take runs on cuDNN with the switch on: a mask, causal, head dim 128,

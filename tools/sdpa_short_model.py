@@ -13,8 +13,8 @@ fragment layouts:
     (rows 2(l % 4), 2(l % 4) + 1, col l / 4);
 and the kernels' swizzled shared-memory layout. What it checks: the kernels' index arithmetic
 (fragment addresses, the swizzle, the C-to-A reuse of P and dS, padding and masking, the online
-softmax, the logsumexp and D = rowsum(dO * O) bookkeeping) gives attention's forward and its three
-gradients, in float64, to rounding error; and that every ldmatrix phase reads distinct banks. What it
+softmax, the logsumexp and D = rowsum(dO * O) bookkeeping, the gradients' column sums) gives
+attention's forward, its three gradients and their column sums, in float64, to rounding error; and that every ldmatrix phase reads distinct banks. What it
 cannot check: the hardware itself (it models the PTX documentation), races, or performance; the GPU
 tests (tests/test_sdpa_short.cpp) do that. It must be changed with the kernels.
 
@@ -142,6 +142,19 @@ def store_rows(dst, r0, n, acc, mul_lo, mul_hi):
                 dst[r0 + g + 8, col:col + 2] = acc[j][l][2:4] * mul_hi[l]
 
 
+def add_column_sums(sums, acc, mul, r0, n):
+    """add_column_sums(): per column pair c, the sum over the eight row groups (shfl_xor 4, 8, 16)
+    of the rows below n, added by lanes 0..3."""
+    for j in range(8):
+        for e in range(2):
+            v = np.array([(acc[j][l][e] if r0 + l // 4 < n else 0.0) + (acc[j][l][2 + e] if r0 + l // 4 + 8 < n else 0.0)
+                          for l in range(32)])
+            for x in (4, 8, 16):
+                v = v + v[LANES ^ x]
+            for l in range(4):
+                sums[j * 8 + 2 * l + e] += v[l] * mul
+
+
 def pad16(n):
     return (n + 15) // 16 * 16
 
@@ -195,6 +208,7 @@ def backward_dq(Q, K, V, O, dO, stats, scale):
     spad = pad16(S)
     ks, vs = stage(K, spad), stage(V, spad)
     dQ = np.full((L, D), np.nan)
+    sums = np.zeros(D)
     sl2 = scale * LOG2E
     for r0 in range(0, pad16(L), 16):
         qa, da, oa = load_a(Q, r0), load_a(dO, r0), load_a(O, r0)
@@ -223,7 +237,8 @@ def backward_dq(Q, K, V, O, dO, stats, scale):
                     s[j][:, 2 + e] = p_hi * (dp[j][:, 2 + e] - d_hi)
             mma_pb(dq, s, ks, k0, spad)
         store_rows(dQ, r0, L, dq, np.full(32, scale), np.full(32, scale))
-    return dQ
+        add_column_sums(sums, dq, scale, r0, L)
+    return dQ, sums
 
 
 def backward_dkv(Q, K, V, O, dO, stats, scale):
@@ -233,6 +248,7 @@ def backward_dkv(Q, K, V, O, dO, stats, scale):
     lse = np.array([stats[r] * LOG2E if r < L else np.inf for r in range(lpad)])
     dd = np.array([(dO[r] * O[r]).sum() if r < L else 0.0 for r in range(lpad)])
     dK, dV = np.full((S, D), np.nan), np.full((S, D), np.nan)
+    sums = np.zeros(2 * D)
     sl2 = scale * LOG2E
     for r0 in range(0, pad16(S), 16):
         ka, va = load_a(K, r0), load_a(V, r0)
@@ -255,7 +271,9 @@ def backward_dkv(Q, K, V, O, dO, stats, scale):
             mma_pb(dk, dp, qs, q0, lpad)
         store_rows(dK, r0, S, dk, np.full(32, scale), np.full(32, scale))
         store_rows(dV, r0, S, dv, np.ones(32), np.ones(32))
-    return dK, dV
+        add_column_sums(sums[:D], dk, scale, r0, S)
+        add_column_sums(sums[D:], dv, 1.0, r0, S)
+    return dK, dV, sums
 
 
 def reference(Q, K, V, dO, scale):
@@ -284,14 +302,17 @@ def main():
         V, dO = rng.standard_normal((S, D)), rng.standard_normal((L, D))
         scale = D ** -0.5
         O, lse = forward(Q, K, V, scale)
-        dQ = backward_dq(Q, K, V, O, dO, lse, scale)
-        dK, dV = backward_dkv(Q, K, V, O, dO, lse, scale)
+        dQ, sq = backward_dq(Q, K, V, O, dO, lse, scale)
+        dK, dV, skv = backward_dkv(Q, K, V, O, dO, lse, scale)
         want = reference(Q, K, V, dO, scale)
-        errs = [np.abs(a - b).max() / max(1.0, np.abs(b).max()) for a, b in zip((O, lse, dQ, dK, dV), want)]
+        want = want + (np.concatenate([want[2].sum(axis=0), want[3].sum(axis=0), want[4].sum(axis=0)]),)
+        errs = [np.abs(a - b).max() / max(1.0, np.abs(b).max())
+                for a, b in zip((O, lse, dQ, dK, dV, np.concatenate([sq, skv])), want)]
         good = all(e < 1e-12 for e in errs)  # NaN (an element never written) fails too
         ok &= good
         print(f"L {L:3d} S {S:3d} scale of q, k {sd}: max rel. error out {errs[0]:.1e} lse {errs[1]:.1e} "
-              f"dq {errs[2]:.1e} dk {errs[3]:.1e} dv {errs[4]:.1e}{'' if good else '  MISMATCH'}")
+              f"dq {errs[2]:.1e} dk {errs[3]:.1e} dv {errs[4]:.1e} column sums {errs[5]:.1e}"
+              f"{'' if good else '  MISMATCH'}")
     print("sdpa_short_model:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -63,6 +63,8 @@ PreparedCounts prepared_counts();
 // them instead of summing g again. Taken only while g is the same memory at the same version
 // (a hook that replaced or edited it, or a further contribution summed into it, makes the
 // consumer sum as usual); thread-local, as a backward pass runs its rules on one thread.
+// Producers: the fused adaLN residual backward (src/ops/adaln.cpp) and the packed-QKV attention
+// backward on the short-sequence kernels (src/autograd/rules/attention_packed.cpp).
 void attach_row_sums(const Tensor& grad, Tensor sums);
 Tensor take_row_sums(const Tensor& grad);
 struct RowSumCounts {

@@ -90,10 +90,14 @@ class Backend {
   virtual void sdpa_forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k,
                             const Tensor& v, const Tensor& bias, double scale, bool causal) = 0;
   // Gradients of the forward above given out, its stats and dout (out's shape, last-dim stride 1);
-  // dq, dk, dv have q's, k's, v's shapes (any strides, last dim 1).
+  // dq, dk, dv have q's, k's, v's shapes (any strides, last dim 1). `column_sums` (may be null):
+  // a backend whose kernels have them at no extra pass sets it to the f32 [3 * H * E] sums over
+  // batches and rows of dq, dk and dv (in that order), the bias gradient of a projection that
+  // produced q, k, v packed as (3, H, E); otherwise it leaves it undefined.
   virtual void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q,
                              const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& dout,
-                             const Tensor& stats, const Tensor& bias, double scale, bool causal) = 0;
+                             const Tensor& stats, const Tensor& bias, double scale, bool causal,
+                             Tensor* column_sums) = 0;
   // ---- norm ----
   // Note [Norm kernels] in src/ops/norm.cpp. Every tensor is contiguous; weight/bias may be
   // undefined (no affine); mean/rstd/var are the statistics dtype (f64 for f64 input, else f32).

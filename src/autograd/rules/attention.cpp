@@ -53,7 +53,7 @@ TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor
   Tensor dv = make_empty(v.sizes(), v.dtype(), v.device(), "scaled_dot_product_attention");
   const int64_t s_kv = k.size(2);
   if (kv_chunk <= 0 || kv_chunk >= s_kv) {
-    be.sdpa_backward(dq, dk, dv, q, k, v, out, g, stats, bias, scale, causal);
+    be.sdpa_backward(dq, dk, dv, q, k, v, out, g, stats, bias, scale, causal, nullptr);
     return {dq, dk, dv};
   }
   // Note [cuDNN capture of long kv]: each chunk writes its dk, dv slice in place; its dq is a
@@ -65,7 +65,7 @@ TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor
     const int64_t len = std::min(kv_chunk, s_kv - s0);
     const Tensor bias_c = bias.defined() ? bias.narrow(3, s0, len) : Tensor();
     be.sdpa_backward(dq_part, dk.narrow(2, s0, len), dv.narrow(2, s0, len), q, k.narrow(2, s0, len),
-                     v.narrow(2, s0, len), out, g, stats, bias_c, scale, causal);
+                     v.narrow(2, s0, len), out, g, stats, bias_c, scale, causal, nullptr);
     const Tensor part = dq_part.to(DType::f32);
     dq_acc = dq_acc.defined() ? add(dq_acc, part) : part.clone();
   }

@@ -56,7 +56,11 @@ TensorList attention_qkv_packed_rule(const Tensor& g, const Node& n) {
     be.copy(dk4, d[1]);
     be.copy(dv4, d[2]);
   } else {
-    be.sdpa_backward(dq4, dk4, dv4, qkv4[0], qkv4[1], qkv4[2], out4, g4, stats, Tensor(), scale, causal);
+    // A backend that sums dq, dk and dv per column as it writes them hands the sums on to the
+    // projection that made qkv (its bias gradient; Note [Gradient row sums]).
+    Tensor sums;
+    be.sdpa_backward(dq4, dk4, dv4, qkv4[0], qkv4[1], qkv4[2], out4, g4, stats, Tensor(), scale, causal, &sums);
+    if (sums.defined()) autograd_detail::attach_row_sums(dqkv, sums);
   }
   return {dqkv};
 }

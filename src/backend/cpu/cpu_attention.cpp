@@ -101,7 +101,7 @@ void CpuBackend::sdpa_forward(const Tensor& out, const Tensor& stats, const Tens
 
 void CpuBackend::sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
                                const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats,
-                               const Tensor& bias, double scale, bool causal) {
+                               const Tensor& bias, double scale, bool causal, Tensor* /*column_sums*/) {
   const Problem p(q, k, v, bias, scale, causal);
   const Dense o = dense(out), g = dense(dout), st = dense(stats);
   std::vector<double> gq(static_cast<std::size_t>(p.bh * p.l * p.e), 0.0);

@@ -123,7 +123,7 @@ class CudaBackend final : public Backend {
                     const Tensor& bias, double scale, bool causal) override;
   void sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
                      const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats, const Tensor& bias,
-                     double scale, bool causal) override;
+                     double scale, bool causal, Tensor* column_sums) override;
   // ---- norm ----
   void norm_rows_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& weight,
                          const Tensor& bias, double eps) override;

@@ -247,7 +247,7 @@ void CudaBackend::sdpa_forward(const Tensor& out, const Tensor& stats, const Ten
 
 void CudaBackend::sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k,
                                 const Tensor& v, const Tensor& out, const Tensor& dout, const Tensor& stats,
-                                const Tensor& bias, double scale, bool causal) {
+                                const Tensor& bias, double scale, bool causal, Tensor* column_sums) {
   const DType dt = q.dtype();
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}, {&dq, "dq"},
                          {&dk, "dk"}, {&dv, "dv"}})
@@ -255,7 +255,7 @@ void CudaBackend::sdpa_backward(const Tensor& dq, const Tensor& dk, const Tensor
   if (bias.defined()) check_operand(bias, "bias", dt);
   CurrentDevice guard(device_);
   if (short_attention::enabled() && sdpa_short::supports(q, k, v, bias, causal, {&out, &dout, &dq, &dk, &dv})) {
-    sdpa_short::backward(dq, dk, dv, q, k, v, out, dout, stats, scale, stream());
+    sdpa_short::backward(dq, dk, dv, q, k, v, out, dout, stats, scale, stream(), column_sums);
     short_attention::count(false);
     return;
   }

@@ -14,7 +14,11 @@
 //    fragments it already holds) and dK/dV (one block per head, Q and dO in shared memory with the
 //    logsumexp and D of every query, a warp per 16-key tile accumulates dK and dV in registers).
 //    P and dP are computed twice (once per kernel): 7 MMA passes instead of FlashAttention-2's 5,
-//    traded for no dQ atomics, no conversion pass and no cross-warp reduction.
+//    traded for no dQ atomics, no conversion pass and no cross-warp reduction. Asked for
+//    (Backend::sdpa_backward's column_sums), both also sum their gradient tiles per column as they
+//    write them (a shared-memory add per column and tile) and a small kernel adds the heads'
+//    partial sums over the batch: the bias gradient of the qkv projection, which then skips its
+//    own pass over the qkv gradient (Note [Gradient row sums]).
 // Shared-memory rows are 64 halves, their eight 16-byte chunks swizzled (chunk ^ row % 8):
 // ldmatrix reads the same chunk of eight consecutive rows per phase, and the swizzle puts them on
 // distinct banks without padding (so four blocks of 196-key heads fit on an SM, not three). Keys (or queries) past the sequence are zero-filled
@@ -68,6 +72,7 @@ struct Params {
   int heads, L, S;
   float scale;         // softmax scale
   float scale_log2;    // scale * log2(e)
+  float* colsum;       // backward, optional: [B * H, 3, 64] f32, each head's column sums of dq, dk, dv
 };
 
 // One m16n8k16 tensor-core MMA (f32 accumulate) and the packing of f32 pairs into T pairs.
@@ -254,6 +259,33 @@ __device__ __forceinline__ void store_rows(const OutOperand& t, int b, int h, in
   }
 }
 
+// Adds the column sums over rows [r0, r0 + 16) (< n) of acc * mul (16 x 64, C layout) into
+// sm[64]: a sum over the warp's eight row groups (shfl_xor 4, 8, 16 keep the column pair c), then
+// one shared-memory add per column from lanes 0..3. For the bias gradient of a projection that
+// produced q, k and v (Note [Gradient row sums] in src/autograd/node.cpp).
+__device__ __forceinline__ void add_column_sums(float* sm, const float acc[8][4], float mul, int r0, int n, int g,
+                                                int lane) {
+  const bool lo = r0 + g < n, hi = r0 + g + 8 < n;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = (lo ? acc[j][e] : 0.f) + (hi ? acc[j][2 + e] : 0.f);
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) atomicAdd(sm + j * 8 + 2 * lane + e, v * mul);
+    }
+  }
+}
+
+// Writes `count` column sums of this block's head from shared memory to its slots of P.colsum
+// (after the block's last add_column_sums; synchronizes first).
+__device__ __forceinline__ void store_column_sums(float* out, const float* sm, int count) {
+  __syncthreads();
+  for (int i = threadIdx.x; i < count; i += kThreads) out[i] = sm[i];
+}
+
 // ---- forward ----
 
 template <class T>
@@ -331,6 +363,8 @@ __global__ void __launch_bounds__(kThreads, 3) backward_dq_kernel(Params P) {
   const int b = blockIdx.x / P.heads, h = blockIdx.x % P.heads, spad = (P.S + 15) / 16 * 16;
   T* ks = reinterpret_cast<T*>(smem_raw);
   const T* vs = stage_two<T>(ks, P.k, P.v, b, h, P.S);
+  float* sums = reinterpret_cast<float*>(ks + 2 * spad * kRow);  // dq's column sums (P.colsum)
+  if (P.colsum != nullptr && threadIdx.x < kD) sums[threadIdx.x] = 0.f;
   __syncthreads();
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -379,7 +413,9 @@ __global__ void __launch_bounds__(kThreads, 3) backward_dq_kernel(Params P) {
       mma_pb<T>(dq, s, ks, k0, spad, lane);
     }
     store_rows<T>(P.dq, b, h, r0, P.L, dq, P.scale, P.scale, g, c);
+    if (P.colsum != nullptr) add_column_sums(sums, dq, P.scale, r0, P.L, g, lane);
   }
+  if (P.colsum != nullptr) store_column_sums(P.colsum + static_cast<int64_t>(blockIdx.x) * 3 * kD, sums, kD);
 }
 
 // ---- backward: dK and dV ----
@@ -392,6 +428,8 @@ __global__ void __launch_bounds__(kThreads, 2) backward_dkv_kernel(Params P) {
   T* dos = stage_two<T>(qs, P.q, P.dout, b, h, P.L);
   float* lse = reinterpret_cast<float*>(dos + lpad * kRow);  // log2 domain; +inf past L
   float* dd = lse + lpad;                                      // D = rowsum(dO * O); 0 past L
+  float* sums = dd + lpad;  // dk's then dv's column sums (P.colsum)
+  if (P.colsum != nullptr && threadIdx.x < 2 * kD) sums[threadIdx.x] = 0.f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const float* st = P.stats_in + (static_cast<int64_t>(b) * P.heads + h) * P.L;
   for (int r = warp; r < lpad; r += kWarps) {  // a warp per query row: 2 dims per lane
@@ -445,7 +483,12 @@ __global__ void __launch_bounds__(kThreads, 2) backward_dkv_kernel(Params P) {
     }
     store_rows<T>(P.dk, b, h, r0, P.S, dk, P.scale, P.scale, g, c);
     store_rows<T>(P.dv, b, h, r0, P.S, dv, 1.f, 1.f, g, c);
+    if (P.colsum != nullptr) {
+      add_column_sums(sums, dk, P.scale, r0, P.S, g, lane);
+      add_column_sums(sums + kD, dv, 1.f, r0, P.S, g, lane);
+    }
   }
+  if (P.colsum != nullptr) store_column_sums(P.colsum + static_cast<int64_t>(blockIdx.x) * 3 * kD + kD, sums, 2 * kD);
 }
 
 bool aligned(const Tensor& t) {
@@ -469,9 +512,24 @@ Params params(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   return p;
 }
 
+// Two staged operands, the dK/dV kernel's logsumexp and D rows, and the column sums.
 int smem_bytes(int rows, bool with_stats) {
   const int pad = (rows + 15) / 16 * 16;
-  return 2 * pad * kRow * 2 + (with_stats ? 2 * pad * static_cast<int>(sizeof(float)) : 0);
+  return 2 * pad * kRow * 2 + (with_stats ? 2 * pad * static_cast<int>(sizeof(float)) : 0) +
+         2 * kD * static_cast<int>(sizeof(float));
+}
+
+// out[w * H * 64 + h * 64 + d] = sum over batches b of partial[((b * H + h) * 3 + w) * 64 + d]:
+// the column sums of dq (w = 0), dk and dv over all rows, in the (3, H, D) order of a qkv
+// projection's output columns.
+__global__ void reduce_column_sums(const float* partial, float* out, int batch, int heads) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 3 * heads * kD) return;
+  const int w = i / (heads * kD), h = (i / kD) % heads, d = i % kD;
+  float acc = 0.f;
+#pragma unroll 8
+  for (int b = 0; b < batch; ++b) acc += partial[((static_cast<int64_t>(b) * heads + h) * 3 + w) * kD + d];
+  out[i] = acc;
 }
 
 // Above 48 KB a kernel needs its dynamic shared-memory limit raised, once per device (not per
@@ -520,7 +578,8 @@ void forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tens
 }
 
 void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k, const Tensor& v,
-              const Tensor& out, const Tensor& dout, const Tensor& stats, double scale, void* stream) {
+              const Tensor& out, const Tensor& dout, const Tensor& stats, double scale, void* stream,
+              Tensor* column_sums) {
   Params p = params(q, k, v, scale);
   p.o = operand(out);
   p.dout = operand(dout);
@@ -530,12 +589,24 @@ void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor
   p.stats_in = static_cast<const float*>(stats.data_ptr());
   const int grid = static_cast<int>(q.size(0) * q.size(1));
   auto s = static_cast<cudaStream_t>(stream);
+  Tensor partial;
+  if (column_sums != nullptr) {
+    partial = Tensor::empty({q.size(0) * q.size(1) * 3 * kD}, {DType::f32, q.device()});
+    p.colsum = static_cast<float*>(partial.data_ptr());
+  }
   if (q.dtype() == DType::bf16) {
     launch<backward_dq_kernel<__nv_bfloat16>>(p, grid, smem_bytes(p.S, false), s);
     launch<backward_dkv_kernel<__nv_bfloat16>>(p, grid, smem_bytes(p.L, true), s);
   } else {
     launch<backward_dq_kernel<__half>>(p, grid, smem_bytes(p.S, false), s);
     launch<backward_dkv_kernel<__half>>(p, grid, smem_bytes(p.L, true), s);
+  }
+  if (column_sums != nullptr) {
+    *column_sums = Tensor::empty({3 * p.heads * kD}, {DType::f32, q.device()});
+    const int n = 3 * p.heads * kD;
+    reduce_column_sums<<<(n + kThreads - 1) / kThreads, kThreads, 0, s>>>(
+        p.colsum, static_cast<float*>(column_sums->data_ptr()), static_cast<int>(q.size(0)), p.heads);
+    FLAME_CUDA_CHECK_LAUNCH();
   }
 }
 

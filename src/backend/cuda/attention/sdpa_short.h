@@ -14,10 +14,12 @@ bool supports(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& b
               std::initializer_list<const Tensor*> more);
 
 // The backend's contract (Backend::sdpa_forward / sdpa_backward in src/backend/backend.h) on
-// `stream`; the caller checked `supports`.
+// `stream`; the caller checked `supports`. With `column_sums`, backward also sets it to the f32
+// [3 * H * 64] column sums over all batches and rows of dq, dk and dv, in that order.
 void forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
              void* stream);
 void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& q, const Tensor& k, const Tensor& v,
-              const Tensor& out, const Tensor& dout, const Tensor& stats, double scale, void* stream);
+              const Tensor& out, const Tensor& dout, const Tensor& stats, double scale, void* stream,
+              Tensor* column_sums);
 
 }  // namespace flame::backend::cuda::sdpa_short
