@@ -208,6 +208,7 @@ def backward_dq(Q, K, V, O, dO, stats, scale):
     spad = pad16(S)
     ks, vs = stage(K, spad), stage(V, spad)
     dQ = np.full((L, D), np.nan)
+    drow = np.full(L, np.nan)  # D per query row, written for the dK/dV kernel
     sums = np.zeros(D)
     sl2 = scale * LOG2E
     for r0 in range(0, pad16(L), 16):
@@ -221,6 +222,11 @@ def backward_dq(Q, K, V, O, dO, stats, scale):
                 else:
                     d_hi += d
         d_lo, d_hi = quad(d_lo, np.sum), quad(d_hi, np.sum)
+        for g in range(8):  # lanes with c == 0
+            if r0 + g < L:
+                drow[r0 + g] = d_lo[4 * g]
+            if r0 + g + 8 < L:
+                drow[r0 + g + 8] = d_hi[4 * g]
         lse_lo = np.array([stats[r0 + g] * LOG2E if r0 + g < L else np.inf for g in G])
         lse_hi = np.array([stats[r0 + g + 8] * LOG2E if r0 + g + 8 < L else np.inf for g in G])
         dq = np.zeros((8, 32, 4))
@@ -238,15 +244,15 @@ def backward_dq(Q, K, V, O, dO, stats, scale):
             mma_pb(dq, s, ks, k0, spad)
         store_rows(dQ, r0, L, dq, np.full(32, scale), np.full(32, scale))
         add_column_sums(sums, dq, scale, r0, L)
-    return dQ, sums
+    return dQ, sums, drow
 
 
-def backward_dkv(Q, K, V, O, dO, stats, scale):
+def backward_dkv(Q, K, V, dO, stats, drow, scale):
     L, S = Q.shape[0], K.shape[0]
     lpad = pad16(L)
     qs, dos = stage(Q, lpad), stage(dO, lpad)
     lse = np.array([stats[r] * LOG2E if r < L else np.inf for r in range(lpad)])
-    dd = np.array([(dO[r] * O[r]).sum() if r < L else 0.0 for r in range(lpad)])
+    dd = np.array([drow[r] if r < L else 0.0 for r in range(lpad)])
     dK, dV = np.full((S, D), np.nan), np.full((S, D), np.nan)
     sums = np.zeros(2 * D)
     sl2 = scale * LOG2E
@@ -302,8 +308,8 @@ def main():
         V, dO = rng.standard_normal((S, D)), rng.standard_normal((L, D))
         scale = D ** -0.5
         O, lse = forward(Q, K, V, scale)
-        dQ, sq = backward_dq(Q, K, V, O, dO, lse, scale)
-        dK, dV, skv = backward_dkv(Q, K, V, O, dO, lse, scale)
+        dQ, sq, drow = backward_dq(Q, K, V, O, dO, lse, scale)
+        dK, dV, skv = backward_dkv(Q, K, V, dO, lse, drow, scale)
         want = reference(Q, K, V, dO, scale)
         want = want + (np.concatenate([want[2].sum(axis=0), want[3].sum(axis=0), want[4].sum(axis=0)]),)
         errs = [np.abs(a - b).max() / max(1.0, np.abs(b).max())

@@ -11,8 +11,9 @@
 //    P.V). Writes the output and each row's natural-log logsumexp (the backend's stats contract).
 //  - backward, two kernels with no atomics: dQ (one block per head, K and V in shared memory, a
 //    warp per 16-query tile recomputes P and dP for its rows; D = rowsum(dO * O) comes from the
-//    fragments it already holds) and dK/dV (one block per head, Q and dO in shared memory with the
-//    logsumexp and D of every query, a warp per 16-key tile accumulates dK and dV in registers).
+//    fragments it already holds, and is also written out for the next kernel) and dK/dV (one block
+//    per head, Q and dO in shared memory with the logsumexp and D of every query, a warp per
+//    16-key tile accumulates dK and dV in registers).
 //    P and dP are computed twice (once per kernel): 7 MMA passes instead of FlashAttention-2's 5,
 //    traded for no dQ atomics, no conversion pass and no cross-warp reduction. Asked for
 //    (Backend::sdpa_backward's column_sums), both also sum their gradient tiles per column as they
@@ -73,6 +74,7 @@ struct Params {
   float scale;         // softmax scale
   float scale_log2;    // scale * log2(e)
   float* colsum;       // backward, optional: [B * H, 3, 64] f32, each head's column sums of dq, dk, dv
+  float* drow;         // backward: [B, H, L] f32, D = rowsum(dO * O), written by the dQ kernel
 };
 
 // One m16n8k16 tensor-core MMA (f32 accumulate) and the packing of f32 pairs into T pairs.
@@ -139,7 +141,8 @@ __device__ __forceinline__ int swz(int r, int col) { return r * kRow + ((((col >
 // Rows [0, n) of a [N, 64] operand into shared memory (swizzled rows), rows [n, rows) zeroed.
 template <class T>
 __device__ __forceinline__ void stage(T* sm, const Operand& t, int b, int h, int n, int rows) {
-  for (int i = threadIdx.x; i < rows * (kD / 8); i += kThreads) {
+#pragma unroll 4
+  for (int i = threadIdx.x; i < rows * (kD / 8); i += kThreads) {  // unrolled: loads in flight together
     const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
     if (r < n) v = *reinterpret_cast<const uint4*>(row_ptr<T>(t, b, h, r) + c);
@@ -389,6 +392,11 @@ __global__ void __launch_bounds__(kThreads, 3) backward_dq_kernel(Params P) {
     }
     d_lo = quad_sum(d_lo);
     d_hi = quad_sum(d_hi);
+    if (c == 0) {  // for the dK/dV kernel, which runs next on the stream
+      float* dr = P.drow + (static_cast<int64_t>(b) * P.heads + h) * P.L;
+      if (r0 + g < P.L) dr[r0 + g] = d_lo;
+      if (r0 + g + 8 < P.L) dr[r0 + g + 8] = d_hi;
+    }
     const float lse_lo = r0 + g < P.L ? st[r0 + g] * kLog2e : INFINITY;
     const float lse_hi = r0 + g + 8 < P.L ? st[r0 + g + 8] * kLog2e : INFINITY;
     float dq[8][4];
@@ -432,19 +440,10 @@ __global__ void __launch_bounds__(kThreads, 2) backward_dkv_kernel(Params P) {
   if (P.colsum != nullptr && threadIdx.x < 2 * kD) sums[threadIdx.x] = 0.f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const float* st = P.stats_in + (static_cast<int64_t>(b) * P.heads + h) * P.L;
-  for (int r = warp; r < lpad; r += kWarps) {  // a warp per query row: 2 dims per lane
-    float d = 0.f;
-    if (r < P.L) {
-      const float2 x = Mma<T>::unpack(*reinterpret_cast<const uint32_t*>(row_ptr<T>(P.dout, b, h, r) + 2 * lane));
-      const float2 y = Mma<T>::unpack(*reinterpret_cast<const uint32_t*>(row_ptr<T>(P.o, b, h, r) + 2 * lane));
-      d = x.x * y.x + x.y * y.y;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off /= 2) d += __shfl_xor_sync(0xffffffffu, d, off);
-    if (lane == 0) {
-      dd[r] = d;
-      lse[r] = r < P.L ? st[r] * kLog2e : INFINITY;
-    }
+  const float* dr = P.drow + (static_cast<int64_t>(b) * P.heads + h) * P.L;  // the dQ kernel's D
+  for (int r = threadIdx.x; r < lpad; r += kThreads) {
+    lse[r] = r < P.L ? st[r] * kLog2e : INFINITY;
+    dd[r] = r < P.L ? dr[r] : 0.f;
   }
   __syncthreads();
 
@@ -589,6 +588,8 @@ void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor
   p.stats_in = static_cast<const float*>(stats.data_ptr());
   const int grid = static_cast<int>(q.size(0) * q.size(1));
   auto s = static_cast<cudaStream_t>(stream);
+  const Tensor drow = Tensor::empty({q.size(0) * q.size(1) * q.size(2)}, {DType::f32, q.device()});
+  p.drow = static_cast<float*>(drow.data_ptr());
   Tensor partial;
   if (column_sums != nullptr) {
     partial = Tensor::empty({q.size(0) * q.size(1) * 3 * kD}, {DType::f32, q.device()});
