@@ -64,6 +64,14 @@ namespace flame {
 
 namespace {
 
+// A node's scratch for backward `run`, discovered through vertex `meta`; the rest at its defaults.
+Node::Scratch fresh_scratch(uint64_t run, AutogradMeta* meta) {
+  Node::Scratch s;
+  s.run = run;
+  s.meta = meta;
+  return s;
+}
+
 std::atomic<uint64_t> g_next_run{1};
 
 struct LeafState {
@@ -211,7 +219,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     Node* n = root->grad_fn.get();
     FLAME_CHECK(!n->released(), "backward", "trying to backward through the graph a second time (op ", n->name(),
                 "): pass retain_graph = true to the first backward");
-    n->scratch = Node::Scratch{run, 0, false, Tensor(), root, Tensor(), -1, false};
+    n->scratch = fresh_scratch(run, root);
     discovered.push_back(n);
     for (std::size_t k = 0; k < discovered.size(); ++k) {
       for (const Node::Edge& e : discovered[k]->edges()) {
@@ -227,7 +235,7 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
         if (c->scratch.run != run) {
           FLAME_CHECK(!c->released(), "backward", "trying to backward through the graph a second time (op ",
                       c->name(), "): pass retain_graph = true to the first backward");
-          c->scratch = Node::Scratch{run, 0, false, Tensor(), m, Tensor(), -1, false};
+          c->scratch = fresh_scratch(run, m);
           discovered.push_back(c);
         }
         ++c->scratch.deps;
