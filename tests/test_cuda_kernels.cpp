@@ -342,10 +342,8 @@ double matmul_tol(DType dt, bool tf32) {
   return ::testing::AssertionSuccess();
 }
 
-struct TF32Scope {
-  bool prev;
-  explicit TF32Scope(bool on) : prev(cuda::allow_tf32()) { cuda::set_allow_tf32(on); }
-  ~TF32Scope() { cuda::set_allow_tf32(prev); }
+struct TF32Scope : SwitchScope {
+  explicit TF32Scope(bool on) : SwitchScope(cuda::allow_tf32, cuda::set_allow_tf32, on) {}
 };
 
 TEST(CudaKernels, MatmulLayoutsAndDtypes) {

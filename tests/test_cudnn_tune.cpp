@@ -24,15 +24,8 @@ namespace {
 
 namespace F = nn::functional;
 
-class AutotuneScope {
- public:
-  explicit AutotuneScope(bool on) : prev_(cuda::cudnn_autotune()) { cuda::set_cudnn_autotune(on); }
-  ~AutotuneScope() { cuda::set_cudnn_autotune(prev_); }
-  AutotuneScope(const AutotuneScope&) = delete;
-  AutotuneScope& operator=(const AutotuneScope&) = delete;
-
- private:
-  bool prev_;
+struct AutotuneScope : SwitchScope {
+  explicit AutotuneScope(bool on) : SwitchScope(cuda::cudnn_autotune, cuda::set_cudnn_autotune, on) {}
 };
 
 constexpr double kTol = 2e-2;  // bf16 operands and outputs against an f64 reference

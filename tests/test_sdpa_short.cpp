@@ -23,15 +23,8 @@ namespace {
 namespace F = flame::nn::functional;
 
 // Turns the short kernels on (or off) for a scope.
-class ShortAttentionGuard {
- public:
-  explicit ShortAttentionGuard(bool on) : before_(cuda::short_attention()) { cuda::set_short_attention(on); }
-  ~ShortAttentionGuard() { cuda::set_short_attention(before_); }
-  ShortAttentionGuard(const ShortAttentionGuard&) = delete;
-  ShortAttentionGuard& operator=(const ShortAttentionGuard&) = delete;
-
- private:
-  bool before_;
+struct ShortAttentionGuard : SwitchScope {
+  explicit ShortAttentionGuard(bool on) : SwitchScope(cuda::short_attention, cuda::set_short_attention, on) {}
 };
 
 Tensor rnd(const Shape& shape, uint64_t seed, DType dt, double stddev = 1.0) {

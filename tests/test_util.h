@@ -90,6 +90,20 @@ void expect_error(const std::function<void()>& fn, const std::vector<std::string
 // empty when it started. For cases that count kernels and skip with that reason otherwise.
 std::string start_trace(profiler::KernelTrace& trace);
 
+// Sets a process-wide on/off switch (given by its getter and setter, e.g. cuda::allow_tf32 and
+// cuda::set_allow_tf32) for a scope and puts the previous value back when the scope ends.
+class SwitchScope {
+ public:
+  SwitchScope(bool (*get)(), void (*set)(bool), bool on) : set_(set), prev_(get()) { set(on); }
+  ~SwitchScope() { set_(prev_); }
+  SwitchScope(const SwitchScope&) = delete;
+  SwitchScope& operator=(const SwitchScope&) = delete;
+
+ private:
+  void (*set_)(bool);
+  bool prev_;
+};
+
 // A path in the test temp folder that no other call, thread or process uses: ctest runs the
 // suite in several processes at once (the shards and the shuffled whole), each running the same
 // cases. `stem` and `ext` (with its dot) only make the name readable.

@@ -53,7 +53,6 @@ struct LowCopy {
   Tensor copy;                       // dense, in the weight's layout, on its device
   const void* storage = nullptr;     // the weight's storage when copy was last made equal to it
   uint64_t version = 0;              // the weight's version then
-  bool replay_hooked = false;        // a captured graph refreshes it before each replay
 };
 // The low-precision copy of master weight w (an f32 leaf that requires grad) for a node that
 // records w itself: its kept copy, made or refreshed when w changed. Made without a graph.
@@ -64,9 +63,9 @@ Tensor master_low_copy(const Tensor& w);
 // also registers a replay epilogue that advances w's version after every replay, as the eager
 // step did, and marks `written` again.
 Tensor low_copy_for_update(const Tensor& w);
+void low_copy_updated(const Tensor& w, const Tensor& written);
 // Forgets w's kept copy (Tensor::set_data: the data behind the handle changed).
 void drop_low_copy(const Tensor& w);
-void low_copy_updated(const Tensor& w, const Tensor& written);
 
 // The autocast settings of this thread, captured by checkpoint() at forward time and put back
 // (with exclusion lifted and one nesting level, so the cast cache is cleared after) while the

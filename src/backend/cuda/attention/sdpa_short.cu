@@ -22,8 +22,9 @@
 //    own pass over the qkv gradient (Note [Gradient row sums]).
 // Shared-memory rows are 64 halves, their eight 16-byte chunks swizzled (chunk ^ row % 8):
 // ldmatrix reads the same chunk of eight consecutive rows per phase, and the swizzle puts them on
-// distinct banks without padding (so four blocks of 196-key heads fit on an SM, not three). Keys (or queries) past the sequence are zero-filled
-// and masked out of the softmax (-inf score) or given an infinite logsumexp (zero probability).
+// distinct banks without padding (so four blocks of 196-key heads fit on an SM, not three). Keys
+// (or queries) past the sequence are zero-filled and masked out of the softmax (-inf score) or
+// given an infinite logsumexp (zero probability).
 // Only what the supports() check accepts comes here; everything else stays on cuDNN.
 // tools/sdpa_short_model.py (ctest model.sdpa_short) is a fragment-level NumPy model of these
 // kernels checked against plain attention: change it with them.
@@ -52,24 +53,17 @@ constexpr int kChunk = 64;       // keys (forward, dQ) or queries (dK/dV) per so
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Element strides of a [B, H, N, 64] operand (last dim contiguous).
+// A [B, H, N, 64] operand (last dim contiguous) and its element strides; read or written.
 struct Operand {
-  const void* ptr;
-  int64_t sb, sh, sr;
-};
-struct OutOperand {
   void* ptr;
   int64_t sb, sh, sr;
 };
 
 Operand operand(const Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
-OutOperand out_operand(const Tensor& t) { return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)}; }
 
 struct Params {
-  Operand q, k, v, o, dout;
-  OutOperand out, dq, dk, dv;
-  float* stats;        // [B, H, L] f32 (forward writes, backward reads)
-  const float* stats_in;
+  Operand q, k, v, o, dout, out, dq, dk, dv;
+  float* stats;        // [B, H, L] f32 logsumexp rows (forward writes, backward reads)
   int heads, L, S;
   float scale;         // softmax scale
   float scale_log2;    // scale * log2(e)
@@ -125,11 +119,7 @@ __device__ __forceinline__ void ldsm4_t(uint32_t r[4], const void* p) {
 }
 
 template <class T>
-__device__ __forceinline__ const T* row_ptr(const Operand& t, int b, int h, int r) {
-  return static_cast<const T*>(t.ptr) + b * t.sb + h * t.sh + static_cast<int64_t>(r) * t.sr;
-}
-template <class T>
-__device__ __forceinline__ T* row_ptr(const OutOperand& t, int b, int h, int r) {
+__device__ __forceinline__ T* row_ptr(const Operand& t, int b, int h, int r) {
   return static_cast<T*>(t.ptr) + b * t.sb + h * t.sh + static_cast<int64_t>(r) * t.sr;
 }
 
@@ -249,7 +239,7 @@ __device__ __forceinline__ void zero(float acc[8][4]) {
 
 // Stores acc * mul (16 rows x 64 dims, C layout) to rows r0.. (< n) of an output operand.
 template <class T>
-__device__ __forceinline__ void store_rows(const OutOperand& t, int b, int h, int r0, int n, const float acc[8][4],
+__device__ __forceinline__ void store_rows(const Operand& t, int b, int h, int r0, int n, const float acc[8][4],
                                            float mul_lo, float mul_hi, int g, int c) {
   const bool lo = r0 + g < n, hi = r0 + g + 8 < n;
   T* p0 = lo ? row_ptr<T>(t, b, h, r0 + g) : nullptr;
@@ -372,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, 3) backward_dq_kernel(Params P) {
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const int tiles = (P.L + 15) / 16;
-  const float* st = P.stats_in + (static_cast<int64_t>(b) * P.heads + h) * P.L;
+  const float* st = P.stats + (static_cast<int64_t>(b) * P.heads + h) * P.L;
   for (int tile = warp; tile < tiles; tile += kWarps) {
     const int r0 = tile * 16;
     uint32_t qa[4][4], da[4][4], oa[4][4];
@@ -439,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, 2) backward_dkv_kernel(Params P) {
   float* sums = dd + lpad;  // dk's then dv's column sums (P.colsum)
   if (P.colsum != nullptr && threadIdx.x < 2 * kD) sums[threadIdx.x] = 0.f;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  const float* st = P.stats_in + (static_cast<int64_t>(b) * P.heads + h) * P.L;
+  const float* st = P.stats + (static_cast<int64_t>(b) * P.heads + h) * P.L;
   const float* dr = P.drow + (static_cast<int64_t>(b) * P.heads + h) * P.L;  // the dQ kernel's D
   for (int r = threadIdx.x; r < lpad; r += kThreads) {
     lse[r] = r < P.L ? st[r] * kLog2e : INFINITY;
@@ -507,7 +497,7 @@ Params params(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   p.L = static_cast<int>(q.size(2));
   p.S = static_cast<int>(k.size(2));
   p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.scale_log2 = static_cast<float>(scale) * kLog2e;
   return p;
 }
 
@@ -565,7 +555,7 @@ bool supports(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& b
 void forward(const Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v, double scale,
              void* stream) {
   Params p = params(q, k, v, scale);
-  p.out = out_operand(out);
+  p.out = operand(out);
   p.stats = static_cast<float*>(stats.data_ptr());
   const int grid = static_cast<int>(q.size(0) * q.size(1));
   const int smem = smem_bytes(p.S, false);
@@ -582,10 +572,10 @@ void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor
   Params p = params(q, k, v, scale);
   p.o = operand(out);
   p.dout = operand(dout);
-  p.dq = out_operand(dq);
-  p.dk = out_operand(dk);
-  p.dv = out_operand(dv);
-  p.stats_in = static_cast<const float*>(stats.data_ptr());
+  p.dq = operand(dq);
+  p.dk = operand(dk);
+  p.dv = operand(dv);
+  p.stats = static_cast<float*>(stats.data_ptr());
   const int grid = static_cast<int>(q.size(0) * q.size(1));
   auto s = static_cast<cudaStream_t>(stream);
   const Tensor drow = Tensor::empty({q.size(0) * q.size(1) * q.size(2)}, {DType::f32, q.device()});
