@@ -26,6 +26,12 @@
 // (or queries) past the sequence are zero-filled and masked out of the softmax (-inf score) or
 // given an infinite logsumexp (zero probability).
 // Only what the supports() check accepts comes here; everything else stays on cuDNN.
+// Measured (H100, docs/nn-attention.md): correct, but slower than cuDNN's kernels (dit-s forward
+// + backward 0.67 against 0.43 ms), hence off by default. They are latency-bound: at 123-217
+// registers a thread and up to 66 KB of shared memory a block, 8-12 warps fit on an SM, and each
+// warp's loads and its ldmatrix-MMA-exp-MMA chain stall it with little else to issue. What would
+// help: cp.async/TMA staging that overlaps the next head or Q tile with the current one, and
+// 64-row warpgroup MMAs.
 // tools/sdpa_short_model.py (ctest model.sdpa_short) is a fragment-level NumPy model of these
 // kernels checked against plain attention: change it with them.
 #include <cuda_bf16.h>
