@@ -6,10 +6,14 @@
 // both sides (FLAME's default, torch.backends.cuda.matmul.allow_tf32 = False, PyTorch's default).
 // Prints the two step times (ms); the bf16 line also carries the ratio fp32 / bf16 ("speedup").
 //
+// FLAME_BENCH_TRACE=1 also lists the kernels of one more step of each kind (the twin prints
+// PyTorch's with torch.profiler): where the step's time goes on each side.
+//
 // Usage: bench_train_amp [--reps N] [--warmup N]
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -17,6 +21,7 @@
 #include "flame/amp.h"
 #include "flame/flame.h"
 #include "flame/nn.h"
+#include "flame/profiler.h"
 
 using namespace flame;
 using flame::bench::median_ms;
@@ -119,6 +124,13 @@ int main(int argc, char** argv) {
                     ms[i], ms[0] / ms[i]);
       } else {
         std::printf("BENCH {\"name\": \"%s\", \"value\": %.4f, \"unit\": \"ms\"}\n", names[i], ms[i]);
+      }
+      if (std::getenv("FLAME_BENCH_TRACE") != nullptr) {
+        flame::profiler::KernelTrace trace;
+        trace.start();
+        step(i == 1);
+        trace.stop();
+        std::printf("# kernels of one %s step:\n%s", names[i], trace.summary(25, 100).c_str());
       }
     } catch (const std::exception& e) {
       std::printf("BENCH {\"name\": \"%s\", \"error\": \"failed\"}\n# %s\n", names[i], e.what());

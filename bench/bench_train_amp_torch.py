@@ -6,11 +6,13 @@ LayerNorm, MLP with GELU, residuals) in f32 and under torch.autocast(bf16). TF32
 matmuls (torch.backends.cuda.matmul.allow_tf32 = False, PyTorch's default and FLAME's). Gradients
 come from torch.autograd.grad (no accumulation into .grad), as FLAME's backward returns a fresh
 store. Same names and timing (CUDA events between back-to-back steps, warm-up, median).
+FLAME_BENCH_TRACE=1 also lists the kernels of one more step of each kind (torch.profiler).
 
 Usage: python3 bench/bench_train_amp_torch.py [--reps N] [--warmup N]
 """
 import argparse
 import json
+import os
 
 from bench_timing import median_ms
 
@@ -86,6 +88,13 @@ def main():
         if i == 1:
             rec["speedup"] = round(ms[0] / ms[1], 3)
         print("BENCH " + json.dumps(rec), flush=True)
+        if os.environ.get("FLAME_BENCH_TRACE"):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step(i == 1)
+                torch.cuda.synchronize()
+            print(f"# kernels of one {name} step:")
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25,
+                                            max_name_column_width=100))
     print(f"# bench_train_amp_torch: bf16 autocast step {ms[0] / ms[1]:.2f}x faster than fp32", flush=True)
     return 0
 

@@ -104,6 +104,38 @@ TEST(Matmul, BroadcastBatchMatchesPerSliceProducts) {
   }
 }
 
+// Per-head views of a packed projection: batch dims (B, H) that do not merge, so matmul copies
+// them to contiguous memory for one batched call (Note [Matmul batch copies]); the values, and the
+// gradients through that copy, are those of the per-slice products.
+TEST(Matmul, UnmergeableBatchViewsMatchPerSliceProducts) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t B = 3, L = 5, H = 4, D = 6;
+  const Tensor qkv = Tensor::uniform({B, L, 3, H, D}, -1, 1, dev);
+  const Tensor q = qkv.select(2, 0).transpose(1, 2), k = qkv.select(2, 1).transpose(1, 2);
+  ASSERT_FALSE(q.is_contiguous());
+  const Tensor c = matmul(q, k.transpose(-2, -1));
+  ASSERT_EQ(c.sizes(), (Shape{B, H, L, L}));
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t j = 0; j < H; ++j) {
+      const Tensor qi = q.select(0, i).select(0, j).contiguous(), ki = k.select(0, i).select(0, j).t().contiguous();
+      EXPECT_TRUE(all_close(c.select(0, i).select(0, j), as_ref({L, L}, double_gemm(qi, ki), DType::f32), 1e-5, 1e-5));
+    }
+  }
+  // Gradients reach the packed tensor through the views as they reach contiguous copies.
+  const Tensor gout = Tensor::uniform({B, H, L, L}, -1, 1, dev);
+  Tensor x = qkv.clone().requires_grad_();
+  const Tensor xq = x.select(2, 0).transpose(1, 2), xk = x.select(2, 1).transpose(1, 2);
+  BackwardOptions opt;
+  opt.grad_output = gout;
+  const Tensor gx = matmul(xq, xk.transpose(-2, -1)).backward(opt).get(x);
+  Tensor qc = q.contiguous().requires_grad_(), kc = k.contiguous().requires_grad_();
+  const Gradients g = matmul(qc, kc.transpose(-2, -1)).backward(opt);
+  EXPECT_TRUE(all_close(gx.select(2, 0).transpose(1, 2), g.get(qc), 1e-5, 1e-5));
+  EXPECT_TRUE(all_close(gx.select(2, 1).transpose(1, 2), g.get(kc), 1e-5, 1e-5));
+  EXPECT_EQ(gx.select(2, 2).abs().max().item<double>(), 0.0);  // v's third: no gradient
+}
+
 TEST(Matmul, LargeF32GemmMatchesDoubleLoop) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

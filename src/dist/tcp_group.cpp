@@ -9,7 +9,7 @@
 // the collective's sequence number and size: ranks calling different collectives fail with an
 // error instead of exchanging garbage. Failures (Note [Socket deadlines]): a peer's connection
 // closing names that rank; rank 0 then sends the others an abort message naming it before it
-// fails itself; a peer silent past the timeout names the rank rank 0 waited for (the others wait
+// fails itself (a rank whose send to rank 0 fails reads that message if it is waiting); a peer silent past the timeout names the rank rank 0 waited for (the others wait
 // twice the timeout for rank 0, so its report reaches them first).
 #include <cstring>
 #include <deque>
@@ -271,8 +271,24 @@ class TcpGroup final : public ProcessGroup {
       s.send_all(header, sizeof header, d);
       s.send_all(c.data_ptr(), c.nbytes(), d);
     } catch (const SocketError& e) {
+      if (peer == 0) throw_pending_abort(s);
       throw failure(e, peer, "sending to");
     }
+  }
+
+  // A send to rank 0 that fails because rank 0 has gone: rank 0 may have sent its abort report
+  // (abort_peers) before it exited, and the report, naming the rank that failed first, is still in
+  // this socket's receive buffer. Raises it if so; returns when nothing of the kind is there.
+  static void throw_pending_abort(const Socket& s) {
+    std::string why;
+    try {
+      const auto d = Clock::now() + std::chrono::milliseconds(500);
+      if (s.recv_u64(d) != kAbort) return;
+      why = s.recv_str(d);
+    } catch (const SocketError&) {
+      return;
+    }
+    throw PeerFailure(-2, "rank 0 aborted the group: " + why);
   }
 
   void recv_data(const Socket& s, const Tensor& dst, uint64_t seq, Clock::time_point d, int peer) {
