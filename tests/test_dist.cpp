@@ -319,6 +319,18 @@ TEST(DistFailure, KilledRankMakesTheOthersFailNamingItWithinTheTimeout) {
   EXPECT_LT(secs, timeout_s + 20.0) << r.report();
 }
 
+// A rank that comes to the failing collective after rank 0 has already aborted and exited: its
+// send to rank 0 fails, and its error still names rank 1 (rank 0's abort report, read from the
+// socket after the failed send), not the rank 0 that merely went away.
+TEST(DistFailure, LateRankStillNamesTheKilledRank) {
+  DIST_SKIP_UNLESS_RANKS(3);
+  if (using_nccl()) GTEST_SKIP() << "the abort report is the tcp group's (FLAME_TEST_DEVICE=cpu)";
+  const auto r = run_ranks("die", 3, {{"FLAME_DIST_TIMEOUT", "20"}, {"FLAME_DIST_TEST_LATE_RANK", "2"}}, 90);
+  ASSERT_EQ(r.status.size(), 3u);
+  EXPECT_FALSE(WIFEXITED(r.status[2]) && WEXITSTATUS(r.status[2]) == 0) << r.report();
+  EXPECT_NE(r.output[2].find("rank 1"), std::string::npos) << "rank 2's error does not name rank 1\n" << r.report();
+}
+
 TEST(DistFailure, PeerStoppingDuringGraphReplaysFailsTheOthersWithinTheTimeout) {
   DIST_SKIP_UNLESS_RANKS(2);
   if (!using_nccl()) GTEST_SKIP() << "CUDA graphs hold collectives on the nccl backend only (FLAME_TEST_DEVICE=cuda)";

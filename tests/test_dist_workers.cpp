@@ -3,10 +3,13 @@
 // GoogleTest, and exits with its status: 0 when every check held, 1 on a failed check, 3 when a
 // collective raised flame::Error (the failure cases expect that), 2 on any other exception.
 // Every worker computes its own single-process reference (the global batch on one process).
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <thread>
 
 #include "flame/cuda/graph_step.h"
 #include "flame/io/safetensors.h"
@@ -423,11 +426,15 @@ int ckpt_resume() {
 
 // ---- failures ----
 
+// FLAME_DIST_TEST_LATE_RANK=r: rank r reaches the collective where rank 1 dies a second late, after
+// rank 0 has failed, sent its abort report and exited (its sends to rank 0 then fail).
 int die() {
   auto pg = init();
   const Device dev = pg->device();
+  const char* late = std::getenv("FLAME_DIST_TEST_LATE_RANK");
   for (int i = 0; i < 400; ++i) {
     if (pg->rank() == 1 && i == 5) raise(SIGKILL);
+    if (late != nullptr && pg->rank() == std::atoi(late) && i == 5) std::this_thread::sleep_for(std::chrono::seconds(1));
     Tensor t = Tensor::ones({1000}, TensorOptions(DType::f32, dev));
     pg->all_reduce(t);
     (void)t.to(Device::cpu()).to_vec<float>();
