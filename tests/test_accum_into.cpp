@@ -19,18 +19,9 @@
 #include "flame/anomaly.h"
 #include "flame/nn.h"
 #include "flame/profiler.h"
+#include "engine_detail.h"
 #include "nn_test_util.h"
 #include "test_util.h"
-
-// Internal switches and counters of the engine (declared in src/autograd/record.h; libflame
-// exports them): the tests compare the fused path with the unfused one and prove it ran.
-namespace flame::autograd_detail {
-bool set_accumulate_base_enabled(bool on);
-struct AccumulateBaseCounts {
-  uint64_t handed = 0, owned = 0;
-};
-AccumulateBaseCounts accumulate_base_counts();
-}  // namespace flame::autograd_detail
 
 namespace flame::test {
 namespace {

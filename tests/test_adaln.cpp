@@ -18,24 +18,10 @@
 #include "flame/amp.h"
 #include "flame/autograd.h"
 #include "flame/nn.h"
+#include "engine_detail.h"
 #include "gradcheck.h"
 #include "nn_test_util.h"
 #include "test_util.h"
-
-// Engine counters (src/autograd/record.h; libflame exports them).
-namespace flame::autograd_detail {
-struct PreparedCounts {
-  uint64_t prepared = 0, taken = 0;
-};
-PreparedCounts prepared_counts();
-bool set_accumulate_base_enabled(bool on);
-struct RowSumCounts {
-  uint64_t attached = 0, taken = 0;
-};
-RowSumCounts row_sum_counts();
-void attach_row_sums(const Tensor& grad, Tensor sums);
-Tensor take_row_sums(const Tensor& grad);
-}  // namespace flame::autograd_detail
 
 namespace flame::test {
 namespace {

@@ -7,16 +7,9 @@
 
 #include "flame/cuda.h"
 #include "flame/nn/attention.h"
+#include "engine_detail.h"
 #include "nn_test_util.h"
 #include "test_util.h"
-
-// Engine counters (src/autograd/record.h; libflame exports them).
-namespace flame::autograd_detail {
-struct RowSumCounts {
-  uint64_t attached = 0, taken = 0;
-};
-RowSumCounts row_sum_counts();
-}  // namespace flame::autograd_detail
 
 namespace flame::test {
 namespace {

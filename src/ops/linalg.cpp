@@ -88,25 +88,15 @@ Tensor batched_matmul(const Tensor& a, const Tensor& b, const Shape& batch, int6
     }
     return true;
   };
-  auto merged_run = [&] {
-    std::size_t begin = dims.size();  // index into dims
-    if (!dims.empty()) {
-      begin = dims.size() - 1;
-      while (begin > 0 && merges(dims[begin - 1], dims[begin])) --begin;
-    }
-    return begin;
-  };
-  std::size_t run_begin = merged_run();
+  std::size_t run_begin = dims.size();  // index into dims
+  if (!dims.empty()) {
+    run_begin = dims.size() - 1;
+    while (run_begin > 0 && merges(dims[run_begin - 1], dims[run_begin])) --run_begin;
+  }
   if (run_begin > 0) {  // Note [Matmul batch copies]
     int64_t calls = 1;
     for (std::size_t i = 0; i < run_begin; ++i) calls *= batch[dims[i]];
-    auto self_merges = [&](const Tensor& t) {
-      for (std::size_t i = 0; i + 1 < dims.size(); ++i)
-        if (t.stride(static_cast<int64_t>(dims[i])) !=
-            t.stride(static_cast<int64_t>(dims[i + 1])) * batch[dims[i + 1]])
-          return false;
-      return true;
-    };
+    auto self_merges = [&](const Tensor& t) { return merged_stride(t.sizes(), t.strides(), 0, nb).has_value(); };
     auto broadcast = [&](const Tensor& t) {
       for (std::size_t d : dims)
         if (t.stride(static_cast<int64_t>(d)) == 0) return true;
