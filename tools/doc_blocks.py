@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Turns the ```cpp blocks of Markdown files into C++ sources, so the build checks that the code
+a user reads in README.md and docs/ compiles (Note [Documentation code blocks] in
+tests/docs/CMakeLists.txt).
+
+  doc_blocks.py --out DIR --root REPO FILE.md ...   writes DIR/<name>.cpp per file (rewritten only
+                                                    when its text changes, so ninja rebuilds little)
+  doc_blocks.py --program FILE.md --index N --out F writes block N (0-based) of FILE.md, a whole
+                                                    program, to F as it is
+
+How a block becomes code:
+  - a block with `int main(` is a whole program; in the per-file source its `main` is renamed;
+  - `#include` lines are hoisted to the top of the file; every public header is included anyway;
+  - any other block becomes the body of a function of its own, after the prelude
+    `using namespace flame; namespace F = flame::nn::functional;` and its context;
+  - HTML comments right above the fence steer it:
+      <!-- doc-context: CODE -->   declarations the block uses but does not show (several allowed);
+      <!-- doc-toplevel -->         the block is declarations at namespace scope (types, functions);
+      <!-- doc-skip: REASON -->     not compiled (a REASON is required: say why in the docs' source).
+"""
+import argparse
+import os
+import re
+import sys
+
+FENCE = re.compile(r"^```cpp[ \t]*$")
+DIRECTIVE = re.compile(r"^<!--\s*doc-(context|toplevel|skip)\s*:?\s*(.*?)\s*-->\s*$")
+
+PUBLIC_HEADERS = [
+    "flame/flame.h", "flame/nn.h", "flame/optim.h", "flame/io.h", "flame/amp.h", "flame/anomaly.h",
+    "flame/checkpoint.h", "flame/compile.h", "flame/dist.h", "flame/offload.h", "flame/profiler.h",
+    "flame/recompute.h", "flame/cuda/kernels.h", "flame/cuda/graph_step.h",
+]
+
+
+class Block:
+    def __init__(self, path, line, code, context, toplevel, skip):
+        self.path, self.line, self.code = path, line, code
+        self.context, self.toplevel, self.skip = context, toplevel, skip
+
+    @property
+    def is_program(self):
+        return re.search(r"\bint\s+main\s*\(", self.code) is not None
+
+
+def read_blocks(path):
+    lines = open(path, encoding="utf-8").read().split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        if not FENCE.match(lines[i]):
+            i += 1
+            continue
+        context, toplevel, skip = [], False, None
+        j = i - 1
+        while j >= 0 and lines[j].strip() == "":
+            j -= 1
+        while j >= 0 and DIRECTIVE.match(lines[j].strip()):
+            kind, arg = DIRECTIVE.match(lines[j].strip()).groups()
+            if kind == "context":
+                context.insert(0, arg)
+            elif kind == "toplevel":
+                toplevel = True
+            else:
+                if not arg:
+                    sys.exit(f"{path}:{j + 1}: doc-skip needs a reason")
+                skip = arg
+            j -= 1
+        start = i + 1
+        k = start
+        while k < len(lines) and lines[k].strip() != "```":
+            k += 1
+        if k == len(lines):
+            sys.exit(f"{path}:{i + 1}: unterminated ```cpp block")
+        blocks.append(Block(path, start + 1, "\n".join(lines[start:k]), context, toplevel, skip))
+        i = k + 1
+    return blocks
+
+
+def source_for(path, blocks, root):
+    rel = os.path.relpath(path, root)
+    includes, body = [], []
+    for n, b in enumerate(blocks):
+        if b.skip:
+            body.append(f"// {rel}:{b.line}: not compiled: {b.skip}")
+            continue
+        # Only the leading #include lines move (one inside a raw string further down stays put).
+        code_lines = b.code.split("\n")
+        lead = 0
+        while lead < len(code_lines) and (code_lines[lead].strip() == "" or code_lines[lead].lstrip().startswith("#include")):
+            if code_lines[lead].strip():
+                includes.append(code_lines[lead].strip())
+            lead += 1
+        code = "\n".join([""] * lead + code_lines[lead:])  # blank lines keep the #line numbering
+        ns = f"doc_block_{n}"
+        body.append(f"// ---- {rel}:{b.line}")
+        line_directive = f'#line {b.line} "{rel}"'
+        if b.is_program:
+            code = re.sub(r"\bint\s+main\s*\(", f"int {ns}_main(", code)
+            body.append(f"namespace {ns} {{\nusing namespace flame;\n{line_directive}\n{code}\n}}  // namespace {ns}")
+        elif b.toplevel:
+            ctx = "\n".join(b.context)
+            body.append(f"namespace {ns} {{\nusing namespace flame;\nnamespace F = flame::nn::functional;\n"
+                        f"{ctx}\n{line_directive}\n{code}\n}}  // namespace {ns}")
+        else:
+            ctx = "\n".join(b.context)
+            body.append(f"namespace {ns} {{\n[[maybe_unused]] void run() {{\nusing namespace flame;\n"
+                        f"namespace F = flame::nn::functional;\n{ctx}\n{line_directive}\n{code}\n}}\n}}  // namespace {ns}")
+    head = [f"// Generated by tools/doc_blocks.py from {rel}: edit the Markdown, not this file."]
+    head += [f"#include <{h}>" for h in PUBLIC_HEADERS]
+    head += ["#include <iostream>", "#include <memory>", "#include <optional>", "#include <string>", "#include <vector>"]
+    seen = set()
+    for inc in includes:
+        if inc not in seen:
+            seen.add(inc)
+            head.append(inc)
+    head.append('#pragma GCC diagnostic ignored "-Wunused-variable"')
+    head.append('#pragma GCC diagnostic ignored "-Wunused-but-set-variable"')
+    head.append('#pragma GCC diagnostic ignored "-Wunused-result"')
+    head.append('#pragma GCC diagnostic ignored "-Wreturn-type"  // a renamed main() returns 0 implicitly no more')
+    return "\n".join(head) + "\n\n" + "\n\n".join(body) + "\n"
+
+
+def write_if_changed(path, text):
+    if os.path.exists(path) and open(path, encoding="utf-8").read() == text:
+        return
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def output_name(path, root):
+    rel = os.path.relpath(path, root)
+    return re.sub(r"[^A-Za-z0-9]+", "_", os.path.splitext(rel)[0]).strip("_") + ".cpp"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--root", default=".")
+    ap.add_argument("--program", help="write block --index of this file, a whole program, to --out")
+    ap.add_argument("--index", type=int, default=0)
+    ap.add_argument("files", nargs="*")
+    a = ap.parse_args()
+    if a.program:
+        blocks = read_blocks(a.program)
+        if a.index >= len(blocks) or not blocks[a.index].is_program:
+            sys.exit(f"{a.program}: block {a.index} is not a whole program (it has no main)")
+        write_if_changed(a.out, blocks[a.index].code + "\n")
+        return
+    os.makedirs(a.out, exist_ok=True)
+    total = 0
+    for path in a.files:
+        blocks = read_blocks(path)
+        total += len(blocks)
+        write_if_changed(os.path.join(a.out, output_name(path, a.root)), source_for(path, blocks, a.root))
+    stamp = os.path.join(a.out, "blocks.stamp")
+    write_if_changed(stamp, f"{total} blocks\n")
+
+
+if __name__ == "__main__":
+    main()
