@@ -4,13 +4,15 @@
 #
 #   scripts/gpu_run.sh [--sanitize] [--no-tests] [--no-bench] [--no-example] [--tests GTEST_FILTER]
 #                      [--allow-skip REGEX] [--sanitize-filter GTEST_FILTER] [--racecheck-filter GTEST_FILTER]
-#                      [--jobs N] [--gtest-shards N]
+#                      [--jobs N] [--gtest-shards N] [--shuffle-rounds N] [--shuffle-seed S]
 #                      [--budget SECONDS] [--build-dir DIR] [--suite] [--suite-budget SECONDS]
 #
 # Steps: configure + build (Release, sm_90, ninja on all cores); the whole test suite on CUDA
 # (FLAME_TEST_DEVICE=cuda ctest -j N over the shards CMake registers; or, with --gtest-shards N,
 # the test binary itself in N parallel shards), failing when fewer cases ran than listed or a
-# case skipped outside the allow-list (Note [Counting CUDA cases]); with
+# case skipped outside the allow-list (Note [Counting CUDA cases]); with --shuffle-rounds N, N more
+# runs of the whole binary in shuffled order, each with its own seed and shard count (Note [Shuffled
+# rounds]); with
 # --sanitize, compute-sanitizer memcheck on a subset (and racecheck on another with
 # --racecheck-filter); the custom_kernel example twice (the second run must load from the kernel
 # disk cache); the benchmarks (bench_ops, bench/bench_torch.py, bench/compare.py; with --suite instead
@@ -37,6 +39,8 @@ SAN_FILTER="CudaJit*:*CudaMatchesCpu*"
 RACE_FILTER=""
 JOBS=8
 SHARDS=0
+SHUFFLE_ROUNDS=0
+SHUFFLE_SEED=0
 BUDGET=0
 RUN_SUITE=0
 SUITE_BUDGET=400
@@ -56,6 +60,8 @@ while [[ $# -gt 0 ]]; do
     --racecheck-filter) RACE_FILTER="$2"; shift ;;
     --jobs) JOBS="$2"; shift ;;
     --gtest-shards) SHARDS="$2"; shift ;;
+    --shuffle-rounds) SHUFFLE_ROUNDS="$2"; shift ;;
+    --shuffle-seed) SHUFFLE_SEED="$2"; shift ;;  # the first round's seed (default: from the clock)
     --budget) BUDGET="$2"; shift ;;
     --build-dir) BUILD="$2"; shift ;;
     --suite) RUN_SUITE=1; RUN_BENCH=0 ;;  # bench/suite.py instead of the pair joins
@@ -204,38 +210,46 @@ check_counts() {
   [[ $failed -ne 0 ]] && STATUS=1
 }
 
+# run_gtest_shards N SEED LOG LABEL: the test binary itself in N parallel shards (GoogleTest's
+# GTEST_TOTAL_SHARDS/GTEST_SHARD_INDEX), in shuffled order when SEED > 0, one log; notes the verdict.
+run_gtest_shards() {
+  local n="$1" seed="$2" tlog="$3" label="$4" T t0 i rc_line secs
+  T=$(limit "$(reserve_after_tests)")
+  say "flame_tests on CUDA in $n shards$([[ "$seed" -gt 0 ]] && echo ", shuffle seed $seed"), limit ${T}s (log: $tlog)"
+  t0=$(date +%s)
+  local shard_dir="$BUILD/shards"
+  rm -rf "$shard_dir" "$SUMMARY_DIR"
+  mkdir -p "$shard_dir" "$SUMMARY_DIR"
+  local args=(--gtest_brief=1)
+  [[ -n "$TEST_REGEX" ]] && args+=(--gtest_filter="$TEST_REGEX")
+  [[ "$seed" -gt 0 ]] && args+=(--gtest_shuffle --gtest_random_seed="$seed")
+  for (( i = 0; i < n; i++ )); do
+    ( FLAME_TEST_DEVICE=cuda FLAME_POISON_ALLOC=1 FLAME_TEST_SUMMARY_DIR="$SUMMARY_DIR" \
+        FLAME_KERNEL_CACHE="$BUILD/kernel-cache" GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i \
+        timeout "$T" "$TEST_BIN" "${args[@]}" >"$shard_dir/$i.log" 2>&1
+      echo "shard $i rc=$?" >>"$shard_dir/$i.log" ) &
+  done
+  wait
+  secs=$(( $(date +%s) - t0 ))
+  cat "$shard_dir"/*.log >"$tlog"
+  for (( i = 0; i < n; i++ )); do
+    rc_line=$(tail -1 "$shard_dir/$i.log")
+    if [[ "$rc_line" != "shard $i rc=0" ]]; then
+      STATUS=1
+      note "  shard $i: $rc_line; $(grep -vE '^shard ' "$shard_dir/$i.log" | tail -1 | cut -c1-160)"
+      # The order can be replayed: the same shard of the same count with the same seed.
+      [[ "$seed" -gt 0 ]] && note "    rerun: GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i FLAME_TEST_DEVICE=cuda flame_tests --gtest_shuffle --gtest_random_seed=$seed"
+    fi
+  done
+  check_counts "$label" "$secs"
+  while IFS= read -r line; do note "  failed: $line"; done < <(
+    grep -hE '^\[  FAILED  \] [A-Za-z_]' "$shard_dir"/*.log | sed -E 's/^\[  FAILED  \] //; s/ \([0-9]+ ms\)$//' | sort -u | head -15)
+  say "tests ($label) in ${secs}s"
+}
+
 if [[ $RUN_TESTS -eq 1 && $SHARDS -gt 0 ]]; then
-  # GoogleTest's own sharding, N processes at once, one log (tests.log).
-  TLOG="$LOGS/tests.log"
   if fresh "$TEST_BIN"; then
-    T=$(limit "$(reserve_after_tests)")
-    say "flame_tests on CUDA in $SHARDS shards, limit ${T}s (log: $TLOG)"
-    t0=$(date +%s)
-    SHARD_DIR="$BUILD/shards"
-    rm -rf "$SHARD_DIR" "$SUMMARY_DIR"
-    mkdir -p "$SHARD_DIR" "$SUMMARY_DIR"
-    GFILTER=()
-    [[ -n "$TEST_REGEX" ]] && GFILTER=(--gtest_filter="$TEST_REGEX")
-    for (( i = 0; i < SHARDS; i++ )); do
-      ( FLAME_TEST_DEVICE=cuda FLAME_POISON_ALLOC=1 FLAME_TEST_SUMMARY_DIR="$SUMMARY_DIR" \
-          FLAME_KERNEL_CACHE="$BUILD/kernel-cache" GTEST_TOTAL_SHARDS=$SHARDS GTEST_SHARD_INDEX=$i \
-          timeout "$T" "$TEST_BIN" --gtest_brief=1 "${GFILTER[@]}" >"$SHARD_DIR/$i.log" 2>&1
-        echo "shard $i rc=$?" >>"$SHARD_DIR/$i.log" ) &
-    done
-    wait
-    TESTS_S=$(( $(date +%s) - t0 ))
-    cat "$SHARD_DIR"/*.log >"$TLOG"
-    for (( i = 0; i < SHARDS; i++ )); do
-      rc_line=$(tail -1 "$SHARD_DIR/$i.log")
-      if [[ "$rc_line" != "shard $i rc=0" ]]; then
-        STATUS=1
-        note "  shard $i: $rc_line; $(grep -vE '^shard ' "$SHARD_DIR/$i.log" | tail -1 | cut -c1-160)"
-      fi
-    done
-    check_counts "$SHARDS gtest shards" "$TESTS_S"
-    while IFS= read -r line; do note "  failed: $line"; done < <(
-      grep -hE '^\[  FAILED  \] [A-Za-z_]' "$SHARD_DIR"/*.log | sed -E 's/^\[  FAILED  \] //; s/ \([0-9]+ ms\)$//' | sort -u | head -15)
-    say "tests in ${TESTS_S}s"
+    run_gtest_shards "$SHARDS" 0 "$LOGS/tests.log" "$SHARDS gtest shards"
   else
     STATUS=1
     note "tests (cuda): not run, $TEST_BIN was not built"
@@ -275,6 +289,33 @@ elif [[ $RUN_TESTS -eq 1 ]]; then
   else
     STATUS=1
     note "tests (cuda): not run, $TEST_BIN was not built"
+  fi
+fi
+
+# Note [Shuffled rounds]: a case must pass whatever ran before it in its process (memory the pool
+# still holds, switches, caches, the current stream). --shuffle-rounds N runs the binary N more
+# times in shuffled order, round r with seed S + r and a shard count from 3, 5, 8, 12, 16 in turn, so
+# each case meets different neighbours in each round; a failure names the seed, the shard count and
+# the shard, which replay that process's order exactly. All rounds write one log, shuffled.log.
+if [[ $RUN_TESTS -eq 1 && $SHUFFLE_ROUNDS -gt 0 ]]; then
+  if fresh "$TEST_BIN"; then
+    [[ "$SHUFFLE_SEED" -gt 0 ]] || SHUFFLE_SEED=$(( $(date +%s) % 90000 + 1 ))
+    counts=(3 5 8 12 16)
+    : >"$LOGS/shuffled.log"
+    for (( r = 0; r < SHUFFLE_ROUNDS; r++ )); do
+      if [[ $(remaining) -lt $(( $(reserve_after_tests) + 60 )) ]]; then
+        STATUS=1
+        note "shuffled rounds: stopped before round $(( r + 1 )) of $SHUFFLE_ROUNDS (budget)"
+        break
+      fi
+      n=${counts[$(( r % ${#counts[@]} ))]}
+      run_gtest_shards "$n" $(( SHUFFLE_SEED + r )) "$LOGS/shuffled.round.log" "shuffled round $(( r + 1 )): seed $(( SHUFFLE_SEED + r )), $n shards"
+      { echo "===== round $(( r + 1 )): seed $(( SHUFFLE_SEED + r )), $n shards"; cat "$LOGS/shuffled.round.log"; } >>"$LOGS/shuffled.log"
+      rm -f "$LOGS/shuffled.round.log"
+    done
+  else
+    STATUS=1
+    note "shuffled rounds: not run, $TEST_BIN was not built"
   fi
 fi
 
