@@ -422,6 +422,78 @@ TEST(SafetensorsCorrupt, TableOfBrokenFiles) {
   }
 }
 
+// Note [Foreign files]: a PNG, a zip (torch.save), a pickle, a text file or bytes of no known format
+// given as safetensors are named as such, with their first bytes, instead of a header-length
+// complaint; a file that looks like safetensors keeps the precise header message.
+TEST(SafetensorsCorrupt, ForeignFilesAreNamedByTheirFirstBytes) {
+  // A real PNG's first 16 bytes: signature, IHDR length 13, "IHDR". As a little-endian length the
+  // signature reads 727905341920923785, over the 100 MB cap.
+  const std::string png = std::string("\x89PNG\r\n\x1a\n\x00\x00\x00\x0dIHDR", 16) + std::string(64, '\0');
+  struct Foreign {
+    const char* what;
+    std::string bytes;
+    std::vector<std::string> expect;
+  };
+  const std::vector<Foreign> cases = {
+      {"png", png, {"is not a safetensors file (starts with bytes 89 50 4E 47 0D 0A 1A 0A ...: a PNG image)"}},
+      {"zip", std::string("PK\x03\x04\x14\x00\x00\x00\x08\x00", 10), {"bytes 50 4B 03 04 14 00 00 00 ...", "a zip archive"}},
+      {"pickle", std::string("\x80\x02\x8a\x0alz\xfc\x9c" "F\xf9 j\xa8", 13), {"bytes 80 02 8A 0A 6C 7A FC 9C ...", "pickle"}},
+      {"jpeg", std::string("\xff\xd8\xff\xe0\x00\x10JFIF\x00", 11), {"bytes FF D8 FF E0 00 10 4A 46 ...", "a JPEG image"}},
+      {"text", std::string("step,loss,lr,grad_norm,time\n1,0.5,0.001,1,0.1\n"), {"bytes 73 74 65 70 2C 6C 6F 73 ...", ": text)"}},
+      {"unknown", std::string("\x01\x02\x03\x04\x05\x06\x07\x08\x09\x0a", 10),
+       {"bytes 01 02 03 04 05 06 07 08 ...: an unknown format)"}},
+      {"short", std::string("\x01\x02\x03\x04\x05\x06\x07\x08", 8), {"bytes 01 02 03 04 05 06 07 08: an unknown format)"}},
+  };
+  for (const Foreign& c : cases) {
+    SCOPED_TRACE(c.what);
+    const std::string path = temp_path(c.what);
+    write_file(path, c.bytes);
+    std::vector<std::string> parts = c.expect;
+    parts.push_back("safetensors: '" + path + "'");
+    expect_error([&] { (void)io::SafetensorsFile(path); }, parts);
+    expect_error([&] { (void)io::load_safetensors_metadata(path); }, parts);
+    try {
+      (void)io::SafetensorsFile(path);
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("header length"), std::string::npos) << e.what();
+    }
+    std::remove(path.c_str());
+  }
+}
+
+// A header byte changed to a non-ASCII or control byte: the JSON parser's message quotes the text it
+// read, and the message shows those bytes escaped (\xFF), never raw; so do tensor names.
+TEST(SafetensorsCorrupt, MessagesEscapeRawBytes) {
+  const auto raw_free = [](const std::string& m) {
+    for (const char ch : m) {
+      const auto b = static_cast<unsigned char>(ch);
+      if (b >= 0x7f || (b < 0x20 && b != '\n')) return false;
+    }
+    return true;
+  };
+  const std::string path = temp_path("flip");
+  write_file(path, file_of("{\"a\xff\x01\":1}", ""));
+  try {
+    (void)io::SafetensorsFile(path);
+    ADD_FAILURE() << "no error for a header with a 0xFF byte";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_TRUE(raw_free(m)) << m;
+    EXPECT_NE(m.find("\\xFF"), std::string::npos) << m;
+    EXPECT_NE(m.find("not valid JSON"), std::string::npos) << m;
+  }
+  write_file(path, file_of("{\"b\\u001b[31m\xc3\xa9\":[1]}", ""));  // ESC [31m and a UTF-8 e-acute
+  try {
+    (void)io::SafetensorsFile(path);
+    ADD_FAILURE() << "no error for an entry that is not an object";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_TRUE(raw_free(m)) << m;
+    EXPECT_NE(m.find("entry \"b\\x1B[31m\\xC3\\xA9\""), std::string::npos) << m;
+  }
+  std::remove(path.c_str());
+}
+
 TEST(SafetensorsCorrupt, PathsThatAreNotFiles) {
   const std::string missing = temp_path("missing");
   expect_error([&] { (void)io::load_safetensors(missing); }, {"safetensors", "cannot open", missing});

@@ -33,12 +33,88 @@ constexpr DTypeRow kDTypes[] = {
     {StDType::U64, "U64", 8},         {StDType::C64, "C64", 8},
 };
 
+// Bytes from the file in a message: printable ASCII as is, every other byte (control bytes, bytes
+// of a broken UTF-8 sequence) as \xNN, so a message never carries raw bytes to a terminal.
+std::string escaped(std::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (const char ch : s) {
+    const auto b = static_cast<unsigned char>(ch);
+    if (b >= 0x20 && b < 0x7f && b != '\\') {
+      out += ch;
+    } else {
+      constexpr char kHex[] = "0123456789ABCDEF";
+      out += "\\x";
+      out += kHex[b >> 4];
+      out += kHex[b & 15];
+    }
+  }
+  return out;
+}
+
 // Names come from the file: a hostile one may be megabytes long or hold control bytes, so error
-// messages show at most the first 120 bytes.
+// messages show at most the first 120 bytes, escaped.
 std::string shown(std::string_view s) {
   constexpr std::size_t kMax = 120;
-  if (s.size() <= kMax) return std::string(s);
-  return std::string(s.substr(0, kMax)) + "...(" + std::to_string(s.size()) + " bytes)";
+  if (s.size() <= kMax) return escaped(s);
+  return escaped(s.substr(0, kMax)) + "...(" + std::to_string(s.size()) + " bytes)";
+}
+
+// Note [Foreign files]: a file that is not safetensors at all (an image, a pickle, a zip archive
+// such as torch.save's) would otherwise be refused for a nonsensical "header length" read from its
+// first 8 bytes. Its first bytes are named instead, with the format they announce when it is a
+// common one. A file whose 8-byte length cannot be a header length (over the cap or past the end)
+// and whose byte 8 is not the header's '{', or one with a known signature and either fault, gets
+// this message; anything that looks like safetensors keeps the precise header messages.
+const char* foreign_format(const unsigned char* data, std::size_t size) {
+  struct Magic {
+    const char* bytes;
+    std::size_t n;
+    const char* what;
+  };
+  static const Magic kMagic[] = {
+      {"\x89PNG\r\n\x1a\n", 8, "a PNG image"},
+      {"\xff\xd8\xff", 3, "a JPEG image"},
+      {"GIF8", 4, "a GIF image"},
+      {"\x1f\x8b", 2, "a gzip stream"},
+      {"PK\x03\x04", 4, "a zip archive (torch.save writes these)"},
+      {"\x7f" "ELF", 4, "an ELF executable"},
+      {"%PDF", 4, "a PDF document"},
+      {"GGUF", 4, "a GGUF model file"},
+      {"\x93NUMPY", 6, "a NumPy .npy array"},
+      {"\x89HDF\r\n\x1a\n", 8, "an HDF5 file"},
+  };
+  for (const Magic& m : kMagic) {
+    if (m.what != nullptr && size >= m.n && std::memcmp(data, m.bytes, m.n) == 0) return m.what;
+  }
+  if (size >= 2 && data[0] == 0x80 && data[1] >= 2 && data[1] <= 5) return "a Python pickle (an old torch.save file)";
+  if (size >= 4 && data[0] == 0 && data[1] == 0 && data[2] == 0x08 && data[3] >= 1 && data[3] <= 4)
+    return "an IDX array";
+  return nullptr;
+}
+
+// "89 50 4E 47 0D 0A 1A 0A" for the first (at most 8) bytes.
+std::string first_bytes(const unsigned char* data, std::size_t size) {
+  constexpr char kHex[] = "0123456789ABCDEF";
+  std::string out;
+  for (std::size_t i = 0; i < std::min<std::size_t>(size, 8); ++i) {
+    if (i > 0) out += ' ';
+    out += kHex[data[i] >> 4];
+    out += kHex[data[i] & 15];
+  }
+  return out;
+}
+
+[[noreturn]] void fail_foreign(std::string_view source, const unsigned char* data, std::size_t size,
+                               const char* what) {
+  bool text = size > 0;
+  for (std::size_t i = 0; i < std::min<std::size_t>(size, 64); ++i) {
+    const unsigned char b = data[i];
+    text = text && (b == '\n' || b == '\r' || b == '\t' || (b >= 0x20 && b < 0x7f));
+  }
+  const std::string kind = what != nullptr ? what : text ? "text" : "an unknown format";
+  FLAME_FAIL("safetensors", "'", source, "' is not a safetensors file (starts with bytes ", first_bytes(data, size),
+             size > 8 ? " ..." : "", ": ", kind, ")");
 }
 
 template <class... Args>
@@ -192,6 +268,16 @@ Header parse(const unsigned char* data, std::size_t size, std::string_view sourc
   if (size < 8) fail(source, "file is ", size, " bytes, too short for the 8-byte header length");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = n << 8 | data[i];  // little-endian on any host
+  // Note [Foreign files].
+  {
+    // A safetensors header starts with '{'; a length that cannot be one, or a header that does not
+    // start so, from a file with a known signature or neither, is a foreign file.
+    const bool implausible = n > kMaxHeaderBytes || n > size - 8;
+    const bool brace = size > 8 && data[8] == '{';
+    const char* what = foreign_format(data, size);
+    if (what != nullptr && (implausible || !brace)) fail_foreign(source, data, size, what);
+    if (implausible && !brace) fail_foreign(source, data, size, nullptr);
+  }
   if (n > kMaxHeaderBytes) {
     fail(source, "header length ", n, " exceeds the limit of ", kMaxHeaderBytes, " bytes");
   }
@@ -211,7 +297,7 @@ Header parse(const unsigned char* data, std::size_t size, std::string_view sourc
     root = Json::parse(text, text + n, std::ref(checker), /*allow_exceptions=*/true,
                        /*ignore_comments=*/false);
   } catch (const Json::exception& e) {
-    fail(source, "header is not valid JSON: ", e.what());
+    fail(source, "header is not valid JSON: ", escaped(e.what()));
   }
   if (!root.is_object()) fail(source, "header must be a JSON object, got ", json_kind(root));
 
