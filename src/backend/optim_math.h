@@ -7,6 +7,8 @@
 //  - SGD: g (+ wd p); buf = first ? g : momentum buf + (1 - dampening) g; nesterov g + momentum buf.
 //  - Adam/AdamW: m.lerp_(g, 1 - b1); v = b2 v + (1 - b2) g^2; denom = sqrt(v)/sqrt(bc2) + eps;
 //    p -= lr/bc1 * m/denom (AdamW first scales p by 1 - lr wd; Adam adds wd p to g).
+// Hyperparameter arithmetic (1 - b, 1 - dampening, 1 - lr wd, lr/bc1, sqrt(bc2)) is done in double
+// and rounded to C once (make_hyper, and the host's per-tensor step scalars), as torch.optim does.
 //  - Lion (Chen et al. 2023): p *= 1 - lr wd; p -= lr sign(b1 m + (1 - b1) g); m = b2 m + (1 - b2) g.
 #include <cmath>
 #include <cstdint>
@@ -18,20 +20,38 @@
 
 namespace flame::backend::optim_math {
 
-// Scalars of one call in the compute type.
+// Scalars of one call in the compute type. Every combination of hyperparameters (1 - beta,
+// 1 - dampening, 1 - lr wd) is formed in double and rounded once, as torch.optim does (its Python
+// floats reach the kernels as scalars): `1 - beta2` formed in f32 from f32(0.999) is 0.00099998713,
+// 1.3e-5 below f32(0.001), and so is every second moment it makes.
 template <class C>
 struct Hyper {
-  C lr, weight_decay, beta1, beta2, eps, momentum, dampening;
+  C lr, weight_decay, beta1, beta2, eps, momentum;
+  C one_minus_beta1, one_minus_beta2, one_minus_dampening;
+  C decay;  // decoupled weight decay's factor 1 - lr wd (AdamW, Lion)
   bool nesterov, maximize, amsgrad, decoupled;
   OptimKind kind;
 };
 
 template <class C>
 FLAME_INLINE Hyper<C> make_hyper(const OptimHyper& h) {
-  return Hyper<C>{static_cast<C>(h.lr),       static_cast<C>(h.weight_decay), static_cast<C>(h.beta1),
-                  static_cast<C>(h.beta2),    static_cast<C>(h.eps),          static_cast<C>(h.momentum),
-                  static_cast<C>(h.dampening), h.nesterov,                     h.maximize,
-                  h.amsgrad,                  h.decoupled_weight_decay,       h.kind};
+  Hyper<C> r;
+  r.lr = static_cast<C>(h.lr);
+  r.weight_decay = static_cast<C>(h.weight_decay);
+  r.beta1 = static_cast<C>(h.beta1);
+  r.beta2 = static_cast<C>(h.beta2);
+  r.eps = static_cast<C>(h.eps);
+  r.momentum = static_cast<C>(h.momentum);
+  r.one_minus_beta1 = static_cast<C>(1.0 - h.beta1);
+  r.one_minus_beta2 = static_cast<C>(1.0 - h.beta2);
+  r.one_minus_dampening = static_cast<C>(1.0 - h.dampening);
+  r.decay = static_cast<C>(1.0 - h.lr * h.weight_decay);
+  r.nesterov = h.nesterov;
+  r.maximize = h.maximize;
+  r.amsgrad = h.amsgrad;
+  r.decoupled = h.decoupled_weight_decay;
+  r.kind = h.kind;
+  return r;
 }
 
 // The hyperparameters a capturable call reads from memory at kernel time (OptimHyper::device_hyper;
@@ -86,7 +106,7 @@ FLAME_INLINE void sgd_update(const Hyper<C>& h, bool first, C& p, C g, C& buf) {
   if (h.maximize) g = -g;
   if (h.weight_decay != C(0)) g = g + h.weight_decay * p;
   if (h.momentum != C(0)) {
-    buf = first ? g : h.momentum * buf + (C(1) - h.dampening) * g;
+    buf = first ? g : h.momentum * buf + h.one_minus_dampening * g;
     g = h.nesterov ? g + h.momentum * buf : buf;
   }
   p = p - h.lr * g;
@@ -96,12 +116,13 @@ template <class C>
 FLAME_INLINE void adam_update(const Hyper<C>& h, C step_size, C bias2_sqrt, C& p, C g, C& m, C& v, C& vmax) {
   if (h.maximize) g = -g;
   if (h.decoupled) {
-    p = p * (C(1) - h.lr * h.weight_decay);
+    p = p * h.decay;
   } else if (h.weight_decay != C(0)) {
     g = g + h.weight_decay * p;
   }
-  m = m + (C(1) - h.beta1) * (g - m);
-  v = h.beta2 * v + (C(1) - h.beta2) * g * g;
+  // torch's lerp_(g, 1 - b1): from the nearer end, so a weight near 1 (a small beta1) is exact too.
+  m = h.one_minus_beta1 < C(0.5) ? m + h.one_minus_beta1 * (g - m) : g - (g - m) * (C(1) - h.one_minus_beta1);
+  v = h.beta2 * v + h.one_minus_beta2 * g * g;
   C vhat = v;
   if (h.amsgrad) {
     vmax = vmax > v ? vmax : v;
@@ -114,11 +135,11 @@ FLAME_INLINE void adam_update(const Hyper<C>& h, C step_size, C bias2_sqrt, C& p
 template <class C>
 FLAME_INLINE void lion_update(const Hyper<C>& h, C& p, C g, C& m) {
   if (h.maximize) g = -g;
-  p = p * (C(1) - h.lr * h.weight_decay);
-  const C c = h.beta1 * m + (C(1) - h.beta1) * g;
+  p = p * h.decay;
+  const C c = h.beta1 * m + h.one_minus_beta1 * g;
   const C sign = c > C(0) ? C(1) : (c < C(0) ? C(-1) : C(0));
   p = p - h.lr * sign;
-  m = h.beta2 * m + (C(1) - h.beta2) * g;
+  m = h.beta2 * m + h.one_minus_beta2 * g;
 }
 
 // Rounds an f32 value to bf16 stochastically: adds 16 random bits below the kept mantissa and

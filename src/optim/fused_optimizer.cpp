@@ -76,17 +76,22 @@ Tensor zeros_for(const Tensor& p, const Shape& shape, DType dtype) {
 
 FusedOptimizer::FusedOptimizer(std::vector<ParamGroup> groups, Precision precision) : precision_(precision) {
   groups_ = std::move(groups);
-  std::unordered_set<const TensorImpl*> seen;
   group_begin_.push_back(0);
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     for (const Tensor& p : groups_[g].params) {
       const std::size_t i = params_.size();
       FLAME_CHECK(p.defined(), "optimizer", "parameter ", i, " (group ", g, ") is undefined");
+      // PyTorch: "can't optimize a non-leaf Tensor". An op's output is recomputed from its inputs
+      // by every forward; an update written into it would be lost (and its gradient flows on).
+      FLAME_CHECK(p.is_leaf(), "optimizer", "parameter ", i, " (group ", g, ", shape ", p.sizes(),
+                  ") is not a leaf tensor: it is the output of ", p.grad_fn_name(),
+                  " recorded under grad mode; optimizers take leaf tensors; call .detach().requires_grad_() "
+                  "on it (or create it under NoGradGuard)");
       FLAME_CHECK(is_floating(p.dtype()), "optimizer", "parameter ", i, " has dtype ", dtype_name(p.dtype()),
                   "; optimizers update floating tensors");
       FLAME_CHECK(is_non_overlapping_and_dense(p), "optimizer", "parameter ", i, " (shape ", p.sizes(),
                   ", strides ", p.strides(), ") is not dense; optimizers update whole dense tensors");
-      FLAME_CHECK(seen.insert(p.impl()).second, "optimizer", "parameter ", i,
+      FLAME_CHECK(index_of_.emplace(p.impl(), i).second, "optimizer", "parameter ", i,
                   " appears more than once (some parameters appear in more than one parameter group)");
       params_.push_back(p);
     }
@@ -170,6 +175,22 @@ DType FusedOptimizer::state_dtype(const Tensor& param) const {
   return uses_master(param) ? DType::f32 : param.dtype();
 }
 
+std::size_t FusedOptimizer::param_index(const Tensor& param, const char* what) const {
+  const std::string op = name() + "." + what;
+  FLAME_CHECK(param.defined(), op.c_str(), "got an undefined tensor instead of a parameter");
+  const auto it = index_of_.find(param.impl());
+  if (it != index_of_.end()) return it->second;
+  // Not one of the handed-over tensors: say whether it is another handle on one of them.
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    FLAME_CHECK(!param.shares_storage(params_[i]), op.c_str(), "the tensor of shape ", param.sizes(),
+                " is not a parameter of this optimizer, but shares the storage of parameter ", i, " (shape ",
+                params_[i].sizes(), "): pass the tensor handed to the optimizer, not a view, copy or detach() of it");
+  }
+  FLAME_FAIL(op.c_str(), "the tensor of shape ", param.sizes(), " (", dtype_name(param.dtype()), ", ",
+             param.device().str(), ") is not a parameter of this optimizer (", params_.size(),
+             " parameters); pass one of the tensors handed to it");
+}
+
 int64_t FusedOptimizer::param_step(std::size_t index) const {
   FLAME_CHECK(index < params_.size(), (name() + ".param_step").c_str(), "index ", index, " out of range (", params_.size(),
               " parameters)");
@@ -205,7 +226,7 @@ void FusedOptimizer::step(const Gradients& grads) {
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     for (std::size_t i = group_begin_[g]; i < group_begin_[g + 1]; ++i) {
       const Tensor& p = params_[i];
-      Tensor grad = grads.get(p);
+      Tensor grad = grads.try_get(p);
       if (!grad.defined()) continue;
       FLAME_CHECK(grad.device() == p.device(), op.c_str(), "gradient of parameter ", i, " is on ",
                   grad.device().str(), ", the parameter on ", p.device().str());

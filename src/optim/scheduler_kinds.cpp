@@ -204,6 +204,61 @@ std::vector<double> LambdaLR::get_lr() {
   return lrs;
 }
 
+// ---- MultiplicativeLR ----
+
+MultiplicativeLR::MultiplicativeLR(Optimizer& opt, Lambda lr_lambda) : LRScheduler(opt) {
+  FLAME_CHECK(static_cast<bool>(lr_lambda), "MultiplicativeLR", "lr_lambda is empty");
+  lambdas_.assign(groups(), lr_lambda);
+  initial_step();
+}
+
+MultiplicativeLR::MultiplicativeLR(Optimizer& opt, std::vector<Lambda> lr_lambdas)
+    : LRScheduler(opt), lambdas_(std::move(lr_lambdas)) {
+  FLAME_CHECK(lambdas_.size() == groups(), "MultiplicativeLR", "expected ", groups(),
+              " lr_lambdas (one per parameter group), got ", lambdas_.size());
+  for (std::size_t g = 0; g < lambdas_.size(); ++g) {
+    FLAME_CHECK(static_cast<bool>(lambdas_[g]), "MultiplicativeLR", "lr_lambdas[", g, "] is empty");
+  }
+  initial_step();
+}
+
+std::vector<double> MultiplicativeLR::get_lr() {
+  std::vector<double> lrs = current_lrs();
+  if (last_epoch_ > 0) {
+    for (std::size_t g = 0; g < lrs.size(); ++g) lrs[g] = lrs[g] * lambdas_[g](last_epoch_);
+  }
+  return lrs;
+}
+
+// ---- PolynomialLR ----
+
+PolynomialLR::PolynomialLR(Optimizer& opt, int64_t total_iters, double power)
+    : LRScheduler(opt), total_iters_(total_iters), power_(power) {
+  // PyTorch divides by total_iters without a check (0 raises ZeroDivisionError at the first step).
+  FLAME_CHECK(total_iters > 0, "PolynomialLR", "total_iters must be > 0, got ", total_iters);
+  FLAME_CHECK(std::isfinite(power), "PolynomialLR", "power must be finite, got ", power);
+  initial_step();
+}
+
+std::vector<double> PolynomialLR::get_lr() {
+  std::vector<double> lrs = current_lrs();
+  if (last_epoch_ == 0 || last_epoch_ > total_iters_) return lrs;
+  const double t = static_cast<double>(total_iters_);
+  const double decay = std::pow((1.0 - static_cast<double>(last_epoch_) / t) /
+                                    (1.0 - static_cast<double>(last_epoch_ - 1) / t),
+                                power_);
+  for (double& lr : lrs) lr = lr * decay;
+  return lrs;
+}
+
+std::optional<std::vector<double>> PolynomialLR::closed_form_lr() const {
+  std::vector<double> lrs(groups());
+  const double t = static_cast<double>(total_iters_);
+  const double e = static_cast<double>(std::min(total_iters_, last_epoch_));
+  for (std::size_t g = 0; g < lrs.size(); ++g) lrs[g] = base_lrs_[g] * std::pow(1.0 - e / t, power_);
+  return lrs;
+}
+
 // ---- OneCycleLR ----
 
 OneCycleLR::OneCycleLR(Optimizer& opt, OneCycleOptions options) : LRScheduler(opt), o_(std::move(options)) {

@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -136,12 +137,25 @@ class FusedOptimizer : public Optimizer {
   void load_state_dict(const StateDict& state) override;
 
   std::size_t num_params() const { return params_.size(); }
+  // Parameters are indexed over all groups in order (PyTorch's state_dict numbering), which need
+  // not be the order they were handed over in; each accessor below also takes the parameter
+  // tensor itself (the handle given to the optimizer, not a copy, view or detach() of it).
+  // The index of `param`; raises naming its shape when it is not a parameter of this optimizer.
+  // (`what` names the accessor in the error.)
+  std::size_t param_index(const Tensor& param, const char* what = "param_index") const;
   // Steps taken by parameter `index` (0 before its first gradient).
   int64_t param_step(std::size_t index) const;
+  int64_t param_step(const Tensor& param) const { return param_step(param_index(param, "param_step")); }
   // A state slot of parameter `index` (undefined when absent); a handle on the live tensor.
   Tensor state(std::size_t index, const std::string& slot) const;
+  Tensor state(const Tensor& param, const std::string& slot) const {
+    return state(param_index(param, "state"), slot);
+  }
   // The f32 master weights of parameter `index` (undefined when it has none).
   Tensor master_weights(std::size_t index) const;
+  Tensor master_weights(const Tensor& param) const {
+    return master_weights(param_index(param, "master_weights"));
+  }
 
   // Capturable mode (Note [Capturable optimizers]).
   bool capturable() const { return precision_.capturable; }
@@ -201,6 +215,7 @@ class FusedOptimizer : public Optimizer {
 
   Precision precision_;
   TensorList params_;                     // every parameter, in group order
+  std::unordered_map<const TensorImpl*, std::size_t> index_of_;  // parameter -> its index in params_
   std::vector<std::size_t> group_begin_;  // index of each group's first parameter; size groups + 1
   std::vector<ParamState> state_;
   // Capturable mode: per group an f64 [kDeviceHyperSize] tensor of its hyperparameters and the

@@ -199,6 +199,149 @@ class LambdaLR final : public LRScheduler {
   std::vector<Lambda> lambdas_;
 };
 
+// lr *= lambda(epoch) at every step after the first (PyTorch's MultiplicativeLR): one function for
+// every group, or one per group. No closed form: step(epoch) multiplies once by lambda(epoch).
+class MultiplicativeLR final : public LRScheduler {
+ public:
+  using Lambda = std::function<double(int64_t epoch)>;
+  MultiplicativeLR(Optimizer& opt, Lambda lr_lambda);
+  MultiplicativeLR(Optimizer& opt, std::vector<Lambda> lr_lambdas);
+  std::string name() const override { return "MultiplicativeLR"; }
+
+ protected:
+  std::vector<double> get_lr() override;
+
+ private:
+  std::vector<Lambda> lambdas_;
+};
+
+// lr = base * (1 - min(epoch, total_iters) / total_iters)^power: polynomial decay to 0 at
+// total_iters, constant after.
+class PolynomialLR final : public LRScheduler {
+ public:
+  PolynomialLR(Optimizer& opt, int64_t total_iters = 5, double power = 1.0);
+  std::string name() const override { return "PolynomialLR"; }
+
+ protected:
+  std::vector<double> get_lr() override;
+  std::optional<std::vector<double>> closed_form_lr() const override;
+
+ private:
+  int64_t total_iters_;
+  double power_;
+};
+
+// SGDR (Loshchilov & Hutter): lr = eta_min + (base - eta_min) * (1 + cos(pi * T_cur / T_i)) / 2,
+// where T_cur counts epochs since the last restart and the i-th period is T_i = T_0 * T_mult^i.
+// step() advances T_cur by one (restarting at T_i); step(epoch) and step_at(epoch) (a fractional
+// epoch, PyTorch's step(epoch + i / iters)) find the period of `epoch` in closed form.
+class CosineAnnealingWarmRestarts final : public LRScheduler {
+ public:
+  CosineAnnealingWarmRestarts(Optimizer& opt, int64_t T_0, int64_t T_mult = 1, double eta_min = 0.0);
+  std::string name() const override { return "CosineAnnealingWarmRestarts"; }
+  void step() override;
+  void step(int64_t epoch) override;
+  void step_at(double epoch);
+  double t_cur() const { return t_cur_; }
+  int64_t t_i() const { return t_i_; }
+
+ protected:
+  std::vector<double> get_lr() override;
+  void save_extra(StateDict& out) const override;
+  void check_extra(const StateDict& state, const std::string& prefix) const override;
+  void load_extra(const StateDict& state, const std::string& prefix) override;
+
+ private:
+  int64_t t_0_, t_mult_;
+  double eta_min_;
+  int64_t t_i_;
+  double t_cur_ = -1.0;
+};
+
+// The cyclical learning rate policy (Smith, 2017) between base_lr and max_lr, stepped per batch:
+// a cycle is step_size_up steps up then step_size_down (default: step_size_up) steps down. Modes:
+// triangular (constant amplitude), triangular2 (amplitude halved each cycle), exp_range
+// (amplitude scaled by gamma^iteration), or a custom scale_fn of the cycle number (scale_mode
+// cycle) or iteration (scale_mode iterations). With cycle_momentum the optimizer's momentum (SGD)
+// or beta1 (Adam family) moves the opposite way between max_momentum and base_momentum. As
+// PyTorch, the base rates are base_lr, not the optimizer's: construction writes them.
+struct CyclicLROptions {
+  std::vector<double> base_lr;  // one value for every group, or one per group
+  std::vector<double> max_lr;   // the same
+  double step_size_up = 2000;
+  std::optional<double> step_size_down;  // unset: step_size_up
+  enum class Mode { triangular, triangular2, exp_range } mode = Mode::triangular;
+  double gamma = 1.0;  // exp_range
+  std::function<double(double)> scale_fn;  // replaces the mode's when set
+  enum class ScaleMode { cycle, iterations } scale_mode = ScaleMode::cycle;  // for scale_fn
+  bool cycle_momentum = true;
+  std::vector<double> base_momentum{0.8};  // one value for every group, or one per group
+  std::vector<double> max_momentum{0.9};
+};
+
+class CyclicLR final : public LRScheduler {
+ public:
+  CyclicLR(Optimizer& opt, CyclicLROptions options);
+  std::string name() const override { return "CyclicLR"; }
+
+ protected:
+  std::vector<double> get_lr() override;
+  void save_extra(StateDict& out) const override;
+  void check_extra(const StateDict& state, const std::string& prefix) const override;
+  void load_extra(const StateDict& state, const std::string& prefix) override;
+
+ private:
+  double scale(double cycle) const;
+  CyclicLROptions o_;
+  double total_size_, step_ratio_;
+  std::vector<double> max_lrs_, base_momenta_, max_momenta_;
+  std::vector<double> last_momenta_;  // what cycle_momentum last wrote, restored on load
+};
+
+// Lowers the rate when a metric stops improving (PyTorch's ReduceLROnPlateau): step(metric) once
+// per epoch; after more than `patience` epochs without an improvement (mode min: metric below
+// best * (1 - threshold) for threshold_mode rel, best - threshold for abs; mode max mirrored),
+// every group's lr becomes max(lr * factor, min_lr), unless that changes it by eps or less; then
+// `cooldown` epochs pass before bad epochs count again. It reads the optimizer's current rates
+// (it composes with nothing: step() and step(epoch) raise). Construction changes no rate.
+struct ReduceLROnPlateauOptions {
+  enum class Mode { min, max } mode = Mode::min;
+  double factor = 0.1;
+  int64_t patience = 10;
+  double threshold = 1e-4;
+  enum class ThresholdMode { rel, abs } threshold_mode = ThresholdMode::rel;
+  int64_t cooldown = 0;
+  std::vector<double> min_lr{0.0};  // one value for every group, or one per group
+  double eps = 1e-8;
+};
+
+class ReduceLROnPlateau final : public LRScheduler {
+ public:
+  using Options = ReduceLROnPlateauOptions;
+  explicit ReduceLROnPlateau(Optimizer& opt, Options options = {});
+  std::string name() const override { return "ReduceLROnPlateau"; }
+  void step(double metric);
+  void step() override;  // raises: the schedule needs the metric
+  double best() const { return best_; }
+  int64_t num_bad_epochs() const { return num_bad_epochs_; }
+  int64_t cooldown_counter() const { return cooldown_counter_; }
+  bool in_cooldown() const { return cooldown_counter_ > 0; }
+
+ protected:
+  std::vector<double> get_lr() override;  // raises (step(epoch) through the base class)
+  void save_extra(StateDict& out) const override;
+  void check_extra(const StateDict& state, const std::string& prefix) const override;
+  void load_extra(const StateDict& state, const std::string& prefix) override;
+
+ private:
+  bool is_better(double a, double best) const;
+  Options o_;
+  std::vector<double> min_lrs_;
+  double best_;
+  int64_t num_bad_epochs_ = 0;
+  int64_t cooldown_counter_ = 0;
+};
+
 // The 1cycle policy (Smith & Topin): from max_lr/div_factor up to max_lr over pct_start of the
 // steps, then down to initial/final_div_factor (three_phase: back to the initial rate first, then
 // down). With cycle_momentum the optimizer's momentum (SGD) or beta1 (Adam family) moves the
