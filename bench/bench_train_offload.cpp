@@ -49,7 +49,7 @@ class Sgd : public optim::Optimizer {
     NoGradGuard no_grad;
     for (const auto& group : groups_) {
       for (Tensor p : group.params) {
-        Tensor g = grads.get(p);
+        Tensor g = grads.try_get(p);
         if (!g.defined()) continue;
         Tensor& buf = buf_[p.impl()];
         if (!buf.defined()) buf = Tensor::zeros(p.sizes(), {p.dtype(), p.device()});

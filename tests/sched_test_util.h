@@ -33,7 +33,7 @@ class TestSGD : public optim::Optimizer {
     for (auto& g : groups_) {
       const double m = kind_ == MomentumKind::beta1 ? g.beta1 : g.momentum;
       for (auto& p : g.params) {
-        Tensor grad = grads.get(p);
+        Tensor grad = grads.try_get(p);
         if (grad.defined()) {
           if (!bufs_[i].defined()) {
             bufs_[i] = grad.clone();

@@ -69,7 +69,7 @@ Result run(bool fused, const TensorList& values, const Build& build, const Tenso
   const ad::AccumulateBaseCounts after = ad::accumulate_base_counts();
   r.handed = after.handed - before.handed;
   r.owned = after.owned - before.owned;
-  for (const Tensor& l : leaves) r.grads.push_back(opt.accumulate_into ? opt.accumulate_into->get(l) : g.get(l));
+  for (const Tensor& l : leaves) r.grads.push_back(opt.accumulate_into ? opt.accumulate_into->try_get(l) : g.try_get(l));
   return r;
 }
 

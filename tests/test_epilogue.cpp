@@ -83,7 +83,7 @@ Result run(const std::function<Tensor(const TensorList&)>& fn, const TensorList&
   o.grad_output = v64.to(y.dtype()).to(dev);
   Gradients g = y.backward(o);
   r.y = y.detach();
-  for (const Tensor& t : leaves) r.grads.push_back(t.defined() && t.requires_grad() ? g.get(t) : Tensor());
+  for (const Tensor& t : leaves) r.grads.push_back(t.defined() && t.requires_grad() ? g.try_get(t) : Tensor());
   return r;
 }
 

@@ -32,7 +32,7 @@ class TestSgd : public optim::Optimizer {
     NoGradGuard no_grad;
     for (const auto& group : groups_) {
       for (Tensor p : group.params) {
-        Tensor g = grads.get(p);
+        Tensor g = grads.try_get(p);
         if (!g.defined()) continue;
         Tensor upd = g;
         if (group.momentum != 0.0) {

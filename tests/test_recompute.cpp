@@ -87,7 +87,7 @@ GraphRun run_graph(const std::function<Tensor(const TensorList&)>& fn, const Ten
   const Tensor v = v64.to(r.y.dtype()).to(r.y.device());
   const Gradients g = (r.y * v).sum().backward();
   for (const Tensor& l : leaves) {
-    const Tensor gi = l.defined() ? g.get(l) : Tensor();
+    const Tensor gi = l.defined() ? g.try_get(l) : Tensor();
     r.grads.push_back(gi.defined() ? gi.to(Device::cpu()).to(DType::f64) : Tensor());
   }
   return r;

@@ -55,14 +55,24 @@ class Gradients {
     const_iterator begin_, end_;
   };
 
-  // The entry's buffer (a handle on it; dense, in t's layout as above); undefined when absent.
+  // The entry's buffer (a handle on it; dense, in t's layout as above). A tensor without a
+  // gradient here (it does not require grad, took no part in the backward, or was erased) raises
+  // flame::Error naming its shape, dtype and device: test with contains(t), or use get_or_zeros(t)
+  // or try_get(t).
   Tensor get(const Tensor& t) const;
+  // The entry's buffer, or zeros of t's shape, dtype and device when absent (a fresh tensor, not
+  // stored: writing it changes nothing here).
+  Tensor get_or_zeros(const Tensor& t) const;
+  // The entry's buffer, or an undefined Tensor when absent (for code that skips such tensors).
+  Tensor try_get(const Tensor& t) const;
   // Mutable access to an entry's gradient; error when absent. Assigning through it replaces the
   // buffer (the caller then hands that tensor over: prefer set(), which keeps ownership).
   Tensor& at(const Tensor& t);
   bool contains(const Tensor& t) const;
   // Replaces (or inserts) t's gradient; shape and device are checked. Copies `grad` (the caller
-  // still holds it); the rvalue form adopts a tensor that nothing else holds.
+  // still holds it); the rvalue form adopts a tensor that nothing else holds. t need not require
+  // grad: a leaf that never took part in autograd is given an identity (its requires_grad stays
+  // false); only a view that has no autograd state is refused (set its base's gradient instead).
   void set(const Tensor& t, const Tensor& grad);
   void set(const Tensor& t, Tensor&& grad);
   // Adds `grad` to t's gradient (or inserts it, as set() does).
@@ -154,6 +164,9 @@ struct GradStats {
 GradStats grad_stats(const Gradients& grads);
 double global_grad_norm(const Gradients& grads, double norm_type = 2.0);
 // Scales all gradients so that their global norm is at most max_norm; returns the norm before.
+// clip_grad_norm_ vs clip_grad_norm (below): the same scaling; this one returns the norm as a host
+// double (it waits for the device), the other as a 0-d device tensor (no wait, graph-capturable).
+// docs/autograd.md, "clip_grad_norm_ and clip_grad_norm", compares them.
 double clip_grad_norm_(Gradients& grads, double max_norm, double norm_type = 2.0);
 double clip_grad_norm_(Gradients& grads, const TensorList& params, double max_norm, double norm_type = 2.0);
 void clip_grad_value_(Gradients& grads, double clip_value);

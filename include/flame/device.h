@@ -13,6 +13,13 @@ struct Device {
   DeviceType type = DeviceType::cpu;
   int index = 0;
 
+  Device() = default;
+  constexpr Device(DeviceType t, int i = 0) : type(t), index(i) {}  // NOLINT: Device(DeviceType::cuda)
+  // Parses "cpu", "cuda" (GPU 0), "cuda:N" or "cpu:0", as torch.device / libtorch's Device(string):
+  // Device("cuda:1"), x.to("cuda"). Anything else raises flame::Error naming the string and the
+  // accepted forms. Only the spelling is checked: whether the GPU exists is the allocator's question.
+  Device(const std::string& spec);  // NOLINT: implicit, as libtorch's
+  Device(const char* spec);         // NOLINT
   static Device cpu() { return Device{DeviceType::cpu, 0}; }
   static Device cuda(int i = 0) { return Device{DeviceType::cuda, i}; }
   bool is_cpu() const { return type == DeviceType::cpu; }

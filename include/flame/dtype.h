@@ -7,6 +7,7 @@
 // the compute type (the CPU reference accumulates floating types in double).
 #include <cstddef>
 #include <cstdint>
+#include <ostream>
 #include <string>
 
 #include "flame/half.h"
@@ -21,6 +22,8 @@ inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::bf16, DTyp
 std::size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 std::string to_string(DType t);
+// Prints dtype_name(t): std::cout << x.dtype() shows "f32".
+inline std::ostream& operator<<(std::ostream& os, DType t) { return os << dtype_name(t); }
 bool is_floating(DType t);  // f32, f64, bf16, f16
 bool is_integral(DType t);  // i32, i64, u8 (not bool)
 inline bool is_bool(DType t) { return t == DType::boolean; }

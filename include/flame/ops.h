@@ -151,6 +151,8 @@ Tensor take(const Tensor& x, const Tensor& index);          // index into the fl
 Tensor triu(const Tensor& x, int64_t diagonal = 0);
 Tensor tril(const Tensor& x, int64_t diagonal = 0);
 Tensor one_hot(const Tensor& index, int64_t num_classes = -1);  // i64 result, [..., num_classes]
+// Deprecated spelling (weight first): use nn::functional::embedding(index, weight, padding_idx), i.e.
+// F::embedding, PyTorch's argument order (flame/nn/embedding.h). Kept so existing code builds.
 Tensor embedding(const Tensor& weight, const Tensor& index);    // weight [N, D] -> [..., D]
 std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, bool largest = true,
                                bool sorted = true);

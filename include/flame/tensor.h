@@ -22,12 +22,18 @@
 namespace flame {
 
 using Shape = std::vector<int64_t>;
+// Prints shape_str(s), "[2, 3]". Shape is a std::vector, so this is found from namespace flame or
+// after `using namespace flame;` (or `using flame::operator<<;`), not by argument lookup alone.
+inline std::ostream& operator<<(std::ostream& os, const Shape& s) { return os << shape_str(s); }
 class TensorImpl;
 class Generator;
 class Tensor;
 class Gradients;
 struct BackwardOptions;
 using TensorList = std::vector<Tensor>;
+namespace indexing {
+class TensorIndex;  // flame/indexing.h (included at the end of this header)
+}
 
 // An integer dim index (bool excluded). Single-dim overloads (x.sum(1), x.mean(-1, true)) take it as
 // a template parameter because a braced list never deduces one: x.sum({}) stays "all dims" and
@@ -57,6 +63,14 @@ class Tensor {
  public:
   Tensor() = default;
   explicit Tensor(std::shared_ptr<TensorImpl> impl);
+  Tensor(const Tensor&) = default;
+  Tensor(Tensor&&) noexcept = default;
+  Tensor& operator=(const Tensor&) & = default;
+  Tensor& operator=(Tensor&&) & noexcept = default;
+  // Assigning to a temporary writes through it, as in libtorch: x[0] = y copies y into row 0 of x
+  // (copy_, broadcasting), x.select(1, 2) = 1.5 fills. A named Tensor is rebound as usual.
+  Tensor& operator=(const Tensor& src) &&;
+  Tensor& operator=(Scalar value) &&;
   bool defined() const { return impl_ != nullptr; }
   TensorImpl* impl() const { return impl_.get(); }
   const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
@@ -101,7 +115,7 @@ class Tensor {
   // store, with the store's (accumulated) gradient (torch's register_post_accumulate_grad_hook);
   // DistributedDataParallel reduces gradients from it while backward goes on.
   void register_post_accumulate_grad_hook(std::function<void(const Tensor& accumulated_grad)> hook);
-  Tensor grad(const Gradients& grads) const;      // grads.get(*this)
+  Tensor grad(const Gradients& grads) const;      // grads.get(*this): raises when absent
 
   // ---- factories ----
   static Tensor empty(const Shape& shape, TensorOptions opts = {});
@@ -134,6 +148,13 @@ class Tensor {
   // Copies `count` elements of type `dtype` from host memory.
   static Tensor from_blob_copy(const void* host, DType dtype, std::size_t count, const Shape& shape,
                                Device device = Device::cpu());
+  // A contiguous tensor over memory the caller owns (torch::from_blob): no copy, and nothing is
+  // freed when the tensor goes. `data` is host memory for a CPU device, device memory of that GPU
+  // for a CUDA one. The memory must stay valid, and must not be freed or reused, while this tensor,
+  // any view of it or any autograd graph that saved it is alive; writes through the tensor change
+  // the caller's buffer. opts.dtype defaults to f32.
+  static Tensor from_blob(void* data, const Shape& shape, DType dtype, Device device = Device::cpu());
+  static Tensor from_blob(void* data, const Shape& shape, TensorOptions opts = {});
 
   // ---- conversions and reads (reads synchronise with the device) ----
   Tensor to(Device device) const;  // returns *this when already there
@@ -298,6 +319,16 @@ class Tensor {
   Tensor bmm(const Tensor& o) const;
 
   // ---- indexing ----
+  // x[i] is select(0, i): a view, negative i counting from the end.
+  Tensor operator[](int64_t index) const;
+  // libtorch's x.index({...}) with ints, Slice, None, Ellipsis, bools and bool/integer tensors
+  // (flame/indexing.h; rules in docs/api.md, "Indexing"). Without tensor entries the result is a
+  // view; with them, a new tensor (advanced indexing). Differentiable.
+  Tensor index(const std::vector<indexing::TensorIndex>& indices) const;
+  // Writes value (broadcast to x.index(indices)'s shape, converted to x's dtype) into the indexed
+  // elements of this tensor, in place; recorded for autograd like any in-place write.
+  Tensor& index_put_(const std::vector<indexing::TensorIndex>& indices, const Tensor& value);
+  Tensor& index_put_(const std::vector<indexing::TensorIndex>& indices, Scalar value);
   Tensor index_select(int64_t dim, const Tensor& index) const;
   Tensor gather(int64_t dim, const Tensor& index) const;
   Tensor scatter(int64_t dim, const Tensor& index, const Tensor& src) const;
@@ -443,3 +474,5 @@ Tensor operator|(const Tensor& a, const Tensor& b);  // logical_or of bool tenso
 Tensor operator^(const Tensor& a, const Tensor& b);  // logical xor of bool tensors
 
 }  // namespace flame
+
+#include "flame/indexing.h"  // Tensor::index's entries; needs the complete Tensor above

@@ -67,11 +67,31 @@ Tensor owned_buffer(const Tensor& t, Tensor grad, bool adoptable) {
 }
 }  // namespace
 
-Tensor Gradients::get(const Tensor& t) const {
-  const AutogradMeta* k = key_of(t, "Gradients::get");
+Tensor Gradients::try_get(const Tensor& t) const {
+  const AutogradMeta* k = key_of(t, "Gradients::try_get");
   if (!k) return {};
   auto it = index_.find(k);
   return it == index_.end() ? Tensor() : entries_[it->second].grad;
+}
+
+Tensor Gradients::get(const Tensor& t) const {
+  key_of(t, "Gradients::get");
+  Tensor g = try_get(t);
+  if (!g.defined()) {
+    const char* why = !t.requires_grad()
+                          ? "it does not require grad (call requires_grad_() before the forward pass)"
+                          : "it took no part in the backward that filled this store, or its entry was erased";
+    FLAME_FAIL("Gradients::get", "no gradient for the ", dtype_name(t.dtype()), " tensor of shape ", t.sizes(),
+               " on ", t.device().str(), ": ", why, ". Test with contains(t), or use get_or_zeros(t) for zeros "
+               "or try_get(t) for an undefined tensor when there is none (", size(), " entries in the store)");
+  }
+  return g;
+}
+
+Tensor Gradients::get_or_zeros(const Tensor& t) const {
+  key_of(t, "Gradients::get_or_zeros");
+  Tensor g = try_get(t);
+  return g.defined() ? g : zeros_like(t);
 }
 
 Tensor& Gradients::at(const Tensor& t) {
@@ -88,7 +108,17 @@ bool Gradients::contains(const Tensor& t) const {
 
 void Gradients::insert_or_replace(const Tensor& t, Tensor grad, bool adoptable, const char* op) {
   const AutogradMeta* k = key_of(t, op);
-  FLAME_CHECK(k != nullptr, op, "the tensor does not take part in autograd (call requires_grad_())");
+  if (k == nullptr) {
+    // A tensor with no autograd state has no identity to key the entry by: give it one, which a
+    // leaf can hold without effect (requires_grad stays false, as after requires_grad_(false)). A
+    // view's state is rebuilt by in-place writes to its base (Note [In-place recording]), which
+    // would orphan the entry.
+    FLAME_CHECK(t.impl()->base == nullptr, op, "the tensor of shape ", t.sizes(),
+                " is a view without autograd state; set the gradient of the tensor it views, or call "
+                "requires_grad_() on it first");
+    t.impl()->autograd = std::make_shared<AutogradMeta>();
+    k = t.impl()->autograd.get();
+  }
   FLAME_CHECK(grad.defined() && grad.sizes() == t.sizes() && grad.device() == t.device(), op,
               "gradient of shape ", grad.defined() ? grad.sizes() : Shape{}, " on ",
               grad.defined() ? grad.device().str() : "?", " does not match the tensor's shape ", t.sizes(), " on ",

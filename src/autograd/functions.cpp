@@ -146,9 +146,9 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
     opts.inputs = stop_at;
     Gradients gs = y.backward(opts);
     for (std::size_t i = 0; i < n_in; ++i) {
-      if (wants_grad[i]) grads[i] = gs.get(ins[i]);
+      if (wants_grad[i]) grads[i] = gs.try_get(ins[i]);
     }
-    for (std::size_t j = 0; j < caps.size(); ++j) grads[n_in + j] = gs.get(caps[j]);
+    for (std::size_t j = 0; j < caps.size(); ++j) grads[n_in + j] = gs.try_get(caps[j]);
     return grads;
   });
   return out;

@@ -36,7 +36,7 @@ std::vector<DTypeBucket> bucket_grads(const Gradients& grads, const TensorList& 
   std::vector<DTypeBucket> buckets;
   bool have_device = false;
   for (const Tensor& k : keys) {
-    const Tensor g = grads.get(k);
+    const Tensor g = grads.try_get(k);
     if (!g.defined() || g.numel() == 0) continue;
     FLAME_CHECK(is_floating(g.dtype()), op, "gradient of dtype ", dtype_name(g.dtype()), " (shape ", g.sizes(),
                 "); gradients are floating");

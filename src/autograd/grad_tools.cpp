@@ -35,7 +35,7 @@ std::vector<Tensor> all_grads(const Gradients& grads) {
 // Scales the stored buffers in place (Note [Gradient ownership]: they belong to the store).
 double clip_in_place(Gradients& grads, const TensorList& keys, double max_norm, double norm_type) {
   std::vector<Tensor> gs;
-  for (const Tensor& k : keys) gs.push_back(grads.get(k));
+  for (const Tensor& k : keys) gs.push_back(grads.try_get(k));
   const double norm = norm_of(gs, norm_type);
   const double scale = max_norm / (norm + 1e-6);
   if (scale < 1.0) {

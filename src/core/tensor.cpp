@@ -312,6 +312,15 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
 // ---- Tensor metadata ----
 Tensor::Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
 
+Tensor& Tensor::operator=(const Tensor& src) && {
+  FLAME_CHECK(defined(), "operator=", "assigning to an undefined temporary tensor");
+  return copy_(src);
+}
+Tensor& Tensor::operator=(Scalar value) && {
+  FLAME_CHECK(defined(), "operator=", "assigning to an undefined temporary tensor");
+  return fill_(value);
+}
+
 #define FLAME_REQUIRE_DEFINED(op) FLAME_CHECK(impl_ != nullptr, op, "called on an undefined tensor")
 
 const Shape& Tensor::sizes() const {
@@ -479,6 +488,22 @@ Tensor Tensor::from_blob_copy(const void* host, DType dtype, std::size_t count, 
   Tensor t = make_empty(shape, dtype, device, "from_vec");
   if (n > 0) backend::backend_for(device).copy_from_host(t, host);
   return t;
+}
+
+Tensor Tensor::from_blob(void* data, const Shape& shape, DType dtype, Device device) {
+  const int64_t nbytes = shape_nbytes(shape, dtype, "from_blob");
+  FLAME_CHECK(data != nullptr || nbytes == 0, "from_blob", "null data pointer for shape ", shape, " of dtype ",
+              dtype_name(dtype));
+  FLAME_CHECK(reinterpret_cast<std::uintptr_t>(data) % dtype_size(dtype) == 0, "from_blob", "data pointer ", data,
+              " is not aligned to the ", dtype_size(dtype), "-byte elements of dtype ", dtype_name(dtype));
+  // A no-op deleter: the caller owns the memory (see tensor.h).
+  auto storage = std::make_shared<Storage>(std::shared_ptr<void>(data, [](void*) {}),
+                                           static_cast<std::size_t>(nbytes), device);
+  return Tensor(std::make_shared<TensorImpl>(std::move(storage), shape, contiguous_strides(shape), 0, dtype));
+}
+
+Tensor Tensor::from_blob(void* data, const Shape& shape, TensorOptions opts) {
+  return from_blob(data, shape, opts.dtype_or(DType::f32), opts.device);
 }
 
 // ---- conversions ----

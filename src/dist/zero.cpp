@@ -132,7 +132,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     Tensor flat_grad = Tensor::empty({l.flat_param.numel()}, o);
     for (std::size_t k = 0; k < l.params.size(); ++k) {
       Tensor dst = flat_grad.narrow(0, l.offsets[k], l.params[k].numel());
-      const Tensor gk = grads.get(l.params[k]);
+      const Tensor gk = grads.try_get(l.params[k]);
       if (gk.defined()) dst.view(l.params[k].sizes()).copy_(gk);
       else dst.zero_();
       // A parameter outside the flat buffer (its layout, or rebound since) is copied in.

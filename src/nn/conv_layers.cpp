@@ -34,7 +34,9 @@ ConvNd::ConvNd(int64_t nsp, bool transposed, int64_t in_channels, int64_t out_ch
                bool bias, const Shape& output_padding, TensorOptions opts)
     : nsp_(nsp), transposed_(transposed), in_channels_(in_channels), out_channels_(out_channels),
       padding_(padding), groups_(groups) {
-  const char* op = transposed ? "ConvTranspose" : "Conv";
+  // Errors name the layer ("Conv2d: kernel_size must be > 0, ...").
+  const std::string layer = (transposed ? "ConvTranspose" : "Conv") + std::to_string(nsp) + "d";
+  const char* op = layer.c_str();
   FLAME_CHECK(in_channels > 0 && out_channels > 0, op, "channel counts must be > 0, got in_channels=", in_channels,
               ", out_channels=", out_channels);
   FLAME_CHECK(groups > 0 && in_channels % groups == 0 && out_channels % groups == 0, op, "groups=", groups,

@@ -27,8 +27,8 @@ TensorOptions float_options(const TensorOptions& opts, const char* op) {
 }  // namespace
 
 // ---- LayerNorm ----
-LayerNorm::LayerNorm(Shape normalized_shape, double eps, bool elementwise_affine, bool bias, TensorOptions opts)
-    : normalized_shape_(std::move(normalized_shape)), eps_(eps) {
+LayerNorm::LayerNorm(Ints normalized_shape, double eps, bool elementwise_affine, bool bias, TensorOptions opts)
+    : normalized_shape_(std::move(normalized_shape.values)), eps_(eps) {
   FLAME_CHECK(!normalized_shape_.empty(), "LayerNorm", "normalized_shape must not be empty");
   const TensorOptions o = float_options(opts, "LayerNorm");
   if (elementwise_affine) {
@@ -44,8 +44,8 @@ std::string LayerNorm::extra_repr() const {
 Tensor LayerNorm::forward(const Tensor& x) { return functional::layer_norm(x, normalized_shape_, weight_, bias_, eps_); }
 
 // ---- RMSNorm ----
-RMSNorm::RMSNorm(Shape normalized_shape, std::optional<double> eps, bool elementwise_affine, TensorOptions opts)
-    : normalized_shape_(std::move(normalized_shape)), eps_(eps) {
+RMSNorm::RMSNorm(Ints normalized_shape, std::optional<double> eps, bool elementwise_affine, TensorOptions opts)
+    : normalized_shape_(std::move(normalized_shape.values)), eps_(eps) {
   FLAME_CHECK(!normalized_shape_.empty(), "RMSNorm", "normalized_shape must not be empty");
   const TensorOptions o = float_options(opts, "RMSNorm");
   if (elementwise_affine) weight_ = register_parameter("weight", Tensor::ones(normalized_shape_, o));

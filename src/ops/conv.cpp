@@ -303,29 +303,29 @@ constexpr ConvCall kConvT1d{"conv_transpose1d", 1, true}, kConvT2d{"conv_transpo
     kConvT3d{"conv_transpose3d", 3, true};
 }  // namespace
 
-Tensor conv1d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-              const Padding& padding, const Shape& dilation, int64_t groups) {
+Tensor conv1d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+              const Padding& padding, const Ints& dilation, int64_t groups) {
   return conv_impl(kConv1d, input, weight, bias, stride, padding, dilation, groups, {0});
 }
-Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-              const Padding& padding, const Shape& dilation, int64_t groups) {
+Tensor conv2d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+              const Padding& padding, const Ints& dilation, int64_t groups) {
   return conv_impl(kConv2d, input, weight, bias, stride, padding, dilation, groups, {0});
 }
-Tensor conv3d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-              const Padding& padding, const Shape& dilation, int64_t groups) {
+Tensor conv3d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+              const Padding& padding, const Ints& dilation, int64_t groups) {
   return conv_impl(kConv3d, input, weight, bias, stride, padding, dilation, groups, {0});
 }
-Tensor conv_transpose1d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-                        const Shape& padding, const Shape& output_padding, int64_t groups, const Shape& dilation) {
-  return conv_impl(kConvT1d, input, weight, bias, stride, Padding(padding), dilation, groups, output_padding);
+Tensor conv_transpose1d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+                        const Ints& padding, const Ints& output_padding, int64_t groups, const Ints& dilation) {
+  return conv_impl(kConvT1d, input, weight, bias, stride, Padding(padding.values), dilation, groups, output_padding);
 }
-Tensor conv_transpose2d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-                        const Shape& padding, const Shape& output_padding, int64_t groups, const Shape& dilation) {
-  return conv_impl(kConvT2d, input, weight, bias, stride, Padding(padding), dilation, groups, output_padding);
+Tensor conv_transpose2d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+                        const Ints& padding, const Ints& output_padding, int64_t groups, const Ints& dilation) {
+  return conv_impl(kConvT2d, input, weight, bias, stride, Padding(padding.values), dilation, groups, output_padding);
 }
-Tensor conv_transpose3d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride,
-                        const Shape& padding, const Shape& output_padding, int64_t groups, const Shape& dilation) {
-  return conv_impl(kConvT3d, input, weight, bias, stride, Padding(padding), dilation, groups, output_padding);
+Tensor conv_transpose3d(const Tensor& input, const Tensor& weight, const Tensor& bias, const Ints& stride,
+                        const Ints& padding, const Ints& output_padding, int64_t groups, const Ints& dilation) {
+  return conv_impl(kConvT3d, input, weight, bias, stride, Padding(padding.values), dilation, groups, output_padding);
 }
 
 }  // namespace nn::functional

@@ -99,7 +99,7 @@ void HostOptimizer::step(const Gradients& grads) {
   {
     NoGradGuard no_grad;
     for (std::size_t k = 0; k < params_.size(); ++k) {
-      Tensor g = grads.get(params_[k]);
+      Tensor g = grads.try_get(params_[k]);
       if (!g.defined()) continue;
       if (g.device().is_cuda()) {
         Tensor src = g.contiguous();

@@ -177,8 +177,8 @@ struct StreamedBlocks::State {
       for (std::size_t k : trainable) opts.inputs.push_back(b.params[k]);
       if (y.requires_grad()) {
         Gradients gs = y.backward(opts);
-        if (x_grad) grads.push_back(gs.get(xin));
-        for (std::size_t k : trainable) device_grads.push_back(gs.get(b.params[k]));
+        if (x_grad) grads.push_back(gs.try_get(xin));
+        for (std::size_t k : trainable) device_grads.push_back(gs.try_get(b.params[k]));
       } else {
         if (x_grad) grads.push_back(Tensor());
         device_grads.resize(trainable.size());

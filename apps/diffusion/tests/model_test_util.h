@@ -38,7 +38,7 @@ inline void perturb(flame::nn::Module& m, double std, uint64_t seed) {
 inline void sgd_step(flame::nn::Module& m, const flame::Gradients& grads, double lr) {
   flame::NoGradGuard no_grad;
   for (flame::Tensor p : m.parameters()) {
-    flame::Tensor g = grads.get(p);
+    flame::Tensor g = grads.try_get(p);
     if (g.defined()) p.sub_(g * lr);
   }
 }

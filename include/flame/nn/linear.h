@@ -4,6 +4,7 @@
 #include <memory>
 #include <string>
 
+#include "flame/nn/args.h"
 #include "flame/nn/lora.h"
 #include "flame/nn/module.h"
 
@@ -22,6 +23,8 @@ class Linear : public Module, public LoraTarget {
   // bound; both PyTorch's defaults. opts picks dtype (default f32) and device.
   Linear(int64_t in_features, int64_t out_features, bool bias = true, TensorOptions opts = {});
   std::string name() const override { return "Linear"; }
+  FLAME_NN_ARGS_CHECK(Linear, "nn::Linear(in_features, out_features, bias = true, opts = {})", 2, int64_t,
+                      int64_t, bool, TensorOptions)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override;
 

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "flame/nn/args.h"
 #include "flame/nn/module.h"
 #include "flame/nn/norm.h"
 
@@ -12,8 +13,9 @@ namespace flame::nn {
 
 class LayerNorm : public Module {
  public:
-  // elementwise_affine: weight (ones) and, when bias, bias (zeros) of normalized_shape.
-  LayerNorm(Shape normalized_shape, double eps = 1e-5, bool elementwise_affine = true, bool bias = true,
+  // elementwise_affine: weight (ones) and, when bias, bias (zeros) of normalized_shape (an int
+  // for the last dim, or a list: LayerNorm(64), LayerNorm({8, 8})).
+  LayerNorm(Ints normalized_shape, double eps = 1e-5, bool elementwise_affine = true, bool bias = true,
             TensorOptions opts = {});
   std::string name() const override { return "LayerNorm"; }
   std::string extra_repr() const override;
@@ -30,7 +32,7 @@ class LayerNorm : public Module {
 class RMSNorm : public Module {
  public:
   // eps unset: the input dtype's epsilon, as PyTorch.
-  RMSNorm(Shape normalized_shape, std::optional<double> eps = std::nullopt, bool elementwise_affine = true,
+  RMSNorm(Ints normalized_shape, std::optional<double> eps = std::nullopt, bool elementwise_affine = true,
           TensorOptions opts = {});
   std::string name() const override { return "RMSNorm"; }
   std::string extra_repr() const override;

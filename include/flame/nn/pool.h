@@ -19,6 +19,9 @@ struct Size2 {
   Size2() = default;
   Size2(int64_t v) : h(v), w(v) {}  // NOLINT(google-explicit-constructor): F.max_pool2d(x, 3)
   Size2(int64_t h_, int64_t w_) : h(h_), w(w_) {}
+  Size2(const Shape& s) : h(s.empty() ? 0 : s[0]), w(s.size() == 2 ? s[1] : h) {  // NOLINT: Shape{3, 2}
+    FLAME_CHECK(s.size() == 1 || s.size() == 2, "Size2", "expected 1 or 2 values (height, width), got ", s);
+  }
 };
 
 // ---- max pooling (indices: i64, flat position h*W + w of each max in its input plane) ----
