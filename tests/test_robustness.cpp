@@ -299,7 +299,7 @@ TEST(Robustness, MessagesNameTheOp) {
   expect_error([&] { Tensor::zeros({2, -1}, dev()); }, "zeros", "[2, -1]");
   expect_error([&] { Tensor::ones({-3}, dev()); }, "ones");
   expect_error([&] { Tensor::full({-3}, 2, dev()); }, "full");
-  expect_error([&] { Tensor::rand({-3}, dev()); }, "uniform");
+  expect_error([&] { Tensor::rand({-3}, dev()); }, "rand");  // not "uniform": the public name
   Tensor x = Tensor::arange(0, 4, 1, dev());
   expect_error([&] { x.sub_(1.5); }, "sub_");
   expect_error([&] { x.add_(1.5); }, "add_");

@@ -46,6 +46,9 @@ Tensor apply_custom(const CustomFunction& fn, const TensorList& inputs) {
     NoGradGuard no_grad;
     out = fn.forward(inputs);
   }
+  FLAME_CHECK(out.defined(), fn.name.empty() ? "apply_custom" : fn.name.c_str(), "the forward of custom function ",
+              fn.name.empty() ? std::string("(unnamed)") : "'" + fn.name + "'",
+              " returned an undefined tensor; forward must return its output tensor");
   if (!needs_grad(inputs)) return out;
   out = out.detach();  // a fresh handle: the forward may have returned one of its inputs
   const char* name = intern_backward_name(fn.name.empty() ? "custom" : fn.name);
@@ -82,6 +85,8 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
     }
     t_state.collector = reads.parent;
   }
+  FLAME_CHECK(out.defined(), "checkpoint", "the checkpointed function returned an undefined tensor; it must return "
+              "its output");
   if (reads.parent) {
     for (const Tensor& t : reads.tensors) reads.parent->add(t);
   }

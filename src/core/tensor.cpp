@@ -106,8 +106,21 @@ int64_t wrap_dim(int64_t dim, int64_t ndim, const char* op) {
   return dim < 0 ? dim + std::max<int64_t>(ndim, 1) : dim;
 }
 
+// Tensors have at most kMaxTensorDims dims: the kernels' index arrays (CPU and CUDA) are that
+// long. Every new storage and every view is checked here, so no kernel meets a longer shape and
+// the error names the public op and the shape.
+namespace {
+constexpr int64_t kMaxTensorDims = 16;
+
+void check_max_dims(const Shape& sizes, const char* op) {
+  FLAME_CHECK(static_cast<int64_t>(sizes.size()) <= kMaxTensorDims, op, "shape ", sizes, " has ", sizes.size(),
+              " dims; tensors have at most ", kMaxTensorDims, " dims (merge some, e.g. with reshape or flatten)");
+}
+}  // namespace
+
 void check_view_in_storage(const Tensor& base, const Shape& sizes, const Shape& strides, int64_t offset,
                            const char* op) {
+  check_max_dims(sizes, op);
   FLAME_CHECK(sizes.size() == strides.size(), op, "view sizes ", sizes, " and strides ", strides,
               " differ in length");
   // The lowest and highest element the view reaches, in elements of the storage; an empty view
@@ -153,7 +166,14 @@ Tensor make_alias(const Tensor& t) {
 
 namespace {
 std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device device, const char* op) {
+  check_max_dims(sizes, op);
   const std::size_t nbytes = static_cast<std::size_t>(shape_nbytes(sizes, dtype, op));
+#ifndef FLAME_WITH_CUDA
+  // The cause first: no allocator failed, there is no device backend at all.
+  FLAME_CHECK(device.is_cpu(), op, "this build has no CUDA support (FLAME was configured with -DFLAME_CUDA=OFF), so a ",
+              dtype_name(dtype), " tensor of shape ", sizes, " cannot be placed on ", device.str(),
+              "; keep it on the CPU, or use a build with CUDA");
+#endif
   profiler_detail::set_current_op(op);  // Note [Allocation context] in src/profiler/memory_profiler.cpp
   try {
     // On the CPU the Storage lives in its data block (Note [Storage in its block]).

@@ -400,8 +400,19 @@ Tensor& inplace_binary(Tensor& self, BinaryOp op, const Tensor& other, const cha
     // Rules that read the old value get a clone of it (the write is about to overwrite it); the
     // add and sub rules read no operand, so `h += a` costs no extra copy.
     Tensor old = rules::inplace_current(self);
-    if (op != BinaryOp::add && op != BinaryOp::sub) old = old.clone();
-    rules::inplace_commit(self, binary_op(op, old, other), name);
+    if (op == BinaryOp::add || op == BinaryOp::sub) {
+      rules::inplace_commit(self, binary_op(op, old, other), name);
+      return self;
+    }
+    old = old.clone();
+    // An operand in the destination's memory (self itself, or a view of its storage) would be
+    // saved by the rule while the destination's new history runs through that rule: a reference
+    // cycle that leaks the graph, and a saved value the write invalidates. The rule reads a copy
+    // taken before the write instead (the old value itself when the operand is self: `h.mul_(h)`);
+    // a clone keeps the operand's own history, so its gradient still reaches it.
+    Tensor operand = other;
+    if (other.shares_storage(self)) operand = other.impl() == self.impl() ? old : other.clone();
+    rules::inplace_commit(self, binary_op(op, old, operand), name);
     return self;
   }
   if (self.numel() == 0) return self;

@@ -117,7 +117,7 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
   if (x.dim() > 0) shape[d] = idx.numel();
   const Tensor x1 = at_least_1d(x);
   check_not_empty_dim(x1, d, idx, "index_select");
-  Tensor out = make_empty(shape, x.dtype(), x.device());
+  Tensor out = make_empty(shape, x.dtype(), x.device(), "index_select");
   if (out.numel() > 0) {
     backend::backend_for(x.device()).index_select(at_least_1d(out), x1, d, at_least_1d(idx));
   }
@@ -139,7 +139,7 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
     }
   }
   check_not_empty_dim(x1, d, idx, "gather");
-  Tensor out = make_empty(idx.sizes(), x.dtype(), x.device());
+  Tensor out = make_empty(idx.sizes(), x.dtype(), x.device(), "gather");
   if (out.numel() > 0) backend::backend_for(x.device()).gather(at_least_1d(out), x1, d, i1);
   rules::gather(out, x, d, idx);
   return out;
@@ -161,7 +161,7 @@ Tensor masked_select(const Tensor& x, const Tensor& mask) {
   Shape shape = broadcast_shapes(x.sizes(), mask.sizes(), "masked_select");
   const Shape full = shape;
   if (shape_numel(shape) == 0) {
-    Tensor out = make_empty({0}, x.dtype(), x.device());
+    Tensor out = make_empty({0}, x.dtype(), x.device(), "masked_select");
     rules::masked_select(out, x, mask.expand(full));
     return out;
   }
@@ -237,8 +237,8 @@ Tensor embedding(const Tensor& weight, const Tensor& index) {
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim, bool descending) {
   check_defined(x, "sort", "input");
   const int64_t d = wrap_dim(dim, x.dim(), "sort");
-  Tensor values = make_empty(x.sizes(), x.dtype(), x.device());
-  Tensor indices = make_empty(x.sizes(), DType::i64, x.device());
+  Tensor values = make_empty(x.sizes(), x.dtype(), x.device(), "sort");
+  Tensor indices = make_empty(x.sizes(), DType::i64, x.device(), "sort");
   if (x.numel() > 0) {
     backend::backend_for(x.device()).sort(at_least_1d(values), at_least_1d(indices), at_least_1d(x), d,
                                           descending);

@@ -243,39 +243,41 @@ TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 
 // ---- cat, stack ----
 
-Tensor cat(const TensorList& tensors, int64_t dim) {
-  FLAME_CHECK(!tensors.empty(), "cat", "expected a non-empty list of tensors");
+namespace {
+// cat, and stack over its unsqueezed inputs: `op` is the public name in errors.
+Tensor cat_as(const TensorList& tensors, int64_t dim, const char* op) {
+  FLAME_CHECK(!tensors.empty(), op, "expected a non-empty list of tensors");
   const Tensor* first = nullptr;  // the first tensor taking part (legacy empty [0] ones are skipped)
   DType dt = DType::boolean;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
-    FLAME_CHECK(t.defined(), "cat", "tensor at position ", i, " is undefined");
-    FLAME_CHECK(t.dim() > 0, "cat", "zero-dimensional tensor (at position ", i, ") cannot be concatenated");
-    check_same_device("cat", tensors[0], t);
+    FLAME_CHECK(t.defined(), op, "tensor at position ", i, " is undefined");
+    FLAME_CHECK(t.dim() > 0, op, "zero-dimensional tensor (at position ", i, ") cannot be concatenated");
+    check_same_device(op, tensors[0], t);
     dt = i == 0 ? t.dtype() : promote_types(dt, t.dtype());
     if (!first && !is_legacy_empty(t)) first = &t;
   }
   if (!first) {  // only [0] tensors: an empty result
-    Tensor out = make_empty({0}, dt, tensors[0].device(), "cat");
+    Tensor out = make_empty({0}, dt, tensors[0].device(), op);
     rules::cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
     return out;
   }
   const int64_t nd = first->dim();
-  const int64_t d = wrap_dim(dim, nd, "cat");
+  const int64_t d = wrap_dim(dim, nd, op);
   Shape out_shape = first->sizes();
   out_shape[d] = 0;
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const Tensor& t = tensors[i];
     if (is_legacy_empty(t)) continue;
-    FLAME_CHECK(t.dim() == nd, "cat", "tensors must have the same number of dims, got shapes ", first->sizes(),
+    FLAME_CHECK(t.dim() == nd, op, "tensors must have the same number of dims, got shapes ", first->sizes(),
                 " and ", t.sizes(), " (position ", i, ")");
     for (int64_t k = 0; k < nd; ++k) {
-      FLAME_CHECK(k == d || t.sizes()[k] == first->sizes()[k], "cat", "sizes of tensors must match except in dim ",
+      FLAME_CHECK(k == d || t.sizes()[k] == first->sizes()[k], op, "sizes of tensors must match except in dim ",
                   d, ", got shapes ", first->sizes(), " and ", t.sizes(), " (position ", i, ")");
     }
-    out_shape[d] = checked_add(out_shape[d], t.sizes()[d], "cat", "the concatenated size");
+    out_shape[d] = checked_add(out_shape[d], t.sizes()[d], op, "the concatenated size");
   }
-  Tensor out = make_empty(out_shape, dt, first->device(), "cat");
+  Tensor out = make_empty(out_shape, dt, first->device(), op);
   std::vector<int64_t> starts;  // where each input starts along d; -1: skipped
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
@@ -291,6 +293,9 @@ Tensor cat(const TensorList& tensors, int64_t dim) {
   rules::cat(out, tensors, starts, d);
   return out;
 }
+}  // namespace
+
+Tensor cat(const TensorList& tensors, int64_t dim) { return cat_as(tensors, dim, "cat"); }
 
 Tensor stack(const TensorList& tensors, int64_t dim) {
   FLAME_CHECK(!tensors.empty(), "stack", "expected a non-empty list of tensors");
@@ -303,11 +308,14 @@ Tensor stack(const TensorList& tensors, int64_t dim) {
     FLAME_CHECK(tensors[i].sizes() == shape, "stack", "expects each tensor to be equal size, but got ", shape,
                 " at entry 0 and ", tensors[i].sizes(), " at entry ", i);
   }
+  // A tensor has at most 16 dims (Note in src/core/tensor.cpp): say so here, not from unsqueeze.
+  FLAME_CHECK(shape.size() < 16, "stack", "inputs of shape ", shape, " have ", shape.size(),
+              " dims; the stacked result would have one more, and tensors have at most 16 dims");
   const int64_t d = wrap_dim(dim, static_cast<int64_t>(shape.size()) + 1, "stack");
   TensorList parts;
   parts.reserve(tensors.size());
   for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
-  Tensor out = cat(parts, d);
+  Tensor out = cat_as(parts, d, "stack");
   rules::stack(out, tensors, d);  // replaces cat's node: the gradient does not go through views
   return out;
 }

@@ -1,4 +1,5 @@
 // Random factories. Each draws one generator offset; see random.h and src/random/philox.h.
+#include <cmath>
 #include <limits>
 
 #include "flame/ops.h"
@@ -43,20 +44,32 @@ Tensor random_tensor(backend::RandomKind kind, const Shape& shape, DType dt, Dev
 }
 }  // namespace
 
+namespace {
+// Tensor::rand and Tensor::uniform; `op` is the public name in errors.
+Tensor uniform_tensor(const Shape& shape, double low, double high, TensorOptions opts, Generator* gen,
+                      const char* op) {
+  const DType dt = opts.dtype_or(DType::f32);
+  FLAME_CHECK(is_floating(dt), op, "expected a floating dtype, got ", dtype_name(dt));
+  FLAME_CHECK(!std::isnan(low) && !std::isnan(high), op, std::isnan(low) ? "low" : "high",
+              " is NaN; the bounds must be numbers with low <= high (got low ", low, ", high ", high, ")");
+  FLAME_CHECK(low <= high, op, "low (", low, ") must not exceed high (", high, ")");
+  return random_tensor(backend::RandomKind::uniform, shape, dt, opts.device, gen, op, low, high);
+}
+}  // namespace
+
 Tensor Tensor::rand(const Shape& shape, TensorOptions opts, Generator* gen) {
-  return uniform(shape, 0.0, 1.0, opts, gen);
+  return uniform_tensor(shape, 0.0, 1.0, opts, gen, "rand");
 }
 
 Tensor Tensor::uniform(const Shape& shape, double low, double high, TensorOptions opts, Generator* gen) {
-  const DType dt = opts.dtype_or(DType::f32);
-  FLAME_CHECK(is_floating(dt), "uniform", "expected a floating dtype, got ", dtype_name(dt));
-  FLAME_CHECK(low <= high, "uniform", "low (", low, ") must not exceed high (", high, ")");
-  return random_tensor(backend::RandomKind::uniform, shape, dt, opts.device, gen, "uniform", low, high);
+  return uniform_tensor(shape, low, high, opts, gen, "uniform");
 }
 
 Tensor Tensor::randn(const Shape& shape, double mean, double std, TensorOptions opts, Generator* gen) {
   const DType dt = opts.dtype_or(DType::f32);
   FLAME_CHECK(is_floating(dt), "randn", "expected a floating dtype, got ", dtype_name(dt));
+  FLAME_CHECK(!std::isnan(std), "randn", "std is NaN; it must be a non-negative number");
+  FLAME_CHECK(!std::isnan(mean), "randn", "mean is NaN; it must be a number");
   FLAME_CHECK(std >= 0, "randn", "std must be non-negative, got ", std);
   return random_tensor(backend::RandomKind::normal, shape, dt, opts.device, gen, "randn", mean, std);
 }

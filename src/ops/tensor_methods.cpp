@@ -59,7 +59,12 @@ std::pair<Tensor, Tensor> Tensor::topk(int64_t k, int64_t dim, bool largest, boo
 std::pair<Tensor, Tensor> Tensor::sort(int64_t dim, bool descending) const { return flame::sort(*this, dim, descending); }
 Tensor Tensor::argsort(int64_t dim, bool descending) const { return flame::argsort(*this, dim, descending); }
 Tensor Tensor::sum_all() const { return flame::sum(*this); }
-Tensor Tensor::mean_all() const { return flame::mean(*this); }
+Tensor Tensor::mean_all() const {
+  FLAME_CHECK(defined(), "mean_all", "called on an undefined tensor");
+  FLAME_CHECK(is_floating(dtype()), "mean_all", "expected a floating input, got ", dtype_name(dtype()), " (shape ",
+              sizes(), "); convert it first, e.g. x.to(DType::f32).mean_all()");
+  return flame::mean(*this);
+}
 Tensor Tensor::max_all() const { return flame::amax(*this); }
 Tensor Tensor::min_all() const { return flame::amin(*this); }
 

@@ -21,6 +21,11 @@
 namespace flame {
 namespace {
 
+// Views read the input's geometry first: an undefined input is named by the view's own op.
+void require_defined(const Tensor& t, const char* op) {
+  FLAME_CHECK(t.defined(), op, "called on an undefined tensor");
+}
+
 // Fills in a single -1 entry from the element count; checks the total.
 Shape infer_shape(const Shape& shape, int64_t numel, const char* op, const Shape& from) {
   Shape out = shape;
@@ -150,6 +155,7 @@ Tensor unfold_backward(const Tensor& g, const Shape& xs, int64_t d, int64_t size
 }  // namespace
 
 Tensor Tensor::view(const Shape& shape) const {
+  require_defined(*this, "view");
   FLAME_TRACE_VIEW("view", view(shape))
   Shape target = infer_shape(shape, numel(), "view", sizes());
   auto strides = view_strides(sizes(), this->strides(), target);
@@ -159,6 +165,7 @@ Tensor Tensor::view(const Shape& shape) const {
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
+  require_defined(*this, "reshape");
   FLAME_TRACE_VIEW("reshape", reshape(shape))
   Shape target = infer_shape(shape, numel(), "reshape", sizes());
   if (auto strides = view_strides(sizes(), this->strides(), target)) {
@@ -168,6 +175,7 @@ Tensor Tensor::reshape(const Shape& shape) const {
 }
 
 Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
+  require_defined(*this, "transpose");
   FLAME_TRACE_VIEW("transpose", transpose(d0, d1))
   const int64_t n = dim();
   if (n == 0) {
@@ -184,11 +192,13 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
 }
 
 Tensor Tensor::t() const {
+  require_defined(*this, "t");
   FLAME_CHECK(dim() <= 2, "t", "expects a tensor with <= 2 dims, got shape ", sizes());
   return dim() < 2 ? grad_view(*this, sizes(), strides(), storage_offset(), "t", [](const Tensor& g) { return g; }) : transpose(0, 1);
 }
 
 Tensor Tensor::permute(const Shape& dims) const {
+  require_defined(*this, "permute");
   FLAME_TRACE_VIEW("permute", permute(dims))
   const int64_t n = dim();
   FLAME_CHECK(static_cast<int64_t>(dims.size()) == n, "permute", "number of dims ", dims,
@@ -206,6 +216,7 @@ Tensor Tensor::permute(const Shape& dims) const {
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
+  require_defined(*this, "narrow");
   FLAME_TRACE_VIEW("narrow", narrow(d, start, length))
   FLAME_CHECK(dim() > 0, "narrow", "cannot narrow a 0-d tensor");
   d = wrap_dim(d, dim(), "narrow");
@@ -227,6 +238,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
 }
 
 Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const {
+  require_defined(*this, "slice");
   FLAME_TRACE_VIEW("slice", slice(d, start, end, step))
   FLAME_CHECK(dim() > 0, "slice", "cannot slice a 0-d tensor");
   d = wrap_dim(d, dim(), "slice");
@@ -243,6 +255,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
+  require_defined(*this, "select");
   FLAME_TRACE_VIEW("select", select(d, index))
   FLAME_CHECK(dim() > 0, "select", "cannot select from a 0-d tensor");
   d = wrap_dim(d, dim(), "select");
@@ -258,6 +271,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
 }
 
 Tensor Tensor::expand(const Shape& shape) const {
+  require_defined(*this, "expand");
   const int64_t n = dim(), m = static_cast<int64_t>(shape.size());
   FLAME_CHECK(m >= n, "expand", "target shape ", shape, " has fewer dims than the tensor's shape ", sizes());
   Shape sz(m), st(m);
@@ -285,6 +299,7 @@ Tensor Tensor::expand(const Shape& shape) const {
 }
 
 Tensor Tensor::squeeze() const {
+  require_defined(*this, "squeeze");
   Shape sz, st;
   for (int64_t i = 0; i < dim(); ++i) {
     if (sizes()[i] != 1) {
@@ -296,6 +311,7 @@ Tensor Tensor::squeeze() const {
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
+  require_defined(*this, "squeeze");
   FLAME_TRACE_VIEW("squeeze", squeeze(d))
   if (dim() == 0) {
     wrap_dim(d, 0, "squeeze");
@@ -310,6 +326,7 @@ Tensor Tensor::squeeze(int64_t d) const {
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
+  require_defined(*this, "unsqueeze");
   FLAME_TRACE_VIEW("unsqueeze", unsqueeze(d))
   d = wrap_dim(d, dim() + 1, "unsqueeze");
   Shape sz = sizes(), st = strides();
@@ -320,6 +337,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
+  require_defined(*this, "flatten");
   FLAME_TRACE_VIEW("flatten", flatten(start_dim, end_dim))
   if (dim() == 0) return reshape({1});
   start_dim = wrap_dim(start_dim, dim(), "flatten");
@@ -334,6 +352,7 @@ Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
 }
 
 Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
+  require_defined(*this, "unflatten");
   FLAME_TRACE_VIEW("unflatten", unflatten(d, parts))
   FLAME_CHECK(dim() > 0, "unflatten", "cannot unflatten a 0-d tensor");
   d = wrap_dim(d, dim(), "unflatten");
@@ -362,6 +381,7 @@ Tensor Tensor::unflatten(int64_t d, const Shape& parts) const {
 }
 
 Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
+  require_defined(*this, "unfold");
   d = wrap_dim(d, dim(), "unfold");  // a 0-d tensor takes dim 0 or -1 and unfolds as size 1
   const int64_t n = dim() == 0 ? 1 : sizes()[d];
   FLAME_CHECK(size >= 0 && size <= n, "unfold", "size ", size, " must be in [0, ", n, "] for dim ", d,
