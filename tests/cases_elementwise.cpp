@@ -77,6 +77,10 @@ std::vector<UnaryDef> unary_defs() {
        K::floating, -5, 5},
       {"elu", [](const Tensor& x) { return x.elu(0.7); }, [](double x) { return x > 0 ? x : 0.7 * std::expm1(x); },
        K::floating, -3, 3},
+      {"hardswish", [](const Tensor& x) { return hardswish(x); },
+       [](double x) { return x <= -3 ? 0.0 : (x >= 3 ? x : x * (x + 3) / 6); }, K::floating, -5, 5},
+      {"hardsigmoid", [](const Tensor& x) { return hardsigmoid(x); },
+       [](double x) { return x <= -3 ? 0.0 : (x >= 3 ? 1.0 : x / 6 + 0.5); }, K::floating, -5, 5},
       {"isnan", [](const Tensor& x) { return x.log().isnan(); }, [](double x) { return double(x < 0); }, K::predicate},
       // 1 / floor(x) is +-inf for x in [0, 1) (sign from x - 0.5; NaN, not inf, at x = 0.5) and
       // finite elsewhere, in every float dtype: the case fails if isinf answers a constant.

@@ -285,6 +285,10 @@ std::vector<ActCase> activation_cases() {
       {"ELU(alpha=1.5)", std::make_shared<ELU>(1.5), [](double v) { return v > 0 ? v : 1.5 * std::expm1(v); }},
       {"Softplus(beta=2.0, threshold=20.0)", std::make_shared<Softplus>(2.0),
        [](double v) { return 2.0 * v > 20.0 ? v : std::log1p(std::exp(2.0 * v)) / 2.0; }},
+      {"Hardswish()", std::make_shared<Hardswish>(),
+       [](double v) { return v <= -3 ? 0.0 : (v >= 3 ? v : v * (v + 3) / 6); }},
+      {"Hardsigmoid()", std::make_shared<Hardsigmoid>(),
+       [](double v) { return v <= -3 ? 0.0 : (v >= 3 ? 1.0 : v / 6 + 0.5); }},
   };
 }
 

@@ -184,9 +184,15 @@ bool is_capturing(int device = 0);
 void set_memory_limit(std::size_t bytes, int device = 0);
 std::size_t memory_limit(int device = 0);  // 0: no cap
 
-// f32 matmuls may use TF32 tensor cores (like torch.backends.cuda.matmul.allow_tf32). Default off.
+// f32 matmuls may use TF32 tensor cores (like torch.backends.cuda.matmul.allow_tf32). Default off,
+// as PyTorch's.
 void set_allow_tf32(bool allow);
 bool allow_tf32();
+// f32 convolutions (cuDNN) may use TF32 tensor cores (like torch.backends.cudnn.allow_tf32).
+// Default on, as PyTorch's (about 1e-3 relative error); off, cuDNN runs only engines that compute
+// in full f32. Applies from the next call on (plans are cached per setting).
+void set_allow_conv_tf32(bool allow);
+bool allow_conv_tf32();
 
 // ---- epilogue GEMM autotuning (docs/epi.md) ----
 // Linear's fused cuBLASLt GEMMs (bias, GELU and bias-gradient epilogues) time up to 8 candidate

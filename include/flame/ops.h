@@ -58,6 +58,8 @@ Tensor gelu(const Tensor& x, bool tanh_approximation = false);
 Tensor silu(const Tensor& x);
 Tensor softplus(const Tensor& x, double beta = 1.0, double threshold = 20.0);
 Tensor mish(const Tensor& x);
+Tensor hardswish(const Tensor& x);    // x * clamp(x + 3, 0, 6) / 6, as torch.nn.functional.hardswish
+Tensor hardsigmoid(const Tensor& x);  // clamp(x + 3, 0, 6) / 6, as torch.nn.functional.hardsigmoid
 Tensor elu(const Tensor& x, double alpha = 1.0);
 Tensor floor(const Tensor& x);
 Tensor ceil(const Tensor& x);
@@ -163,12 +165,22 @@ Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false);
 enum class Reduction : uint8_t { none, mean, sum };
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean);
 Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean);
-// logits [N, C] (or [N, C, d1, ...]) and class indices [N] (or [N, d1, ...]), i64.
+// |d| < beta ? 0.5 d^2 / beta : |d| - 0.5 beta, d = input - target (beta = 0: l1_loss), as PyTorch.
+Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean, double beta = 1.0);
+// |d| < delta ? 0.5 d^2 : delta (|d| - 0.5 delta) (delta > 0), as PyTorch.
+Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean, double delta = 1.0);
+// logits [N, C] (or [C], [N, C, d1, ...]) and either class indices [N] (or [], [N, d1, ...]), i64,
+// or class probabilities of the logits' shape (floating). weight: optional [C] class weights; with
+// class indices the mean divides by the summed weights of the counted targets, as PyTorch.
 Tensor cross_entropy(const Tensor& logits, const Tensor& target, Reduction r = Reduction::mean,
-                     int64_t ignore_index = -100, double label_smoothing = 0.0);
+                     int64_t ignore_index = -100, double label_smoothing = 0.0, const Tensor& weight = {});
 Tensor nll_loss(const Tensor& log_probs, const Tensor& target, Reduction r = Reduction::mean,
                 int64_t ignore_index = -100);
+// weight: rescales each element's loss (broadcast to the logits' shape); pos_weight: the weight of
+// the positive term, broadcast to the logits' shape (a [C] vector weights the classes of the last
+// dim), as PyTorch.
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& target,
-                                        Reduction r = Reduction::mean);
+                                        Reduction r = Reduction::mean, const Tensor& weight = {},
+                                        const Tensor& pos_weight = {});
 
 }  // namespace flame

@@ -46,8 +46,11 @@ void* current_stream(int) { FLAME_NO_CUDA("cuda::current_stream"); }
 namespace cuda {
 namespace {
 std::atomic<bool> g_allow_tf32{false};
+std::atomic<bool> g_allow_conv_tf32{true};  // PyTorch's torch.backends.cudnn.allow_tf32 default
 }
 void set_allow_tf32(bool allow) { g_allow_tf32 = allow; }
 bool allow_tf32() { return g_allow_tf32; }
+void set_allow_conv_tf32(bool allow) { g_allow_conv_tf32 = allow; }
+bool allow_conv_tf32() { return g_allow_conv_tf32; }
 }  // namespace cuda
 }  // namespace flame

@@ -268,6 +268,8 @@ Expr derivative_expr(const Expr& e, const std::vector<int>& wanted, const std::v
           case UnaryOp::silu: g = B.mul(G, B.un(UnaryOp::silu_grad, X(), p)); break;
           case UnaryOp::mish: g = B.mul(G, B.un(UnaryOp::mish_grad, X(), p)); break;
           case UnaryOp::softplus: g = B.mul(G, B.un(UnaryOp::softplus_grad, X(), p)); break;
+          case UnaryOp::hardswish: g = B.mul(G, B.un(UnaryOp::hardswish_grad, X(), p)); break;
+          case UnaryOp::hardsigmoid: g = B.mul(G, B.un(UnaryOp::hardsigmoid_grad, X(), p)); break;
           default: no_derivative(n);
         }
         if (g >= 0) accumulate(n.a, g);

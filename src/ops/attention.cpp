@@ -19,6 +19,15 @@
 // fused [B, L, 3, H, E] projection that is [B, L, H, Ev] memory, so out.transpose(1, 2).reshape(B,
 // L, H*Ev) costs no copy and the gradient coming back needs no layout change either.
 //
+// Note [SDPA fully hidden rows]
+// A query row whose every key the mask hides gets output 0 and passes no gradient, on every path
+// and device: PyTorch's answer since 2.5 (_safe_softmax, pytorch/pytorch#131060 and #133882: "fully
+// masked rows return 0 instead of NaN"), for a bool mask and for a float mask whose row is all
+// -inf. The math path zeroes such rows' probabilities. The fused kernels see an additive bias of
+// lowest-finite values (never -inf), so there such a row would average V; fused_path zeroes the
+// rows after the kernel (a where over the output in its own memory order), which also zeroes
+// their incoming gradient, and with it their share of dq, dk and dv.
+//
 // Note [cuDNN masked backward at seq % 128 == 64]
 // cuDNN's sm90 SDPA backward has given NaN dQ with an explicit bias when a sequence length is
 // 64 mod 128. With a bias and a gradient wanted, such a length is padded up to the next multiple
@@ -221,9 +230,10 @@ Tensor make_bias(const Tensor& mask, const Dims& d, DType dtype) {
   padded[nd - 1] = (d.s + 7) / 8 * 8;
   Tensor buf = make_empty(padded, dtype, m.device(), kOp);
   Tensor bias = buf.narrow(nd - 1, 0, d.s);
+  // -inf in a float mask becomes lowest-finite too (Note [SDPA fully hidden rows]).
   const Tensor values = is_bool(m.dtype())
                             ? masked_fill(Tensor::zeros(m.sizes(), {dtype, m.device()}), logical_not(m), lowest_finite(dtype))
-                            : m.detach();
+                            : maximum(m.detach(), Tensor::full({}, lowest_finite(dtype), {dtype, m.device()}));
   backend::backend_for(m.device()).copy(bias, values);
   return as4d(bias);
 }
@@ -293,16 +303,36 @@ Tensor fused_chunked(const Tensor& q4, const Tensor& k4, const Tensor& v4, const
   return out;
 }
 
+// The query rows `mask` hides entirely, [..., L or 1, 1] (Note [SDPA fully hidden rows]).
+Tensor hidden_rows(const Tensor& mask) {
+  const Tensor m = mask.detach();
+  if (is_bool(m.dtype())) return logical_not(any(m, Shape{-1}, /*keepdim=*/true));
+  const Tensor row_max = amax(m, Shape{-1}, /*keepdim=*/true);
+  return logical_and(isinf(row_max), lt(row_max, Tensor::scalar(0.0, {row_max.dtype(), m.device()})));
+}
+
+// out with the rows in `dead` set to 0, computed in out's memory order so that a [B, L, H, Ev]
+// output (Note [Fused SDPA contract]) keeps its layout.
+Tensor zero_rows(const Tensor& out, Tensor dead) {
+  const Tensor zero = Tensor::scalar(0.0, {out.dtype(), out.device()});
+  if (out.dim() != 4 || out.size(1) == 1 || out.size(2) == 1 || out.stride(1) >= out.stride(2))
+    return where(dead, zero, out);
+  while (dead.dim() < 4) dead = dead.unsqueeze(0);
+  return where(dead.transpose(1, 2), zero, out.transpose(1, 2)).transpose(1, 2);
+}
+
 Tensor fused_path(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal, double scale,
                   const Dims& d) {
   const Tensor q4 = last_dim_dense(as4d(q)), k4 = last_dim_dense(as4d(k)), v4 = last_dim_dense(as4d(v));
   Tensor bias4 = mask.defined() ? make_bias(mask, d, q.dtype()) : Tensor();
+  const Tensor dead = mask.defined() ? hidden_rows(mask) : Tensor();
   const bool wants_grad = needs_grad({q, k, v});
   auto restore = [&](const Tensor& out4) {
     Shape shape = d.lead;
     shape.push_back(d.l);
     shape.push_back(d.ev);
-    return q.dim() == 4 ? out4 : out4.reshape(shape);
+    const Tensor out = q.dim() == 4 ? out4 : out4.reshape(shape);
+    return dead.defined() ? zero_rows(out, dead) : out;
   };
 
   // Note [cuDNN masked backward at seq % 128 == 64]

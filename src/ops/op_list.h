@@ -46,11 +46,15 @@
   X(softplus, Softplus, floating)          \
   X(mish, Mish, floating)                  \
   X(elu, Elu, floating)                    \
+  X(hardswish, Hardswish, floating)        \
+  X(hardsigmoid, Hardsigmoid, floating)    \
   X(gelu_grad, GeluGrad, floating)         \
   X(gelu_tanh_grad, GeluTanhGrad, floating) \
   X(silu_grad, SiluGrad, floating)         \
   X(mish_grad, MishGrad, floating)         \
-  X(softplus_grad, SoftplusGrad, floating)
+  X(softplus_grad, SoftplusGrad, floating) \
+  X(hardswish_grad, HardswishGrad, floating) \
+  X(hardsigmoid_grad, HardsigmoidGrad, floating)
 
 #define FLAME_BINARY_OPS(X)                \
   X(add, Add, same)                        \

@@ -173,23 +173,50 @@ std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size
   return adaptive_pool("adaptive_max_pool2d", 2, PoolMode::max, x, out, true);
 }
 
+// Note [Interpolate dims]
+// As torch.nn.functional.interpolate: a 3-d input is [N, C, L] (batched 1-d: nearest,
+// nearest-exact, linear), a 4-d input [N, C, H, W] (nearest, nearest-exact, bilinear, bicubic;
+// antialias for bilinear and bicubic). 1-d runs as 2-d with H = 1 (size 1 -> 1 is the identity
+// in every mode). There is no unbatched form: PyTorch has none either.
 Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
   const char* op = "interpolate";
-  const Tensor x4 = as_4d(x, 2, op);
+  FLAME_CHECK(x.defined(), op, "got an undefined tensor");
+  FLAME_CHECK(x.dim() == 3 || x.dim() == 4, op, "expected a 3-d [N, C, L] (1-d interpolation) or 4-d [N, C, H, W] ",
+              "(2-d interpolation) input, as PyTorch, got shape ", x.sizes(),
+              x.dim() == 2 ? " (add the batch dim: x.unsqueeze(0))" : "");
+  const bool one_d = x.dim() == 3;
+  const Tensor x4 = one_d ? as_4d(x, 1, op) : as_4d(x, 2, op);
   Upsample2dParams p;
-  if (o.mode == "nearest") {
+  const std::string& m = o.mode;
+  if (m == "nearest") {
     p.mode = UpsampleMode::nearest;
-  } else if (o.mode == "nearest-exact") {
+  } else if (m == "nearest-exact") {
     p.mode = UpsampleMode::nearest_exact;
-  } else if (o.mode == "bilinear") {
-    p.mode = UpsampleMode::linear;
+  } else if (m == "linear" || m == "bilinear" || m == "bicubic") {
+    const char* wants = m == "linear" ? "a 3-d [N, C, L]" : "a 4-d [N, C, H, W]";
+    FLAME_CHECK((m == "linear") == one_d, op, "mode ", m, " needs ", wants, " input, got shape ", x.sizes(),
+                one_d ? " (for a 3-d input use mode linear)" : " (for a 4-d input use bilinear or bicubic)");
+    p.mode = m == "bicubic" ? UpsampleMode::cubic : UpsampleMode::linear;
   } else {
-    FLAME_FAIL(op, "unsupported mode '", o.mode, "' (expected nearest, nearest-exact or bilinear)");
+    FLAME_FAIL(op, "unsupported mode '", m, "' (expected nearest, nearest-exact, linear (3-d), bilinear or bicubic ",
+               "(4-d))");
   }
-  FLAME_CHECK(!o.align_corners || p.mode == UpsampleMode::linear, op,
-              "align_corners is only valid for mode bilinear, got mode ", o.mode);
+  const bool interpolating = p.mode == UpsampleMode::linear || p.mode == UpsampleMode::cubic;
+  FLAME_CHECK(!o.align_corners || interpolating, op,
+              "align_corners is only valid for modes linear, bilinear and bicubic, got mode ", m);
+  FLAME_CHECK(!o.antialias || (!one_d && interpolating), op,
+              "antialias is only valid for modes bilinear and bicubic on a 4-d input, got mode ", m, " and shape ",
+              x.sizes());
+  if (o.antialias) p.mode = p.mode == UpsampleMode::cubic ? UpsampleMode::cubic_aa : UpsampleMode::linear_aa;
   FLAME_CHECK(o.size.has_value() != o.scale_factor.has_value(), op,
               "expected exactly one of size and scale_factor");
+  if (one_d) {
+    FLAME_CHECK(!o.size || o.size->h == o.size->w, op, "a 3-d input [N, C, L] is resized along L only: give size as ",
+                "one integer, got (", o.size ? o.size->h : 0, ", ", o.size ? o.size->w : 0, ")");
+    FLAME_CHECK(!o.scale_factor || o.scale_factor->first == o.scale_factor->second, op,
+                "a 3-d input [N, C, L] is resized along L only: give scale_factor as one number, got (",
+                o.scale_factor ? o.scale_factor->first : 0.0, ", ", o.scale_factor ? o.scale_factor->second : 0.0, ")");
+  }
   const bool align = o.align_corners.value_or(false);
   const bool recompute = o.recompute_scale_factor.value_or(false);
   FLAME_CHECK(!(recompute && o.size), op, "recompute_scale_factor needs scale_factor, not size");
@@ -203,7 +230,7 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
     FLAME_CHECK(size > 0, op, "output size must be positive, got ", size, " for input shape ", x.sizes());
     d.out = size;
     d.align_corners = align;
-    if (p.mode == UpsampleMode::linear && align) {
+    if (interpolating && align) {
       d.scale = size > 1 ? static_cast<double>(in - 1) / static_cast<double>(size - 1) : 0.0;
     } else {
       d.scale = sf && !recompute ? 1.0 / *sf : static_cast<double>(in) / static_cast<double>(size);
@@ -211,12 +238,16 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
     return d;
   };
   const auto sf = o.scale_factor;
-  p.h = make_dim(x4.size(2), o.size ? o.size->h : 0, sf ? std::optional<double>(sf->first) : std::nullopt);
+  if (one_d) {
+    p.h = make_dim(1, 1, std::nullopt);  // identity: 1 -> 1
+  } else {
+    p.h = make_dim(x4.size(2), o.size ? o.size->h : 0, sf ? std::optional<double>(sf->first) : std::nullopt);
+  }
   p.w = make_dim(x4.size(3), o.size ? o.size->w : 0, sf ? std::optional<double>(sf->second) : std::nullopt);
   Tensor out = make_empty({x4.size(0), x4.size(1), p.h.out, p.w.out}, x.dtype(), x.device());
   if (out.numel() > 0) backend::backend_for(x.device()).upsample2d(out, x4, p);
   rules::upsample2d(out, x4, p);
-  return from_4d(out, x, 2);
+  return one_d ? out.squeeze(2) : out;
 }
 
 Tensor pixel_shuffle(const Tensor& x, int64_t r) {

@@ -206,6 +206,17 @@ FLAME_FLOAT_FN(Softplus, x * static_cast<C>(p.a) > static_cast<C>(p.b)
                              : math::log1p(math::exp(x * static_cast<C>(p.a))) / static_cast<C>(p.a))
 FLAME_FLOAT_FN(Mish, x * math::tanh(x > C(20) ? x : math::log1p(math::exp(x))))
 FLAME_FLOAT_FN(Elu, x > C(0) ? x : static_cast<C>(p.a) * math::expm1(x))
+// hardsigmoid = clamp(x + 3, 0, 6) / 6, hardswish = x * hardsigmoid(x) (PyTorch's); NaN stays NaN.
+FLAME_UNARY_FN(Hardsigmoid, if constexpr (is_fp<C>) {
+  C t = x + C(3);
+  t = t < C(0) ? C(0) : t;
+  return (t > C(6) ? C(6) : t) / C(6);
+} else { return x; })
+FLAME_UNARY_FN(Hardswish, if constexpr (is_fp<C>) {
+  C t = x + C(3);
+  t = t < C(0) ? C(0) : t;
+  return x * (t > C(6) ? C(6) : t) / C(6);
+} else { return x; })
 // Derivatives dy/dx used by the gradient rules (fused so that backward is one kernel).
 FLAME_FLOAT_FN(GeluGrad, C(0.5) * (C(1) + math::erf(x * C(0.70710678118654752440))) +
                              x * C(0.39894228040143267794) * math::exp(C(-0.5) * x * x))
@@ -227,6 +238,9 @@ FLAME_UNARY_FN(MishGrad, if constexpr (is_fp<C>) {
 FLAME_FLOAT_FN(SoftplusGrad, x * static_cast<C>(p.a) > static_cast<C>(p.b)
                                  ? C(1)
                                  : C(1) / (C(1) + math::exp(-x * static_cast<C>(p.a))))
+// PyTorch's hardswish_backward / hardsigmoid_backward: x/3 + 1/2 on [-3, 3], 1/6 inside (-3, 3).
+FLAME_FLOAT_FN(HardswishGrad, x < C(-3) ? C(0) : (x <= C(3) ? x / C(3) + C(0.5) : C(1)))
+FLAME_FLOAT_FN(HardsigmoidGrad, x > C(-3) && x < C(3) ? C(1) / C(6) : C(0))
 #undef FLAME_FLOAT_FN
 #undef FLAME_UNARY_FN
 

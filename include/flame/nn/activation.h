@@ -5,6 +5,7 @@
 #include <string>
 
 #include "flame/nn/module.h"
+#include "flame/ops.h"
 
 namespace flame::nn {
 
@@ -20,6 +21,17 @@ FLAME_NN_PLAIN_ACTIVATION(Sigmoid, sigmoid)
 FLAME_NN_PLAIN_ACTIVATION(Tanh, tanh)
 FLAME_NN_PLAIN_ACTIVATION(Mish, mish)
 #undef FLAME_NN_PLAIN_ACTIVATION
+
+// Activations that exist as free functions only (as in PyTorch, no Tensor method).
+#define FLAME_NN_FREE_ACTIVATION(Name, fn)                              \
+  class Name : public Module {                                          \
+   public:                                                              \
+    std::string name() const override { return #Name; }                 \
+    Tensor forward(const Tensor& x) override { return flame::fn(x); }   \
+  };
+FLAME_NN_FREE_ACTIVATION(Hardswish, hardswish)
+FLAME_NN_FREE_ACTIVATION(Hardsigmoid, hardsigmoid)
+#undef FLAME_NN_FREE_ACTIVATION
 
 class GELU : public Module {
  public:

@@ -47,13 +47,18 @@ Tensor adaptive_max_pool1d(const Tensor& x, int64_t output_size);
 Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size);
 std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size2 output_size);
 
-// ---- interpolation (2-d: [N, C, H, W] or [C, H, W]) ----
+// ---- interpolation, as torch.nn.functional.interpolate: a 3-d input is [N, C, L] (1-d: nearest,
+// nearest-exact, linear), a 4-d input [N, C, H, W] (2-d: nearest, nearest-exact, bilinear, bicubic).
+// For 1-d give size / scale_factor as one number. ----
 struct InterpolateOptions {
   std::optional<Size2> size;                      // exactly one of size / scale_factor
   std::optional<std::pair<double, double>> scale_factor;
-  std::string mode = "nearest";                   // "nearest", "nearest-exact", "bilinear"
-  std::optional<bool> align_corners;              // bilinear only (default false)
+  std::string mode = "nearest";                   // "nearest", "nearest-exact", "linear", "bilinear", "bicubic"
+  std::optional<bool> align_corners;              // linear, bilinear and bicubic only (default false)
   std::optional<bool> recompute_scale_factor;     // true: the kernels use in/out, not 1/scale
+  // bilinear / bicubic: when downsampling, filter over every input the output covers (the support
+  // grows with the factor, as PIL and torch's antialias=True), instead of reading 2 or 4 taps.
+  bool antialias = false;
 
   InterpolateOptions& with_size(Size2 s) { size = s; return *this; }
   InterpolateOptions& with_scale(double s) { scale_factor = std::make_pair(s, s); return *this; }
@@ -61,6 +66,7 @@ struct InterpolateOptions {
   InterpolateOptions& with_mode(std::string m) { mode = std::move(m); return *this; }
   InterpolateOptions& with_align_corners(bool a) { align_corners = a; return *this; }
   InterpolateOptions& with_recompute_scale_factor(bool r) { recompute_scale_factor = r; return *this; }
+  InterpolateOptions& with_antialias(bool a) { antialias = a; return *this; }
 };
 Tensor interpolate(const Tensor& x, const InterpolateOptions& options);
 // nn.Upsample's functional form: interpolate with the same options.

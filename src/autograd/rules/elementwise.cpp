@@ -45,6 +45,8 @@ Reads unary_reads(UnaryOp op) {
     case UnaryOp::silu_grad:
     case UnaryOp::mish_grad:
     case UnaryOp::softplus_grad:
+    case UnaryOp::hardswish_grad:
+    case UnaryOp::hardsigmoid_grad:
     case UnaryOp::isnan:
     case UnaryOp::isinf:
     case UnaryOp::logical_not: return Reads::not_differentiable;
@@ -112,6 +114,8 @@ Tensor derivative(UnaryOp op, const Tensor& x, const Tensor& y, const UnaryParam
     case UnaryOp::silu: return unary_op(UnaryOp::silu_grad, x, p);
     case UnaryOp::mish: return unary_op(UnaryOp::mish_grad, x, p);
     case UnaryOp::softplus: return unary_op(UnaryOp::softplus_grad, x, p);
+    case UnaryOp::hardswish: return unary_op(UnaryOp::hardswish_grad, x, p);
+    case UnaryOp::hardsigmoid: return unary_op(UnaryOp::hardsigmoid_grad, x, p);
     default: return Tensor();  // sign, floor, ceil, round, trunc: zero gradient
   }
 }

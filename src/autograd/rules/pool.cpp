@@ -24,7 +24,15 @@ void pool2d(Tensor& out, const Tensor& x4, const Tensor& indices, const backend:
 void upsample2d(Tensor& out, const Tensor& x4, const backend::Upsample2dParams& p) {
   if (!needs_grad({x4})) return;
   const Shape xs = x4.sizes();
-  record(out, p.mode == backend::UpsampleMode::linear ? "upsample_bilinear2d" : "upsample_nearest2d", {x4},
+  const char* name = "upsample_nearest2d";
+  switch (p.mode) {
+    case backend::UpsampleMode::linear: name = "upsample_bilinear2d"; break;
+    case backend::UpsampleMode::cubic: name = "upsample_bicubic2d"; break;
+    case backend::UpsampleMode::linear_aa: name = "_upsample_bilinear2d_aa"; break;
+    case backend::UpsampleMode::cubic_aa: name = "_upsample_bicubic2d_aa"; break;
+    default: break;
+  }
+  record(out, name, {x4},
          [xs, p](const Tensor& g) {
            Tensor gi = make_empty(xs, g.dtype(), g.device());
            if (gi.numel() > 0) backend::backend_for(g.device()).upsample2d_backward(gi, g, p);

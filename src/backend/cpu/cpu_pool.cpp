@@ -111,6 +111,22 @@ void upsample2d_typed(const Tensor& out, const Tensor& x, const Upsample2dParams
   const Strides3 xs = strides3(x);
   const T* xp = x.data<T>();
   T* op = out.data<T>();
+  if (is_filter_mode(p.mode)) {  // Note [Upsample filters]: the w taps of each h tap's row, then h
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t oh = 0; oh < OH; ++oh)
+        for (int64_t ow = 0; ow < OW; ++ow) {
+          A acc = 0;
+          for_each_filter_tap<A>(p.h, p.mode, oh, [&](int64_t ih, A wh) {
+            A row = 0;
+            for_each_filter_tap<A>(p.w, p.mode, ow, [&](int64_t iw, A ww) {
+              row += ww * convert<A>(xp[xs.plane(b) + ih * xs.h + iw * xs.w]);
+            });
+            acc += wh * row;
+          });
+          op[(b * OH + oh) * OW + ow] = convert<T>(acc);
+        }
+    return;
+  }
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t oh = 0; oh < OH; ++oh) {
       int64_t hi[2];
@@ -132,6 +148,7 @@ void upsample2d_typed(const Tensor& out, const Tensor& x, const Upsample2dParams
 // Weight with which output o reads input i along one dim (0 when it does not).
 template <class A>
 A upsample_weight(const UpsampleDim& d, UpsampleMode mode, int64_t o, int64_t i) {
+  if (is_filter_mode(mode)) return filter_weight<A>(d, mode, o, i);
   int64_t idx[2];
   A wt[2];
   const int n = upsample_taps<A>(d, mode, o, idx, wt);

@@ -24,9 +24,12 @@
 // after the call. Execution of one plan is serialised by a per-plan mutex: the frontend's execute
 // is only documented as const, not as thread-safe.
 //
-// Compute types: f32 runs with float compute and may use TF32 tensor cores (as PyTorch's default
-// torch.backends.cudnn.allow_tf32 = True); bf16/f16 accumulate in float; f64 in double where
-// cuDNN has an engine for it (else the call raises flame::Error naming the op and shapes).
+// Compute types: f32 runs with float compute and may use TF32 tensor cores while
+// flame::cuda::allow_conv_tf32() (default on, as PyTorch's torch.backends.cudnn.allow_tf32); off,
+// the engine configurations with the TENSOR_CORE or DOWN_CONVERT_INPUTS numerical notes are
+// deselected, so only full-f32 engines remain (the setting is part of the plan key). bf16/f16
+// accumulate in float; f64 in double where cuDNN has an engine for it (else the call raises
+// flame::Error naming the op and shapes).
 #include <cudnn.h>
 
 #include <algorithm>
@@ -119,7 +122,7 @@ cudnnHandle_t thread_handle(int device, cudaStream_t stream, const std::string& 
 // Plan cache (Note [cuDNN conv plans])
 // ---------------------------------------------------------------------------------------------
 struct ConvKey {
-  int32_t device, op, dtype, nd;
+  int32_t device, op, dtype, nd, tf32, unused;  // tf32: f32 with allow_conv_tf32() on
   int64_t x_dim[5], x_stride[5], w_dim[5], w_stride[5], y_dim[5], y_stride[5];
   int64_t stride[3], pad_lo[3], pad_hi[3], dilation[3];
   int64_t groups;
@@ -203,8 +206,8 @@ void check_fe(const fe::error_t& e, const char* step, const std::string& op, con
 }
 
 std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w, const Tensor& y, const ConvParams& p,
-                                     const Geometry& gx, const Geometry& gw, const Geometry& gy, cudnnHandle_t handle,
-                                     const std::string& name) {
+                                     const Geometry& gx, const Geometry& gw, const Geometry& gy, bool tf32,
+                                     cudnnHandle_t handle, const std::string& name) {
   const std::string what = describe(op, x, w, y, p);
   const fe::DataType_t io = fe_type(x.dtype(), name);
   const fe::DataType_t compute = x.dtype() == DType::f64 ? fe::DataType_t::DOUBLE : fe::DataType_t::FLOAT;
@@ -268,6 +271,9 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
   check_fe(graph->build_operation_graph(handle), "operation graph build", name, what);
   check_fe(graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}), "heuristics query", name,
            what);
+  // TF32 off: no engine that rounds f32 inputs (PyTorch filters the same notes).
+  if (x.dtype() == DType::f32 && !tf32)
+    graph->deselect_numeric_notes({fe::NumericalNote_t::TENSOR_CORE, fe::NumericalNote_t::DOWN_CONVERT_INPUTS});
   check_fe(graph->check_support(handle), "support check (no engine supports this convolution)", name, what);
   check_fe(graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "plan build", name, what);
   auto plan = std::make_unique<ConvPlan>();
@@ -297,6 +303,8 @@ ConvPlan& get_plan(int device, ConvOp op, const Tensor& x, const Tensor& w, cons
   key.op = static_cast<int32_t>(op);
   key.dtype = static_cast<int32_t>(x.dtype());
   key.nd = static_cast<int32_t>(gx.dim.size());
+  const bool tf32 = x.dtype() == DType::f32 && flame::cuda::allow_conv_tf32();
+  key.tf32 = tf32 ? 1 : 0;
   fill_geometry(key.x_dim, key.x_stride, gx);
   fill_geometry(key.w_dim, key.w_stride, gw);
   fill_geometry(key.y_dim, key.y_stride, gy);
@@ -318,7 +326,7 @@ ConvPlan& get_plan(int device, ConvOp op, const Tensor& x, const Tensor& w, cons
   // A failure is cached too (graph null), so that a layout cuDNN rejects costs one build attempt.
   std::unique_ptr<ConvPlan> plan;
   try {
-    plan = build_plan(op, x, w, y, p, gx, gw, gy, handle, name);
+    plan = build_plan(op, x, w, y, p, gx, gw, gy, tf32, handle, name);
   } catch (const Error& e) {
     plan = std::make_unique<ConvPlan>();
     plan->error = e.what();

@@ -117,6 +117,7 @@ __device__ __forceinline__ Taps<A> upsample_taps(const UpsampleDim& d, UpsampleM
 // Weight with which output o reads input i along one dim (0 when it does not).
 template <class A>
 __device__ __forceinline__ A upsample_weight(const UpsampleDim& d, UpsampleMode mode, int64_t o, int64_t i) {
+  if (is_filter_mode(mode)) return filter_weight<A>(d, mode, o, i);
   const Taps<A> t = upsample_taps<A>(d, mode, o);
   return (t.i0 == i ? t.w0 : A(0)) + (t.i1 == i ? t.w1 : A(0));
 }
@@ -129,6 +130,18 @@ __global__ void upsample2d_kernel(const T* __restrict__ x, Strides4 xs, T* __res
     const int64_t t = pdiv(i, p.w.out), ow = i - t * p.w.out;
     const int64_t b = pdiv(t, p.h.out), oh = t - b * p.h.out;
     const T* plane = x + xs.plane(b);
+    if (is_filter_mode(p.mode)) {  // Note [Upsample filters]: the CPU reference's order
+      A acc = 0;
+      for_each_filter_tap<A>(p.h, p.mode, oh, [&](int64_t ih, A wh) {
+        A row = 0;
+        for_each_filter_tap<A>(p.w, p.mode, ow, [&](int64_t iw, A ww) {
+          row += ww * load_as<A>(plane[ih * xs.h + iw * xs.w]);
+        });
+        acc += wh * row;
+      });
+      out[i] = store_as<T>(acc);
+      continue;
+    }
     const Taps<A> th = upsample_taps<A>(p.h, p.mode, oh), tw = upsample_taps<A>(p.w, p.mode, ow);
     A acc;
     if (p.mode == UpsampleMode::linear) {  // the CPU reference's order of the four terms

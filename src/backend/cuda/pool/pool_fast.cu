@@ -207,7 +207,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) ==
 
 // The shared preconditions of the nearest fast paths; sets sh, sw, vecs (16-byte vectors per output row).
 bool nearest_plan(const Upsample2dParams& p, DType dt, int64_t& sh, int64_t& sw, int64_t& vecs) {
-  if (p.mode == UpsampleMode::linear) return false;
+  if (p.mode != UpsampleMode::nearest && p.mode != UpsampleMode::nearest_exact) return false;
   const bool exact = p.mode == UpsampleMode::nearest_exact;
   sh = nearest_factor(p.h, exact);
   sw = nearest_factor(p.w, exact);
