@@ -1,11 +1,16 @@
 #pragma once
 // Test-local optimizers for the scheduler and checkpoint tests: they derive from optim::Optimizer
 // and use only its base interface, so these suites do not depend on the real optimizers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "flame/autograd.h"
 #include "flame/optim/optimizer.h"
+#include "flame/optim/scheduler.h"
 #include "flame/tensor.h"
 
 namespace flame::test {
@@ -101,6 +106,21 @@ inline std::vector<optim::ParamGroup> lr_groups(const std::vector<double>& lrs) 
     gs.push_back(g);
   }
   return gs;
+}
+
+// Steps `s` to every epoch up to `last` and checks the optimizer's rates (and get_last_lr) against
+// `want(epoch, group)` at every epoch.
+inline void expect_schedule(optim::LRScheduler& s, const optim::Optimizer& opt, int64_t last,
+                            const std::function<double(int64_t, std::size_t)>& want, double rtol = 1e-12) {
+  for (int64_t e = 0; e <= last; ++e) {
+    if (e > 0) s.step();
+    ASSERT_EQ(s.last_epoch(), e);
+    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
+      const double w = want(e, g);
+      ASSERT_NEAR(opt.lr(g), w, rtol * std::abs(w) + 1e-300) << s.name() << " epoch " << e << " group " << g;
+      ASSERT_EQ(s.get_last_lr()[g], opt.lr(g));
+    }
+  }
 }
 
 }  // namespace flame::test

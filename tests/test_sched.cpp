@@ -28,23 +28,6 @@ std::vector<double> random_lrs(uint64_t seed, std::size_t n = 3) {
   return v;
 }
 
-double group_lr(const optim::Optimizer& o, std::size_t g) { return o.lr(g); }
-
-// Steps `s` to every epoch up to `last` and checks the optimizer's rates (and get_last_lr) against
-// `want(epoch, group)` at every epoch.
-void expect_schedule(LRScheduler& s, const optim::Optimizer& opt, int64_t last,
-                     const std::function<double(int64_t, std::size_t)>& want, double rtol = 1e-12) {
-  for (int64_t e = 0; e <= last; ++e) {
-    if (e > 0) s.step();
-    ASSERT_EQ(s.last_epoch(), e);
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
-      const double w = want(e, g);
-      ASSERT_NEAR(group_lr(opt, g), w, rtol * std::abs(w) + 1e-300) << s.name() << " epoch " << e << " group " << g;
-      ASSERT_EQ(s.get_last_lr()[g], group_lr(opt, g));
-    }
-  }
-}
-
 TEST(SchedTest, ConstantLRMatchesClosedForm) {
   const auto base = random_lrs(1);
   TestSGD opt(lr_groups(base));

@@ -21,20 +21,6 @@ namespace {
 using optim::LRScheduler;
 constexpr double kPi = std::numbers::pi;
 
-// Steps `s` through epochs 0..last and checks every group's rate against want(epoch, group).
-void expect_schedule(LRScheduler& s, const optim::Optimizer& opt, int64_t last,
-                     const std::function<double(int64_t, std::size_t)>& want, double rtol = 1e-12) {
-  for (int64_t e = 0; e <= last; ++e) {
-    if (e > 0) s.step();
-    ASSERT_EQ(s.last_epoch(), e);
-    for (std::size_t g = 0; g < opt.num_param_groups(); ++g) {
-      const double w = want(e, g);
-      ASSERT_NEAR(opt.lr(g), w, rtol * std::abs(w) + 1e-300) << s.name() << " epoch " << e << " group " << g;
-      ASSERT_EQ(s.get_last_lr()[g], opt.lr(g));
-    }
-  }
-}
-
 // ---- PolynomialLR: base * (1 - min(e, T) / T)^power ----
 
 TEST(SchedMore, PolynomialMatchesClosedForm) {
