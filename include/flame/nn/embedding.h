@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "flame/nn/args.h"
 #include "flame/nn/module.h"
 #include "flame/random.h"
 
@@ -22,6 +23,8 @@ class Embedding : public Module {
   Embedding(int64_t num_embeddings, int64_t embedding_dim, std::optional<int64_t> padding_idx = std::nullopt,
             TensorOptions opts = {});
   std::string name() const override { return "Embedding"; }
+  FLAME_NN_ARGS_CHECK(Embedding, "nn::Embedding(num_embeddings, embedding_dim, padding_idx = nullopt, opts = {})", 2,
+                      int64_t, int64_t, std::optional<int64_t>, TensorOptions)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& input) override;
   int64_t num_embeddings() const { return num_embeddings_; }

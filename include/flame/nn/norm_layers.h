@@ -18,6 +18,10 @@ class LayerNorm : public Module {
   LayerNorm(Ints normalized_shape, double eps = 1e-5, bool elementwise_affine = true, bool bias = true,
             TensorOptions opts = {});
   std::string name() const override { return "LayerNorm"; }
+  FLAME_NN_ARGS_CHECK(LayerNorm,
+                      "nn::LayerNorm(normalized_shape (an int or a list), eps = 1e-5, elementwise_affine = true, "
+                      "bias = true, opts = {})",
+                      1, Ints, double, bool, bool, TensorOptions)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override;
   const Tensor& weight() const { return weight_; }
@@ -35,6 +39,10 @@ class RMSNorm : public Module {
   RMSNorm(Ints normalized_shape, std::optional<double> eps = std::nullopt, bool elementwise_affine = true,
           TensorOptions opts = {});
   std::string name() const override { return "RMSNorm"; }
+  FLAME_NN_ARGS_CHECK(RMSNorm,
+                      "nn::RMSNorm(normalized_shape (an int or a list), eps = nullopt, elementwise_affine = true, "
+                      "opts = {})",
+                      1, Ints, std::optional<double>, bool, TensorOptions)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override;
   const Tensor& weight() const { return weight_; }
@@ -49,6 +57,8 @@ class GroupNorm : public Module {
  public:
   GroupNorm(int64_t num_groups, int64_t num_channels, double eps = 1e-5, bool affine = true, TensorOptions opts = {});
   std::string name() const override { return "GroupNorm"; }
+  FLAME_NN_ARGS_CHECK(GroupNorm, "nn::GroupNorm(num_groups, num_channels, eps = 1e-5, affine = true, opts = {})", 2,
+                      int64_t, int64_t, double, bool, TensorOptions)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override;
   const Tensor& weight() const { return weight_; }

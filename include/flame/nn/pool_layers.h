@@ -4,6 +4,7 @@
 #include <optional>
 #include <string>
 
+#include "flame/nn/args.h"
 #include "flame/nn/module.h"
 #include "flame/nn/pool.h"
 
@@ -14,6 +15,9 @@ class MaxPool1d : public Module {
   MaxPool1d(int64_t kernel_size, int64_t stride = 0, int64_t padding = 0, int64_t dilation = 1, bool ceil_mode = false)
       : k_(kernel_size), s_(stride), p_(padding), d_(dilation), ceil_(ceil_mode) {}
   std::string name() const override { return "MaxPool1d"; }
+  FLAME_NN_ARGS_CHECK(MaxPool1d,
+                      "nn::MaxPool1d(kernel_size, stride = kernel_size, padding = 0, dilation = 1, ceil_mode = false)",
+                      1, int64_t, int64_t, int64_t, int64_t, bool)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override { return functional::max_pool1d(x, k_, s_, p_, d_, ceil_); }
 
@@ -28,6 +32,10 @@ class MaxPool2d : public Module {
             functional::Size2 dilation = 1, bool ceil_mode = false)
       : k_(kernel_size), s_(stride), p_(padding), d_(dilation), ceil_(ceil_mode) {}
   std::string name() const override { return "MaxPool2d"; }
+  FLAME_NN_ARGS_CHECK(MaxPool2d,
+                      "nn::MaxPool2d(kernel_size, stride = kernel_size, padding = 0, dilation = 1, ceil_mode = false); "
+                      "sizes: an int or a pair",
+                      1, functional::Size2, functional::Size2, functional::Size2, functional::Size2, bool)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override { return functional::max_pool2d(x, k_, s_, p_, d_, ceil_); }
 
@@ -42,6 +50,10 @@ class AvgPool1d : public Module {
             bool count_include_pad = true)
       : k_(kernel_size), s_(stride), p_(padding), ceil_(ceil_mode), include_pad_(count_include_pad) {}
   std::string name() const override { return "AvgPool1d"; }
+  FLAME_NN_ARGS_CHECK(AvgPool1d,
+                      "nn::AvgPool1d(kernel_size, stride = kernel_size, padding = 0, ceil_mode = false, "
+                      "count_include_pad = true)",
+                      1, int64_t, int64_t, int64_t, bool, bool)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override { return functional::avg_pool1d(x, k_, s_, p_, ceil_, include_pad_); }
 
@@ -57,6 +69,10 @@ class AvgPool2d : public Module {
       : k_(kernel_size), s_(stride), p_(padding), ceil_(ceil_mode), include_pad_(count_include_pad),
         divisor_(divisor_override) {}
   std::string name() const override { return "AvgPool2d"; }
+  FLAME_NN_ARGS_CHECK(AvgPool2d,
+                      "nn::AvgPool2d(kernel_size, stride = kernel_size, padding = 0, ceil_mode = false, "
+                      "count_include_pad = true, divisor_override = nullopt); sizes: an int or a pair",
+                      1, functional::Size2, functional::Size2, functional::Size2, bool, bool, std::optional<int64_t>)
   std::string extra_repr() const override;
   Tensor forward(const Tensor& x) override {
     return functional::avg_pool2d(x, k_, s_, p_, ceil_, include_pad_, divisor_);
