@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "flame/nn/functional.h"
 #include "gradcheck.h"
 #include "test_util.h"
 
@@ -248,6 +249,16 @@ TEST(LossWeighted, CrossEntropyProbabilityTargets) {
   EXPECT_TRUE(r.ok) << r.message;
   expect_error([&] { cross_entropy(logits, probs.narrow(2, 0, 1)); }, {"cross_entropy", "probabilities", "[3, 4, 2]", "[3, 4, 1]"});
   expect_error([&] { cross_entropy(logits, probs, Reduction::mean, 1); }, {"cross_entropy", "ignore_index", "1"});
+}
+
+// The new ops are F:: spellings too (torch.nn.functional's names), the same functions.
+TEST(LossWeighted, FunctionalNamespaceSpellings) {
+  using Loss = Tensor (*)(const Tensor&, const Tensor&, Reduction, double);
+  using Unary = Tensor (*)(const Tensor&);
+  EXPECT_EQ(static_cast<Loss>(&F::smooth_l1_loss), static_cast<Loss>(&flame::smooth_l1_loss));
+  EXPECT_EQ(static_cast<Loss>(&F::huber_loss), static_cast<Loss>(&flame::huber_loss));
+  EXPECT_EQ(static_cast<Unary>(&F::hardswish), static_cast<Unary>(&flame::hardswish));
+  EXPECT_EQ(static_cast<Unary>(&F::hardsigmoid), static_cast<Unary>(&flame::hardsigmoid));
 }
 
 }  // namespace

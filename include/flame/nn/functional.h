@@ -22,6 +22,8 @@ namespace flame::nn::functional {
 // Activations.
 using flame::elu;
 using flame::gelu;
+using flame::hardsigmoid;
+using flame::hardswish;
 using flame::leaky_relu;
 using flame::log_softmax;
 using flame::mish;
@@ -45,9 +47,11 @@ inline Tensor gelu(const Tensor& x, const char* approximate) {  // a literal mus
 using flame::Reduction;
 using flame::binary_cross_entropy_with_logits;
 using flame::cross_entropy;
+using flame::huber_loss;
 using flame::l1_loss;
 using flame::mse_loss;
 using flame::nll_loss;
+using flame::smooth_l1_loss;
 
 // Other torch.nn.functional ops that are FLAME ops.
 using flame::one_hot;
