@@ -34,18 +34,19 @@ target_link_libraries(flame_diffusion PUBLIC ${FD_PNG_LIBRARY} ${FD_ZLIB_LIBRARY
 target_compile_definitions(flame_diffusion PRIVATE FLAME_DIFFUSION_DEPS_DIR="${FD_DEPS_DIR}")
 
 # ---- IDX parser fuzzer (Note [IDX fuzz contract] in tests/fuzz/fuzz_idx.cpp) ----
-# Built from idx.cpp alone (no FLAME library), so the sanitizers see every read. A short seeded run
-# is a ctest test; the long libFuzzer run is tests/fuzz/run_libfuzzer_idx.sh.
+# Built from the library's src/data/idx.cpp alone (FLAME's headers, no FLAME library), so the
+# sanitizers see every read. A short seeded run is a ctest test; the long libFuzzer run is
+# tests/fuzz/run_libfuzzer_idx.sh.
 if(FLAME_TESTS)
-  set(FD_FUZZ_SOURCES ${CMAKE_CURRENT_LIST_DIR}/tests/fuzz/fuzz_idx.cpp ${CMAKE_CURRENT_LIST_DIR}/src/idx.cpp)
+  set(FD_FUZZ_SOURCES ${CMAKE_CURRENT_LIST_DIR}/tests/fuzz/fuzz_idx.cpp ${PROJECT_SOURCE_DIR}/src/data/idx.cpp)
   add_executable(flame_fuzz_idx ${FD_FUZZ_SOURCES})
-  target_include_directories(flame_fuzz_idx PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${FD_ZLIB_INCLUDE_DIR})
+  target_include_directories(flame_fuzz_idx PRIVATE ${PROJECT_SOURCE_DIR}/include ${FD_ZLIB_INCLUDE_DIR})
   target_link_libraries(flame_fuzz_idx PRIVATE ${FD_ZLIB_LIBRARY})
   add_test(NAME diffusion.fuzz_idx_short COMMAND flame_fuzz_idx --seed 1 --seconds 10)
   set_tests_properties(diffusion.fuzz_idx_short PROPERTIES TIMEOUT 120)
   if(FLAME_LIBFUZZER)
     add_executable(flame_libfuzzer_idx ${FD_FUZZ_SOURCES})
-    target_include_directories(flame_libfuzzer_idx PRIVATE ${CMAKE_CURRENT_LIST_DIR}/src ${FD_ZLIB_INCLUDE_DIR})
+    target_include_directories(flame_libfuzzer_idx PRIVATE ${PROJECT_SOURCE_DIR}/include ${FD_ZLIB_INCLUDE_DIR})
     target_link_libraries(flame_libfuzzer_idx PRIVATE ${FD_ZLIB_LIBRARY})
     target_compile_definitions(flame_libfuzzer_idx PRIVATE FLAME_LIBFUZZER=1)
     target_compile_options(flame_libfuzzer_idx PRIVATE -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)

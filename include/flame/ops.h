@@ -19,6 +19,8 @@ Tensor randn_like(const Tensor& t, Generator* gen = nullptr);
 Tensor randint_like(const Tensor& t, int64_t low, int64_t high, Generator* gen = nullptr);
 // Each element is 1 with probability p[i] (p in [0, 1]); result has p's shape and dtype.
 Tensor bernoulli(const Tensor& p, Generator* gen = nullptr);
+// torch.randperm: Tensor::randperm (a permutation of 0..n-1, drawn on the host, i64 by default).
+Tensor randperm(int64_t n, TensorOptions opts = {}, Generator* gen = nullptr);
 
 // ---- shape helpers ----
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op = "broadcast_shapes");

@@ -138,6 +138,10 @@ class Tensor {
                         Generator* gen = nullptr);  // dtype defaults to i64
   static Tensor bernoulli(const Shape& shape, double p, TensorOptions opts = {},
                           Generator* gen = nullptr);
+  // A random permutation of 0..n-1 (torch.randperm); dtype defaults to i64. Drawn on the host
+  // (Fisher-Yates with HostRng seeded from the generator's seed and offset, one offset per call),
+  // then copied to opts.device: the same permutation on every device for the same generator state.
+  static Tensor randperm(int64_t n, TensorOptions opts = {}, Generator* gen = nullptr);
   template <class T>
   static Tensor from_vec(const std::vector<T>& values, const Shape& shape,
                          Device device = Device::cpu()) {

@@ -1,4 +1,4 @@
-// DistributedDataParallel and DistributedSampler (flame/dist/ddp.h).
+// DistributedDataParallel (flame/dist/ddp.h).
 //
 // Note [DDP buckets]
 // At construction the parameters that require grad are packed, in reverse registration order,
@@ -251,44 +251,6 @@ std::vector<double> DistributedDataParallel::last_launch_times() const { return 
 
 std::vector<std::shared_ptr<cuda::Event>> DistributedDataParallel::last_launch_events() const {
   return state_->last_launch_events;
-}
-
-// ---- DistributedSampler ----
-
-DistributedSampler::DistributedSampler(int64_t size, int num_replicas, int rank, bool shuffle, uint64_t seed,
-                                       bool drop_last)
-    : size_(size), shuffle_(shuffle), seed_(seed), drop_last_(drop_last) {
-  num_replicas_ = num_replicas >= 0 ? num_replicas : get_world_size();
-  rank_ = rank >= 0 ? rank : get_rank();
-  FLAME_CHECK(size >= 0, "DistributedSampler", "dataset size must be >= 0, got ", size);
-  FLAME_CHECK(num_replicas_ >= 1 && rank_ < num_replicas_, "DistributedSampler", "rank ", rank_,
-              " is not in [0, ", num_replicas_, ")");
-  if (drop_last_ && size_ % num_replicas_ != 0) num_samples_ = size_ / num_replicas_;
-  else num_samples_ = (size_ + num_replicas_ - 1) / num_replicas_;
-}
-
-std::vector<int64_t> DistributedSampler::indices() const {
-  std::vector<int64_t> all(static_cast<std::size_t>(size_));
-  std::iota(all.begin(), all.end(), int64_t{0});
-  if (shuffle_) {
-    // Same permutation on every rank: a fixed generator keyed by seed + epoch.
-    std::mt19937_64 rng(seed_ + static_cast<uint64_t>(epoch_));
-    for (std::size_t i = all.size(); i > 1; --i) {
-      const std::size_t j = static_cast<std::size_t>(rng() % i);
-      std::swap(all[i - 1], all[j]);
-    }
-  }
-  const std::size_t total = static_cast<std::size_t>(total_size());
-  if (total > all.size() && !all.empty()) {
-    const std::size_t n = all.size();
-    for (std::size_t k = 0; all.size() < total; ++k) all.push_back(all[k % n]);
-  }
-  all.resize(total);
-  std::vector<int64_t> mine;
-  mine.reserve(static_cast<std::size_t>(num_samples_));
-  for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += static_cast<std::size_t>(num_replicas_))
-    mine.push_back(all[k]);
-  return mine;
 }
 
 }  // namespace flame::dist

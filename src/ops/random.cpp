@@ -1,6 +1,8 @@
 // Random factories. Each draws one generator offset; see random.h and src/random/philox.h.
 #include <cmath>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "flame/ops.h"
 #include "flame/random.h"
@@ -102,6 +104,41 @@ Tensor Tensor::bernoulli(const Shape& shape, double p, TensorOptions opts, Gener
   Tensor u = rand(shape, opts.device, gen);
   return u.lt(Tensor::scalar(p, {DType::f32, opts.device})).to(opts.dtype_or(DType::f32));
 }
+
+Tensor Tensor::randperm(int64_t n, TensorOptions opts, Generator* gen) {
+  FLAME_CHECK(n >= 0, "randperm", "n must be non-negative, got ", n);
+  const DType dt = opts.dtype_or(DType::i64);
+  FLAME_CHECK(!is_bool(dt), "randperm", "bool dtype is not supported: use an integer or floating dtype");
+  // Every value 0..n-1 must be exact in the dtype (as PyTorch's check).
+  int64_t max_exact = 0;
+  switch (dt) {
+    case DType::u8: max_exact = 255; break;
+    case DType::i32: max_exact = std::numeric_limits<int32_t>::max(); break;
+    case DType::i64: max_exact = std::numeric_limits<int64_t>::max(); break;
+    case DType::f16: max_exact = int64_t{1} << 11; break;
+    case DType::bf16: max_exact = int64_t{1} << 8; break;
+    case DType::f32: max_exact = int64_t{1} << 24; break;
+    default: max_exact = int64_t{1} << 53; break;
+  }
+  FLAME_CHECK(n == 0 || n - 1 <= max_exact, "randperm", "n = ", n, " does not fit dtype ", dtype_name(dt),
+              ": its values 0..n-1 must be exact (at most ", max_exact, "); use i64");
+  // Drawn on the host: a device copy of host values cannot be captured into a CUDA graph.
+  FLAME_CHECK(!(opts.device.is_cuda() && random_detail::current_graph_rng() != nullptr), "randperm",
+              "draws its permutation on the host and cannot run inside CUDA graph capture; draw it before capture");
+  Generator& g = gen ? *gen : default_generator();
+  const uint64_t seed = g.seed(), offset = g.next_offset();
+  std::vector<int64_t> perm(static_cast<std::size_t>(n));
+  for (int64_t i = 0; i < n; ++i) perm[static_cast<std::size_t>(i)] = i;
+  HostRng rng(HostRng::mix(seed, offset));
+  for (int64_t i = n - 1; i > 0; --i) {
+    std::swap(perm[static_cast<std::size_t>(i)], perm[rng.below(static_cast<uint64_t>(i) + 1)]);
+  }
+  Tensor t = Tensor::from_vec(perm, {n});
+  if (dt != DType::i64) t = t.to(dt);
+  return t.to(opts.device);
+}
+
+Tensor randperm(int64_t n, TensorOptions opts, Generator* gen) { return Tensor::randperm(n, opts, gen); }
 
 Tensor bernoulli(const Tensor& p, Generator* gen) {
   FLAME_CHECK(p.defined() && is_floating(p.dtype()), "bernoulli", "p must be a floating tensor");

@@ -8,40 +8,21 @@
 //   Batch b = loader.next();   // b.images f32 [B, 1, 28, 28] in [-1, 1], b.labels i64 [B]
 //   checkpoint.position = loader.position();               // where the next batch starts
 //
-// Note [Loader determinism]
-// The batch at (epoch e, batch i) is a pure function of (seed, e, i) and the data set: epoch e's
-// order is a Fisher-Yates permutation drawn from a generator seeded with mix(seed, e) (a different
-// permutation each epoch), and the flips of batch i from a generator seeded with mix(seed, e, i).
-// So a loader started at a saved LoaderPosition produces exactly the batches an uninterrupted one
-// does from there, whatever the prefetch depth or the thread timing. The generators are our own
-// (splitmix64, xoshiro256**), not <random>'s distributions, whose output differs between standard
-// libraries.
-//
-// Note [Loader prefetch]
-// With prefetch > 0 a worker thread builds the batches ahead, in order, into a queue of at most
-// `prefetch` ready batches. For a CUDA device the worker also uploads each batch on a side stream
-// of its own and records an event; next() makes the caller's current stream wait for that event
-// (the GPU waits, the host does not) and calls record_stream for the compute stream, so the
-// upload overlaps compute and the memory is not reused while the compute stream may still read
-// it. The host batch is assembled in one buffer per tensor (stage_host in data.cpp: the one place
-// where pinned memory is switched on once Tensor::pin_memory() exists). The destructor stops and
-// joins the worker; an exception in the worker is re-raised by the next call to next().
-#include <condition_variable>
+// The loader is flame::data's DataLoader (include/flame/data/loader.h) over FashionMnistDataset:
+// its Notes [Loader determinism], [Loader workers] and [Loader prefetch] hold here. With a seed, the
+// epoch orders are flame::data::RandomSampler's (randperm of the generator state {seed, epoch}) and
+// the flips of batch i of epoch e are drawn from HostRng(BatchInfo::seed); prefetch > 0 is one
+// worker thread keeping `prefetch` batches ahead, uploaded to a CUDA device on a side stream.
 #include <cstdint>
-#include <deque>
-#include <exception>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include <flame/flame.h>
+#include <flame/data.h>
 #include <flame/dist.h>
-
-#include "idx.h"
+#include <flame/flame.h>
 
 namespace flame_diffusion {
 
@@ -67,7 +48,7 @@ struct Dataset {
   // that the counts agree and every label is in 0..9.
   static Dataset load(const std::string& dir, Split split);
   // From two parsed IDX files (images 3-d, labels 1-d); `source` names them in errors.
-  static Dataset from_idx(IdxArray images, IdxArray labels, const std::string& source);
+  static Dataset from_idx(flame::data::IdxArray images, flame::data::IdxArray labels, const std::string& source);
 
   // The samples whose label is in `classes` (e.g. {7} for a fine-tuning subset), in their order.
   Dataset select_classes(const std::vector<int>& classes) const;
@@ -111,47 +92,40 @@ struct Batch {
   std::vector<uint8_t> flipped;  // 1 where the sample was flipped
 };
 
+// A Dataset's samples as flame::data examples: data f32 [1, rows, cols] in [-1, 1] (x / 127.5 - 1),
+// target i64 [] (the label).
+class FashionMnistDataset : public flame::data::Dataset<> {
+ public:
+  // (Inside this class `Dataset` names the base, hence the qualified name.)
+  explicit FashionMnistDataset(std::shared_ptr<const flame_diffusion::Dataset> data);
+  int64_t size() const override { return data_->n; }
+  flame::data::Example get(int64_t index) const override;
+
+ private:
+  std::shared_ptr<const flame_diffusion::Dataset> data_;
+};
+
 class Loader {
  public:
-  Loader(std::shared_ptr<const Dataset> data, LoaderOptions options, LoaderPosition start = {});
-  ~Loader();
+  Loader(std::shared_ptr<const Dataset> data, const LoaderOptions& options, LoaderPosition start = {});
   Loader(const Loader&) = delete;
   Loader& operator=(const Loader&) = delete;
 
   // The batch at position(), then advances (to the next epoch after the last batch). Re-raises an
-  // error of the worker thread.
+  // error of the worker thread (a flame::data::LoaderError naming the batch, the error nested).
   Batch next();
   // The position of the batch next() returns next.
-  LoaderPosition position() const { return position_; }
-  int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  LoaderPosition position() const;
+  int64_t batches_per_epoch() const { return loader_->batches_per_epoch(); }
   const LoaderOptions& options() const { return options_; }
 
-  // Epoch e's sample order (Note [Loader determinism]).
+  // Epoch e's sample order (Note [Loader determinism] in flame/data/loader.h).
   std::vector<int64_t> epoch_order(int64_t epoch) const;
 
  private:
-  const std::vector<int64_t>& cached_order(int64_t epoch) const;  // builder thread only
-  struct Pending;  // a built batch and, on CUDA, the event of its upload
-  Pending build(LoaderPosition pos) const;
-  Batch finish(Pending&& p) const;
-  LoaderPosition advance(LoaderPosition pos) const;
-  void worker_loop(LoaderPosition pos);
-
   std::shared_ptr<const Dataset> data_;
   LoaderOptions options_;
-  int64_t batches_per_epoch_ = 0;
-  LoaderPosition position_;
-  std::optional<flame::cuda::Stream> upload_stream_;  // CUDA devices only
-  mutable int64_t cached_epoch_ = -1;
-  mutable std::vector<int64_t> cached_order_;
-
-  // Prefetch state (Note [Loader prefetch]); all guarded by mutex_.
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::unique_ptr<Pending>> ready_;
-  std::exception_ptr error_;
-  bool stop_ = false;
-  std::thread worker_;
+  std::unique_ptr<flame::data::DataLoader<>> loader_;
 };
 
 }  // namespace flame_diffusion

@@ -234,8 +234,17 @@ TEST(DataLoader, WorkerErrorsAreRaisedByNext) {
   try {
     (void)loader.next();
     ADD_FAILURE() << "the worker's error was not raised";
-  } catch (const std::runtime_error& e) {
-    EXPECT_STREQ(e.what(), "transform failed at batch 3");
+  } catch (const flame::data::LoaderError& e) {
+    // flame::data's message names the batch; the transform's own exception is nested in it.
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("batch 3 of epoch 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("transform failed at batch 3"), std::string::npos) << msg;
+    try {
+      std::rethrow_if_nested(e);
+      ADD_FAILURE() << "no nested exception";
+    } catch (const std::runtime_error& inner) {
+      EXPECT_STREQ(inner.what(), "transform failed at batch 3");
+    }
   }
   EXPECT_THROW((void)loader.next(), std::runtime_error);  // and stays raised
 }

@@ -11,7 +11,7 @@
 #include <flame/flame.h>
 
 #include "data_test_util.h"
-#include "idx.h"
+#include <flame/data/idx.h>
 #include "plot.h"
 #include "trainer.h"
 
@@ -24,8 +24,8 @@ std::string write_dataset(const fd_test::ScratchDir& dir, int64_t n) {
   const fd::Dataset d = fd_test::random_dataset(n, 28, 28, 23);
   const std::string folder = dir.file("data");
   std::filesystem::create_directories(folder);
-  fd_test::write_bytes(folder + "/train-images-idx3-ubyte", fd::encode_idx({n, 28, 28}, d.images));
-  fd_test::write_bytes(folder + "/train-labels-idx1-ubyte", fd::encode_idx({n}, d.labels));
+  fd_test::write_bytes(folder + "/train-images-idx3-ubyte", flame::data::encode_idx({n, 28, 28}, d.images));
+  fd_test::write_bytes(folder + "/train-labels-idx1-ubyte", flame::data::encode_idx({n}, d.labels));
   return folder;
 }
 

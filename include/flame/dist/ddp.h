@@ -1,5 +1,6 @@
 #pragma once
-// DistributedDataParallel and DistributedSampler (docs/distributed.md).
+// DistributedDataParallel and DistributedSampler (docs/distributed.md; the sampler lives in
+// flame/data/sampler.h).
 //
 //   auto model = std::make_shared<MyNet>();  model->to(dist::default_group().device());
 //   dist::DistributedDataParallel ddp(model);   // broadcasts rank 0's parameters and buffers
@@ -18,6 +19,7 @@
 
 #include "flame/autograd.h"
 #include "flame/cuda.h"
+#include "flame/data/sampler.h"
 #include "flame/nn/module.h"
 #include "flame/tensor.h"
 
@@ -93,30 +95,7 @@ class DistributedDataParallel {
   std::shared_ptr<State> state_;
 };
 
-// Each rank's share of a dataset of `size` items for one epoch, as torch's DistributedSampler:
-// the (shuffled, seed + epoch) index list is padded by repeating its head to a multiple of the
-// world size (or cut, with drop_last), and rank r takes every world-th index from r. All ranks
-// get the same count.
-class DistributedSampler {
- public:
-  // num_replicas/rank < 0: the default group's (1 and 0 without one).
-  explicit DistributedSampler(int64_t size, int num_replicas = -1, int rank = -1, bool shuffle = true,
-                              uint64_t seed = 0, bool drop_last = false);
-  void set_epoch(int64_t epoch) { epoch_ = epoch; }
-  int64_t epoch() const { return epoch_; }
-  std::vector<int64_t> indices() const;
-  int64_t num_samples() const { return num_samples_; }  // per rank
-  int64_t total_size() const { return num_samples_ * num_replicas_; }
-
- private:
-  int64_t size_;
-  int num_replicas_;
-  int rank_;
-  bool shuffle_;
-  uint64_t seed_;
-  bool drop_last_;
-  int64_t epoch_ = 0;
-  int64_t num_samples_ = 0;
-};
+// flame::data::DistributedSampler (flame/data/sampler.h), under the name it had here first.
+using DistributedSampler = flame::data::DistributedSampler;
 
 }  // namespace flame::dist

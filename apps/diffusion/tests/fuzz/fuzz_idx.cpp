@@ -1,4 +1,4 @@
-// Fuzzer of the IDX reader (apps/diffusion/src/idx.cpp), built alone with zlib: no FLAME library.
+// Fuzzer of the IDX reader (src/data/idx.cpp, flame::data), built alone with zlib: no FLAME library.
 //
 // Note [IDX fuzz contract]
 // For any bytes, decode_idx_container (gunzip when the gzip magic is there) followed by parse_idx
@@ -28,9 +28,9 @@
 #include <string>
 #include <vector>
 
-#include "idx.h"
+#include "flame/data/idx.h"
 
-namespace fd = flame_diffusion;
+namespace fd = flame::data;
 
 namespace {
 

@@ -1,6 +1,7 @@
-// IDX reading and writing (Note [IDX validation] in idx.h). This unit depends on zlib only, not
-// on FLAME, so the fuzzer can build it alone.
-#include "idx.h"
+// IDX reading and writing (Note [IDX validation] in flame/data/idx.h). This unit depends on zlib
+// and FLAME's headers only, not on the FLAME library, so the fuzzer can build it alone (the tensor
+// conversions are in dataset.cpp).
+#include "flame/data/idx.h"
 
 #include <zlib.h>
 
@@ -12,7 +13,7 @@
 #include <limits>
 #include <sstream>
 
-namespace flame_diffusion {
+namespace flame::data {
 namespace {
 
 [[noreturn]] void fail(const std::string& source, const std::string& what) {
@@ -201,4 +202,4 @@ std::vector<uint8_t> gzip(const std::vector<uint8_t>& bytes) {
   return out;
 }
 
-}  // namespace flame_diffusion
+}  // namespace flame::data

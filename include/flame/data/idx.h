@@ -9,19 +9,25 @@
 // exact count), every dimension > 0 and < 2^31, the element count computed with overflow checks and
 // capped (kMaxIdxElements), the data neither truncated nor followed by extra bytes. A gzip stream
 // must be complete, inflate to at most the cap, and end the file. Errors are IdxError (a
-// std::runtime_error) whose message names the file and what is wrong. The parser is fuzzed
+// flame::Error) whose message names the file and what is wrong. The parser is fuzzed
 // (apps/diffusion/tests/fuzz/fuzz_idx.cpp, Note [IDX fuzz contract]).
+//
+//   Tensor images = data::load_idx("train-images-idx3-ubyte.gz");   // u8 [60000, 28, 28]
+//   data::IdxArray labels = data::read_idx("train-labels-idx1-ubyte.gz", /*expected_ndim=*/1);
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-namespace flame_diffusion {
+#include "flame/error.h"
+#include "flame/tensor.h"
 
-class IdxError : public std::runtime_error {
+namespace flame::data {
+
+class IdxError : public Error {
  public:
-  explicit IdxError(const std::string& what) : std::runtime_error(what) {}
+  explicit IdxError(const std::string& what) : Error(what) {}
 };
 
 // The most elements one IDX array may hold (1 GiB of bytes): Fashion-MNIST's largest file has 47M.
@@ -49,9 +55,14 @@ std::vector<uint8_t> decode_idx_container(const std::vector<uint8_t>& raw, const
 // Reads `path` (plain or .gz by content, not by name) and parses it.
 IdxArray read_idx(const std::string& path, int expected_ndim = -1);
 
+// read_idx as a u8 tensor of the file's dimensions, on the CPU.
+Tensor load_idx(const std::string& path, int expected_ndim = -1);
+// An IdxArray's bytes as a u8 tensor of its dimensions (a copy), on the CPU.
+Tensor idx_to_tensor(const IdxArray& array);
+
 // The file bytes of an IDX array (type 0x08): for tests, fuzz corpora and tools.
 std::vector<uint8_t> encode_idx(const std::vector<int64_t>& dims, const std::vector<uint8_t>& data);
 // A gzip stream of `bytes` (zlib's deflate with a gzip wrapper).
 std::vector<uint8_t> gzip(const std::vector<uint8_t>& bytes);
 
-}  // namespace flame_diffusion
+}  // namespace flame::data
