@@ -1,6 +1,6 @@
 // The spellings a libtorch user types (issue 26 item 3), other than indexing (test_index_api.cpp):
 // integer arguments for the convolution and norm layers and their functional forms, printing of
-// Shape/DType/Device, Device("cuda:0") parsing, Tensor::from_blob,
+// Shape/DType/Device, Device("cuda:0") parsing, Tensor::from_blob, Tensor::rand(shape, lo, hi),
 // the F:: namespace with the activations and losses, one embedding order, and Gradients::get /
 // get_or_zeros / set. Each value is checked against an independent computation (host loops or
 // closed forms). Runs on the device under test unless a case says otherwise.
@@ -176,6 +176,22 @@ TEST(ApiSpellingsCuda, FromBlobWrapsDeviceMemory) {
   EXPECT_EQ(owner.to_vec<float>(), (std::vector<float>{2.5f, 2.5f, 7.0f, 2.5f}));
 }
 
+TEST(ApiSpellings, RandWithBoundsIsUniformOnThatRange) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  Generator a(21), b(21);
+  const Tensor r = Tensor::rand({4000}, -3.0, 5.0, {DType::f64, dev}, &a);
+  EXPECT_TRUE(same_bits(r, Tensor::uniform({4000}, -3.0, 5.0, {DType::f64, dev}, &b), "rand(lo, hi) vs uniform"));
+  const auto v = r.to_vec<double>();
+  double mean = 0;
+  for (double e : v) {
+    EXPECT_GE(e, -3.0);
+    EXPECT_LT(e, 5.0);
+    mean += e / 4000;
+  }
+  EXPECT_NEAR(mean, 1.0, 0.25);  // U(-3, 5): mean 1, std of the mean 8 / sqrt(12 * 4000) = 0.037
+}
+
 TEST(ApiSpellings, FunctionalNamespaceHasActivationsAndLosses) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
@@ -225,6 +241,18 @@ TEST(ApiSpellings, FunctionalNamespaceHasActivationsAndLosses) {
   EXPECT_NEAR(F::mse_loss(x, y).item<double>(), mse, 1e-12);
   EXPECT_NEAR(F::l1_loss(x, y, F::Reduction::sum).item<double>(), l1, 1e-12);
   EXPECT_NEAR(F::binary_cross_entropy_with_logits(x, (y > 0).to(DType::f64)).item<double>(), bce, 1e-12);
+  // The ops added for the differential test are there too (closed forms at beta = delta = 1).
+  double sl1 = 0;
+  const auto hs = F::hardswish(x).to_vec<double>(), hsig = F::hardsigmoid(x).to_vec<double>();
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    const double d = std::abs(xv[i] - yv[i]);
+    sl1 += (d < 1 ? 0.5 * d * d : d - 0.5) / 12;
+    const double r6 = std::min(std::max(xv[i] + 3, 0.0), 6.0);
+    EXPECT_NEAR(hs[i], xv[i] * r6 / 6, 1e-12);
+    EXPECT_NEAR(hsig[i], r6 / 6, 1e-12);
+  }
+  EXPECT_NEAR(F::smooth_l1_loss(x, y).item<double>(), sl1, 1e-12);
+  EXPECT_NEAR(F::huber_loss(x, y).item<double>(), sl1, 1e-12);  // equal to smooth L1 at beta = delta = 1
   // The layer ops sit beside them.
   EXPECT_TRUE(all_close(F::dropout(x, 0.0), x, 0, 0));
   const Tensor w = random({5, 4}, 7);

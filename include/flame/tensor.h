@@ -130,6 +130,9 @@ class Tensor {
   static Tensor eye(int64_t n, int64_t m = -1, TensorOptions opts = {});
   // Random factories draw from `gen` (default: default_generator()); see random.h.
   static Tensor rand(const Shape& shape, TensorOptions opts = {}, Generator* gen = nullptr);
+  // U(low, high): the same as uniform(shape, low, high, opts, gen).
+  static Tensor rand(const Shape& shape, double low, double high, TensorOptions opts = {},
+                     Generator* gen = nullptr);
   static Tensor uniform(const Shape& shape, double low, double high, TensorOptions opts = {},
                         Generator* gen = nullptr);
   static Tensor randn(const Shape& shape, double mean = 0.0, double std = 1.0,
