@@ -1,4 +1,5 @@
 // An outside project using the installed FLAME through find_package(flame).
+#include <flame/data.h>
 #include <flame/flame.h>
 
 #include <cmath>
@@ -23,6 +24,17 @@ int main() {
   const bool ok = d.sizes() == Shape{32, 32} && std::fabs(v[0] - want_d0) < 1e-3 &&
                   std::fabs(s - want_s) < 1e-2 * std::max(1.0, std::fabs(want_s)) &&
                   c2.sub(c).abs().sum_all().item<float>() >= 0 && x.to_vec<float>()[1] == 3.0f;
-  std::printf("consumer: sum=%f d00=%f %s\n", s, v[0], ok ? "OK" : "MISMATCH");
-  return ok ? 0 : 1;
+  // flame::data (zlib is linked inside the library): an IDX array through gzip and back, and a
+  // DataLoader (a header template) over a TensorDataset.
+  const std::vector<uint8_t> bytes = {1, 2, 3, 4, 5, 6};
+  const std::vector<uint8_t> z = data::gzip(data::encode_idx({2, 3}, bytes));
+  const std::vector<uint8_t> raw = data::decode_idx_container(z, "consumer");
+  const data::IdxArray arr = data::parse_idx(raw.data(), raw.size(), "consumer");
+  data::DataLoader loader(std::make_shared<data::TensorDataset>(Tensor::arange(int64_t{6}).reshape({3, 2})),
+                          {.batch_size = 2});
+  const data::Example first = loader.next();
+  const bool data_ok = arr.dims == std::vector<int64_t>{2, 3} && arr.data == bytes &&
+                       first.data.to_vec<int64_t>() == std::vector<int64_t>{0, 1, 2, 3};
+  std::printf("consumer: sum=%f d00=%f %s, data %s\n", s, v[0], ok ? "OK" : "MISMATCH", data_ok ? "OK" : "MISMATCH");
+  return ok && data_ok ? 0 : 1;
 }
