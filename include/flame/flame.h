@@ -1,6 +1,7 @@
 #pragma once
 // Umbrella header: include this to use FLAME. flame/nn.h (layers), flame/checkpoint.h,
-// flame/offload.h and flame/io/safetensors.h are included separately. <iostream> comes with it, so
+// flame/offload.h, flame/io/safetensors.h and flame/data.h (datasets, DataLoader) are included
+// separately. <iostream> comes with it, so
 // a first program can print (std::cout << x, x.sizes(), x.dtype(), x.device()).
 #include <iostream>
 
