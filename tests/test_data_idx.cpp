@@ -1,44 +1,28 @@
 // The IDX reader (flame/data/idx.h, Note [IDX validation]): round trips of plain and gzip'd
 // files, a table of corrupt files, and the tensor form.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
-#include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "flame/data/idx.h"
+#include "test_dist_util.h"
 
 namespace fd = flame::data;
 
 namespace {
 
-// A fresh folder per test (tests run in parallel and shuffled), removed at the end.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            ("flame_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  std::filesystem::path path_;
+// A fresh folder per test, removed at the end.
+struct ScratchDir {
+  flame::test::dist_test::TempDir dir;
+  std::string file(const std::string& name) const { return dir.path + "/" + name; }
 };
 
 void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
 }
-
 
 std::vector<uint8_t> random_bytes(std::size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
