@@ -28,5 +28,12 @@ if [ ! -f .deps/png/lib/libpng16.a ]; then
     /usr/include/zconf.h .deps/png/include/
   cp -L /usr/lib/x86_64-linux-gnu/libpng16.a /usr/lib/x86_64-linux-gnu/libz.a .deps/png/lib/
 fi
+# libjpeg-turbo (sample --out *.jpg): headers and the static library.
+if [ ! -f .deps/jpeg/lib/libjpeg.a ] && [ -f /usr/lib/x86_64-linux-gnu/libjpeg.a ]; then
+  mkdir -p .deps/jpeg/include .deps/jpeg/lib
+  cp -L /usr/include/jpeglib.h /usr/include/jerror.h /usr/include/jmorecfg.h \
+    /usr/include/x86_64-linux-gnu/jconfig.h .deps/jpeg/include/
+  cp -L /usr/lib/x86_64-linux-gnu/libjpeg.a .deps/jpeg/lib/
+fi
 [ -f .deps/cudnn_frontend/include/cudnn_frontend.h ] || { echo "prepare_carry: cudnn-frontend missing (setup_deps needs nvcc)" >&2; exit 1; }
 du -sh .deps

@@ -18,6 +18,7 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -f /usr/include/png.h ] || need+=(libpng-dev)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 [ -f /usr/include/CLI/CLI.hpp ] || need+=(libcli11-dev)
+[ -f /usr/include/jpeglib.h ] || need+=(libjpeg-dev)  # libjpeg-turbo: sample --out *.jpg
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need+=(dataset-fashion-mnist)
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -87,16 +89,17 @@ double PlotFrame::py(double y) const {
 
 std::vector<double> ema_smooth(const std::vector<double>& values, double alpha) {
   std::vector<double> out(values.size());
-  bool started = false;
-  double ema = 0;
+  double ema = 0, weight = 1;  // weight = alpha^t after t finite values
   for (std::size_t i = 0; i < values.size(); ++i) {
     if (!std::isfinite(values[i])) {
       out[i] = values[i];
       continue;
     }
-    ema = started ? alpha * ema + (1 - alpha) * values[i] : values[i];
-    started = true;
-    out[i] = ema;
+    ema = alpha * ema + (1 - alpha) * values[i];
+    weight *= alpha;
+    // Debiased (Adam's bias correction): ema_t started at 0 weighs the values by (1 - alpha) alpha^k,
+    // k = 0 .. t-1, which sum to 1 - alpha^t.
+    out[i] = ema / (1 - weight);
   }
   return out;
 }
@@ -253,6 +256,46 @@ void CsvLogger::log(int64_t step, double loss, double lr, double grad_norm, doub
       std::fflush(file_) != 0) {
     throw std::runtime_error("CSV log " + path_ + ": write failed (" + std::strerror(errno) + ")");
   }
+}
+
+int64_t truncate_loss_csv(const std::string& path, int64_t last_step) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return 0;
+  std::ifstream in(path);
+  if (!in) throw std::runtime_error("CSV log " + path + ": cannot open (" + std::strerror(errno) + ")");
+  std::string text, line_text;
+  int64_t removed = 0;
+  bool first = true;
+  while (std::getline(in, line_text)) {
+    if (first) {
+      first = false;
+      if (line_text.rfind("step,loss", 0) != 0)
+        throw std::runtime_error("CSV log " + path + ": line 1 is not the header step,loss,lr,grad_norm,time");
+      text += line_text + "\n";
+      continue;
+    }
+    if (line_text.empty()) continue;
+    char* end = nullptr;
+    const long long step = std::strtoll(line_text.c_str(), &end, 10);
+    // A row cut short by a kill has no ',' after its step: dropped as well.
+    if (end == line_text.c_str() || *end != ',' || step > last_step || std::count(line_text.begin(), line_text.end(), ',') != 4) {
+      ++removed;
+      continue;
+    }
+    text += line_text + "\n";
+  }
+  in.close();
+  if (removed == 0) return 0;
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream outf(tmp, std::ios::binary | std::ios::trunc);
+    outf << text;
+    outf.flush();
+    if (!outf) throw std::runtime_error("CSV log " + tmp + ": write failed (" + std::strerror(errno) + ")");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw std::runtime_error("CSV log " + path + ": cannot rename " + tmp + " (" + std::strerror(errno) + ")");
+  return removed;
 }
 
 LossLog read_loss_csv(const std::string& path) {

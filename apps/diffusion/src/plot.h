@@ -33,7 +33,7 @@ struct PlotOptions {
   std::string x_label = "STEP";
   std::string y_label = "LOSS";
   bool log_y = false;   // logarithmic y axis (values <= 0 are left out)
-  double ema = 0.98;    // smoothing of the dark line: ema = ema * a + loss * (1 - a)
+  double ema = 0.98;    // smoothing of the dark line: debiased EMA (ema_smooth)
 };
 
 // Where the data lands: the plot area in pixels and the data ranges it shows.
@@ -51,8 +51,9 @@ struct LossPlot {
   std::vector<double> ema;  // the smoothed values drawn
 };
 
-// Exponential moving average, started at the first finite value; non-finite inputs are carried
-// over unchanged and do not move the average.
+// Debiased exponential moving average: m_t = alpha m_{t-1} + (1 - alpha) x_t from m_0 = 0, shown as
+// m_t / (1 - alpha^t) (t counts the finite values so far), so the first point is x_1 and the line
+// does not start flat at it. Non-finite inputs are carried over unchanged and do not move the average.
 std::vector<double> ema_smooth(const std::vector<double>& values, double alpha);
 
 // Draws the curve of `losses` at `steps` (same length, at least one finite point). Raises
@@ -70,8 +71,8 @@ int text_width(const std::string& text, int scale = 1);
 // The 7 rows of glyph `c` (bit 4 = leftmost column).
 const uint8_t* glyph_rows(char c);
 
-// A CSV log: "step,loss,lr,grad_norm,time" and one line per call, flushed at once so a crash or a
-// kill loses nothing. append: keep an existing file (a resumed run) and write no second header.
+// A CSV log: "step,loss,lr,grad_norm,time" and one line per call (the trainer: one per step),
+// flushed at once so a crash or a kill loses nothing. append: keep an existing file (a resumed run) and write no second header.
 class CsvLogger {
  public:
   explicit CsvLogger(const std::string& path, bool append = false);
@@ -89,6 +90,10 @@ class CsvLogger {
 struct LossLog {
   std::vector<double> steps, losses, lrs, grad_norms, seconds;
 };
+// Keeps the header and the rows of steps <= last_step (and drops a row cut short by a kill): what a
+// run resumed at last_step continues, so no step appears twice. Rewrites the file atomically
+// (<path>.tmp, renamed) only when a row goes; returns the rows removed (0 for a missing file).
+int64_t truncate_loss_csv(const std::string& path, int64_t last_step);
 // Reads a CsvLogger file back (for the plot of a resumed run). Raises naming the file and line.
 LossLog read_loss_csv(const std::string& path);
 

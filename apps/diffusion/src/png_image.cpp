@@ -1,5 +1,5 @@
-// PNG writing and sample grids (png_image.h; not png.h, which would hide libpng's <png.h> on the
-// include path).
+// PNG and JPEG writing and sample grids (png_image.h; not png.h, which would hide libpng's <png.h>
+// on the include path).
 #include "png_image.h"
 
 #include <png.h>
@@ -7,12 +7,19 @@
 #include "plot.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <csetjmp>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <stdexcept>
+
+#ifdef FLAME_DIFFUSION_HAVE_JPEG
+#include <jerror.h>
+#include <jpeglib.h>
+#endif
 
 namespace flame_diffusion {
 namespace {
@@ -63,13 +70,8 @@ bool write_rows(FILE* fp, const Image& img, png_bytep* rows, PngErrorState* err)
   return true;
 }
 
-}  // namespace
-
-Image::Image(int w, int h, int c, uint8_t fill)
-    : width(w), height(h), channels(c), pixels(static_cast<std::size_t>(w) * h * c, fill) {}
-
-void write_png(const std::string& path, const Image& image) {
-  const std::string where = "write_png " + path + ": ";
+// The checks every writer makes (`where` names the writer and the file).
+void check_image(const std::string& where, const Image& image) {
   if (image.channels != 1 && image.channels != 3) {
     throw std::runtime_error(where + std::to_string(image.channels) + " channels: only 1 (gray) or 3 (RGB)");
   }
@@ -81,6 +83,140 @@ void write_png(const std::string& path, const Image& image) {
                              std::to_string(image.width) + "x" + std::to_string(image.height) + "x" +
                              std::to_string(image.channels) + " image");
   }
+}
+
+// Renames the finished temporary over `path` (removing it on failure).
+void commit(const std::string& where, const std::string& tmp, const std::string& path) {
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    std::remove(tmp.c_str());
+    throw std::runtime_error(where + "cannot rename " + tmp + " (" + why + ")");
+  }
+}
+
+#ifdef FLAME_DIFFUSION_HAVE_JPEG
+// libjpeg reports errors as libpng does, through an error_exit that must not return: the same
+// scheme (Note [libpng errors]): the message is copied out and jpeg_rows longjmps back.
+struct JpegErrorState {
+  jpeg_error_mgr mgr;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX] = {0};
+};
+
+void on_jpeg_error(j_common_ptr cinfo) {
+  auto* st = reinterpret_cast<JpegErrorState*>(cinfo->err);
+  (*cinfo->err->format_message)(cinfo, st->message);
+  std::longjmp(st->jump, 1);
+}
+
+void on_jpeg_message(j_common_ptr, int) {}
+
+bool jpeg_rows(FILE* fp, const Image& img, int quality, JpegErrorState* err) {
+  jpeg_compress_struct cinfo;
+  cinfo.err = jpeg_std_error(&err->mgr);
+  err->mgr.error_exit = on_jpeg_error;
+  err->mgr.emit_message = on_jpeg_message;
+  if (setjmp(err->jump)) {
+    jpeg_destroy_compress(&cinfo);
+    return false;
+  }
+  jpeg_create_compress(&cinfo);
+  jpeg_stdio_dest(&cinfo, fp);
+  cinfo.image_width = static_cast<JDIMENSION>(img.width);
+  cinfo.image_height = static_cast<JDIMENSION>(img.height);
+  cinfo.input_components = img.channels;
+  cinfo.in_color_space = img.channels == 3 ? JCS_RGB : JCS_GRAYSCALE;
+  jpeg_set_defaults(&cinfo);
+  jpeg_set_quality(&cinfo, quality, TRUE);
+  jpeg_start_compress(&cinfo, TRUE);
+  while (cinfo.next_scanline < cinfo.image_height) {
+    JSAMPROW row = const_cast<JSAMPROW>(img.at(0, static_cast<int>(cinfo.next_scanline)));
+    jpeg_write_scanlines(&cinfo, &row, 1);
+  }
+  jpeg_finish_compress(&cinfo);
+  jpeg_destroy_compress(&cinfo);
+  return true;
+}
+#endif
+
+std::string lower_extension(const std::string& path) {
+  std::string ext = std::filesystem::path(path).extension().string();
+  for (char& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return ext;
+}
+
+}  // namespace
+
+bool jpeg_supported() {
+#ifdef FLAME_DIFFUSION_HAVE_JPEG
+  return true;
+#else
+  return false;
+#endif
+}
+
+void write_jpeg(const std::string& path, const Image& image, int quality) {
+  const std::string where = "write_jpeg " + path + ": ";
+#ifdef FLAME_DIFFUSION_HAVE_JPEG
+  check_image(where, image);
+  if (quality < 1 || quality > 100) throw std::runtime_error(where + "quality " + std::to_string(quality) + " not in 1..100");
+  const std::string tmp = path + ".tmp";
+  FILE* fp = std::fopen(tmp.c_str(), "wb");
+  if (fp == nullptr) throw std::runtime_error(where + "cannot open " + tmp + " for writing (" + std::strerror(errno) + ")");
+  JpegErrorState err;
+  const bool ok = jpeg_rows(fp, image, quality, &err);
+  const bool closed = std::fclose(fp) == 0;
+  if (!ok || !closed) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error(where + (ok ? std::string("closing the file failed (") + std::strerror(errno) + ")"
+                                         : std::string("libjpeg: ") + err.message));
+  }
+  commit(where, tmp, path);
+#else
+  (void)image;
+  (void)quality;
+  throw std::runtime_error(where + "this build has no JPEG writer (libjpeg was not found when it was configured: "
+                                   "install libjpeg-dev, or write a .png)");
+#endif
+}
+
+ImageFormat image_format_of(const std::string& path, const std::string& flag) {
+  const std::string ext = lower_extension(path);
+  if (ext == ".png") return ImageFormat::png;
+  if (ext == ".jpg" || ext == ".jpeg") {
+    if (!jpeg_supported())
+      throw std::runtime_error(flag + " " + path + ": this build writes no JPEG (libjpeg was not found when it was "
+                               "configured: install libjpeg-dev and rebuild, or write a .png)");
+    return ImageFormat::jpeg;
+  }
+  throw std::runtime_error(flag + " " + path + ": " +
+                           (ext.empty() ? std::string("no file extension") : "unsupported image type '" + ext + "'") +
+                           "; write .png, .jpg or .jpeg");
+}
+
+void write_image(const std::string& path, const Image& image) {
+  if (image_format_of(path, "write_image") == ImageFormat::jpeg) write_jpeg(path, image);
+  else write_png(path, image);
+}
+
+void check_output_image_path(const std::string& path, const std::string& flag) {
+  (void)image_format_of(path, flag);
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (fs::is_directory(p, ec)) throw std::runtime_error(flag + " " + path + " is a folder; give a file name such as " + (p / "grid.png").string());
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (!fs::exists(dir, ec))
+    throw std::runtime_error(flag + " " + path + ": the folder " + dir.string() + " does not exist (create it first)");
+  if (!fs::is_directory(dir, ec)) throw std::runtime_error(flag + " " + path + ": " + dir.string() + " is not a folder");
+}
+
+Image::Image(int w, int h, int c, uint8_t fill)
+    : width(w), height(h), channels(c), pixels(static_cast<std::size_t>(w) * h * c, fill) {}
+
+void write_png(const std::string& path, const Image& image) {
+  const std::string where = "write_png " + path + ": ";
+  check_image(where, image);
   std::vector<png_bytep> rows(static_cast<std::size_t>(image.height));
   for (int y = 0; y < image.height; ++y) rows[y] = const_cast<png_bytep>(image.at(0, y));
 
@@ -95,11 +231,7 @@ void write_png(const std::string& path, const Image& image) {
     throw std::runtime_error(where + (ok ? std::string("closing the file failed (") + std::strerror(errno) + ")"
                                          : std::string("libpng: ") + err.message));
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const std::string why = std::strerror(errno);
-    std::remove(tmp.c_str());
-    throw std::runtime_error(where + "cannot rename " + tmp + " (" + why + ")");
-  }
+  commit(where, tmp, path);
 }
 
 uint8_t to_pixel(float x) {
@@ -152,6 +284,10 @@ Image make_grid(const flame::Tensor& images, const GridOptions& o) {
     draw_text(img, o.padding + 1, static_cast<int>(y), o.row_labels[r].substr(0, 64), Rgb{ink, ink, ink}, o.label_scale);
   }
   return img;
+}
+
+void save_grid(const std::string& path, const flame::Tensor& images, const GridOptions& options) {
+  write_image(path, make_grid(images, options));
 }
 
 void save_grid_png(const std::string& path, const flame::Tensor& images, const GridOptions& options) {

@@ -1,6 +1,6 @@
 #pragma once
-// 8-bit PNG writing through libpng, and sample grids: a batch of generated images in [-1, 1]
-// tiled into one picture.
+// 8-bit PNG writing through libpng, JPEG through libjpeg(-turbo), and sample grids: a batch of
+// generated images in [-1, 1] tiled into one picture.
 //
 //   save_grid_png("runs/x/samples.png", samples, {.cols = 10, .padding = 2, .scale = 2});
 //
@@ -31,6 +31,20 @@ struct Image {
 // Writes `image` as an 8-bit gray or RGB PNG. Raises std::runtime_error (naming `path`) on a bad
 // image or an I/O or libpng error.
 void write_png(const std::string& path, const Image& image);
+// The same as a baseline JPEG of `quality` (1..100), written to <path>.tmp and renamed. Raises when
+// the build has no libjpeg (jpeg_supported() is false).
+void write_jpeg(const std::string& path, const Image& image, int quality = 95);
+bool jpeg_supported();
+
+enum class ImageFormat { png, jpeg };
+// By the path's extension, case-insensitive: .png, or .jpg / .jpeg; any other (or none) raises an
+// error naming `flag` and the path.
+ImageFormat image_format_of(const std::string& path, const std::string& flag);
+// write_png or write_jpeg by the extension.
+void write_image(const std::string& path, const Image& image);
+// For an output written after a long computation: the extension is supported, the path is not a
+// folder and its folder exists; raises naming `flag` otherwise (check before the work).
+void check_output_image_path(const std::string& path, const std::string& flag);
 
 struct GridOptions {
   int cols = 10;           // tiles per row; the row count follows from the image count
@@ -46,6 +60,8 @@ struct GridOptions {
 // Tiles images [N, C, H, W] (C = 1 or 3; values in [-1, 1], clamped; any device and floating
 // dtype: read with to_vec) in row-major order: image i goes to row i / cols, column i % cols.
 Image make_grid(const flame::Tensor& images, const GridOptions& options = {});
+// make_grid then write_image (the format by the extension).
+void save_grid(const std::string& path, const flame::Tensor& images, const GridOptions& options = {});
 // make_grid then write_png.
 void save_grid_png(const std::string& path, const flame::Tensor& images, const GridOptions& options = {});
 

@@ -128,6 +128,13 @@ Tensor sample(DiffusionModel& model, const Objective& objective, const Tensor& l
   Tensor noise = Tensor::randn({y.size(0), model.in_channels(), model.image_size(), model.image_size()}, 0.0, 1.0,
                                {dtype, device}, &gen);
   ModelFn fn = guided(model, y, options.cfg_scale);
+  if (options.on_model_call) {
+    fn = [inner = std::move(fn), &options](const Tensor& x, const Tensor& t) {
+      Tensor v = inner(x, t);
+      options.on_model_call();
+      return v;
+    };
+  }
   Tensor out;
   const auto* ddpm = dynamic_cast<const Ddpm*>(&objective);
   switch (options.sampler) {
@@ -148,6 +155,10 @@ Tensor sample(DiffusionModel& model, const Objective& objective, const Tensor& l
   }
   model.train(training);
   return out.clamp(-1.0, 1.0);
+}
+
+int64_t model_calls(const SampleOptions& options) {
+  return options.sampler == SamplerKind::heun ? 2 * options.steps : options.steps;
 }
 
 }  // namespace flame_diffusion

@@ -48,7 +48,13 @@ struct SampleOptions {
   double cfg_scale = 1.0;
   uint64_t seed = 0;
   double eta = 0.0;  // ddim only (ddpm means eta = 1)
+  // Called after each model call (one batched forward; progress reports, stop checks). May throw,
+  // which ends the sampling.
+  std::function<void()> on_model_call = nullptr;
 };
+
+// Model calls one sample() makes: steps (euler, ddim, ddpm) or 2 x steps (heun).
+int64_t model_calls(const SampleOptions& options);
 
 // Class-conditional samples for labels [B] (i64, in [0, num_classes)) on the model's device.
 // The sampler must fit the objective: euler/heun for "flow", ddim/ddpm for the DDPM objectives.

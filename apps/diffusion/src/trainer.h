@@ -37,7 +37,9 @@ struct TrainConfig {
   std::string device = "auto";  // auto, cpu, cuda, cuda:N
   uint64_t seed = 0;
   std::string out = "runs/dit-s";
-  bool resume = false;  // continue from the newest checkpoint in <out>/checkpoints
+  // Note [Run directories] (run_dir.h): a run into an `out` that holds a run needs resume or overwrite.
+  bool resume = false;     // continue from the newest checkpoint in <out>/checkpoints that loads
+  bool overwrite = false;  // remove the previous run's files (only those the trainer writes) first
   int64_t log_every = 50;
   int64_t sample_every = 1000;  // 0: only at the end
   int64_t ckpt_every = 1000;    // 0: only at the end
@@ -66,6 +68,16 @@ struct TrainConfig {
   std::vector<std::string> lora_targets;  // empty: the model family's defaults
 };
 
+// What `train` runs without --model on a machine without a GPU: the CPU demo's recipe
+// (scripts/run_demo.sh); flags given on the command line keep their values.
+struct CpuRecipe {
+  std::string model = "dit-tiny";
+  int64_t batch = 32;
+  double lr = 1e-3;
+  int64_t steps = 300;
+  int64_t sample_steps = 16;
+};
+
 // What a run did (also printed at its end).
 struct TrainResult {
   int64_t steps_done = 0;
@@ -78,6 +90,9 @@ struct TrainResult {
   double class_fraction = -1;  // with a classifier: samples recognised as their class (else -1)
 };
 
+// Progress and logs go to stderr; the results (the final paths, the recognised fraction) to stdout.
+// A SIGINT / SIGTERM (stop_signal.h) ends the run after the current step with a checkpoint and
+// raises Interrupted.
 TrainResult train(const TrainConfig& config);
 // LoRA fine-tuning: loads config.base_checkpoint (its EMA weights), adds adapters, trains them on
 // config.classes, saves <out>/lora.safetensors and sample grids with the adapter applied.
@@ -91,7 +106,7 @@ struct SampleConfig {
   SampleOptions sampling{.sampler = SamplerKind::euler, .steps = 32, .cfg_scale = 2.0, .seed = 1234};
   bool use_ema = true;
   std::string device = "auto";
-  std::string out = "grid.png";
+  std::string out = "grid.png";  // .png, or .jpg / .jpeg (JPEG); its folder must exist
   int scale = 2;
   std::string classifier;  // optional: report the fraction of the grid recognised as its class
 };
