@@ -108,6 +108,30 @@ TEST(IndexApi, IntegerTensorsFollowPyTorchPlacementOfTheIndexedDims) {
   expect_values(x.index({Slice(), Slice(), rep}), {4, 5, 3},
                 [&](const Shape& a) { return f(a[0], a[1], a[2] == 2 ? 0 : 2); });
   EXPECT_EQ(x.index({i64({}, dev)}).sizes(), (Shape{0, 5, 6}));
+  // A 0-d index tensor indexes like an integer (B = []), as a copy.
+  const Tensor r0 = x.index({Slice(), Tensor::scalar(int64_t{-2}, dev)});
+  EXPECT_FALSE(r0.shares_storage(x));
+  expect_values(r0, {4, 6}, [](const Shape& a) { return f(a[0], 3, a[1]); });
+}
+
+TEST(IndexApi, EdgeCasesKeepPyTorchsShapes) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x = grid(dev);
+  // A mask with no true element selects nothing, in either path.
+  EXPECT_EQ(x.index({mask(std::vector<bool>(120, false), {4, 5, 6}, dev)}).sizes(), (Shape{0}));
+  EXPECT_EQ(x.index({mask(std::vector<bool>(4, false), {4}, dev)}).sizes(), (Shape{0, 5, 6}));
+  Tensor y = x.clone();
+  y.index_put_({mask(std::vector<bool>(4, false), {4}, dev)}, Tensor::ones({5, 6}, dev));
+  EXPECT_TRUE(same_bits(y, x, "an empty mask writes nothing"));
+  // A 0-d tensor: None adds a dim, Ellipsis and {} keep it, an integer is one index too many.
+  const Tensor s = Tensor::scalar(3.0, dev);
+  EXPECT_EQ(s.index({None}).sizes(), (Shape{1}));
+  EXPECT_EQ(s.index({Ellipsis}).sizes(), (Shape{}));
+  EXPECT_EQ(s.index({Ellipsis, None, None}).sizes(), (Shape{1, 1}));
+  expect_error([&] { (void)s.index({0}); }, {"too many indices", "0 dims"});
+  // Slices with steps past the end, and a negative start beyond the size, clamp as Python's.
+  expect_values(x.index({Slice(-10, None, 3)}), {2, 5, 6}, [](const Shape& a) { return f(3 * a[0], a[1], a[2]); });
 }
 
 TEST(IndexApi, BoolMasksSelectTheTrueElementsInRowMajorOrder) {
