@@ -8,8 +8,10 @@
 #include <set>
 #include <thread>
 
+#include "flame/checkpoint.h"
 #include "flame/data.h"
 #include "flame/dist.h"
+#include "test_dist_util.h"
 #include "test_util.h"
 
 namespace flame::test {
@@ -454,6 +456,26 @@ TEST(DataLoader, ResumingFromAStateGivesTheUninterruptedBatches) {
   StateDict bad;
   bad.insert("epoch", Tensor::scalar(int64_t{0}));
   expect_error([&] { probe.load_state_dict(bad); }, {"DataLoader", "\"batch\"", "missing"});
+}
+
+// docs/checkpoint.md's loop: the loader registered in a Checkpoint, saved to a file and loaded into
+// a fresh loader, continues with the batches of the uninterrupted one.
+TEST(DataLoader, ACheckpointFileCarriesThePosition) {
+  auto ds = row_dataset(50);
+  const fdata::DataLoaderOptions o{.batch_size = 8, .shuffle = true, .seed = 21, .num_workers = 1};
+  fdata::DataLoader run(ds, o);
+  for (int i = 0; i < 9; ++i) (void)run.next();  // 7 batches per epoch (the last of 2): epoch 1, batch 2
+  dist_test::TempDir dir;
+  const std::string path = dir.path + "/ckpt.safetensors";
+  Checkpoint save;
+  save.add("loader", run);
+  save.save(path);
+  fdata::DataLoader fresh(ds, o);
+  Checkpoint load;
+  load.add("loader", fresh);
+  (void)load.load(path);
+  EXPECT_EQ(fresh.state(), (fdata::LoaderState{1, 2, 21}));
+  for (int i = 0; i < 8; ++i) ASSERT_EQ(indices_of(fresh.next()), indices_of(run.next())) << "batch " << i;
 }
 
 TEST(DataLoader, DestructorStopsBlockedWorkersQuickly) {
