@@ -90,6 +90,7 @@ TEST(IndexApi, IntegerTensorsFollowPyTorchPlacementOfTheIndexedDims) {
   const std::vector<int64_t> iv = {0, -1, 2, 3, 1, -4};
   expect_values(x.index({idx}), {2, 3, 5, 6},
                 [&](const Shape& a) { return f(w(iv[a[0] * 3 + a[1]], 4), a[2], a[3]); });
+  expect_values(x[idx], {2, 3, 5, 6}, [&](const Shape& a) { return f(w(iv[a[0] * 3 + a[1]], 4), a[2], a[3]); });
   // Adjacent tensors (broadcast [3] with [2, 1] to [2, 3]) keep their place: [4, 2, 3].
   const std::vector<int64_t> v1 = {0, 4, -1}, v2 = {1, -6};
   const Tensor i1 = i64({0, 4, -1}, dev), i2 = Tensor::tensor({{1}, {-6}}, dev);
@@ -146,6 +147,7 @@ TEST(IndexApi, BoolMasksSelectTheTrueElementsInRowMajorOrder) {
   }
   const Tensor full = x.index({mask(m, {4, 5, 6}, dev)});
   EXPECT_EQ(full.to_vec<double>(), want);
+  EXPECT_EQ(x[mask(m, {4, 5, 6}, dev)].to_vec<double>(), want);  // x[mask], as libtorch
   // A mask over the leading dim: rows 0, 2, 3.
   const Tensor m4 = mask({true, false, true, true}, {4}, dev);
   const std::vector<int64_t> rows = {0, 2, 3};

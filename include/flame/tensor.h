@@ -326,8 +326,10 @@ class Tensor {
   Tensor bmm(const Tensor& o) const;
 
   // ---- indexing ----
-  // x[i] is select(0, i): a view, negative i counting from the end.
+  // x[i] is select(0, i): a view, negative i counting from the end. x[t] with a bool or integer
+  // tensor is x.index({t}) (a copy), as libtorch's.
   Tensor operator[](int64_t index) const;
+  Tensor operator[](const Tensor& index) const;
   // libtorch's x.index({...}) with ints, Slice, None, Ellipsis, bools and bool/integer tensors
   // (flame/indexing.h; rules in docs/api.md, "Indexing"). Without tensor entries the result is a
   // view; with them, a new tensor (advanced indexing). Differentiable.

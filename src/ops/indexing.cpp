@@ -299,6 +299,8 @@ Tensor Tensor::operator[](int64_t index) const {
   return select(0, index);
 }
 
+Tensor Tensor::operator[](const Tensor& index) const { return this->index({index}); }
+
 Tensor Tensor::index(const std::vector<indexing::TensorIndex>& indices) const {
   const BasicResult b = apply_basic(*this, indices, "index");
   if (b.advanced.empty()) return b.view;
