@@ -80,7 +80,7 @@ struct DataLoaderOptions {
   bool shuffle = false;  // a RandomSampler(seed) when no sampler is given, else a SequentialSampler
   uint64_t seed = 0;     // the RandomSampler's seed and the root of BatchInfo::seed
   bool drop_last = false;  // drop an epoch's last batch when it is smaller than batch_size
-  std::shared_ptr<const Sampler> sampler;  // overrides shuffle (e.g. a DistributedSampler)
+  std::shared_ptr<const Sampler> sampler = nullptr;  // overrides shuffle (e.g. a DistributedSampler)
   int num_workers = 0;      // worker threads (Note [Loader workers]); 0: built inside next()
   int prefetch_factor = 2;  // batches ahead per worker
   bool pin_memory = false;  // batches in pinned host memory (Note [Loader prefetch])
