@@ -62,6 +62,9 @@ Tensor uniform_tensor(const Shape& shape, double low, double high, TensorOptions
 Tensor Tensor::rand(const Shape& shape, TensorOptions opts, Generator* gen) {
   return uniform_tensor(shape, 0.0, 1.0, opts, gen, "rand");
 }
+Tensor Tensor::rand(const Shape& shape, double low, double high, TensorOptions opts, Generator* gen) {
+  return uniform_tensor(shape, low, high, opts, gen, "rand");
+}
 
 Tensor Tensor::uniform(const Shape& shape, double low, double high, TensorOptions opts, Generator* gen) {
   return uniform_tensor(shape, low, high, opts, gen, "uniform");
