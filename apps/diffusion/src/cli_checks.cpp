@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 
@@ -73,10 +74,25 @@ std::string check_real(const std::string& flag, const std::string& text, double 
   return "";
 }
 
+namespace {
+
+// "(0, 10]", "[0, 1)", ">= 0" (an upper end of 1e6 or more is shown as none) for --help.
+std::string real_range_text(double lo, double hi, bool lo_open, bool hi_open) {
+  char buf[64];
+  if (hi >= 1e6) std::snprintf(buf, sizeof buf, "%s %g", lo_open ? ">" : ">=", lo);
+  else std::snprintf(buf, sizeof buf, "%c%g, %g%c", lo_open ? '(' : '[', lo, hi, hi_open ? ')' : ']');
+  return buf;
+}
+
+}  // namespace
+
 CLI::Validator int_in(const std::string& flag, int64_t lo, int64_t hi, const std::string& words) {
-  std::string desc = "INT";
-  if (hi == std::numeric_limits<int64_t>::max()) desc += " >= " + std::to_string(lo);
-  else desc += " in " + std::to_string(lo) + ".." + std::to_string(hi);
+  // Shown by --help after the type, e.g. "INT:POSITIVE", "INT:1..8".
+  std::string desc;
+  if (hi != std::numeric_limits<int64_t>::max()) desc = std::to_string(lo) + ".." + std::to_string(hi);
+  else if (lo == 1) desc = "POSITIVE";
+  else if (lo == 0) desc = "NON-NEGATIVE";
+  else desc = ">= " + std::to_string(lo);
   return CLI::Validator(
       [flag, lo, hi, words](std::string& text) {
         const std::string m = check_int(flag, text, lo, hi, words);
@@ -94,7 +110,7 @@ CLI::Validator real_in(const std::string& flag, double lo, double hi, bool lo_op
         if (!m.empty()) throw UsageError(m);
         return std::string();
       },
-      "NUMBER");
+      real_range_text(lo, hi, lo_open, hi_open));
 }
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
