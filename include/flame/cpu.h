@@ -1,6 +1,6 @@
 #pragma once
 // CPU allocator controls: block-cache statistics and release (Note [CPU block cache] in
-// src/backend/cpu/cpu_allocator.cpp).
+// src/backend/cpu/cpu_allocator.cpp), and the CPU backend's thread count.
 #include <cstddef>
 #include <cstdint>
 
@@ -23,5 +23,13 @@ void empty_cache();
 // Sets the most the cache keeps (default 1 GiB, FLAME_CPU_BLOCK_CACHE=0 in the environment starts
 // it at 0); lowering it frees cached blocks until they fit. Returns the previous limit.
 std::size_t set_cache_limit(std::size_t bytes);
+
+// The CPU backend's threads (Note [CPU threads] in src/backend/cpu/cpu_threads.cpp): convolutions,
+// large elementwise ops, group norm and GEMMs spread over this many threads (the caller included).
+// Default: the hardware threads, or FLAME_CPU_THREADS=n from the environment. While it is above 1,
+// OpenBLAS runs single-threaded and FLAME splits the GEMMs; at 1, OpenBLAS keeps its own threads.
+// Results do not depend on the count. Call it between ops, not from inside a kernel.
+void set_num_threads(int n);
+int num_threads();
 
 }  // namespace flame::cpu

@@ -1,10 +1,12 @@
 #pragma once
 // The CPU reference backend: simple, readable loops, f64 capable. It is the oracle the CUDA
 // kernels are tested against, so clarity wins over speed except on the contiguous fast paths.
+#include <algorithm>
 #include <array>
 #include <cstring>
 
 #include "src/backend/backend.h"
+#include "src/backend/cpu/cpu_threads.h"
 #include "src/core/dispatch.h"
 #include "src/core/tensor_impl.h"
 
@@ -49,6 +51,48 @@ void for_each_element(const Shape& shape, std::array<char*, N> base,
 }
 
 inline char* bytes(const Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+// for_each_element split over the CPU pool along whole innermost rows, above kParallelGrain
+// elements (Note [CPU threads]). Only for elementwise work: every call writes its own element and
+// reads nothing another call writes, so the result equals the serial loop's bit for bit.
+template <std::size_t N, class F>
+void parallel_for_each_element(const Shape& shape, std::array<char*, N> base,
+                               const std::array<const Shape*, N>& strides,
+                               const std::array<std::size_t, N>& esize, F&& f) {
+  const int64_t ndim = static_cast<int64_t>(shape.size());
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  if (numel < kParallelGrain || ndim < 2 || ndim > 16 || pool_threads() < 2) {
+    for_each_element<N>(shape, base, strides, esize, f);
+    return;
+  }
+  const int64_t inner = shape[ndim - 1], rows = numel / inner;
+  parallel_for(rows, std::max<int64_t>(1, kParallelGrain / inner), [&](int64_t r0, int64_t r1) {
+    // The start of row r0: its outer index, one digit per dim, last dim fastest.
+    std::array<int64_t, 16> idx{};
+    std::array<char*, N> p = base;
+    for (int64_t d = ndim - 2, rem = r0; d >= 0; --d) {
+      idx[d] = rem % shape[d];
+      rem /= shape[d];
+      for (std::size_t k = 0; k < N; ++k) p[k] += idx[d] * (*strides[k])[d] * static_cast<int64_t>(esize[k]);
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      std::array<char*, N> q = p;
+      for (int64_t i = 0; i < inner; ++i) {
+        f(q);
+        for (std::size_t k = 0; k < N; ++k) q[k] += (*strides[k])[ndim - 1] * static_cast<int64_t>(esize[k]);
+      }
+      for (int64_t d = ndim - 2; d >= 0; --d) {
+        ++idx[d];
+        for (std::size_t k = 0; k < N; ++k) p[k] += (*strides[k])[d] * static_cast<int64_t>(esize[k]);
+        if (idx[d] < shape[d]) break;
+        for (std::size_t k = 0; k < N; ++k) p[k] -= (*strides[k])[d] * shape[d] * static_cast<int64_t>(esize[k]);
+        idx[d] = 0;
+      }
+    }
+  });
+}
+
 
 
 // A CPU Storage of nbytes whose bookkeeping (the Storage object and its shared_ptr control block)

@@ -1,4 +1,7 @@
-// CPU reference: copies, fills, elementwise unary/binary/where, random numbers.
+// CPU reference: copies, fills, elementwise unary/binary/where, random numbers. Copies, fills,
+// unary, binary and where run over the CPU pool above kParallelGrain elements (Note [CPU threads]).
+#include <algorithm>
+
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/random/philox.h"
 
@@ -11,14 +14,16 @@ void copy_typed(const Tensor& dst, const Tensor& src) {
   if (dst.is_contiguous() && src.is_contiguous() && src.numel() == dst.numel()) {
     auto* d = static_cast<Dst*>(dst.data_ptr());
     const auto* s = static_cast<const Src*>(src.data_ptr());
-    if constexpr (std::is_same_v<Dst, Src>) {
-      std::memcpy(d, s, dst.nbytes());
-    } else {
-      for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<Dst>(s[i]);
-    }
+    parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) {
+      if constexpr (std::is_same_v<Dst, Src>) {
+        std::memcpy(d + i0, s + i0, static_cast<std::size_t>(i1 - i0) * sizeof(Dst));
+      } else {
+        for (int64_t i = i0; i < i1; ++i) d[i] = convert<Dst>(s[i]);
+      }
+    });
     return;
   }
-  for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
+  parallel_for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
                       {sizeof(Dst), sizeof(Src)}, [](std::array<char*, 2> p) {
                         *reinterpret_cast<Dst*>(p[0]) = convert<Dst>(*reinterpret_cast<const Src*>(p[1]));
                       });
@@ -31,10 +36,12 @@ void unary_typed(const Tensor& dst, const Tensor& src, const UnaryParams& prm) {
   if (dst.is_contiguous() && src.is_contiguous()) {
     auto* d = static_cast<O*>(dst.data_ptr());
     const auto* s = static_cast<const T*>(src.data_ptr());
-    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<O>(f(convert<C>(s[i]), prm));
+    parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) d[i] = convert<O>(f(convert<C>(s[i]), prm));
+    });
     return;
   }
-  for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
+  parallel_for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
                       {sizeof(O), sizeof(T)}, [&](std::array<char*, 2> p) {
                         *reinterpret_cast<O*>(p[0]) =
                             convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])), prm));
@@ -61,10 +68,12 @@ void binary_typed(const Tensor& dst, const Tensor& a, const Tensor& b) {
     auto* d = static_cast<O*>(dst.data_ptr());
     const auto* x = static_cast<const T*>(a.data_ptr());
     const auto* y = static_cast<const T*>(b.data_ptr());
-    for (int64_t i = 0, n = dst.numel(); i < n; ++i) d[i] = convert<O>(f(convert<C>(x[i]), convert<C>(y[i])));
+    parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) d[i] = convert<O>(f(convert<C>(x[i]), convert<C>(y[i])));
+    });
     return;
   }
-  for_each_element<3>(dst.sizes(), {bytes(dst), bytes(a), bytes(b)},
+  parallel_for_each_element<3>(dst.sizes(), {bytes(dst), bytes(a), bytes(b)},
                       {&dst.strides(), &a.strides(), &b.strides()}, {sizeof(O), sizeof(T), sizeof(T)},
                       [&](std::array<char*, 3> p) {
                         *reinterpret_cast<O*>(p[0]) = convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])),
@@ -105,8 +114,13 @@ void CpuBackend::fill(const Tensor& dst, Scalar value) {
     } else {
       v = convert<T>(value.to_double());
     }
-    for_each_element<1>(dst.sizes(), {bytes(dst)}, {&dst.strides()}, {sizeof(T)},
-                        [&](std::array<char*, 1> p) { *reinterpret_cast<T*>(p[0]) = v; });
+    if (dst.is_contiguous()) {
+      T* d = static_cast<T*>(dst.data_ptr());
+      parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) { std::fill(d + i0, d + i1, v); });
+      return;
+    }
+    parallel_for_each_element<1>(dst.sizes(), {bytes(dst)}, {&dst.strides()}, {sizeof(T)},
+                                 [&](std::array<char*, 1> p) { *reinterpret_cast<T*>(p[0]) = v; });
   });
 }
 
@@ -139,7 +153,7 @@ void CpuBackend::binary(BinaryOp op, const Tensor& dst, const Tensor& a, const T
 void CpuBackend::where(const Tensor& dst, const Tensor& cond, const Tensor& a, const Tensor& b) {
   dispatch_dtype(dst.dtype(), "where", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    for_each_element<4>(dst.sizes(), {bytes(dst), bytes(cond), bytes(a), bytes(b)},
+    parallel_for_each_element<4>(dst.sizes(), {bytes(dst), bytes(cond), bytes(a), bytes(b)},
                         {&dst.strides(), &cond.strides(), &a.strides(), &b.strides()},
                         {sizeof(T), 1, sizeof(T), sizeof(T)}, [](std::array<char*, 4> p) {
                           *reinterpret_cast<T*>(p[0]) = *reinterpret_cast<const bool*>(p[1])

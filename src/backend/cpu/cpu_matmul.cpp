@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "src/backend/cpu/cpu_backend.h"
+#include "src/backend/cpu/cpu_threads.h"
 #include "src/ops/scalar_math.h"
 
 #ifdef FLAME_WITH_CBLAS
@@ -90,6 +91,9 @@ void gemm_loops(const Tensor& dst, const Tensor& a, const Tensor& b, const Gemm&
 }
 
 #ifdef FLAME_WITH_CBLAS
+// Below this many multiply-adds a GEMM runs on one thread (waking a worker costs microseconds).
+constexpr int64_t kParallelGemmFlops = int64_t{1} << 18;
+
 bool fits_int(int64_t v) { return v >= 0 && v <= INT_MAX; }
 
 // How BLAS can read the row-major [rows, cols] matrices with row stride rs and column stride cs:
@@ -130,19 +134,37 @@ void gemm_blas(const Tensor& dst, const Tensor& a, const Tensor& b, const Gemm& 
   const T* ab = static_cast<const T*>(pa.t.data_ptr());
   const T* bb = static_cast<const T*>(pb.t.data_ptr());
   T* out = static_cast<T*>(dst.data_ptr());
-  const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
-  for (int64_t bi = 0; bi < g.batch; ++bi) {
-    const T* ap = ab + bi * pa.t.stride(0);
-    const T* bp = bb + bi * pb.t.stride(0);
-    T* cp = out + bi * g.m * g.n;
+  // C rows [i0, i1) and columns [j0, j1) of batch entry bi.
+  auto block = [&](int64_t bi, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    const T* ap = ab + bi * pa.t.stride(0) + (pa.trans == CblasNoTrans ? i0 * pa.ld : i0);
+    const T* bp = bb + bi * pb.t.stride(0) + (pb.trans == CblasNoTrans ? j0 : j0 * pb.ld);
+    T* cp = out + bi * g.m * g.n + i0 * g.n + j0;
+    const int m = static_cast<int>(i1 - i0), n = static_cast<int>(j1 - j0), k = static_cast<int>(g.k);
+    if (m == 0 || n == 0) return;
     if constexpr (std::is_same_v<T, float>) {
       cblas_sgemm(CblasRowMajor, pa.trans, pb.trans, m, n, k, 1.0f, ap, static_cast<int>(pa.ld), bp,
-                  static_cast<int>(pb.ld), 0.0f, cp, n);
+                  static_cast<int>(pb.ld), 0.0f, cp, static_cast<int>(g.n));
     } else {
       cblas_dgemm(CblasRowMajor, pa.trans, pb.trans, m, n, k, 1.0, ap, static_cast<int>(pa.ld), bp,
-                  static_cast<int>(pb.ld), 0.0, cp, n);
+                  static_cast<int>(pb.ld), 0.0, cp, static_cast<int>(g.n));
     }
+  };
+  // Note [CPU threads]: BLAS is single-threaded while the pool has threads, so large GEMMs are
+  // split here, over batch entries or else over row (or column) blocks of C.
+  const int64_t threads = pool_threads();
+  if (threads > 1 && g.batch * g.m * g.n * g.k >= kParallelGemmFlops) {
+    if (g.batch >= threads) {
+      return parallel_for(g.batch, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t bi = b0; bi < b1; ++bi) block(bi, 0, g.m, 0, g.n);
+      });
+    }
+    for (int64_t bi = 0; bi < g.batch; ++bi) {
+      if (g.m >= g.n) parallel_for(g.m, 16, [&](int64_t i0, int64_t i1) { block(bi, i0, i1, 0, g.n); });
+      else parallel_for(g.n, 16, [&](int64_t j0, int64_t j1) { block(bi, 0, g.m, j0, j1); });
+    }
+    return;
   }
+  for (int64_t bi = 0; bi < g.batch; ++bi) block(bi, 0, g.m, 0, g.n);
 }
 // bf16/f16: both operands widened exactly to f32, multiplied by sgemm (f32 accumulation, as the
 // loops and cuBLAS), rounded back once.

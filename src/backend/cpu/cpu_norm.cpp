@@ -4,6 +4,7 @@
 // stored in their dtype (f32, or f64 for f64 inputs) and the backward reads them back from there,
 // as the CUDA backward does. Two passes over each group of values (mean, then centred squares):
 // the reference never suffers the cancellation of E[x^2] - E[x]^2.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -120,20 +121,23 @@ void group_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, cons
   const NCS d = ncs(x);
   const int64_t cg = d.c / groups, len = cg * d.s;
   const Buf<T> xb(x), yb(y), wb(w), bb(b);
-  for (int64_t r = 0; r < d.n * groups; ++r) {
-    const int64_t base = r * len, c0 = (r % groups) * cg;
-    double m, rs;
-    if (len == 0) continue;
-    group_stats(xb, len, [&](int64_t k) { return base + k; }, false, eps, m, rs);
-    Stat{mean}.set(r, m);
-    Stat{rstd}.set(r, rs);
-    m = Stat{mean}.get(r);
-    rs = Stat{rstd}.get(r);
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t c = c0 + k / d.s;
-      yb.set(base + k, (xb.get(base + k) - m) * rs * wb.get(c, 1.0) + bb.get(c, 0.0));
+  if (len == 0) return;
+  // Rows (image, group) are independent: split over the pool (Note [CPU threads]).
+  parallel_for(d.n * groups, std::max<int64_t>(1, kParallelGrain / len), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t base = r * len, c0 = (r % groups) * cg;
+      double m, rs;
+      group_stats(xb, len, [&](int64_t k) { return base + k; }, false, eps, m, rs);
+      Stat{mean}.set(r, m);
+      Stat{rstd}.set(r, rs);
+      m = Stat{mean}.get(r);
+      rs = Stat{rstd}.get(r);
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t c = c0 + k / d.s;
+        yb.set(base + k, (xb.get(base + k) - m) * rs * wb.get(c, 1.0) + bb.get(c, 0.0));
+      }
     }
-  }
+  });
 }
 
 template <class T>
@@ -142,30 +146,43 @@ void group_backward(const Tensor& dx, const Tensor& dw, const Tensor& db, const 
   const NCS d = ncs(x);
   const int64_t cg = d.c / groups, len = cg * d.s;
   const Buf<T> dxb(dx), dwb(dw), dbb(db), dyb(dy), xb(x), wb(w);
-  std::vector<double> sw(static_cast<std::size_t>(d.c), 0.0), sb(static_cast<std::size_t>(d.c), 0.0);
-  for (int64_t r = 0; r < d.n * groups; ++r) {
-    const int64_t base = r * len, c0 = (r % groups) * cg;
-    const double m = Stat{mean}.get(r), rs = Stat{rstd}.get(r);
-    double sum_g = 0, sum_gx = 0;
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t c = c0 + k / d.s;
-      const double dv = dyb.get(base + k), xh = (xb.get(base + k) - m) * rs, g = dv * wb.get(c, 1.0);
-      sum_g += g;
-      sum_gx += g * xh;
-      sw[c] += dv * xh;
-      sb[c] += dv;
+  // Rows (image, group) run in parallel (Note [CPU threads]); each keeps its per-channel sums for
+  // the weight/bias gradients in psw/psb [N, C], summed over images in order afterwards, so the
+  // result does not depend on the thread count.
+  const std::size_t nc = static_cast<std::size_t>(d.n * d.c);
+  std::vector<double> psw(nc, 0.0), psb(nc, 0.0);
+  parallel_for(d.n * groups, std::max<int64_t>(1, kParallelGrain / std::max<int64_t>(1, len)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t base = r * len, c0 = (r % groups) * cg, n = r / groups;
+      double* sw = psw.data() + n * d.c;
+      double* sb = psb.data() + n * d.c;
+      const double m = Stat{mean}.get(r), rs = Stat{rstd}.get(r);
+      double sum_g = 0, sum_gx = 0;
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t c = c0 + k / d.s;
+        const double dv = dyb.get(base + k), xh = (xb.get(base + k) - m) * rs, g = dv * wb.get(c, 1.0);
+        sum_g += g;
+        sum_gx += g * xh;
+        sw[c] += dv * xh;
+        sb[c] += dv;
+      }
+      if (!dxb) continue;
+      const double mg = sum_g / static_cast<double>(len), mgx = sum_gx / static_cast<double>(len);
+      for (int64_t k = 0; k < len; ++k) {
+        const int64_t c = c0 + k / d.s;
+        const double xh = (xb.get(base + k) - m) * rs, g = dyb.get(base + k) * wb.get(c, 1.0);
+        dxb.set(base + k, rs * (g - mg - xh * mgx));
+      }
     }
-    if (!dxb) continue;
-    const double mg = sum_g / static_cast<double>(len), mgx = sum_gx / static_cast<double>(len);
-    for (int64_t k = 0; k < len; ++k) {
-      const int64_t c = c0 + k / d.s;
-      const double xh = (xb.get(base + k) - m) * rs, g = dyb.get(base + k) * wb.get(c, 1.0);
-      dxb.set(base + k, rs * (g - mg - xh * mgx));
-    }
-  }
+  });
   for (int64_t c = 0; c < d.c; ++c) {
-    if (dwb) dwb.set(c, sw[c]);
-    if (dbb) dbb.set(c, sb[c]);
+    double sw = 0, sb = 0;
+    for (int64_t n = 0; n < d.n; ++n) {
+      sw += psw[static_cast<std::size_t>(n * d.c + c)];
+      sb += psb[static_cast<std::size_t>(n * d.c + c)];
+    }
+    if (dwb) dwb.set(c, sw);
+    if (dbb) dbb.set(c, sb);
   }
 }
 
