@@ -31,18 +31,31 @@ void check_defined(const Tensor& t, const char* op) {
   FLAME_CHECK(t.defined(), op, "got an undefined tensor");
 }
 
-// The most dims a backend's strided loops take (the CPU reference's limit). repeat() views its
-// output with up to twice the input's dims; beyond this the copy is split along dim 0.
+// The most dims a backend's strided loops take (the CPU reference's limit, and the most a tensor
+// or view may have). repeat()'s (repeat, size) pairs can have twice the input's dims: copy_pairs
+// loops over the leading ones.
 constexpr int64_t kMaxKernelDims = 16;
 
 // dst (fresh, or a slab of a fresh output) = src converted to dst's dtype; src has dst's shape.
 void copy_into(const Tensor& dst, const Tensor& src) {
   if (dst.numel() == 0) return;
-  if (dst.dim() > kMaxKernelDims) {
-    for (int64_t i = 0; i < dst.sizes()[0]; ++i) copy_into(dst.select(0, i), src.select(0, i));
+  backend::backend_for(dst.device()).copy(dst, src);
+}
+
+// out's elements at (sizes, dst_strides, dst_offset) = x's at (sizes, src_strides, src_offset). No view
+// has more dims than tensors may (repeat's (repeat, size) pairs can have twice the input's): the
+// leading dims beyond that are looped over.
+void copy_pairs(const Tensor& out, const Tensor& x, const Shape& sizes, const Shape& dst_strides, int64_t dst_offset,
+                const Shape& src_strides, int64_t src_offset) {
+  if (static_cast<int64_t>(sizes.size()) <= kMaxKernelDims) {
+    copy_into(make_view(out, sizes, dst_strides, dst_offset), make_view(x, sizes, src_strides, src_offset));
     return;
   }
-  backend::backend_for(dst.device()).copy(dst, src);
+  const Shape inner_sizes(sizes.begin() + 1, sizes.end()), inner_dst(dst_strides.begin() + 1, dst_strides.end()),
+      inner_src(src_strides.begin() + 1, src_strides.end());
+  for (int64_t i = 0; i < sizes[0]; ++i)
+    copy_pairs(out, x, inner_sizes, inner_dst, dst_offset + i * dst_strides[0], inner_src,
+               src_offset + i * src_strides[0]);
 }
 
 // A view of t with dim d read back to front (a negative stride; see Note [Joins on copy]).
@@ -178,7 +191,7 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
       src_strides.push_back(in_strides[i]);
     }
   }
-  copy_into(make_view(out, sizes, dst_strides, 0), make_view(x, sizes, src_strides, x.storage_offset()));
+  copy_pairs(out, x, sizes, dst_strides, 0, src_strides, x.storage_offset());
   record_grad();
   return out;
 }
