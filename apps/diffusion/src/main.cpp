@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 #include <flame/error.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <limits>
@@ -222,13 +223,20 @@ int main(int argc, char** argv) {
         if (train_cmd->count("--lr") == 0) tc.lr = cpu.lr;
         if (train_cmd->count("--steps") == 0) tc.steps = cpu.steps;
         if (train_cmd->count("--sample-steps") == 0) tc.sampling.steps = cpu.sample_steps;
+        if (train_cmd->count("--warmup") == 0) tc.warmup = std::min(cpu.warmup, tc.steps - 1);  // a short --steps
+        if (train_cmd->count("--schedule") == 0) tc.schedule = cpu.schedule;
+        if (train_cmd->count("--ema") == 0) tc.ema_decay = cpu.ema_decay;
+        if (train_cmd->count("--time-limit") == 0) tc.time_limit = cpu.time_limit;
+        if (train_cmd->count("--sample-every") == 0) tc.sample_every = cpu.sample_every;
+        if (train_cmd->count("--cfg") == 0) tc.sampling.cfg_scale = cpu.cfg_scale;
         if (train_cmd->count("--out") == 0) tc.out = "runs/" + cpu.model;
         std::fprintf(stderr,
-                     "train: no --model on a machine without a GPU: the CPU recipe, %s at batch %lld, lr %g, %lld "
-                     "steps, %lld sampling steps, into %s (flags given override it; --model dit-s for the GPU "
-                     "preset)\n",
-                     tc.model.c_str(), static_cast<long long>(tc.batch), tc.lr, static_cast<long long>(tc.steps),
-                     static_cast<long long>(tc.sampling.steps), tc.out.c_str());
+                     "train: no --model on a machine without a GPU: the CPU recipe, %s at batch %lld, lr %g (%s), %lld "
+                     "steps or %.0f s, %lld sampling steps at CFG %g, into %s (flags given override it; --model "
+                     "dit-s for the GPU preset)\n",
+                     tc.model.c_str(), static_cast<long long>(tc.batch), tc.lr, tc.schedule.c_str(),
+                     static_cast<long long>(tc.steps), tc.time_limit, static_cast<long long>(tc.sampling.steps),
+                     tc.sampling.cfg_scale, tc.out.c_str());
       }
       if (!t_classes.empty()) tc.classes = parse_classes(t_classes);
       if (!t_exclude.empty()) tc.exclude_classes = parse_classes(t_exclude);

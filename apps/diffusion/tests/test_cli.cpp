@@ -480,8 +480,9 @@ TEST(CliTrain, NoModelOnTheCpuTrainsTheCpuRecipe) {
   const Result r = run(dir, {"train", "--data", data, "--batch", "4", "--steps", "1", "--samples-per-class", "1",
                              "--sample-steps", "2", "--no-progress", "--out", out});
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_HAS(r.err, "train: no --model on a machine without a GPU: the CPU recipe, dit-tiny at batch 4");
-  EXPECT_EQ(flame::read_checkpoint_info(ckpt(out, 1)).metadata.at("model"), "dit-tiny");
+  EXPECT_HAS(r.err, "train: no --model on a machine without a GPU: the CPU recipe, unet-tiny at batch 4, lr 0.002 "
+                    "(cosine), 1 steps or 510 s, 2 sampling steps at CFG 3");
+  EXPECT_EQ(flame::read_checkpoint_info(ckpt(out, 1)).metadata.at("model"), "unet-tiny");
 }
 
 }  // namespace
