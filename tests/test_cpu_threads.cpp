@@ -4,6 +4,7 @@
 // strides, dilation, padding wider than the kernel reach, groups, 1-d/2-d/3-d) against float64
 // direct loops, and results that do not depend on flame::cpu::set_num_threads.
 #include <cmath>
+#include <csignal>
 #include <string>
 #include <vector>
 
@@ -11,6 +12,9 @@
 #include "flame/nn/conv.h"
 #include "flame/nn/norm.h"
 #include "test_util.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace flame::test {
 namespace {
@@ -197,6 +201,30 @@ TEST(CpuThreads, SetNumThreadsRejectsBadCounts) {
   expect_error([] { flame::cpu::set_num_threads(0); }, {"cpu::set_num_threads", "1 to 1024", "0"});
   flame::cpu::set_num_threads(3);
   EXPECT_EQ(flame::cpu::num_threads(), 3);
+}
+
+// A child forked while the pool has workers has none of them: its ops must run (serially), not
+// wait forever for the parent's workers. The child arms an alarm, so a hang fails the case.
+TEST(CpuThreads, AForkedChildRunsOpsWithoutTheParentsWorkers) {
+  ThreadCountGuard guard;
+  flame::cpu::set_num_threads(3);
+  const Tensor a = Tensor::arange(0, 1 << 18, 1, DType::f64);  // sums exact in double
+  (void)(a * 2.0);  // the pool ran a job in the parent
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << "fork failed";
+  if (child == 0) {
+    alarm(20);
+    const bool ok = flame::cpu::num_threads() == 1 &&
+                    (a * 2.0 + 1.0).sum_all().item<double>() == double(1 << 18) * double((1 << 18) - 1) + double(1 << 18);
+    flame::cpu::set_num_threads(2);  // a fresh pool in the child works too
+    const bool ok2 = (a + 1.0).sum_all().item<double>() == double(1 << 18) * double((1 << 18) + 1) / 2.0;
+    _exit(ok && ok2 ? 0 : 3);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_FALSE(WIFSIGNALED(status)) << "the child died of signal " << WTERMSIG(status)
+                                    << (WTERMSIG(status) == SIGALRM ? " (it hung: an op waited for the parent's workers)" : "");
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child computed a wrong sum or kept the parent's thread count";
 }
 
 }  // namespace

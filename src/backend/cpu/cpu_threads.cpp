@@ -24,6 +24,10 @@
 // (OPENBLAS_NUM_THREADS, default all cores). Nested use runs serially: a task that calls
 // parallel_tasks again runs the inner loop on its own thread, and a second thread calling into
 // the pool while it is busy (a data-loader thread, say) runs its work serially instead of waiting.
+// A child forked from a process with workers has none of them (fork copies only the calling
+// thread), and the pool's mutexes may have been held by a parent thread at that instant: a
+// pthread_atfork handler gives the child a fresh pool of one thread (the parent's workers are
+// abandoned, never joined), so a forked child's ops run serially until set_num_threads.
 #include "src/backend/cpu/cpu_threads.h"
 
 #include <atomic>
@@ -31,6 +35,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <utility>
@@ -38,6 +43,8 @@
 
 #include "flame/cpu.h"
 #include "flame/error.h"
+
+#include <pthread.h>
 
 #ifdef FLAME_WITH_CBLAS
 #include <cblas.h>
@@ -76,8 +83,18 @@ void set_blas_threads(int) {}
 
 class Pool {
  public:
-  Pool() { resize(default_threads()); }
-  ~Pool() { stop(); }
+  Pool() {
+    instance_ = this;
+    static const int registered = pthread_atfork(nullptr, nullptr, [] {
+      if (instance_ != nullptr) instance_->reset_in_forked_child();
+    });
+    (void)registered;
+    resize(default_threads());
+  }
+  ~Pool() {
+    stop();
+    instance_ = nullptr;
+  }
 
   int threads() const { return threads_.load(std::memory_order_relaxed); }
 
@@ -146,6 +163,23 @@ class Pool {
     }
   }
 
+  // In the child of fork(): the workers do not exist there and the locks may be held by parent
+  // threads that do not exist either. Re-create the locks, abandon the thread handles (joining or
+  // destroying them would wait for, or terminate on, threads of the parent).
+  void reset_in_forked_child() {
+    new (&run_mutex_) std::mutex();
+    new (&mutex_) std::mutex();
+    new (&wake_) std::condition_variable();
+    new (&done_) std::condition_variable();
+    new std::vector<std::thread>(std::move(workers_));  // never destroyed
+    workers_.clear();
+    threads_.store(1, std::memory_order_relaxed);
+    job_ = nullptr;
+    busy_ = 0;
+    stopping_ = false;
+    error_ = nullptr;
+  }
+
   void stop() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -168,6 +202,7 @@ class Pool {
   uint64_t generation_ = 0;
   bool stopping_ = false;
   std::exception_ptr error_;
+  static inline Pool* instance_ = nullptr;
 };
 
 Pool& pool() {
