@@ -1,0 +1,15 @@
+#include "models/key_plan.h"
+
+namespace flame_diffusion::models {
+
+const char* to_string(KeyPlanEntry::Op op) {
+  switch (op) {
+    case KeyPlanEntry::Op::kCopy: return "copy";
+    case KeyPlanEntry::Op::kReshape: return "reshape";
+    case KeyPlanEntry::Op::kConcat: return "concat";
+    case KeyPlanEntry::Op::kChunk: return "chunk";
+  }
+  return "?";
+}
+
+}  // namespace flame_diffusion::models
