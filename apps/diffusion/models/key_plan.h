@@ -29,7 +29,7 @@ struct KeyPlanEntry {
   std::string target;                // the diffusers key
   std::vector<std::string> sources;  // keys in the stored file
   Op op = Op::kCopy;
-  Shape shape;            // kReshape: the target shape
+  flame::Shape shape;     // kReshape: the target shape
   int64_t dim = 0;        // kConcat, kChunk
   int64_t index = 0;      // kChunk
   int64_t count = 1;      // kChunk
@@ -39,6 +39,10 @@ struct KeyPlanEntry {
 // and the stored keys it consumed. Stored keys consumed by no entry are reported as unplaced.
 struct KeyPlan {
   std::vector<KeyPlanEntry> entries;
+  // The stored keys this plan answers for: every stored key that starts with it must be consumed by
+  // some entry (else it is reported as unplaced); keys outside it belong to other models of the
+  // same file (a full SDXL checkpoint holds the UNet, the VAE and the text encoders). "" = all.
+  std::string source_prefix;
 };
 
 // "copy", "reshape", "concat", "chunk" (for messages).
