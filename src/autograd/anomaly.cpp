@@ -20,7 +20,7 @@
 #include "flame/anomaly.h"
 #include "flame/ops.h"
 #include "src/autograd/anomaly.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame {
 

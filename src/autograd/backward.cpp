@@ -58,7 +58,7 @@
 #include "src/amp/autocast.h"
 #include "src/autograd/anomaly.h"
 #include "src/autograd/record.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame {
 

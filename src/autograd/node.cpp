@@ -14,7 +14,7 @@
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
 #include "src/autograd/rules/inplace.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame {
 

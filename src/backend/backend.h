@@ -13,7 +13,7 @@
 #include "flame/tensor.h"
 #include "src/backend/optim_params.h"
 #include "src/backend/pool_params.h"
-#include "src/ops/op_list.h"
+#include "src/opdef/op_list.h"
 
 namespace flame::backend {
 

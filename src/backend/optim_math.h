@@ -15,7 +15,7 @@
 
 #include "flame/half.h"
 #include "src/backend/optim_params.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 #include "src/random/philox.h"
 
 namespace flame::backend::optim_math {

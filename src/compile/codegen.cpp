@@ -2,7 +2,7 @@
 //
 // Note [Generated kernels]
 // One Expr becomes one extern "C" kernel whose source is
-//   the embedded headers (flame/macros.h, flame/half.h, src/ops/scalar_math.h: the very text the
+//   the embedded headers (flame/macros.h, flame/half.h, src/opdef/scalar_math.h: the very text the
 //   eager CPU and CUDA kernels are compiled from, embedded at build time by CMake, with a few
 //   std:: shims because NVRTC has no standard library) + a generated body.
 // The body is a grid-stride loop over the iteration shape. Shapes and strides are static (a new

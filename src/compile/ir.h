@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "flame/tensor.h"
-#include "src/ops/op_list.h"
+#include "src/opdef/op_list.h"
 
 namespace flame::compile_detail {
 

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "flame/tensor.h"
-#include "src/ops/op_list.h"
+#include "src/opdef/op_list.h"
 
 namespace flame::compile_detail {
 

@@ -29,7 +29,7 @@
 #include "src/compile/trace_hooks.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame {
 

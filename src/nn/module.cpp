@@ -14,7 +14,7 @@
 
 #include "flame/autograd.h"
 #include "src/autograd/record.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame::nn {
 

@@ -21,7 +21,7 @@
 #include <optional>
 #include <utility>
 
-#include "src/ops/op_list.h"
+#include "src/opdef/op_list.h"
 
 namespace flame::opdef {
 using backend::BinaryOp;

@@ -12,7 +12,7 @@
 #include "src/compile/trace_hooks.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame {
 using backend::BinaryOp;

@@ -31,7 +31,7 @@
 #include "flame/cpu.h"
 #include "flame/cuda.h"
 #include "flame/error.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 #include "src/profiler/profiler_impl.h"
 
 namespace flame::profiler_detail {

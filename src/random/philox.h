@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "flame/macros.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::philox {
 

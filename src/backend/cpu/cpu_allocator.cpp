@@ -41,7 +41,7 @@
 
 #include "flame/cpu.h"
 #include "src/backend/cpu/cpu_backend.h"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame::backend::cpu {
 namespace {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "src/backend/cpu/cpu_backend.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cpu {
 namespace {

@@ -16,7 +16,7 @@
 
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/backend/cpu/cpu_threads.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 #ifdef FLAME_WITH_CBLAS
 #include <cblas.h>

@@ -11,7 +11,7 @@
 #include <type_traits>
 
 #include "src/backend/cpu/cpu_backend.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cpu {
 namespace {

@@ -14,7 +14,7 @@
 
 #include "src/backend/cuda/common.cuh"
 #include "src/core/dispatch.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cuda {
 

@@ -1,8 +1,8 @@
 // Elementwise families of the CUDA backend: copy (with dtype conversion), fill, iota and where
 // here; unary in elementwise_unary*.cu and binary in elementwise_binary.cu (split so that the
 // ~1300 kernel instantiations compile in parallel). Each is an Op functor run by the generic kernels of elementwise.cuh
-// (Note [Elementwise kernels]); the math is the shared functors of src/ops/scalar_math.h, picked
-// through the op lists of src/ops/op_list.h, so results match the CPU reference
+// (Note [Elementwise kernels]); the math is the shared functors of src/opdef/scalar_math.h, picked
+// through the op lists of src/opdef/op_list.h, so results match the CPU reference
 // (src/backend/cpu/cpu_elementwise.cpp) element for element up to float rounding.
 #include <cstring>
 

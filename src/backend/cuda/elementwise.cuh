@@ -25,7 +25,7 @@
 // grid-stride loop over at most kStridedWaves full waves, which was the better choice for
 // broadcast operands (row bias add 2.19 vs 1.78 TB/s uncapped) and 25% worse for transposes.
 // Arithmetic happens in the compute type of Note [Compute types] (float for bf16/f16, double for
-// f64, int64 for integers and bool) with the shared functors of src/ops/scalar_math.h.
+// f64, int64 for integers and bool) with the shared functors of src/opdef/scalar_math.h.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -39,7 +39,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/core/dispatch.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cuda {
 namespace ew {

@@ -35,7 +35,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/launch_geometry.cuh"
 #include "src/core/dispatch.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cuda {
 namespace {

@@ -46,7 +46,7 @@
 #include "src/backend/cuda/epi/lt_shared.h"
 #include "src/backend/cuda/memory_pool.h"
 #include "src/core/dispatch.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 #define FLAME_CUBLAS_CHECK(call)                                                                          \
   do {                                                                                                    \

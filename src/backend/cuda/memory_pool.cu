@@ -87,7 +87,7 @@
 #include <string>
 
 #include "src/backend/cuda/common.cuh"
-#include "src/profiler/context.h"
+#include "src/core/profiler_context.h"
 
 namespace flame::backend::cuda {
 

@@ -25,7 +25,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/epi/epi_plan.h"
 #include "src/core/dispatch.h"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cuda {
 namespace {

@@ -21,7 +21,7 @@
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 namespace flame::backend::cuda {
 

@@ -5,7 +5,7 @@
 //   same     result has the input dtype (bool inputs rejected where meaningless)
 //   floating integer/bool inputs are converted to f32 first
 //   predicate result is bool
-#include "src/ops/scalar_math.h"
+#include "src/opdef/scalar_math.h"
 
 #define FLAME_UNARY_OPS(X)                 \
   X(neg, Neg, same)                        \
