@@ -233,9 +233,10 @@ Tensor VaeAttention::forward(const Tensor& x) {
   Tensor q = to_q_->forward(h).unsqueeze(1);  // [B, 1, L, C]: one head of all channels
   Tensor k = to_k_->forward(h).unsqueeze(1);
   Tensor v = to_v_->forward(h).unsqueeze(1);
-  // Softmax rows are independent, so query chunks give the same result with an L x chunk score
-  // matrix; the chunk keeps it near 2^26 elements (a 1024^2 SDXL decode has L = 16384).
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 26) / std::max<int64_t>(L, 1));
+  // Softmax rows are independent, so query chunks give the same result with a chunk x L score
+  // matrix; the chunk keeps it near 2^24 elements (a 1024^2 SDXL decode has L = 16384: 16 chunks of
+  // 1024 rows, each still a large matmul).
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 24) / std::max<int64_t>(L, 1));
   Tensor o;
   if (chunk >= L) {
     o = F::scaled_dot_product_attention(q, k, v);

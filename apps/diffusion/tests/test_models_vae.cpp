@@ -399,6 +399,46 @@ TEST(ModelsVae, LatentScalingShiftAndSampling) {
   EXPECT_LT(fd_test::max_abs_diff(vae->encode_latent(img), vae->to_latent(dist.mean)), 1e-6);
 }
 
+TEST(ModelsVae, ChannelsLastInputGivesTheSameResult) {
+  auto vae = random_vae(tiny_config(), 14);
+  flame::NoGradGuard no_grad;
+  flame::Generator gen(15);
+  const Tensor img = Tensor::uniform({2, 3, 16, 16}, -1.0, 1.0, {DType::f32}, &gen);
+  const Tensor cl = flame::F::to_channels_last(img);
+  ASSERT_TRUE(flame::F::is_channels_last(cl));
+  EXPECT_LT(fd_test::max_abs_diff(vae->encode(cl).mean, vae->encode(img).mean), 1e-5);
+  const Tensor lat = Tensor::randn({2, 4, 8, 8}, 0.0, 1.0, {DType::f32}, &gen);
+  EXPECT_LT(fd_test::max_abs_diff(vae->decode(flame::F::to_channels_last(lat)), vae->decode(lat)), 1e-5);
+}
+
+// The mid attention splits its queries into chunks once L * L passes 2^24 scores: at L = 65^2 = 4225
+// it runs two chunks, which must equal a softmax over all keys written out with matmuls.
+TEST(ModelsVae, ChunkedAttentionEqualsOneSoftmax) {
+  FD_SKIP_IF_NO_DEVICE();
+  const flame::Device dev = fd_test::test_device();
+  m::VaeAttention attn(8, 4, {DType::f32, dev});
+  fd_test::perturb(attn, 0.1, 18);
+  flame::NoGradGuard no_grad;
+  flame::Generator gen(19);
+  const int64_t S = 65, L = S * S;
+  const Tensor x = Tensor::randn({1, 8, S, S}, 0.0, 1.0, {DType::f32}, &gen).to(dev);
+  const flame::StateDict w = attn.state_dict();
+  const Tensor h = flame::F::group_norm(x, 4, w.at("group_norm.weight"), w.at("group_norm.bias"), 1e-6)
+                       .reshape({1, 8, L})
+                       .transpose(1, 2);
+  auto lin = [&](const std::string& n, const Tensor& t) {
+    return flame::F::linear(t, w.at(n + ".weight"), w.at(n + ".bias"));
+  };
+  const Tensor q = lin("to_q", h), k = lin("to_k", h), v = lin("to_v", h);
+  flame::TensorList rows;  // blocks of 1000 query rows keep this reference's score matrix small
+  for (int64_t r = 0; r < L; r += 1000) {
+    const Tensor qr = q.narrow(1, r, std::min<int64_t>(1000, L - r));
+    rows.push_back((qr.matmul(k.transpose(1, 2)) * (1.0 / std::sqrt(8.0))).softmax(-1).matmul(v));
+  }
+  const Tensor want = lin("to_out.0", flame::cat(rows, 1)).transpose(1, 2).reshape({1, 8, S, S}) + x;
+  EXPECT_LT(rel_err(attn.forward(x), want), 1e-5);
+}
+
 TEST(ModelsVae, F16AsksForF32WhereTheConfigForcesUpcast) {
   EXPECT_EQ(m::vae_compute_dtype(DType::f16, m::VaeConfig::preset("sdxl")), DType::f32);
   EXPECT_EQ(m::vae_compute_dtype(DType::bf16, m::VaeConfig::preset("sdxl")), DType::bf16);
@@ -422,6 +462,29 @@ TEST(ModelsVae, F16AsksForF32WhereTheConfigForcesUpcast) {
   EXPECT_EQ(out16.dtype(), DType::f16);
   EXPECT_LT(rel_err(out16, vae->decode(lat.to(DType::f16).to(DType::f32))), 2e-3);
   fs::remove_all(d);
+}
+
+// The GPU path (cuDNN convolutions, pad, interpolate, SDPA) against the CPU, f32 without TF32 and bf16.
+TEST(ModelsVaeCuda, MatchesCpu) {
+  if (!flame::cuda_is_available()) GTEST_SKIP() << "no CUDA device";
+  flame::cuda::set_allow_conv_tf32(false);
+  auto vae = random_vae(tiny_config(), 16);
+  flame::NoGradGuard no_grad;
+  flame::Generator gen(17);
+  const Tensor img = Tensor::uniform({2, 3, 32, 24}, -1.0, 1.0, {DType::f32}, &gen);
+  const Tensor lat = Tensor::randn({2, 4, 16, 12}, 0.0, 1.0, {DType::f32}, &gen);
+  const Tensor mean_cpu = vae->encode(img).mean, dec_cpu = vae->decode(lat);
+  const Tensor tiled_cpu = vae->tiled_decode(lat, {16, 0.25});
+  vae->to(flame::Device::cuda(0));
+  const Tensor img_g = img.to(flame::Device::cuda(0)), lat_g = lat.to(flame::Device::cuda(0));
+  EXPECT_LT(rel_err(vae->encode(img_g).mean, mean_cpu), 1e-4);
+  EXPECT_LT(rel_err(vae->decode(lat_g), dec_cpu), 1e-4);
+  EXPECT_LT(rel_err(vae->tiled_decode(lat_g, {16, 0.25}), tiled_cpu), 1e-4);
+  vae->to(DType::bf16);
+  EXPECT_LT(rel_err(vae->decode(lat_g.to(DType::bf16)), dec_cpu), 5e-2);
+  EXPECT_EQ(vae->decode(lat_g.to(DType::bf16)).dtype(), DType::bf16);
+  flame::cuda::set_allow_conv_tf32(true);
+
 }
 
 // Parity with diffusers through the reference files of models_vae.py --reduced (see
