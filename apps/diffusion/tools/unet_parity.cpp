@@ -1,0 +1,323 @@
+// unet_parity: FLAME's UNet2DConditionModel against diffusers' (apps/diffusion/reference/models_unet.py).
+//
+//   unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]
+//       DIR as models_unet.py writes it (unet/ diffusers folder, unet_original.safetensors,
+//       reference.safetensors). For each format that is there: loads the model (in the reference's
+//       dtype), runs the forward on the stored inputs, adds the LoRA (stored weights, rank/alpha from
+//       the metadata), runs forward + mse loss + backward, and prints max abs and max relative
+//       (max |err| / max |ref|) errors for the output, the LoRA output, the loss and the adapter
+//       gradients (per group: down / mid / up blocks, A and B), then one PASS or FAIL line.
+//       Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
+//   unet_parity time --config sdxl [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--rank 16]
+//                    [--steps 10] [--warmup 3] [--device cuda]
+//       the bf16 LoRA training step (random weights, AdamW on the adapters, mse loss) timed with
+//       CUDA events: one JSON line per (batch, checkpointing) with the median step time, the peak
+//       allocated memory and MFU (2 x forward FLOPs per step, of 989 TFLOP/s dense bf16).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <flame/cuda.h>
+#include <flame/flame.h>
+#include <flame/io/safetensors.h>
+#include <flame/nn.h>
+#include <flame/optim.h>
+
+#include "models/unet2d.h"
+#include "models/unet2d_convert.h"
+
+namespace fm = flame_diffusion::models;
+using flame::DType;
+using flame::Tensor;
+
+namespace {
+
+const char* kUsage =
+    "usage:\n"
+    "  unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]\n"
+    "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--rank 16]\n"
+    "                    [--steps 10] [--warmup 3] [--device cuda]\n";
+
+std::map<std::string, std::string> parse_flags(int argc, char** argv) {
+  static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent",
+                                                 "batch", "rank",  "steps",         "warmup"};
+  std::map<std::string, std::string> f;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || std::find(known.begin(), known.end(), a.substr(2)) == known.end())
+      throw std::runtime_error("unknown flag '" + a + "'\n" + kUsage);
+    if (i + 1 >= argc) throw std::runtime_error("flag '" + a + "' needs a value");
+    f[a.substr(2)] = argv[++i];
+  }
+  return f;
+}
+
+std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
+  auto it = f.find(k);
+  return it == f.end() ? fallback : it->second;
+}
+
+std::vector<int64_t> int_list(const std::string& flag, const std::string& v) {
+  std::vector<int64_t> out;
+  std::size_t s = 0;
+  while (s <= v.size()) {
+    const std::size_t e = std::min(v.find(',', s), v.size());
+    try {
+      out.push_back(std::stoll(v.substr(s, e - s)));
+    } catch (const std::exception&) {
+      throw std::runtime_error("--" + flag + ": '" + v + "' is not a comma-separated list of integers");
+    }
+    s = e + 1;
+  }
+  return out;
+}
+
+flame::Device parse_device(const std::string& v) {
+  if (v == "cpu") return flame::Device::cpu();
+  if (v == "cuda") return flame::Device::cuda(0);
+  throw std::runtime_error("--device must be cpu or cuda, got '" + v + "'");
+}
+
+struct Err {
+  double abs = 0, ref = 0;
+  double rel() const { return ref > 0 ? abs / ref : abs; }
+};
+Err error_of(const Tensor& got, const Tensor& want) {
+  const Tensor g = got.to(DType::f64, flame::Device::cpu()), w = want.to(DType::f64, flame::Device::cpu());
+  if (g.sizes() != w.sizes()) throw std::runtime_error("shape mismatch between FLAME's result and the reference");
+  return {(g - w).abs().max().item<double>(), w.abs().max().item<double>()};
+}
+
+bool report(const std::string& what, const Err& e, double tol) {
+  const bool ok = e.rel() <= tol && e.abs == e.abs;
+  std::printf("  %-4s %-44s max abs err %.3e  max|ref| %.3e  rel %.3e (tol %.0e)\n", ok ? "ok" : "FAIL", what.c_str(),
+              e.abs, e.ref, e.rel(), tol);
+  return ok;
+}
+
+std::string group_of(const std::string& name) {
+  const std::string block = name.substr(0, name.find('.'));
+  const std::string ab = name.find(".lora_A.") != std::string::npos ? "A" : "B";
+  return block + " lora_" + ab;
+}
+
+int check(const std::map<std::string, std::string>& f) {
+  const std::filesystem::path dir = get(f, "dir", "");
+  if (dir.empty()) throw std::runtime_error(std::string("check needs --dir\n") + kUsage);
+  const flame::Device device = parse_device(get(f, "device", "cuda"));
+  const bool ckpt = get(f, "checkpointing", "0") == "1";
+  const std::string ref_path = (dir / "reference.safetensors").string();
+  const auto meta = flame::io::load_safetensors_metadata(ref_path);
+  const DType dtype = meta.at("dtype") == "bfloat16" ? DType::bf16 : DType::f32;
+  const bool bf16 = dtype == DType::bf16;
+  const double tol_out = bf16 ? 5e-2 : 1e-3, tol_grad = bf16 ? 1e-1 : 1e-2;
+  flame::cuda::set_allow_tf32(false);
+  flame::cuda::set_allow_conv_tf32(false);
+  const flame::StateDict ref = flame::io::load_safetensors(ref_path, device);
+  auto input = [&](const std::string& k) { return ref.at("input." + k); };
+  fm::UNet2DAddedConditions added;
+  if (ref.contains("input.text_embeds")) added = {input("text_embeds"), input("time_ids")};
+  const auto config = fm::unet2d_config_from_file((dir / "unet" / "config.json").string());
+  std::printf("unet_parity check %s: config %s, %s, latent %s, device %s, LoRA rank %s alpha %s\n", dir.c_str(),
+              meta.at("config").c_str(), bf16 ? "bf16" : "f32", meta.at("latent").c_str(), device.is_cuda() ? "cuda" : "cpu",
+              meta.at("lora_rank").c_str(), meta.at("lora_alpha").c_str());
+  bool ok = true;
+  for (const std::string format : {"diffusers", "original"}) {
+    const std::filesystem::path path = format == "diffusers" ? dir : dir / "unet_original.safetensors";
+    if (format == "original" && !std::filesystem::exists(path)) {
+      std::printf(" %s: %s absent, skipped\n", format.c_str(), path.c_str());
+      continue;
+    }
+    fm::UNetLoadOptions opts;
+    opts.device = device;
+    opts.dtype = dtype;
+    opts.config = config;
+    auto unet = fm::load_unet(path.string(), opts);
+    unet->set_gradient_checkpointing(ckpt);
+    std::printf(" %s (%s):\n", format.c_str(), path.c_str());
+    {
+      flame::NoGradGuard no_grad;
+      const Tensor out = unet->forward(input("sample"), input("timestep"), input("encoder_hidden_states"), added);
+      ok &= report("output", error_of(out, ref.at("output.sample")), tol_out);
+    }
+    unet->add_lora({.rank = std::stoll(meta.at("lora_rank")), .alpha = std::stod(meta.at("lora_alpha"))});
+    flame::StateDict lora;
+    for (const auto& [k, t] : ref) {
+      if (k.rfind("lora.", 0) == 0) lora.insert(k.substr(5), t);
+    }
+    flame::nn::load_lora_state_dict(*unet, lora);
+    const Tensor out = unet->forward(input("sample"), input("timestep"), input("encoder_hidden_states"), added);
+    ok &= report("LoRA output", error_of(out, ref.at("output.lora_sample")), tol_out);
+    const Tensor loss = flame::mse_loss(out.to(DType::f32), input("target").to(DType::f32));
+    ok &= report("loss", error_of(loss.reshape({1}), ref.at("output.loss")), tol_out);
+    const flame::Gradients grads = loss.backward();
+    std::map<std::string, Err> groups;
+    Err all;
+    int64_t n = 0;
+    for (const auto& [name, p] : unet->named_parameters()) {
+      if (!p.requires_grad()) continue;
+      const Err e = error_of(grads.get(p), ref.at("grad." + name));
+      Err& g = groups[group_of(name)];
+      g.abs = std::max(g.abs, e.abs);
+      g.ref = std::max(g.ref, e.ref);
+      all.abs = std::max(all.abs, e.abs);
+      all.ref = std::max(all.ref, e.ref);
+      ++n;
+    }
+    for (const auto& [g, e] : groups) ok &= report("grad " + g, e, tol_grad);
+    ok &= report("grad all (" + std::to_string(n) + " adapter tensors)", all, tol_grad);
+  }
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+
+// ---- timing ----
+// Forward FLOPs (multiply-adds x 2) of the convolutions, linears and attention products.
+double forward_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, int64_t w, int64_t seq) {
+  double f = 0;
+  auto conv = [&](int64_t hh, int64_t ww, int64_t in, int64_t out, int64_t k) { f += 2.0 * b * hh * ww * in * out * k * k; };
+  auto resnet = [&](int64_t hh, int64_t ww, int64_t in, int64_t out) {
+    conv(hh, ww, in, out, 3);
+    conv(hh, ww, out, out, 3);
+    if (in != out) conv(hh, ww, in, out, 1);
+  };
+  auto transformer = [&](int64_t hh, int64_t ww, int64_t ch, int64_t layers, int64_t cross) {
+    const double n = static_cast<double>(hh) * ww;
+    f += 2 * 2.0 * b * n * ch * ch;  // proj_in, proj_out
+    for (int64_t l = 0; l < layers; ++l) {
+      f += 2.0 * b * n * ch * ch * 4 + 2 * 2.0 * b * n * n * ch;              // self-attention
+      f += 2.0 * b * n * ch * ch * 2 + 2 * 2.0 * b * seq * cross * ch;       // cross q, out; k, v
+      f += 2 * 2.0 * b * n * seq * ch;                                       // cross scores, values
+      f += 2.0 * b * n * ch * 8 * ch + 2.0 * b * n * 4 * ch * ch;            // GEGLU feed-forward
+    }
+  };
+  const int64_t n = c.num_blocks();
+  conv(h, w, c.in_channels, c.block_out_channels[0], 3);
+  int64_t ch = c.block_out_channels[0], hh = h, ww = w;
+  std::vector<int64_t> skips{ch};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t out = c.block_out_channels[i];
+    for (int64_t j = 0; j < c.layers_per_block[i]; ++j) {
+      resnet(hh, ww, j ? out : ch, out);
+      if (c.down_block_types[i] == "CrossAttnDownBlock2D")
+        transformer(hh, ww, out, c.transformer_layers_per_block[i], c.cross_attention_dim[i]);
+      skips.push_back(out);
+    }
+    ch = out;
+    if (i + 1 < n) {
+      hh = (hh + 1) / 2;
+      ww = (ww + 1) / 2;
+      conv(hh, ww, out, out, 3);
+      skips.push_back(out);
+    }
+  }
+  resnet(hh, ww, ch, ch);
+  transformer(hh, ww, ch, c.transformer_layers_per_block.back(), c.cross_attention_dim.back());
+  resnet(hh, ww, ch, ch);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = n - 1 - i, out = c.block_out_channels[r];
+    for (int64_t j = 0; j < c.layers_per_block[r] + 1; ++j) {
+      const int64_t skip = skips.back();
+      skips.pop_back();
+      resnet(hh, ww, ch + skip, out);
+      if (c.up_block_types[i] == "CrossAttnUpBlock2D")
+        transformer(hh, ww, out, c.transformer_layers_per_block[r], c.cross_attention_dim[r]);
+      ch = out;
+    }
+    if (i + 1 < n) {
+      hh *= 2;
+      ww *= 2;
+      conv(hh, ww, out, out, 3);
+    }
+  }
+  conv(h, w, c.block_out_channels[0], c.out_channels, 3);
+  return f;
+}
+
+int time_steps(const std::map<std::string, std::string>& f) {
+  const std::string name = get(f, "config", "sdxl");
+  const auto config = fm::unet2d_preset(name);
+  const flame::Device device = parse_device(get(f, "device", "cuda"));
+  if (!device.is_cuda()) throw std::runtime_error("time needs --device cuda (CUDA events)");
+  const int64_t latent = int_list("latent", get(f, "latent", "128")).at(0);
+  const int64_t rank = int_list("rank", get(f, "rank", "16")).at(0);
+  const int64_t steps = int_list("steps", get(f, "steps", "10")).at(0);
+  const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
+  const int64_t seq = 77;
+  const flame::TensorOptions o(DType::bf16, device);
+  for (int64_t batch : int_list("batch", get(f, "batch", "1,4"))) {
+    for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,1"))) {
+      flame::cuda::empty_cache();
+      auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
+      unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+      unet->set_gradient_checkpointing(ckpt != 0);
+      unet->train();
+      flame::TensorList params;
+      for (const Tensor& p : unet->parameters()) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+      flame::optim::AdamW opt(params, {.lr = 1e-4});
+      flame::Generator gen(0);
+      const Tensor x = Tensor::randn({batch, config.in_channels, latent, latent}, 0.0, 1.0, o, &gen);
+      const Tensor target = Tensor::randn({batch, config.out_channels, latent, latent}, 0.0, 1.0, o, &gen);
+      const Tensor t = Tensor::full({batch}, 500.0, {DType::f32, device});
+      const Tensor ctx = Tensor::randn({batch, seq, config.cross_attention_dim[0]}, 0.0, 1.0, o, &gen);
+      fm::UNet2DAddedConditions added;
+      if (config.addition_embed_type == "text_time") {
+        added.text_embeds = Tensor::randn(
+            {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim}, 0.0, 1.0, o, &gen);
+        added.time_ids = Tensor::full({batch, 6}, static_cast<double>(8 * latent), {DType::f32, device});
+      }
+      auto step = [&] {
+        const Tensor loss = flame::mse_loss(unet->forward(x, t, ctx, added).to(DType::f32), target.to(DType::f32));
+        const flame::Gradients g = loss.backward();
+        opt.step(g);
+      };
+      for (int64_t i = 0; i < warmup; ++i) step();
+      flame::cuda::synchronize();
+      flame::cuda::reset_peak_memory_stats();
+      std::vector<double> ms;
+      for (int64_t i = 0; i < steps; ++i) {
+        flame::cuda::Event a(true), b(true);
+        a.record();
+        step();
+        b.record();
+        b.synchronize();
+        ms.push_back(a.elapsed_time(b));
+      }
+      std::sort(ms.begin(), ms.end());
+      const double median = ms[ms.size() / 2];
+      const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
+      const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
+      std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
+                  "\"checkpointing\": %s, \"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, "
+                  "\"mfu_vs_989\": %.3f}\n",
+                  name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
+                  static_cast<long long>(batch), ckpt ? "true" : "false", median, peak, flops / 1e12,
+                  flops / (median / 1e3) / 989e12);
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 2) throw std::runtime_error(std::string("no command\n") + kUsage);
+    const std::string cmd = argv[1];
+    const auto flags = parse_flags(argc, argv);
+    if (cmd == "check") return check(flags);
+    if (cmd == "time") return time_steps(flags);
+    throw std::runtime_error("unknown command '" + cmd + "'\n" + kUsage);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "unet_parity: %s\n", e.what());
+    return 2;
+  }
+}
