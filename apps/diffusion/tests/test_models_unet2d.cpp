@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <set>
@@ -627,8 +628,8 @@ TEST(UNet2D, GradientCheckpointingGivesTheSameGradients) {
 
 // ---- parity with diffusers (reference/models_unet.py) ----
 namespace {
-void reference_parity(const std::string& name, const fm::UNet2DConditionConfig& config) {
-  const auto dir = reference_dir(name);
+void reference_parity(const std::string& name, const fm::UNet2DConditionConfig& config,
+                      const std::filesystem::path& dir) {
   const auto ref_path = dir / "reference.safetensors";
   if (!std::filesystem::exists(ref_path)) {
     GTEST_SKIP() << "no diffusers reference at " << dir.string()
@@ -683,5 +684,53 @@ void reference_parity(const std::string& name, const fm::UNet2DConditionConfig& 
 }
 }  // namespace
 
-TEST(UNet2D, MatchesDiffusersTinyXl) { reference_parity("tiny-xl", tiny_xl()); }
-TEST(UNet2D, MatchesDiffusersTinySd) { reference_parity("tiny-sd", tiny_sd()); }
+TEST(UNet2D, MatchesDiffusersTinyXl) { reference_parity("tiny-xl", tiny_xl(), reference_dir("tiny-xl")); }
+TEST(UNet2D, MatchesDiffusersTinySd) { reference_parity("tiny-sd", tiny_sd(), reference_dir("tiny-sd")); }
+
+// The reference folder's format (what models_unet.py writes), made here from FLAME's own model:
+// the parity path above reads it back with zero error.
+TEST(UNet2D, ReferenceFolderFormatRoundTrip) {
+  const auto c = tiny_xl();
+  const auto dir = std::filesystem::temp_directory_path() / ("unet2d_ref_" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir / "unet");
+  {
+    std::ofstream(dir / "unet" / "config.json") << R"({"_class_name": "UNet2DConditionModel", "sample_size": 16,
+      "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+      "block_out_channels": [8, 16], "layers_per_block": 1, "transformer_layers_per_block": [1, 2],
+      "cross_attention_dim": 12, "attention_head_dim": [2, 2], "norm_num_groups": 4, "use_linear_projection": true,
+      "addition_embed_type": "text_time", "addition_time_embed_dim": 4, "projection_class_embeddings_input_dim": 34})";
+  }
+  fm::UNet2DConditionModel m(c);
+  fd_test::perturb(m, 0.02, 21);
+  flame::StateDict original;
+  for (const auto& [k, t] : m.state_dict()) original.insert(ldm_key(k, c), t);
+  flame::io::save_safetensors((dir / "unet" / "diffusion_pytorch_model.safetensors").string(), m.state_dict());
+  flame::io::save_safetensors((dir / "unet_original.safetensors").string(), original);
+  const Inputs in = make_inputs(c, 2, 16, 16, 22);
+  const Tensor target = randn({2, 4, 16, 16}, 23);
+  flame::StateDict ref{{"input.sample", in.sample}, {"input.timestep", in.timestep},
+                       {"input.encoder_hidden_states", in.context}, {"input.text_embeds", in.added.text_embeds},
+                       {"input.time_ids", in.added.time_ids}, {"input.target", target}};
+  ref.insert("output.sample", run(m, in));
+  m.add_lora({.rank = 4, .alpha = 8.0});
+  {
+    flame::NoGradGuard no_grad;
+    for (auto& [k, t] : m.named_parameters()) {
+      if (k.find(".lora_B.") != std::string::npos) t.copy_(randn(t.sizes(), 24, 0.05));
+    }
+  }
+  const Tensor out = run(m, in);
+  const Tensor loss = flame::mse_loss(out, target);
+  const flame::Gradients g = loss.backward();
+  ref.insert("output.lora_sample", out.detach());
+  ref.insert("output.loss", loss.detach().reshape({1}));
+  for (const auto& [k, t] : m.named_parameters()) {
+    if (!t.requires_grad()) continue;
+    ref.insert("lora." + k, t.detach());
+    ref.insert("grad." + k, g.get(t));
+  }
+  flame::io::save_safetensors((dir / "reference.safetensors").string(), ref,
+                              {{"lora_rank", "4"}, {"lora_alpha", "8.0"}, {"dtype", "float32"}, {"config", "tiny-xl"}});
+  reference_parity("tiny-xl", c, dir);
+  std::filesystem::remove_all(dir);
+}
