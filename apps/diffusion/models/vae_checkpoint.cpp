@@ -225,6 +225,10 @@ VaeFileInfo inspect_vae(const Checkpoint& ck, const std::string& family, const s
 
 std::shared_ptr<AutoencoderKL> load_vae(const Checkpoint& ck, const VaeLoadOptions& options) {
   const VaeFileInfo info = inspect_vae(ck, options.family, options.config_json);
+  for (int64_t ch : info.config.block_out_channels)
+    FLAME_CHECK(ch % info.config.norm_num_groups == 0, "load_vae", ck.description(), " has block_out_channels ",
+                flame::shape_str(info.config.block_out_channels), ", which the ", info.family, " preset's ",
+                info.config.norm_num_groups, " norm groups do not divide: give the model's config.json (config_json)");
   const flame::DType dtype = vae_compute_dtype(options.dtype, info.config);
   auto vae = std::make_shared<AutoencoderKL>(info.config, flame::TensorOptions{dtype, options.device});
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
