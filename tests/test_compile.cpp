@@ -8,6 +8,9 @@
 #include "flame/compile.h"
 #include "flame/cuda/kernels.h"
 #include "flame/nn/attention.h"
+#include "flame/nn/conv.h"
+#include "flame/nn/embedding.h"
+#include "flame/nn/pool.h"
 #include "flame/nn/norm.h"
 #include "gradcheck.h"
 #include "test_util.h"
@@ -223,6 +226,59 @@ TEST(CompileFusion, DiTStyleBlock) {
   expect_same_as_eager(flat, in, g, 1e-5, 1e-5);
   EXPECT_EQ(g.stats().eager_ops, 2);
   EXPECT_EQ(g.stats().fused_kernels, 2);
+}
+
+// Every op kind is traceable (Note [Tracing]): conv, group norm, pooling, interpolate, cat, stack,
+// pad, index_select, gather and embedding replay as opaque eager steps, and the elementwise chains
+// between them fuse, forward and backward, instead of the whole function falling back.
+TEST(CompileFusion, OpaqueOpsKeepRegionsOnBothSides) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  namespace F = nn::functional;
+  Fn fn = [](const TensorList& in) -> TensorList {
+    const Tensor h = (in[0] * 2.0 + 1.0).silu();                             // region 1
+    const Tensor c = F::conv2d(h, in[1], in[2], {1}, 1);                     // conv2d
+    const Tensor n = F::group_norm(c * 0.5 + 0.25, 2, in[3], in[4], 1e-5);   // region 2, group_norm
+    const Tensor p = F::max_pool2d(n.tanh(), 2);                             // region 3, max_pool2d
+    const Tensor u = F::interpolate(p * 3.0, F::InterpolateOptions().with_scale(2.0));  // region 4, interpolate
+    const Tensor j = cat({u, F::avg_pool2d(n, 1)}, 1).relu();                // avg_pool2d, cat, region 5
+    const Tensor s = index_select(j, 1, in[5]) - gather(j, 1, in[6]);        // index_select, gather, region 6
+    const Tensor e = F::embedding(in[8], in[7]).sum({-1}).reshape({2, 1, 1, 1});  // embedding, sum
+    const Tensor t = stack({s, pad(s, {0, 0, 0, 0}) * 0.5}, 0).sum({0}) + e; // pad, region 7, stack, sum, region 8
+    return {t};
+  };
+  auto inputs = [&](bool grad) {
+    TensorList in = {make_input({{2, 3, 8, 8}, DType::f32, Layout::contiguous}, dev, 201),
+                     make_input({{4, 3, 3, 3}, DType::f32, Layout::contiguous}, dev, 202),
+                     make_input({{4}, DType::f32, Layout::contiguous}, dev, 203),
+                     make_input({{4}, DType::f32, Layout::contiguous}, dev, 204),
+                     make_input({{4}, DType::f32, Layout::contiguous}, dev, 205),
+                     Tensor::from_vec<int64_t>({0, 5, 2}, {3}, dev),
+                     Tensor::from_vec<int64_t>(std::vector<int64_t>(2 * 3 * 8 * 8, 1), {2, 3, 8, 8}, dev),
+                     make_input({{5, 6}, DType::f32, Layout::contiguous}, dev, 206),
+                     Tensor::from_vec<int64_t>({4, 1}, {2}, dev)};
+    if (grad) {
+      for (int i : {0, 1, 2, 3, 4, 7}) in[i].requires_grad_(true);
+    }
+    return in;
+  };
+  CompiledFunction f = compile(fn);
+  const double t = dev.is_cpu() ? 1e-5 : 1e-4;
+  expect_same_as_eager(fn, inputs(false), f, t, t);
+  const CompileStats st = f.stats();
+  // conv2d, group_norm, max_pool2d, interpolate, avg_pool2d, cat, index_select, gather, embedding,
+  // sum, reshape, pad, stack, sum
+  EXPECT_EQ(st.eager_ops, 14);
+  EXPECT_GE(st.fused_kernels, 6);
+  const TensorList ein = inputs(true), cin = inputs(true);
+  const Tensor seed = make_input({{2, 3, 8, 8}, DType::f32, Layout::contiguous}, dev, 207);
+  Gradients eg = fn(ein)[0].backward(BackwardOptions{seed});
+  f(cin);
+  Gradients cg = f(cin)[0].backward(BackwardOptions{seed});
+  EXPECT_EQ(f.fallback_reason(), "");
+  for (int i : {0, 1, 2, 3, 4, 7}) {
+    EXPECT_TRUE(all_close(cg.get(cin[i]), eg.get(ein[i]), 1e-4, 1e-5)) << "input " << i;
+  }
 }
 
 // adaLN as in the DiT: a GEMM of the conditioning chunked into shift/scale/gate, norm + modulate,

@@ -65,16 +65,14 @@ src/core/tensor.cpp -> include/flame/ops.h
 src/core/tensor.cpp -> src/autograd/rules/rules.h
 src/core/tensor.cpp -> src/backend/backend.h
 src/core/tensor.cpp -> src/backend/cpu/cpu_backend.h
-src/core/tensor.cpp -> src/compile/trace_hooks.h
+src/core/tensor.cpp -> src/ops/trace_hooks.h
 src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
 src/ops/adaln.cpp -> src/amp/autocast.h
 src/ops/adaln.cpp -> src/autograd/recompute.h
 src/ops/adaln.cpp -> src/autograd/record.h
-src/ops/adaln.cpp -> src/compile/trace_hooks.h
 src/ops/attention.cpp -> include/flame/autograd.h
 src/ops/attention.cpp -> src/amp/autocast.h
-src/ops/attention.cpp -> src/compile/trace_hooks.h
 src/ops/attention.cpp -> src/autograd/record.h
 src/ops/attention.cpp -> src/autograd/rules/attention.h
 src/ops/attention_packed.cpp -> include/flame/autograd.h
@@ -82,7 +80,6 @@ src/ops/attention_packed.cpp -> src/amp/autocast.h
 src/ops/attention_packed.cpp -> src/autograd/record.h
 src/ops/attention_packed.cpp -> src/autograd/rules/attention.h
 src/ops/attention_packed.cpp -> src/autograd/rules/attention_packed.h
-src/ops/attention_packed.cpp -> src/compile/trace_hooks.h
 src/ops/conv.cpp -> include/flame/autograd.h
 src/ops/conv.cpp -> src/amp/autocast.h
 src/ops/conv.cpp -> src/autograd/rules/conv.h
@@ -91,7 +88,6 @@ src/ops/elementwise.cpp -> src/amp/autocast.h
 src/ops/elementwise.cpp -> src/autograd/record.h
 src/ops/elementwise.cpp -> src/autograd/rules/inplace.h
 src/ops/elementwise.cpp -> src/autograd/rules/rules.h
-src/ops/elementwise.cpp -> src/compile/trace_hooks.h
 src/ops/index.cpp -> include/flame/autograd.h
 src/ops/index.cpp -> src/autograd/rules/rules.h
 src/ops/indexing.cpp -> include/flame/autograd.h
@@ -100,7 +96,6 @@ src/ops/joins.cpp -> src/autograd/rules/rules.h
 src/ops/linalg.cpp -> include/flame/autograd.h
 src/ops/linalg.cpp -> src/amp/autocast.h
 src/ops/linalg.cpp -> src/autograd/rules/rules.h
-src/ops/linalg.cpp -> src/compile/trace_hooks.h
 src/ops/linear_epilogue.cpp -> include/flame/autograd.h
 src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h
 src/ops/linear_epilogue.cpp -> src/amp/autocast.h
@@ -111,15 +106,12 @@ src/ops/norm.cpp -> include/flame/autograd.h
 src/ops/norm.cpp -> src/amp/autocast.h
 src/ops/norm.cpp -> src/autograd/recompute.h
 src/ops/norm.cpp -> src/autograd/rules/norm.h
-src/ops/norm.cpp -> src/compile/trace_hooks.h
 src/ops/pool.cpp -> src/autograd/record.h
 src/ops/pool.cpp -> src/autograd/rules/pool.h
 src/ops/reduce.cpp -> src/amp/autocast.h
 src/ops/reduce.cpp -> src/autograd/rules/rules.h
-src/ops/reduce.cpp -> src/compile/trace_hooks.h
 src/ops/views.cpp -> src/autograd/record.h
 src/ops/views.cpp -> src/autograd/rules/rules.h
-src/ops/views.cpp -> src/compile/trace_hooks.h
 """.split("\n")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"((?:src|flame)/[^"]+)"', re.M)

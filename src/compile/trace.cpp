@@ -1,7 +1,7 @@
 // Note [Tracing]
 // flame::compile traces by running the function eagerly once with a thread-local Tracer set
 // (trace while running: the first call's results are the eager results, autograd included). The
-// op layer reports to it through src/compile/trace_hooks.h:
+// op layer reports to it through src/ops/trace_hooks.h:
 //  - the elementwise family (unary, scalar, binary, where, dtype casts) reports each result with
 //    the operands its kernel read: these become ExprNodes of the traced graph;
 //  - ops that do not fuse but can be replayed (matmul, sum, mean, softmax) report themselves as

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "src/compile/ir.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame::compile_detail {
 

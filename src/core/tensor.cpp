@@ -26,7 +26,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/backend/cpu/cpu_backend.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
 #include "src/core/profiler_context.h"

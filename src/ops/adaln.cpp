@@ -34,7 +34,7 @@
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::nn::functional {

@@ -52,7 +52,7 @@
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/attention.h"
 #include "src/backend/backend.h"

@@ -32,7 +32,7 @@
 #include "src/autograd/rules/attention.h"
 #include "src/autograd/rules/attention_packed.h"
 #include "src/backend/backend.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::nn::functional {

@@ -24,6 +24,7 @@
 #include "src/amp/autocast.h"
 #include "src/autograd/rules/conv.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame {
 
@@ -155,6 +156,11 @@ struct ConvCall {
 
 Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride_arg,
                  const Padding& padding_arg, const Shape& dilation_arg, int64_t groups, const Shape& out_pad_arg) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, c.op, {input, weight, bias}, [=](const TensorList& in) {
+      return conv_impl(c, in[0], in[1], in[2], stride_arg, padding_arg, dilation_arg, groups, out_pad_arg);
+    });
+  }
   if (amp::detail::should_autocast(input)) {  // Note [Autocast policy]: low precision
     amp::detail::AutocastOpScope scope;
     return conv_impl(c, amp::detail::cast_low(input), amp::detail::cast_low(weight), amp::detail::cast_low(bias),

@@ -9,7 +9,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
 #include "src/opdef/scalar_math.h"

@@ -22,6 +22,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame {
 namespace {
@@ -107,6 +108,10 @@ Tensor triangle(const Tensor& x, int64_t diagonal, bool upper, const char* op) {
 }  // namespace
 
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "index_select", {x, index},
+                                          [dim](const TensorList& in) { return index_select(in[0], dim, in[1]); });
+  }
   check_defined(x, "index_select", "input");
   Tensor idx = index_arg(index, x, "index_select");
   FLAME_CHECK(idx.dim() <= 1, "index_select", "index must be 0-d or 1-d, got shape ", idx.sizes());
@@ -126,6 +131,10 @@ Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "gather", {x, index},
+                                          [dim](const TensorList& in) { return gather(in[0], dim, in[1]); });
+  }
   check_defined(x, "gather", "input");
   Tensor idx = index_arg(index, x, "gather");
   const int64_t d = wrap_dim(dim, x.dim(), "gather");
@@ -146,10 +155,18 @@ Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
 }
 
 Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "scatter", {x, index, src},
+                                          [dim](const TensorList& in) { return scatter(in[0], dim, in[1], in[2]); });
+  }
   return scatter_impl(x, dim, index, src, false, "scatter");
 }
 
 Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "scatter_add", {x, index, src},
+                                          [dim](const TensorList& in) { return scatter_add(in[0], dim, in[1], in[2]); });
+  }
   return scatter_impl(x, dim, index, src, true, "scatter_add");
 }
 
@@ -224,6 +241,10 @@ Tensor one_hot(const Tensor& index, int64_t num_classes) {
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& index) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "embedding", {weight, index},
+                                          [](const TensorList& in) { return embedding(in[0], in[1]); });
+  }
   check_defined(weight, "embedding", "weight");
   FLAME_CHECK(weight.dim() == 2, "embedding", "weight must be 2-d [num_embeddings, embedding_dim], got shape ",
               weight.sizes());

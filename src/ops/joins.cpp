@@ -23,6 +23,7 @@
 #include "src/backend/backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame {
 namespace {
@@ -126,6 +127,9 @@ void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shap
 // ---- flip, repeat ----
 
 Tensor flip(const Tensor& x, const Shape& dims) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "flip", {x}, [dims](const TensorList& in) { return flip(in[0], dims); });
+  }
   check_defined(x, "flip");
   const int64_t n = x.dim();
   std::vector<bool> seen(static_cast<std::size_t>(std::max<int64_t>(n, 1)), false);
@@ -143,6 +147,9 @@ Tensor flip(const Tensor& x, const Shape& dims) {
 }
 
 Tensor repeat(const Tensor& x, const Shape& repeats) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "repeat", {x}, [repeats](const TensorList& in) { return repeat(in[0], repeats); });
+  }
   check_defined(x, "repeat");
   const int64_t n = x.dim(), m = static_cast<int64_t>(repeats.size());
   FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats,
@@ -308,9 +315,17 @@ Tensor cat_as(const TensorList& tensors, int64_t dim, const char* op) {
 }
 }  // namespace
 
-Tensor cat(const TensorList& tensors, int64_t dim) { return cat_as(tensors, dim, "cat"); }
+Tensor cat(const TensorList& tensors, int64_t dim) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "cat", tensors, [dim](const TensorList& in) { return cat(in, dim); });
+  }
+  return cat_as(tensors, dim, "cat");
+}
 
 Tensor stack(const TensorList& tensors, int64_t dim) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "stack", tensors, [dim](const TensorList& in) { return stack(in, dim); });
+  }
   FLAME_CHECK(!tensors.empty(), "stack", "expected a non-empty list of tensors");
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     FLAME_CHECK(tensors[i].defined(), "stack", "tensor at position ", i, " is undefined");
@@ -336,6 +351,9 @@ Tensor stack(const TensorList& tensors, int64_t dim) {
 // ---- pad ----
 
 Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "pad", {x}, [=](const TensorList& in) { return pad(in[0], pads, mode, value); });
+  }
   check_defined(x, "pad");
   const int64_t n = x.dim(), npairs = static_cast<int64_t>(pads.size()) / 2;
   FLAME_CHECK(pads.size() % 2 == 0, "pad", "padding length must be even, got ", pads.size(), " values ", pads);

@@ -29,7 +29,7 @@
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame {
 namespace {

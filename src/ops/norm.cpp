@@ -22,7 +22,7 @@
 #include "src/autograd/recompute.h"
 #include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::nn::functional {
@@ -106,6 +106,11 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
 }
 
 Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, std::optional<double> eps) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "rms_norm", {x, weight}, [normalized_shape, eps](const TensorList& in) {
+      return rms_norm(in[0], normalized_shape, in[1], eps);
+    });
+  }
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
     amp::detail::AutocastOpScope scope;
     return rms_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), eps);
@@ -126,6 +131,11 @@ Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& we
 }
 
 Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "group_norm", {x, weight, bias}, [num_groups, eps](const TensorList& in) {
+      return group_norm(in[0], num_groups, in[1], in[2], eps);
+    });
+  }
   if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
     amp::detail::AutocastOpScope scope;
     return group_norm(amp::detail::cast_f32(x), num_groups, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);

@@ -12,6 +12,7 @@
 #include "src/autograd/rules/pool.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/trace_hooks.h"
 
 namespace flame::nn::functional {
 namespace {
@@ -95,6 +96,12 @@ std::pair<Tensor, Tensor> run_pool(const Tensor& x, const Tensor& x4, const Pool
 
 std::pair<Tensor, Tensor> max_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
                                    bool ceil_mode, bool want_indices) {
+  if (auto* tr = compile_detail::active_tracer(); tr && !want_indices) {  // an opaque step of a trace
+    return {compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
+              return max_pool(op, spatial, in[0], k, s, pad, dil, ceil_mode, false).first;
+            }),
+            Tensor()};
+  }
   const Tensor x4 = as_4d(x, spatial, op);
   if (s.h == 0 && s.w == 0) s = k;
   Pool2dParams p;
@@ -106,6 +113,11 @@ std::pair<Tensor, Tensor> max_pool(const char* op, int spatial, const Tensor& x,
 
 Tensor avg_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode,
                 bool count_include_pad, std::optional<int64_t> divisor_override) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
+      return avg_pool(op, spatial, in[0], k, s, pad, ceil_mode, count_include_pad, divisor_override);
+    });
+  }
   const Tensor x4 = as_4d(x, spatial, op);
   if (s.h == 0 && s.w == 0) s = k;
   Pool2dParams p;
@@ -123,6 +135,12 @@ Tensor avg_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, 
 
 std::pair<Tensor, Tensor> adaptive_pool(const char* op, int spatial, PoolMode mode, const Tensor& x, Size2 out,
                                         bool want_indices) {
+  if (auto* tr = compile_detail::active_tracer(); tr && !want_indices) {  // an opaque step of a trace
+    return {compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
+              return adaptive_pool(op, spatial, mode, in[0], out, false).first;
+            }),
+            Tensor()};
+  }
   const Tensor x4 = as_4d(x, spatial, op);
   Pool2dParams p;
   p.mode = mode;
@@ -179,6 +197,9 @@ std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size
 // antialias for bilinear and bicubic). 1-d runs as 2-d with H = 1 (size 1 -> 1 is the identity
 // in every mode). There is no unbatched form: PyTorch has none either.
 Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
+  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
+    return compile_detail::trace_eager_op(*tr, "interpolate", {x}, [o](const TensorList& in) { return interpolate(in[0], o); });
+  }
   const char* op = "interpolate";
   FLAME_CHECK(x.defined(), op, "got an undefined tensor");
   FLAME_CHECK(x.dim() == 3 || x.dim() == 4, op, "expected a 3-d [N, C, L] (1-d interpolation) or 4-d [N, C, H, W] ",

@@ -7,7 +7,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
 #include "src/core/checked_math.h"
-#include "src/compile/trace_hooks.h"
+#include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
 // flame::compile replays a view taken while tracing as an eager step (the view op itself, so

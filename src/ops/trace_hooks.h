@@ -1,5 +1,6 @@
 #pragma once
-// The op layer's seam to the tracer of flame::compile (Note [Tracing] in src/compile/trace.cpp).
+// The op layer's seam to the tracer of flame::compile (Note [Tracing] in src/compile/trace.cpp): the
+// op layer owns these declarations, src/compile implements them (so no op includes compile).
 // Each hook is one thread-local pointer test when no function is being traced.
 #include <functional>
 #include <string>
