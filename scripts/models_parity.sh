@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The real model families (apps/diffusion/models) against diffusers on a GPU machine, in one call,
+# with a short summary printed LAST (apps/diffusion/README.md, "Models and checkpoint files").
+#
+#   scripts/models_parity.sh [--build-dir DIR] [--stages LIST] [--budget SECONDS]
+#
+# Stages (comma-separated, in this order; default: refs,tests,vae,unet):
+#   refs       the reduced-configuration reference files of the CPU tests (models_vae.py --reduced,
+#              models_unet.py --config tiny-xl/tiny-sd), written to $OUT/refs (the device tool
+#              brings $OUT back; commit them under apps/diffusion/tests/data/models/)
+#   tests      diffusion_tests' model suites on the CPU (against those references) and on CUDA
+#   vae        each VAE (sd, sdxl, sd3, flux) at 256² in f32 and bf16: diffusers makes it with
+#              random weights, saves both file formats and its outputs; vae_parity compares
+#   vae1024    the same at 1024²
+#   unet       the SDXL UNet on 128x128 latents, f32 and bf16: outputs and LoRA gradients
+#   time       bf16 timings beside diffusers: VAE decode/encode at 1024² (sdxl, flux), the SDXL UNet
+#              LoRA r16 training step (batch 1 and 4, with and without gradient checkpointing)
+# diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
+# (carry it; `pip download --no-deps diffusers==0.42.0 importlib_metadata zipp -d .whl`).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=build
+STAGES=refs,tests,vae,unet
+BUDGET=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --build-dir) BUILD=$2; shift 2 ;;
+    --stages) STAGES=$2; shift 2 ;;
+    --budget) BUDGET=$2; shift 2 ;;
+    *) echo "models_parity: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+OUT=${OUT:-$BUILD/models_out}
+mkdir -p "$OUT"
+LOG=$OUT/models.log
+SUMMARY=$OUT/models_summary.txt
+: > "$SUMMARY"
+START=$(date +%s)
+say() { echo "[models $(( $(date +%s) - START ))s] $*"; }
+note() { echo "$*" >> "$SUMMARY"; }
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# Seconds left of the budget (a large number without one).
+left() { if [ "$BUDGET" -gt 0 ]; then echo $(( BUDGET - ($(date +%s) - START) )); else echo 100000; fi; }
+
+# Python: diffusers from the carried wheels when the machine has none.
+if ! python3 -c "import diffusers" 2>/dev/null; then
+  PYLIB=/tmp/flame_pylib
+  if ! python3 -m pip install -q --no-index --no-deps --target "$PYLIB" .whl/*.whl >> "$LOG" 2>&1; then
+    note "python: installing .whl/*.whl failed (see $LOG)"
+  fi
+  export PYTHONPATH=$PYLIB${PYTHONPATH:+:$PYTHONPATH}
+fi
+python3 -c "import diffusers, torch; print('diffusers', diffusers.__version__, 'torch', torch.__version__)" 2>&1 | tee -a "$SUMMARY"
+
+say "build in $BUILD"
+if [ ! -f "$BUILD/build.ninja" ]; then
+  eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
+fi
+if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity >> "$LOG" 2>&1; then
+  note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
+fi
+note "build: ok ($(( $(date +%s) - START )) s)"
+BIN=$BUILD/apps/diffusion
+run() {  # run NAME SECONDS CMD...: the output goes to the log; its PASS/FAIL/time lines to the summary
+  local name=$1 limit=$2; shift 2
+  local l; l=$(left)
+  [ "$l" -lt "$limit" ] && limit=$l
+  if [ "$limit" -le 5 ]; then note "$name: not run (budget spent)"; return; fi
+  say "$name"
+  local out rc
+  out=$(timeout "$limit" "$@" 2>&1); rc=$?
+  printf '== %s (rc %s)\n%s\n' "$name" "$rc" "$out" >> "$LOG"
+  local lines; lines=$(echo "$out" | grep -E "PASS|FAIL|ms|GiB|MFU|max_abs|error|Error|PASSED|FAILED|SKIPPED" | tail -14)
+  note "$name (rc $rc):"
+  [ -n "$lines" ] && echo "$lines" | sed 's/^/  /' >> "$SUMMARY"
+  [ "$rc" -eq 124 ] && note "  timed out after ${limit}s"
+}
+
+if has refs; then
+  mkdir -p "$OUT/refs"
+  run "refs: vae reduced" 300 python3 apps/diffusion/reference/models_vae.py --reduced --out "$OUT/refs"
+  run "refs: unet tiny-xl" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-xl --out "$OUT/refs/unet2d-tiny-xl"
+  run "refs: unet tiny-sd" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-sd --out "$OUT/refs/unet2d-tiny-sd"
+  # The tests read them from the source tree.
+  mkdir -p apps/diffusion/tests/data/models && cp -r "$OUT/refs/." apps/diffusion/tests/data/models/
+fi
+if has tests; then
+  run "tests: models on cpu" 300 "$BIN/diffusion_tests" --gtest_brief=1 --gtest_filter='Models*:UNet2D*'
+  run "tests: models on cuda" 300 env FLAME_TEST_DEVICE=cuda "$BIN/diffusion_tests" --gtest_brief=1 --gtest_filter='Models*:UNet2D*'
+fi
+vae_stage() {  # vae_stage SIZE
+  for c in sd sdxl sd3 flux; do
+    for d in f32 bf16; do
+      local dir=/tmp/vae_${c}_$1_$d
+      run "vae $c ${1}² $d: diffusers" 240 python3 apps/diffusion/reference/models_vae.py --config $c --size "$1" --dtype $d --out "$dir"
+      run "vae $c ${1}² $d: flame" 240 "$BIN/vae_parity" --dir "$dir"
+      rm -rf "$dir"
+    done
+  done
+}
+has vae && vae_stage 256
+has vae1024 && vae_stage 1024
+if has unet; then
+  for d in f32 bf16; do
+    run "unet sdxl 128 $d: diffusers" 300 python3 apps/diffusion/reference/models_unet.py --config sdxl --latent 128 --dtype $d --out /tmp/unet_sdxl_$d
+    run "unet sdxl 128 $d: flame" 300 "$BIN/unet_parity" check --dir /tmp/unet_sdxl_$d --device cuda
+    rm -rf /tmp/unet_sdxl_$d
+  done
+fi
+if has time; then
+  for c in sdxl flux; do
+    run "time vae $c: diffusers" 300 python3 apps/diffusion/reference/models_vae.py --config $c --size 256 --dtype bf16 --out /tmp/vae_t_$c --time
+    run "time vae $c: flame" 300 "$BIN/vae_parity" --dir /tmp/vae_t_$c --time
+  done
+  run "time unet sdxl: diffusers" 400 python3 apps/diffusion/reference/models_unet.py --config sdxl --time --batch-list 1,4 --checkpointing 0,1
+  run "time unet sdxl: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1,4 --checkpointing 0,1
+fi
+echo
+echo "===== models_parity summary ($(( $(date +%s) - START )) s; log: $LOG) ====="
+cat "$SUMMARY"
