@@ -11,7 +11,7 @@
 #   tests      diffusion_tests' model suites on the CPU (against those references) and on CUDA
 #   vae        each VAE (sd, sdxl, sd3, flux) at 256² in f32 and bf16: diffusers makes it with
 #              random weights, saves both file formats and its outputs; vae_parity compares
-#   vae1024    the same at 1024²
+#   vae1024    the same at 1024² (VAE_CONFIGS="sdxl flux" limits the families of both stages)
 #   unet       the SDXL UNet on 128x128 latents, f32 and bf16: outputs and LoRA gradients
 #   time       bf16 timings beside diffusers: VAE decode/encode at 1024² (sdxl, flux), the SDXL UNet
 #              LoRA r16 training step (batch 1 and 4, with and without gradient checkpointing)
@@ -71,7 +71,7 @@ run() {  # run NAME SECONDS CMD...: the output goes to the log; its PASS/FAIL/ti
   local out rc
   out=$(timeout "$limit" "$@" 2>&1); rc=$?
   printf '== %s (rc %s)\n%s\n' "$name" "$rc" "$out" >> "$LOG"
-  local lines; lines=$(echo "$out" | grep -E "PASS|FAIL|ms|GiB|MFU|max_abs|error|Error|PASSED|FAILED|SKIPPED" | tail -14)
+  local lines; lines=$(echo "$out" | grep -E "PASS|FAIL|ms|GiB|MFU|max abs|error|Error|PASSED|FAILED|SKIPPED" | tail -40)
   note "$name (rc $rc):"
   [ -n "$lines" ] && echo "$lines" | sed 's/^/  /' >> "$SUMMARY"
   [ "$rc" -eq 124 ] && note "  timed out after ${limit}s"
@@ -90,7 +90,7 @@ if has tests; then
   run "tests: models on cuda" 300 env FLAME_TEST_DEVICE=cuda "$BIN/diffusion_tests" --gtest_brief=1 --gtest_filter='Models*:UNet2D*'
 fi
 vae_stage() {  # vae_stage SIZE
-  for c in sd sdxl sd3 flux; do
+  for c in ${VAE_CONFIGS:-sd sdxl sd3 flux}; do
     for d in f32 bf16; do
       local dir=/tmp/vae_${c}_$1_$d
       run "vae $c ${1}² $d: diffusers" 240 python3 apps/diffusion/reference/models_vae.py --config $c --size "$1" --dtype $d --out "$dir"
