@@ -7,9 +7,13 @@
 //    so that a node saving one stores the recipe instead; same gradients, fewer saved bytes, and
 //    in-place writes to the recipe's inputs or to the marked tensor after the save still raise;
 //    layer_norm and rms_norm; a marked tensor captured by checkpoint() keeps its identity;
+//    the unary activations (gelu, silu, ...), a GEGLU's gelu of a chunk view, group_norm before
+//    SiLU (also under autocast); an output that needs no gradient is not marked;
 //    RecomputeCheap.GraphedStepCuda: the recomputes inside a backward captured by cuda::GraphedStep
 //    (replays give the eager, non-recompute gradients; skips without a GPU).
 #include <cmath>
+#include <functional>
+#include <optional>
 
 #include "flame/cuda/graph_step.h"
 #include "flame/nn.h"
@@ -495,6 +499,189 @@ TEST(RecomputeCheap, InputWrittenBeforeSaveFallsBack) {
       w, randn_f64({2, 5, 8}, 593));
   expect_same_grads(rec, base, rerun_tol(DType::f32), "input written before the save");
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
+}
+
+// ---- activations and group_norm (a UNet's GEGLU and GroupNorm -> SiLU) ----
+
+struct Activation {
+  const char* name;
+  std::function<Tensor(const Tensor&)> fn;
+  bool marked;  // its gradient reads x only (relu and tanh save their output themselves)
+};
+
+std::vector<Activation> activations() {
+  return {{"gelu", [](const Tensor& x) { return x.gelu(); }, true},
+          {"gelu_tanh", [](const Tensor& x) { return x.gelu(true); }, true},
+          {"silu", [](const Tensor& x) { return x.silu(); }, true},
+          {"mish", [](const Tensor& x) { return x.mish(); }, true},
+          {"softplus", [](const Tensor& x) { return x.softplus(2.0, 1.5); }, true},
+          {"leaky_relu", [](const Tensor& x) { return x.leaky_relu(0.2); }, true},
+          {"elu", [](const Tensor& x) { return x.elu(0.7); }, true},
+          {"hardswish", [](const Tensor& x) { return hardswish(x); }, true},
+          {"hardsigmoid", [](const Tensor& x) { return hardsigmoid(x); }, true},
+          {"relu", [](const Tensor& x) { return x.relu(); }, false},
+          {"tanh", [](const Tensor& x) { return x.tanh(); }, false}};
+}
+
+TEST(RecomputeCheap, UnaryActivations) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (DType dt : mlp_dtypes()) {
+    for (const Activation& a : activations()) {
+      const TensorList t =
+          make_leaves({randn_f64({3, 7, 16}, 800), randn_f64({8, 16}, 801, 0.3), randn_f64({8}, 802)}, dt, dev);
+      Tensor act;
+      const auto [rec, base] = run_with_and_without(
+          [&](const TensorList& l) {
+            act = a.fn(l[0] * 1.5);
+            return F::linear(act, l[1], l[2]);  // saves act for the weight's gradient
+          },
+          t, randn_f64({3, 7, 8}, 803));
+      const std::string what = std::string(a.name) + " " + dtype_name(dt);
+      expect_same_grads(rec, base, rerun_tol(dt), what);
+      // The activation's node saves its input anyway: the recipe adds nothing and act goes.
+      EXPECT_EQ(base.saved_bytes - rec.saved_bytes, a.marked ? bytes_of(act) : 0) << what;
+    }
+  }
+}
+
+// A GEGLU (diffusers' feed-forward): [h, gate] = chunk(proj(x)), out = h * gelu(gate). The
+// product saves gelu(gate); its recipe reads the gate, a view that the gelu node saves anyway.
+TEST(RecomputeCheap, GegluGateOfAChunk) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({randn_f64({2, 9, 12}, 820), randn_f64({40, 12}, 821, 0.3), randn_f64({40}, 822),
+                                    randn_f64({12, 20}, 823, 0.2), randn_f64({12}, 824)},
+                                   DType::f32, dev);
+  const Tensor v = randn_f64({2, 9, 12}, 825);
+  for (int mode = 0; mode < 3; ++mode) {  // 0: the dtype of the leaves, 1: f64 (CPU) or bf16, 2: bf16 autocast
+    const DType dt = mode == 1 ? (dev.is_cpu() ? DType::f64 : DType::bf16) : DType::f32;
+    TensorList l0;
+    for (const Tensor& x : t) l0.push_back(x.detach().to(dt).requires_grad_());
+    Tensor gate_act;
+    const auto [rec, base] = run_with_and_without(
+        [&](const TensorList& l) {
+          std::optional<amp::AutocastGuard> ac;
+          if (mode == 2) ac.emplace(DType::bf16, dev.type);
+          const TensorList parts = F::linear(l[0], l[1], l[2]).chunk(2, -1);
+          gate_act = parts[1].gelu();
+          return F::linear(parts[0] * gate_act, l[3], l[4]);
+        },
+        l0, v);
+    const std::string what = "mode " + std::to_string(mode);
+    EXPECT_EQ(gate_act.dtype(), mode == 2 ? DType::bf16 : dt) << what;
+    expect_same_grads(rec, base, rerun_tol(mode == 0 ? dt : DType::bf16), what);
+    EXPECT_EQ(base.saved_bytes - rec.saved_bytes, bytes_of(gate_act)) << what;
+  }
+}
+
+// GroupNorm -> SiLU -> conv (a ResnetBlock2D). With the conv frozen (a LoRA elsewhere) only SiLU
+// saves anything here: the norm's output goes, its recipe adds the bias. With the conv trained it
+// saves SiLU's output too; that recipe holds the norm's output as a plain tensor (recipe inputs
+// are never recipes themselves), so one of the two goes: SiLU's, less the norm's bias.
+TEST(RecomputeCheap, GroupNormThenSilu) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (DType dt : mlp_dtypes()) {
+    for (bool conv_trains : {false, true}) {
+      const TensorList t = make_leaves({randn_f64({2, 8, 5, 3}, 840), randn_f64({8}, 841), randn_f64({8}, 842),
+                                        randn_f64({6, 8, 3, 3}, 843, 0.2)},
+                                       dt, dev, {false, false, false, !conv_trains});
+      Tensor g;
+      const auto [rec, base] = run_with_and_without(
+          [&](const TensorList& l) {
+            g = F::group_norm(l[0] * 1.0, 4, l[1], l[2], 1e-5);
+            return F::conv2d(g.silu(), l[3], {}, {1}, {1});
+          },
+          t, randn_f64({2, 6, 5, 3}, 844));
+      const std::string what = std::string(dtype_name(dt)) + (conv_trains ? " conv trains" : " conv frozen");
+      expect_same_grads(rec, base, rerun_tol(dt), what);
+      const std::size_t bias = 8 * dtype_size(dt);
+      EXPECT_EQ(base.saved_bytes - rec.saved_bytes, bytes_of(g) - bias) << what;  // g and SiLU's output: equal sizes
+    }
+  }
+}
+
+// Under autocast the norm runs in f32 and so does the SiLU after it; the conv saves the bf16 copy
+// it makes. What goes is the norm's f32 output (less its f32 bias).
+TEST(RecomputeCheap, GroupNormUnderAutocast) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({randn_f64({2, 8, 6, 4}, 860), randn_f64({8}, 861), randn_f64({8}, 862),
+                                    randn_f64({4, 8, 1, 1}, 863, 0.3)},
+                                   DType::f32, dev);
+  Tensor g;
+  const auto [rec, base] = run_with_and_without(
+      [&](const TensorList& l) {
+        amp::AutocastGuard ac(DType::bf16, dev.type);
+        g = F::group_norm(l[0].to(DType::bf16) * 1.0, 2, l[1], l[2], 1e-6);
+        return F::conv2d(g.silu(), l[3]);
+      },
+      t, randn_f64({2, 4, 6, 4}, 864));
+  EXPECT_EQ(g.dtype(), DType::f32);
+  expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : rerun_tol(DType::bf16), "autocast");
+  EXPECT_EQ(base.saved_bytes - rec.saved_bytes, bytes_of(g) - 8 * 4);
+}
+
+TEST(RecomputeCheap, InPlaceWritesAfterTheSaveRaise) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList t = make_leaves({randn_f64({2, 8, 4, 4}, 880), randn_f64({8}, 881), randn_f64({8}, 882),
+                                    randn_f64({5, 8}, 883, 0.3)},
+                                   DType::f32, dev);
+  autograd::RecomputeCheap guard;
+  auto expect_raises = [](const Tensor& loss, const std::string& what) {
+    try {
+      (void)loss.backward();
+      ADD_FAILURE() << what << ": no error";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in-place"), std::string::npos) << what << ": " << e.what();
+    }
+  };
+  {  // the activation's output, written after the linear layer saved it
+    Tensor s = (t[0] * 1.0).permute({0, 2, 3, 1}).gelu();
+    const Tensor loss = F::linear(s, t[3]).square().sum();
+    {
+      NoGradGuard ng;
+      s.mul_(2.0);
+    }
+    expect_raises(loss, "activation output");
+  }
+  {  // group_norm's output, written after SiLU saved it
+    Tensor g = F::group_norm(t[0] * 1.0, 2, t[1], t[2], 1e-5);
+    const Tensor loss = g.silu().sum();
+    {
+      NoGradGuard ng;
+      g.add_(1.0);
+    }
+    expect_raises(loss, "group_norm output");
+  }
+  {  // group_norm's input (a recipe input), written after the save
+    Tensor x = t[0] * 1.0;
+    const Tensor loss = F::group_norm(x, 2, t[1], t[2], 1e-5).silu().sum();
+    {
+      NoGradGuard ng;
+      x.add_(1.0);
+    }
+    EXPECT_THROW((void)loss.backward(), Error);
+  }
+}
+
+// An activation whose output needs no gradient had no node record it: its input would be held by
+// the recipe alone, so it is not marked and a consumer saves the output as is.
+TEST(RecomputeCheap, OutputWithoutGradientIsNotMarked) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const TensorList w = make_leaves({randn_f64({4, 6}, 900)}, DType::f32, dev);
+  const Tensor x = randn_f64({4, 6}, 901).to(DType::f32).to(dev);
+  const auto [rec, base] = run_with_and_without(
+      [&](const TensorList& l) {
+        return (l[0] * x.silu()) + (l[0] * F::group_norm(x.unsqueeze(0), 2, {}, {}, 1e-5).squeeze(0));
+      },
+      w, randn_f64({4, 6}, 902));
+  expect_same_grads(rec, base, rerun_tol(DType::f32), "no gradient");
+  EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
+  EXPECT_EQ(base.saved_bytes, std::size_t{2 * 4 * 6 * 4});
 }
 
 TEST(RecomputeCheap, GraphedStepCuda) {

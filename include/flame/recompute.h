@@ -8,7 +8,9 @@
 //   loss.backward();                        // nodes that saved a marked output recompute it
 //
 // While a RecomputeCheap guard is alive (and enabled) on the thread, ops that are cheap to redo
-// (today F::layer_norm_modulate, F::layer_norm, F::rms_norm) attach a recipe to their output: the op's inputs, held as saved
+// (F::layer_norm_modulate, F::layer_norm, F::rms_norm, F::group_norm, and the activations gelu,
+// silu, mish, softplus, leaky_relu, elu, hardswish, hardsigmoid) attach a recipe to their output
+// when it requires grad: the op's inputs, held as saved
 // tensors, and the call that made it. A node that later saves that output for its backward (a
 // linear layer's input, kept for the weight gradient) keeps the recipe instead of the tensor, so
 // the output's memory is freed as soon as the forward is done with it, and the backward reruns

@@ -4,10 +4,14 @@
 // Activation memory of a training step is mostly tensors saved for the weight gradients of the
 // next layer: the input of a linear layer is often the output of a normalisation that costs one
 // pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate,
-// layer_norm, rms_norm) marks its output, as one op (the ops of its composite path do not):
-// Storage::recipe holds the op's inputs as SavedTensors and a function that reruns the op. The
-// mark sits on the storage, not the tensor, because the consumer usually saves a view of the
-// output it made itself (a reshape to [rows, in] under no-grad).
+// layer_norm, rms_norm, group_norm, and the unary activations whose gradient reads only their
+// input: gelu, silu, ..., opdef::recomputable_activation) marks its output, as one op (the ops of
+// its composite path do not): Storage::recipe holds the op's inputs as SavedTensors and a
+// function that reruns the op. The mark sits on the storage, not the tensor, because the
+// consumer usually saves a view of the output it made itself (a reshape to [rows, in] under
+// no-grad). Only an output that requires grad is marked: then the op's own node saves the
+// inputs the recipe holds (x, and the weight of a norm), so the recipe costs no bytes beyond a
+// norm's bias; an op that was not recorded would leave the recipe the only holder of its inputs.
 //  - Save: SavedTensor's constructor sees the storage's recipe and, where saved-tensor hooks
 //    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
 //    that requires grad), keeps a RecomputedSaved instead of the tensor when the recipe still
@@ -60,7 +64,9 @@ namespace autograd_detail {
 bool should_mark_recomputable() { return t_recompute_cheap && grad_enabled(); }
 
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn) {
-  if (!out.defined() || out.numel() == 0) return;
+  // An output that needs no gradient had no node record its op, so nothing else holds the recipe's
+  // inputs: keeping them instead of the output would gain nothing (or cost, for wider inputs).
+  if (!out.defined() || out.numel() == 0 || !out.requires_grad()) return;
   const TensorImpl& impl = *out.impl();
   if (!impl.storage || impl.offset != 0 || !out.is_contiguous() ||
       impl.storage->nbytes != static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype()))

@@ -90,6 +90,9 @@ ChannelShape channel_shape(const Tensor& x, const char* op) {
   return {x.sizes()[0], x.sizes()[1], s};
 }
 
+// group_norm below its tracer and autocast steps (also the recipe of its marked output).
+Tensor group_norm_impl(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps);
+
 }  // namespace
 
 Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
@@ -140,6 +143,12 @@ Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, con
     amp::detail::AutocastOpScope scope;
     return group_norm(amp::detail::cast_f32(x), num_groups, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);
   }
+  return group_norm_impl(x, num_groups, weight, bias, eps);
+}
+
+namespace {
+
+Tensor group_norm_impl(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
   const char* op = "group_norm";
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);
@@ -155,8 +164,17 @@ Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, con
   Tensor rstd = make_empty({cs.n * num_groups}, sd, x.device(), op);
   if (x.numel() > 0) backend::backend_for(x.device()).group_norm_forward(y, mean, rstd, xc, wc, bc, num_groups, eps);
   rules::group_norm(y, xc, wc, bc, mean, rstd, num_groups);
+  // Under autograd::RecomputeCheap a node that saves y (the SiLU after it) keeps this call instead
+  // (Note [Recompute cheap] in src/autograd/recompute.cpp); the norm node saves x and weight anyway.
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, op, {xc, wc, bc}, [num_groups, eps](const TensorList& in) {
+      return group_norm_impl(in[0], num_groups, in[1], in[2], eps);
+    });
+  }
   return y;
 }
+
+}  // namespace
 
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
                   const Tensor& bias, bool training, double momentum, double eps) {
