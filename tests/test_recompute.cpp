@@ -15,6 +15,8 @@
 #include <functional>
 #include <optional>
 
+#include "flame/cpu.h"
+#include "flame/cuda.h"
 #include "flame/cuda/graph_step.h"
 #include "flame/nn.h"
 #include "flame/nn/adaln.h"
@@ -665,6 +667,32 @@ TEST(RecomputeCheap, InPlaceWritesAfterTheSaveRaise) {
     }
     EXPECT_THROW((void)loss.backward(), Error);
   }
+}
+
+// The marked output's memory goes back to the allocator once the forward drops it, with the graph
+// still alive (a CPU storage lives in its data block: nothing of the recipe may hold it).
+TEST(RecomputeCheap, MarkedOutputMemoryIsReleased) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  auto allocated = [&] {
+    return dev.is_cpu() ? cpu::memory_stats().allocated_bytes : cuda::memory_stats(dev.index).allocated_bytes;
+  };
+  const TensorList t = make_leaves({randn_f64({64, 256}, 920), randn_f64({8, 256}, 921, 0.1)}, DType::f32, dev);
+  const std::size_t act_bytes = 64 * 256 * 4;
+  auto held = [&](bool cheap) {
+    const std::size_t before = allocated();
+    Tensor y;
+    {
+      autograd::RecomputeCheap guard(cheap);
+      y = F::linear(t[0].silu(), t[1]);  // the linear layer saves silu's output (or its recipe)
+    }
+    const std::size_t during = allocated() - before;
+    const Gradients g = y.sum().backward();
+    EXPECT_TRUE(g.get(t[1]).defined());
+    return during;
+  };
+  const std::size_t plain = held(false), cheap = held(true);
+  EXPECT_GE(plain - cheap, act_bytes) << "plain " << plain << " cheap " << cheap;
 }
 
 // An activation whose output needs no gradient had no node record it: its input would be held by

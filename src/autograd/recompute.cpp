@@ -31,9 +31,14 @@
 //    packed by saved-tensor hooks (they are mostly tensors the op's own node saves anyway;
 //    offloading them twice would cost a second copy) and not replaced by their own recipes.
 //    autograd_saved_bytes() counts them.
-//  - Lifetime: the recipe lives as long as the output's storage or a node that saved it. A
-//    caller who keeps the output also keeps the recipe's inputs: mark only inside a training
-//    forward.
+//  - Lifetime: the recipe (RecipeBody) lives as long as the output's storage or a node that saved
+//    it. A caller who keeps the output also keeps the recipe's inputs: mark only inside a training
+//    forward. Nothing of the recipe refers to the storage's shared_ptr, not even weakly: a CPU
+//    storage lives in its data block with its control block (Note [Storage in its block] in
+//    src/backend/cpu/cpu_allocator.cpp), so a weak_ptr would hold the output's bytes until the
+//    backward. The storage owns its mark (Storage::recipe) alone; the mark's destructor, which
+//    runs as the storage goes, clears the RecipeTarget that the version check reads under its
+//    mutex.
 //  - The recipe launches ordinary ops on the current stream, so a backward under CUDA-graph
 //    capture records them like any other rule's work.
 #include "src/autograd/recompute.h"
@@ -71,22 +76,31 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& inpu
   if (!impl.storage || impl.offset != 0 || !out.is_contiguous() ||
       impl.storage->nbytes != static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype()))
     return;  // not the sole content of its storage: nothing to gain, keep it saved as is
-  auto r = std::make_shared<Recipe>();
+  auto r = std::make_shared<RecipeBody>();
   r->op = op;
   r->inputs.reserve(inputs.size());
   for (const Tensor& t : inputs) r->inputs.emplace_back(t, op, /*detach=*/true, /*allow_hooks=*/false);
   r->fn = std::move(fn);
-  r->storage = impl.storage;
+  r->target = std::make_shared<RecipeTarget>();
+  r->target->storage = impl.storage.get();
   r->version = impl.storage->version.load();
   r->sizes = out.sizes();
   r->dtype = out.dtype();
   r->device = out.device();
-  impl.storage->recipe = std::move(r);
+  auto mark = std::make_shared<Recipe>();
+  mark->body = std::move(r);
+  impl.storage->recipe = std::move(mark);
+}
+
+Recipe::~Recipe() {
+  if (!body) return;
+  std::lock_guard<std::mutex> lock(body->target->mutex);
+  body->target->storage = nullptr;
 }
 
 std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
   const TensorImpl& impl = *t.impl();
-  const std::shared_ptr<const Recipe>& r = impl.storage->recipe;
+  const std::shared_ptr<const RecipeBody>& r = impl.storage->recipe->body;
   if (impl.storage->version.load() != r->version || impl.offset != 0 || !t.is_contiguous() ||
       t.dtype() != r->dtype || t.numel() != shape_numel(r->sizes))
     return nullptr;
@@ -116,13 +130,15 @@ class RecipeScope {
 }  // namespace
 
 Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char* op) {
-  const Recipe& r = *s.recipe;
-  if (const std::shared_ptr<Storage> st = r.storage.lock()) {
-    const uint64_t now = st->version.load();
-    FLAME_CHECK(now == version, "backward", "a tensor saved for the gradient of ", op, " (shape ", s.sizes,
-                ", recomputable output of ", r.op, ") was modified by an in-place op: its version is ", now,
-                ", expected ", version);
+  const RecipeBody& r = *s.recipe;
+  uint64_t now = version;
+  {
+    std::lock_guard<std::mutex> lock(r.target->mutex);
+    if (r.target->storage) now = r.target->storage->version.load();  // the output is still alive
   }
+  FLAME_CHECK(now == version, "backward", "a tensor saved for the gradient of ", op, " (shape ", s.sizes,
+              ", recomputable output of ", r.op, ") was modified by an in-place op: its version is ", now,
+              ", expected ", version);
   TensorList in;
   in.reserve(r.inputs.size());
   for (const SavedTensor& t : r.inputs) {

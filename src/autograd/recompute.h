@@ -4,6 +4,7 @@
 // recompute.cpp.
 #include <functional>
 #include <memory>
+#include <mutex>
 
 #include "src/autograd/node.h"
 
@@ -15,19 +16,36 @@ extern thread_local bool t_recompute_cheap;
 // off while it runs). Must return the output's shape, dtype and device.
 using RecipeFn = std::function<Tensor(const TensorList& inputs)>;
 
-struct Recipe {
+// The output's storage as its recipe sees it (Note [Recompute cheap], "Lifetime"): set while the
+// storage is alive, cleared by the storage's mark as the storage goes.
+struct RecipeTarget {
+  std::mutex mutex;
+  const Storage* storage = nullptr;
+};
+
+struct RecipeBody {
   const char* op = "";  // static: the op that wrote the output (for error messages)
   std::vector<SavedTensor> inputs;
   RecipeFn fn;
-  std::weak_ptr<Storage> storage;  // the output's (the version check while it is alive)
-  uint64_t version = 0;            // the output's storage version when marked
+  std::shared_ptr<RecipeTarget> target;  // the version check while the output's storage is alive
+  uint64_t version = 0;                  // the output's storage version when marked
   Shape sizes;
   DType dtype = DType::f32;
   Device device;
 };
 
+// Storage::recipe: the mark, owned by the output's storage alone (nodes that save the output hold
+// the body), so that it goes with the storage and tells the target.
+struct Recipe {
+  std::shared_ptr<const RecipeBody> body;
+  Recipe() = default;
+  Recipe(const Recipe&) = delete;
+  Recipe& operator=(const Recipe&) = delete;
+  ~Recipe();
+};
+
 struct RecomputedSaved {
-  std::shared_ptr<const Recipe> recipe;
+  std::shared_ptr<const RecipeBody> recipe;
   Shape sizes;  // the saved tensor's shape (a contiguous view of the whole output)
 };
 
