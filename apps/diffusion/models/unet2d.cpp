@@ -6,6 +6,7 @@
 #include <cmath>
 #include <functional>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -680,6 +681,8 @@ Tensor UNet2DConditionModel::forward(const Tensor& sample, const Tensor& timeste
   FLAME_CHECK(encoder_hidden_states.defined() && encoder_hidden_states.dim() == 3 &&
                   encoder_hidden_states.size(0) == sample.size(0),
               op, "encoder_hidden_states must be [B, S, D] with B = ", sample.size(0));
+  std::optional<flame::autograd::RecomputeCheap> recompute;  // Note [UNet2D layout], "Cheap recompute"
+  if (recompute_cheap_) recompute.emplace();
   Tensor x = c.center_input_sample ? sample * 2.0 - 1.0 : sample;
   const Tensor emb = time_and_added_embedding(sample, timestep, added);
 

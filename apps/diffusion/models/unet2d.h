@@ -31,6 +31,13 @@
 // BasicTransformerBlock runs under flame::checkpoint while grad mode is on (diffusers checkpoints
 // the same units), so only block inputs are kept and each block's forward is run again in the
 // backward.
+//
+// Cheap recompute (set_recompute_cheap): the forward runs under flame::autograd::RecomputeCheap
+// (docs/recompute.md), so the tensors saved for the backward that are outputs of one cheap op are
+// kept as that op's recipe and redone in the backward: in each BasicTransformerBlock the outputs of
+// norm1 and norm2 (saved by the LoRA A layers of to_q/to_k/to_v) and the GEGLU's gelu(gate) (saved
+// by its product), in each ResnetBlock2D the GroupNorm outputs (saved by SiLU), and conv_norm_out's.
+// The gradients are the same values (the same kernels on the same inputs); off by default.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -287,6 +294,11 @@ class UNet2DConditionModel : public flame::nn::Module {
   void set_gradient_checkpointing(bool on);
   bool gradient_checkpointing() const { return checkpointing_; }
 
+  // Forward under autograd::RecomputeCheap (Note [UNet2D layout], "Cheap recompute"). Off: the
+  // forward leaves the thread's setting as the caller has it.
+  void set_recompute_cheap(bool on) { recompute_cheap_ = on; }
+  bool recompute_cheap() const { return recompute_cheap_; }
+
   // Rank-r LoRA on every attention projection named in `targets` (PEFT's target_modules
   // matching, diffusers' names): nn::apply_lora, which freezes everything else. Returns the
   // modules adapted. The adapters' state dict in PEFT's naming: nn::lora_state_dict(*unet).
@@ -307,6 +319,7 @@ class UNet2DConditionModel : public flame::nn::Module {
 
   UNet2DConditionConfig config_;
   bool checkpointing_ = false;
+  bool recompute_cheap_ = false;
 };
 
 }  // namespace flame_diffusion::models

@@ -1,6 +1,7 @@
 // UNet2DConditionModel (models/unet2d.h): parameter names against diffusers' layout written out
 // here from its facts, parameter counts of the real SD 1.5 / 2.1 / SDXL UNets, the original
-// single-file plan, config.json, the timestep embedding, LoRA names, gradient checkpointing, and
+// single-file plan, config.json, the timestep embedding, LoRA names, gradient checkpointing, cheap
+// recompute (set_recompute_cheap: same gradients, the predicted saved bytes fewer), and
 // parity with diffusers on reduced configurations (stored reference outputs; skipped, saying so,
 // while the files are absent).
 #include <gtest/gtest.h>
@@ -623,6 +624,59 @@ TEST(UNet2D, GradientCheckpointingGivesTheSameGradients) {
       EXPECT_GT(scale, 0.0) << name;
       EXPECT_LE(fd_test::max_abs_diff(ckpt.at(name), g), 2e-5 * scale + 1e-12) << name << (lora ? " (lora)" : "");
     }
+  }
+}
+
+// set_recompute_cheap: the forward under autograd::RecomputeCheap. tiny-xl at batch 2, 16x16, f32:
+// what goes from the saved tensors, derived from the model's layout (Note [UNet2D layout]). Per
+// BasicTransformerBlock (N tokens, C channels): norm1's and norm2's outputs (N x C each, saved by
+// the LoRA A layers) and the GEGLU's gelu(gate) (N x 4C), less the two LayerNorm biases the recipes
+// hold; per ResnetBlock2D: the GroupNorm outputs norm1 (N x in) and norm2 (N x out) that SiLU saves,
+// less their biases; conv_norm_out's output, less its bias. Ops before the first LoRA layer record
+// nothing (no input needs a gradient), so they mark nothing: down block 0, down block 1's resnet,
+// and norm1 of the first transformer block, whose output its LoRA A layers save as it is.
+TEST(UNet2D, RecomputeCheapGivesTheSameGradientsWithFewerSavedBytes) {
+  const auto c = tiny_xl();
+  fm::UNet2DConditionModel m(c);
+  fd_test::perturb(m, 0.02, 21);
+  m.add_lora({.rank = 2, .alpha = 4.0});
+  fd_test::perturb(m, 0.05, 22);
+  const Inputs in = make_inputs(c, 2, 16, 16, 23);
+  const Tensor target = randn({2, 4, 16, 16}, 24);
+  EXPECT_FALSE(m.recompute_cheap());
+  const auto plain = grads_of(m, in, target);
+  const std::size_t saved_plain = flame::autograd_saved_bytes(run(m, in));
+  m.set_recompute_cheap(true);
+  EXPECT_TRUE(m.recompute_cheap());
+  const auto cheap = grads_of(m, in, target);
+  const std::size_t saved_cheap = flame::autograd_saved_bytes(run(m, in));
+  EXPECT_FALSE(flame::autograd::recompute_cheap_enabled());  // the forward restored the thread's setting
+
+  const int64_t f = 4;  // f32
+  auto block = [&](int64_t n, int64_t ch, bool first) { return f * ((first ? 0 : n * ch - ch) + n * ch - ch + n * 4 * ch); };
+  auto resnet = [&](int64_t n, int64_t cin, int64_t cout) { return f * (n * cin - cin + n * cout - cout); };
+  const int64_t n8 = 2 * 8 * 8, n16 = 2 * 16 * 16;
+  const int64_t predicted = block(n8, 16, true) + block(n8, 16, false)                      // down block 1
+                            + resnet(n8, 16, 16) + 2 * block(n8, 16, false) + resnet(n8, 16, 16)  // mid block
+                            + resnet(n8, 16 + 16, 16) + 2 * block(n8, 16, false)             // up block 0
+                            + resnet(n8, 16 + 8, 16) + 2 * block(n8, 16, false)              //   (cat with skips)
+                            + resnet(n16, 16 + 8, 8) + resnet(n16, 8 + 8, 8)                 // up block 1
+                            + f * (n16 * 8 - 8);                                             // conv_norm_out
+  EXPECT_EQ(predicted, 592096);
+  EXPECT_EQ(static_cast<int64_t>(saved_plain - saved_cheap), predicted);
+
+  // The same kernels on the same inputs: the LoRA gradients are the same values.
+  ASSERT_EQ(plain.size(), cheap.size());
+  for (const auto& [name, g] : plain) {
+    ASSERT_TRUE(cheap.count(name)) << name;
+    EXPECT_GT(fd_test::max_abs(g), 0.0) << name;
+    EXPECT_EQ(fd_test::max_abs_diff(cheap.at(name), g), 0.0) << name;
+  }
+  // With per-block checkpointing as well (the recompute of a checkpointed block marks nothing).
+  m.set_gradient_checkpointing(true);
+  const auto both = grads_of(m, in, target);
+  for (const auto& [name, g] : plain) {
+    EXPECT_LE(fd_test::max_abs_diff(both.at(name), g), 2e-5 * fd_test::max_abs(g) + 1e-12) << name;
   }
 }
 

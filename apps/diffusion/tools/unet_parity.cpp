@@ -8,11 +8,19 @@
 //       (max |err| / max |ref|) errors for the output, the LoRA output, the loss and the adapter
 //       gradients (per group: down / mid / up blocks, A and B), then one PASS or FAIL line.
 //       Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
-//   unet_parity time --config sdxl [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--rank 16]
-//                    [--steps 10] [--warmup 3] [--device cuda]
+//   unet_parity time --config sdxl [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]
+//                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
 //       the bf16 LoRA training step (random weights, AdamW on the adapters, mse loss) timed with
-//       CUDA events: one JSON line per (batch, checkpointing) with the median step time, the peak
-//       allocated memory and MFU (2 x forward FLOPs per step, of 989 TFLOP/s dense bf16).
+//       CUDA events: one JSON line per (batch, checkpointing, recompute) with the median step time,
+//       the peak allocated memory and MFU (2 x forward FLOPs per step, of 989 TFLOP/s dense bf16).
+//       --recompute 1 runs the forward under autograd::RecomputeCheap (set_recompute_cheap).
+//   unet_parity saved --config sdxl [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]
+//                     [--dtype bf16|f32] [--device cpu]
+//       what the LoRA training step keeps for its backward, measured where no GPU is needed: one
+//       JSON line per recompute setting with autograd_saved_bytes of the loss, the memory the
+//       forward left allocated (the memory profiler) grouped by the op that allocated it, and the
+//       step's peak above the weights (forward + backward). Attention takes the fused path (on
+//       the CPU its reference), whose saved tensors are those of the CUDA bf16 step.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -40,12 +48,14 @@ namespace {
 const char* kUsage =
     "usage:\n"
     "  unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]\n"
-    "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--rank 16]\n"
-    "                    [--steps 10] [--warmup 3] [--device cuda]\n";
+    "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]\n"
+    "                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]\n"
+    "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
+    "                    [--dtype bf16|f32] [--device cpu]\n";
 
 std::map<std::string, std::string> parse_flags(int argc, char** argv) {
-  static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent",
-                                                 "batch", "rank",  "steps",         "warmup"};
+  static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent", "batch",
+                                                 "rank", "steps",  "warmup",        "recompute", "dtype"};
   std::map<std::string, std::string> f;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -239,6 +249,29 @@ double forward_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, i
   return f;
 }
 
+// The training step's random inputs (SDXL's added conditions for an image 8x the latent).
+constexpr int64_t kTextTokens = 77;
+struct StepInputs {
+  Tensor x, target, t, ctx;
+  fm::UNet2DAddedConditions added;
+  Tensor forward(fm::UNet2DConditionModel& unet) const { return unet.forward(x, t, ctx, added); }
+};
+StepInputs step_inputs(const fm::UNet2DConditionConfig& config, int64_t batch, int64_t latent,
+                       const flame::TensorOptions& o) {
+  flame::Generator gen(0);
+  StepInputs in;
+  in.x = Tensor::randn({batch, config.in_channels, latent, latent}, 0.0, 1.0, o, &gen);
+  in.target = Tensor::randn({batch, config.out_channels, latent, latent}, 0.0, 1.0, o, &gen);
+  in.t = Tensor::full({batch}, 500.0, {DType::f32, o.device});
+  in.ctx = Tensor::randn({batch, kTextTokens, config.cross_attention_dim[0]}, 0.0, 1.0, o, &gen);
+  if (config.addition_embed_type == "text_time") {
+    in.added.text_embeds = Tensor::randn(
+        {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim}, 0.0, 1.0, o, &gen);
+    in.added.time_ids = Tensor::full({batch, 6}, static_cast<double>(8 * latent), {DType::f32, o.device});
+  }
+  return in;
+}
+
 int time_steps(const std::map<std::string, std::string>& f) {
   const std::string name = get(f, "config", "sdxl");
   const auto config = fm::unet2d_preset(name);
@@ -248,60 +281,108 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t rank = int_list("rank", get(f, "rank", "16")).at(0);
   const int64_t steps = int_list("steps", get(f, "steps", "10")).at(0);
   const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
-  const int64_t seq = 77;
+  const int64_t seq = kTextTokens;
   const flame::TensorOptions o(DType::bf16, device);
+  const std::vector<int64_t> recomputes = int_list("recompute", get(f, "recompute", "0"));
   for (int64_t batch : int_list("batch", get(f, "batch", "1,4"))) {
     for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,1"))) {
-      flame::cuda::empty_cache();
-      auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
-      unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
-      unet->set_gradient_checkpointing(ckpt != 0);
-      unet->train();
-      flame::TensorList params;
-      for (const Tensor& p : unet->parameters()) {
-        if (p.requires_grad()) params.push_back(p);
+      for (int64_t recompute : recomputes) {
+        flame::cuda::empty_cache();
+        auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
+        unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+        unet->set_gradient_checkpointing(ckpt != 0);
+        unet->set_recompute_cheap(recompute != 0);
+        unet->train();
+        flame::TensorList params;
+        for (const Tensor& p : unet->parameters()) {
+          if (p.requires_grad()) params.push_back(p);
+        }
+        flame::optim::AdamW opt(params, {.lr = 1e-4});
+        const StepInputs in = step_inputs(config, batch, latent, o);
+        auto step = [&] {
+          const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
+          const flame::Gradients g = loss.backward();
+          opt.step(g);
+        };
+        for (int64_t i = 0; i < warmup; ++i) step();
+        flame::cuda::synchronize();
+        flame::cuda::reset_peak_memory_stats();
+        std::vector<double> ms;
+        for (int64_t i = 0; i < steps; ++i) {
+          flame::cuda::Event a(true), b(true);
+          a.record();
+          step();
+          b.record();
+          b.synchronize();
+          ms.push_back(a.elapsed_time(b));
+        }
+        std::sort(ms.begin(), ms.end());
+        const double median = ms[ms.size() / 2];
+        const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
+        const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
+        std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
+                    "\"checkpointing\": %s, \"recompute_cheap\": %s, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
+                    "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f}\n",
+                    name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
+                    static_cast<long long>(batch), ckpt ? "true" : "false", recompute ? "true" : "false", median, peak,
+                    flops / 1e12, flops / (median / 1e3) / 989e12);
+        std::fflush(stdout);
       }
-      flame::optim::AdamW opt(params, {.lr = 1e-4});
-      flame::Generator gen(0);
-      const Tensor x = Tensor::randn({batch, config.in_channels, latent, latent}, 0.0, 1.0, o, &gen);
-      const Tensor target = Tensor::randn({batch, config.out_channels, latent, latent}, 0.0, 1.0, o, &gen);
-      const Tensor t = Tensor::full({batch}, 500.0, {DType::f32, device});
-      const Tensor ctx = Tensor::randn({batch, seq, config.cross_attention_dim[0]}, 0.0, 1.0, o, &gen);
-      fm::UNet2DAddedConditions added;
-      if (config.addition_embed_type == "text_time") {
-        added.text_embeds = Tensor::randn(
-            {batch, config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim}, 0.0, 1.0, o, &gen);
-        added.time_ids = Tensor::full({batch, 6}, static_cast<double>(8 * latent), {DType::f32, device});
-      }
-      auto step = [&] {
-        const Tensor loss = flame::mse_loss(unet->forward(x, t, ctx, added).to(DType::f32), target.to(DType::f32));
-        const flame::Gradients g = loss.backward();
-        opt.step(g);
-      };
-      for (int64_t i = 0; i < warmup; ++i) step();
-      flame::cuda::synchronize();
-      flame::cuda::reset_peak_memory_stats();
-      std::vector<double> ms;
-      for (int64_t i = 0; i < steps; ++i) {
-        flame::cuda::Event a(true), b(true);
-        a.record();
-        step();
-        b.record();
-        b.synchronize();
-        ms.push_back(a.elapsed_time(b));
-      }
-      std::sort(ms.begin(), ms.end());
-      const double median = ms[ms.size() / 2];
-      const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
-      const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
-      std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
-                  "\"checkpointing\": %s, \"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, "
-                  "\"mfu_vs_989\": %.3f}\n",
-                  name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
-                  static_cast<long long>(batch), ckpt ? "true" : "false", median, peak, flops / 1e12,
-                  flops / (median / 1e3) / 989e12);
-      std::fflush(stdout);
     }
+  }
+  return 0;
+}
+
+// ---- saved activations (CPU) ----
+int saved(const std::map<std::string, std::string>& f) {
+  const std::string name = get(f, "config", "sdxl");
+  const auto config = fm::unet2d_preset(name);
+  const flame::Device device = parse_device(get(f, "device", "cpu"));
+  const int64_t latent = int_list("latent", get(f, "latent", "32")).at(0);
+  const int64_t batch = int_list("batch", get(f, "batch", "1")).at(0);
+  const int64_t rank = int_list("rank", get(f, "rank", "16")).at(0);
+  const std::string dt = get(f, "dtype", "bf16");
+  if (dt != "bf16" && dt != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got '" + dt + "'");
+  const DType dtype = dt == "bf16" ? DType::bf16 : DType::f32;
+  const flame::TensorOptions o(dtype, device);
+  auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
+  unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+  unet->train();
+  std::size_t weight_bytes = 0;
+  for (const Tensor& p : unet->parameters()) weight_bytes += static_cast<std::size_t>(p.numel()) * flame::dtype_size(p.dtype());
+  const StepInputs in = step_inputs(config, batch, latent, o);
+  flame::nn::functional::SdpaBackendGuard fused(flame::nn::functional::SdpaBackend::fused);
+  for (int64_t recompute : int_list("recompute", get(f, "recompute", "0,1"))) {
+    unet->set_recompute_cheap(recompute != 0);
+    flame::profiler::MemoryProfiler prof;
+    std::size_t saved_bytes = 0, forward_bytes = 0;
+    std::vector<flame::profiler::MemoryGroup> groups;
+    {
+      flame::profiler::MemoryProfileScope scope(prof);
+      const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
+      saved_bytes = flame::autograd_saved_bytes(loss);
+      for (const auto& s : prof.summary()) {
+        if (s.device == device) forward_bytes = s.end_bytes - s.start_bytes;
+      }
+      groups = prof.live_groups(device, flame::profiler::GroupBy::op);
+      (void)loss.backward();
+    }
+    std::size_t peak = 0;
+    for (const auto& s : prof.summary()) {
+      if (s.device == device) peak = s.peak_bytes - s.start_bytes;
+    }
+    std::string by_op;
+    for (const auto& g : groups) {
+      if (g.phase == "before") continue;  // held since before the forward (the weights)
+      by_op += (by_op.empty() ? "" : ", ") + std::string("\"") + g.op + "\": " + std::to_string(g.bytes);
+    }
+    std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_saved\", \"dtype\": \"%s\", \"latent\": %lld, "
+                "\"batch\": %lld, \"recompute_cheap\": %s, \"weight_bytes\": %zu, \"saved_bytes\": %zu, "
+                "\"forward_live_bytes\": %zu, \"step_peak_above_start_bytes\": %zu, \"forward_live_by_op\": {%s}}\n",
+                name.c_str(), static_cast<long long>(rank), dt.c_str(), static_cast<long long>(latent),
+                static_cast<long long>(batch), recompute ? "true" : "false", weight_bytes, saved_bytes, forward_bytes,
+                peak, by_op.c_str());
+    std::fflush(stdout);
   }
   return 0;
 }
@@ -315,6 +396,7 @@ int main(int argc, char** argv) {
     const auto flags = parse_flags(argc, argv);
     if (cmd == "check") return check(flags);
     if (cmd == "time") return time_steps(flags);
+    if (cmd == "saved") return saved(flags);
     throw std::runtime_error("unknown command '" + cmd + "'\n" + kUsage);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "unet_parity: %s\n", e.what());
