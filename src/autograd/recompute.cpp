@@ -5,9 +5,9 @@
 // next layer: the input of a linear layer is often the output of a normalisation that costs one
 // pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate,
 // layer_norm, rms_norm, group_norm, and the unary activations whose gradient reads only their
-// input: gelu, silu, ..., opdef::recomputable_activation) marks its output, as one op (the ops of
-// its composite path do not): Storage::recipe holds the op's inputs as SavedTensors and a
-// function that reruns the op. The mark sits on the storage, not the tensor, because the
+// input: gelu, silu, ..., recomputable_activation in rules/elementwise.cpp, where the unary node is
+// recorded) marks its output, as one op (the ops of its composite path do not): Storage::recipe
+// holds the op's inputs as SavedTensors and a function that reruns the op. The mark sits on the storage, not the tensor, because the
 // consumer usually saves a view of the output it made itself (a reshape to [rows, in] under
 // no-grad). Only an output that requires grad is marked: then the op's own node saves the
 // inputs the recipe holds (x, and the weight of a norm), so the recipe costs no bytes beyond a

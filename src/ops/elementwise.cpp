@@ -7,13 +7,11 @@
 #include "src/core/tensor_impl.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/record.h"
-#include "src/autograd/recompute.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
 #include "src/ops/trace_hooks.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
-#include "src/opdef/elementwise_grad.h"
 #include "src/opdef/scalar_math.h"
 
 namespace flame {
@@ -88,44 +86,13 @@ bool rejects_bool(BinaryOp op) {
   return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
 }
 
-// The activations whose output autograd::RecomputeCheap marks (Note [Recompute cheap] in
-// src/autograd/recompute.cpp), for every caller of run_unary at once. Each is one pass over memory
-// to redo, and its gradient reads only x (opdef::unary_reads), which its own node saves: a consumer
-// that saves the output (a linear layer's input, the product of a GEGLU) then keeps a recipe that
-// holds no bytes of its own. relu, tanh, sigmoid and exp save their output themselves: not marked.
-constexpr bool recomputable_activation(UnaryOp op) {
-  switch (op) {
-    case UnaryOp::gelu:
-    case UnaryOp::gelu_tanh:
-    case UnaryOp::silu:
-    case UnaryOp::mish:
-    case UnaryOp::softplus:
-    case UnaryOp::leaky_relu:
-    case UnaryOp::elu:
-    case UnaryOp::hardswish:
-    case UnaryOp::hardsigmoid: return opdef::unary_reads(op) == opdef::Reads::x;
-    default: return false;
-  }
-}
-
-void mark_activation(const Tensor& out, UnaryOp op, const Tensor& in, const UnaryParams& p);
-
 Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, const UnaryParams& p) {
   Tensor in = x.to(in_dtype);
   Tensor out = make_empty(x.sizes(), out_dtype, x.device(), info(op).name);
   if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
   if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_unary(*tr, out, op, in, p);
   rules::unary(out, op, x, in, p);
-  // One thread-local test while no RecomputeCheap guard is on.
-  if (autograd_detail::t_recompute_cheap && recomputable_activation(op)) [[unlikely]] mark_activation(out, op, in, p);
   return out;
-}
-
-// The recipe reruns the same kernel on the input the node saved (`in`, after dtype promotion).
-void mark_activation(const Tensor& out, UnaryOp op, const Tensor& in, const UnaryParams& p) {
-  autograd_detail::mark_recomputable(out, info(op).name, {in}, [op, p](const TensorList& t) {
-    return run_unary(op, t[0], t[0].dtype(), t[0].dtype(), p);
-  });
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
+#include "src/autograd/recompute.h"
 #include "src/autograd/rules/rules.h"
 #include "src/opdef/elementwise_grad.h"
 #include "src/ops/elementwise.h"
@@ -109,6 +110,36 @@ TensorList binary_backward(const Tensor& g, const Node& n) {
 }
 }  // namespace
 
+namespace {
+// The activations whose output autograd::RecomputeCheap marks (Note [Recompute cheap] in
+// src/autograd/recompute.cpp), for every unary op at once. Each is one pass over memory to redo,
+// and its gradient reads only x, which its node saves just above: a consumer that saves the output
+// (a linear layer's input, the product of a GEGLU) then keeps a recipe that holds no bytes of its
+// own. relu, tanh, sigmoid and exp save their output themselves: not marked. Returns the op's
+// name (for messages), or null for an op that is not marked.
+constexpr const char* recomputable_activation(UnaryOp op) {
+  const char* name = nullptr;
+  switch (op) {
+    case UnaryOp::gelu: name = "gelu"; break;
+    case UnaryOp::gelu_tanh: name = "gelu_tanh"; break;
+    case UnaryOp::silu: name = "silu"; break;
+    case UnaryOp::mish: name = "mish"; break;
+    case UnaryOp::softplus: name = "softplus"; break;
+    case UnaryOp::leaky_relu: name = "leaky_relu"; break;
+    case UnaryOp::elu: name = "elu"; break;
+    case UnaryOp::hardswish: name = "hardswish"; break;
+    case UnaryOp::hardsigmoid: name = "hardsigmoid"; break;
+    default: return nullptr;
+  }
+  return opdef::unary_reads(op) == Reads::x ? name : nullptr;
+}
+
+// The recipe reruns the op's kernel on the input the node saved (x, after dtype promotion).
+void mark_activation(const Tensor& out, UnaryOp op, const char* name, const Tensor& x, const UnaryParams& p) {
+  autograd_detail::mark_recomputable(out, name, {x}, [op, p](const TensorList& in) { return unary_op(op, in[0], p); });
+}
+}  // namespace
+
 void unary(Tensor& out, UnaryOp op, const Tensor& orig, const Tensor& x, const UnaryParams& p) {
   if (!is_floating(out.dtype()) || !needs_grad({orig})) return;
   RuleArgs args;
@@ -120,6 +151,10 @@ void unary(Tensor& out, UnaryOp op, const Tensor& orig, const Tensor& x, const U
   const Reads reads = opdef::unary_reads(op);
   if (opdef::reads_x(reads)) n.save(x);
   if (opdef::reads_y(reads)) n.save(out, /*is_output=*/true);
+  // One thread-local test while no RecomputeCheap guard is on.
+  if (autograd_detail::t_recompute_cheap) [[unlikely]] {
+    if (const char* name = recomputable_activation(op)) mark_activation(out, op, name, x, p);
+  }
 }
 
 void binary(Tensor& out, BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& ac, const Tensor& bc) {
