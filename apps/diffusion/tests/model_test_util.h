@@ -4,7 +4,11 @@
 // zero-initialised layers take part), and a plain SGD step written with FLAME ops.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include <flame/flame.h>
@@ -54,6 +58,31 @@ inline flame::Tensor rand_images(int64_t b, int64_t c, int64_t s, flame::Device 
 }
 inline flame::Tensor rand_labels(int64_t b, int64_t classes, flame::Device d, flame::Generator* gen) {
   return flame::Tensor::randint(0, classes, {b}, {flame::DType::i64, d}, gen);
+}
+
+// A fresh, empty directory `<tmp>/<prefix>_<name>_<pid>` (suites may run in parallel and shuffled).
+inline std::filesystem::path fresh_temp_dir(const std::string& prefix, const std::string& name) {
+  std::filesystem::path d =
+      std::filesystem::temp_directory_path() / (prefix + "_" + name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+inline void write_text(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::binary);
+  out << text;
+}
+
+// The message of the flame::Error that `fn` raises, or "" when it does not raise.
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const flame::Error& e) {
+    return e.what();
+  }
+  return "";
 }
 
 }  // namespace fd_test

@@ -12,6 +12,7 @@
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
 
+#include "model_test_util.h"
 #include "models/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -21,32 +22,12 @@ using flame::Tensor;
 
 namespace {
 
-// A fresh directory per test (the suite may run in parallel and shuffled).
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("flame_ckpt_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary);
-  out << text;
-}
+fs::path temp_dir(const std::string& name) { return fd_test::fresh_temp_dir("flame_ckpt", name); }
+using fd_test::error_of;
+using fd_test::write_text;
 
 Tensor arange_f(int64_t n, const flame::Shape& shape, double offset = 0.0) {
   return (Tensor::arange(n, {DType::f32}) + offset).reshape(shape);
-}
-
-// The error message of `fn`, or "" when it does not raise.
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const flame::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 struct Tiny : flame::nn::Module {

@@ -24,27 +24,9 @@ using flame::Tensor;
 
 namespace {
 
-fs::path temp_dir(const std::string& name) {
-  fs::path d = fs::temp_directory_path() / ("flame_vae_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
-
-void write_text(const fs::path& p, const std::string& text) {
-  std::ofstream out(p, std::ios::binary);
-  out << text;
-}
-
-template <class F>
-std::string error_of(F&& fn) {
-  try {
-    fn();
-  } catch (const flame::Error& e) {
-    return e.what();
-  }
-  return "";
-}
+fs::path temp_dir(const std::string& name) { return fd_test::fresh_temp_dir("flame_vae", name); }
+using fd_test::error_of;
+using fd_test::write_text;
 
 // The reduced configuration of the CPU tests: two levels of 16 and 32 channels, 8 norm groups.
 m::VaeConfig tiny_config(int64_t latent = 4) {
