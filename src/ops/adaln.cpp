@@ -30,7 +30,7 @@
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
 #include "flame/recompute.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"

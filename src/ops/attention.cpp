@@ -51,7 +51,7 @@
 #include "flame/cuda.h"
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/ops/trace_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/attention.h"

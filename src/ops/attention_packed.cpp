@@ -27,7 +27,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/attention.h"
 #include "src/autograd/rules/attention_packed.h"

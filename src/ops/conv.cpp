@@ -21,7 +21,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/conv.h"
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/rules/conv.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/trace_hooks.h"

@@ -5,7 +5,7 @@
 #include "flame/ops.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"

@@ -50,7 +50,7 @@
 #include "flame/nn/linear.h"
 #include "flame/nn/linear_gelu.h"
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/linear_epilogue.h"
 #include "src/backend/backend.h"

@@ -12,7 +12,7 @@
 #include <optional>
 
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/cross_entropy.h"
 

@@ -18,7 +18,7 @@
 #include "flame/autograd.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/recompute.h"
 #include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"

@@ -17,7 +17,7 @@
 #include <cmath>
 
 #include "flame/ops.h"
-#include "src/amp/autocast.h"
+#include "src/ops/autocast_hooks.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
