@@ -23,7 +23,7 @@ LAYERS = [
     ("core", ["include/flame/dtype.h", "include/flame/half.h", "include/flame/device.h",
               "include/flame/error.h", "include/flame/scalar.h", "include/flame/macros.h",
               "include/flame/version.h", "include/flame/tensor.h", "include/flame/indexing.h",
-              "include/flame/state_dict.h", "include/flame/stateful.h", "include/flame/cuda.h",
+              "include/flame/state_dict.h", "include/flame/stateful.h", "include/flame/cuda.h", "include/flame/grad_mode.h",
               "include/flame/cpu.h", "src/core/*"]),
     # Op definitions: the op list, scalar functors, derivative tables, shape and dtype rules, the
     # counter-based RNG's math.
@@ -51,7 +51,6 @@ LAYERS = [
 KNOWN = """
 src/amp/grad_scaler.cpp -> include/flame/optim/optimizer.h
 src/autograd/saved_hooks.cpp -> include/flame/offload.h
-src/backend/cpu/cpu_attention.cpp -> include/flame/autograd.h
 src/backend/cuda/conv/cudnn_conv.cpp -> src/ops/conv.h
 src/backend/cuda/cupti_trace.cpp -> src/profiler/kernel_trace.h
 src/backend/cuda/graph.cu -> include/flame/random.h
@@ -70,27 +69,20 @@ src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
 src/ops/adaln.cpp -> src/autograd/recompute.h
 src/ops/adaln.cpp -> src/autograd/record.h
-src/ops/attention.cpp -> include/flame/autograd.h
 src/ops/attention.cpp -> src/autograd/record.h
 src/ops/attention.cpp -> src/autograd/rules/attention.h
-src/ops/attention_packed.cpp -> include/flame/autograd.h
 src/ops/attention_packed.cpp -> src/autograd/record.h
 src/ops/attention_packed.cpp -> src/autograd/rules/attention.h
 src/ops/attention_packed.cpp -> src/autograd/rules/attention_packed.h
-src/ops/conv.cpp -> include/flame/autograd.h
 src/ops/conv.cpp -> src/autograd/rules/conv.h
 src/ops/cross_entropy.cpp -> src/autograd/rules/pool.h
 src/ops/elementwise.cpp -> src/autograd/record.h
 src/ops/elementwise.cpp -> src/autograd/rules/inplace.h
 src/ops/elementwise.cpp -> src/autograd/rules/rules.h
-src/ops/index.cpp -> include/flame/autograd.h
 src/ops/index.cpp -> src/autograd/rules/rules.h
-src/ops/indexing.cpp -> include/flame/autograd.h
 src/ops/joins.cpp -> src/autograd/record.h
 src/ops/joins.cpp -> src/autograd/rules/rules.h
-src/ops/linalg.cpp -> include/flame/autograd.h
 src/ops/linalg.cpp -> src/autograd/rules/rules.h
-src/ops/linear_epilogue.cpp -> include/flame/autograd.h
 src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h
 src/ops/linear_epilogue.cpp -> src/autograd/record.h
 src/ops/linear_epilogue.cpp -> src/autograd/rules/linear_epilogue.h

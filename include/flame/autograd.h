@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "flame/grad_mode.h"
 #include "flame/random.h"
 #include "flame/tensor.h"
 
@@ -102,29 +103,6 @@ struct BackwardOptions {
   TensorList inputs;
 };
 
-// Disables graph recording on this thread while alive (thread-local, nestable).
-class NoGradGuard {
- public:
-  NoGradGuard();
-  ~NoGradGuard();
-  NoGradGuard(const NoGradGuard&) = delete;
-  NoGradGuard& operator=(const NoGradGuard&) = delete;
-
- private:
-  bool prev_;
-};
-// Re-enables recording inside a NoGradGuard region.
-class EnableGradGuard {
- public:
-  EnableGradGuard();
-  ~EnableGradGuard();
-  EnableGradGuard(const EnableGradGuard&) = delete;
-  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
-
- private:
-  bool prev_;
-};
-bool grad_enabled();
 
 // A hook sees the gradient arriving at a tensor during backward; returning a defined tensor
 // replaces it (same shape), returning an undefined Tensor keeps it.

@@ -47,7 +47,7 @@
 #include <sstream>
 #include <string>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/cuda.h"
 #include "flame/nn/attention.h"
 #include "flame/ops.h"

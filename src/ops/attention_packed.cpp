@@ -24,7 +24,7 @@
 #include <sstream>
 #include <string>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"

@@ -18,7 +18,7 @@
 #include <algorithm>
 #include <string>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/nn/conv.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"

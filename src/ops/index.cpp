@@ -17,7 +17,7 @@
 #include <algorithm>
 #include <limits>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/ops.h"
 #include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"

@@ -21,7 +21,7 @@
 #include <algorithm>
 #include <numeric>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/indexing.h"
 #include "flame/ops.h"
 #include "src/core/tensor_impl.h"

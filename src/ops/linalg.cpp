@@ -23,7 +23,7 @@
 // loop: their calls fill the GPU and a copy would only add traffic.
 #include <optional>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
 #include "src/autograd/rules/rules.h"

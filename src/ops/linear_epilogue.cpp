@@ -46,7 +46,7 @@
 // not f32 takes the ordinary casts.
 #include <optional>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/nn/linear.h"
 #include "flame/nn/linear_gelu.h"
 #include "flame/ops.h"

@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "src/backend/cpu/cpu_backend.h"
 
 namespace flame::backend::cpu {
