@@ -82,6 +82,16 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
     if (starts_with(k, "label_emb.0.2.")) return "add_embedding.linear_2." + k.substr(14);
   }
   auto block_part = [](const std::string& s) { return take_index(s); };  // "<i>.<part>.<rest>"
+  // Part 0 of an input or output block is its resnet, part 1 its attention (transformer).
+  auto layer_part = [&](const std::string& blk, int64_t layer,
+                        const std::pair<int64_t, std::string>& part) -> std::optional<std::string> {
+    if (part.first == 0) {
+      if (auto r = resnet_name(part.second)) return blk + "resnets." + std::to_string(layer) + "." + *r;
+    } else if (part.first == 1) {
+      if (auto a = attention_name(part.second)) return blk + "attentions." + std::to_string(layer) + "." + *a;
+    }
+    return std::nullopt;
+  };
   if (starts_with(k, "input_blocks.")) {
     auto i = take_index(k.substr(13));
     if (!i || i->first < 1 || i->first > static_cast<int64_t>(l.input.size())) return std::nullopt;
@@ -93,14 +103,7 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
       if (part->first == 0 && starts_with(part->second, "op.")) return blk + "downsamplers.0.conv." + part->second.substr(3);
       return std::nullopt;
     }
-    if (part->first == 0) {
-      auto r = resnet_name(part->second);
-      if (r) return blk + "resnets." + std::to_string(s.layer) + "." + *r;
-    } else if (part->first == 1) {
-      auto a = attention_name(part->second);
-      if (a) return blk + "attentions." + std::to_string(s.layer) + "." + *a;
-    }
-    return std::nullopt;
+    return layer_part(blk, s.layer, *part);
   }
   if (starts_with(k, "middle_block.")) {
     auto part = take_index(k.substr(13));
@@ -127,14 +130,7 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
         s.block + 1 < static_cast<int64_t>(l.up_cross.size())) {
       return blk + "upsamplers.0.conv." + part->second.substr(5);
     }
-    if (part->first == 0) {
-      auto r = resnet_name(part->second);
-      if (r) return blk + "resnets." + std::to_string(s.layer) + "." + *r;
-    } else if (part->first == 1) {
-      auto a = attention_name(part->second);
-      if (a) return blk + "attentions." + std::to_string(s.layer) + "." + *a;
-    }
-    return std::nullopt;
+    return layer_part(blk, s.layer, *part);
   }
   return std::nullopt;
 }
