@@ -82,8 +82,10 @@ if has refs; then
   run "refs: vae reduced" 300 python3 apps/diffusion/reference/models_vae.py --reduced --out "$OUT/refs"
   run "refs: unet tiny-xl" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-xl --out "$OUT/refs/unet2d-tiny-xl"
   run "refs: unet tiny-sd" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-sd --out "$OUT/refs/unet2d-tiny-sd"
-  # The tests read them from the source tree.
+  # The tests read them from the source tree; the tarball is what comes back from the GPU machine
+  # (its copy-back keeps few files per folder): unpack it under apps/diffusion/tests/data/models/.
   mkdir -p apps/diffusion/tests/data/models && cp -r "$OUT/refs/." apps/diffusion/tests/data/models/
+  tar -C "$OUT" -czf "$OUT/refs.tgz" refs && note "refs: $OUT/refs.tgz"
 fi
 if has tests; then
   run "tests: models on cpu" 300 "$BIN/diffusion_tests" --gtest_brief=1 --gtest_filter='Models*:UNet2D*'
