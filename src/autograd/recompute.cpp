@@ -37,8 +37,8 @@
 //    storage lives in its data block with its control block (Note [Storage in its block] in
 //    src/backend/cpu/cpu_allocator.cpp), so a weak_ptr would hold the output's bytes until the
 //    backward. The storage owns its mark (Storage::recipe) alone; the mark's destructor, which
-//    runs as the storage goes, clears the RecipeTarget that the version check reads under its
-//    mutex.
+//    runs as the storage goes, clears the body's storage pointer that the version check reads
+//    under the body's mutex.
 //  - The recipe launches ordinary ops on the current stream, so a backward under CUDA-graph
 //    capture records them like any other rule's work.
 #include "src/autograd/recompute.h"
@@ -81,8 +81,7 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& inpu
   r->inputs.reserve(inputs.size());
   for (const Tensor& t : inputs) r->inputs.emplace_back(t, op, /*detach=*/true, /*allow_hooks=*/false);
   r->fn = std::move(fn);
-  r->target = std::make_shared<RecipeTarget>();
-  r->target->storage = impl.storage.get();
+  r->storage = impl.storage.get();
   r->version = impl.storage->version.load();
   r->sizes = out.sizes();
   r->dtype = out.dtype();
@@ -94,8 +93,8 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& inpu
 
 Recipe::~Recipe() {
   if (!body) return;
-  std::lock_guard<std::mutex> lock(body->target->mutex);
-  body->target->storage = nullptr;
+  std::lock_guard<std::mutex> lock(body->mutex);
+  body->storage = nullptr;
 }
 
 std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
@@ -133,8 +132,8 @@ Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char*
   const RecipeBody& r = *s.recipe;
   uint64_t now = version;
   {
-    std::lock_guard<std::mutex> lock(r.target->mutex);
-    if (r.target->storage) now = r.target->storage->version.load();  // the output is still alive
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.storage) now = r.storage->version.load();  // the output is still alive
   }
   FLAME_CHECK(now == version, "backward", "a tensor saved for the gradient of ", op, " (shape ", s.sizes,
               ", recomputable output of ", r.op, ") was modified by an in-place op: its version is ", now,

@@ -16,18 +16,14 @@ extern thread_local bool t_recompute_cheap;
 // off while it runs). Must return the output's shape, dtype and device.
 using RecipeFn = std::function<Tensor(const TensorList& inputs)>;
 
-// The output's storage as its recipe sees it (Note [Recompute cheap], "Lifetime"): set while the
-// storage is alive, cleared by the storage's mark as the storage goes.
-struct RecipeTarget {
-  std::mutex mutex;
-  const Storage* storage = nullptr;
-};
-
 struct RecipeBody {
   const char* op = "";  // static: the op that wrote the output (for error messages)
   std::vector<SavedTensor> inputs;
   RecipeFn fn;
-  std::shared_ptr<RecipeTarget> target;  // the version check while the output's storage is alive
+  // The output's storage as the version check sees it (Note [Recompute cheap], "Lifetime"): set
+  // while the storage is alive, cleared under `mutex` by the storage's mark as the storage goes.
+  mutable std::mutex mutex;
+  mutable const Storage* storage = nullptr;
   uint64_t version = 0;                  // the output's storage version when marked
   Shape sizes;
   DType dtype = DType::f32;
@@ -35,7 +31,7 @@ struct RecipeBody {
 };
 
 // Storage::recipe: the mark, owned by the output's storage alone (nodes that save the output hold
-// the body), so that it goes with the storage and tells the target.
+// the body), so that it goes with the storage and clears the body's `storage`.
 struct Recipe {
   std::shared_ptr<const RecipeBody> body;
   Recipe() = default;

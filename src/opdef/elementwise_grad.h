@@ -96,7 +96,10 @@ std::optional<typename A::V> unary_grad(A& B, UnaryOp op, const UnaryParams& p, 
     case UnaryOp::trunc: return std::nullopt;
     case UnaryOp::abs: return times(B.un(UnaryOp::sign, x()));
     case UnaryOp::square: return times(B.sc(UnaryOp::mul_scalar, x(), 2.0));
-    case UnaryOp::relu: return B.sel(B.bin(BinaryOp::gt, y(), B.cst(0.0)), g, B.cst(0.0));
+    case UnaryOp::relu: {
+      const V zero = B.cst(0.0);
+      return B.sel(B.bin(BinaryOp::gt, y(), zero), g, zero);
+    }
     case UnaryOp::clamp: {
       const V xv = x();
       const V inside =
@@ -221,8 +224,10 @@ std::pair<std::optional<typename A::V>, std::optional<typename A::V>> binary_gra
         ga = B.mul(B.mul(g, bv), B.bin(BinaryOp::pow, av, B.sc(UnaryOp::add_scalar, bv, -1.0)));
       }
       // d/db a^b = a^b log a; taken as 0 where a == 0 (as PyTorch).
-      if (need_b)
-        gb = B.sel(B.bin(BinaryOp::eq, av, B.cst(0.0)), B.cst(0.0), B.mul(B.mul(g, y()), B.un(UnaryOp::log, av)));
+      if (need_b) {
+        const V zero = B.cst(0.0);
+        gb = B.sel(B.bin(BinaryOp::eq, av, zero), zero, B.mul(B.mul(g, y()), B.un(UnaryOp::log, av)));
+      }
       break;
     }
     case BinaryOp::maximum:
