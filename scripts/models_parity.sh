@@ -13,8 +13,11 @@
 #              random weights, saves both file formats and its outputs; vae_parity compares
 #   vae1024    the same at 1024² (VAE_CONFIGS="sdxl flux" limits the families of both stages)
 #   unet       the SDXL UNet on 128x128 latents, f32 and bf16: outputs and LoRA gradients
-#   time       bf16 timings beside diffusers: VAE decode/encode at 1024² (sdxl, flux), the SDXL UNet
-#              LoRA r16 training step (batch 1 and 4, with and without gradient checkpointing)
+#   time       bf16 timings beside diffusers: VAE decode/encode at 1024² (sdxl, flux; eager and
+#              torch.compile, tiled and untiled, and the tiled-vs-untiled difference of both), the
+#              SDXL UNet LoRA r16 training step (batch 1 and 4, with and without gradient
+#              checkpointing and RecomputeCheap; batch 1 also as one CUDA graph) and a kernel trace
+#   compile    the SDXL UNet step under torch.compile (slow to compile: its own stage)
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
 # (carry it; `pip download --no-deps diffusers==0.42.0 importlib_metadata zipp -d .whl`).
 set -uo pipefail
@@ -71,7 +74,7 @@ run() {  # run NAME SECONDS CMD...: the output goes to the log; its PASS/FAIL/ti
   local out rc
   out=$(timeout "$limit" "$@" 2>&1); rc=$?
   printf '== %s (rc %s)\n%s\n' "$name" "$rc" "$out" >> "$LOG"
-  local lines; lines=$(echo "$out" | grep -E "PASS|FAIL|ms|GiB|MFU|max abs|error|Error|PASSED|FAILED|SKIPPED" | tail -40)
+  local lines; lines=$(echo "$out" | grep -E "PASS|FAIL|ms|GiB|MFU|max abs|error|Error|PASSED|FAILED|SKIPPED|grad |output|loss" | tail -60)
   note "$name (rc $rc):"
   [ -n "$lines" ] && echo "$lines" | sed 's/^/  /' >> "$SUMMARY"
   [ "$rc" -eq 124 ] && note "  timed out after ${limit}s"
@@ -111,13 +114,21 @@ if has unet; then
   done
 fi
 if has time; then
-  for c in sdxl flux; do
-    run "time vae $c: diffusers" 300 python3 apps/diffusion/reference/models_vae.py --config $c --size 256 --dtype bf16 --out /tmp/vae_t_$c --time
+  for c in ${VAE_CONFIGS:-sdxl flux}; do
+    run "time vae $c: diffusers (eager, tiled vs untiled, torch.compile)" 400 python3 apps/diffusion/reference/models_vae.py \
+      --config $c --size 256 --dtype bf16 --out /tmp/vae_t_$c --time --compile
     run "time vae $c: flame" 300 "$BIN/vae_parity" --dir /tmp/vae_t_$c --time
+    rm -rf /tmp/vae_t_$c
   done
   run "time unet sdxl: diffusers" 400 python3 apps/diffusion/reference/models_unet.py --config sdxl --time --batch-list 1,4 --checkpointing 0,1
-  run "time unet sdxl: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1,4 --checkpointing 0,1
+  # batch 1: eager and one CUDA graph per step, each with and without RecomputeCheap; batch 4 eager.
+  run "time unet sdxl b1: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0,1 --recompute 0,1 --graph 0,1
+  run "time unet sdxl b4: flame" 300 "$BIN/unet_parity" time --config sdxl --batch 4 --checkpointing 0,1 --recompute 0,1
+  run "time unet sdxl b1: flame kernel trace" 200 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0 --trace 3
 fi
+# torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
+has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \
+  --config sdxl --time --compile --batch-list 1 --checkpointing 0
 echo
 echo "===== models_parity summary ($(( $(date +%s) - START )) s; log: $LOG) ====="
 cat "$SUMMARY"

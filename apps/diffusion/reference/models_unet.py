@@ -24,9 +24,11 @@ Reduced configs run on the CPU in f32; real ones on --device (cuda) in --dtype, 
 Timing (bf16, the SDXL LoRA r16 training step; the same step as unet_parity time):
   python3 apps/diffusion/reference/models_unet.py --config sdxl --time --latent 128 --batch 1,4
 prints one JSON line per (batch, checkpointing): median step ms over --steps after --warmup, peak
-allocated GiB. AdamW on the adapter parameters; loss mse(output.float(), target).
+allocated GiB. AdamW on the adapter parameters; loss mse(output.float(), target). --compile runs
+the UNet through torch.compile (default mode; warmup_s includes the compilation).
 """
 import argparse
+import time
 import json
 import os
 import statistics
@@ -230,16 +232,19 @@ def time_steps(args):
             params = [p for p in unet.parameters() if p.requires_grad]
             opt = torch.optim.AdamW(params, lr=1e-4)
             x = make_inputs(name, batch, args.latent, device, torch.bfloat16, args.seed + 10)
+            model = torch.compile(unet) if args.compile else unet
 
             def step():
-                loss = F.mse_loss(run(unet, x).float(), x["target"].float())
+                loss = F.mse_loss(run(model, x).float(), x["target"].float())
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            t0 = time.time()
             for _ in range(args.warmup):
                 step()
             torch.cuda.synchronize()
+            warmup_s = time.time() - t0
             torch.cuda.reset_peak_memory_stats()
             times = []
             for _ in range(args.steps):
@@ -249,10 +254,10 @@ def time_steps(args):
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b))
-            print(json.dumps({"impl": "diffusers+peft", "work": f"{name}_unet_lora_r{args.rank}_step", "latent": args.latent,
+            print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""), "work": f"{name}_unet_lora_r{args.rank}_step", "latent": args.latent,
                               "batch": batch, "checkpointing": ckpt, "median_ms": round(statistics.median(times), 2),
                               "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-                              "gpu": torch.cuda.get_device_name()}), flush=True)
+                              "warmup_s": round(warmup_s, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
             del unet, opt, params, x
 
 
@@ -269,6 +274,7 @@ def main():
     ap.add_argument("--time", action="store_true", help="timing mode (bf16 LoRA training step)")
     ap.add_argument("--batch-list", default="1,4", help="timing: batches")
     ap.add_argument("--checkpointing", default="0,1", help="timing: 0 and/or 1")
+    ap.add_argument("--compile", action="store_true", help="timing: torch.compile the UNet (default mode)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

@@ -23,11 +23,14 @@ the stored dtype, and save
                          --time also times diffusers' encode and decode (CUDA events, 3 warm-ups,
                          median of 10) and peak memory, printed as JSON lines and written to
                          DIR/timing.json. Then: build/apps/diffusion/vae_parity --dir DIR [--time].
+                         --compile (with --time) adds rows for torch.compile'd decode and encode
+                         (default mode; first_call_s is the compile time).
 
 Needs torch, diffusers (0.42; pure Python: pip install diffusers-0.42*.whl importlib_metadata),
 safetensors.
 """
 import argparse
+import time
 import json
 import os
 import statistics
@@ -167,23 +170,49 @@ def time_ms(fn, warmup=3, iters=10):
     return statistics.median(times)
 
 
-def timing(vae, config, size, dtype, device):
+def timing(vae, config, size, dtype, device, compiled=False):
     f = 2 ** (len(config["block_out_channels"]) - 1)
     img = torch.rand(1, 3, size, size, device=device, dtype=dtype) * 2 - 1
     lat = torch.randn(1, config["latent_channels"], size // f, size // f, device=device, dtype=dtype)
     rows = []
+    impl = "diffusers+torch.compile" if compiled else "diffusers"
+    dec, enc = vae.decode, vae.encode
+    if compiled:  # torch.compile of the two methods (default mode); the first call compiles
+        dec, enc = torch.compile(vae.decode), torch.compile(vae.encode)
     with torch.no_grad():
-        for what, fn in [("decode", lambda: vae.decode(lat).sample), ("encode", lambda: vae.encode(img).latent_dist.mean)]:
+        for what, fn in [("decode", lambda: dec(lat).sample), ("encode", lambda: enc(img).latent_dist.mean)]:
+            t0 = time.time()
             fn()
+            torch.cuda.synchronize()
+            first_s = time.time() - t0
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
             ms = time_ms(fn)
             peak = torch.cuda.max_memory_allocated()
-            rows.append({"impl": "diffusers", "work": what, "size": size, "ms": round(ms, 3),
+            rows.append({"impl": impl, "work": what, "size": size, "ms": round(ms, 3),
                          "peak_gib": round(peak / 2**30, 3), "peak_over_weights_gib": round((peak - base) / 2**30, 3),
-                         "device": torch.cuda.get_device_name()})
+                         "first_call_s": round(first_s, 1), "device": torch.cuda.get_device_name()})
+            print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def tiled_vs_untiled(vae, config, size, dtype, device):
+    """diffusers' own tiled decode (tiles of half the image, 0.25 overlap) against its untiled one:
+    the seam error that FLAME's tiled_decode reproduces (vae_parity --time prints FLAME's)."""
+    f = 2 ** (len(config["block_out_channels"]) - 1)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    lat = torch.randn(1, config["latent_channels"], size // f, size // f, generator=g).to(device, dtype)
+    saved = (vae.tile_sample_min_size, vae.tile_latent_min_size, vae.tile_overlap_factor)
+    vae.tile_sample_min_size, vae.tile_latent_min_size, vae.tile_overlap_factor = size // 2, size // 2 // f, 0.25
+    with torch.no_grad():
+        full = vae.decode(lat).sample.float()
+        tiled = vae.tiled_decode(lat).sample.float()
+    vae.tile_sample_min_size, vae.tile_latent_min_size, vae.tile_overlap_factor = saved
+    d = (tiled - full).abs()
+    return {"impl": "diffusers", "work": "tiled_vs_untiled_decode", "size": size, "tile": size // 2,
+            "max_abs": float(d.max()), "max_rel": float(d.max() / full.abs().max()), "mean_abs": float(d.mean()),
+            "mean_abs_untiled": float(full.abs().mean())}
 
 
 def main():
@@ -195,6 +224,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="--time: also torch.compile'd decode and encode")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.backends.cudnn.allow_tf32 = False
@@ -228,9 +258,11 @@ def main():
     vae = write_case(a.out, a.config, cfg, a.size, a.size // 2, a.device, a.dtype, a.seed, shard=True)
     print(f"wrote {a.out} ({a.config}, {a.size}px, {a.dtype})")
     if a.time:
-        rows = timing(vae, cfg, 1024, torch.bfloat16 if a.dtype == "bf16" else torch.float32, a.device)
-        for r in rows:
-            print(json.dumps(r))
+        dt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+        rows = timing(vae, cfg, 1024, dt, a.device)
+        print(json.dumps(tiled_vs_untiled(vae, cfg, 1024, dt, a.device)), flush=True)
+        if a.compile:
+            rows += timing(vae, cfg, 1024, dt, a.device, compiled=True)
         with open(os.path.join(a.out, "timing.json"), "w") as f:
             json.dump(rows, f, indent=1)
 

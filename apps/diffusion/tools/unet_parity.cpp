@@ -9,11 +9,15 @@
 //       gradients (per group: down / mid / up blocks, A and B), then one PASS or FAIL line.
 //       Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
 //   unet_parity time --config sdxl [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]
-//                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
+//                    [--graph 0] [--trace 0] [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
 //       the bf16 LoRA training step (random weights, AdamW on the adapters, mse loss) timed with
 //       CUDA events: one JSON line per (batch, checkpointing, recompute) with the median step time,
 //       the peak allocated memory and MFU (2 x forward FLOPs per step, of 989 TFLOP/s dense bf16).
 //       --recompute 1 runs the forward under autograd::RecomputeCheap (set_recompute_cheap).
+//       --graph 1 captures the whole step (forward, backward, capturable AdamW) once as a CUDA graph
+//       (cuda::GraphedStep) and replays it; its peak counts the graph's private pool.
+//       --trace N records the kernels of N more steps (profiler::KernelTrace) and prints where the
+//       GPU time goes, and the host gap (span - busy) per step.
 //   unet_parity saved --config sdxl [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]
 //                     [--dtype bf16|f32] [--device cpu]
 //       what the LoRA training step keeps for its backward, measured where no GPU is needed: one
@@ -25,16 +29,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include <flame/cuda.h>
+#include <flame/cuda/graph_step.h>
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
 #include <flame/optim.h>
+#include <flame/profiler.h>
 
 #include "models/unet2d.h"
 #include "models/unet2d_convert.h"
@@ -272,6 +279,25 @@ StepInputs step_inputs(const fm::UNet2DConditionConfig& config, int64_t batch, i
   return in;
 }
 
+// Diagnostics: where the GPU time of `steps` more steps goes (profiler::KernelTrace), by kernel
+// name (grouped by their first 60 characters), and the host gap of a step (span - busy).
+void print_kernel_trace(const std::function<void()>& step, int64_t steps) {
+  flame::profiler::KernelTrace trace;
+  trace.start();
+  for (int64_t i = 0; i < steps; ++i) step();
+  trace.stop();
+  const double n = static_cast<double>(steps);
+  std::printf("# kernel trace of %lld steps: per step %.2f ms busy, %.2f ms span, %.0f kernels\n",
+              static_cast<long long>(steps), trace.busy_ms() / n, trace.span_ms() / n,
+              static_cast<double>(trace.records().size()) / n);
+  for (const auto& row : trace.by_name(60)) {
+    if (row.percent < 0.5) continue;
+    std::printf("#   %7.2f ms/step %5.1f%% %6.0f calls/step  %s\n", row.total_ms / n, row.percent,
+                static_cast<double>(row.calls) / n, row.name.c_str());
+  }
+  std::fflush(stdout);
+}
+
 int time_steps(const std::map<std::string, std::string>& f) {
   const std::string name = get(f, "config", "sdxl");
   const auto config = fm::unet2d_preset(name);
@@ -284,49 +310,71 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t seq = kTextTokens;
   const flame::TensorOptions o(DType::bf16, device);
   const std::vector<int64_t> recomputes = int_list("recompute", get(f, "recompute", "0"));
+  const std::vector<int64_t> graphs = int_list("graph", get(f, "graph", "0"));
+  const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
   for (int64_t batch : int_list("batch", get(f, "batch", "1,4"))) {
     for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,1"))) {
       for (int64_t recompute : recomputes) {
-        flame::cuda::empty_cache();
-        auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
-        unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
-        unet->set_gradient_checkpointing(ckpt != 0);
-        unet->set_recompute_cheap(recompute != 0);
-        unet->train();
-        flame::TensorList params;
-        for (const Tensor& p : unet->parameters()) {
-          if (p.requires_grad()) params.push_back(p);
+        for (int64_t graph : graphs) {
+          flame::cuda::empty_cache();
+          auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
+          unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+          unet->set_gradient_checkpointing(ckpt != 0);
+          unet->set_recompute_cheap(recompute != 0);
+          unet->train();
+          flame::TensorList params;
+          for (const Tensor& p : unet->parameters()) {
+            if (p.requires_grad()) params.push_back(p);
+          }
+          flame::optim::AdamW opt(params, {.lr = 1e-4, .capturable = graph != 0});
+          const StepInputs in = step_inputs(config, batch, latent, o);
+          auto eager_step = [&] {
+            const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
+            const flame::Gradients g = loss.backward();
+            opt.step(g);
+          };
+          // The whole step as one CUDA graph: eager warm-up steps, one capture, then replays.
+          flame::cuda::GraphedStep graphed(eager_step,
+                                           {.warmup_steps = 3, .device = device.index, .enabled = graph != 0});
+          auto step = [&] { graphed(); };
+          if (graph != 0) {
+            try {
+              for (int i = 0; i < 4; ++i) step();  // warm-up + capture before the timed warm-up below
+            } catch (const std::exception& e) {
+              std::printf("{\"impl\": \"flame\", \"batch\": %lld, \"checkpointing\": %s, \"cuda_graph\": true, "
+                          "\"error\": \"capture failed\"}\n# %s\n",
+                          static_cast<long long>(batch), ckpt ? "true" : "false", e.what());
+              continue;
+            }
+          }
+          for (int64_t i = 0; i < warmup; ++i) step();
+          flame::cuda::synchronize();
+          flame::cuda::reset_peak_memory_stats();
+          std::vector<double> ms;
+          for (int64_t i = 0; i < steps; ++i) {
+            flame::cuda::Event a(true), b(true);
+            a.record();
+            step();
+            b.record();
+            b.synchronize();
+            ms.push_back(a.elapsed_time(b));
+          }
+          std::sort(ms.begin(), ms.end());
+          const double median = ms[ms.size() / 2];
+          // A captured step's tensors live in the graph's private pool, outside the allocated peak.
+          const auto stats = flame::cuda::memory_stats();
+          const double peak =
+              static_cast<double>(stats.peak_allocated_bytes + (graph != 0 ? stats.graph_pool_bytes : 0)) / (1u << 30);
+          const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
+          std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
+                      "\"checkpointing\": %s, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"median_ms\": %.2f, "
+                      "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f}\n",
+                      name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
+                      static_cast<long long>(batch), ckpt ? "true" : "false", recompute ? "true" : "false",
+                      graph ? "true" : "false", median, peak, flops / 1e12, flops / (median / 1e3) / 989e12);
+          std::fflush(stdout);
+          if (trace_steps > 0) print_kernel_trace(step, trace_steps);
         }
-        flame::optim::AdamW opt(params, {.lr = 1e-4});
-        const StepInputs in = step_inputs(config, batch, latent, o);
-        auto step = [&] {
-          const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
-          const flame::Gradients g = loss.backward();
-          opt.step(g);
-        };
-        for (int64_t i = 0; i < warmup; ++i) step();
-        flame::cuda::synchronize();
-        flame::cuda::reset_peak_memory_stats();
-        std::vector<double> ms;
-        for (int64_t i = 0; i < steps; ++i) {
-          flame::cuda::Event a(true), b(true);
-          a.record();
-          step();
-          b.record();
-          b.synchronize();
-          ms.push_back(a.elapsed_time(b));
-        }
-        std::sort(ms.begin(), ms.end());
-        const double median = ms[ms.size() / 2];
-        const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
-        const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
-        std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
-                    "\"checkpointing\": %s, \"recompute_cheap\": %s, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
-                    "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f}\n",
-                    name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
-                    static_cast<long long>(batch), ckpt ? "true" : "false", recompute ? "true" : "false", median, peak,
-                    flops / 1e12, flops / (median / 1e3) / 989e12);
-        std::fflush(stdout);
       }
     }
   }
