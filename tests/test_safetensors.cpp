@@ -4,9 +4,11 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <sys/stat.h>
@@ -289,6 +291,88 @@ TEST(SafetensorsLoad, ForeignDTypeListedButRefusedByName) {
   EXPECT_EQ(file.load("w").item<float>(), 1.0f);
   expect_error([&] { (void)file.load("q"); }, {"safetensors", path, "\"q\"", "I8", "FLAME does not have"});
   expect_error([&] { (void)io::load_safetensors(path); }, {"\"q\"", "I8"});
+  std::remove(path.c_str());
+}
+
+// The value of an 8-bit float pattern built as f32 bits: a normal number's exponent is rebiased
+// into the f32 field and its mantissa shifted to the top; a subnormal is m * 2^(1 - bias - mbits)
+// computed in double; the all-ones exponent follows the OCP rules (E4M3: only S.1111.111 is NaN;
+// E5M2: inf with mantissa 0, else NaN).
+float f8_reference(uint8_t b, int ebits, int mbits) {
+  const int bias = (1 << (ebits - 1)) - 1;
+  const uint32_t sign = b >> 7, e = (b >> mbits) & ((1u << ebits) - 1), m = b & ((1u << mbits) - 1);
+  const uint32_t emax = (1u << ebits) - 1;
+  if (e == emax && (ebits == 5 || m == (1u << mbits) - 1)) {
+    if (ebits == 5 && m == 0) return sign ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  if (e == 0) {
+    const double v = static_cast<double>(m) * std::pow(2.0, 1 - bias - mbits);
+    return static_cast<float>(sign ? -v : v);
+  }
+  const uint32_t bits = (sign << 31) | ((e - bias + 127) << 23) | (m << (23 - mbits));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+TEST(SafetensorsLoad, Float8EveryBitPatternDecodes) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  std::string all(256, '\0');
+  for (int i = 0; i < 256; ++i) all[i] = static_cast<char>(i);
+  const std::string header =
+      R"({"e4m3":{"dtype":"F8_E4M3","shape":[16,16],"data_offsets":[0,256]},)"
+      R"("e5m2":{"dtype":"F8_E5M2","shape":[256],"data_offsets":[256,512]}})";
+  const std::string path = temp_path("f8");
+  write_file(path, file_of(header, all + all));
+  const io::SafetensorsFile file(path);
+  EXPECT_EQ(file.info("e4m3").dtype, "F8_E4M3");
+  EXPECT_FALSE(file.info("e4m3").flame_dtype.has_value());
+  const Tensor a = file.load("e4m3", test_device()), b = file.load("e5m2", test_device());
+  EXPECT_EQ(a.dtype(), DType::f32);
+  EXPECT_EQ(a.sizes(), (Shape{16, 16}));
+  const std::vector<float> av = a.to_vec<float>(), bv = b.to_vec<float>();
+  int nan4 = 0, nan5 = 0;
+  for (int i = 0; i < 256; ++i) {
+    const float ra = f8_reference(static_cast<uint8_t>(i), 4, 3), rb = f8_reference(static_cast<uint8_t>(i), 5, 2);
+    if (std::isnan(ra)) {
+      ++nan4;
+      EXPECT_TRUE(std::isnan(av[i])) << "e4m3 byte " << i;
+    } else {
+      EXPECT_EQ(bytes_of_vec(std::vector<float>{av[i]}), bytes_of_vec(std::vector<float>{ra})) << "e4m3 byte " << i;
+    }
+    if (std::isnan(rb)) {
+      ++nan5;
+      EXPECT_TRUE(std::isnan(bv[i])) << "e5m2 byte " << i;
+    } else {
+      EXPECT_EQ(bytes_of_vec(std::vector<float>{bv[i]}), bytes_of_vec(std::vector<float>{rb})) << "e5m2 byte " << i;
+    }
+  }
+  EXPECT_EQ(nan4, 2);  // 0x7f and 0xff
+  EXPECT_EQ(nan5, 6);  // exponent 31 with mantissa 1..3, both signs
+  // Anchors of the formats' tables.
+  EXPECT_EQ(av[0x38], 1.0f);
+  EXPECT_EQ(av[0x7e], 448.0f);
+  EXPECT_EQ(av[0xfe], -448.0f);
+  EXPECT_EQ(av[0x01], std::ldexp(1.0f, -9));
+  EXPECT_EQ(av[0x08], std::ldexp(1.0f, -6));
+  EXPECT_TRUE(std::signbit(av[0x80]) && av[0x80] == 0.0f);
+  EXPECT_EQ(bv[0x3c], 1.0f);
+  EXPECT_EQ(bv[0x7b], 57344.0f);
+  EXPECT_EQ(bv[0x7c], std::numeric_limits<float>::infinity());
+  EXPECT_EQ(bv[0xfc], -std::numeric_limits<float>::infinity());
+  EXPECT_EQ(bv[0x01], std::ldexp(1.0f, -16));
+  // A dtype asks for the conversion (every E4M3 value is exact in bf16: 3 mantissa bits, exponents
+  // within bf16's range); load_all converts F8 tensors too; integer dtypes are refused by name.
+  const Tensor h = file.load("e4m3", test_device(), DType::bf16);
+  EXPECT_EQ(h.dtype(), DType::bf16);
+  const std::vector<float> hv = h.to(DType::f32).to_vec<float>();
+  for (int i = 0; i < 256; ++i)
+    if (!std::isnan(av[i])) EXPECT_EQ(hv[i], av[i]) << i;
+  const StateDict sd = io::load_safetensors(path, test_device(), DType::f16);
+  EXPECT_EQ(sd.at("e5m2").dtype(), DType::f16);
+  EXPECT_EQ(sd.at("e5m2").to(DType::f32).to_vec<float>()[0x3c], 1.0f);
+  expect_error([&] { (void)file.load("e4m3", Device::cpu(), DType::i32); }, {"safetensors", path, "\"e4m3\"", "F8_E4M3"});
   std::remove(path.c_str());
 }
 

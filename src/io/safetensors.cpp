@@ -23,10 +23,13 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -69,6 +72,39 @@ std::optional<DType> to_flame(StDType t) {
 }
 
 std::string errno_text() { return std::strerror(errno); }
+
+// Note [Float8 on load]
+// FLAME has no 8-bit float dtype; a F8_E4M3 or F8_E5M2 tensor (fp8-stored checkpoints) is decoded
+// on the host to f32 through a 256-entry table and then converted to the dtype asked for (f32
+// without one). The formats are the OCP 8-bit floating point ones that PyTorch calls
+// float8_e4m3fn and float8_e5m2:
+//   E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN, so the
+//         largest finite value is 448 (S.1111.110); exponent 0 is subnormal: m/8 * 2^-6.
+//   E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa bits, IEEE-like: exponent 31 is +-inf with
+//         mantissa 0 and NaN otherwise; exponent 0 is subnormal: m/4 * 2^-14.
+float decode_f8(uint8_t b, bool e4m3) {
+  const int mbits = e4m3 ? 3 : 2, ebits = e4m3 ? 4 : 5, bias = e4m3 ? 7 : 15;
+  const int m = b & ((1 << mbits) - 1), e = (b >> mbits) & ((1 << ebits) - 1);
+  const float sign = (b & 0x80) ? -1.0f : 1.0f;
+  const int emax = (1 << ebits) - 1;
+  if (e4m3 && e == emax && m == (1 << mbits) - 1) return std::numeric_limits<float>::quiet_NaN();
+  if (!e4m3 && e == emax) return m == 0 ? sign * std::numeric_limits<float>::infinity()
+                                        : std::numeric_limits<float>::quiet_NaN();
+  const float frac = static_cast<float>(m) / static_cast<float>(1 << mbits);
+  if (e == 0) return sign * std::ldexp(frac, 1 - bias);
+  return sign * std::ldexp(1.0f + frac, e - bias);
+}
+
+std::vector<float> make_f8_table(bool e4m3) {
+  std::vector<float> t(256);
+  for (int i = 0; i < 256; ++i) t[i] = decode_f8(static_cast<uint8_t>(i), e4m3);
+  return t;
+}
+
+const std::vector<float>& f8_table(bool e4m3) {
+  static const std::vector<float> e4m3_table = make_f8_table(true), e5m2_table = make_f8_table(false);
+  return e4m3 ? e4m3_table : e5m2_table;
+}
 
 }  // namespace
 
@@ -160,9 +196,20 @@ const TensorInfo& SafetensorsFile::info(std::string_view name) const {
 
 Tensor SafetensorsFile::load(std::string_view name, Device device, std::optional<DType> dtype) const {
   const TensorInfo& inf = info(name);
+  if (inf.dtype == "F8_E4M3" || inf.dtype == "F8_E5M2") {  // Note [Float8 on load]
+    FLAME_CHECK(!dtype || is_floating(*dtype), "safetensors", "'", impl_->path, "': tensor \"", name, "\" is ",
+                inf.dtype, " and loads as a floating dtype (f32, f64, bf16, f16), not ", *dtype);
+    const std::vector<float>& table = f8_table(inf.dtype == "F8_E4M3");
+    const unsigned char* bytes = impl_->data + inf.offset;
+    std::vector<float> values(inf.nbytes);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = table[bytes[i]];
+    Tensor t = Tensor::from_blob_copy(values.data(), DType::f32, values.size(), inf.shape, device);
+    if (dtype && *dtype != DType::f32) t = t.to(*dtype);
+    return t;
+  }
   FLAME_CHECK(inf.flame_dtype.has_value(), "safetensors", "'", impl_->path, "': tensor \"", name,
               "\" has dtype ", inf.dtype,
-              ", which FLAME does not have (FLAME reads F64 F32 F16 BF16 I64 I32 U8 BOOL)");
+              ", which FLAME does not have (FLAME reads F64 F32 F16 BF16 I64 I32 U8 BOOL, and F8_E4M3 F8_E5M2 as f32)");
   const DType dt = *inf.flame_dtype;
   const std::size_t count = inf.nbytes / dtype_size(dt);
   const unsigned char* bytes = impl_->data + inf.offset;  // inside the mapping (parser)
@@ -182,7 +229,8 @@ StateDict SafetensorsFile::load_all(Device device, std::optional<DType> dtype) c
   StateDict out;
   for (const std::string& name : impl_->names) {
     const TensorInfo& inf = impl_->infos[impl_->index.at(name)];
-    const bool convert = dtype && inf.flame_dtype && is_floating(*inf.flame_dtype);
+    const bool f8 = inf.dtype == "F8_E4M3" || inf.dtype == "F8_E5M2";
+    const bool convert = dtype && ((inf.flame_dtype && is_floating(*inf.flame_dtype)) || (f8 && is_floating(*dtype)));
     out.insert(name, load(name, device, convert ? dtype : std::nullopt));
   }
   return out;

@@ -9,8 +9,12 @@
 //   Tensor w = f.load("blocks.0.attn.qkv.weight", Device::cuda(), DType::bf16);
 //
 // Dtypes: F64 F32 F16 BF16 I64 I32 U8 BOOL map to FLAME's f64 f32 f16 bf16 i64 i32 u8 boolean.
-// A file may hold the format's other dtypes (I8, I16, U16, U32, U64, F8_*, C64): it opens and
-// lists them, and loading such a tensor raises an error naming its dtype. Every problem with a
+// F8_E4M3 and F8_E5M2 (fp8-stored checkpoints; OCP formats, PyTorch's float8_e4m3fn and
+// float8_e5m2) load decoded to f32, or to the floating dtype asked for (Note [Float8 on load] in
+// src/io/safetensors.cpp: E4M3 has no infinities and NaN only at S.1111.111). A file may hold the
+// format's other dtypes (I8, I16, U16, U32, U64, F8_E8M0, C64): it opens and lists them
+// (TensorInfo::flame_dtype is nullopt, as for F8), and loading such a tensor raises an error naming
+// its dtype. Every problem with a
 // file raises flame::Error naming the file and what is wrong with it.
 #include <cstdint>
 #include <map>
