@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Fills the ignored .deps/ folder with what a build on a machine without apt or internet needs
 # (the GPU machine): GoogleTest sources, nlohmann-json headers, cudnn-frontend headers, and for
-# apps/diffusion the Fashion-MNIST files, CLI11 headers and libpng/zlib headers with static
-# libraries (apps/diffusion/deps.cmake uses those only where the machine has none of its own). Run
+# apps/diffusion the Fashion-MNIST files, CLI11 headers and libpng/zlib/libjpeg/utf8proc/RE2
+# headers with static libraries, SentencePiece with its shared library (apps/diffusion/deps.cmake
+# uses those only where the machine has none of its own). Run
 # it here, then carry ".deps" with the GPU runner (scripts/gpu_run.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,21 @@ if [ ! -f .deps/jpeg/lib/libjpeg.a ] && [ -f /usr/lib/x86_64-linux-gnu/libjpeg.a
   cp -L /usr/include/jpeglib.h /usr/include/jerror.h /usr/include/jmorecfg.h \
     /usr/include/x86_64-linux-gnu/jconfig.h .deps/jpeg/include/
   cp -L /usr/lib/x86_64-linux-gnu/libjpeg.a .deps/jpeg/lib/
+fi
+# Text tokenizers: utf8proc and RE2 as static libraries; SentencePiece has no static library in
+# Debian, so its shared one is carried (it needs only libstdc++; protobuf-lite is built in).
+if [ ! -f .deps/text/lib/libre2.a ]; then
+  mkdir -p .deps/text/include .deps/text/lib
+  cp -L /usr/include/utf8proc.h .deps/text/include/
+  cp -rL /usr/include/re2 .deps/text/include/
+  cp -L /usr/lib/x86_64-linux-gnu/libutf8proc.a /usr/lib/x86_64-linux-gnu/libre2.a .deps/text/lib/
+fi
+if [ ! -f .deps/sentencepiece/lib/libsentencepiece.so ]; then
+  mkdir -p .deps/sentencepiece/include .deps/sentencepiece/lib
+  cp -L /usr/include/sentencepiece_processor.h .deps/sentencepiece/include/
+  # Two plain copies, no symlink: the linker looks for the .so, the loader for the soname.
+  cp -L /usr/lib/x86_64-linux-gnu/libsentencepiece.so.0 .deps/sentencepiece/lib/
+  cp -L /usr/lib/x86_64-linux-gnu/libsentencepiece.so.0 .deps/sentencepiece/lib/libsentencepiece.so
 fi
 [ -f .deps/cudnn_frontend/include/cudnn_frontend.h ] || { echo "prepare_carry: cudnn-frontend missing (setup_deps needs nvcc)" >&2; exit 1; }
 du -sh .deps

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building FLAME needs on a Debian machine, only where it is missing:
 # a C++20 compiler, CMake, Ninja, OpenBLAS (CPU GEMM) and GoogleTest; for the diffusion trainer
-# (apps/diffusion) libpng, zlib, CLI11 and the Fashion-MNIST data set. The CUDA toolkit is used
-# when present (nvcc on PATH or in /usr/local/cuda) and is never installed here.
+# (apps/diffusion) libpng, zlib, CLI11, utf8proc, RE2, SentencePiece and the Fashion-MNIST data
+# set. The CUDA toolkit is used when present (nvcc on PATH or in /usr/local/cuda) and is never installed here.
 set -euo pipefail
 
 need=()
@@ -19,6 +19,10 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 [ -f /usr/include/CLI/CLI.hpp ] || need+=(libcli11-dev)
 [ -f /usr/include/jpeglib.h ] || need+=(libjpeg-dev)  # libjpeg-turbo: sample --out *.jpg
+# Text tokenizers (apps/diffusion/models/tokenizer_*): Unicode data, CLIP's regex, T5's SentencePiece.
+[ -f /usr/include/utf8proc.h ] || need+=(libutf8proc-dev)
+[ -f /usr/include/re2/re2.h ] || need+=(libre2-dev)
+[ -f /usr/include/sentencepiece_processor.h ] || need+=(libsentencepiece-dev)
 [ -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] || need+=(dataset-fashion-mnist)
 
 if [ ${#need[@]} -gt 0 ]; then

@@ -33,6 +33,32 @@ target_link_libraries(flame_diffusion PUBLIC ${FD_PNG_LIBRARY} ${FD_ZLIB_LIBRARY
 # so that a binary run from any directory on the GPU machine finds the files.
 target_compile_definitions(flame_diffusion PRIVATE FLAME_DIFFUSION_DEPS_DIR="${FD_DEPS_DIR}")
 
+# ---- text tokenizers of flame_models (models/tokenizer_*.cpp) ----
+# utf8proc (NFC, categories, case) and RE2 (CLIP's pre-tokenisation regex), static libraries of the
+# Debian packages libutf8proc-dev and libre2-dev; SentencePiece (T5's spiece.model) from
+# libsentencepiece-dev, which ships no static library: .deps/sentencepiece holds the shared one
+# (it bundles protobuf-lite, so nothing else is needed), found at run time through the build-tree
+# RPATH CMake records.
+find_path(FD_UTF8PROC_INCLUDE_DIR utf8proc.h PATHS ${FD_DEPS_DIR}/text/include)
+find_library(FD_UTF8PROC_LIBRARY NAMES libutf8proc.a utf8proc PATHS ${FD_DEPS_DIR}/text/lib)
+find_path(FD_RE2_INCLUDE_DIR re2/re2.h PATHS ${FD_DEPS_DIR}/text/include)
+find_library(FD_RE2_LIBRARY NAMES libre2.a re2 PATHS ${FD_DEPS_DIR}/text/lib)
+find_path(FD_SPM_INCLUDE_DIR sentencepiece_processor.h PATHS ${FD_DEPS_DIR}/sentencepiece/include)
+find_library(FD_SPM_LIBRARY NAMES sentencepiece PATHS ${FD_DEPS_DIR}/sentencepiece/lib)
+foreach(dep UTF8PROC_INCLUDE_DIR UTF8PROC_LIBRARY RE2_INCLUDE_DIR RE2_LIBRARY SPM_INCLUDE_DIR SPM_LIBRARY)
+  if(NOT FD_${dep})
+    message(FATAL_ERROR "flame-diffusion: ${dep} not found for the text tokenizers: install the Debian packages "
+                        "libutf8proc-dev libre2-dev libsentencepiece-dev (scripts/setup_deps.sh), or fill "
+                        ".deps/text and .deps/sentencepiece with scripts/prepare_carry.sh")
+  endif()
+endforeach()
+message(STATUS "flame-diffusion: utf8proc ${FD_UTF8PROC_LIBRARY}, RE2 ${FD_RE2_LIBRARY}, SentencePiece ${FD_SPM_LIBRARY}")
+find_package(Threads REQUIRED)
+target_include_directories(flame_models PRIVATE ${FD_UTF8PROC_INCLUDE_DIR} ${FD_RE2_INCLUDE_DIR} ${FD_SPM_INCLUDE_DIR}
+                                                ${FD_ZLIB_INCLUDE_DIR})
+target_link_libraries(flame_models PRIVATE ${FD_SPM_LIBRARY} ${FD_RE2_LIBRARY} ${FD_UTF8PROC_LIBRARY}
+                                           ${FD_ZLIB_LIBRARY} Threads::Threads)
+
 # ---- IDX parser fuzzer (Note [IDX fuzz contract] in tests/fuzz/fuzz_idx.cpp) ----
 # Built from the library's src/data/idx.cpp alone (FLAME's headers, no FLAME library), so the
 # sanitizers see every read. A short seeded run is a ctest test; the long libFuzzer run is
