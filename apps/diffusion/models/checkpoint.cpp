@@ -168,17 +168,22 @@ struct Checkpoint::Impl {
 namespace {
 
 constexpr const char* kWeights = "diffusion_pytorch_model";
+constexpr const char* kTransformersWeights = "model";
 
 bool is_safetensors_path(const fs::path& p) { return p.extension() == ".safetensors"; }
 
 // The weights of a diffusers model folder: a full file or an index of shards, by variant preference.
 std::vector<std::string> folder_weight_files(const fs::path& dir, const std::string& variant, std::string* tried) {
   std::vector<std::string> names;  // candidate stems in preference order
-  const std::string plain = kWeights, fp16 = std::string(kWeights) + ".fp16";
-  if (variant.empty()) {
-    names = {plain, fp16};
-  } else {
-    names = {std::string(kWeights) + "." + variant, plain};
+  // diffusers' names first, then transformers' (a text encoder folder: model.safetensors, or
+  // model-0000i-of-0000N.safetensors listed by model.safetensors.index.json).
+  for (const char* stem : {kWeights, kTransformersWeights}) {
+    const std::string plain = stem;
+    if (variant.empty()) {
+      names.insert(names.end(), {plain, plain + ".fp16"});
+    } else {
+      names.insert(names.end(), {plain + "." + variant, plain});
+    }
   }
   for (const std::string& stem : names) {
     const fs::path full = dir / (stem + ".safetensors");
@@ -447,6 +452,29 @@ std::optional<Shape> entry_shape(const Checkpoint& ck, const KeyPlanEntry& e, st
       out[e.dim] /= e.count;
       return out;
     }
+    case KeyPlanEntry::Op::kTranspose:
+      if (in[0].size() != 2) break;
+      return Shape{in[0][1], in[0][0]};
+    case KeyPlanEntry::Op::kScale: {
+      if (in.size() != 2) break;
+      // The scale broadcasts to the weight: one element, or trailing dims that are 1 or equal.
+      const Shape& w = in[0];
+      const Shape& sc = in[1];
+      bool fits = numel(sc) == 1;
+      if (!fits && sc.size() <= w.size()) {
+        fits = true;
+        for (std::size_t i = 0; i < sc.size(); ++i) {
+          const int64_t a = sc[sc.size() - 1 - i], b = w[w.size() - 1 - i];
+          if (a != 1 && a != b) fits = false;
+        }
+      }
+      if (!fits) {
+        *why = "shape: " + e.target + " scales stored " + e.sources[0] + " " + flame::shape_str(w) + " by " +
+               e.sources[1] + " " + flame::shape_str(sc) + ", which does not broadcast to it";
+        return std::nullopt;
+      }
+      return w;
+    }
   }
   *why = "plan: " + e.target + " has a bad " + to_string(e.op) + " (dim " + std::to_string(e.dim) + ", index " +
          std::to_string(e.index) + " of " + std::to_string(e.count) + ") for stored " + e.sources[0] + " " +
@@ -457,6 +485,7 @@ std::optional<Shape> entry_shape(const Checkpoint& ck, const KeyPlanEntry& e, st
 std::vector<std::string> unplaced_keys(const Checkpoint& ck, const KeyPlan& plan) {
   std::set<std::string> used;
   for (const KeyPlanEntry& e : plan.entries) used.insert(e.sources.begin(), e.sources.end());
+  used.insert(plan.ignored.begin(), plan.ignored.end());
   std::vector<std::string> out;
   for (const std::string& k : ck.keys())
     if (k.compare(0, plan.source_prefix.size(), plan.source_prefix) == 0 && !used.count(k)) out.push_back(k);
@@ -476,6 +505,11 @@ Tensor apply_entry(const Checkpoint& ck, const KeyPlanEntry& e, flame::Device de
     }
     case KeyPlanEntry::Op::kChunk:
       return flame::chunk(ck.load(e.sources[0], device, dtype), e.count, e.dim)[static_cast<std::size_t>(e.index)];
+
+    case KeyPlanEntry::Op::kTranspose:
+      return ck.load(e.sources[0], device, dtype).t().contiguous();
+    case KeyPlanEntry::Op::kScale:
+      return (ck.load(e.sources[0], device, DType::f32) * ck.load(e.sources[1], device, DType::f32)).to(dtype);
   }
   FLAME_FAIL("load_checkpoint", "unknown plan op");
 }

@@ -7,11 +7,15 @@
 //   - a diffusers model folder: config.json + diffusion_pytorch_model.safetensors (or the
 //     .fp16.safetensors variant, or shards diffusion_pytorch_model-0000i-of-0000N.safetensors listed
 //     by diffusion_pytorch_model.safetensors.index.json);
-//   - a diffusers pipeline folder (model_index.json, one subfolder per model: vae/, unet/, ...): the
-//     loader of a model kind looks in its subfolder;
+//   - a transformers model folder (the text encoders): config.json + model.safetensors, or shards
+//     model-0000i-of-0000N.safetensors listed by model.safetensors.index.json;
+//   - a diffusers pipeline folder (model_index.json, one subfolder per model: vae/, unet/,
+//     text_encoder/, text_encoder_2/, text_encoder_3/ ...): the loader of a model kind looks in its
+//     subfolder;
 //   - one .safetensors file, in diffusers names or in an original single-file layout (SD 1.x/SDXL
 //     full checkpoints with their "first_stage_model." / "model.diffusion_model." prefixes, FLUX/SD3
-//     ae.safetensors and ComfyUI VAE files with bare original names).
+//     ae.safetensors and ComfyUI VAE files with bare original names; the text encoders' single
+//     files of text_checkpoint.cpp).
 // Checkpoint::open resolves the path to its files and indexes every key of every file from the
 // headers alone (flame::io::SafetensorsFile maps the file; nothing is read yet). A model kind has
 // registered formats (CheckpointFormat: a detector and a plan builder, keyed by name); the loader of

@@ -8,6 +8,8 @@ const char* to_string(KeyPlanEntry::Op op) {
     case KeyPlanEntry::Op::kReshape: return "reshape";
     case KeyPlanEntry::Op::kConcat: return "concat";
     case KeyPlanEntry::Op::kChunk: return "chunk";
+    case KeyPlanEntry::Op::kTranspose: return "transpose";
+    case KeyPlanEntry::Op::kScale: return "scale";
   }
   return "?";
 }

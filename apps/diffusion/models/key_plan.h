@@ -25,6 +25,9 @@ struct KeyPlanEntry {
     kReshape,  // target = source[0] reshaped to `shape` (e.g. a 1x1 conv [C, C, 1, 1] -> Linear [C, C])
     kConcat,   // target = cat(sources, dim)
     kChunk,    // target = chunk `index` of `count` equal pieces of source[0] along dim (fused qkv)
+    kTranspose,  // target = source[0] transposed (2-d; OpenCLIP's text_projection is stored [in, out])
+    kScale,      // target = source[0] * source[1], both read in f32, then converted (fp8 weights with
+                 // a "scale_weight" of one element or a shape that broadcasts)
   };
   std::string target;                // the diffusers key
   std::vector<std::string> sources;  // keys in the stored file
@@ -43,9 +46,13 @@ struct KeyPlan {
   // some entry (else it is reported as unplaced); keys outside it belong to other models of the
   // same file (a full SDXL checkpoint holds the UNet, the VAE and the text encoders). "" = all.
   std::string source_prefix;
+  // Stored keys under source_prefix that are known and deliberately not loaded (a non-persistent
+  // buffer some writers save, a tied copy of another tensor, a format marker): not reported as
+  // unplaced.
+  std::vector<std::string> ignored;
 };
 
-// "copy", "reshape", "concat", "chunk" (for messages).
+// "copy", "reshape", "concat", "chunk", "transpose", "scale" (for messages).
 const char* to_string(KeyPlanEntry::Op op);
 
 }  // namespace flame_diffusion::models
