@@ -17,6 +17,7 @@
 #include "model_test_util.h"
 #include "models/checkpoint.h"
 #include "models/tokenizer_clip.h"
+#include "models/tokenizer_t5.h"
 #include "models/tokenizer_util.h"
 
 namespace {
@@ -25,6 +26,8 @@ namespace fs = std::filesystem;
 using flame_diffusion::models::ClipTokenizer;
 using flame_diffusion::models::ClipTokenizerOptions;
 using flame_diffusion::models::JsonConfig;
+using flame_diffusion::models::T5Tokenizer;
+using flame_diffusion::models::T5TokenizerOptions;
 using flame_diffusion::models::TokenIds;
 
 fs::path data_dir() { return fs::path(__FILE__).parent_path() / "data" / "tokenizers"; }
@@ -273,6 +276,79 @@ TEST(TokenizerClip, ErrorsNameTheFile) {
   fd_test::write_text(dir / "vocab.json", "{}");
   msg = fd_test::error_of([&] { ClipTokenizer::from_folder(dir.string()); });
   EXPECT_NE(msg.find("line 2: a merge must be two symbols"), std::string::npos) << msg;
+  fs::remove_all(dir);
+}
+
+// ---- T5 ----
+
+const T5Tokenizer& t5_test() {
+  static const T5Tokenizer t = T5Tokenizer::from_file((data_dir() / "t5_test.model").string());
+  return t;
+}
+
+TEST(TokenizerT5, SpecialIdsAndSentinels) {
+  const T5Tokenizer& t = t5_test();
+  EXPECT_EQ(t.pad_id(), 0);
+  EXPECT_EQ(t.eos_id(), 1);
+  EXPECT_EQ(t.unk_id(), 2);
+  EXPECT_EQ(t.vocab_size(), 1000 + 100);  // 1000 trained pieces + 100 sentinels
+  EXPECT_EQ(t.token_to_id("<extra_id_0>"), 1099);
+  EXPECT_EQ(t.token_to_id("<extra_id_99>"), 1000);
+  EXPECT_EQ(t.encode(""), (std::vector<int64_t>{1}));
+  EXPECT_EQ(t.encode(" \t\n "), (std::vector<int64_t>{1}));
+  EXPECT_EQ(t.encode("<extra_id_3></s><pad>"), (std::vector<int64_t>{1096, 1, 0, 1}));
+  // Words never join across whitespace, and every word starts with "\u2581".
+  std::vector<int64_t> ab = t.encode("cat dog");
+  std::vector<int64_t> a = t.encode("cat"), b = t.encode("dog");
+  a.pop_back();
+  a.insert(a.end(), b.begin(), b.end());
+  EXPECT_EQ(ab, a);
+}
+
+TEST(TokenizerT5, NormalizerIsTheModelsCharsMap) {
+  // nmt_nfkc: full-width letters and digits fold, NBSP becomes a space, a decomposed accent composes.
+  EXPECT_EQ(t5_test().normalize("\xef\xbc\xa1\xef\xbc\x91"), "A1");
+  EXPECT_EQ(t5_test().normalize("a\xc2\xa0" "b"), "a b");
+  EXPECT_EQ(t5_test().normalize("e\xcc\x81"), "\xc3\xa9");
+}
+
+TEST(TokenizerT5, IdentityWithTransformersOnCaptions) {
+  expect_all_equal(read_id_lines("t5_ids.txt"), [](const std::string& c) { return t5_test().encode(c); },
+                   "T5 vs transformers T5TokenizerFast");
+}
+
+TEST(TokenizerT5, PaddingAndTruncation) {
+  T5TokenizerOptions o;
+  o.max_length = 32;
+  T5Tokenizer t = T5Tokenizer::from_file((data_dir() / "t5_test.model").string(), o);
+  const auto& caps = captions();
+  std::vector<std::string> lines = read_lines(data_dir() / "t5_padded.txt");
+  ASSERT_EQ(lines.size(), (caps.size() + 9) / 10);
+  size_t truncated = 0;
+  for (size_t k = 0; k < lines.size(); ++k) {
+    auto f = split_fields(lines[k]);
+    ASSERT_EQ(f.size(), 2u);
+    TokenIds got = t.encode_padded(caps[k * 10]);
+    EXPECT_EQ(got.ids, f[0]) << "ids of " << quoted(caps[k * 10]);
+    EXPECT_EQ(got.mask, f[1]) << "mask of " << quoted(caps[k * 10]);
+    if (f[1].back() == 1) ++truncated;
+  }
+  EXPECT_GE(truncated, 5u);
+  auto batch = t({"a cat", "", "a dog"});
+  ASSERT_EQ(batch.input_ids.sizes(), (flame::Shape{3, 32}));
+  EXPECT_EQ(batch.attention_mask.to_vec<int64_t>()[32], 1);  // "</s>" alone
+  EXPECT_EQ(batch.attention_mask.to_vec<int64_t>()[33], 0);
+}
+
+TEST(TokenizerT5, ErrorsNameTheFile) {
+  const fs::path dir = fd_test::fresh_temp_dir("t5_tok", "errors");
+  std::string msg = fd_test::error_of([&] { T5Tokenizer::from_folder(dir.string()); });
+  EXPECT_NE(msg.find("has no spiece.model"), std::string::npos) << msg;
+  fd_test::write_text(dir / "spiece.model", "not a model");
+  msg = fd_test::error_of([&] { T5Tokenizer::from_folder(dir.string()); });
+  EXPECT_NE(msg.find("spiece.model is not a SentencePiece model"), std::string::npos) << msg;
+  msg = fd_test::error_of([] { t5_test().encode("bad \xc3 byte"); });
+  EXPECT_NE(msg.find("not valid UTF-8 at byte 4"), std::string::npos) << msg;
   fs::remove_all(dir);
 }
 
