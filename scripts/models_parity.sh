@@ -18,6 +18,12 @@
 #              SDXL UNet LoRA r16 training step (batch 1 and 4, with and without gradient
 #              checkpointing and RecomputeCheap; batch 1 also as one CUDA graph) and a kernel trace
 #   compile    the SDXL UNet step under torch.compile (slow to compile: its own stage)
+#   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
+#              transformers makes each with random weights and saves every layout FLAME loads
+#              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
+#              outputs (models_text.py); text_parity compares. Needs transformers, not diffusers.
+#              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
+#              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
 # (carry it; `pip download --no-deps diffusers==0.42.0 importlib_metadata zipp -d .whl`).
 set -uo pipefail
@@ -60,7 +66,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
 fi
-if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity >> "$LOG" 2>&1; then
+if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
 fi
 note "build: ok ($(( $(date +%s) - START )) s)"
@@ -85,6 +91,7 @@ if has refs; then
   run "refs: vae reduced" 300 python3 apps/diffusion/reference/models_vae.py --reduced --out "$OUT/refs"
   run "refs: unet tiny-xl" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-xl --out "$OUT/refs/unet2d-tiny-xl"
   run "refs: unet tiny-sd" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-sd --out "$OUT/refs/unet2d-tiny-sd"
+  run "refs: text reduced" 300 python3 apps/diffusion/reference/models_text.py --reduced --out "$OUT/refs"
   # The tests read them from the source tree; the tarball is what comes back from the GPU machine
   # (its copy-back keeps few files per folder): unpack it under apps/diffusion/tests/data/models/.
   mkdir -p apps/diffusion/tests/data/models && cp -r "$OUT/refs/." apps/diffusion/tests/data/models/
@@ -125,6 +132,20 @@ if has time; then
   run "time unet sdxl b1: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0,1 --recompute 0,1 --graph 0,1
   run "time unet sdxl b4: flame" 300 "$BIN/unet_parity" time --config sdxl --batch 4 --checkpointing 0,1 --recompute 0,1
   run "time unet sdxl b1: flame kernel trace" 200 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0 --trace 3
+  for c in ${TEXT_CONFIGS:-t5-xxl clip-l clip-g}; do  # T5 16 x 512, CLIP 64 x 77, bf16
+    run "time text $c: transformers" 300 python3 apps/diffusion/reference/models_text.py --config $c --time --out /tmp/text_t_$c
+    run "time text $c: flame" 300 "$BIN/text_parity" --time --model $c --device cuda
+    rm -rf /tmp/text_t_$c
+  done
+fi
+if has text; then
+  for c in ${TEXT_CONFIGS:-clip-l clip-g t5-xxl}; do
+    for d in f32 bf16; do
+      run "text $c $d: transformers" 600 python3 apps/diffusion/reference/models_text.py --config $c --dtype $d --out /tmp/text_${c}_$d
+      run "text $c $d: flame" 600 "$BIN/text_parity" --dir /tmp/text_${c}_$d --device cuda
+      rm -rf /tmp/text_${c}_$d
+    done
+  done
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

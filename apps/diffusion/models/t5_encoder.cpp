@@ -125,8 +125,9 @@ T5Attention::T5Attention(const T5EncoderConfig& c, bool has_relative_attention_b
 Tensor T5Attention::position_bias(int64_t length) const {
   FLAME_CHECK(relative_attention_bias_ != nullptr, "T5Attention", "only block 0 holds the relative attention bias");
   const Tensor& table = relative_attention_bias_->weight();
-  const Tensor buckets = t5_relative_position_buckets(length, length, buckets_, max_distance_, table.device());
-  return F::embedding(buckets, table).permute({2, 0, 1}).unsqueeze(0);  // [1, H, L, L]
+  if (!buckets_cache_.defined() || buckets_cache_.size(0) != length || buckets_cache_.device() != table.device())
+    buckets_cache_ = t5_relative_position_buckets(length, length, buckets_, max_distance_, table.device());
+  return F::embedding(buckets_cache_, table).permute({2, 0, 1}).unsqueeze(0);  // [1, H, L, L]
 }
 
 Tensor T5Attention::attend(const Tensor& x, const Tensor& mask) {

@@ -81,6 +81,7 @@ class T5Attention : public flame::nn::Module {
   int64_t heads_, d_kv_, buckets_, max_distance_;
   std::shared_ptr<flame::nn::Linear> q_, k_, v_, o_;
   std::shared_ptr<flame::nn::Embedding> relative_attention_bias_;  // null except in block 0
+  mutable flame::Tensor buckets_cache_;  // the last length's buckets, on the table's device
 };
 
 class T5Block : public flame::nn::Module {

@@ -12,8 +12,8 @@ Reference files (tools/text_parity reads any; the CPU tests read the reduced one
 A model is built at its configuration with a fixed seed (transformers' init, then N(0, 0.05) added to
 every 1-d parameter so the layer norms and biases are not 1/0), its weights rounded to the stored
 dtype, and written to DIR in every layout FLAME loads (models/text_checkpoint.h):
-  transformers/                   save_pretrained (the real configurations sharded at 2 GB, so the
-                                  index is exercised)
+  transformers/                   save_pretrained (the real configurations sharded, at 200 MB for
+                                  CLIP and 2 GB for T5, so the index is exercised)
   CLIP-L: clip_l.safetensors      ComfyUI: transformers' names, bare
           sdxl.safetensors        "conditioner.embedders.0.transformer." + text_model.* (no projection;
                                   with text_model.embeddings.position_ids as SDXL files have it)
@@ -80,6 +80,10 @@ T5 = {
 }
 FAMILY = {"clip-l": "clip-l", "tiny-clip": "clip-l", "clip-g": "clip-g", "tiny-clip-g": "clip-g",
           "t5-xxl": "t5-xxl", "tiny-t5": "t5-xxl"}
+
+
+def family_of(name):
+    return FAMILY[name]
 
 
 def t5_config(name):
@@ -257,7 +261,7 @@ def write_case(name, out_dir, dtype_name, device, seed, reduced, partners=None):
     compute = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     model = build(name, seed, store, device)
     os.makedirs(out_dir, exist_ok=True)
-    shard = {} if reduced else {"max_shard_size": "2GB"}
+    shard = {} if reduced else {"max_shard_size": "2GB" if family_of(name) == "t5-xxl" else "200MB"}
     model.to(store).save_pretrained(os.path.join(out_dir, "transformers"), safe_serialization=True, **shard)
     sd = state(model, store)
     family = FAMILY[name]
