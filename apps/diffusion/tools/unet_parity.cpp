@@ -56,13 +56,15 @@ const char* kUsage =
     "usage:\n"
     "  unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]\n"
     "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]\n"
+    "                    [--graph 0,1] [--trace N]\n"
     "                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]\n"
     "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
     "                    [--dtype bf16|f32] [--device cpu]\n";
 
 std::map<std::string, std::string> parse_flags(int argc, char** argv) {
-  static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent", "batch",
-                                                 "rank", "steps",  "warmup",        "recompute", "dtype"};
+  static const std::vector<std::string> known = {"dir",   "device", "checkpointing", "config",    "latent",
+                                                 "batch", "rank",   "steps",         "warmup",    "recompute",
+                                                 "dtype", "graph",  "trace"};
   std::map<std::string, std::string> f;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];

@@ -45,7 +45,7 @@ struct Err {
 
 Err compare(const Tensor& got, const Tensor& ref) {
   FLAME_CHECK(got.sizes() == ref.sizes(), "vae_parity", "output shape ", got.sizes(), " vs reference ", ref.sizes());
-  const Tensor g = got.to(DType::f64, flame::Device::cpu()), r = ref.to(DType::f64);
+  const Tensor g = got.to(DType::f64, flame::Device::cpu()), r = ref.to(DType::f64, flame::Device::cpu());
   Err e;
   e.abs = (g - r).abs().max().item<double>();
   e.rel = e.abs / std::max(1e-30, r.abs().max().item<double>());
