@@ -23,9 +23,11 @@
 // Deviations, none of which the identity tests meet: open_clip's own SimpleTokenizer also runs
 // ftfy.fix_text and html.unescape (twice) and strips, so "&amp;" or mojibake tokenise differently
 // there; transformers' older slow CLIPTokenizer without ftfy used BERT's BasicTokenizer (control
-// characters dropped, CJK ideographs split apart). Unicode versions: utf8proc 2.8 has Unicode 15.0
-// tables, RE2 its own; code points assigned after Unicode 15.0 may be classified differently from
-// the Rust/Oniguruma tables of the tokenizers library.
+// characters dropped, CJK ideographs split apart). Unicode versions: utf8proc 2.8 and RE2 classify
+// by Unicode 15.0, the tokenizers library by 16.0: letters and digits assigned since (CJK Extension
+// I, Garay, Kirat Rai, Egyptian Hieroglyphs Extended-A, ...) are not \p{L}/\p{N} here. The
+// script's --unicode-sweep (every code point between two letters) finds exactly those: 119 of its
+// 20,438 captions differ, each for such a code point; every other code point matches.
 #include <cstdint>
 #include <memory>
 #include <optional>

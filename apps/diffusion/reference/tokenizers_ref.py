@@ -19,7 +19,7 @@ The id files hold one line per caption, ids separated by spaces ("-" for an empt
 hold "ids|mask" pairs per line.
 
 Needs transformers, tokenizers and sentencepiece (no torch). Usage:
-  python tokenizers_ref.py --bpe path/to/bpe_simple_vocab_16e6.txt.gz [--out DIR]
+  python tokenizers_ref.py --bpe path/to/bpe_simple_vocab_16e6.txt.gz [--out DIR] [--unicode-sweep]
 """
 import argparse
 import gzip
@@ -27,6 +27,7 @@ import io
 import json
 import os
 import random
+import shutil
 import tempfile
 import unicodedata
 
@@ -134,6 +135,16 @@ def make_captions(seed, count):
     return out
 
 
+def unicode_sweep(per_caption=48):
+    """Every code point but the surrogates and the private-use planes, per_caption to a caption,
+    each between two letters ("a<c>b"), so a classification difference shows up in its caption."""
+    cps = [c for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF and c < 0xF0000]
+    out = []
+    for i in range(0, len(cps), per_caption):
+        out.append(" ".join("a" + chr(c) + "b" for c in cps[i:i + per_caption]))
+    return out
+
+
 def bytes_to_unicode():
     """GPT-2's table: printable bytes map to themselves, the others to 256 + n in byte order."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
@@ -182,13 +193,19 @@ def main():
     ap.add_argument("--bpe", required=True, help="bpe_simple_vocab_16e6.txt.gz of open_clip")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--count", type=int, default=1200)
+    ap.add_argument("--unicode-sweep", action="store_true",
+                    help="captions covering every code point instead (large: write to a scratch --out and run "
+                         "the tests with FLAME_TOKENIZER_DATA=that folder)")
     args = ap.parse_args()
 
     import sentencepiece as spm
     from transformers import CLIPTokenizer, T5TokenizerFast
 
     os.makedirs(args.out, exist_ok=True)
-    captions = make_captions(1234, args.count)
+    bpe_copy = os.path.join(args.out, "bpe_simple_vocab_16e6.txt.gz")
+    if not os.path.exists(bpe_copy):
+        shutil.copyfile(args.bpe, bpe_copy)
+    captions = unicode_sweep() if args.unicode_sweep else make_captions(1234, args.count)
     with open(os.path.join(args.out, "captions.jsonl"), "w", encoding="utf-8") as f:
         for c in captions:
             f.write(json.dumps(c) + "\n")

@@ -7,6 +7,7 @@
 
 #include <zlib.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -30,7 +31,12 @@ using flame_diffusion::models::T5Tokenizer;
 using flame_diffusion::models::T5TokenizerOptions;
 using flame_diffusion::models::TokenIds;
 
-fs::path data_dir() { return fs::path(__FILE__).parent_path() / "data" / "tokenizers"; }
+// FLAME_TOKENIZER_DATA points the suites at another corpus written by the script (e.g. its
+// --unicode-sweep over every code point).
+fs::path data_dir() {
+  const char* e = std::getenv("FLAME_TOKENIZER_DATA");
+  return e && *e ? fs::path(e) : fs::path(__FILE__).parent_path() / "data" / "tokenizers";
+}
 
 std::vector<std::string> read_lines(const fs::path& p) {
   std::ifstream in(p);
@@ -101,6 +107,7 @@ void expect_all_equal(const std::vector<std::vector<int64_t>>& expected, Encode&
   ASSERT_EQ(expected.size(), caps.size()) << what << ": id file and captions.jsonl differ in length";
   ASSERT_GE(caps.size(), 1000u);
   size_t differ = 0;
+  std::ostringstream which;
   for (size_t i = 0; i < caps.size(); ++i) {
     std::vector<int64_t> got = encode(caps[i]);
     if (got != expected[i]) {
@@ -108,10 +115,12 @@ void expect_all_equal(const std::vector<std::vector<int64_t>>& expected, Encode&
         ADD_FAILURE() << what << ": caption " << i << " " << quoted(caps[i]) << "\n  expected " << show(expected[i])
                       << "\n  got      " << show(got);
       }
+      if (differ < 200) which << ' ' << i;
       ++differ;
     }
   }
-  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << caps.size() << " captions differ";
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " of " << caps.size() << " captions differ:" << which.str()
+                        << (differ > 200 ? " ..." : "");
 }
 
 const ClipTokenizer& clip_from_gz() {
