@@ -166,7 +166,8 @@ ClipTextOutput ClipTextTransformer::run(const Tensor& input_ids, const ClipEncod
     FLAME_CHECK(options.attention_mask.sizes() == input_ids.sizes(), "ClipTextModel", "attention_mask ",
                 options.attention_mask.sizes(), " must have the ids' shape ", input_ids.sizes());
     const Tensor keys = options.attention_mask.to(dev).ne(Tensor::scalar(0, {options.attention_mask.dtype(), dev}));
-    const Tensor causal = Tensor::ones({l, l}, {DType::boolean, dev}).tril();
+    const Tensor pos = Tensor::arange(l, {DType::i64, dev});
+    const Tensor causal = pos.view({l, 1}).ge(pos.view({1, l}));  // key j <= query i
     mask = flame::logical_and(causal.view({1, 1, l, l}), keys.view({b, 1, 1, l}));
   }
   const Tensor positions = Tensor::arange(l, {DType::i64, dev});

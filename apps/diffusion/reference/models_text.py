@@ -38,7 +38,9 @@ family) and the T5's sd3.safetensors holds all three encoders.
                                   mask), unmasked_last_hidden_state, fp8_* and fp8_scaled_* (the
                                   model with the fp8 files' dequantized weights), and buckets (the
                                   relative position buckets of distances -511..511).
-                                  --reduced adds bf16_* (the same model run in bf16 on the CPU).
+                                  --reduced adds bf16_* (the same model run in bf16 on the CPU);
+                                  a real bf16 run adds f32ref_* (its exact layouts' outputs computed
+                                  in f32 from the same weights).
                                   Metadata: config (JSON), dtype, family, files (JSON: file -> output
                                   prefix, "" for the exact layouts), versions.
 
@@ -295,6 +297,13 @@ def write_case(name, out_dir, dtype_name, device, seed, reduced, partners=None):
         model.load_state_dict({k: v.to(compute) for k, v in sd.items()}, strict=False)
     else:
         outs = clip_outputs(model, ids, mask, device)
+    if compute == torch.bfloat16 and not reduced:
+        # The exact layouts' outputs of the same weights in f32: text_parity measures both
+        # implementations' bf16 error against them (deep stacks in bf16 drift from any reference).
+        model = model.float()
+        outs = f32(outs)
+        outs.update(t5_outputs(model, ids, mask, device, "f32ref_") if family == "t5-xxl"
+                    else clip_outputs(model, ids, mask, device, "f32ref_"))
     if reduced:  # the same model in bf16 on the CPU
         mb = model.to(torch.bfloat16)
         outs.update(t5_outputs(mb, ids, mask, device, "bf16_") if family == "t5-xxl" else clip_outputs(mb, ids, mask, device, "bf16_"))

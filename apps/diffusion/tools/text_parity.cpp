@@ -8,16 +8,18 @@
 // layout, fp8 ones against the outputs of their dequantized weights) is loaded in the reference's
 // dtype (single files of the real configurations as a user's file: configuration from the family
 // preset and the shapes; of the reduced ones with DIR/transformers/config.json), run on the stored
-// ids with and without the attention
-// mask, and each output is printed with its max abs error and its max error relative to the
+// ids with and without the attention mask, and each output is printed with its max abs error and
+// its max error relative to the
 // reference's largest value, then ok/FAIL (relative error <= T; T = 1e-4 for f32, which runs with
-// TF32 off, 3e-2 for bf16). Exit status 1 on FAIL.
+// TF32 off, 3e-2 for bf16). A real bf16 reference also holds the f32 outputs of the same weights:
+// then an output also passes when its error against them is at most 1.5 x transformers' own (both
+// printed; a 32-layer stack in bf16 drifts a few bf16 ulps from any other bf16 run). Exit status 1
+// on FAIL.
 // Time mode: random bf16 weights of the real configuration, random ids [N, L] (T5-XXL 16 x 512 with
 // a full mask; CLIP 64 x 77 with every hidden state kept, as SDXL needs), 3 warm-ups then the median
 // of 10 encodes timed with CUDA events, and the peak memory, as one JSON line comparable with
 // models_text.py --time.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -31,6 +33,7 @@
 #include <flame/io/safetensors.h>
 
 #include "models/text_checkpoint.h"
+#include "parity_util.h"
 
 namespace fs = std::filesystem;
 namespace m = flame_diffusion::models;
@@ -43,40 +46,10 @@ const char* kUsage =
     "usage: text_parity --dir DIR [--device cuda|cpu] [--tol T]\n"
     "       text_parity --time --model clip-l|clip-g|t5-xxl [--batch N] [--length L] [--device cuda|cpu]\n";
 
-struct Err {
-  double abs = 0, rel = 0;
-};
+using flame_diffusion::tools::median_ms;
+using Err = flame_diffusion::tools::ParityError;
 
-Err compare(const Tensor& got, const Tensor& ref) {
-  FLAME_CHECK(got.sizes() == ref.sizes(), "text_parity", "output shape ", got.sizes(), " vs reference ", ref.sizes());
-  const Tensor g = got.to(DType::f64, flame::Device::cpu()), r = ref.to(DType::f64);
-  Err e;
-  e.abs = (g - r).abs().max().item<double>();
-  e.rel = e.abs / std::max(1e-30, r.abs().max().item<double>());
-  return e;
-}
-
-double median_ms(const std::function<void()>& fn, bool cuda) {
-  for (int i = 0; i < 3; ++i) fn();
-  if (cuda) flame::cuda::synchronize();
-  std::vector<double> t;
-  for (int i = 0; i < 10; ++i) {
-    if (cuda) {
-      flame::cuda::Event a(true), b(true);
-      a.record();
-      fn();
-      b.record();
-      b.synchronize();
-      t.push_back(a.elapsed_time(b));
-    } else {
-      const auto s = std::chrono::steady_clock::now();
-      fn();
-      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
-    }
-  }
-  std::sort(t.begin(), t.end());
-  return (t[4] + t[5]) / 2;
-}
+Err compare(const Tensor& got, const Tensor& ref) { return flame_diffusion::tools::parity_error(got, ref, "text_parity"); }
 
 int check(const fs::path& dir, flame::Device device, const std::map<std::string, std::string>& flags) {
   const std::string ref_path = (dir / "reference.safetensors").string();
@@ -92,9 +65,20 @@ int check(const fs::path& dir, flame::Device device, const std::map<std::string,
   bool ok = true;
   auto report = [&](const std::string& name, const Tensor& got) {
     const Err e = compare(got, ref.at(name));
-    const bool pass = e.rel <= tol;
+    bool pass = e.rel <= tol;
+    std::string drift;
+    if (const Tensor* exact = ref.find("f32ref_" + name)) {
+      // bf16: both implementations against the f32 outputs of the same weights. Within the
+      // tolerance of transformers, or no further from f32 than 1.5 x transformers' own bf16 error.
+      const Err mine = compare(got, *exact), theirs = compare(ref.at(name), *exact);
+      pass = pass || mine.rel <= 1.5 * theirs.rel;
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "  vs f32: flame %.3e, transformers %.3e", mine.rel, theirs.rel);
+      drift = buf;
+    }
     ok = ok && pass;
-    std::printf("  %-40s max abs %.3e  max rel %.3e  %s\n", name.c_str(), e.abs, e.rel, pass ? "ok" : "FAIL");
+    std::printf("  %-40s max abs %.3e  max rel %.3e  %s%s\n", name.c_str(), e.abs, e.rel, pass ? "ok" : "FAIL",
+                drift.c_str());
   };
   const m::JsonConfig files = m::JsonConfig::parse(meta.at("files"), ref_path + " metadata \"files\"");
   for (const std::string& file : files.keys()) {
