@@ -22,7 +22,7 @@ LAYERS = [
     # Values and storage: dtype, device, errors, the Tensor class and its impl, memory, RNG math.
     ("core", ["include/flame/dtype.h", "include/flame/half.h", "include/flame/device.h",
               "include/flame/error.h", "include/flame/scalar.h", "include/flame/macros.h",
-              "include/flame/version.h", "include/flame/tensor.h", "include/flame/indexing.h",
+              "include/flame/version.h", "include/flame/tensor.h", "include/flame/indexing.h", "include/flame/op_table.h",
               "include/flame/state_dict.h", "include/flame/stateful.h", "include/flame/cuda.h", "include/flame/grad_mode.h",
               "include/flame/cpu.h", "src/core/*"]),
     # Op definitions: the op list, scalar functors, derivative tables, shape and dtype rules, the

@@ -39,59 +39,24 @@ enum class PadMode : uint8_t { constant, reflect, replicate };
 Tensor pad(const Tensor& x, const Shape& pads, PadMode mode = PadMode::constant, double value = 0.0);
 
 // ---- elementwise ----
-Tensor neg(const Tensor& x);
-Tensor abs(const Tensor& x);
-Tensor sign(const Tensor& x);
-Tensor exp(const Tensor& x);
-Tensor log(const Tensor& x);
-Tensor log1p(const Tensor& x);
-Tensor expm1(const Tensor& x);
-Tensor sqrt(const Tensor& x);
-Tensor rsqrt(const Tensor& x);
-Tensor square(const Tensor& x);
-Tensor reciprocal(const Tensor& x);
-Tensor sin(const Tensor& x);
-Tensor cos(const Tensor& x);
-Tensor tanh(const Tensor& x);
-Tensor sigmoid(const Tensor& x);
-Tensor relu(const Tensor& x);
+// One tensor in, one out, no parameters: neg, abs, sign, square, relu, floor, ceil, round (half to
+// even, as PyTorch), trunc, isnan, isinf, logical_not, exp, log, log1p, expm1, sqrt, rsqrt,
+// reciprocal, sin, cos, tanh, sigmoid, silu, mish, hardswish, hardsigmoid, ... : every row of
+// flame/op_table.h whose surface is `fn` (Note [Op table]) declares `Tensor name(const Tensor& x)`.
+FLAME_UNARY_OPS(FLAME_DECLARE_UNARY_FN)
 Tensor leaky_relu(const Tensor& x, double negative_slope = 0.01);
 Tensor gelu(const Tensor& x, bool tanh_approximation = false);
-Tensor silu(const Tensor& x);
 Tensor softplus(const Tensor& x, double beta = 1.0, double threshold = 20.0);
-Tensor mish(const Tensor& x);
-Tensor hardswish(const Tensor& x);    // x * clamp(x + 3, 0, 6) / 6, as torch.nn.functional.hardswish
-Tensor hardsigmoid(const Tensor& x);  // clamp(x + 3, 0, 6) / 6, as torch.nn.functional.hardsigmoid
 Tensor elu(const Tensor& x, double alpha = 1.0);
-Tensor floor(const Tensor& x);
-Tensor ceil(const Tensor& x);
-Tensor round(const Tensor& x);  // half to even, as PyTorch
-Tensor trunc(const Tensor& x);
 Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> max);
 Tensor pow(const Tensor& x, Scalar exponent);
-Tensor isnan(const Tensor& x);
-Tensor isinf(const Tensor& x);
 Tensor nan_to_num(const Tensor& x, double nan = 0.0, std::optional<double> posinf = std::nullopt,
                   std::optional<double> neginf = std::nullopt);
-Tensor logical_not(const Tensor& x);
 
-Tensor add(const Tensor& a, const Tensor& b);
-Tensor sub(const Tensor& a, const Tensor& b);
-Tensor mul(const Tensor& a, const Tensor& b);
-Tensor div(const Tensor& a, const Tensor& b);
-Tensor pow(const Tensor& a, const Tensor& b);
-Tensor maximum(const Tensor& a, const Tensor& b);
-Tensor minimum(const Tensor& a, const Tensor& b);
-Tensor atan2(const Tensor& a, const Tensor& b);
-Tensor fmod(const Tensor& a, const Tensor& b);
-Tensor eq(const Tensor& a, const Tensor& b);
-Tensor ne(const Tensor& a, const Tensor& b);
-Tensor lt(const Tensor& a, const Tensor& b);
-Tensor le(const Tensor& a, const Tensor& b);
-Tensor gt(const Tensor& a, const Tensor& b);
-Tensor ge(const Tensor& a, const Tensor& b);
-Tensor logical_and(const Tensor& a, const Tensor& b);
-Tensor logical_or(const Tensor& a, const Tensor& b);
+// Two tensors in (broadcasting, PyTorch type promotion), one out: add, sub, mul, div (true
+// division: integers give f32), pow, maximum, minimum, atan2, fmod, eq, ne, lt, le, gt, ge,
+// logical_and, logical_or: the `fn` rows of FLAME_BINARY_OPS declare `Tensor name(a, b)`.
+FLAME_BINARY_OPS(FLAME_DECLARE_BINARY_FN)
 // a + alpha * b and a - alpha * b (torch.add/sub with alpha; see Tensor::add).
 Tensor add(const Tensor& a, const Tensor& b, Scalar alpha);
 Tensor sub(const Tensor& a, const Tensor& b, Scalar alpha);

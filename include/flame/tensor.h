@@ -17,6 +17,7 @@
 #include "flame/device.h"
 #include "flame/dtype.h"
 #include "flame/error.h"
+#include "flame/op_table.h"
 #include "flame/scalar.h"
 
 namespace flame {
@@ -224,58 +225,22 @@ class Tensor {
   TensorList chunk(int64_t chunks, int64_t dim = 0) const;
 
   // ---- elementwise unary ----
-  Tensor neg() const;
-  Tensor abs() const;
-  Tensor sign() const;
-  Tensor exp() const;
-  Tensor log() const;
-  Tensor log1p() const;
-  Tensor expm1() const;
-  Tensor sqrt() const;
-  Tensor rsqrt() const;
-  Tensor square() const;
-  Tensor reciprocal() const;
-  Tensor sin() const;
-  Tensor cos() const;
-  Tensor tanh() const;
-  Tensor sigmoid() const;
-  Tensor relu() const;
+  // x.name() for every `fn` row of flame/op_table.h (neg, abs, exp, log, sqrt, tanh, sigmoid, relu,
+  // silu, mish, hardswish, floor, round, isnan, logical_not, ...): the same as flame::name(x).
+  FLAME_UNARY_OPS(FLAME_DECLARE_UNARY_METHOD)
   Tensor leaky_relu(double negative_slope = 0.01) const;
   Tensor gelu(bool tanh_approximation = false) const;
-  Tensor silu() const;
   Tensor softplus(double beta = 1.0, double threshold = 20.0) const;
-  Tensor mish() const;
   Tensor elu(double alpha = 1.0) const;
-  Tensor floor() const;
-  Tensor ceil() const;
-  Tensor round() const;
-  Tensor trunc() const;
   Tensor clamp(std::optional<Scalar> min, std::optional<Scalar> max) const;
   Tensor pow(Scalar exponent) const;
-  Tensor isnan() const;
-  Tensor isinf() const;
   Tensor nan_to_num(double nan = 0.0, std::optional<double> posinf = std::nullopt,
                     std::optional<double> neginf = std::nullopt) const;
-  Tensor logical_not() const;
 
   // ---- elementwise binary (broadcasting, PyTorch type promotion) ----
-  Tensor add(const Tensor& o) const;
-  Tensor sub(const Tensor& o) const;
-  Tensor mul(const Tensor& o) const;
-  Tensor div(const Tensor& o) const;  // true division: integers give f32
-  Tensor pow(const Tensor& o) const;
-  Tensor maximum(const Tensor& o) const;
-  Tensor minimum(const Tensor& o) const;
-  Tensor atan2(const Tensor& o) const;
-  Tensor fmod(const Tensor& o) const;
-  Tensor eq(const Tensor& o) const;
-  Tensor ne(const Tensor& o) const;
-  Tensor lt(const Tensor& o) const;
-  Tensor le(const Tensor& o) const;
-  Tensor gt(const Tensor& o) const;
-  Tensor ge(const Tensor& o) const;
-  Tensor logical_and(const Tensor& o) const;
-  Tensor logical_or(const Tensor& o) const;
+  // x.name(o) for every `fn` row of FLAME_BINARY_OPS (add, sub, mul, div (true division: integers
+  // give f32), pow, maximum, minimum, atan2, fmod, eq, ne, lt, le, gt, ge, logical_and, logical_or).
+  FLAME_BINARY_OPS(FLAME_DECLARE_BINARY_METHOD)
   Tensor add_scalar(Scalar s) const;
   Tensor sub_scalar(Scalar s) const;
   Tensor mul_scalar(Scalar s) const;

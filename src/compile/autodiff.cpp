@@ -37,7 +37,7 @@ const char* expr_op_name(const ExprNode& n) {
     case ExprOp::eager: return "eager";
     case ExprOp::unary:
       switch (n.unary) {
-#define FLAME_NAME(name, Functor, kind) \
+#define FLAME_NAME(name, Functor, kind, ...) \
   case UnaryOp::name: return #name;
         FLAME_UNARY_OPS(FLAME_NAME)
 #undef FLAME_NAME
@@ -45,7 +45,7 @@ const char* expr_op_name(const ExprNode& n) {
       return "unary";
     case ExprOp::binary:
       switch (n.binary) {
-#define FLAME_NAME(name, Functor, kind) \
+#define FLAME_NAME(name, Functor, kind, ...) \
   case BinaryOp::name: return #name;
         FLAME_BINARY_OPS(FLAME_NAME)
 #undef FLAME_NAME

@@ -147,7 +147,7 @@ const char* element_type(DType dt) {
 
 const char* unary_functor(backend::UnaryOp op) {
   switch (op) {
-#define FLAME_F(name, Functor, kind) \
+#define FLAME_F(name, Functor, kind, ...) \
   case backend::UnaryOp::name: return #Functor;
     FLAME_UNARY_OPS(FLAME_F)
 #undef FLAME_F
@@ -156,7 +156,7 @@ const char* unary_functor(backend::UnaryOp op) {
 }
 const char* binary_functor(backend::BinaryOp op) {
   switch (op) {
-#define FLAME_F(name, Functor, kind) \
+#define FLAME_F(name, Functor, kind, ...) \
   case backend::BinaryOp::name: return #Functor;
     FLAME_BINARY_OPS(FLAME_F)
 #undef FLAME_F

@@ -1,6 +1,7 @@
 // Elementwise ops: dtype rules (Note [Op list]), broadcasting, scalar forms, in-place forms.
 #include <cmath>
 #include <limits>
+#include <string_view>
 
 #include "flame/ops.h"
 #include "src/backend/backend.h"
@@ -29,7 +30,7 @@ struct OpInfo {
 
 OpInfo info(UnaryOp op) {
   switch (op) {
-#define FLAME_INFO(name, Functor, kind) \
+#define FLAME_INFO(name, Functor, kind, ...) \
   case UnaryOp::name: return {#name, OpKind::kind};
     FLAME_UNARY_OPS(FLAME_INFO)
 #undef FLAME_INFO
@@ -39,7 +40,7 @@ OpInfo info(UnaryOp op) {
 
 OpInfo info(BinaryOp op) {
   switch (op) {
-#define FLAME_INFO(name, Functor, kind) \
+#define FLAME_INFO(name, Functor, kind, ...) \
   case BinaryOp::name: return {#name, OpKind::kind};
     FLAME_BINARY_OPS(FLAME_INFO)
 #undef FLAME_INFO
@@ -97,18 +98,25 @@ Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, c
 
 }  // namespace
 
-// The unary ops PyTorch's autocast runs in f32 (Note [Autocast policy]).
+// The unary ops PyTorch's autocast runs in f32: the op table's autocast column (Note [Autocast policy]).
 bool autocast_f32(UnaryOp op) {
   switch (op) {
-    case UnaryOp::exp:
-    case UnaryOp::expm1:
-    case UnaryOp::log:
-    case UnaryOp::log1p:
-    case UnaryOp::reciprocal:
-    case UnaryOp::rsqrt:
-    case UnaryOp::softplus: return true;
-    default: return false;
+#define FLAME_AUTOCAST(name, Functor, kind, surface, autocast, ...) \
+  case UnaryOp::name: return std::string_view(#autocast) == "f32";
+    FLAME_UNARY_OPS(FLAME_AUTOCAST)
+#undef FLAME_AUTOCAST
   }
+  return false;
+}
+
+bool autocast_f32(BinaryOp op) {
+  switch (op) {
+#define FLAME_AUTOCAST(name, Functor, kind, surface, autocast, ...) \
+  case BinaryOp::name: return std::string_view(#autocast) == "f32";
+    FLAME_BINARY_OPS(FLAME_AUTOCAST)
+#undef FLAME_AUTOCAST
+  }
+  return false;
 }
 
 Tensor unary_op(UnaryOp op, const Tensor& x, const UnaryParams& p) {
@@ -155,7 +163,7 @@ Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
 }
 
 Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
-  if (op == BinaryOp::pow && amp::detail::should_autocast(a)) {  // Note [Autocast policy]: f32
+  if (autocast_f32(op) && amp::detail::should_autocast(a)) {  // Note [Autocast policy]: f32
     amp::detail::AutocastOpScope scope;
     return binary_op(op, amp::detail::cast_f32(a), amp::detail::cast_f32(b));
   }
@@ -205,35 +213,10 @@ DType result_type(const Tensor& a, const Tensor& b) {
 }
 
 // ---- unary ----
-#define FLAME_SIMPLE_UNARY(name) \
-  Tensor name(const Tensor& x) { return unary_op(UnaryOp::name, x, {}); }
-FLAME_SIMPLE_UNARY(neg)
-FLAME_SIMPLE_UNARY(abs)
-FLAME_SIMPLE_UNARY(sign)
-FLAME_SIMPLE_UNARY(exp)
-FLAME_SIMPLE_UNARY(log)
-FLAME_SIMPLE_UNARY(log1p)
-FLAME_SIMPLE_UNARY(expm1)
-FLAME_SIMPLE_UNARY(sqrt)
-FLAME_SIMPLE_UNARY(rsqrt)
-FLAME_SIMPLE_UNARY(square)
-FLAME_SIMPLE_UNARY(reciprocal)
-FLAME_SIMPLE_UNARY(sin)
-FLAME_SIMPLE_UNARY(cos)
-FLAME_SIMPLE_UNARY(tanh)
-FLAME_SIMPLE_UNARY(sigmoid)
-FLAME_SIMPLE_UNARY(relu)
-FLAME_SIMPLE_UNARY(silu)
-FLAME_SIMPLE_UNARY(mish)
-FLAME_SIMPLE_UNARY(hardswish)
-FLAME_SIMPLE_UNARY(hardsigmoid)
-FLAME_SIMPLE_UNARY(floor)
-FLAME_SIMPLE_UNARY(ceil)
-FLAME_SIMPLE_UNARY(round)
-FLAME_SIMPLE_UNARY(trunc)
-FLAME_SIMPLE_UNARY(isnan)
-FLAME_SIMPLE_UNARY(isinf)
-FLAME_SIMPLE_UNARY(logical_not)
+// The `fn` rows of the op table (Note [Op table]).
+#define FLAME_SIMPLE_UNARY(name, Functor, kind, surface, ...) \
+  FLAME_OPT_##surface(Tensor name(const Tensor& x) { return unary_op(UnaryOp::name, x, {}); })
+FLAME_UNARY_OPS(FLAME_SIMPLE_UNARY)
 #undef FLAME_SIMPLE_UNARY
 
 Tensor leaky_relu(const Tensor& x, double negative_slope) {
@@ -301,25 +284,9 @@ Tensor nan_to_num(const Tensor& x, double nan, std::optional<double> posinf, std
 }
 
 // ---- binary ----
-#define FLAME_SIMPLE_BINARY(name) \
-  Tensor name(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::name, a, b); }
-FLAME_SIMPLE_BINARY(add)
-FLAME_SIMPLE_BINARY(sub)
-FLAME_SIMPLE_BINARY(mul)
-FLAME_SIMPLE_BINARY(div)
-FLAME_SIMPLE_BINARY(pow)
-FLAME_SIMPLE_BINARY(maximum)
-FLAME_SIMPLE_BINARY(minimum)
-FLAME_SIMPLE_BINARY(atan2)
-FLAME_SIMPLE_BINARY(fmod)
-FLAME_SIMPLE_BINARY(eq)
-FLAME_SIMPLE_BINARY(ne)
-FLAME_SIMPLE_BINARY(lt)
-FLAME_SIMPLE_BINARY(le)
-FLAME_SIMPLE_BINARY(gt)
-FLAME_SIMPLE_BINARY(ge)
-FLAME_SIMPLE_BINARY(logical_and)
-FLAME_SIMPLE_BINARY(logical_or)
+#define FLAME_SIMPLE_BINARY(name, Functor, kind, surface, ...) \
+  FLAME_OPT_##surface(Tensor name(const Tensor& a, const Tensor& b) { return binary_op(BinaryOp::name, a, b); })
+FLAME_BINARY_OPS(FLAME_SIMPLE_BINARY)
 #undef FLAME_SIMPLE_BINARY
 
 Tensor add_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::add_scalar, a, s); }

@@ -1,6 +1,8 @@
-// Tensor's op methods forward to the free functions of ops.h. The plain forwarders are generated
-// from the lists below (each row must match a declaration in tensor.h: a missing one fails to
-// compile); methods with defaults or renamed free functions are written out after them.
+// Tensor's op methods forward to the free functions of ops.h. The plain forwarders are generated:
+// the elementwise ones from the op table (flame/op_table.h, whose rows also declare them), the
+// others from the lists of method_lists.h (each row must match a declaration in tensor.h: a
+// missing one fails to compile); methods with defaults or renamed free functions are written out
+// after them.
 #include <cmath>
 
 #include "flame/ops.h"
@@ -9,20 +11,24 @@
 
 namespace flame {
 
-#define FLAME_DEFINE_UNARY_METHOD(name) \
-  Tensor Tensor::name() const { return flame::name(*this); }
-#define FLAME_DEFINE_BINARY_METHOD(name) \
+#define FLAME_DEFINE_UNARY_METHOD(name, Functor, kind, surface, ...) \
+  FLAME_OPT_##surface(Tensor Tensor::name() const { return flame::name(*this); })
+#define FLAME_DEFINE_BINARY_METHOD(name, Functor, kind, surface, ...) \
+  FLAME_OPT_##surface(Tensor Tensor::name(const Tensor& o) const { return flame::name(*this, o); })
+#define FLAME_DEFINE_MATMUL_METHOD(name) \
   Tensor Tensor::name(const Tensor& o) const { return flame::name(*this, o); }
 #define FLAME_DEFINE_SCALAR_METHOD(name) \
   Tensor Tensor::name(Scalar s) const { return flame::name(*this, s); }
 #define FLAME_DEFINE_REDUCTION_METHOD(method, fn) \
   Tensor Tensor::method(const Shape& dims, bool keepdim) const { return flame::fn(*this, dims, keepdim); }
-FLAME_PLAIN_UNARY_METHODS(FLAME_DEFINE_UNARY_METHOD)
-FLAME_PLAIN_BINARY_METHODS(FLAME_DEFINE_BINARY_METHOD)
+FLAME_UNARY_OPS(FLAME_DEFINE_UNARY_METHOD)
+FLAME_BINARY_OPS(FLAME_DEFINE_BINARY_METHOD)
+FLAME_PLAIN_MATMUL_METHODS(FLAME_DEFINE_MATMUL_METHOD)
 FLAME_PLAIN_SCALAR_METHODS(FLAME_DEFINE_SCALAR_METHOD)
 FLAME_PLAIN_REDUCTION_METHODS(FLAME_DEFINE_REDUCTION_METHOD)
 #undef FLAME_DEFINE_UNARY_METHOD
 #undef FLAME_DEFINE_BINARY_METHOD
+#undef FLAME_DEFINE_MATMUL_METHOD
 #undef FLAME_DEFINE_SCALAR_METHOD
 #undef FLAME_DEFINE_REDUCTION_METHOD
 

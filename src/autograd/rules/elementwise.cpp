@@ -1,6 +1,7 @@
 // Gradient rules of the elementwise family (Note [Op list]): the derivative table
 // (src/opdef/elementwise_grad.h, Note [One derivative table]) evaluated over tensors, so the rules
 // run on every backend. x: the input as computed (after dtype promotion), y: the output, g: dL/dy.
+#include <string_view>
 #include <cmath>
 #include <optional>
 
@@ -56,7 +57,7 @@ const char* unary_name(UnaryOp op) {
     default: break;
   }
   switch (op) {
-#define FLAME_NAME(name, Functor, kind) \
+#define FLAME_NAME(name, Functor, kind, ...) \
   case UnaryOp::name: return #Functor "Backward";
     FLAME_UNARY_OPS(FLAME_NAME)
 #undef FLAME_NAME
@@ -66,7 +67,7 @@ const char* unary_name(UnaryOp op) {
 
 const char* binary_name(BinaryOp op) {
   switch (op) {
-#define FLAME_NAME(name, Functor, kind) \
+#define FLAME_NAME(name, Functor, kind, ...) \
   case BinaryOp::name: return #Functor "Backward";
     FLAME_BINARY_OPS(FLAME_NAME)
 #undef FLAME_NAME
@@ -112,25 +113,20 @@ TensorList binary_backward(const Tensor& g, const Node& n) {
 
 namespace {
 // The activations whose output autograd::RecomputeCheap marks (Note [Recompute cheap] in
-// src/autograd/recompute.cpp), for every unary op at once. Each is one pass over memory to redo,
-// and its gradient reads only x, which its node saves just above: a consumer that saves the output
-// (a linear layer's input, the product of a GEGLU) then keeps a recipe that holds no bytes of its
-// own. relu, tanh, sigmoid and exp save their output themselves: not marked. Returns the op's
-// name (for messages), or null for an op that is not marked.
+// src/autograd/recompute.cpp): the op table's `cheap` rows (Note [Op table]). Each is one pass over
+// memory to redo, and its gradient reads only x, which its node saves just above: a consumer that
+// saves the output (a linear layer's input, the product of a GEGLU) then keeps a recipe that holds
+// no bytes of its own. relu, tanh, sigmoid and exp save their output themselves: not marked.
+// Returns the op's name (for messages), or null for an op that is not marked.
 constexpr const char* recomputable_activation(UnaryOp op) {
   const char* name = nullptr;
   switch (op) {
-    case UnaryOp::gelu: name = "gelu"; break;
-    case UnaryOp::gelu_tanh: name = "gelu_tanh"; break;
-    case UnaryOp::silu: name = "silu"; break;
-    case UnaryOp::mish: name = "mish"; break;
-    case UnaryOp::softplus: name = "softplus"; break;
-    case UnaryOp::leaky_relu: name = "leaky_relu"; break;
-    case UnaryOp::elu: name = "elu"; break;
-    case UnaryOp::hardswish: name = "hardswish"; break;
-    case UnaryOp::hardsigmoid: name = "hardsigmoid"; break;
-    default: return nullptr;
+#define FLAME_RECOMPUTE(name_, Functor, kind, surface, autocast, recompute) \
+  case UnaryOp::name_: name = std::string_view(#recompute) == "cheap" ? #name_ : nullptr; break;
+    FLAME_UNARY_OPS(FLAME_RECOMPUTE)
+#undef FLAME_RECOMPUTE
   }
+  if (name == nullptr) return nullptr;
   return opdef::unary_reads(op) == Reads::x ? name : nullptr;
 }
 

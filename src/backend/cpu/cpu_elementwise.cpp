@@ -134,7 +134,7 @@ void CpuBackend::iota(const Tensor& dst, double start, double step) {
 
 void CpuBackend::unary(UnaryOp op, const Tensor& dst, const Tensor& src, const UnaryParams& p) {
   switch (op) {
-#define FLAME_CASE(name, Functor, kind) \
+#define FLAME_CASE(name, Functor, kind, ...) \
   case UnaryOp::name: return unary_dispatch<fn::Functor>(dst, src, p);
     FLAME_UNARY_OPS(FLAME_CASE)
 #undef FLAME_CASE
@@ -143,7 +143,7 @@ void CpuBackend::unary(UnaryOp op, const Tensor& dst, const Tensor& src, const U
 
 void CpuBackend::binary(BinaryOp op, const Tensor& dst, const Tensor& a, const Tensor& b) {
   switch (op) {
-#define FLAME_CASE(name, Functor, kind) \
+#define FLAME_CASE(name, Functor, kind, ...) \
   case BinaryOp::name: return binary_dispatch<fn::Functor>(dst, a, b);
     FLAME_BINARY_OPS(FLAME_CASE)
 #undef FLAME_CASE

@@ -5,7 +5,7 @@ namespace flame::backend::cuda {
 
 void CudaBackend::binary(BinaryOp op, const Tensor& dst, const Tensor& a, const Tensor& b) {
   switch (op) {
-#define FLAME_CASE(name, Functor, kind) \
+#define FLAME_CASE(name, Functor, kind, ...) \
   case BinaryOp::name: return ew::binary_typed<fn::Functor, OpKind::kind>(*this, dst, a, b);
     FLAME_BINARY_OPS(FLAME_CASE)
 #undef FLAME_CASE

@@ -12,7 +12,7 @@ void CudaBackend::unary(UnaryOp op, const Tensor& dst, const Tensor& src, const 
   case UnaryOp::name: return unary_typed<fn::Functor, OpKind::predicate>(*this, dst, src, p);
 #define FLAME_EW_CASE_floating(name, Functor) \
   case UnaryOp::name: return ew::unary_floating(*this, op, dst, src, p);
-#define FLAME_CASE(name, Functor, kind) FLAME_EW_CASE_##kind(name, Functor)
+#define FLAME_CASE(name, Functor, kind, ...) FLAME_EW_CASE_##kind(name, Functor)
   switch (op) { FLAME_UNARY_OPS(FLAME_CASE) }
 #undef FLAME_CASE
 #undef FLAME_EW_CASE_same

@@ -9,7 +9,7 @@ void unary_floating(CudaBackend& be, UnaryOp op, const Tensor& dst, const Tensor
 #define FLAME_EW_CASE_predicate(name, Functor)
 #define FLAME_EW_CASE_floating(name, Functor) \
   case UnaryOp::name: return unary_typed<fn::Functor, OpKind::floating>(be, dst, src, p);
-#define FLAME_CASE(name, Functor, kind) FLAME_EW_CASE_##kind(name, Functor)
+#define FLAME_CASE(name, Functor, kind, ...) FLAME_EW_CASE_##kind(name, Functor)
   switch (op) {
     FLAME_UNARY_OPS(FLAME_CASE)
     default: break;
