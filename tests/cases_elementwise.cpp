@@ -79,6 +79,8 @@ std::vector<UnaryDef> unary_defs() {
        K::floating, -3, 3},
       {"hardswish", [](const Tensor& x) { return hardswish(x); },
        [](double x) { return x <= -3 ? 0.0 : (x >= 3 ? x : x * (x + 3) / 6); }, K::floating, -5, 5},
+      {"softsign", [](const Tensor& x) { return x.softsign(); }, [](double x) { return x / (1 + std::fabs(x)); },
+       K::floating, -4, 4},
       {"hardsigmoid", [](const Tensor& x) { return hardsigmoid(x); },
        [](double x) { return x <= -3 ? 0.0 : (x >= 3 ? 1.0 : x / 6 + 0.5); }, K::floating, -5, 5},
       {"isnan", [](const Tensor& x) { return x.log().isnan(); }, [](double x) { return double(x < 0); }, K::predicate},

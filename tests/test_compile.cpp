@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <random>
+#include <string_view>
 
 #include "flame/compile.h"
 #include "flame/cuda/kernels.h"
@@ -278,6 +279,45 @@ TEST(CompileFusion, OpaqueOpsKeepRegionsOnBothSides) {
   EXPECT_EQ(f.fallback_reason(), "");
   for (int i : {0, 1, 2, 3, 4, 7}) {
     EXPECT_TRUE(all_close(cg.get(cin[i]), eg.get(ein[i]), 1e-4, 1e-5)) << "input " << i;
+  }
+}
+
+// Every public unary op of the op table (Note [Op table]) fuses with its neighbours into one
+// kernel, forward and backward, and matches eager: a new row gets this test without an edit.
+TEST(CompileFusion, EveryTableOpFusesForwardAndBackward) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  struct TableOp {
+    const char* name;
+    bool predicate;
+    Tensor (*run)(const Tensor&);
+  };
+#define FLAME_TABLE_OP(name, Functor, kind, surface, ...) \
+  FLAME_OPT_##surface({#name, std::string_view(#kind) == "predicate", [](const Tensor& x) { return flame::name(x); }}, )
+  const std::vector<TableOp> ops = {FLAME_UNARY_OPS(FLAME_TABLE_OP)};
+#undef FLAME_TABLE_OP
+  ASSERT_GE(ops.size(), 25u);
+  const Tensor seed = make_input({{6, 33}, DType::f32, Layout::contiguous}, dev, 212);
+  for (const TableOp& op : ops) {
+    SCOPED_TRACE(op.name);
+    // |x| / 2 + 0.5 keeps log, sqrt, rsqrt and reciprocal in their domain.
+    Fn fn = [&op](const TensorList& in) -> TensorList {
+      const Tensor y = op.run(in[0].abs() * 0.5 + 0.5);
+      return {op.predicate ? y : y * 3.0 - 1.0};
+    };
+    CompiledFunction f = compile(fn);
+    const Tensor x = make_input({{6, 33}, DType::f32, Layout::contiguous, -2.0, 2.0}, dev, 211);
+    expect_same_as_eager(fn, {x}, f, 1e-5, 1e-6);
+    const CompileStats st = f.stats();
+    EXPECT_EQ(st.eager_ops, 0);
+    EXPECT_EQ(st.fused_kernels, 1);
+    if (op.predicate) continue;
+    const Tensor xe = x.detach().requires_grad_(true), xc = x.detach().requires_grad_(true);
+    const Gradients eg = fn({xe})[0].backward(BackwardOptions{seed});
+    const Gradients cg = f({xc})[0].backward(BackwardOptions{seed});
+    EXPECT_EQ(f.fallback_reason(), "");
+    // sign, floor, ceil, round, trunc: a zero gradient, as eager's
+    EXPECT_TRUE(all_close(cg.get_or_zeros(xc), eg.get_or_zeros(xe), 1e-5, 1e-6));
   }
 }
 

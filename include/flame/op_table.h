@@ -66,6 +66,7 @@
   X(elu,              Elu,             floating,  custom,   keep, cheap) \
   X(hardswish,        Hardswish,       floating,  fn,       keep, cheap) /* x * clamp(x + 3, 0, 6) / 6 */ \
   X(hardsigmoid,      Hardsigmoid,     floating,  fn,       keep, cheap) /* clamp(x + 3, 0, 6) / 6 */ \
+  X(softsign,         Softsign,        floating,  fn,       keep, cheap) /* x / (1 + |x|) */ \
   X(gelu_grad,        GeluGrad,        floating,  internal, keep, keep)  \
   X(gelu_tanh_grad,   GeluTanhGrad,    floating,  internal, keep, keep)  \
   X(silu_grad,        SiluGrad,        floating,  internal, keep, keep)  \

@@ -151,6 +151,9 @@ std::optional<typename A::V> unary_grad(A& B, UnaryOp op, const UnaryParams& p, 
     case UnaryOp::softplus: return times(B.unp(UnaryOp::softplus_grad, x(), p));
     case UnaryOp::hardswish: return times(B.unp(UnaryOp::hardswish_grad, x(), p));
     case UnaryOp::hardsigmoid: return times(B.unp(UnaryOp::hardsigmoid_grad, x(), p));
+    // 1 / (1 + |x|)^2
+    case UnaryOp::softsign:
+      return times(B.un(UnaryOp::reciprocal, B.un(UnaryOp::square, B.sc(UnaryOp::add_scalar, B.un(UnaryOp::abs, x()), 1.0))));
     default: return std::nullopt;  // not differentiable: the caller checked differentiable(op)
   }
 }

@@ -205,6 +205,7 @@ FLAME_FLOAT_FN(Softplus, x * static_cast<C>(p.a) > static_cast<C>(p.b)
                              ? x
                              : math::log1p(math::exp(x * static_cast<C>(p.a))) / static_cast<C>(p.a))
 FLAME_FLOAT_FN(Mish, x * math::tanh(x > C(20) ? x : math::log1p(math::exp(x))))
+FLAME_FLOAT_FN(Softsign, x / (C(1) + math::fabs(x)))  // torch.nn.functional.softsign
 FLAME_FLOAT_FN(Elu, x > C(0) ? x : static_cast<C>(p.a) * math::expm1(x))
 // hardsigmoid = clamp(x + 3, 0, 6) / 6, hardswish = x * hardsigmoid(x) (PyTorch's); NaN stays NaN.
 FLAME_UNARY_FN(Hardsigmoid, if constexpr (is_fp<C>) {
