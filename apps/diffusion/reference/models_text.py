@@ -304,6 +304,12 @@ def write_case(name, out_dir, dtype_name, device, seed, reduced, partners=None):
         outs = f32(outs)
         outs.update(t5_outputs(model, ids, mask, device, "f32ref_") if family == "t5-xxl"
                     else clip_outputs(model, ids, mask, device, "f32ref_"))
+        if family == "t5-xxl":  # and of the fp8 files' dequantised weights, for their outputs
+            for fname, scaled, prefix in fp8:
+                _, deq = fp8_weights(sd, scaled)
+                model.load_state_dict({k: v.float() for k, v in deq.items()}, strict=False)
+                outs.update(t5_outputs(model, ids, mask, device, "f32ref_" + prefix))
+                del deq
     if reduced:  # the same model in bf16 on the CPU
         mb = model.to(torch.bfloat16)
         outs.update(t5_outputs(mb, ids, mask, device, "bf16_") if family == "t5-xxl" else clip_outputs(mb, ids, mask, device, "bf16_"))
