@@ -413,6 +413,13 @@ std::optional<Shape> entry_shape(const Checkpoint& ck, const KeyPlanEntry& e, st
     return std::nullopt;
   }
   auto rank_ok = [&](const Shape& s) { return e.dim >= 0 && e.dim < static_cast<int64_t>(s.size()); };
+  // kChunk / kSwapHalves: the optional second source is a one-element scale (key_plan.h).
+  if ((e.op == KeyPlanEntry::Op::kChunk || e.op == KeyPlanEntry::Op::kSwapHalves) && in.size() == 2 &&
+      numel(in[1]) != 1) {
+    *why = "shape: " + e.target + " scales stored " + e.sources[0] + " by " + e.sources[1] + " " +
+           flame::shape_str(in[1]) + ", which is not one element";
+    return std::nullopt;
+  }
   switch (e.op) {
     case KeyPlanEntry::Op::kCopy:
       return in[0];
@@ -475,6 +482,14 @@ std::optional<Shape> entry_shape(const Checkpoint& ck, const KeyPlanEntry& e, st
       }
       return w;
     }
+    case KeyPlanEntry::Op::kSwapHalves:
+      if (!rank_ok(in[0])) break;
+      if (in[0][e.dim] % 2 != 0) {
+        *why = "shape: " + e.target + " swaps the halves of stored " + e.sources[0] + " " + flame::shape_str(in[0]) +
+               " along dim " + std::to_string(e.dim) + ", which is odd";
+        return std::nullopt;
+      }
+      return in[0];
   }
   *why = "plan: " + e.target + " has a bad " + to_string(e.op) + " (dim " + std::to_string(e.dim) + ", index " +
          std::to_string(e.index) + " of " + std::to_string(e.count) + ") for stored " + e.sources[0] + " " +
@@ -504,7 +519,18 @@ Tensor apply_entry(const Checkpoint& ck, const KeyPlanEntry& e, flame::Device de
       return flame::cat(parts, e.dim);
     }
     case KeyPlanEntry::Op::kChunk:
+      if (e.sources.size() == 2) {  // fp8-scaled: the piece of source * scale
+        const Tensor piece =
+            flame::chunk(ck.load(e.sources[0], device, DType::f32), e.count, e.dim)[static_cast<std::size_t>(e.index)];
+        return (piece * ck.load(e.sources[1], device, DType::f32)).to(dtype);
+      }
       return flame::chunk(ck.load(e.sources[0], device, dtype), e.count, e.dim)[static_cast<std::size_t>(e.index)];
+    case KeyPlanEntry::Op::kSwapHalves: {
+      const bool scaled = e.sources.size() == 2;
+      const flame::TensorList h = flame::chunk(ck.load(e.sources[0], device, scaled ? DType::f32 : dtype), 2, e.dim);
+      const Tensor swapped = flame::cat({h[1], h[0]}, e.dim);
+      return scaled ? (swapped * ck.load(e.sources[1], device, DType::f32)).to(dtype) : swapped;
+    }
 
     case KeyPlanEntry::Op::kTranspose:
       return ck.load(e.sources[0], device, dtype).t().contiguous();

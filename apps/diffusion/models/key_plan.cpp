@@ -10,6 +10,7 @@ const char* to_string(KeyPlanEntry::Op op) {
     case KeyPlanEntry::Op::kChunk: return "chunk";
     case KeyPlanEntry::Op::kTranspose: return "transpose";
     case KeyPlanEntry::Op::kScale: return "scale";
+    case KeyPlanEntry::Op::kSwapHalves: return "swap halves";
   }
   return "?";
 }

@@ -28,7 +28,11 @@ struct KeyPlanEntry {
     kTranspose,  // target = source[0] transposed (2-d; OpenCLIP's text_projection is stored [in, out])
     kScale,      // target = source[0] * source[1], both read in f32, then converted (fp8 weights with
                  // a "scale_weight" of one element or a shape that broadcasts)
+    kSwapHalves,  // target = source[0] with its two halves along dim exchanged (the original MMDiT/BFL
+                  // final adaLN_modulation stores shift, scale; diffusers' AdaLayerNormContinuous scale, shift)
   };
+  // kChunk and kSwapHalves: a second source, when present, is a one-element scale the result is
+  // multiplied by (in f32): the "scale_weight" of an fp8-scaled file's fused or swapped tensor.
   std::string target;                // the diffusers key
   std::vector<std::string> sources;  // keys in the stored file
   Op op = Op::kCopy;
