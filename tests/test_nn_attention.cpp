@@ -93,6 +93,40 @@ TEST(SdpaMath, MatchesLoopReference) {
   }
 }
 
+// Note [Math path in query chunks]: without a gradient, more than 2^26 scores run in chunks of query
+// rows, with the whole path's result (causal, a per-row bool mask with fully hidden rows, a float
+// mask broadcast over the rows); with a gradient the path stays whole.
+TEST(SdpaMath, QueryChunksWithoutGradientMatchWhole) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t L = 8200;  // L * L > 2^26: two chunks
+  const Tensor q = rnd({1, 1, L, 8}, 11).to(DType::f32).to(dev), k = rnd({1, 1, L, 8}, 12).to(DType::f32).to(dev),
+               v = rnd({1, 1, L, 4}, 13).to(DType::f32).to(dev);
+  // A bool mask with two fully hidden rows (3 and L - 2).
+  const Tensor row = Tensor::arange(L, {DType::i64, Device::cpu()}).unsqueeze(-1);
+  const Tensor hidden = row.eq(Tensor::scalar(3, {DType::i64})).logical_or(row.eq(Tensor::scalar(L - 2, {DType::i64})));
+  const Tensor keep = bool_mask({L, L}, 15).logical_and(hidden.logical_not()).to(dev);
+  const Tensor fmask = rnd({1, 1, 1, L}, 14).to(DType::f32).to(dev);
+  struct Case {
+    Tensor mask;
+    bool causal;
+  };
+  for (const Case& c : {Case{{}, true}, Case{keep, false}, Case{fmask, false}}) {
+    const Tensor qg = q.detach().requires_grad_(true);
+    const Tensor whole = F::scaled_dot_product_attention(qg, k, v, c.mask, 0.0, c.causal);
+    EXPECT_STREQ(F::sdpa_last_path(), "math");
+    Tensor chunked;
+    {
+      NoGradGuard no_grad;
+      chunked = F::scaled_dot_product_attention(qg, k, v, c.mask, 0.0, c.causal);
+    }
+    EXPECT_STREQ(F::sdpa_last_path(), "math_chunked");
+    EXPECT_TRUE(close_rel(chunked, whole.detach(), 1e-5));
+  }
+  EXPECT_EQ(F::scaled_dot_product_attention(q.narrow(2, 0, 64), k, v).size(2), 64);
+  EXPECT_STREQ(F::sdpa_last_path(), "math");  // 64 x 8200 scores: whole
+}
+
 TEST(SdpaMath, LeadingDimsAndBroadcast) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

@@ -138,13 +138,14 @@ Scalar lowest_finite(DType dt) {
 // ---------------------------------------------------------------------------------------------
 // Math path (Note [SDPA paths]).
 // ---------------------------------------------------------------------------------------------
+// row0: the first query row of q (a chunk of a longer query, Note [Math path in query chunks]).
 Tensor math_path(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, double dropout_p, bool causal,
-                 double scale, Generator* gen) {
+                 double scale, Generator* gen, int64_t row0 = 0) {
   const int64_t l = q.size(-2), s = k.size(-2);
   const Device dev = q.device();
   Tensor scores = mul_scalar(matmul(q, k.transpose(-2, -1)), scale);
   if (causal) {
-    const Tensor i = Tensor::arange(l, {DType::i64, dev}).unsqueeze(-1);
+    const Tensor i = Tensor::arange(row0, row0 + l, 1, {DType::i64, dev}).unsqueeze(-1);
     const Tensor j = Tensor::arange(s, {DType::i64, dev});
     scores = masked_fill(scores, lt(i, j), -std::numeric_limits<double>::infinity());
   }
@@ -173,6 +174,43 @@ Tensor math_path(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     }
   }
   return matmul(p, v);
+}
+
+// Note [Math path in query chunks]
+// The math path holds the [..., L, S] scores and probabilities: for a VAE's mid-block attention at
+// 1024² (16,384 tokens, head dim 512, which the fused kernels do not take) that is 0.5 GiB each in
+// bf16. When nothing is recorded for a backward (no gradient wanted, or grad mode off) and dropout
+// is off, the math path runs over chunks of query rows so that one chunk's scores hold at most
+// kMathChunkElements values; each row's softmax sees all its keys, so the result is the
+// unchunked one (up to the GEMMs' summation order). With a gradient the chunks would save all
+// their probabilities anyway, so the path stays whole. sdpa_last_path() reports "math_chunked".
+constexpr int64_t kMathChunkElements = int64_t{1} << 26;
+
+Tensor math_path_in_chunks(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
+                           double scale, int64_t rows) {
+  const int64_t l = q.size(-2);
+  TensorList outs;
+  for (int64_t r0 = 0; r0 < l; r0 += rows) {
+    const int64_t n = std::min(rows, l - r0);
+    // A mask with a query dim of L is cut with q; one of size 1 (or none) broadcasts to every chunk.
+    const bool cut_mask = mask.defined() && mask.dim() >= 2 && mask.size(-2) == l && l > 1;
+    const Tensor mc = cut_mask ? mask.narrow(mask.dim() - 2, r0, n) : mask;
+    outs.push_back(math_path(q.narrow(q.dim() - 2, r0, n), k, v, mc, 0.0, causal, scale, nullptr, r0));
+  }
+  return cat(outs, q.dim() - 2);
+}
+
+// The query rows per chunk of the math path, or 0 to run it whole (Note [Math path in query chunks]).
+int64_t math_chunk_rows(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, double dropout_p) {
+  if (dropout_p > 0.0) return 0;
+  const bool records = grad_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                                          (mask.defined() && mask.requires_grad()));
+  if (records) return 0;
+  int64_t lead = 1;
+  for (int64_t i = 0; i + 2 < q.dim(); ++i) lead *= std::max(q.size(i), k.size(i));
+  const int64_t l = q.size(-2), s = k.size(-2);
+  if (lead * l * s <= kMathChunkElements || l < 2) return 0;
+  return std::max<int64_t>(1, kMathChunkElements / std::max<int64_t>(1, lead * s));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -422,6 +460,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       } catch (const Error&) {
       }
     }
+  }
+  if (const int64_t rows = math_chunk_rows(q, k, v, attn_mask, dropout_p); rows > 0) {
+    t_last_path = "math_chunked";
+    return math_path_in_chunks(q, k, v, attn_mask, is_causal, sc, rows);
   }
   t_last_path = "math";
   return math_path(q, k, v, attn_mask, dropout_p, is_causal, sc, gen);

@@ -1,7 +1,7 @@
 // vae_parity: FLAME's AutoencoderKL against diffusers' outputs written by
 // apps/diffusion/reference/models_vae.py (--config ... --out DIR), from both files of DIR.
 //
-//   vae_parity --dir DIR [--device cuda|cpu] [--tol T] [--single-file-config] [--time] [--time-size 1024]
+//   vae_parity --dir DIR [--device cuda|cpu] [--tol T] [--single-file-config] [--time] [--memory] [--time-size 1024]
 //
 // For DIR/diffusers (a sharded diffusers folder) and DIR/<single file> (original names; its family
 // is guessed from the keys and must be the one the script wrote, unless --single-file-config builds
@@ -11,7 +11,9 @@
 // reference's largest value, then PASS or FAIL (relative error <= T; T = 1e-3 for f32, which runs
 // with TF32 off, and 5e-2 for bf16). --time: decode and encode of a TIME_SIZE^2 image from the
 // diffusers folder, 3 warm-ups then the median of 10 timed with CUDA events, and the peak memory
-// (JSON lines, comparable with the script's --time rows). Exit status 1 on FAIL.
+// (JSON lines, comparable with the script's --time rows), then tiled against untiled at that size.
+// --memory: one decode and one encode of a TIME_SIZE^2 image under profiler::MemoryProfiler (on any
+// device): the peak above what was held before and the ops holding it. Exit status 1 on FAIL.
 #include <algorithm>
 #include <chrono>
 #include <functional>
@@ -26,6 +28,7 @@
 
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
+#include <flame/profiler.h>
 
 #include "models/vae.h"
 
@@ -37,7 +40,7 @@ using flame::Tensor;
 namespace {
 
 const char* kUsage =
-    "usage: vae_parity --dir DIR [--device cuda|cpu] [--tol T] [--single-file-config] [--time] [--time-size N]\n";
+    "usage: vae_parity --dir DIR [--device cuda|cpu] [--tol T] [--single-file-config] [--time] [--memory] [--time-size N]\n";
 
 struct Err {
   double abs = 0, rel = 0;
@@ -87,7 +90,7 @@ int main(int argc, char** argv) {
       }
       FLAME_CHECK(f.rfind("--", 0) == 0, "vae_parity", "unexpected argument ", f, "\n", kUsage);
       f = f.substr(2);
-      if (f == "time" || f == "single-file-config") {
+      if (f == "time" || f == "single-file-config" || f == "memory") {
         flags[f] = "1";
       } else {
         FLAME_CHECK(f == "dir" || f == "device" || f == "tol" || f == "time-size", "vae_parity", "unknown flag --", f,
@@ -152,6 +155,44 @@ int main(int argc, char** argv) {
     std::printf("%s vae_parity %s %s (tolerance %.1e relative to the reference's max)\n", ok ? "PASS" : "FAIL",
                 meta.at("family").c_str(), meta.at("dtype").c_str(), tol);
 
+    if (flags.count("memory")) {
+      // Where the memory of one decode and one encode at TIME_SIZE² goes (profiler::MemoryProfiler;
+      // works on the CPU too): the peak above what was allocated before, and the ops holding it.
+      const int64_t size = flags.count("time-size") ? std::stoll(flags["time-size"]) : 1024;
+      m::VaeLoadOptions o;
+      o.device = device;
+      o.dtype = dtype;
+      auto vae = m::load_vae(folder, o);
+      flame::NoGradGuard no_grad;
+      const int64_t f = vae->config().downscale();
+      flame::Generator gen(1);
+      const Tensor img = Tensor::uniform({1, 3, size, size}, -1.0, 1.0, {dtype, device}, &gen);
+      const Tensor lat = Tensor::randn({1, vae->config().latent_channels, size / f, size / f}, 0.0, 1.0,
+                                       {dtype, device}, &gen);
+      for (const std::string what : {"decode", "encode"}) {
+        flame::profiler::MemoryProfiler prof;
+        prof.start();
+        if (what == "decode") {
+          (void)vae->decode(lat);
+        } else {
+          (void)vae->encode(img);
+        }
+        prof.stop();
+        for (const auto& d : prof.summary()) {
+          if (d.device != device) continue;
+          std::printf("memory %s %lld² %s on %s: peak %.3f GiB above the %.3f GiB held before\n", what.c_str(),
+                      static_cast<long long>(size), meta.at("dtype").c_str(), dev.c_str(),
+                      static_cast<double>(d.peak_bytes - d.start_bytes) / (1 << 30),
+                      static_cast<double>(d.start_bytes) / (1 << 30));
+        }
+        int shown = 0;
+        for (const auto& g : prof.peak_groups(device, flame::profiler::GroupBy::op)) {
+          if (++shown > 6) break;
+          std::printf("  at the peak: %-40s %.3f GiB in %lld blocks\n", (g.phase == "before" ? std::string("(held before)") : g.op).c_str(),
+                      static_cast<double>(g.bytes) / (1 << 30), static_cast<long long>(g.count));
+        }
+      }
+    }
     if (flags.count("time")) {
       const int64_t size = flags.count("time-size") ? std::stoll(flags["time-size"]) : 1024;
       m::VaeLoadOptions o;
