@@ -22,6 +22,11 @@
 #              transformers makes each with random weights and saves every layout FLAME loads
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
 #              outputs (models_text.py); text_parity compares. Needs transformers, not diffusers.
+#   sd3        the SD3 / SD3.5 transformers (SD3_CONFIGS, default sd3-medium sd3.5-medium in f32 and
+#              bf16, sd3.5-large in bf16) on 128x128 latents + 333 text tokens: every file layout,
+#              outputs and LoRA r16 gradients (models_sd3.py writes, sd3_parity check compares); then
+#              the SD3.5-Large LoRA r16 step at 1024² (bf16 autocast, f32 adapters) beside diffusers
+#              eager and torch.compile, with and without checkpointing every block, and a kernel trace
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -66,7 +71,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
 fi
-if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity >> "$LOG" 2>&1; then
+if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
 fi
 note "build: ok ($(( $(date +%s) - START )) s)"
@@ -92,6 +97,8 @@ if has refs; then
   run "refs: unet tiny-xl" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-xl --out "$OUT/refs/unet2d-tiny-xl"
   run "refs: unet tiny-sd" 300 python3 apps/diffusion/reference/models_unet.py --config tiny-sd --out "$OUT/refs/unet2d-tiny-sd"
   run "refs: text reduced" 300 python3 apps/diffusion/reference/models_text.py --reduced --out "$OUT/refs"
+  run "refs: sd3 tiny-sd3" 300 python3 apps/diffusion/reference/models_sd3.py --config tiny-sd3 --out "$OUT/refs/sd3-tiny"
+  run "refs: sd3 tiny-sd35m" 300 python3 apps/diffusion/reference/models_sd3.py --config tiny-sd35m --out "$OUT/refs/sd3-tiny35m"
   # The tests read them from the source tree; the tarball is what comes back from the GPU machine
   # (its copy-back keeps few files per folder): unpack it under apps/diffusion/tests/data/models/.
   mkdir -p apps/diffusion/tests/data/models && cp -r "$OUT/refs/." apps/diffusion/tests/data/models/
@@ -146,6 +153,20 @@ if has text; then
       rm -rf /tmp/text_${c}_$d
     done
   done
+fi
+if has sd3; then
+  for c in ${SD3_CONFIGS:-sd3-medium sd3.5-medium sd3.5-large}; do
+    dtypes="f32 bf16"; [ "$c" = sd3.5-large ] && dtypes=bf16  # 8 B parameters: f32 twice does not fit 80 GB
+    for d in $dtypes; do
+      run "sd3 $c 128+333 $d: diffusers" 600 python3 apps/diffusion/reference/models_sd3.py --config $c --latent 128 --text 333 --dtype $d --out /tmp/sd3_${c}_$d
+      run "sd3 $c 128+333 $d: flame" 600 "$BIN/sd3_parity" check --dir /tmp/sd3_${c}_$d --device cuda
+      rm -rf /tmp/sd3_${c}_$d
+    done
+  done
+  run "time sd3.5-large: diffusers" 500 python3 apps/diffusion/reference/models_sd3.py --config sd3.5-large --time --latent 128 --text 333 --checkpointing 0,1
+  run "time sd3.5-large: flame" 500 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing 0,-1
+  run "time sd3.5-large: flame kernel trace" 300 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing 0 --trace 2
+  run "time sd3.5-large: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_sd3.py --config sd3.5-large --time --compile --latent 128 --text 333 --checkpointing 0
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

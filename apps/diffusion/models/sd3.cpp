@@ -1,0 +1,424 @@
+// SD3Transformer2DModel (models/sd3.h, Note [SD3 layout]): config, presets, config.json, the
+// embeddings, the joint blocks and the model.
+#include "models/sd3.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <flame/nn/adaln.h>
+
+namespace flame_diffusion::models {
+
+namespace nn = flame::nn;
+namespace F = flame::nn::functional;
+using flame::DType;
+using flame::Shape;
+
+namespace {
+
+// diffusers' LayerNorms of the MMDiT (norm1/norm2, the adaptive norms): eps 1e-6, no affine.
+constexpr double kNormEps = 1e-6;
+
+std::string join(const std::vector<int64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+// ---- config ----
+bool SD3TransformerConfig::dual_attention(int64_t layer) const {
+  return std::find(dual_attention_layers.begin(), dual_attention_layers.end(), layer) != dual_attention_layers.end();
+}
+
+void SD3TransformerConfig::validate() const {
+  const char* op = "SD3TransformerConfig";
+  FLAME_CHECK(patch_size >= 1 && in_channels >= 1 && out_channels >= 1, op,
+              "patch_size, in_channels and out_channels must be >= 1, got ", patch_size, ", ", in_channels, ", ",
+              out_channels);
+  FLAME_CHECK(num_layers >= 1, op, "num_layers must be >= 1, got ", num_layers);
+  FLAME_CHECK(attention_head_dim >= 1 && num_attention_heads >= 1, op,
+              "attention_head_dim and num_attention_heads must be >= 1, got ", attention_head_dim, " and ",
+              num_attention_heads);
+  FLAME_CHECK(inner_dim() % 4 == 0, op, "the width num_attention_heads x attention_head_dim = ", inner_dim(),
+              " must be a multiple of 4 (the 2-d sin-cos position table)");
+  FLAME_CHECK(caption_projection_dim == inner_dim(), op, "caption_projection_dim ", caption_projection_dim,
+              " must equal the width num_attention_heads x attention_head_dim = ", num_attention_heads, " x ",
+              attention_head_dim, " = ", inner_dim(), " (the joint blocks add the streams)");
+  FLAME_CHECK(joint_attention_dim >= 1 && pooled_projection_dim >= 1, op,
+              "joint_attention_dim and pooled_projection_dim must be >= 1, got ", joint_attention_dim, " and ",
+              pooled_projection_dim);
+  FLAME_CHECK(pos_embed_max_size >= 1, op, "pos_embed_max_size must be >= 1 (SD3 crops its position table), got ",
+              pos_embed_max_size);
+  FLAME_CHECK(sample_size >= patch_size, op, "sample_size ", sample_size, " must be >= patch_size ", patch_size);
+  FLAME_CHECK(qk_norm.empty() || qk_norm == "rms_norm", op, "qk_norm is \"", qk_norm,
+              "\"; SD3/SD3.5 use none (\"\") or \"rms_norm\"");
+  for (int64_t l : dual_attention_layers) {
+    FLAME_CHECK(l >= 0 && l < num_layers, op, "dual_attention_layers ", join(dual_attention_layers), " holds ", l,
+                ", not a block index in [0, ", num_layers, ")");
+  }
+}
+
+SD3TransformerConfig sd3_preset(const std::string& name) {
+  SD3TransformerConfig c;
+  c.sample_size = 128;
+  c.patch_size = 2;
+  c.in_channels = 16;
+  c.out_channels = 16;
+  c.attention_head_dim = 64;
+  c.joint_attention_dim = 4096;
+  c.pooled_projection_dim = 2048;
+  if (name == "sd3-medium") {
+    c.num_layers = 24;
+    c.num_attention_heads = 24;
+    c.pos_embed_max_size = 192;
+  } else if (name == "sd3.5-medium") {
+    c.num_layers = 24;
+    c.num_attention_heads = 24;
+    c.pos_embed_max_size = 384;
+    c.qk_norm = "rms_norm";
+    for (int64_t i = 0; i <= 12; ++i) c.dual_attention_layers.push_back(i);
+  } else if (name == "sd3.5-large") {
+    c.num_layers = 38;
+    c.num_attention_heads = 38;
+    c.pos_embed_max_size = 192;
+    c.qk_norm = "rms_norm";
+  } else {
+    FLAME_FAIL("sd3_preset", "unknown preset \"", name, "\"; presets: sd3-medium, sd3.5-medium, sd3.5-large");
+  }
+  c.caption_projection_dim = c.inner_dim();
+  c.validate();
+  return c;
+}
+
+SD3TransformerConfig sd3_config_from_json(const JsonConfig& j) {
+  const char* op = "sd3_config";
+  static const std::vector<std::string> known = {
+      "sample_size",          "patch_size",         "in_channels",           "num_layers",
+      "attention_head_dim",   "num_attention_heads", "joint_attention_dim",  "caption_projection_dim",
+      "pooled_projection_dim", "out_channels",       "pos_embed_max_size",   "dual_attention_layers",
+      "qk_norm"};
+  for (const std::string& key : j.keys()) {
+    if (!key.empty() && key[0] == '_') continue;  // _class_name, _diffusers_version, _name_or_path
+    FLAME_CHECK(std::find(known.begin(), known.end(), key) != known.end(), op, j.origin(), ": unknown key \"", key,
+                "\" (not an SD3Transformer2DModel option this implementation knows)");
+  }
+  if (j.has("_class_name")) {
+    const std::string cls = j.get_string("_class_name");
+    FLAME_CHECK(cls == "SD3Transformer2DModel", op, j.origin(), ": _class_name is \"", cls,
+                "\", expected \"SD3Transformer2DModel\"");
+  }
+  SD3TransformerConfig c;  // diffusers' defaults where a key is absent
+  c.sample_size = j.get_int("sample_size", c.sample_size);
+  c.patch_size = j.get_int("patch_size", c.patch_size);
+  c.in_channels = j.get_int("in_channels", c.in_channels);
+  c.num_layers = j.get_int("num_layers", c.num_layers);
+  c.attention_head_dim = j.get_int("attention_head_dim", c.attention_head_dim);
+  c.num_attention_heads = j.get_int("num_attention_heads", c.num_attention_heads);
+  c.joint_attention_dim = j.get_int("joint_attention_dim", c.joint_attention_dim);
+  c.caption_projection_dim = j.get_int("caption_projection_dim", c.caption_projection_dim);
+  c.pooled_projection_dim = j.get_int("pooled_projection_dim", c.pooled_projection_dim);
+  c.out_channels = j.get_int("out_channels", c.in_channels);
+  FLAME_CHECK(j.has("pos_embed_max_size"), op, j.origin(),
+              ": pos_embed_max_size is missing or null; SD3 models crop a fixed position table (192 or 384)");
+  c.pos_embed_max_size = j.get_int("pos_embed_max_size");
+  c.dual_attention_layers = j.get_ints("dual_attention_layers", {});
+  c.qk_norm = j.get_string("qk_norm", "");
+  try {
+    c.validate();
+  } catch (const flame::Error& e) {
+    FLAME_FAIL(op, j.origin(), ": ", e.what());
+  }
+  return c;
+}
+
+SD3TransformerConfig sd3_config_from_file(const std::string& path) {
+  return sd3_config_from_json(JsonConfig::from_file(path));
+}
+
+// ---- embeddings ----
+Tensor sd3_sincos_pos_embed(int64_t dim, int64_t grid, int64_t base_size) {
+  FLAME_CHECK(dim % 4 == 0 && grid >= 1 && base_size >= 1, "sd3_sincos_pos_embed",
+              "dim must be a multiple of 4 and grid, base_size >= 1; got dim ", dim, ", grid ", grid, ", base_size ",
+              base_size);
+  // Positions in f32 as diffusers' arange(grid) / (grid / base_size); frequencies and sin/cos in f64.
+  const Tensor pos = (Tensor::arange(int64_t{0}, grid, int64_t{1}, {DType::f32}) /
+                      (static_cast<double>(grid) / static_cast<double>(base_size)))
+                         .to(DType::f64);
+  const int64_t quarter = dim / 4;
+  const Tensor omega =
+      (Tensor::arange(int64_t{0}, quarter, int64_t{1}, {DType::f64}) / static_cast<double>(quarter) *
+       std::log(10000.0))
+          .neg()
+          .exp();
+  const Tensor arg = flame::outer(pos, omega);                 // [grid, dim/4]
+  const Tensor axis = flame::cat({arg.sin(), arg.cos()}, -1);  // [grid, dim/2]: one axis
+  // Patch (row, col): [axis(col), axis(row)].
+  const Tensor by_col = axis.unsqueeze(0).expand({grid, grid, dim / 2});
+  const Tensor by_row = axis.unsqueeze(1).expand({grid, grid, dim / 2});
+  return flame::cat({by_col, by_row}, -1).reshape({grid * grid, dim}).to(DType::f32);
+}
+
+SD3PatchEmbed::SD3PatchEmbed(const SD3TransformerConfig& c, TensorOptions opts)
+    : patch_(c.patch_size), max_size_(c.pos_embed_max_size) {
+  const int64_t d = c.inner_dim();
+  proj = register_module("proj", std::make_shared<nn::Conv2d>(c.in_channels, d, c.patch_size, c.patch_size, 0, 1, 1,
+                                                              true, opts));
+  const Tensor table = sd3_sincos_pos_embed(d, c.pos_embed_max_size, c.sample_size / c.patch_size);
+  pos_embed = register_buffer("pos_embed", table.unsqueeze(0).to(opts.dtype_or(DType::f32), opts.device));
+}
+
+Tensor SD3PatchEmbed::forward(const Tensor& latent) {
+  const char* op = "SD3Transformer2DModel";
+  const int64_t b = latent.size(0), hh = latent.size(2), ww = latent.size(3);
+  FLAME_CHECK(hh % patch_ == 0 && ww % patch_ == 0, op, "latent height and width ", hh, " x ", ww,
+              " must be multiples of the patch size ", patch_);
+  const int64_t h = hh / patch_, w = ww / patch_;
+  FLAME_CHECK(h <= max_size_ && w <= max_size_, op, "latent ", hh, " x ", ww, " is ", h, " x ", w,
+              " patches; the position table holds at most ", max_size_, " x ", max_size_,
+              " (pos_embed_max_size): use a smaller image");
+  Tensor x = proj->forward(latent);                                   // [B, D, h, w]
+  x = x.flatten(2).transpose(1, 2);                                   // [B, h*w, D]
+  const int64_t d = x.size(2);
+  const int64_t top = (max_size_ - h) / 2, left = (max_size_ - w) / 2;
+  const Tensor crop = pos_embed.view({1, max_size_, max_size_, d}).narrow(1, top, h).narrow(2, left, w).reshape({1, h * w, d});
+  (void)b;
+  return (x + crop).to(latent.dtype());
+}
+
+SD3TimeTextEmbed::SD3TimeTextEmbed(int64_t dim, int64_t pooled_dim, TensorOptions opts) {
+  timestep_embedder = register_module("timestep_embedder", std::make_shared<TimestepEmbedding>(256, dim, opts));
+  // PixArtAlphaTextProjection with act "silu": the same linear_1 -> silu -> linear_2.
+  text_embedder = register_module("text_embedder", std::make_shared<TimestepEmbedding>(pooled_dim, dim, opts));
+}
+
+Tensor SD3TimeTextEmbed::forward(const Tensor& timestep, const Tensor& pooled) {
+  const Tensor t = timestep_embedding(timestep, 256, /*flip_sin_to_cos=*/true, /*freq_shift=*/0.0);
+  return timestep_embedder->forward(t.to(pooled.dtype())) + text_embedder->forward(pooled);
+}
+
+// ---- attention ----
+SD3Attention::SD3Attention(int64_t dim, int64_t heads, int64_t head_dim, bool joint, bool context_pre_only,
+                           bool qk_norm, TensorOptions opts)
+    : heads_(heads), head_dim_(head_dim) {
+  const int64_t inner = heads * head_dim;
+  auto rms = [&] { return std::make_shared<nn::RMSNorm>(head_dim, kNormEps, true, opts); };
+  // diffusers' registration order (the state dict's).
+  if (qk_norm) {
+    norm_q = register_module("norm_q", rms());
+    norm_k = register_module("norm_k", rms());
+  }
+  to_q = register_module("to_q", std::make_shared<nn::Linear>(dim, inner, true, opts));
+  to_k = register_module("to_k", std::make_shared<nn::Linear>(dim, inner, true, opts));
+  to_v = register_module("to_v", std::make_shared<nn::Linear>(dim, inner, true, opts));
+  if (joint) {
+    add_k_proj = register_module("add_k_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
+    add_v_proj = register_module("add_v_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
+    add_q_proj = register_module("add_q_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
+  }
+  to_out = register_module("to_out", std::make_shared<nn::ModuleList>());
+  to_out->push_back(std::make_shared<nn::Linear>(inner, dim, true, opts));
+  to_out->push_back(std::make_shared<nn::Dropout>(0.0));
+  if (joint && !context_pre_only) to_add_out = register_module("to_add_out", std::make_shared<nn::Linear>(inner, dim, true, opts));
+  if (joint && qk_norm) {
+    norm_added_q = register_module("norm_added_q", rms());
+    norm_added_k = register_module("norm_added_k", rms());
+  }
+}
+
+std::pair<Tensor, Tensor> SD3Attention::forward(const Tensor& x, const Tensor& context) {
+  const int64_t b = x.size(0), l = x.size(1);
+  auto heads = [&](const Tensor& t) { return t.view({b, t.size(1), heads_, head_dim_}).transpose(1, 2); };
+  auto norm = [](const std::shared_ptr<nn::RMSNorm>& n, const Tensor& t) { return n ? n->forward(t) : t; };
+  Tensor q = norm(norm_q, heads(to_q->forward(x)));
+  Tensor k = norm(norm_k, heads(to_k->forward(x)));
+  Tensor v = heads(to_v->forward(x));
+  const bool joint = add_q_proj && context.defined();
+  if (joint) {
+    // [image tokens, text tokens] along the sequence, as diffusers' JointAttnProcessor2_0.
+    q = flame::cat({q, norm(norm_added_q, heads(add_q_proj->forward(context)))}, 2);
+    k = flame::cat({k, norm(norm_added_k, heads(add_k_proj->forward(context)))}, 2);
+    v = flame::cat({v, heads(add_v_proj->forward(context))}, 2);
+  }
+  Tensor o = F::scaled_dot_product_attention(q, k, v);  // [B, H, L (+ S), Dh]
+  o = o.transpose(1, 2).reshape({b, o.size(2), heads_ * head_dim_});
+  Tensor ctx_out;
+  if (joint) {
+    const int64_t s = o.size(1) - l;
+    if (to_add_out) ctx_out = to_add_out->forward(o.narrow(1, l, s));
+    o = o.narrow(1, 0, l);
+  }
+  o = (*to_out)[1]->forward((*to_out)[0]->forward(o));
+  return {o, ctx_out};
+}
+
+// ---- feed-forward and adaptive norms ----
+namespace {
+// diffusers' GELU(dim_in, dim_out, approximate="tanh"): gelu_tanh(proj(x)).
+class GeluProj : public nn::Module {
+ public:
+  GeluProj(int64_t in, int64_t out, TensorOptions opts) {
+    proj = register_module("proj", std::make_shared<nn::Linear>(in, out, true, opts));
+  }
+  std::string name() const override { return "GELU"; }
+  Tensor forward(const Tensor& x) override { return proj->forward(x).gelu(/*tanh_approximation=*/true); }
+  std::shared_ptr<nn::Linear> proj;
+};
+}  // namespace
+
+SD3FeedForward::SD3FeedForward(int64_t dim, TensorOptions opts) {
+  net = register_module("net", std::make_shared<nn::ModuleList>());
+  auto gelu = std::make_shared<GeluProj>(dim, 4 * dim, opts);
+  proj = gelu->proj;
+  out = std::make_shared<nn::Linear>(4 * dim, dim, true, opts);
+  net->push_back(gelu);
+  net->push_back(std::make_shared<nn::Dropout>(0.0));
+  net->push_back(out);
+}
+
+Tensor SD3FeedForward::forward(const Tensor& x) {
+  Tensor h = x;
+  for (const auto& m : *net) h = m->forward(h);
+  return h;
+}
+
+SD3AdaNorm::SD3AdaNorm(int64_t dim, int64_t chunks, TensorOptions opts) : chunks_(chunks) {
+  linear = register_module("linear", std::make_shared<nn::Linear>(dim, chunks * dim, true, opts));
+}
+
+flame::TensorList SD3AdaNorm::modulation(const Tensor& emb) const {
+  return linear->forward(emb.silu()).chunk(chunks_, 1);
+}
+
+// ---- the joint block ----
+SD3JointTransformerBlock::SD3JointTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, bool context_pre_only,
+                                                   bool qk_norm, bool dual_attention, TensorOptions opts)
+    : context_pre_only_(context_pre_only), dual_(dual_attention) {
+  norm1 = register_module("norm1", std::make_shared<SD3AdaNorm>(dim, dual_attention ? 9 : 6, opts));
+  norm1_context = register_module("norm1_context", std::make_shared<SD3AdaNorm>(dim, context_pre_only ? 2 : 6, opts));
+  attn = register_module("attn", std::make_shared<SD3Attention>(dim, heads, head_dim, true, context_pre_only, qk_norm, opts));
+  if (dual_attention) {
+    attn2 = register_module("attn2", std::make_shared<SD3Attention>(dim, heads, head_dim, false, false, qk_norm, opts));
+  }
+  ff = register_module("ff", std::make_shared<SD3FeedForward>(dim, opts));
+  if (!context_pre_only) ff_context = register_module("ff_context", std::make_shared<SD3FeedForward>(dim, opts));
+}
+
+std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, const Tensor& context, const Tensor& temb) {
+  // norm1: shift, scale, gate (attention); shift, scale, gate (MLP); [shift, scale, gate (attn2)].
+  const flame::TensorList m = norm1->modulation(temb);
+  const flame::TensorList c = norm1_context->modulation(temb);
+  const Tensor norm_x = F::layer_norm_modulate(x, m[0], m[1], kNormEps);
+  // The last block's AdaLayerNormContinuous stores scale, shift.
+  const Tensor norm_ctx = context_pre_only_ ? F::layer_norm_modulate(context, c[1], c[0], kNormEps)
+                                            : F::layer_norm_modulate(context, c[0], c[1], kNormEps);
+  const auto [attn_out, ctx_attn_out] = attn->forward(norm_x, norm_ctx);
+  Tensor h, norm_h;
+  if (dual_) {
+    h = F::gated_residual(x, m[2], attn_out);
+    const Tensor norm_x2 = F::layer_norm_modulate(x, m[6], m[7], kNormEps);
+    std::tie(h, norm_h) = F::gated_residual_modulate(h, m[8], attn2->forward(norm_x2, Tensor()).first, m[3], m[4], kNormEps);
+  } else {
+    std::tie(h, norm_h) = F::gated_residual_modulate(x, m[2], attn_out, m[3], m[4], kNormEps);
+  }
+  h = F::gated_residual(h, m[5], ff->forward(norm_h));
+  if (context_pre_only_) return {h, Tensor()};
+  auto [ctx, norm_c] = F::gated_residual_modulate(context, c[2], ctx_attn_out, c[3], c[4], kNormEps);
+  ctx = F::gated_residual(ctx, c[5], ff_context->forward(norm_c));
+  return {h, ctx};
+}
+
+// ---- the model ----
+SD3Transformer2DModel::SD3Transformer2DModel(const SD3TransformerConfig& config, TensorOptions opts) : config_(config) {
+  config_.validate();
+  const auto& c = config_;
+  const int64_t d = c.inner_dim();
+  pos_embed = register_module("pos_embed", std::make_shared<SD3PatchEmbed>(c, opts));
+  time_text_embed = register_module("time_text_embed", std::make_shared<SD3TimeTextEmbed>(d, c.pooled_projection_dim, opts));
+  context_embedder = register_module("context_embedder",
+                                     std::make_shared<nn::Linear>(c.joint_attention_dim, c.caption_projection_dim, true, opts));
+  transformer_blocks = register_module("transformer_blocks", std::make_shared<nn::ModuleList>());
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    transformer_blocks->push_back(std::make_shared<SD3JointTransformerBlock>(
+        d, c.num_attention_heads, c.attention_head_dim, i == c.num_layers - 1, c.qk_norm == "rms_norm",
+        c.dual_attention(i), opts));
+  }
+  norm_out = register_module("norm_out", std::make_shared<SD3AdaNorm>(d, 2, opts));
+  proj_out = register_module("proj_out",
+                             std::make_shared<nn::Linear>(d, c.patch_size * c.patch_size * c.out_channels, true, opts));
+}
+
+std::string SD3Transformer2DModel::extra_repr() const {
+  const auto& c = config_;
+  std::string s = "layers=" + std::to_string(c.num_layers) + ", heads=" + std::to_string(c.num_attention_heads) +
+                  "x" + std::to_string(c.attention_head_dim) + ", pos_embed_max_size=" +
+                  std::to_string(c.pos_embed_max_size);
+  if (!c.qk_norm.empty()) s += ", qk_norm=" + c.qk_norm;
+  if (!c.dual_attention_layers.empty()) s += ", dual_attention_layers=" + join(c.dual_attention_layers);
+  return s;
+}
+
+void SD3Transformer2DModel::set_gradient_checkpointing(bool on, int64_t blocks) {
+  FLAME_CHECK(blocks >= -1, "SD3Transformer2DModel::set_gradient_checkpointing", "blocks must be -1 (all) or >= 0, got ",
+              blocks);
+  const int64_t n = config_.num_layers;
+  checkpointed_ = !on ? 0 : blocks < 0 ? n : std::min(blocks, n);
+}
+
+std::vector<std::string> SD3Transformer2DModel::add_lora(const flame::nn::LoraOptions& options,
+                                                         const std::vector<std::string>& targets) {
+  return flame::nn::apply_lora(*this, options, targets);
+}
+
+Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor& encoder_hidden_states,
+                                      const Tensor& pooled_projections, const Tensor& timestep) {
+  const char* op = "SD3Transformer2DModel";
+  const auto& c = config_;
+  FLAME_CHECK(hidden_states.defined() && hidden_states.dim() == 4 && hidden_states.size(1) == c.in_channels, op,
+              "hidden_states must be [B, ", c.in_channels, ", H, W], got ",
+              hidden_states.defined() ? flame::shape_str(hidden_states.sizes()) : std::string("undefined"));
+  const int64_t b = hidden_states.size(0);
+  FLAME_CHECK(encoder_hidden_states.defined() && encoder_hidden_states.dim() == 3 &&
+                  encoder_hidden_states.size(0) == b && encoder_hidden_states.size(2) == c.joint_attention_dim,
+              op, "encoder_hidden_states must be [", b, ", S, ", c.joint_attention_dim, "] (joint_attention_dim), got ",
+              encoder_hidden_states.defined() ? flame::shape_str(encoder_hidden_states.sizes()) : std::string("undefined"));
+  FLAME_CHECK(pooled_projections.defined() && pooled_projections.dim() == 2 && pooled_projections.size(0) == b &&
+                  pooled_projections.size(1) == c.pooled_projection_dim,
+              op, "pooled_projections must be [", b, ", ", c.pooled_projection_dim, "] (pooled_projection_dim), got ",
+              pooled_projections.defined() ? flame::shape_str(pooled_projections.sizes()) : std::string("undefined"));
+  FLAME_CHECK(timestep.defined(), op, "timestep is undefined");
+  Tensor t = timestep.dim() == 0 ? timestep.reshape({1}) : timestep;
+  FLAME_CHECK(t.dim() == 1 && (t.size(0) == b || t.size(0) == 1), op, "timestep must be [B] (B = ", b,
+              "), [1] or 0-d, got ", flame::shape_str(timestep.sizes()));
+  if (t.size(0) != b) t = t.expand({b});
+
+  const int64_t hh = hidden_states.size(2), ww = hidden_states.size(3);
+  Tensor x = pos_embed->forward(hidden_states);
+  const Tensor temb = time_text_embed->forward(t.to(hidden_states.device()), pooled_projections);
+  Tensor ctx = context_embedder->forward(encoder_hidden_states);
+  const int64_t l = x.size(1);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    auto block = std::static_pointer_cast<SD3JointTransformerBlock>((*transformer_blocks)[static_cast<std::size_t>(i)]);
+    if (i < checkpointed_ && flame::grad_enabled()) {
+      // One output per checkpointed call: the streams travel concatenated along the sequence.
+      const Tensor out = flame::checkpoint(
+          [block](const flame::TensorList& in) {
+            auto [a, s] = block->forward(in[0], in[1], in[2]);
+            return s.defined() ? flame::cat({a, s}, 1) : a;
+          },
+          {x, ctx, temb});
+      ctx = block->context_pre_only() ? Tensor() : out.narrow(1, l, out.size(1) - l);
+      x = block->context_pre_only() ? out : out.narrow(1, 0, l);
+    } else {
+      std::tie(x, ctx) = block->forward(x, ctx, temb);
+    }
+  }
+  const flame::TensorList mod = norm_out->modulation(temb);  // scale, shift
+  x = proj_out->forward(F::layer_norm_modulate(x, mod[1], mod[0], kNormEps));
+  const int64_t p = c.patch_size, h = hh / p, w = ww / p;
+  x = x.reshape({b, h, w, p, p, c.out_channels}).permute({0, 5, 1, 3, 2, 4});
+  return x.reshape({b, c.out_channels, hh, ww});
+}
+
+}  // namespace flame_diffusion::models
