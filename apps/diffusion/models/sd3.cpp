@@ -187,145 +187,80 @@ Tensor SD3PatchEmbed::forward(const Tensor& latent) {
   return (x + crop).to(latent.dtype());
 }
 
-SD3TimeTextEmbed::SD3TimeTextEmbed(int64_t dim, int64_t pooled_dim, TensorOptions opts) {
-  timestep_embedder = register_module("timestep_embedder", std::make_shared<TimestepEmbedding>(256, dim, opts));
-  // PixArtAlphaTextProjection with act "silu": the same linear_1 -> silu -> linear_2.
-  text_embedder = register_module("text_embedder", std::make_shared<TimestepEmbedding>(pooled_dim, dim, opts));
-}
-
-Tensor SD3TimeTextEmbed::forward(const Tensor& timestep, const Tensor& pooled) {
-  const Tensor t = timestep_embedding(timestep, 256, /*flip_sin_to_cos=*/true, /*freq_shift=*/0.0);
-  return timestep_embedder->forward(t.to(pooled.dtype())) + text_embedder->forward(pooled);
-}
-
-// ---- attention ----
-SD3Attention::SD3Attention(int64_t dim, int64_t heads, int64_t head_dim, bool joint, bool context_pre_only,
-                           bool qk_norm, TensorOptions opts)
-    : heads_(heads), head_dim_(head_dim) {
-  const int64_t inner = heads * head_dim;
-  auto rms = [&] { return std::make_shared<nn::RMSNorm>(head_dim, kNormEps, true, opts); };
-  // diffusers' registration order (the state dict's).
-  if (qk_norm) {
-    norm_q = register_module("norm_q", rms());
-    norm_k = register_module("norm_k", rms());
-  }
-  to_q = register_module("to_q", std::make_shared<nn::Linear>(dim, inner, true, opts));
-  to_k = register_module("to_k", std::make_shared<nn::Linear>(dim, inner, true, opts));
-  to_v = register_module("to_v", std::make_shared<nn::Linear>(dim, inner, true, opts));
-  if (joint) {
-    add_k_proj = register_module("add_k_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
-    add_v_proj = register_module("add_v_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
-    add_q_proj = register_module("add_q_proj", std::make_shared<nn::Linear>(dim, inner, true, opts));
-  }
-  to_out = register_module("to_out", std::make_shared<nn::ModuleList>());
-  to_out->push_back(std::make_shared<nn::Linear>(inner, dim, true, opts));
-  to_out->push_back(std::make_shared<nn::Dropout>(0.0));
-  if (joint && !context_pre_only) to_add_out = register_module("to_add_out", std::make_shared<nn::Linear>(inner, dim, true, opts));
-  if (joint && qk_norm) {
-    norm_added_q = register_module("norm_added_q", rms());
-    norm_added_k = register_module("norm_added_k", rms());
-  }
-}
-
-std::pair<Tensor, Tensor> SD3Attention::forward(const Tensor& x, const Tensor& context) {
-  const int64_t b = x.size(0), l = x.size(1);
-  auto heads = [&](const Tensor& t) { return t.view({b, t.size(1), heads_, head_dim_}).transpose(1, 2); };
-  auto norm = [](const std::shared_ptr<nn::RMSNorm>& n, const Tensor& t) { return n ? n->forward(t) : t; };
-  Tensor q = norm(norm_q, heads(to_q->forward(x)));
-  Tensor k = norm(norm_k, heads(to_k->forward(x)));
-  Tensor v = heads(to_v->forward(x));
-  const bool joint = add_q_proj && context.defined();
-  if (joint) {
-    // [image tokens, text tokens] along the sequence, as diffusers' JointAttnProcessor2_0.
-    q = flame::cat({q, norm(norm_added_q, heads(add_q_proj->forward(context)))}, 2);
-    k = flame::cat({k, norm(norm_added_k, heads(add_k_proj->forward(context)))}, 2);
-    v = flame::cat({v, heads(add_v_proj->forward(context))}, 2);
-  }
-  Tensor o = F::scaled_dot_product_attention(q, k, v);  // [B, H, L (+ S), Dh]
-  o = o.transpose(1, 2).reshape({b, o.size(2), heads_ * head_dim_});
-  Tensor ctx_out;
-  if (joint) {
-    const int64_t s = o.size(1) - l;
-    if (to_add_out) ctx_out = to_add_out->forward(o.narrow(1, l, s));
-    o = o.narrow(1, 0, l);
-  }
-  o = (*to_out)[1]->forward((*to_out)[0]->forward(o));
-  return {o, ctx_out};
-}
-
-// ---- feed-forward and adaptive norms ----
-namespace {
-// diffusers' GELU(dim_in, dim_out, approximate="tanh"): gelu_tanh(proj(x)).
-class GeluProj : public nn::Module {
- public:
-  GeluProj(int64_t in, int64_t out, TensorOptions opts) {
-    proj = register_module("proj", std::make_shared<nn::Linear>(in, out, true, opts));
-  }
-  std::string name() const override { return "GELU"; }
-  Tensor forward(const Tensor& x) override { return proj->forward(x).gelu(/*tanh_approximation=*/true); }
-  std::shared_ptr<nn::Linear> proj;
-};
-}  // namespace
-
-SD3FeedForward::SD3FeedForward(int64_t dim, TensorOptions opts) {
-  net = register_module("net", std::make_shared<nn::ModuleList>());
-  auto gelu = std::make_shared<GeluProj>(dim, 4 * dim, opts);
-  proj = gelu->proj;
-  out = std::make_shared<nn::Linear>(4 * dim, dim, true, opts);
-  net->push_back(gelu);
-  net->push_back(std::make_shared<nn::Dropout>(0.0));
-  net->push_back(out);
-}
-
-Tensor SD3FeedForward::forward(const Tensor& x) {
-  Tensor h = x;
-  for (const auto& m : *net) h = m->forward(h);
-  return h;
-}
-
-SD3AdaNorm::SD3AdaNorm(int64_t dim, int64_t chunks, TensorOptions opts) : chunks_(chunks) {
-  linear = register_module("linear", std::make_shared<nn::Linear>(dim, chunks * dim, true, opts));
-}
-
-flame::TensorList SD3AdaNorm::modulation(const Tensor& emb) const {
-  return linear->forward(emb.silu()).chunk(chunks_, 1);
-}
-
 // ---- the joint block ----
+SD35AdaLayerNormZeroX::SD35AdaLayerNormZeroX(int64_t embedding_dim, TensorOptions opts) {
+  linear = register_module("linear", std::make_shared<nn::Linear>(embedding_dim, 9 * embedding_dim, true, opts));
+}
+
+AdaLayerNormZeroXOutput SD35AdaLayerNormZeroX::forward(const Tensor& x, const Tensor& emb) {
+  // shift, scale, gate (attention); shift, scale, gate (MLP); shift, scale, gate (attn2).
+  const flame::TensorList m = linear->forward(emb.silu()).chunk(9, 1);
+  return {{F::layer_norm_modulate(x, m[0], m[1], kNormEps), m[2], m[3], m[4], m[5]},
+          F::layer_norm_modulate(x, m[6], m[7], kNormEps),
+          m[8]};
+}
+
 SD3JointTransformerBlock::SD3JointTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, bool context_pre_only,
                                                    bool qk_norm, bool dual_attention, TensorOptions opts)
-    : context_pre_only_(context_pre_only), dual_(dual_attention) {
-  norm1 = register_module("norm1", std::make_shared<SD3AdaNorm>(dim, dual_attention ? 9 : 6, opts));
-  norm1_context = register_module("norm1_context", std::make_shared<SD3AdaNorm>(dim, context_pre_only ? 2 : 6, opts));
-  attn = register_module("attn", std::make_shared<SD3Attention>(dim, heads, head_dim, true, context_pre_only, qk_norm, opts));
+    : context_pre_only_(context_pre_only) {
   if (dual_attention) {
-    attn2 = register_module("attn2", std::make_shared<SD3Attention>(dim, heads, head_dim, false, false, qk_norm, opts));
+    norm1_dual = register_module("norm1", std::make_shared<SD35AdaLayerNormZeroX>(dim, opts));
+  } else {
+    norm1 = register_module("norm1", std::make_shared<AdaLayerNormZero>(dim, true, opts));
   }
-  ff = register_module("ff", std::make_shared<SD3FeedForward>(dim, opts));
-  if (!context_pre_only) ff_context = register_module("ff_context", std::make_shared<SD3FeedForward>(dim, opts));
+  if (context_pre_only) {
+    norm1_context_final = register_module(
+        "norm1_context", std::make_shared<AdaLayerNormContinuous>(dim, dim, false, kNormEps, true, opts));
+  } else {
+    norm1_context = register_module("norm1_context", std::make_shared<AdaLayerNormZero>(dim, true, opts));
+  }
+  JointAttentionOptions a;
+  a.query_dim = dim;
+  a.heads = heads;
+  a.dim_head = head_dim;
+  a.added_kv_proj_dim = dim;
+  a.qk_norm = qk_norm;
+  a.eps = kNormEps;
+  a.context_pre_only = context_pre_only;
+  a.context_first = false;  // SD3: [image tokens, text tokens]
+  attn = register_module("attn", std::make_shared<JointAttention>(a, opts));
+  if (dual_attention) {
+    JointAttentionOptions self = a;  // a self-attention of the image tokens alone
+    self.added_kv_proj_dim = 0;
+    self.context_pre_only = false;
+    attn2 = register_module("attn2", std::make_shared<JointAttention>(self, opts));
+  }
+  ff = register_module("ff", std::make_shared<GeluFeedForward>(dim, 0, 4, 0.0, opts));
+  if (!context_pre_only) ff_context = register_module("ff_context", std::make_shared<GeluFeedForward>(dim, 0, 4, 0.0, opts));
 }
 
 std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, const Tensor& context, const Tensor& temb) {
-  // norm1: shift, scale, gate (attention); shift, scale, gate (MLP); [shift, scale, gate (attn2)].
-  const flame::TensorList m = norm1->modulation(temb);
-  const flame::TensorList c = norm1_context->modulation(temb);
-  const Tensor norm_x = F::layer_norm_modulate(x, m[0], m[1], kNormEps);
-  // The last block's AdaLayerNormContinuous stores scale, shift.
-  const Tensor norm_ctx = context_pre_only_ ? F::layer_norm_modulate(context, c[1], c[0], kNormEps)
-                                            : F::layer_norm_modulate(context, c[0], c[1], kNormEps);
-  const auto [attn_out, ctx_attn_out] = attn->forward(norm_x, norm_ctx);
-  Tensor h, norm_h;
-  if (dual_) {
-    h = F::gated_residual(x, m[2], attn_out);
-    const Tensor norm_x2 = F::layer_norm_modulate(x, m[6], m[7], kNormEps);
-    std::tie(h, norm_h) = F::gated_residual_modulate(h, m[8], attn2->forward(norm_x2, Tensor()).first, m[3], m[4], kNormEps);
+  AdaLayerNormZeroXOutput n;
+  if (norm1_dual) {
+    n = norm1_dual->forward(x, temb);
   } else {
-    std::tie(h, norm_h) = F::gated_residual_modulate(x, m[2], attn_out, m[3], m[4], kNormEps);
+    n.base = norm1->forward(x, temb);
   }
-  h = F::gated_residual(h, m[5], ff->forward(norm_h));
+  const AdaLayerNormZeroOutput& m = n.base;
+  AdaLayerNormZeroOutput c;
+  if (context_pre_only_) {
+    c.x = norm1_context_final->forward(context, temb);
+  } else {
+    c = norm1_context->forward(context, temb);
+  }
+  const auto [attn_out, ctx_attn_out] = attn->forward(m.x, c.x);
+  Tensor h, norm_h;
+  if (attn2) {
+    h = F::gated_residual(x, m.gate_msa, attn_out);
+    std::tie(h, norm_h) = F::gated_residual_modulate(h, n.gate_msa2, attn2->forward(n.x2, Tensor()).first, m.shift_mlp,
+                                                     m.scale_mlp, kNormEps);
+  } else {
+    std::tie(h, norm_h) = F::gated_residual_modulate(x, m.gate_msa, attn_out, m.shift_mlp, m.scale_mlp, kNormEps);
+  }
+  h = F::gated_residual(h, m.gate_mlp, ff->forward(norm_h));
   if (context_pre_only_) return {h, Tensor()};
-  auto [ctx, norm_c] = F::gated_residual_modulate(context, c[2], ctx_attn_out, c[3], c[4], kNormEps);
-  ctx = F::gated_residual(ctx, c[5], ff_context->forward(norm_c));
+  auto [ctx, norm_c] = F::gated_residual_modulate(context, c.gate_msa, ctx_attn_out, c.shift_mlp, c.scale_mlp, kNormEps);
+  ctx = F::gated_residual(ctx, c.gate_mlp, ff_context->forward(norm_c));
   return {h, ctx};
 }
 
@@ -335,7 +270,8 @@ SD3Transformer2DModel::SD3Transformer2DModel(const SD3TransformerConfig& config,
   const auto& c = config_;
   const int64_t d = c.inner_dim();
   pos_embed = register_module("pos_embed", std::make_shared<SD3PatchEmbed>(c, opts));
-  time_text_embed = register_module("time_text_embed", std::make_shared<SD3TimeTextEmbed>(d, c.pooled_projection_dim, opts));
+  time_text_embed = register_module(
+      "time_text_embed", std::make_shared<CombinedTimestepTextProjEmbeddings>(d, c.pooled_projection_dim, false, opts));
   context_embedder = register_module("context_embedder",
                                      std::make_shared<nn::Linear>(c.joint_attention_dim, c.caption_projection_dim, true, opts));
   transformer_blocks = register_module("transformer_blocks", std::make_shared<nn::ModuleList>());
@@ -344,7 +280,7 @@ SD3Transformer2DModel::SD3Transformer2DModel(const SD3TransformerConfig& config,
         d, c.num_attention_heads, c.attention_head_dim, i == c.num_layers - 1, c.qk_norm == "rms_norm",
         c.dual_attention(i), opts));
   }
-  norm_out = register_module("norm_out", std::make_shared<SD3AdaNorm>(d, 2, opts));
+  norm_out = register_module("norm_out", std::make_shared<AdaLayerNormContinuous>(d, d, false, kNormEps, true, opts));
   proj_out = register_module("proj_out",
                              std::make_shared<nn::Linear>(d, c.patch_size * c.patch_size * c.out_channels, true, opts));
 }
@@ -402,20 +338,17 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
     auto block = std::static_pointer_cast<SD3JointTransformerBlock>((*transformer_blocks)[static_cast<std::size_t>(i)]);
     if (i < checkpointed_ && flame::grad_enabled()) {
       // One output per checkpointed call: the streams travel concatenated along the sequence.
-      const Tensor out = flame::checkpoint(
-          [block](const flame::TensorList& in) {
-            auto [a, s] = block->forward(in[0], in[1], in[2]);
-            return s.defined() ? flame::cat({a, s}, 1) : a;
-          },
-          {x, ctx, temb});
+      const Tensor out = maybe_checkpoint_blocks(true, {x, ctx, temb}, [block](const flame::TensorList& in) {
+        auto [a, s] = block->forward(in[0], in[1], in[2]);
+        return s.defined() ? flame::cat({a, s}, 1) : a;
+      });
       ctx = block->context_pre_only() ? Tensor() : out.narrow(1, l, out.size(1) - l);
       x = block->context_pre_only() ? out : out.narrow(1, 0, l);
     } else {
       std::tie(x, ctx) = block->forward(x, ctx, temb);
     }
   }
-  const flame::TensorList mod = norm_out->modulation(temb);  // scale, shift
-  x = proj_out->forward(F::layer_norm_modulate(x, mod[1], mod[0], kNormEps));
+  x = proj_out->forward(norm_out->forward(x, temb));
   const int64_t p = c.patch_size, h = hh / p, w = ww / p;
   x = x.reshape({b, h, w, p, p, c.out_channels}).permute({0, 5, 1, 3, 2, 4});
   return x.reshape({b, c.out_channels, hh, ww});

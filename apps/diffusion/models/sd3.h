@@ -43,7 +43,7 @@
 #include <flame/nn.h>
 
 #include "models/checkpoint.h"
-#include "models/unet2d.h"
+#include "models/transformer_blocks.h"
 
 namespace flame_diffusion::models {
 
@@ -97,60 +97,23 @@ class SD3PatchEmbed : public flame::nn::Module {
   int64_t patch_, max_size_;
 };
 
-// diffusers' CombinedTimestepTextProjEmbeddings: timestep_embedder(sinusoids) + text_embedder(pooled).
-class SD3TimeTextEmbed : public flame::nn::Module {
+// SD3.5's SD35AdaLayerNormZeroX (norm1 of a dual-attention block): linear(SiLU(emb)) -> 9 chunks,
+// AdaLayerNormZero's six then shift, scale, gate of attn2, whose input is the same LayerNorm of x
+// modulated by its own shift and scale.
+struct AdaLayerNormZeroXOutput {
+  AdaLayerNormZeroOutput base;
+  Tensor x2, gate_msa2;  // attn2's modulated input [B, L, dim] and gate [B, dim]
+};
+class SD35AdaLayerNormZeroX : public flame::nn::Module {
  public:
-  SD3TimeTextEmbed(int64_t dim, int64_t pooled_dim, TensorOptions opts = {});
-  std::string name() const override { return "CombinedTimestepTextProjEmbeddings"; }
+  SD35AdaLayerNormZeroX(int64_t embedding_dim, TensorOptions opts = {});
+  std::string name() const override { return "SD35AdaLayerNormZeroX"; }
   using flame::nn::Module::forward;
-  Tensor forward(const Tensor& timestep, const Tensor& pooled);  // [B] and [B, pooled_dim] -> [B, D]
-  std::shared_ptr<TimestepEmbedding> timestep_embedder, text_embedder;
-};
-
-// diffusers' Attention with JointAttnProcessor2_0 (SD3's joint and dual attentions).
-class SD3Attention : public flame::nn::Module {
- public:
-  // joint: add_{q,k,v}_proj for a second (text) stream, and to_add_out unless context_pre_only.
-  SD3Attention(int64_t dim, int64_t heads, int64_t head_dim, bool joint, bool context_pre_only, bool qk_norm,
-               TensorOptions opts = {});
-  std::string name() const override { return "Attention"; }
-  using flame::nn::Module::forward;
-  // x [B, L, D]; context [B, S, D] (joint only) -> {x out [B, L, D], context out [B, S, D] or
-  // undefined when context_pre_only or not joint}.
-  std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& context);
-  std::shared_ptr<flame::nn::Linear> to_q, to_k, to_v, add_q_proj, add_k_proj, add_v_proj, to_add_out;
-  std::shared_ptr<flame::nn::ModuleList> to_out;  // [Linear, Dropout]
-  std::shared_ptr<flame::nn::RMSNorm> norm_q, norm_k, norm_added_q, norm_added_k;  // null without qk_norm
-
- private:
-  int64_t heads_, head_dim_;
-};
-
-// diffusers' FeedForward(dim, activation "gelu-approximate"): net.0.proj, gelu (tanh), net.2.
-class SD3FeedForward : public flame::nn::Module {
- public:
-  SD3FeedForward(int64_t dim, TensorOptions opts = {});
-  std::string name() const override { return "FeedForward"; }
-  Tensor forward(const Tensor& x) override;
-  std::shared_ptr<flame::nn::Linear> proj;  // net.0.proj
-  std::shared_ptr<flame::nn::Linear> out;   // net.2
-  std::shared_ptr<flame::nn::ModuleList> net;
-};
-
-// The linear of an adaptive norm: `norm1.linear`, `norm_out.linear` (silu(emb) -> chunks).
-class SD3AdaNorm : public flame::nn::Module {
- public:
-  SD3AdaNorm(int64_t dim, int64_t chunks, TensorOptions opts = {});
-  std::string name() const override { return "AdaLayerNorm"; }
-  // The chunks of linear(silu(emb)) [B, chunks * D], in stored order.
-  flame::TensorList modulation(const Tensor& emb) const;
-  Tensor forward(const Tensor& emb) override { return linear->forward(emb.silu()); }
+  AdaLayerNormZeroXOutput forward(const Tensor& x, const Tensor& emb);
   std::shared_ptr<flame::nn::Linear> linear;
-
- private:
-  int64_t chunks_;
 };
 
+// diffusers' JointTransformerBlock, built from the shared DiT pieces (transformer_blocks.h).
 class SD3JointTransformerBlock : public flame::nn::Module {
  public:
   SD3JointTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, bool context_pre_only, bool qk_norm,
@@ -161,12 +124,17 @@ class SD3JointTransformerBlock : public flame::nn::Module {
   // context_pre_only).
   std::pair<Tensor, Tensor> forward(const Tensor& x, const Tensor& context, const Tensor& temb);
   bool context_pre_only() const { return context_pre_only_; }
-  std::shared_ptr<SD3AdaNorm> norm1, norm1_context;
-  std::shared_ptr<SD3Attention> attn, attn2;  // attn2 null unless dual attention
-  std::shared_ptr<SD3FeedForward> ff, ff_context;  // ff_context null when context_pre_only
+  // "norm1": AdaLayerNormZero, or SD35AdaLayerNormZeroX in a dual-attention block (the other null).
+  std::shared_ptr<AdaLayerNormZero> norm1;
+  std::shared_ptr<SD35AdaLayerNormZeroX> norm1_dual;
+  // "norm1_context": AdaLayerNormZero, or AdaLayerNormContinuous when context_pre_only (the other null).
+  std::shared_ptr<AdaLayerNormZero> norm1_context;
+  std::shared_ptr<AdaLayerNormContinuous> norm1_context_final;
+  std::shared_ptr<JointAttention> attn, attn2;         // attn2 null unless dual attention
+  std::shared_ptr<GeluFeedForward> ff, ff_context;     // ff_context null when context_pre_only
 
  private:
-  bool context_pre_only_, dual_;
+  bool context_pre_only_;
 };
 
 class SD3Transformer2DModel : public flame::nn::Module {
@@ -199,10 +167,10 @@ class SD3Transformer2DModel : public flame::nn::Module {
   const SD3TransformerConfig& config() const { return config_; }
 
   std::shared_ptr<SD3PatchEmbed> pos_embed;
-  std::shared_ptr<SD3TimeTextEmbed> time_text_embed;
+  std::shared_ptr<CombinedTimestepTextProjEmbeddings> time_text_embed;
   std::shared_ptr<flame::nn::Linear> context_embedder;
   std::shared_ptr<flame::nn::ModuleList> transformer_blocks;
-  std::shared_ptr<SD3AdaNorm> norm_out;
+  std::shared_ptr<AdaLayerNormContinuous> norm_out;
   std::shared_ptr<flame::nn::Linear> proj_out;
 
  private:
