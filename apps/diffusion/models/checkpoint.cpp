@@ -449,14 +449,14 @@ std::optional<Shape> entry_shape(const Checkpoint& ck, const KeyPlanEntry& e, st
     }
     case KeyPlanEntry::Op::kChunk: {
       Shape out = in[0];
-      if (!rank_ok(out) || e.count < 1 || e.index < 0 || e.index >= e.count) break;
+      if (!rank_ok(out) || e.count < 1 || e.index < 0 || e.pieces < 1 || e.index + e.pieces > e.count) break;
       if (out[e.dim] % e.count != 0) {
         *why = "shape: " + e.target + " is piece " + std::to_string(e.index) + " of " + std::to_string(e.count) +
                " of stored " + e.sources[0] + " " + flame::shape_str(in[0]) + ", whose dim " + std::to_string(e.dim) +
                " does not divide";
         return std::nullopt;
       }
-      out[e.dim] /= e.count;
+      out[e.dim] = out[e.dim] / e.count * e.pieces;
       return out;
     }
     case KeyPlanEntry::Op::kTranspose:
@@ -519,6 +519,13 @@ Tensor apply_entry(const Checkpoint& ck, const KeyPlanEntry& e, flame::Device de
       return flame::cat(parts, e.dim);
     }
     case KeyPlanEntry::Op::kChunk:
+      if (e.pieces > 1) {  // consecutive pieces: one narrow
+        const bool scaled = e.sources.size() == 2;
+        const Tensor all = ck.load(e.sources[0], device, scaled ? DType::f32 : dtype);
+        const int64_t piece = all.size(e.dim) / e.count;
+        const Tensor part = all.narrow(e.dim, e.index * piece, e.pieces * piece).contiguous();
+        return scaled ? (part * ck.load(e.sources[1], device, DType::f32)).to(dtype) : part;
+      }
       if (e.sources.size() == 2) {  // fp8-scaled: the piece of source * scale
         const Tensor piece =
             flame::chunk(ck.load(e.sources[0], device, DType::f32), e.count, e.dim)[static_cast<std::size_t>(e.index)];

@@ -40,6 +40,9 @@ struct KeyPlanEntry {
   int64_t dim = 0;        // kConcat, kChunk
   int64_t index = 0;      // kChunk
   int64_t count = 1;      // kChunk
+  // kChunk: how many consecutive pieces, from `index`, the target takes (FLUX's single-block linear1
+  // stores q, k, v and the 4x-wide MLP input: the MLP is pieces 3..6 of 7).
+  int64_t pieces = 1;
 };
 
 // A converter for one family's stored layout: the plan (one entry per diffusers key it produces)
