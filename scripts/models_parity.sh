@@ -26,7 +26,8 @@
 #              bf16, sd3.5-large in bf16) on 128x128 latents + 333 text tokens: every file layout,
 #              outputs and LoRA r16 gradients (models_sd3.py writes, sd3_parity check compares); then
 #              the SD3.5-Large LoRA r16 step at 1024² (bf16 autocast, f32 adapters) beside diffusers
-#              eager and torch.compile, with and without checkpointing every block, and a kernel trace
+#              eager and torch.compile, with and without checkpointing every block (and with the
+#              checkpointed inputs offloaded), and a kernel trace
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -165,6 +166,7 @@ if has sd3; then
   done
   run "time sd3.5-large: diffusers" 500 python3 apps/diffusion/reference/models_sd3.py --config sd3.5-large --time --latent 128 --text 333 --checkpointing 0,1
   run "time sd3.5-large: flame" 500 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing 0,-1
+  run "time sd3.5-large: flame, offloaded checkpoints" 300 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing -1 --offload 1
   run "time sd3.5-large: flame kernel trace" 300 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing 0 --trace 2
   run "time sd3.5-large: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_sd3.py --config sd3.5-large --time --compile --latent 128 --text 333 --checkpointing 0
 fi

@@ -32,7 +32,10 @@
 //
 // Gradient checkpointing (set_gradient_checkpointing): the chosen number of blocks, from the first,
 // run under flame::checkpoint while grad mode is on (diffusers checkpoints every block), so only
-// their inputs are kept and each one's forward runs again in the backward.
+// their inputs are kept and each one's forward runs again in the backward. With activation offload
+// (set_activation_offload) those kept inputs go to pinned host memory while the forward runs
+// (flame::offload::OffloadActivations over the checkpointed blocks: nothing else is saved there)
+// and come back, prefetched one block ahead, in the backward.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -156,6 +159,16 @@ class SD3Transformer2DModel : public flame::nn::Module {
   // enable_gradient_checkpointing; 0 or on = false: none).
   void set_gradient_checkpointing(bool on, int64_t blocks = -1);
   int64_t checkpointed_blocks() const { return checkpointed_; }
+  // Offload the checkpointed blocks' inputs to host memory (no effect without checkpointing);
+  // tensors under min_bytes stay on the device.
+  void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20) {
+    offload_ = on;
+    offload_min_bytes_ = min_bytes;
+  }
+  bool activation_offload() const { return offload_; }
+  // What the last forward offloaded: saved tensors and their bytes.
+  int64_t offloaded_tensors() const { return offloaded_tensors_; }
+  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
 
   // Rank-r LoRA on every attention projection named in `targets` (PEFT's target_modules matching
   // on diffusers' names: to_q, to_k, to_v, to_out.0 of attn and of SD3.5's attn2, not the text
@@ -176,6 +189,10 @@ class SD3Transformer2DModel : public flame::nn::Module {
  private:
   SD3TransformerConfig config_;
   int64_t checkpointed_ = 0;
+  bool offload_ = false;
+  std::size_t offload_min_bytes_ = std::size_t{1} << 20;
+  int64_t offloaded_tensors_ = 0;
+  std::size_t offloaded_bytes_ = 0;
 };
 
 // ---- files (sd3_checkpoint.cpp) ----

@@ -10,9 +10,11 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include <flame/amp.h>
 #include <flame/io/safetensors.h>
 
 #include "model_test_util.h"
@@ -65,9 +67,17 @@ Tensor run(fm::SD3Transformer2DModel& m, const Reference& r) {
 
 fm::SD3LoadOptions on_device() { return {.device = fd_test::test_device()}; }
 
-// Adds the reference's LoRA (rank/alpha from its metadata, its stored A and B weights).
-void add_reference_lora(fm::SD3Transformer2DModel& m, const Reference& r) {
+// Adds the reference's LoRA (rank/alpha from its metadata, its stored A and B weights), the
+// adapters in `adapter_dtype` when given (else the model's).
+void add_reference_lora(fm::SD3Transformer2DModel& m, const Reference& r,
+                        std::optional<DType> adapter_dtype = std::nullopt) {
   m.add_lora({.rank = std::stoll(r.meta.at("lora_rank")), .alpha = std::stod(r.meta.at("lora_alpha"))});
+  for (const auto& mod : m.modules()) {
+    if (auto* lin = dynamic_cast<nn::Linear*>(mod.get()); adapter_dtype && lin && lin->has_lora()) {
+      lin->lora_A()->to(*adapter_dtype);
+      lin->lora_B()->to(*adapter_dtype);
+    }
+  }
   flame::StateDict lora;
   for (const auto& [k, t] : r.t) {
     if (k.rfind("lora.", 0) == 0) lora.insert(k.substr(5), t);
@@ -216,12 +226,22 @@ TEST(ModelsSD3, GradientCheckpointingGivesTheSameGradients) {
   if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " absent";
   const Reference r = load_reference(name);
   std::vector<std::vector<Tensor>> grads;
-  for (int64_t blocks : {0, 1, -1}) {  // none, the first block, every block (the last is context_pre_only)
+  // none, the first block, every block (the last is context_pre_only), every block with their
+  // inputs offloaded (on the CPU: cloned, the same logic).
+  for (int64_t blocks : {0, 1, -1, -2}) {
     auto m = fm::load_sd3(dir.string(), on_device());
     add_reference_lora(*m, r);
-    m->set_gradient_checkpointing(blocks != 0, blocks);
+    m->set_gradient_checkpointing(blocks != 0, blocks == -2 ? -1 : blocks);
+    m->set_activation_offload(blocks == -2, 0);
     EXPECT_EQ(m->checkpointed_blocks(), blocks == 0 ? 0 : blocks == 1 ? 1 : 3);
     const Tensor loss = flame::mse_loss(run(*m, r), r["input.target"]);
+    if (blocks == -2) {
+      // Each checkpointed block keeps its inputs x [2, 24, 16], context [2, 5, 16], temb [2, 16] (f32).
+      EXPECT_EQ(m->offloaded_tensors(), 3 * 3);
+      EXPECT_EQ(m->offloaded_bytes(), 3u * (2 * 24 * 16 + 2 * 5 * 16 + 2 * 16) * 4);
+    } else {
+      EXPECT_EQ(m->offloaded_tensors(), 0);
+    }
     const flame::Gradients g = loss.backward();
     grads.emplace_back();
     for (const auto& p : m->parameters()) {
@@ -328,4 +348,36 @@ TEST(ModelsSD3, LoaderErrorsNameTheProblem) {
     EXPECT_NE(err(Tensor::zeros({2, 4, 8, 8}), Tensor::zeros({2, 5, 13})).find("joint_attention_dim"), std::string::npos);
   }
   std::filesystem::remove_all(tmp);
+}
+
+// The timed step's setting (sd3_parity time): bf16 weights, f32 adapters, bf16 autocast; the output
+// and the adapters' gradients within bf16 tolerance of diffusers' f32 ones, the gradients in f32.
+TEST(ModelsSD3, Bf16AutocastWithF32AdaptersTracksF32) {
+  FD_SKIP_IF_NO_DEVICE();
+  const std::string name = "sd3-tiny35m";
+  const auto dir = reference_dir(name);
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " absent";
+  const Reference r = load_reference(name);
+  const flame::Device dev = fd_test::test_device();
+  auto m = fm::load_sd3(dir.string(), {.device = dev, .dtype = DType::bf16});
+  add_reference_lora(*m, r, DType::f32);
+  m->set_gradient_checkpointing(true);
+  Tensor out;
+  {
+    flame::amp::AutocastGuard autocast(DType::bf16, dev.is_cuda() ? flame::DeviceType::cuda : flame::DeviceType::cpu);
+    out = m->forward(r["input.hidden_states"].to(DType::bf16), r["input.encoder_hidden_states"].to(DType::bf16),
+                     r["input.pooled_projections"].to(DType::bf16), r["input.timestep"]);
+  }
+  EXPECT_EQ(out.dtype(), DType::bf16);
+  EXPECT_LT(fd_test::max_abs_diff(out, r["output.lora_sample"]), 5e-2 * fd_test::max_abs(r["output.lora_sample"]));
+  const Tensor loss = flame::mse_loss(out.to(DType::f32), r["input.target"]);
+  const flame::Gradients g = loss.backward();
+  double err = 0, ref = 0;
+  for (const auto& [n, p] : m->named_parameters()) {
+    if (!p.requires_grad()) continue;
+    EXPECT_EQ(g.get(p).dtype(), DType::f32) << n;
+    err = std::max(err, fd_test::max_abs_diff(g.get(p), r["grad." + n]));
+    ref = std::max(ref, fd_test::max_abs(r["grad." + n]));
+  }
+  EXPECT_LT(err, 1e-1 * ref);
 }

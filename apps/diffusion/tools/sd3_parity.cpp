@@ -10,13 +10,14 @@
 //       PASS or FAIL line. Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and
 //       1e-1. --checkpointing N checkpoints the first N blocks (-1: all) during the LoRA pass.
 //   sd3_parity time --config sd3.5-large [--latent 128] [--text 333] [--batch 1] [--checkpointing 0,-1]
-//                   [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]
+//                   [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]
 //       the LoRA training step as the issue measures it: bf16 weights, f32 adapters (rank r on
 //       to_q/k/v/out.0), bf16 autocast, mse loss, AdamW on the adapters; random weights; image
 //       (latent/2)^2 tokens + `text` tokens (SD3 pipelines: 77 CLIP + 256 T5 = 333, or 154).
 //       One JSON line per checkpointing setting (0: none, -1: every block, N: the first N) with the
 //       median step time (CUDA events), the peak allocated memory, the step's FLOPs (3 x forward)
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
+//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
 #include <algorithm>
 #include <cstdio>
@@ -48,11 +49,11 @@ const char* kUsage =
     "usage:\n"
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
-    "                   [--checkpointing 0,-1] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]\n";
+    "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]\n";
 
 std::map<std::string, std::string> parse_flags(int argc, char** argv) {
   static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent", "text",
-                                                 "batch", "rank",  "steps",         "warmup", "trace"};
+                                                 "batch", "rank",  "steps",         "warmup", "trace", "offload"};
   std::map<std::string, std::string> f;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -238,6 +239,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t steps = int_list("steps", get(f, "steps", "10")).at(0);
   const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
+  const bool offload = int_list("offload", get(f, "offload", "0")).at(0) != 0;
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   const flame::TensorOptions o(DType::bf16, device);
@@ -246,6 +248,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
     model->set_gradient_checkpointing(ckpt != 0, ckpt);
+    model->set_activation_offload(offload);
     model->train();
     flame::TensorList params;
     for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft
@@ -291,11 +294,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
     const double flops = 3.0 * forward_flops(config, batch, latent, text);
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-                "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
+                "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
                 "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
                 name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                 static_cast<long long>(text), static_cast<long long>(batch),
-                static_cast<long long>(model->checkpointed_blocks()), median, peak, flops / 1e12, rate / 989.0,
+                static_cast<long long>(model->checkpointed_blocks()),
+                static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
                 rate / gemm);
     std::fflush(stdout);
     if (trace_steps > 0) print_kernel_trace(step, trace_steps);
