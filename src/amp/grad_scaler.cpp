@@ -18,6 +18,7 @@
 #include "flame/optim/optimizer.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/backend/fused/multi_tensor.h"
 
 namespace flame::amp {
 namespace {
@@ -97,14 +98,13 @@ void GradScaler::unscale_(const optim::Optimizer& optimizer, Gradients& grads) {
   NoGradGuard no_grad;
   st.found_inf = Tensor::zeros({}, {DType::f32, *device});
   st.found_read = false;
-  backend::Backend& be = backend::backend_for(*device);
   const double inv_scale = 1.0 / scale_;  // a power of two in the default configuration: exact
   // Gradients in an overlapping or sparse layout go through a dense copy (rare: the store keeps
   // gradients dense).
   TensorList copies;
   for (const Tensor& g : strided) copies.push_back(g.contiguous());
   flat.insert(flat.end(), copies.begin(), copies.end());
-  be.amp_unscale(flat, inv_scale, st.found_inf);
+  backend::fused::amp_unscale.run(*device, flat, inv_scale, st.found_inf);
   for (std::size_t i = 0; i < strided.size(); ++i) {
     Tensor g = strided[i];
     g.copy_(copies[i]);

@@ -19,6 +19,7 @@
 #include "flame/autograd.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/backend/fused/multi_tensor.h"
 
 namespace flame {
 
@@ -62,8 +63,7 @@ void check_norm_type(double norm_type, const char* op) {
 // The total norm as a 0-d f64 on `device` (0 when there is nothing).
 Tensor total_norm_f64(const std::vector<DTypeBucket>& buckets, double norm_type, Device device) {
   Tensor acc = Tensor::zeros({}, TensorOptions(DType::f64, device));
-  backend::Backend& be = backend::backend_for(device);
-  for (const DTypeBucket& b : buckets) be.foreach_norm_accumulate(b.tensors, norm_type, acc);
+  for (const DTypeBucket& b : buckets) backend::fused::foreach_norm_accumulate.run(device, b.tensors, norm_type, acc);
   if (std::isinf(norm_type) || norm_type == 1.0) return acc;
   return norm_type == 2.0 ? acc.sqrt() : acc.pow(1.0 / norm_type);
 }
@@ -83,8 +83,7 @@ Tensor clip_on_device(Gradients& grads, const TensorList& keys, double max_norm,
   const std::vector<DTypeBucket> buckets = bucket_grads(grads, keys, op, &device);
   if (buckets.empty()) return Tensor::zeros({}, TensorOptions(DType::f32, device));
   const Tensor norm = total_norm_f64(buckets, norm_type, device);
-  backend::Backend& be = backend::backend_for(device);
-  for (const DTypeBucket& b : buckets) be.foreach_clip_scale(b.tensors, norm, max_norm);
+  for (const DTypeBucket& b : buckets) backend::fused::foreach_clip_scale.run(device, b.tensors, norm, max_norm);
   for (const DTypeBucket& b : buckets)
     for (const Tensor& g : b.tensors) bump_version(g);
   return result_of(norm, buckets);

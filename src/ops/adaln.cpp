@@ -34,6 +34,7 @@
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"
+#include "src/backend/fused/adaln.h"
 #include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
 
@@ -104,7 +105,6 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
   Tensor dshift = e[1].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   Tensor dscale = e[2].meta ? make_empty({scale.size(0), scale.size(1)}, scale.dtype(), dev) : Tensor();
   const Tensor dy = grad.to(static_cast<DType>(n.args().op)).contiguous().view(x3.sizes());
-  auto& be = backend::backend_for(dev);
   // Note [Fused residual backward]: h's node, when it wants gate or branch gradients from the
   // complete dh this backward writes.
   Node* partner = nullptr;
@@ -113,7 +113,7 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
     if (p && p->rule() == gated_residual_rule && !p->released() && (p->edges()[1].meta || p->edges()[2].meta))
       partner = p;
   }
-  backend::Backend::AdalnBackwardMore more;
+  backend::fused::AdalnBackwardMore more;
   Tensor dbranch;
   if (partner) {
     const Tensor gate = partner->saved(0), br = partner->saved(1);
@@ -136,10 +136,10 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
   // the fused residual part, again without it.
   auto run = [&](const Tensor& dx) {
     const Tensor d3 = dx.defined() ? dx.view(x3.sizes()) : dx;
-    if (be.adaln_backward(d3, dshift, dscale, dy, x3, mean, rstd, scale, more)) return true;
+    if (backend::fused::adaln_backward.try_run(dev, d3, dshift, dscale, dy, x3, mean, rstd, scale, more)) return true;
     if (!partner) return false;
     drop_partner();
-    return be.adaln_backward(d3, dshift, dscale, dy, x3, mean, rstd, scale, more);
+    return backend::fused::adaln_backward.try_run(dev, d3, dshift, dscale, dy, x3, mean, rstd, scale, more);
   };
   // Hands the gated residual's gradients to its node, for the dh returned.
   auto hand_over = [&](const Tensor& dx) {
@@ -182,9 +182,8 @@ TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   Tensor dgate;
   if (e[1].meta || e[2].meta) {
     dgate = make_empty({gate.size(0), gate.size(1)}, gate.dtype(), gate.device());
-    const bool ok = backend::backend_for(y3.device())
-                        .gated_residual_backward(dy.defined() ? dy.view(y3.sizes()) : dy, dgate,
-                                                 dout.view(y3.sizes()), y3, gate);
+    const bool ok = backend::fused::gated_residual_backward.try_run(
+        y3.device(), dy.defined() ? dy.view(y3.sizes()) : dy, dgate, dout.view(y3.sizes()), y3, gate);
     FLAME_CHECK(ok, "gated_residual", "the backend ran the forward but declined its backward (y ", xs, " ",
                 dtype_name(y3.dtype()), ", gate ", dtype_name(gate.dtype()), ")");
   }
@@ -274,8 +273,8 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
     const Tensor xhat = xhat_buffer(needs_grad({x, shift, scale}), x, x3.sizes(), out);
     {
       NoGradGuard no_grad;
-      fused = backend::backend_for(x.device())
-                  .adaln_forward(y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps, xhat);
+      fused = backend::fused::adaln_forward.try_run(x.device(), y.view(x3.sizes()), mean, rstd, x3, shift, scale, eps,
+                                                    xhat);
     }
     if (fused) {
       record_adaln(y, x, shift, scale, x3, mean, rstd, xhat, out);
@@ -355,7 +354,7 @@ Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
       const Shape s3 = btd(x);
       y3 = y.contiguous().view(s3);
       o = make_empty(x.sizes(), out, x.device(), op);
-      fused = backend::backend_for(x.device()).gated_residual_forward(o.view(s3), x.contiguous().view(s3), gate, y3);
+      fused = backend::fused::gated_residual_forward.try_run(x.device(), o.view(s3), x.contiguous().view(s3), gate, y3);
     }
     if (fused) {
       record_gated_residual(o, x, gate, y, y3, out);
@@ -396,9 +395,8 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
     y = make_empty(x.sizes(), out, x.device(), op);
     mean = make_empty({s3[0] * s3[1]}, DType::f32, x.device(), op);
     rstd = make_empty({s3[0] * s3[1]}, DType::f32, x.device(), op);
-    fused = backend::backend_for(x.device())
-                .adaln_residual_forward(h3, y.view(s3), mean, rstd, x.contiguous().view(s3), gate, b3, shift, scale,
-                                        eps, xhat);
+    fused = backend::fused::adaln_residual_forward.try_run(x.device(), h3, y.view(s3), mean, rstd,
+                                                           x.contiguous().view(s3), gate, b3, shift, scale, eps, xhat);
   }
   if (!fused) return composed();
   // The graph of the two ops: h's node, then y's reading h.

@@ -54,6 +54,7 @@
 #include "src/autograd/record.h"
 #include "src/autograd/rules/linear_epilogue.h"
 #include "src/backend/backend.h"
+#include "src/backend/fused/linear_epilogue.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/linear_epilogue.h"
 
@@ -115,11 +116,10 @@ Tensor run_copy(const Tensor& w, DType dt) {
 Tensor dense(const char* op, const Tensor& x2, const Tensor& w, const Tensor& b, bool gelu, bool want_pre,
              bool compose, Tensor& pre) {
   const int64_t rows = x2.size(0), out = w.size(0);
-  backend::Backend& be = backend::backend_for(x2.device());
   if (rows > 0 && out > 0 && x2.size(1) > 0) {
     Tensor y = make_empty({rows, out}, x2.dtype(), x2.device(), op);
     Tensor p = gelu && want_pre ? make_empty({rows, out}, x2.dtype(), x2.device(), op) : Tensor();
-    if (be.linear_bias_act(y, p, x2, w, b, gelu)) {
+    if (backend::fused::linear_bias_act.try_run(x2.device(), y, p, x2, w, b, gelu)) {
       pre = p;
       return y;
     }

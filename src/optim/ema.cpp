@@ -10,6 +10,7 @@
 #include "flame/cuda.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/backend/fused/multi_tensor.h"
 
 namespace flame::optim {
 
@@ -84,7 +85,7 @@ void EMA::update(int64_t step) {
     b->shadow.push_back(s);
     b->params.push_back(p);
   }
-  for (const Bucket& b : buckets) backend::backend_for(b.device).ema_update(b.shadow, b.params, weight);
+  for (const Bucket& b : buckets) backend::fused::ema_update.run(b.device, b.shadow, b.params, weight);
   for (const Tensor& s : shadow_) bump_version(s);
   if (counter_.defined()) {
     NoGradGuard no_grad;
@@ -115,8 +116,9 @@ void EMA::update_on_device() {
     b->shadow.push_back(s);
     b->params.push_back(p);
   }
-  backend::Backend& be = backend::backend_for(counter_.device());
-  for (const Bucket& b : buckets) be.ema_update_device(b.shadow, b.params, counter_, options_.decay, options_.warmup);
+  for (const Bucket& b : buckets)
+    backend::fused::ema_update_device.run(counter_.device(), b.shadow, b.params, counter_, options_.decay,
+                                          options_.warmup);
   counter_.add_(1.0);
   for (const Tensor& s : shadow_) bump_version(s);
 }

@@ -38,6 +38,7 @@
 #include "src/amp/autocast.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/backend/fused/multi_tensor.h"
 
 namespace flame::optim {
 
@@ -356,7 +357,7 @@ void FusedOptimizer::fused_update(std::size_t g, const std::vector<Active>& acti
     if (b == nullptr) b = &buckets.emplace_back(Bucket{a.param.device(), a.param.dtype(), {}});
     b->tensors.push_back(std::move(e));
   }
-  for (const Bucket& b : buckets) backend::backend_for(b.device).optim_step(h, b.tensors);
+  for (const Bucket& b : buckets) backend::fused::optim_step.run(b.device, h, b.tensors);
 }
 
 StateDict FusedOptimizer::state_dict() const {

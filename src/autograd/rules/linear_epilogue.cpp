@@ -15,6 +15,7 @@
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/elementwise.h"
+#include "src/backend/fused/linear_epilogue.h"
 
 namespace flame::rules {
 namespace {
@@ -24,7 +25,7 @@ using backend::UnaryOp;
 // dy * gelu_tanh'(pre), fused where the backend can.
 Tensor gelu_tanh_grad_of(const Tensor& dy, const Tensor& pre) {
   Tensor d = make_empty(pre.sizes(), pre.dtype(), pre.device());
-  if (backend::backend_for(pre.device()).gelu_tanh_backward(d, dy, pre)) return d;
+  if (backend::fused::gelu_tanh_backward.try_run(pre.device(), d, dy, pre)) return d;
   return dy * unary_op(UnaryOp::gelu_tanh_grad, pre, backend::UnaryParams{});
 }
 
@@ -46,7 +47,7 @@ void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge& 
     const int64_t out = d.size(1), in = x2.size(1);
     dw = make_empty({out, in}, wdt, d.device());
     Tensor db_out = need_b ? make_empty({out}, bdt, d.device()) : Tensor();
-    if (backend::backend_for(d.device()).linear_wgrad_bgrad(dw, db_out, d, x2)) {
+    if (backend::fused::linear_wgrad_bgrad.try_run(d.device(), dw, db_out, d, x2)) {
       if (need_b) db = db_out;
       return;
     }
@@ -114,7 +115,7 @@ TensorList mlp_gelu_backward(const Tensor& g, const Node& n) {
     // comes from the dW1 GEMM (BGRADB) rather than from DGELU_BGRAD here: on an H100 the
     // DGELU_BGRAD GEMM of the DiT-S MLP made its forward+backward slower than unfused ops.
     Tensor d = make_empty({rows, hidden}, dt, dev);
-    if (!backend::backend_for(dev).linear_dgelu_bgrad(d, Tensor(), g2, w2, pre))
+    if (!backend::fused::linear_dgelu_bgrad.try_run(dev, d, Tensor(), g2, w2, pre))
       d = gelu_tanh_grad_of(g2.matmul(w2), pre);
     weight_and_bias_grads(d, x2, e[1], e[2], dw1, db1);
     if (need_x) dx = d.matmul(w1).reshape(e[0].shape.vec());

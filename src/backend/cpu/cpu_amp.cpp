@@ -3,12 +3,13 @@
 #include <cmath>
 #include <type_traits>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/core/dispatch.h"
 
 namespace flame::backend::cpu {
 
-void CpuBackend::amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) {
+static void amp_unscale_cpu(const TensorList& grads, double inv_scale, const Tensor& found_inf) {
   bool found = false;
   for (const Tensor& g : grads) {
     const int64_t n = g.numel();
@@ -28,6 +29,10 @@ void CpuBackend::amp_unscale(const TensorList& grads, double inv_scale, const Te
     });
   }
   if (found) *static_cast<float*>(found_inf.data_ptr()) = 1.0f;
+}
+
+void register_cpu_amp_kernels() {
+  fused::amp_unscale.define(DeviceType::cpu, &amp_unscale_cpu);
 }
 
 }  // namespace flame::backend::cpu

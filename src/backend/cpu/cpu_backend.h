@@ -101,8 +101,20 @@ void parallel_for_each_element(const Shape& shape, std::array<char*, N> base,
 // in cpu_allocator.cpp).
 std::shared_ptr<Storage> allocate_storage(std::size_t nbytes);
 
+// The fused kernels the CPU backend implements (Note [Fused kernels]), registered when the CPU
+// backend is created: the training step's multi-tensor updates (cpu_optim.cpp, cpu_graph.cpp,
+// cpu_amp.cpp), the reference of the CUDA ones.
+void register_cpu_optim_kernels();
+void register_cpu_graph_kernels();
+void register_cpu_amp_kernels();
+
 class CpuBackend final : public Backend {
  public:
+  CpuBackend() {
+    register_cpu_optim_kernels();
+    register_cpu_graph_kernels();
+    register_cpu_amp_kernels();
+  }
   std::shared_ptr<void> allocate(std::size_t nbytes) override;
   void copy(const Tensor& dst, const Tensor& src) override;
   void copy_from_host(const Tensor& dst, const void* host) override;
@@ -163,16 +175,6 @@ class CpuBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
                               double label_smoothing) override;
-  // ---- optim ---- (cpu_optim.cpp)
-  void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) override;
-  void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
-  // ---- amp ----
-  void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
-  // ---- graph ---- (cpu_graph.cpp)
-  void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
-                         bool warmup) override;
-  void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) override;
-  void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) override;
 };
 
 }  // namespace flame::backend::cpu

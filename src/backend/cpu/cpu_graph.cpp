@@ -5,18 +5,19 @@
 // half and f32 tensors).
 #include <cmath>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/backend/optim_math.h"
 
 namespace flame::backend::cpu {
 
-void CpuBackend::ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step,
-                                   double decay, bool warmup) {
+static void ema_update_device_cpu(const TensorList& shadow, const TensorList& params, const Tensor& step,
+                                  double decay, bool warmup) {
   const double n = *static_cast<const double*>(step.data_ptr());
-  ema_update(shadow, params, 1.0 - optim_math::ema_decay(decay, warmup, n));
+  fused::ema_update.run(Device::cpu(), shadow, params, 1.0 - optim_math::ema_decay(decay, warmup, n));
 }
 
-void CpuBackend::foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) {
+static void foreach_norm_accumulate_cpu(const TensorList& tensors, double norm_type, const Tensor& acc) {
   if (tensors.empty()) return;
   const bool inf = std::isinf(norm_type);
   double total = *static_cast<const double*>(acc.data_ptr());
@@ -41,7 +42,7 @@ void CpuBackend::foreach_norm_accumulate(const TensorList& tensors, double norm_
   *static_cast<double*>(acc.data_ptr()) = total;
 }
 
-void CpuBackend::foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) {
+static void foreach_clip_scale_cpu(const TensorList& tensors, const Tensor& total_norm, double max_norm) {
   const double norm = *static_cast<const double*>(total_norm.data_ptr());
   double coef = max_norm / (norm + 1e-6);
   if (!std::isnan(coef) && coef > 1.0) coef = 1.0;
@@ -56,6 +57,12 @@ void CpuBackend::foreach_clip_scale(const TensorList& tensors, const Tensor& tot
       for (int64_t i = 0; i < n; ++i) p[i] = convert<T>(convert<C>(p[i]) * c);
     });
   }
+}
+
+void register_cpu_graph_kernels() {
+  fused::ema_update_device.define(DeviceType::cpu, &ema_update_device_cpu);
+  fused::foreach_norm_accumulate.define(DeviceType::cpu, &foreach_norm_accumulate_cpu);
+  fused::foreach_clip_scale.define(DeviceType::cpu, &foreach_clip_scale_cpu);
 }
 
 }  // namespace flame::backend::cpu

@@ -3,6 +3,7 @@
 // and in one layout per entry, so each is walked as a flat array of numel slots.
 #include <atomic>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cpu/cpu_backend.h"
 #include "src/backend/optim_math.h"
 
@@ -88,7 +89,7 @@ void optim_tensor(const optim_math::Hyper<compute_t<S>>& h, const OptimHyper& ra
 
 }  // namespace
 
-void CpuBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) {
+static void optim_step_cpu(const OptimHyper& h, const std::vector<OptimTensor>& tensors) {
   if (tensors.empty()) return;
   optim_count_launch();
   const DType pdt = tensors.front().param.dtype();
@@ -112,7 +113,7 @@ void CpuBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>&
   });
 }
 
-void CpuBackend::ema_update(const TensorList& shadow, const TensorList& params, double weight) {
+static void ema_update_cpu(const TensorList& shadow, const TensorList& params, double weight) {
   if (shadow.empty()) return;
   optim_count_launch();
   dispatch_floating(shadow.front().dtype(), "ema_update", [&](auto stag) {
@@ -132,6 +133,11 @@ void CpuBackend::ema_update(const TensorList& shadow, const TensorList& params, 
       }
     });
   });
+}
+
+void register_cpu_optim_kernels() {
+  fused::optim_step.define(DeviceType::cpu, &optim_step_cpu);
+  fused::ema_update.define(DeviceType::cpu, &ema_update_cpu);
 }
 
 }  // namespace cpu

@@ -170,6 +170,11 @@ CudaBackend::CudaBackend(int device) : device_(device) {
     FLAME_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&h.pinned), sizeof(DeviceErrorRecord), cudaHostAllocDefault));
   }
   FLAME_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  register_epilogue_kernels();  // Note [Fused kernels]
+  register_adaln_kernels();
+  register_optim_kernels();
+  register_foreach_kernels();
+  register_amp_kernels();
 }
 
 CudaBackend::~CudaBackend() {

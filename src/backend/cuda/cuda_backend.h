@@ -110,9 +110,6 @@ class CudaBackend final : public Backend {
   void cross_entropy_backward(const Tensor& grad_logits, const Tensor& grad_loss, const Tensor& logits,
                               const Tensor& target, const Tensor& lse, int64_t ignore_index,
                               double label_smoothing) override;
-  // ---- optim ---- (optim/multi_tensor.cu)
-  void optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) override;
-  void ema_update(const TensorList& shadow, const TensorList& params, double weight) override;
   // Graph capture (Note [Graph-safe RNG]): seed = state[0], offset = state[1] + relative_offset,
   // read by the kernel when it runs. `state` is device memory.
   void random_from_device_state(RandomKind kind, const Tensor& dst, const uint64_t* state, uint64_t relative_offset,
@@ -141,32 +138,6 @@ class CudaBackend final : public Backend {
                            const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& weight,
                            bool training) override;
 
-  // ---- amp ----
-  void amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) override;
-  // ---- epi ---- (epi/linear_epilogue.cu)
-  bool linear_bias_act(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w, const Tensor& bias,
-                       bool gelu) override;
-  bool linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) override;
-  bool linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
-                          const Tensor& pre) override;
-  bool gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) override;
-  // ---- adaln ---- (adaln/adaln.cu)
-  bool adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
-                              const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
-                              const Tensor& scale, double eps, const Tensor& xhat) override;
-  bool adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x, const Tensor& shift,
-                     const Tensor& scale, double eps, const Tensor& xhat) override;
-  bool adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy, const Tensor& x,
-                      const Tensor& mean, const Tensor& rstd, const Tensor& scale,
-                      const AdalnBackwardMore& more) override;
-  bool gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) override;
-  bool gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
-                               const Tensor& gate) override;
-  // ---- graph ---- (optim/multi_tensor.cu, graph/foreach_norm.cu)
-  void ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step, double decay,
-                         bool warmup) override;
-  void foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) override;
-  void foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) override;
 
  private:
   void random_impl(RandomKind kind, const Tensor& dst, uint64_t seed, uint64_t offset, const uint64_t* state, double a,
@@ -180,5 +151,15 @@ class CudaBackend final : public Backend {
 
 // The backend of device `index` (created on first use); errors name the device when absent.
 CudaBackend& cuda_backend(int index);
+
+// The fused kernels the CUDA backend implements (Note [Fused kernels]), registered when a CUDA
+// backend is created: epi/linear_epilogue.cu, adaln/adaln.cu.
+void register_epilogue_kernels();
+void register_adaln_kernels();
+// and the training step's multi-tensor updates: optim/multi_tensor.cu, graph/foreach_norm.cu,
+// amp/amp_unscale.cu.
+void register_optim_kernels();
+void register_foreach_kernels();
+void register_amp_kernels();
 
 }  // namespace flame::backend::cuda

@@ -35,6 +35,7 @@
 
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
+#include "src/backend/fused/adaln.h"
 #include "src/backend/cuda/launch_geometry.cuh"
 #include "src/backend/cuda/norm/norm_kernels.cuh"
 #include "src/core/tensor_impl.h"
@@ -608,7 +609,7 @@ bool launch_forward(CudaBackend& be, const Tensor& y, const Tensor& mean, const 
 
 // Whether the fused gated-residual part of a backward fits: rows of up to 512 values (the
 // pipelined kernel; three accumulator rows per warp), operands in the modulation's dtype.
-bool residual_more_ok(const Backend::AdalnBackwardMore& more, const Tensor& scale, int64_t B, int64_t T, int64_t D) {
+bool residual_more_ok(const fused::AdalnBackwardMore& more, const Tensor& scale, int64_t B, int64_t T, int64_t D) {
   const Tensor& gate = more.gate;
   if (!mod_ok(gate, B, D) || gate.dtype() != scale.dtype() || D > 512) return false;
   if (!rows_ok(more.branch, D) || more.branch.dtype() != gate.dtype() || more.branch.size(0) != B ||
@@ -623,27 +624,30 @@ bool residual_more_ok(const Backend::AdalnBackwardMore& more, const Tensor& scal
 
 }  // namespace
 
-bool CudaBackend::adaln_forward(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
-                                const Tensor& shift, const Tensor& scale, double eps, const Tensor& xhat) {
+static bool adaln_forward_cuda(const Tensor& y, const Tensor& mean, const Tensor& rstd, const Tensor& x,
+                               const Tensor& shift, const Tensor& scale, double eps, const Tensor& xhat) {
+  CudaBackend& be = cuda_backend(x.device().index);
   if (!forward_ok(y, mean, rstd, x, shift, scale, xhat)) return false;
-  return launch_forward<false>(*this, y, mean, rstd, x, shift, scale, eps, ResidualArgs{}, xhat);
+  return launch_forward<false>(be, y, mean, rstd, x, shift, scale, eps, ResidualArgs{}, xhat);
 }
 
-bool CudaBackend::adaln_residual_forward(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
-                                         const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
-                                         const Tensor& scale, double eps, const Tensor& xhat) {
+static bool adaln_residual_forward_cuda(const Tensor& h, const Tensor& y, const Tensor& mean, const Tensor& rstd,
+                                        const Tensor& x, const Tensor& gate, const Tensor& branch, const Tensor& shift,
+                                        const Tensor& scale, double eps, const Tensor& xhat) {
+  CudaBackend& be = cuda_backend(x.device().index);
   if (!forward_ok(y, mean, rstd, x, shift, scale, xhat) || !rows_ok(h, x.size(2)) || !rows_ok(branch, x.size(2)))
     return false;
   if (!mod_ok(gate, x.size(0), x.size(2)) || gate.dtype() != scale.dtype() || branch.dtype() != scale.dtype() ||
       h.dtype() != x.dtype())
     return false;
-  return launch_forward<true>(*this, y, mean, rstd, x, shift, scale, eps,
+  return launch_forward<true>(be, y, mean, rstd, x, shift, scale, eps,
                               ResidualArgs{gate.data_ptr(), gate.stride(0), branch.data_ptr(), h.data_ptr()}, xhat);
 }
 
-bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
-                                 const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
-                                 const AdalnBackwardMore& more) {
+static bool adaln_backward_cuda(const Tensor& dx, const Tensor& dshift, const Tensor& dscale, const Tensor& dy,
+                                const Tensor& x, const Tensor& mean, const Tensor& rstd, const Tensor& scale,
+                                const fused::AdalnBackwardMore& more) {
+  CudaBackend& be = cuda_backend(x.device().index);
   if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(dy, x.size(2))) return false;
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const bool hat = !mean.defined();  // x is x-hat in dy's dtype, the forward's x was f32
@@ -667,11 +671,11 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
   if (bias && (!more.dbranch.defined() || dbias.dtype() != DType::f32 || !dbias.is_contiguous() || dbias.numel() != D ||
                dbias.device() != dx.device()))
     return false;
-  DeviceGuard guard(device());
-  cudaStream_t st = stream();
-  const BwdSlices sl(*this, B, T, D, res ? 3 : 2, bias ? 4 : 0);
+  DeviceGuard guard(be.device());
+  cudaStream_t st = be.stream();
+  const BwdSlices sl(be, B, T, D, res ? 3 : 2, bias ? 4 : 0);
   // kBias: one row of bias sums per block, then their column sum into dbias (stream-ordered).
-  std::shared_ptr<void> bias_rows = bias ? allocate(static_cast<std::size_t>(B) * sl.count * D * sizeof(float)) : nullptr;
+  std::shared_ptr<void> bias_rows = bias ? be.allocate(static_cast<std::size_t>(B) * sl.count * D * sizeof(float)) : nullptr;
   const int64_t ld = scale.stride(0);
   return dispatch_pair(xd, scale.dtype(), [&]<class X, class M>() {
     using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
@@ -718,12 +722,13 @@ bool CudaBackend::adaln_backward(const Tensor& dx, const Tensor& dshift, const T
   });
 }
 
-bool CudaBackend::gated_residual_forward(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) {
+static bool gated_residual_forward_cuda(const Tensor& out, const Tensor& x, const Tensor& gate, const Tensor& y) {
+  CudaBackend& be = cuda_backend(x.device().index);
   if (!geometry_ok(x) || !rows_ok(x, x.size(2)) || !rows_ok(y, x.size(2)) || !rows_ok(out, x.size(2))) return false;
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   if (!mod_ok(gate, B, D) || y.dtype() != gate.dtype() || out.dtype() != x.dtype()) return false;
-  DeviceGuard guard(device());
-  cudaStream_t st = stream();
+  DeviceGuard guard(be.device());
+  cudaStream_t st = be.stream();
   const int64_t n4 = x.numel() / 4;
   return dispatch_pair(x.dtype(), gate.dtype(), [&]<class X, class M>() {
     gated_residual_forward_kernel<X, M><<<grid_for(n4, 256), 256, 0, st>>>(
@@ -733,17 +738,18 @@ bool CudaBackend::gated_residual_forward(const Tensor& out, const Tensor& x, con
   });
 }
 
-bool CudaBackend::gated_residual_backward(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
-                                          const Tensor& gate) {
+static bool gated_residual_backward_cuda(const Tensor& dy, const Tensor& dgate, const Tensor& dout, const Tensor& y,
+                                         const Tensor& gate) {
+  CudaBackend& be = cuda_backend(dout.device().index);
   if (!geometry_ok(dout) || !rows_ok(dout, dout.size(2)) || !rows_ok(y, dout.size(2))) return false;
   const int64_t B = dout.size(0), T = dout.size(1), D = dout.size(2);
   if (!mod_ok(gate, B, D) || y.dtype() != gate.dtype()) return false;
   if (dy.defined() && (!rows_ok(dy, D) || dy.dtype() != y.dtype())) return false;
   if (!dgate.defined() || !dgate.is_contiguous() || dgate.dtype() != gate.dtype() || dgate.numel() != B * D)
     return false;
-  DeviceGuard guard(device());
-  cudaStream_t st = stream();
-  const BwdSlices sl(*this, B, T, D, 1);
+  DeviceGuard guard(be.device());
+  cudaStream_t st = be.stream();
+  const BwdSlices sl(be, B, T, D, 1);
   return dispatch_pair(dout.dtype(), gate.dtype(), [&]<class X, class M>() {
     M* dg = static_cast<M*>(dgate.data_ptr());
     with_chunks(D, [&](auto chunks) {
@@ -755,6 +761,14 @@ bool CudaBackend::gated_residual_backward(const Tensor& dy, const Tensor& dgate,
     });
     launch_slice_sum<M, 1>(st, sl, dg, nullptr, nullptr, B, D);
   });
+}
+
+void register_adaln_kernels() {
+  fused::adaln_forward.define(DeviceType::cuda, &adaln_forward_cuda);
+  fused::adaln_residual_forward.define(DeviceType::cuda, &adaln_residual_forward_cuda);
+  fused::adaln_backward.define(DeviceType::cuda, &adaln_backward_cuda);
+  fused::gated_residual_forward.define(DeviceType::cuda, &gated_residual_forward_cuda);
+  fused::gated_residual_backward.define(DeviceType::cuda, &gated_residual_backward_cuda);
 }
 
 }  // namespace flame::backend::cuda

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 
@@ -64,10 +65,11 @@ __global__ void amp_unscale_kernel(UnscaleArgs<T> args, compute_t<T> inv, float*
 
 }  // namespace
 
-void CudaBackend::amp_unscale(const TensorList& grads, double inv_scale, const Tensor& found_inf) {
-  DeviceGuard guard(device());
+static void amp_unscale_cuda(const TensorList& grads, double inv_scale, const Tensor& found_inf) {
+  CudaBackend& be = cuda_backend(found_inf.device().index);
+  DeviceGuard guard(be.device());
   float* found = static_cast<float*>(found_inf.data_ptr());
-  const int64_t max_blocks_x = std::max<int64_t>(1, 4 * sm_count(device()));
+  const int64_t max_blocks_x = std::max<int64_t>(1, 4 * sm_count(be.device()));
   for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
     std::vector<const Tensor*> list;
     for (const Tensor& g : grads) {
@@ -92,11 +94,15 @@ void CudaBackend::amp_unscale(const TensorList& grads, double inv_scale, const T
         const int64_t per_block = static_cast<int64_t>(kThreads) * (16 / static_cast<int64_t>(sizeof(T)));
         const int64_t bx = std::min(max_blocks_x, (largest + per_block - 1) / per_block);
         const dim3 grid(static_cast<unsigned>(bx), static_cast<unsigned>(count));
-        amp_unscale_kernel<T><<<grid, kThreads, 0, stream()>>>(args, static_cast<A>(inv_scale), found);
+        amp_unscale_kernel<T><<<grid, kThreads, 0, be.stream()>>>(args, static_cast<A>(inv_scale), found);
         FLAME_CUDA_CHECK_LAUNCH();
       }
     });
   }
+}
+
+void register_amp_kernels() {
+  fused::amp_unscale.define(DeviceType::cuda, &amp_unscale_cuda);
 }
 
 }  // namespace flame::backend::cuda

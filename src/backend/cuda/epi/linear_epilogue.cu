@@ -24,6 +24,7 @@
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/epi/epi_plan.h"
+#include "src/backend/fused/linear_epilogue.h"
 #include "src/core/dispatch.h"
 #include "src/opdef/scalar_math.h"
 
@@ -89,8 +90,9 @@ EpiKey base_key(const CudaBackend& be, DType dt, cublasComputeType_t compute, cu
 }  // namespace
 
 // Note [Epilogue GEMM layouts], forward.
-bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w,
-                                  const Tensor& bias, bool gelu) {
+static bool linear_bias_act_cuda(const Tensor& y, const Tensor& pre, const Tensor& x, const Tensor& w,
+                                 const Tensor& bias, bool gelu) {
+  CudaBackend& be = cuda_backend(x.device().index);
   const DType dt = y.dtype();
   if (!epilogue_dtype(dt) || y.dim() != 2 || x.dim() != 2 || w.dim() != 2) return false;
   if (!fits(y, dt) || !fits(pre, dt) || !fits(x, dt) || !fits(w, dt) || !fits(bias, dt)) return false;
@@ -100,13 +102,13 @@ bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tens
   if (pre.defined() && (!gelu || pre.sizes() != y.sizes())) return false;
   if (!bias.defined() && !gelu) return false;  // a plain GEMM: matmul's business
   if (!size_ok(M) || !size8_ok(N) || !size8_ok(K)) return false;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   const Types t = types_of(dt);
   cublasLtEpilogue_t epi;
   if (!gelu) epi = CUBLASLT_EPILOGUE_BIAS;
   else if (pre.defined()) epi = bias.defined() ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
   else epi = bias.defined() ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_GELU;
-  EpiKey key = base_key(*this, dt, t.compute, epi);
+  EpiKey key = base_key(be, dt, t.compute, epi);
   key.ta = true;
   key.tb = false;
   key.m = static_cast<uint64_t>(N);
@@ -122,11 +124,12 @@ bool CudaBackend::linear_bias_act(const Tensor& y, const Tensor& pre, const Tens
   c.d = y.data_ptr();
   c.bias = bias.defined() ? bias.data_ptr() : nullptr;
   c.aux = pre.defined() ? pre.data_ptr() : nullptr;
-  return run_epi(*this, key, t.type, c);
+  return run_epi(be, key, t.type, c);
 }
 
 // Note [Epilogue GEMM layouts], wgrad.
-bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
+static bool linear_wgrad_bgrad_cuda(const Tensor& dw, const Tensor& dbias, const Tensor& dy, const Tensor& x) {
+  CudaBackend& be = cuda_backend(dy.device().index);
   // dw and dbias: dy's dtype, or f32 beside half dy (Note [Master-weight epilogues]).
   const DType dt = dy.dtype(), out_dt = dw.dtype();
   if (!epilogue_dtype(dt) || (out_dt != dt && out_dt != DType::f32)) return false;
@@ -138,10 +141,10 @@ bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, cons
   if (dy.size(1) != N || x.size(0) != M || x.size(1) != K) return false;
   if (dbias.defined() && (dbias.dim() != 1 || dbias.size(0) != N)) return false;
   if (!size_ok(M) || !size8_ok(N) || !size8_ok(K)) return false;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   const Types t = types_of(dt);
   EpiKey key =
-      base_key(*this, dt, t.compute, dbias.defined() ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT);
+      base_key(be, dt, t.compute, dbias.defined() ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT);
   key.out_dtype = static_cast<int>(out_dt);
   key.ta = false;
   key.tb = true;
@@ -161,12 +164,13 @@ bool CudaBackend::linear_wgrad_bgrad(const Tensor& dw, const Tensor& dbias, cons
     c.sum_rows = M;
     c.sum_cols = N;
   }
-  return run_epi(*this, key, t.type, c);
+  return run_epi(be, key, t.type, c);
 }
 
 // Note [Epilogue GEMM layouts], dgelu.
-bool CudaBackend::linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
-                                     const Tensor& pre) {
+static bool linear_dgelu_bgrad_cuda(const Tensor& dpre, const Tensor& dbias, const Tensor& dy, const Tensor& w,
+                                    const Tensor& pre) {
+  CudaBackend& be = cuda_backend(dy.device().index);
   const DType dt = dpre.dtype();
   if (!epilogue_dtype(dt) || dpre.dim() != 2 || dy.dim() != 2 || w.dim() != 2 || !pre.defined()) return false;
   if (!fits(dpre, dt) || !fits(dbias, dt) || !fits(dy, dt) || !fits(w, dt) || !fits(pre, dt)) return false;
@@ -174,10 +178,10 @@ bool CudaBackend::linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, co
   if (dy.size(0) != M || w.size(0) != P || w.size(1) != N || pre.sizes() != dpre.sizes()) return false;
   if (dbias.defined() && (dbias.dim() != 1 || dbias.size(0) != N)) return false;
   if (!size_ok(M) || !size8_ok(N) || !size8_ok(P)) return false;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   const Types t = types_of(dt);
   const cublasLtEpilogue_t epi = dbias.defined() ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
-  EpiKey key = base_key(*this, dt, t.compute, epi);
+  EpiKey key = base_key(be, dt, t.compute, epi);
   key.ta = false;
   key.tb = false;
   key.m = static_cast<uint64_t>(N);
@@ -198,17 +202,18 @@ bool CudaBackend::linear_dgelu_bgrad(const Tensor& dpre, const Tensor& dbias, co
     c.sum_rows = M;
     c.sum_cols = N;
   }
-  return run_epi(*this, key, t.type, c);
+  return run_epi(be, key, t.type, c);
 }
 
-bool CudaBackend::gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const Tensor& pre) {
+static bool gelu_tanh_backward_cuda(const Tensor& dpre, const Tensor& dy, const Tensor& pre) {
+  CudaBackend& be = cuda_backend(dy.device().index);
   const DType dt = dpre.dtype();
   if (!is_floating(dt) || dy.dtype() != dt || pre.dtype() != dt) return false;
   if (!dpre.is_contiguous() || !dy.is_contiguous() || !pre.is_contiguous()) return false;
   if (dy.sizes() != dpre.sizes() || pre.sizes() != dpre.sizes()) return false;
   const int64_t n = dpre.numel();
   if (n == 0) return true;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   constexpr int kThreads = 256;
   dispatch_floating(dt, "gelu_tanh_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -218,18 +223,25 @@ bool CudaBackend::gelu_tanh_backward(const Tensor& dpre, const Tensor& dy, const
     const auto* x = static_cast<const T*>(pre.data_ptr());
     const bool aligned = ((reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(g) |
                            reinterpret_cast<uintptr_t>(x)) & 15u) == 0;
-    const int64_t cap = static_cast<int64_t>(sm_count(device())) * 8;
+    const int64_t cap = static_cast<int64_t>(sm_count(be.device())) * 8;
     if (aligned && n % V == 0) {
       const int64_t packs = n / V;
       const unsigned blocks = blocks_for(packs, kThreads, cap);
-      gelu_tanh_backward_vec<T, V><<<blocks, kThreads, 0, stream()>>>(out, g, x, packs);
+      gelu_tanh_backward_vec<T, V><<<blocks, kThreads, 0, be.stream()>>>(out, g, x, packs);
     } else {
       const unsigned blocks = blocks_for(n, kThreads, cap);
-      gelu_tanh_backward_scalar<T><<<blocks, kThreads, 0, stream()>>>(out, g, x, n);
+      gelu_tanh_backward_scalar<T><<<blocks, kThreads, 0, be.stream()>>>(out, g, x, n);
     }
     FLAME_CUDA_CHECK_LAUNCH();
   });
   return true;
+}
+
+void register_epilogue_kernels() {
+  fused::linear_bias_act.define(DeviceType::cuda, &linear_bias_act_cuda);
+  fused::linear_wgrad_bgrad.define(DeviceType::cuda, &linear_wgrad_bgrad_cuda);
+  fused::linear_dgelu_bgrad.define(DeviceType::cuda, &linear_dgelu_bgrad_cuda);
+  fused::gelu_tanh_backward.define(DeviceType::cuda, &gelu_tanh_backward_cuda);
 }
 
 }  // namespace flame::backend::cuda

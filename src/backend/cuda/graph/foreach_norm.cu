@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
@@ -174,9 +175,10 @@ int32_t pack(Args& args, const TensorList& tensors, std::size_t& next, const cha
 
 }  // namespace
 
-void CudaBackend::foreach_norm_accumulate(const TensorList& tensors, double norm_type, const Tensor& acc) {
+static void foreach_norm_accumulate_cuda(const TensorList& tensors, double norm_type, const Tensor& acc) {
+  CudaBackend& be = cuda_backend(acc.device().index);
   if (tensors.empty()) return;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   thread_local NormLaunchArgs args;
   args.p = norm_type;
   args.mode = std::isinf(norm_type) ? kMax : norm_type == 2.0 ? kSquares : norm_type == 1.0 ? kAbs : kPow;
@@ -188,20 +190,21 @@ void CudaBackend::foreach_norm_accumulate(const TensorList& tensors, double norm
     dispatch_floating(tensors.front().dtype(), "foreach_norm_accumulate", [&](auto tag) {
       using T = typename decltype(tag)::type;
       constexpr auto kernel = norm_partials_kernel<T>;
-      const int grid = std::max(1, std::min<int>(total, resident_blocks<kernel>(device())));
-      auto partials = allocate(static_cast<std::size_t>(grid) * sizeof(double));
+      const int grid = std::max(1, std::min<int>(total, resident_blocks<kernel>(be.device())));
+      auto partials = be.allocate(static_cast<std::size_t>(grid) * sizeof(double));
       double* part = static_cast<double*>(partials.get());
-      kernel<<<grid, kThreads, 0, stream()>>>(args, part);
+      kernel<<<grid, kThreads, 0, be.stream()>>>(args, part);
       FLAME_CUDA_CHECK_LAUNCH();
-      norm_finish_kernel<<<1, kThreads, 0, stream()>>>(part, grid, args.mode, acc_ptr);
+      norm_finish_kernel<<<1, kThreads, 0, be.stream()>>>(part, grid, args.mode, acc_ptr);
       FLAME_CUDA_CHECK_LAUNCH();
     });  // `partials` is freed here, stream-ordered after the finishing kernel
   }
 }
 
-void CudaBackend::foreach_clip_scale(const TensorList& tensors, const Tensor& total_norm, double max_norm) {
+static void foreach_clip_scale_cuda(const TensorList& tensors, const Tensor& total_norm, double max_norm) {
+  CudaBackend& be = cuda_backend(total_norm.device().index);
   if (tensors.empty()) return;
-  DeviceGuard guard(device());
+  DeviceGuard guard(be.device());
   thread_local ScaleLaunchArgs args;
   args.norm = static_cast<const double*>(total_norm.data_ptr());
   args.max_norm = max_norm;
@@ -212,11 +215,16 @@ void CudaBackend::foreach_clip_scale(const TensorList& tensors, const Tensor& to
     dispatch_floating(tensors.front().dtype(), "foreach_clip_scale", [&](auto tag) {
       using T = typename decltype(tag)::type;
       constexpr auto kernel = clip_scale_kernel<T>;
-      const int grid = std::max(1, std::min<int>(total, resident_blocks<kernel>(device())));
-      kernel<<<grid, kThreads, 0, stream()>>>(args);
+      const int grid = std::max(1, std::min<int>(total, resident_blocks<kernel>(be.device())));
+      kernel<<<grid, kThreads, 0, be.stream()>>>(args);
       FLAME_CUDA_CHECK_LAUNCH();
     });
   }
+}
+
+void register_foreach_kernels() {
+  fused::foreach_norm_accumulate.define(DeviceType::cuda, &foreach_norm_accumulate_cuda);
+  fused::foreach_clip_scale.define(DeviceType::cuda, &foreach_clip_scale_cuda);
 }
 
 }  // namespace flame::backend::cuda

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "src/backend/fused/multi_tensor.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
@@ -356,9 +357,10 @@ void launch_optim_kind(CudaBackend& be, const OptimLaunchArgs& args, bool master
 
 }  // namespace
 
-void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>& tensors) {
+static void optim_step_cuda(const OptimHyper& h, const std::vector<OptimTensor>& tensors) {
   if (tensors.empty()) return;
-  DeviceGuard guard(device());
+  CudaBackend& be = cuda_backend(tensors.front().param.device().index);
+  DeviceGuard guard(be.device());
   const DType pdt = tensors.front().param.dtype();
   const OptimTensor& front = tensors.front();
   const bool master = front.master.defined();
@@ -412,8 +414,8 @@ void CudaBackend::optim_step(const OptimHyper& h, const std::vector<OptimTensor>
     args.chunk_start[count] = chunk;
     dispatch_floating(pdt, "optim_step", [&](auto ptag) {
       using P = typename decltype(ptag)::type;
-      if (sdt == pdt) launch_optim_kind<P, P>(*this, args, master);
-      else if constexpr (!std::is_same_v<P, double>) launch_optim_kind<P, float>(*this, args, master);
+      if (sdt == pdt) launch_optim_kind<P, P>(be, args, master);
+      else if constexpr (!std::is_same_v<P, double>) launch_optim_kind<P, float>(be, args, master);
       else FLAME_FAIL("optim_step", "f32 state for f64 parameters");
     });
     optim_count_launch();
@@ -469,13 +471,23 @@ void launch_ema(CudaBackend& be, const TensorList& shadow, const TensorList& par
 }
 }  // namespace
 
-void CudaBackend::ema_update(const TensorList& shadow, const TensorList& params, double weight) {
-  launch_ema(*this, shadow, params, weight, nullptr, 0.0, false);
+static void ema_update_cuda(const TensorList& shadow, const TensorList& params, double weight) {
+  if (shadow.empty()) return;
+  CudaBackend& be = cuda_backend(shadow.front().device().index);
+  launch_ema(be, shadow, params, weight, nullptr, 0.0, false);
 }
 
-void CudaBackend::ema_update_device(const TensorList& shadow, const TensorList& params, const Tensor& step,
-                                    double decay, bool warmup) {
-  launch_ema(*this, shadow, params, 0.0, static_cast<const double*>(step.data_ptr()), decay, warmup);
+static void ema_update_device_cuda(const TensorList& shadow, const TensorList& params, const Tensor& step,
+                                   double decay, bool warmup) {
+  if (shadow.empty()) return;
+  CudaBackend& be = cuda_backend(shadow.front().device().index);
+  launch_ema(be, shadow, params, 0.0, static_cast<const double*>(step.data_ptr()), decay, warmup);
+}
+
+void register_optim_kernels() {
+  fused::optim_step.define(DeviceType::cuda, &optim_step_cuda);
+  fused::ema_update.define(DeviceType::cuda, &ema_update_cuda);
+  fused::ema_update_device.define(DeviceType::cuda, &ema_update_device_cuda);
 }
 
 }  // namespace flame::backend::cuda

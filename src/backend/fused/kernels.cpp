@@ -1,0 +1,25 @@
+// The fused kernels' registry entries (Note [Fused kernels]); their implementations register
+// themselves from the backends' files.
+#include "src/backend/fused/adaln.h"
+#include "src/backend/fused/linear_epilogue.h"
+#include "src/backend/fused/multi_tensor.h"
+
+namespace flame::backend::fused {
+
+constinit decltype(linear_bias_act) linear_bias_act{"linear_bias_act"};
+constinit decltype(linear_wgrad_bgrad) linear_wgrad_bgrad{"linear_wgrad_bgrad"};
+constinit decltype(linear_dgelu_bgrad) linear_dgelu_bgrad{"linear_dgelu_bgrad"};
+constinit decltype(gelu_tanh_backward) gelu_tanh_backward{"gelu_tanh_backward"};
+constinit decltype(adaln_forward) adaln_forward{"adaln_forward"};
+constinit decltype(adaln_backward) adaln_backward{"adaln_backward"};
+constinit decltype(adaln_residual_forward) adaln_residual_forward{"adaln_residual_forward"};
+constinit decltype(gated_residual_forward) gated_residual_forward{"gated_residual_forward"};
+constinit decltype(gated_residual_backward) gated_residual_backward{"gated_residual_backward"};
+constinit decltype(optim_step) optim_step{"optim_step"};
+constinit decltype(ema_update) ema_update{"ema_update"};
+constinit decltype(ema_update_device) ema_update_device{"ema_update_device"};
+constinit decltype(foreach_norm_accumulate) foreach_norm_accumulate{"foreach_norm_accumulate"};
+constinit decltype(foreach_clip_scale) foreach_clip_scale{"foreach_clip_scale"};
+constinit decltype(amp_unscale) amp_unscale{"amp_unscale"};
+
+}  // namespace flame::backend::fused
