@@ -77,57 +77,68 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 PREFIX = "model.diffusion_model."
 
 
-# ---- diffusers names -> SD3 single-file names ----
+# ---- diffusers names <-> SD3 single-file names ----
 def swap_halves(t):
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a], dim=0)
 
 
-def to_original(sd, cfg):
-    """diffusers state dict -> the original MMDiT names (no prefix), the inverse of diffusers' converter."""
-    n = cfg["num_layers"]
-    o = {}
-    o["pos_embed"] = sd["pos_embed.pos_embed"]
-    o["x_embedder.proj.weight"] = sd["pos_embed.proj.weight"]
-    o["x_embedder.proj.bias"] = sd["pos_embed.proj.bias"]
-    for src, dst in [("time_text_embed.timestep_embedder", "t_embedder"), ("time_text_embed.text_embedder", "y_embedder")]:
-        for i, j in [(1, 0), (2, 2)]:
-            for p in ("weight", "bias"):
-                o[f"{dst}.mlp.{j}.{p}"] = sd[f"{src}.linear_{i}.{p}"]
+def key_map(cfg):
+    """[(original name, op, [diffusers names])], op "copy", "qkv" (the three concatenated) or "swap"
+    (the two halves exchanged): the facts of diffusers' convert_sd3_transformer_checkpoint_to_diffusers."""
+    n, qk, dual = cfg["num_layers"], cfg.get("qk_norm") is not None, set(cfg.get("dual_attention_layers", ()))
+    m = [("pos_embed", "copy", ["pos_embed.pos_embed"])]
     for p in ("weight", "bias"):
-        o[f"context_embedder.{p}"] = sd[f"context_embedder.{p}"]
-        o[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
-        o[f"final_layer.adaLN_modulation.1.{p}"] = swap_halves(sd[f"norm_out.linear.{p}"])
+        m += [(f"x_embedder.proj.{p}", "copy", [f"pos_embed.proj.{p}"]),
+              (f"context_embedder.{p}", "copy", [f"context_embedder.{p}"]),
+              (f"final_layer.linear.{p}", "copy", [f"proj_out.{p}"]),
+              (f"final_layer.adaLN_modulation.1.{p}", "swap", [f"norm_out.linear.{p}"])]
+        for src, dst in [("time_text_embed.timestep_embedder", "t_embedder"), ("time_text_embed.text_embedder", "y_embedder")]:
+            m += [(f"{dst}.mlp.0.{p}", "copy", [f"{src}.linear_1.{p}"]), (f"{dst}.mlp.2.{p}", "copy", [f"{src}.linear_2.{p}"])]
     for i in range(n):
         t, x, c = f"transformer_blocks.{i}.", f"joint_blocks.{i}.x_block.", f"joint_blocks.{i}.context_block."
         last = i == n - 1
         for p in ("weight", "bias"):
-            o[x + f"attn.qkv.{p}"] = torch.cat([sd[t + f"attn.to_{q}.{p}"] for q in "qkv"], 0)
-            o[c + f"attn.qkv.{p}"] = torch.cat([sd[t + f"attn.add_{q}_proj.{p}"] for q in "qkv"], 0)
-            o[x + f"attn.proj.{p}"] = sd[t + f"attn.to_out.0.{p}"]
+            m += [(x + f"attn.qkv.{p}", "qkv", [t + f"attn.to_{q}.{p}" for q in "qkv"]),
+                  (c + f"attn.qkv.{p}", "qkv", [t + f"attn.add_{q}_proj.{p}" for q in "qkv"]),
+                  (x + f"attn.proj.{p}", "copy", [t + f"attn.to_out.0.{p}"]),
+                  (x + f"adaLN_modulation.1.{p}", "copy", [t + f"norm1.linear.{p}"]),
+                  (c + f"adaLN_modulation.1.{p}", "swap" if last else "copy", [t + f"norm1_context.linear.{p}"]),
+                  (x + f"mlp.fc1.{p}", "copy", [t + f"ff.net.0.proj.{p}"]),
+                  (x + f"mlp.fc2.{p}", "copy", [t + f"ff.net.2.{p}"])]
             if not last:
-                o[c + f"attn.proj.{p}"] = sd[t + f"attn.to_add_out.{p}"]
-            o[x + f"adaLN_modulation.1.{p}"] = sd[t + f"norm1.linear.{p}"]
-            ctx = sd[t + f"norm1_context.linear.{p}"]
-            o[c + f"adaLN_modulation.1.{p}"] = swap_halves(ctx) if last else ctx
-            o[x + f"mlp.fc1.{p}"] = sd[t + f"ff.net.0.proj.{p}"]
-            o[x + f"mlp.fc2.{p}"] = sd[t + f"ff.net.2.{p}"]
-            if not last:
-                o[c + f"mlp.fc1.{p}"] = sd[t + f"ff_context.net.0.proj.{p}"]
-                o[c + f"mlp.fc2.{p}"] = sd[t + f"ff_context.net.2.{p}"]
-            if t + f"attn2.to_q.{p}" in sd:
-                o[x + f"attn2.qkv.{p}"] = torch.cat([sd[t + f"attn2.to_{q}.{p}"] for q in "qkv"], 0)
-                o[x + f"attn2.proj.{p}"] = sd[t + f"attn2.to_out.0.{p}"]
-        if t + "attn.norm_q.weight" in sd:
-            o[x + "attn.ln_q.weight"] = sd[t + "attn.norm_q.weight"]
-            o[x + "attn.ln_k.weight"] = sd[t + "attn.norm_k.weight"]
-            o[c + "attn.ln_q.weight"] = sd[t + "attn.norm_added_q.weight"]
-            o[c + "attn.ln_k.weight"] = sd[t + "attn.norm_added_k.weight"]
-            if t + "attn2.norm_q.weight" in sd:
-                o[x + "attn2.ln_q.weight"] = sd[t + "attn2.norm_q.weight"]
-                o[x + "attn2.ln_k.weight"] = sd[t + "attn2.norm_k.weight"]
+                m += [(c + f"attn.proj.{p}", "copy", [t + f"attn.to_add_out.{p}"]),
+                      (c + f"mlp.fc1.{p}", "copy", [t + f"ff_context.net.0.proj.{p}"]),
+                      (c + f"mlp.fc2.{p}", "copy", [t + f"ff_context.net.2.{p}"])]
+            if i in dual:
+                m += [(x + f"attn2.qkv.{p}", "qkv", [t + f"attn2.to_{q}.{p}" for q in "qkv"]),
+                      (x + f"attn2.proj.{p}", "copy", [t + f"attn2.to_out.0.{p}"])]
+        if qk:
+            m += [(x + "attn.ln_q.weight", "copy", [t + "attn.norm_q.weight"]),
+                  (x + "attn.ln_k.weight", "copy", [t + "attn.norm_k.weight"]),
+                  (c + "attn.ln_q.weight", "copy", [t + "attn.norm_added_q.weight"]),
+                  (c + "attn.ln_k.weight", "copy", [t + "attn.norm_added_k.weight"])]
+            if i in dual:
+                m += [(x + "attn2.ln_q.weight", "copy", [t + "attn2.norm_q.weight"]),
+                      (x + "attn2.ln_k.weight", "copy", [t + "attn2.norm_k.weight"])]
+    return m
+
+
+def to_original(sd, cfg):
+    """diffusers state dict -> the original MMDiT names (no prefix), the inverse of diffusers' converter."""
+    ops = {"copy": lambda ts: ts[0], "qkv": lambda ts: torch.cat(ts, 0), "swap": lambda ts: swap_halves(ts[0])}
+    o = {k: ops[op]([sd[d] for d in ds]) for k, op, ds in key_map(cfg)}
     assert sum(v.numel() for v in o.values()) == sum(v.numel() for v in sd.values())
     return {k: v.detach().cpu().contiguous() for k, v in o.items()}
+
+
+def from_original(original, cfg):
+    """The other direction (to run diffusers on an fp8 file's dequantised weights)."""
+    sd = {}
+    for k, op, ds in key_map(cfg):
+        parts = original[k].chunk(3, 0) if op == "qkv" else [swap_halves(original[k]) if op == "swap" else original[k]]
+        sd.update(zip(ds, parts))
+    return sd
 
 
 def fp8_of(original, scaled):
@@ -151,52 +162,6 @@ def fp8_of(original, scaled):
     if scaled:
         stored["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
     return stored, deq
-
-
-def from_original(deq, cfg):
-    """The inverse of to_original on f32 tensors (to run diffusers on an fp8 file's dequantised weights)."""
-    n = cfg["num_layers"]
-    sd = {"pos_embed.pos_embed": deq["pos_embed"], "pos_embed.proj.weight": deq["x_embedder.proj.weight"],
-          "pos_embed.proj.bias": deq["x_embedder.proj.bias"]}
-    for src, dst in [("time_text_embed.timestep_embedder", "t_embedder"), ("time_text_embed.text_embedder", "y_embedder")]:
-        for i, j in [(1, 0), (2, 2)]:
-            for p in ("weight", "bias"):
-                sd[f"{src}.linear_{i}.{p}"] = deq[f"{dst}.mlp.{j}.{p}"]
-    for p in ("weight", "bias"):
-        sd[f"context_embedder.{p}"] = deq[f"context_embedder.{p}"]
-        sd[f"proj_out.{p}"] = deq[f"final_layer.linear.{p}"]
-        sd[f"norm_out.linear.{p}"] = swap_halves(deq[f"final_layer.adaLN_modulation.1.{p}"])
-    for i in range(n):
-        t, x, c = f"transformer_blocks.{i}.", f"joint_blocks.{i}.x_block.", f"joint_blocks.{i}.context_block."
-        last = i == n - 1
-        for p in ("weight", "bias"):
-            for q, part in zip("qkv", deq[x + f"attn.qkv.{p}"].chunk(3, 0)):
-                sd[t + f"attn.to_{q}.{p}"] = part
-            for q, part in zip("qkv", deq[c + f"attn.qkv.{p}"].chunk(3, 0)):
-                sd[t + f"attn.add_{q}_proj.{p}"] = part
-            sd[t + f"attn.to_out.0.{p}"] = deq[x + f"attn.proj.{p}"]
-            if not last:
-                sd[t + f"attn.to_add_out.{p}"] = deq[c + f"attn.proj.{p}"]
-                sd[t + f"ff_context.net.0.proj.{p}"] = deq[c + f"mlp.fc1.{p}"]
-                sd[t + f"ff_context.net.2.{p}"] = deq[c + f"mlp.fc2.{p}"]
-            sd[t + f"norm1.linear.{p}"] = deq[x + f"adaLN_modulation.1.{p}"]
-            ctx = deq[c + f"adaLN_modulation.1.{p}"]
-            sd[t + f"norm1_context.linear.{p}"] = swap_halves(ctx) if last else ctx
-            sd[t + f"ff.net.0.proj.{p}"] = deq[x + f"mlp.fc1.{p}"]
-            sd[t + f"ff.net.2.{p}"] = deq[x + f"mlp.fc2.{p}"]
-            if x + f"attn2.qkv.{p}" in deq:
-                for q, part in zip("qkv", deq[x + f"attn2.qkv.{p}"].chunk(3, 0)):
-                    sd[t + f"attn2.to_{q}.{p}"] = part
-                sd[t + f"attn2.to_out.0.{p}"] = deq[x + f"attn2.proj.{p}"]
-        if x + "attn.ln_q.weight" in deq:
-            sd[t + "attn.norm_q.weight"] = deq[x + "attn.ln_q.weight"]
-            sd[t + "attn.norm_k.weight"] = deq[x + "attn.ln_k.weight"]
-            sd[t + "attn.norm_added_q.weight"] = deq[c + "attn.ln_q.weight"]
-            sd[t + "attn.norm_added_k.weight"] = deq[c + "attn.ln_k.weight"]
-            if x + "attn2.ln_q.weight" in deq:
-                sd[t + "attn2.norm_q.weight"] = deq[x + "attn2.ln_q.weight"]
-                sd[t + "attn2.norm_k.weight"] = deq[x + "attn2.ln_k.weight"]
-    return sd
 
 
 # ---- model and inputs ----

@@ -1,12 +1,17 @@
 #pragma once
-// Pieces the parity tools share: the error of an output against a reference, and a median time.
+// Pieces the parity tools share: the error of an output against a reference, a median time, the
+// command-line flags, and a kernel trace of a step.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <functional>
+#include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <flame/flame.h>
+#include <flame/profiler.h>
 
 namespace flame_diffusion::tools {
 
@@ -47,6 +52,68 @@ inline double median_ms(const std::function<void()>& fn, bool cuda) {
   }
   std::sort(t.begin(), t.end());
   return (t[4] + t[5]) / 2;
+}
+
+// "--name value" pairs after the command (argv[1]); an unknown flag or a missing value raises
+// std::runtime_error with `usage`.
+inline std::map<std::string, std::string> parse_flags(int argc, char** argv, const std::vector<std::string>& known,
+                                                      const std::string& usage) {
+  std::map<std::string, std::string> f;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || std::find(known.begin(), known.end(), a.substr(2)) == known.end())
+      throw std::runtime_error("unknown flag '" + a + "'\n" + usage);
+    if (i + 1 >= argc) throw std::runtime_error("flag '" + a + "' needs a value");
+    f[a.substr(2)] = argv[++i];
+  }
+  return f;
+}
+
+inline std::string flag_or(const std::map<std::string, std::string>& f, const std::string& k,
+                           const std::string& fallback) {
+  auto it = f.find(k);
+  return it == f.end() ? fallback : it->second;
+}
+
+// "1,4" -> {1, 4}; an error names the flag.
+inline std::vector<int64_t> int_list(const std::string& flag, const std::string& v) {
+  std::vector<int64_t> out;
+  std::size_t s = 0;
+  while (s <= v.size()) {
+    const std::size_t e = std::min(v.find(',', s), v.size());
+    try {
+      out.push_back(std::stoll(v.substr(s, e - s)));
+    } catch (const std::exception&) {
+      throw std::runtime_error("--" + flag + ": '" + v + "' is not a comma-separated list of integers");
+    }
+    s = e + 1;
+  }
+  return out;
+}
+
+inline flame::Device parse_device(const std::string& v) {
+  if (v == "cpu") return flame::Device::cpu();
+  if (v == "cuda") return flame::Device::cuda(0);
+  throw std::runtime_error("--device must be cpu or cuda, got '" + v + "'");
+}
+
+// Where the GPU time of `steps` more steps goes (profiler::KernelTrace), by kernel name (grouped
+// by their first 60 characters), and the host gap of a step (span - busy), as "# " lines.
+inline void print_kernel_trace(const std::function<void()>& step, int64_t steps) {
+  flame::profiler::KernelTrace trace;
+  trace.start();
+  for (int64_t i = 0; i < steps; ++i) step();
+  trace.stop();
+  const double n = static_cast<double>(steps);
+  std::printf("# kernel trace of %lld steps: per step %.2f ms busy, %.2f ms span, %.0f kernels\n",
+              static_cast<long long>(steps), trace.busy_ms() / n, trace.span_ms() / n,
+              static_cast<double>(trace.records().size()) / n);
+  for (const auto& row : trace.by_name(60)) {
+    if (row.percent < 0.5) continue;
+    std::printf("#   %7.2f ms/step %5.1f%% %6.0f calls/step  %s\n", row.total_ms / n, row.percent,
+                static_cast<double>(row.calls) / n, row.name.c_str());
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace flame_diffusion::tools
