@@ -2,7 +2,10 @@
 // packing, the blocks and the model.
 #include "models/flux.h"
 
+#include <optional>
 #include <sstream>
+
+#include <flame/offload.h>
 
 namespace flame_diffusion::models {
 
@@ -276,9 +279,20 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
       flame::cat({txt.to(flame::Device::cpu()).to(DType::f32), img.to(flame::Device::cpu()).to(DType::f32)}, 0),
       c.axes_dims_rope, c.rope_theta, h.device());
 
+  // Over the checkpointed blocks (the first ones) only their inputs are saved: offload those.
+  std::optional<flame::offload::OffloadActivations> offload;
+  offloaded_bytes_ = 0;
+  auto end_offload = [&] {
+    if (!offload) return;
+    offloaded_bytes_ = offload->packed_bytes();
+    offload.reset();
+  };
+  if (offload_ && checkpoint_blocks_ > 0 && flame::grad_enabled())
+    offload.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = offload_min_bytes_});
   int64_t index = 0;
   for (const auto& m : *transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxTransformerBlock>(m);
+    if (index == checkpoint_blocks_) end_offload();
     if (index++ < checkpoint_blocks_ && flame::grad_enabled()) {
       const Tensor both = maybe_checkpoint_blocks(true, {h, e, temb}, [block, rope](const flame::TensorList& in) {
         const auto [e2, h2] = block->forward(in[0], in[1], in[2], rope);
@@ -293,10 +307,12 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
   Tensor x = flame::cat({e, h}, 1);
   for (const auto& m : *single_transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxSingleTransformerBlock>(m);
+    if (index == checkpoint_blocks_) end_offload();
     x = maybe_checkpoint_blocks(index++ < checkpoint_blocks_, {x, temb}, [block, rope](const flame::TensorList& in) {
       return block->forward(in[0], in[1], rope);
     });
   }
+  end_offload();
   h = x.narrow(1, t_len, n);
   return proj_out->forward(norm_out->forward(h, temb));
 }

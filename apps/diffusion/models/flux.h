@@ -33,7 +33,8 @@
 //
 // Gradient checkpointing: set_gradient_checkpointing(n) runs the first n blocks (double blocks
 // first, then single) under flame::checkpoint while grad mode is on: only each block's inputs are
-// kept and its forward runs again in the backward. n = kAllFluxBlocks (or any n >= the block count)
+// kept and its forward runs again in the backward (set_activation_offload moves those inputs to
+// host memory). n = kAllFluxBlocks (or any n >= the block count)
 // checkpoints every block, as diffusers' enable_gradient_checkpointing; 0 turns it off.
 #include <cstdint>
 #include <memory>
@@ -140,6 +141,14 @@ class FluxTransformer2DModel : public flame::nn::Module {
   void set_gradient_checkpointing(int64_t num_blocks);
   int64_t gradient_checkpointing_blocks() const { return checkpoint_blocks_; }
   int64_t num_blocks() const { return config_.num_layers + config_.num_single_layers; }
+  // Offload the checkpointed blocks' inputs (all they keep) to pinned host memory while the forward
+  // runs (flame::offload::OffloadActivations over those blocks; saved tensors under min_bytes stay);
+  // no effect without checkpointing. offloaded_bytes: what the last forward moved.
+  void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20) {
+    offload_ = on;
+    offload_min_bytes_ = min_bytes;
+  }
+  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
 
   // Rank-r LoRA on every module named in `targets` (PEFT's matching, diffusers' names):
   // nn::apply_lora, which freezes everything else. Returns the modules adapted.
@@ -157,6 +166,8 @@ class FluxTransformer2DModel : public flame::nn::Module {
  private:
   FluxTransformerConfig config_;
   int64_t checkpoint_blocks_ = 0;
+  bool offload_ = false;
+  std::size_t offload_min_bytes_ = 0, offloaded_bytes_ = 0;
 };
 
 // ---- files (flux_checkpoint.cpp) ----

@@ -272,7 +272,7 @@ TEST(ModelsFlux, LoraTargetsArePefts) {
   EXPECT_EQ(trainable, 28);
 }
 
-TEST(ModelsFlux, GradientCheckpointingGivesTheSameGradients) {
+TEST(ModelsFlux, GradientCheckpointingAndOffloadGiveTheSameGradients) {
   FD_SKIP_IF_NO_DEVICE();
   const Reference r = load_reference();
   auto m = load("transformer");
@@ -287,6 +287,15 @@ TEST(ModelsFlux, GradientCheckpointingGivesTheSameGradients) {
       EXPECT_LE(fd_test::max_abs_diff(ck.at(name), g), 1e-6 * fd_test::max_abs(g) + 1e-12) << n << " " << name;
     }
   }
+  // The checkpointed blocks' inputs offloaded (on the CPU: cloned through the same hooks).
+  m->set_gradient_checkpointing(3);
+  m->set_activation_offload(true, 0);
+  const auto off = lora_grads(*m, r);
+  EXPECT_GT(m->offloaded_bytes(), 0u);
+  for (const auto& [name, g] : plain) {
+    EXPECT_LE(fd_test::max_abs_diff(off.at(name), g), 1e-6 * fd_test::max_abs(g) + 1e-12) << "offload " << name;
+  }
+  m->set_activation_offload(false);
   m->set_gradient_checkpointing(0);
   EXPECT_EQ(m->gradient_checkpointing_blocks(), 0);
   EXPECT_FALSE(fd_test::error_of([&] { m->set_gradient_checkpointing(-2); }).empty());

@@ -1,0 +1,329 @@
+// flux_parity: FLAME's FluxTransformer2DModel against diffusers' (apps/diffusion/reference/models_flux.py).
+//
+//   flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]
+//       DIR as models_flux.py writes it (transformer/ diffusers folder, flux_original.safetensors,
+//       for reduced configs flux_comfy_fp8.safetensors and flux_fp8_scaled.safetensors,
+//       reference.safetensors). For each file that is there: loads the model in the reference's
+//       dtype, runs the forward on the stored inputs and compares the output (the fp8 files against
+//       diffusers on their dequantised weights); for the diffusers folder and the BFL file also adds
+//       the LoRA (stored weights, rank/alpha from the metadata), runs forward + mse loss + backward
+//       and compares the LoRA output, the loss and the adapter gradients (grouped: double / single
+//       blocks, A and B). Prints max abs and relative (max |err| / max |ref|) errors, then PASS or
+//       FAIL. Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
+//   flux_parity time --config flux-dev [--latent 128] [--text 512] [--batch 1] [--checkpointing 0,-1]
+//                    [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]
+//       the LoRA r16 training step as diffusers + peft run it (bf16 weights, f32 adapters on
+//       to_q/k/v/out.0, bf16 autocast, mse loss, AdamW on the adapters; random weights; latent 128 =
+//       1024² images: 4096 image tokens, plus 512 text tokens), timed with CUDA events: one JSON line
+//       per checkpointing setting (N = blocks checkpointed, -1 = all) with the median step time, the
+//       peak allocated memory and MFU (step_flops: linears 2x their forward, the frozen weights get
+//       no weight gradients; attention 3x) against 989 TFLOP/s and against a bf16 GEMM (8192^3)
+//       measured in the same run.
+//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory.
+//       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <flame/amp.h>
+#include <flame/cuda.h>
+#include <flame/flame.h>
+#include <flame/io/safetensors.h>
+#include <flame/nn.h>
+#include <flame/optim.h>
+#include <flame/profiler.h>
+
+#include "models/flux.h"
+#include "parity_util.h"
+
+namespace fm = flame_diffusion::models;
+using flame::DType;
+using flame::Tensor;
+
+namespace {
+
+const char* kUsage =
+    "usage:\n"
+    "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
+    "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
+    "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
+    "                    [--device cuda]\n";
+
+std::map<std::string, std::string> parse_flags(int argc, char** argv) {
+  static const std::vector<std::string> known = {"dir",  "device", "checkpointing", "config", "latent", "text",
+                                                 "batch", "rank",  "steps",         "warmup", "trace",  "offload"};
+  std::map<std::string, std::string> f;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || std::find(known.begin(), known.end(), a.substr(2)) == known.end())
+      throw std::runtime_error("unknown flag '" + a + "'\n" + kUsage);
+    if (i + 1 >= argc) throw std::runtime_error("flag '" + a + "' needs a value");
+    f[a.substr(2)] = argv[++i];
+  }
+  return f;
+}
+
+std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
+  auto it = f.find(k);
+  return it == f.end() ? fallback : it->second;
+}
+
+std::vector<int64_t> int_list(const std::string& flag, const std::string& v) {
+  std::vector<int64_t> out;
+  std::size_t s = 0;
+  while (s <= v.size()) {
+    const std::size_t e = std::min(v.find(',', s), v.size());
+    try {
+      out.push_back(std::stoll(v.substr(s, e - s)));
+    } catch (const std::exception&) {
+      throw std::runtime_error("--" + flag + ": '" + v + "' is not a comma-separated list of integers");
+    }
+    s = e + 1;
+  }
+  return out;
+}
+
+flame::Device parse_device(const std::string& v) {
+  if (v == "cpu") return flame::Device::cpu();
+  if (v == "cuda") return flame::Device::cuda(0);
+  throw std::runtime_error("--device must be cpu or cuda, got '" + v + "'");
+}
+
+bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
+  const bool ok = e.rel <= tol && e.abs == e.abs;
+  std::printf("  %-4s %-46s max abs err %.3e  rel %.3e (tol %.0e)\n", ok ? "ok" : "FAIL", what.c_str(), e.abs, e.rel,
+              tol);
+  return ok;
+}
+
+std::string group_of(const std::string& name) {
+  const std::string block = name.rfind("single_", 0) == 0 ? "single blocks" : "double blocks";
+  return block + (name.find(".lora_A.") != std::string::npos ? " lora_A" : " lora_B");
+}
+
+int check(const std::map<std::string, std::string>& f) {
+  using flame_diffusion::tools::parity_error;
+  const std::filesystem::path dir = get(f, "dir", "");
+  if (dir.empty()) throw std::runtime_error(std::string("check needs --dir\n") + kUsage);
+  const flame::Device device = parse_device(get(f, "device", "cuda"));
+  const int64_t ckpt = int_list("checkpointing", get(f, "checkpointing", "0")).at(0);
+  const std::string ref_path = (dir / "reference.safetensors").string();
+  const auto meta = flame::io::load_safetensors_metadata(ref_path);
+  const DType dtype = meta.at("dtype") == "bfloat16" ? DType::bf16 : DType::f32;
+  const bool bf16 = dtype == DType::bf16;
+  const double tol_out = bf16 ? 5e-2 : 1e-3, tol_grad = bf16 ? 1e-1 : 1e-2;
+  flame::cuda::set_allow_tf32(false);
+  const flame::StateDict ref = flame::io::load_safetensors(ref_path, device);
+  auto input = [&](const std::string& k) { return ref.at("input." + k); };
+  const auto config = fm::flux_config_from_file((dir / "transformer" / "config.json").string());
+  std::printf("flux_parity check %s: config %s, %s, latent %sx%s, text %s, device %s, LoRA rank %s alpha %s\n",
+              dir.c_str(), meta.at("config").c_str(), bf16 ? "bf16" : "f32", meta.at("height").c_str(),
+              meta.at("width").c_str(), meta.at("text").c_str(), device.is_cuda() ? "cuda" : "cpu",
+              meta.at("lora_rank").c_str(), meta.at("lora_alpha").c_str());
+  struct File {
+    std::string name, output;
+    bool lora;
+  };
+  const std::vector<File> files = {{"transformer", "output.sample", true},
+                                   {"flux_original.safetensors", "output.sample", true},
+                                   {"flux_comfy_fp8.safetensors", "output.fp8_sample", false},
+                                   {"flux_fp8_scaled.safetensors", "output.fp8_scaled_sample", false}};
+  bool ok = true;
+  for (const File& file : files) {
+    const std::filesystem::path path = dir / file.name;
+    if (!std::filesystem::exists(path) || !ref.contains(file.output)) {
+      std::printf(" %s: absent, skipped\n", file.name.c_str());
+      continue;
+    }
+    fm::FluxLoadOptions opts;
+    opts.device = device;
+    opts.dtype = dtype;
+    opts.config = config;
+    auto model = fm::load_flux(path.string(), opts);
+    model->set_gradient_checkpointing(ckpt);
+    auto forward = [&] {
+      return model->forward(input("hidden_states"), input("encoder_hidden_states"), input("pooled_projections"),
+                            input("timestep"), input("img_ids"), input("txt_ids"),
+                            config.guidance_embeds ? input("guidance") : Tensor());
+    };
+    std::printf(" %s:\n", path.c_str());
+    {
+      flame::NoGradGuard no_grad;
+      ok &= report("output", parity_error(forward(), ref.at(file.output), "flux_parity"), tol_out);
+    }
+    if (!file.lora) continue;
+    model->add_lora({.rank = std::stoll(meta.at("lora_rank")), .alpha = std::stod(meta.at("lora_alpha"))});
+    flame::StateDict lora;
+    for (const auto& [k, t] : ref) {
+      if (k.rfind("lora.", 0) == 0) lora.insert(k.substr(5), t);
+    }
+    flame::nn::load_lora_state_dict(*model, lora);
+    const Tensor out = forward();
+    ok &= report("LoRA output", parity_error(out, ref.at("output.lora_sample"), "flux_parity"), tol_out);
+    const Tensor loss = flame::mse_loss(out.to(DType::f32), input("target").to(DType::f32));
+    ok &= report("loss", parity_error(loss.reshape({1}), ref.at("output.loss"), "flux_parity"), tol_out);
+    const flame::Gradients grads = loss.backward();
+    std::map<std::string, std::pair<double, double>> groups;  // max abs err, max |ref|
+    int64_t n = 0;
+    for (const auto& [name, p] : model->named_parameters()) {
+      if (!p.requires_grad()) continue;
+      const Tensor want = ref.at("grad." + name);
+      const auto e = parity_error(grads.get(p), want, "flux_parity");
+      auto& g = groups[group_of(name)];
+      g.first = std::max(g.first, e.abs);
+      g.second = std::max(g.second, e.abs / std::max(e.rel, 1e-300));
+      ++n;
+    }
+    for (const auto& [g, e] : groups) {
+      ok &= report("grad " + g, {e.first, e.first / std::max(e.second, 1e-30)}, tol_grad);
+    }
+    std::printf("  (%lld adapter tensors)\n", static_cast<long long>(n));
+  }
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}
+
+// ---- timing ----
+// FLOPs (multiply-adds x 2) of the LoRA step's forward and backward: the linears twice their forward
+// (data gradients only: the frozen weights get no weight gradients; the rank-r adapters are
+// negligible), the attention products three times theirs (dS = dO V^T, dQ, dK, dV). Recompute under
+// checkpointing is not counted (MFU counts model FLOPs).
+double step_flops(const fm::FluxTransformerConfig& c, int64_t b, int64_t latent, int64_t text) {
+  const double d = static_cast<double>(c.inner_dim());
+  const double l = static_cast<double>(latent / 2) * static_cast<double>(latent / 2), s = static_cast<double>(text);
+  const double n = l + s;
+  double linear = 2 * l * c.in_channels * d + 2 * s * c.joint_attention_dim * d + 2 * l * d * c.output_channels();
+  linear += c.num_layers * (2 * 4 * n * d * d + 2 * 8 * n * d * d);      // q k v + out of both streams; ff
+  linear += c.num_single_layers * (2 * 3 * n * d * d + 2 * 4 * n * d * d + 2 * 5 * n * d * d);  // qkv, mlp, out
+  const double attention = (c.num_layers + c.num_single_layers) * 2 * 2 * n * n * d;
+  return (2 * linear + 3 * attention) * static_cast<double>(b);
+}
+
+double gemm_tflops(flame::Device device) {
+  const flame::TensorOptions o(DType::bf16, device);
+  flame::Generator gen(1);
+  const Tensor a = Tensor::randn({8192, 8192}, 0.0, 1.0, o, &gen), b = Tensor::randn({8192, 8192}, 0.0, 1.0, o, &gen);
+  const double ms = flame_diffusion::tools::median_ms([&] { (void)flame::matmul(a, b); }, true);
+  return 2.0 * 8192.0 * 8192.0 * 8192.0 / (ms / 1e3) / 1e12;
+}
+
+void print_kernel_trace(const std::function<void()>& step, int64_t steps) {
+  flame::profiler::KernelTrace trace;
+  trace.start();
+  for (int64_t i = 0; i < steps; ++i) step();
+  trace.stop();
+  const double n = static_cast<double>(steps);
+  std::printf("# kernel trace of %lld steps: per step %.2f ms busy, %.2f ms span, %.0f kernels\n",
+              static_cast<long long>(steps), trace.busy_ms() / n, trace.span_ms() / n,
+              static_cast<double>(trace.records().size()) / n);
+  for (const auto& row : trace.by_name(60)) {
+    if (row.percent < 0.5) continue;
+    std::printf("#   %7.2f ms/step %5.1f%% %6.0f calls/step  %s\n", row.total_ms / n, row.percent,
+                static_cast<double>(row.calls) / n, row.name.c_str());
+  }
+  std::fflush(stdout);
+}
+
+int time_steps(const std::map<std::string, std::string>& f) {
+  const std::string name = get(f, "config", "flux-dev");
+  const auto config = fm::flux_preset(name);
+  const flame::Device device = parse_device(get(f, "device", "cuda"));
+  if (!device.is_cuda()) throw std::runtime_error("time needs --device cuda (CUDA events)");
+  const int64_t latent = int_list("latent", get(f, "latent", "128")).at(0);
+  const int64_t text = int_list("text", get(f, "text", "512")).at(0);
+  const int64_t batch = int_list("batch", get(f, "batch", "1")).at(0);
+  const int64_t rank = int_list("rank", get(f, "rank", "16")).at(0);
+  const int64_t steps = int_list("steps", get(f, "steps", "10")).at(0);
+  const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
+  const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
+  const bool offload = int_list("offload", get(f, "offload", "0")).at(0) != 0;
+  if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
+  const double gemm = gemm_tflops(device);
+  std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
+  const flame::TensorOptions o(DType::bf16, device);
+  for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1"))) {
+    flame::cuda::empty_cache();
+    auto model = std::make_shared<fm::FluxTransformer2DModel>(config, o);
+    model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+    model->set_gradient_checkpointing(ckpt);
+    model->set_activation_offload(offload);
+    model->train();
+    for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft
+      if (auto* lin = dynamic_cast<flame::nn::Linear*>(m.get()); lin && lin->has_lora()) {
+        lin->lora_A()->to(DType::f32);
+        lin->lora_B()->to(DType::f32);
+      }
+    }
+    flame::TensorList params;
+    for (const Tensor& p : model->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+    flame::optim::AdamW opt(params, {.lr = 1e-4});
+    flame::Generator gen(0);
+    const int64_t tokens = (latent / 2) * (latent / 2);
+    const Tensor x = Tensor::randn({batch, tokens, config.in_channels}, 0.0, 1.0, o, &gen);
+    const Tensor target = Tensor::randn({batch, tokens, config.output_channels()}, 0.0, 1.0, o, &gen);
+    const Tensor ctx = Tensor::randn({batch, text, config.joint_attention_dim}, 0.0, 1.0, o, &gen);
+    const Tensor pooled = Tensor::randn({batch, config.pooled_projection_dim}, 0.0, 1.0, o, &gen);
+    const Tensor t = Tensor::full({batch}, 0.5, {DType::f32, device});
+    const Tensor g = config.guidance_embeds ? Tensor::full({batch}, 3.5, {DType::f32, device}) : Tensor();
+    const Tensor img_ids = fm::flux_img_ids(latent, latent, device), txt_ids = fm::flux_txt_ids(text, device);
+    auto step = [&] {
+      Tensor out;
+      {
+        flame::amp::AutocastGuard autocast(DType::bf16);
+        out = model->forward(x, ctx, pooled, t, img_ids, txt_ids, g);
+      }
+      const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
+      opt.step(loss.backward());
+    };
+    for (int64_t i = 0; i < warmup; ++i) step();
+    flame::cuda::synchronize();
+    flame::cuda::reset_peak_memory_stats();
+    std::vector<double> ms;
+    for (int64_t i = 0; i < steps; ++i) {
+      flame::cuda::Event a(true), b(true);
+      a.record();
+      step();
+      b.record();
+      b.synchronize();
+      ms.push_back(a.elapsed_time(b));
+    }
+    std::sort(ms.begin(), ms.end());
+    const double median = ms[ms.size() / 2];
+    const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
+    const double flops = step_flops(config, batch, latent, text);
+    const double rate = flops / (median / 1e3) / 1e12;
+    std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
+                "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, "
+                "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
+                name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
+                static_cast<long long>(text), static_cast<long long>(batch),
+                static_cast<long long>(model->gradient_checkpointing_blocks()),
+                static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
+                rate / gemm);
+    std::fflush(stdout);
+    if (trace_steps > 0) print_kernel_trace(step, trace_steps);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    if (argc < 2) throw std::runtime_error(std::string("no command\n") + kUsage);
+    const std::string cmd = argv[1];
+    const auto flags = parse_flags(argc, argv);
+    if (cmd == "check") return check(flags);
+    if (cmd == "time") return time_steps(flags);
+    throw std::runtime_error("unknown command '" + cmd + "'\n" + kUsage);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "flux_parity: %s\n", e.what());
+    return 2;
+  }
+}
