@@ -28,6 +28,12 @@
 #              the SD3.5-Large LoRA r16 step at 1024² (bf16 autocast, f32 adapters) beside diffusers
 #              eager and torch.compile, with and without checkpointing every block (and with the
 #              checkpointed inputs offloaded), and a kernel trace
+#   flux       the FLUX.1 transformer (FLUX_CONFIGS, default flux-dev-d2 in f32 and bf16, flux-dev in
+#              bf16; flux-schnell may be added) on 128x128 latents (4096 tokens) + 512 text tokens:
+#              every file layout, outputs and LoRA r16 gradients (models_flux.py writes, flux_parity
+#              check compares); then the FLUX-dev LoRA r16 step (bf16 autocast, f32 adapters) beside
+#              diffusers eager and torch.compile, with and without checkpointing every block (and
+#              with the checkpointed inputs offloaded), and a kernel trace
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -72,7 +78,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
 fi
-if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity >> "$LOG" 2>&1; then
+if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity flux_parity >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
 fi
 note "build: ok ($(( $(date +%s) - START )) s)"
@@ -100,6 +106,7 @@ if has refs; then
   run "refs: text reduced" 300 python3 apps/diffusion/reference/models_text.py --reduced --out "$OUT/refs"
   run "refs: sd3 tiny-sd3" 300 python3 apps/diffusion/reference/models_sd3.py --config tiny-sd3 --out "$OUT/refs/sd3-tiny"
   run "refs: sd3 tiny-sd35m" 300 python3 apps/diffusion/reference/models_sd3.py --config tiny-sd35m --out "$OUT/refs/sd3-tiny35m"
+  run "refs: flux tiny-flux" 300 python3 apps/diffusion/reference/models_flux.py --config tiny-flux --out "$OUT/refs/flux-tiny"
   # The tests read them from the source tree; the tarball is what comes back from the GPU machine
   # (its copy-back keeps few files per folder): unpack it under apps/diffusion/tests/data/models/.
   mkdir -p apps/diffusion/tests/data/models && cp -r "$OUT/refs/." apps/diffusion/tests/data/models/
@@ -169,6 +176,21 @@ if has sd3; then
   run "time sd3.5-large: flame, offloaded checkpoints" 300 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing -1 --offload 1
   run "time sd3.5-large: flame kernel trace" 300 "$BIN/sd3_parity" time --config sd3.5-large --latent 128 --text 333 --checkpointing 0 --trace 2
   run "time sd3.5-large: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_sd3.py --config sd3.5-large --time --compile --latent 128 --text 333 --checkpointing 0
+fi
+if has flux; then
+  for c in ${FLUX_CONFIGS:-flux-dev-d2 flux-dev}; do
+    dtypes="f32 bf16"; [ "$c" = flux-dev-d2 ] || dtypes=bf16  # 11.9 B parameters: bf16 only
+    for d in $dtypes; do
+      run "flux $c 128+512 $d: diffusers" 600 python3 apps/diffusion/reference/models_flux.py --config $c --latent 128 --text 512 --dtype $d --out /tmp/flux_${c}_$d
+      run "flux $c 128+512 $d: flame" 600 "$BIN/flux_parity" check --dir /tmp/flux_${c}_$d --device cuda
+      rm -rf /tmp/flux_${c}_$d
+    done
+  done
+  run "time flux-dev: diffusers" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev --time --latent 128 --text 512 --checkpointing 0,1
+  run "time flux-dev: flame" 500 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0,-1
+  run "time flux-dev: flame, offloaded checkpoints" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing -1 --offload 1
+  run "time flux-dev: flame kernel trace" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0 --trace 2
+  run "time flux-dev: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_flux.py --config flux-dev --time --compile --latent 128 --text 512 --checkpointing 0
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \
