@@ -15,7 +15,8 @@
 //       to_q/k/v/out.0), bf16 autocast, mse loss, AdamW on the adapters; random weights; image
 //       (latent/2)^2 tokens + `text` tokens (SD3 pipelines: 77 CLIP + 256 T5 = 333, or 154).
 //       One JSON line per checkpointing setting (0: none, -1: every block, N: the first N) with the
-//       median step time (CUDA events), the peak allocated memory, the step's FLOPs (3 x forward)
+//       median step time (CUDA events), the peak allocated memory, the step's FLOPs (2 x forward:
+//       the frozen weights get no gradient; recomputation not counted)
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
@@ -244,7 +245,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
     std::sort(ms.begin(), ms.end());
     const double median = ms[ms.size() / 2];
     const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
-    const double flops = 3.0 * forward_flops(config, batch, latent, text);
+    const double flops = 2.0 * forward_flops(config, batch, latent, text);  // forward + input gradients
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
                 "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
