@@ -69,6 +69,7 @@ src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
 src/ops/adaln.cpp -> src/autograd/recompute.h
 src/ops/adaln.cpp -> src/autograd/record.h
+src/ops/adaln.cpp -> src/autograd/rules/adaln.h
 src/ops/attention.cpp -> src/autograd/record.h
 src/ops/attention.cpp -> src/autograd/rules/attention.h
 src/ops/attention_packed.cpp -> src/autograd/record.h

@@ -111,22 +111,6 @@ Tensor place_into(const Tensor& g, const Shape& shape, F&& region) {
   return z;
 }
 
-// narrow's gradient: g in x's region [start, start + length) of dim d, zeros elsewhere. It takes
-// x's pending gradient sum when there is one (Note [Accumulate base] in
-// src/autograd/backward.cpp): the pieces of a chunk or split then add into one buffer (one region
-// add each) instead of each making a zero tensor of x's shape that the engine adds up (a fill, a
-// copy and an add over the whole of x per piece; a DiT block's six modulation chunks).
-TensorList narrow_rule(const Tensor& g, const Node& n) {
-  const RuleArgs& a = n.args();
-  const int64_t d = a.dim, start = a.count, length = g.size(d);
-  const Tensor& base = n.accumulate_base(0);
-  if (base.defined()) {
-    Tensor sum = n.accumulate_base_owned() ? base : base.clone();
-    sum.narrow(d, start, length).add_(g);
-    return {sum};
-  }
-  return {place_into(g, a.shape, [&](const Tensor& z) { return z.narrow(d, start, length); })};
-}
 
 Shape inverse_permutation(const Shape& dims, int64_t n) {
   Shape inv(static_cast<std::size_t>(n));
@@ -229,11 +213,7 @@ Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
   sz[d] = length;
   Tensor v = make_view(*this, std::move(sz), strides(), storage_offset() + start * strides()[d], "narrow");
   if (!is_floating(v.dtype()) || !needs_grad({*this})) return v;
-  RuleArgs args;
-  args.dim = d;
-  args.count = start;
-  args.shape = sizes();
-  record(v, "NarrowBackward", {*this}, narrow_rule, std::move(args)).accept_accumulate_base(0);
+  rules::narrow(v, *this, d, start);
   return v;
 }
 

@@ -17,6 +17,8 @@ void where(Tensor& out, const Tensor& cond, const Tensor& a, const Tensor& b);
 namespace flame::rules {
 // Records a node for a view or copy of `in` whose gradient is back(g) (back captures no tensors).
 Tensor& with_grad(Tensor& out, const char* name, const Tensor& in, std::function<Tensor(const Tensor&)> back);
+// x.narrow(d, start, length) = v: a node that takes x's pending gradient sum (Note [Accumulate base]).
+void narrow(Tensor& v, const Tensor& x, int64_t d, int64_t start);
 }  // namespace flame::rules
 
 namespace flame::rules {
