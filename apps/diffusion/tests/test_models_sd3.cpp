@@ -136,6 +136,29 @@ TEST(ModelsSD3, ConfigJsonAndModelShape) {
       EXPECT_TRUE(c.dual_attention_layers.empty());
     }
   }
+  // diffusers' serialisation of the SD3.5-Medium config, and SD3-Medium's as diffusers 0.29 wrote
+  // it (before qk_norm and dual_attention_layers existed): the presets.
+  auto same = [](const fm::SD3TransformerConfig& a, const fm::SD3TransformerConfig& b) {
+    return a.sample_size == b.sample_size && a.patch_size == b.patch_size && a.in_channels == b.in_channels &&
+           a.num_layers == b.num_layers && a.attention_head_dim == b.attention_head_dim &&
+           a.num_attention_heads == b.num_attention_heads && a.joint_attention_dim == b.joint_attention_dim &&
+           a.caption_projection_dim == b.caption_projection_dim && a.pooled_projection_dim == b.pooled_projection_dim &&
+           a.out_channels == b.out_channels && a.pos_embed_max_size == b.pos_embed_max_size &&
+           a.dual_attention_layers == b.dual_attention_layers && a.qk_norm == b.qk_norm;
+  };
+  EXPECT_TRUE(same(fm::sd3_config_from_json(fm::JsonConfig::parse(R"({
+    "_class_name": "SD3Transformer2DModel", "_diffusers_version": "0.42.0", "attention_head_dim": 64,
+    "caption_projection_dim": 1536, "dual_attention_layers": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
+    "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24, "out_channels": 16,
+    "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "qk_norm": "rms_norm",
+    "sample_size": 128})", "sd3.5-medium.json")),
+                   fm::sd3_preset("sd3.5-medium")));
+  EXPECT_TRUE(same(fm::sd3_config_from_json(fm::JsonConfig::parse(R"({
+    "_class_name": "SD3Transformer2DModel", "_diffusers_version": "0.29.0.dev0", "attention_head_dim": 64,
+    "caption_projection_dim": 1536, "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24,
+    "num_layers": 24, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+    "sample_size": 128})", "sd3-medium.json")),
+                   fm::sd3_preset("sd3-medium")));
   // Errors name the file and the key.
   const auto err = [](const std::string& text) {
     return fd_test::error_of([&] { fm::sd3_config_from_json(fm::JsonConfig::parse(text, "cfg.json")); });
