@@ -155,9 +155,7 @@ int main(int argc, char** argv) {
     std::printf("%s vae_parity %s %s (tolerance %.1e relative to the reference's max)\n", ok ? "PASS" : "FAIL",
                 meta.at("family").c_str(), meta.at("dtype").c_str(), tol);
 
-    if (flags.count("memory")) {
-      // Where the memory of one decode and one encode at TIME_SIZE² goes (profiler::MemoryProfiler;
-      // works on the CPU too): the peak above what was allocated before, and the ops holding it.
+    if (flags.count("memory") || flags.count("time")) {
       const int64_t size = flags.count("time-size") ? std::stoll(flags["time-size"]) : 1024;
       m::VaeLoadOptions o;
       o.device = device;
@@ -169,77 +167,70 @@ int main(int argc, char** argv) {
       const Tensor img = Tensor::uniform({1, 3, size, size}, -1.0, 1.0, {dtype, device}, &gen);
       const Tensor lat = Tensor::randn({1, vae->config().latent_channels, size / f, size / f}, 0.0, 1.0,
                                        {dtype, device}, &gen);
-      for (const std::string what : {"decode", "encode"}) {
-        flame::profiler::MemoryProfiler prof;
-        prof.start();
-        if (what == "decode") {
-          (void)vae->decode(lat);
-        } else {
-          (void)vae->encode(img);
-        }
-        prof.stop();
-        for (const auto& d : prof.summary()) {
-          if (d.device != device) continue;
-          std::printf("memory %s %lld² %s on %s: peak %.3f GiB above the %.3f GiB held before\n", what.c_str(),
-                      static_cast<long long>(size), meta.at("dtype").c_str(), dev.c_str(),
-                      static_cast<double>(d.peak_bytes - d.start_bytes) / (1 << 30),
-                      static_cast<double>(d.start_bytes) / (1 << 30));
-        }
-        int shown = 0;
-        for (const auto& g : prof.peak_groups(device, flame::profiler::GroupBy::op)) {
-          if (++shown > 6) break;
-          std::printf("  at the peak: %-40s %.3f GiB in %lld blocks\n", (g.phase == "before" ? std::string("(held before)") : g.op).c_str(),
-                      static_cast<double>(g.bytes) / (1 << 30), static_cast<long long>(g.count));
+      if (flags.count("memory")) {
+        // Where the memory of one decode and one encode at TIME_SIZE² goes (profiler::MemoryProfiler;
+        // works on the CPU too): the peak above what was allocated before, and the ops holding it.
+        for (const std::string what : {"decode", "encode"}) {
+          flame::profiler::MemoryProfiler prof;
+          prof.start();
+          if (what == "decode") {
+            (void)vae->decode(lat);
+          } else {
+            (void)vae->encode(img);
+          }
+          prof.stop();
+          for (const auto& d : prof.summary()) {
+            if (d.device != device) continue;
+            std::printf("memory %s %lld² %s on %s: peak %.3f GiB above the %.3f GiB held before\n", what.c_str(),
+                        static_cast<long long>(size), meta.at("dtype").c_str(), dev.c_str(),
+                        static_cast<double>(d.peak_bytes - d.start_bytes) / (1 << 30),
+                        static_cast<double>(d.start_bytes) / (1 << 30));
+          }
+          int shown = 0;
+          for (const auto& g : prof.peak_groups(device, flame::profiler::GroupBy::op)) {
+            if (++shown > 6) break;
+            std::printf("  at the peak: %-40s %.3f GiB in %lld blocks\n", (g.phase == "before" ? std::string("(held before)") : g.op).c_str(),
+                        static_cast<double>(g.bytes) / (1 << 30), static_cast<long long>(g.count));
+          }
         }
       }
-    }
-    if (flags.count("time")) {
-      const int64_t size = flags.count("time-size") ? std::stoll(flags["time-size"]) : 1024;
-      m::VaeLoadOptions o;
-      o.device = device;
-      o.dtype = dtype;
-      auto vae = m::load_vae(folder, o);
-      flame::NoGradGuard no_grad;
-      const int64_t f = vae->config().downscale();
-      flame::Generator gen(1);
-      const Tensor img = Tensor::uniform({1, 3, size, size}, -1.0, 1.0, {dtype, device}, &gen);
-      const Tensor lat = Tensor::randn({1, vae->config().latent_channels, size / f, size / f}, 0.0, 1.0,
-                                       {dtype, device}, &gen);
-      const m::TileOptions tiles{size / 2, 0.25};  // four tiles of half the image, as diffusers' 512 at 1024²
-      const std::vector<std::pair<std::string, std::function<void()>>> work = {
-          {"decode", [&] { vae->decode(lat); }},
-          {"encode", [&] { vae->encode(img); }},
-          {"tiled_decode", [&] { vae->tiled_decode(lat, tiles); }},
-          {"tiled_encode", [&] { vae->tiled_encode(img, tiles); }}};
-      for (const auto& [what, fn] : work) {
-        fn();
-        double base = 0, peak = 0;
-        if (cuda) {
-          flame::cuda::synchronize();
-          flame::cuda::reset_peak_memory_stats();
-          base = static_cast<double>(flame::cuda::memory_stats().allocated_bytes);
+      if (flags.count("time")) {
+        const m::TileOptions tiles{size / 2, 0.25};  // four tiles of half the image, as diffusers' 512 at 1024²
+        const std::vector<std::pair<std::string, std::function<void()>>> work = {
+            {"decode", [&] { vae->decode(lat); }},
+            {"encode", [&] { vae->encode(img); }},
+            {"tiled_decode", [&] { vae->tiled_decode(lat, tiles); }},
+            {"tiled_encode", [&] { vae->tiled_encode(img, tiles); }}};
+        for (const auto& [what, fn] : work) {
+          fn();
+          double base = 0, peak = 0;
+          if (cuda) {
+            flame::cuda::synchronize();
+            flame::cuda::reset_peak_memory_stats();
+            base = static_cast<double>(flame::cuda::memory_stats().allocated_bytes);
+          }
+          const double ms = median_ms(fn, cuda);
+          if (cuda) peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes);
+          std::printf(
+              "{\"impl\": \"flame\", \"work\": \"%s\", \"size\": %lld, \"dtype\": \"%s\", \"ms\": %.3f, \"peak_gib\": "
+              "%.3f, \"peak_over_weights_gib\": %.3f, \"device\": \"%s\"}\n",
+              what.c_str(), static_cast<long long>(size), meta.at("dtype").c_str(), ms, peak / (1 << 30),
+              (peak - base) / (1 << 30), dev.c_str());
         }
-        const double ms = median_ms(fn, cuda);
-        if (cuda) peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes);
-        std::printf(
-            "{\"impl\": \"flame\", \"work\": \"%s\", \"size\": %lld, \"dtype\": \"%s\", \"ms\": %.3f, \"peak_gib\": "
-            "%.3f, \"peak_over_weights_gib\": %.3f, \"device\": \"%s\"}\n",
-            what.c_str(), static_cast<long long>(size), meta.at("dtype").c_str(), ms, peak / (1 << 30),
-            (peak - base) / (1 << 30), dev.c_str());
-      }
-      // Tiled against untiled at the timed size (tiles of half the image, 0.25 overlap, as
-      // diffusers' enable_tiling with 512-pixel tiles at 1024²): how far the blended seams move it.
-      const Tensor full = vae->decode(lat), tiled = vae->tiled_decode(lat, tiles);
-      const m::LatentDistribution full_enc = vae->encode(img), tiled_enc = vae->tiled_encode(img, tiles);
-      const std::vector<std::tuple<const char*, Tensor, Tensor>> pairs = {{"decode", full, tiled},
-                                                                          {"encode mean", full_enc.mean, tiled_enc.mean}};
-      for (const auto& [what, a, b] : pairs) {
-        const Err e = compare(b, a);
-        const Tensor d = (b.to(DType::f32) - a.to(DType::f32)).abs();
-        std::printf("tiled vs untiled %s at %lld² (tile %lld px): max abs %.3e, max rel %.3e, mean abs %.3e, "
-                    "mean |untiled| %.3e\n",
-                    what, static_cast<long long>(size), static_cast<long long>(tiles.sample_tile), e.abs,
-                    e.rel, d.mean().item<double>(), a.to(DType::f32).abs().mean().item<double>());
+        // Tiled against untiled at the timed size (tiles of half the image, 0.25 overlap, as
+        // diffusers' enable_tiling with 512-pixel tiles at 1024²): how far the blended seams move it.
+        const Tensor full = vae->decode(lat), tiled = vae->tiled_decode(lat, tiles);
+        const m::LatentDistribution full_enc = vae->encode(img), tiled_enc = vae->tiled_encode(img, tiles);
+        const std::vector<std::tuple<const char*, Tensor, Tensor>> pairs = {{"decode", full, tiled},
+                                                                            {"encode mean", full_enc.mean, tiled_enc.mean}};
+        for (const auto& [what, a, b] : pairs) {
+          const Err e = compare(b, a);
+          const Tensor d = (b.to(DType::f32) - a.to(DType::f32)).abs();
+          std::printf("tiled vs untiled %s at %lld² (tile %lld px): max abs %.3e, max rel %.3e, mean abs %.3e, "
+                      "mean |untiled| %.3e\n",
+                      what, static_cast<long long>(size), static_cast<long long>(tiles.sample_tile), e.abs,
+                      e.rel, d.mean().item<double>(), a.to(DType::f32).abs().mean().item<double>());
+        }
       }
     }
     return ok ? 0 : 1;
