@@ -95,11 +95,19 @@ SD3TransformerConfig sd3_preset(const std::string& name) {
 
 SD3TransformerConfig sd3_config_from_json(const JsonConfig& j) {
   const char* op = "sd3_config";
-  static const std::vector<std::string> known = {
-      "sample_size",          "patch_size",         "in_channels",           "num_layers",
-      "attention_head_dim",   "num_attention_heads", "joint_attention_dim",  "caption_projection_dim",
-      "pooled_projection_dim", "out_channels",       "pos_embed_max_size",   "dual_attention_layers",
-      "qk_norm"};
+  static const std::vector<std::string> known = {"sample_size",
+                                                 "patch_size",
+                                                 "in_channels",
+                                                 "num_layers",
+                                                 "attention_head_dim",
+                                                 "num_attention_heads",
+                                                 "joint_attention_dim",
+                                                 "caption_projection_dim",
+                                                 "pooled_projection_dim",
+                                                 "out_channels",
+                                                 "pos_embed_max_size",
+                                                 "dual_attention_layers",
+                                                 "qk_norm"};
   for (const std::string& key : j.keys()) {
     if (!key.empty() && key[0] == '_') continue;  // _class_name, _diffusers_version, _name_or_path
     FLAME_CHECK(std::find(known.begin(), known.end(), key) != known.end(), op, j.origin(), ": unknown key \"", key,
@@ -149,8 +157,7 @@ Tensor sd3_sincos_pos_embed(int64_t dim, int64_t grid, int64_t base_size) {
                          .to(DType::f64);
   const int64_t quarter = dim / 4;
   const Tensor omega =
-      (Tensor::arange(int64_t{0}, quarter, int64_t{1}, {DType::f64}) / static_cast<double>(quarter) *
-       std::log(10000.0))
+      (Tensor::arange(int64_t{0}, quarter, int64_t{1}, {DType::f64}) / static_cast<double>(quarter) * std::log(10000.0))
           .neg()
           .exp();
   const Tensor arg = flame::outer(pos, omega);                 // [grid, dim/4]
@@ -164,8 +171,8 @@ Tensor sd3_sincos_pos_embed(int64_t dim, int64_t grid, int64_t base_size) {
 SD3PatchEmbed::SD3PatchEmbed(const SD3TransformerConfig& c, TensorOptions opts)
     : patch_(c.patch_size), max_size_(c.pos_embed_max_size) {
   const int64_t d = c.inner_dim();
-  proj = register_module("proj", std::make_shared<nn::Conv2d>(c.in_channels, d, c.patch_size, c.patch_size, 0, 1, 1,
-                                                              true, opts));
+  proj = register_module(
+      "proj", std::make_shared<nn::Conv2d>(c.in_channels, d, c.patch_size, c.patch_size, 0, 1, 1, true, opts));
   const Tensor table = sd3_sincos_pos_embed(d, c.pos_embed_max_size, c.sample_size / c.patch_size);
   pos_embed = register_buffer("pos_embed", table.unsqueeze(0).to(opts.dtype_or(DType::f32), opts.device));
 }
@@ -179,11 +186,12 @@ Tensor SD3PatchEmbed::forward(const Tensor& latent) {
   FLAME_CHECK(h <= max_size_ && w <= max_size_, op, "latent ", hh, " x ", ww, " is ", h, " x ", w,
               " patches; the position table holds at most ", max_size_, " x ", max_size_,
               " (pos_embed_max_size): use a smaller image");
-  Tensor x = proj->forward(latent);                                   // [B, D, h, w]
-  x = x.flatten(2).transpose(1, 2);                                   // [B, h*w, D]
+  Tensor x = proj->forward(latent);  // [B, D, h, w]
+  x = x.flatten(2).transpose(1, 2);  // [B, h*w, D]
   const int64_t d = x.size(2);
   const int64_t top = (max_size_ - h) / 2, left = (max_size_ - w) / 2;
-  const Tensor crop = pos_embed.view({1, max_size_, max_size_, d}).narrow(1, top, h).narrow(2, left, w).reshape({1, h * w, d});
+  const Tensor crop =
+      pos_embed.view({1, max_size_, max_size_, d}).narrow(1, top, h).narrow(2, left, w).reshape({1, h * w, d});
   (void)b;
   return (x + crop).to(latent.dtype());
 }
@@ -232,10 +240,12 @@ SD3JointTransformerBlock::SD3JointTransformerBlock(int64_t dim, int64_t heads, i
     attn2 = register_module("attn2", std::make_shared<JointAttention>(self, opts));
   }
   ff = register_module("ff", std::make_shared<GeluFeedForward>(dim, 0, 4, 0.0, opts));
-  if (!context_pre_only) ff_context = register_module("ff_context", std::make_shared<GeluFeedForward>(dim, 0, 4, 0.0, opts));
+  if (!context_pre_only)
+    ff_context = register_module("ff_context", std::make_shared<GeluFeedForward>(dim, 0, 4, 0.0, opts));
 }
 
-std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, const Tensor& context, const Tensor& temb) {
+std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, const Tensor& context,
+                                                            const Tensor& temb) {
   AdaLayerNormZeroXOutput n;
   if (norm1_dual) {
     n = norm1_dual->forward(x, temb);
@@ -260,7 +270,8 @@ std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, con
   }
   h = F::gated_residual(h, m.gate_mlp, ff->forward(norm_h));
   if (context_pre_only_) return {h, Tensor()};
-  auto [ctx, norm_c] = F::gated_residual_modulate(context, c.gate_msa, ctx_attn_out, c.shift_mlp, c.scale_mlp, kNormEps);
+  auto [ctx, norm_c] =
+      F::gated_residual_modulate(context, c.gate_msa, ctx_attn_out, c.shift_mlp, c.scale_mlp, kNormEps);
   ctx = F::gated_residual(ctx, c.gate_mlp, ff_context->forward(norm_c));
   return {h, ctx};
 }
@@ -273,8 +284,8 @@ SD3Transformer2DModel::SD3Transformer2DModel(const SD3TransformerConfig& config,
   pos_embed = register_module("pos_embed", std::make_shared<SD3PatchEmbed>(c, opts));
   time_text_embed = register_module(
       "time_text_embed", std::make_shared<CombinedTimestepTextProjEmbeddings>(d, c.pooled_projection_dim, false, opts));
-  context_embedder = register_module("context_embedder",
-                                     std::make_shared<nn::Linear>(c.joint_attention_dim, c.caption_projection_dim, true, opts));
+  context_embedder = register_module(
+      "context_embedder", std::make_shared<nn::Linear>(c.joint_attention_dim, c.caption_projection_dim, true, opts));
   transformer_blocks = register_module("transformer_blocks", std::make_shared<nn::ModuleList>());
   for (int64_t i = 0; i < c.num_layers; ++i) {
     transformer_blocks->push_back(std::make_shared<SD3JointTransformerBlock>(
@@ -288,17 +299,16 @@ SD3Transformer2DModel::SD3Transformer2DModel(const SD3TransformerConfig& config,
 
 std::string SD3Transformer2DModel::extra_repr() const {
   const auto& c = config_;
-  std::string s = "layers=" + std::to_string(c.num_layers) + ", heads=" + std::to_string(c.num_attention_heads) +
-                  "x" + std::to_string(c.attention_head_dim) + ", pos_embed_max_size=" +
-                  std::to_string(c.pos_embed_max_size);
+  std::string s = "layers=" + std::to_string(c.num_layers) + ", heads=" + std::to_string(c.num_attention_heads) + "x" +
+                  std::to_string(c.attention_head_dim) + ", pos_embed_max_size=" + std::to_string(c.pos_embed_max_size);
   if (!c.qk_norm.empty()) s += ", qk_norm=" + c.qk_norm;
   if (!c.dual_attention_layers.empty()) s += ", dual_attention_layers=" + join(c.dual_attention_layers);
   return s;
 }
 
 void SD3Transformer2DModel::set_gradient_checkpointing(bool on, int64_t blocks) {
-  FLAME_CHECK(blocks >= -1, "SD3Transformer2DModel::set_gradient_checkpointing", "blocks must be -1 (all) or >= 0, got ",
-              blocks);
+  FLAME_CHECK(blocks >= -1, "SD3Transformer2DModel::set_gradient_checkpointing",
+              "blocks must be -1 (all) or >= 0, got ", blocks);
   const int64_t n = config_.num_layers;
   checkpointed_ = !on ? 0 : blocks < 0 ? n : std::min(blocks, n);
 }
@@ -316,10 +326,11 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
               "hidden_states must be [B, ", c.in_channels, ", H, W], got ",
               hidden_states.defined() ? flame::shape_str(hidden_states.sizes()) : std::string("undefined"));
   const int64_t b = hidden_states.size(0);
-  FLAME_CHECK(encoder_hidden_states.defined() && encoder_hidden_states.dim() == 3 &&
-                  encoder_hidden_states.size(0) == b && encoder_hidden_states.size(2) == c.joint_attention_dim,
-              op, "encoder_hidden_states must be [", b, ", S, ", c.joint_attention_dim, "] (joint_attention_dim), got ",
-              encoder_hidden_states.defined() ? flame::shape_str(encoder_hidden_states.sizes()) : std::string("undefined"));
+  FLAME_CHECK(
+      encoder_hidden_states.defined() && encoder_hidden_states.dim() == 3 && encoder_hidden_states.size(0) == b &&
+          encoder_hidden_states.size(2) == c.joint_attention_dim,
+      op, "encoder_hidden_states must be [", b, ", S, ", c.joint_attention_dim, "] (joint_attention_dim), got ",
+      encoder_hidden_states.defined() ? flame::shape_str(encoder_hidden_states.sizes()) : std::string("undefined"));
   FLAME_CHECK(pooled_projections.defined() && pooled_projections.dim() == 2 && pooled_projections.size(0) == b &&
                   pooled_projections.size(1) == c.pooled_projection_dim,
               op, "pooled_projections must be [", b, ", ", c.pooled_projection_dim, "] (pooled_projection_dim), got ",

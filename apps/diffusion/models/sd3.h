@@ -133,8 +133,8 @@ class SD3JointTransformerBlock : public flame::nn::Module {
   // "norm1_context": AdaLayerNormZero, or AdaLayerNormContinuous when context_pre_only (the other null).
   std::shared_ptr<AdaLayerNormZero> norm1_context;
   std::shared_ptr<AdaLayerNormContinuous> norm1_context_final;
-  std::shared_ptr<JointAttention> attn, attn2;         // attn2 null unless dual attention
-  std::shared_ptr<GeluFeedForward> ff, ff_context;     // ff_context null when context_pre_only
+  std::shared_ptr<JointAttention> attn, attn2;      // attn2 null unless dual attention
+  std::shared_ptr<GeluFeedForward> ff, ff_context;  // ff_context null when context_pre_only
 
  private:
   bool context_pre_only_;

@@ -111,7 +111,8 @@ KeyPlan sd3_original_plan(const Checkpoint& ck, const std::string& prefix) {
   linear(ck, plan, "time_text_embed.text_embedder.linear_2", P + "y_embedder.mlp.2");
   linear(ck, plan, "context_embedder", P + "context_embedder");
   linear(ck, plan, "proj_out", P + "final_layer.linear");
-  for (const char* p : {".weight", ".bias"}) swapped(ck, plan, std::string("norm_out.linear") + p, P + "final_layer.adaLN_modulation.1" + p);
+  for (const char* p : {".weight", ".bias"})
+    swapped(ck, plan, std::string("norm_out.linear") + p, P + "final_layer.adaLN_modulation.1" + p);
 
   const std::set<int64_t> blocks = indices(ck, P + "joint_blocks.");
   const int64_t n = blocks.empty() ? 0 : *blocks.rbegin() + 1;
@@ -141,8 +142,10 @@ KeyPlan sd3_original_plan(const Checkpoint& ck, const std::string& prefix) {
     linear(ck, plan, t + "norm1.linear", x + "adaLN_modulation.1");
     for (const char* p : {".weight", ".bias"}) {
       // The last context block is an AdaLayerNormContinuous: shift, scale stored; scale, shift in diffusers.
-      if (last) swapped(ck, plan, t + "norm1_context.linear" + p, c + "adaLN_modulation.1" + p);
-      else copy(ck, plan, t + "norm1_context.linear" + p, c + "adaLN_modulation.1" + p);
+      if (last)
+        swapped(ck, plan, t + "norm1_context.linear" + p, c + "adaLN_modulation.1" + p);
+      else
+        copy(ck, plan, t + "norm1_context.linear" + p, c + "adaLN_modulation.1" + p);
     }
     linear(ck, plan, t + "ff.net.0.proj", x + "mlp.fc1");
     linear(ck, plan, t + "ff.net.2", x + "mlp.fc2");
@@ -211,7 +214,8 @@ SD3TransformerConfig sd3_config_from_original(const Checkpoint& ck, const std::s
               flame::shape_str(fin), " rows are not a multiple of patch^2 = ", c.patch_size * c.patch_size);
   c.out_channels = fin[0] / (c.patch_size * c.patch_size);
   for (int64_t i : blocks) {
-    if (ck.has_prefix(prefix + "joint_blocks." + std::to_string(i) + ".x_block.attn2.")) c.dual_attention_layers.push_back(i);
+    if (ck.has_prefix(prefix + "joint_blocks." + std::to_string(i) + ".x_block.attn2."))
+      c.dual_attention_layers.push_back(i);
   }
   try {
     c.validate();
@@ -283,7 +287,8 @@ SD3FileInfo inspect_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
   } else if (info.format == "sd3-original") {
     info.config = sd3_config_from_original(ck, det.prefix);
   } else {
-    FLAME_FAIL("load_sd3", ck.description(), ": diffusers SD3 names without a config.json beside them; give the "
+    FLAME_FAIL("load_sd3", ck.description(),
+               ": diffusers SD3 names without a config.json beside them; give the "
                "config (SD3LoadOptions::config, config_json, or a preset: sd3_preset(\"sd3.5-large\"))");
   }
   info.config.validate();
@@ -301,7 +306,8 @@ SD3FileInfo inspect_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
 
 std::shared_ptr<SD3Transformer2DModel> load_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
   const SD3FileInfo info = inspect_sd3(ck, options);
-  auto model = std::make_shared<SD3Transformer2DModel>(info.config, flame::TensorOptions{options.dtype, options.device});
+  auto model =
+      std::make_shared<SD3Transformer2DModel>(info.config, flame::TensorOptions{options.dtype, options.device});
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
   std::string layout = info.format;
   if (info.fp8) layout += ck.has_prefix(info.prefix + "scaled_fp8") ? " (fp8 scaled)" : " (fp8)";

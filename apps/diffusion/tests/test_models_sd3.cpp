@@ -35,15 +35,15 @@ std::filesystem::path reference_dir(const std::string& name) {
 int64_t expected_parameters(const fm::SD3TransformerConfig& c) {
   const int64_t d = c.inner_dim(), p = c.patch_size;
   auto lin = [](int64_t in, int64_t out) { return in * out + out; };
-  int64_t n = c.in_channels * d * p * p + d;                                  // pos_embed.proj
+  int64_t n = c.in_channels * d * p * p + d;                                   // pos_embed.proj
   n += lin(256, d) + lin(d, d) + lin(c.pooled_projection_dim, d) + lin(d, d);  // time_text_embed
-  n += lin(c.joint_attention_dim, d);                                        // context_embedder
+  n += lin(c.joint_attention_dim, d);                                          // context_embedder
   const bool qk = c.qk_norm == "rms_norm";
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const bool last = i == c.num_layers - 1, dual = c.dual_attention(i);
-    n += lin(d, (dual ? 9 : 6) * d) + lin(d, (last ? 2 : 6) * d);  // norm1, norm1_context
+    n += lin(d, (dual ? 9 : 6) * d) + lin(d, (last ? 2 : 6) * d);                       // norm1, norm1_context
     n += 7 * lin(d, d) + (last ? 0 : lin(d, d)) + (qk ? 4 * c.attention_head_dim : 0);  // attn
-    if (dual) n += 4 * lin(d, d) + (qk ? 2 * c.attention_head_dim : 0);               // attn2
+    if (dual) n += 4 * lin(d, d) + (qk ? 2 * c.attention_head_dim : 0);                 // attn2
     n += (last ? 1 : 2) * (lin(d, 4 * d) + lin(4 * d, d));                              // ff, ff_context
   }
   return n + lin(d, 2 * d) + lin(d, p * p * c.out_channels);  // norm_out, proj_out
@@ -151,13 +151,15 @@ TEST(ModelsSD3, ConfigJsonAndModelShape) {
     "caption_projection_dim": 1536, "dual_attention_layers": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12],
     "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24, "num_layers": 24, "out_channels": 16,
     "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 384, "qk_norm": "rms_norm",
-    "sample_size": 128})", "sd3.5-medium.json")),
+    "sample_size": 128})",
+                                                                  "sd3.5-medium.json")),
                    fm::sd3_preset("sd3.5-medium")));
   EXPECT_TRUE(same(fm::sd3_config_from_json(fm::JsonConfig::parse(R"({
     "_class_name": "SD3Transformer2DModel", "_diffusers_version": "0.29.0.dev0", "attention_head_dim": 64,
     "caption_projection_dim": 1536, "in_channels": 16, "joint_attention_dim": 4096, "num_attention_heads": 24,
     "num_layers": 24, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
-    "sample_size": 128})", "sd3-medium.json")),
+    "sample_size": 128})",
+                                                                  "sd3-medium.json")),
                    fm::sd3_preset("sd3-medium")));
   // Errors name the file and the key.
   const auto err = [](const std::string& text) {
@@ -189,7 +191,8 @@ TEST(ModelsSD3, PositionTableMatchesDiffusers) {
   const Tensor t = fm::sd3_sincos_pos_embed(8, 4, 2);
   const std::vector<double> want = {std::sin(0.5), std::sin(0.005), std::cos(0.5), std::cos(0.005),
                                     std::sin(1.5), std::sin(0.015), std::cos(1.5), std::cos(0.015)};
-  for (int64_t i = 0; i < 8; ++i) EXPECT_NEAR(t[3 * 4 + 1][i].item<double>(), want[static_cast<std::size_t>(i)], 1e-7) << i;
+  for (int64_t i = 0; i < 8; ++i)
+    EXPECT_NEAR(t[3 * 4 + 1][i].item<double>(), want[static_cast<std::size_t>(i)], 1e-7) << i;
 }
 
 TEST(ModelsSD3, OutputsMatchDiffusersFromEveryLayout) {
@@ -344,7 +347,8 @@ TEST(ModelsSD3, LoaderErrorsNameTheProblem) {
   {
     fm::SD3TransformerConfig c = fm::sd3_config_from_file((dir / "transformer" / "config.json").string());
     c.dual_attention_layers = {0};
-    const std::string e = fd_test::error_of([&] { fm::load_sd3((dir / "sd3_original.safetensors").string(), {.config = c}); });
+    const std::string e =
+        fd_test::error_of([&] { fm::load_sd3((dir / "sd3_original.safetensors").string(), {.config = c}); });
     EXPECT_NE(e.find("unplaced: stored model.diffusion_model.joint_blocks.1.x_block.attn2"), std::string::npos) << e;
   }
   // Not an SD3 file: the formats tried and the file's keys.
@@ -365,10 +369,13 @@ TEST(ModelsSD3, LoaderErrorsNameTheProblem) {
     const Tensor pooled = r["input.pooled_projections"].to(flame::Device::cpu());
     const Tensor t = r["input.timestep"].to(flame::Device::cpu());
     flame::NoGradGuard no_grad;
-    auto err = [&](const Tensor& x, const Tensor& c) { return fd_test::error_of([&] { m->forward(x, c, pooled, t); }); };
+    auto err = [&](const Tensor& x, const Tensor& c) {
+      return fd_test::error_of([&] { m->forward(x, c, pooled, t); });
+    };
     EXPECT_NE(err(Tensor::zeros({2, 4, 7, 8}), ctx).find("multiples of the patch size 2"), std::string::npos);
     EXPECT_NE(err(Tensor::zeros({2, 4, 24, 8}), ctx).find("at most 11 x 11"), std::string::npos);
-    EXPECT_NE(err(Tensor::zeros({2, 4, 8, 8}), Tensor::zeros({2, 5, 13})).find("joint_attention_dim"), std::string::npos);
+    EXPECT_NE(err(Tensor::zeros({2, 4, 8, 8}), Tensor::zeros({2, 5, 13})).find("joint_attention_dim"),
+              std::string::npos);
   }
   std::filesystem::remove_all(tmp);
 }

@@ -43,8 +43,8 @@ using flame::DType;
 using flame::Tensor;
 using flame_diffusion::tools::int_list;
 using flame_diffusion::tools::parity_error;
-using flame_diffusion::tools::parse_device;
 using flame_diffusion::tools::ParityError;
+using flame_diffusion::tools::parse_device;
 using flame_diffusion::tools::print_kernel_trace;
 
 namespace {
@@ -53,7 +53,8 @@ const char* kUsage =
     "usage:\n"
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
-    "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]\n";
+    "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
+    "[--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload"};
@@ -98,11 +99,11 @@ int check(const std::map<std::string, std::string>& f) {
   struct Layout {
     std::string name, path, output;
   };
-  const std::vector<Layout> layouts = {{"diffusers", dir.string(), "output.sample"},
-                                       {"original", (dir / "sd3_original.safetensors").string(), "output.sample"},
-                                       {"fp8", (dir / "sd3_fp8.safetensors").string(), "output.fp8_sample"},
-                                       {"fp8-scaled", (dir / "sd3_fp8_scaled.safetensors").string(),
-                                        "output.fp8_scaled_sample"}};
+  const std::vector<Layout> layouts = {
+      {"diffusers", dir.string(), "output.sample"},
+      {"original", (dir / "sd3_original.safetensors").string(), "output.sample"},
+      {"fp8", (dir / "sd3_fp8.safetensors").string(), "output.fp8_sample"},
+      {"fp8-scaled", (dir / "sd3_fp8_scaled.safetensors").string(), "output.fp8_scaled_sample"}};
   bool ok = true;
   for (const Layout& l : layouts) {
     if (l.name != "diffusers" && !std::filesystem::exists(l.path)) {
@@ -247,14 +248,15 @@ int time_steps(const std::map<std::string, std::string>& f) {
     const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
     const double flops = 2.0 * forward_flops(config, batch, latent, text);  // forward + input gradients
     const double rate = flops / (median / 1e3) / 1e12;
-    std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-                "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
-                "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
-                name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
-                static_cast<long long>(text), static_cast<long long>(batch),
-                static_cast<long long>(model->checkpointed_blocks()),
-                static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
-                rate / gemm);
+    std::printf(
+        "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
+        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, \"peak_gib\": "
+        "%.3f, "
+        "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
+        name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent), static_cast<long long>(text),
+        static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
+        static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
+        rate / gemm);
     std::fflush(stdout);
     if (trace_steps > 0) print_kernel_trace(step, trace_steps);
   }
