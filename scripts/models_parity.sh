@@ -23,7 +23,8 @@
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
 #              outputs (models_text.py); text_parity compares. Needs transformers, not diffusers.
 #   sd3        the SD3 / SD3.5 transformers (SD3_CONFIGS, default sd3-medium sd3.5-medium in f32 and
-#              bf16, sd3.5-large in bf16) on 128x128 latents + 333 text tokens: every file layout,
+#              bf16, sd3.5-large in bf16) on 128x128 latents + 333 text tokens: every file layout
+#              (fp8 and fp8-scaled files for the medium models),
 #              outputs and LoRA r16 gradients (models_sd3.py writes, sd3_parity check compares); then
 #              the SD3.5-Large LoRA r16 step at 1024² (bf16 autocast, f32 adapters) beside diffusers
 #              eager and torch.compile, with and without checkpointing every block (and with the
@@ -166,7 +167,8 @@ if has sd3; then
   for c in ${SD3_CONFIGS:-sd3-medium sd3.5-medium sd3.5-large}; do
     dtypes="f32 bf16"; [ "$c" = sd3.5-large ] && dtypes=bf16  # 8 B parameters: f32 twice does not fit 80 GB
     for d in $dtypes; do
-      run "sd3 $c 128+333 $d: diffusers" 600 python3 apps/diffusion/reference/models_sd3.py --config $c --latent 128 --text 333 --dtype $d --out /tmp/sd3_${c}_$d
+      fp8=--fp8; [ "$c" = sd3.5-large ] && fp8=  # the fp8 files of the medium models only (disk and time)
+      run "sd3 $c 128+333 $d: diffusers" 600 python3 apps/diffusion/reference/models_sd3.py --config $c --latent 128 --text 333 --dtype $d $fp8 --out /tmp/sd3_${c}_$d
       run "sd3 $c 128+333 $d: flame" 600 "$BIN/sd3_parity" check --dir /tmp/sd3_${c}_$d --device cuda
       rm -rf /tmp/sd3_${c}_$d
     done
