@@ -54,6 +54,30 @@ inline double median_ms(const std::function<void()>& fn, bool cuda) {
   return (t[4] + t[5]) / 2;
 }
 
+// A training step timed on the GPU: `warmup` untimed calls, then the median of `steps` calls timed
+// with CUDA events, and the peak allocated memory over the timed calls (GiB).
+struct StepTimes {
+  double median_ms = 0;
+  double peak_gib = 0;
+};
+inline StepTimes time_cuda_steps(const std::function<void()>& step, int64_t warmup, int64_t steps) {
+  for (int64_t i = 0; i < warmup; ++i) step();
+  flame::cuda::synchronize();
+  flame::cuda::reset_peak_memory_stats();
+  std::vector<double> ms;
+  for (int64_t i = 0; i < steps; ++i) {
+    flame::cuda::Event a(true), b(true);
+    a.record();
+    step();
+    b.record();
+    b.synchronize();
+    ms.push_back(a.elapsed_time(b));
+  }
+  std::sort(ms.begin(), ms.end());
+  return {ms.empty() ? 0.0 : ms[ms.size() / 2],
+          static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30)};
+}
+
 // "--name value" pairs after the command (argv[1]); an unknown flag or a missing value raises
 // std::runtime_error with `usage`.
 inline std::map<std::string, std::string> parse_flags(int argc, char** argv, const std::vector<std::string>& known,

@@ -231,28 +231,14 @@ int time_steps(const std::map<std::string, std::string>& f) {
       const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
       opt.step(loss.backward());
     };
-    for (int64_t i = 0; i < warmup; ++i) step();
-    flame::cuda::synchronize();
-    flame::cuda::reset_peak_memory_stats();
-    std::vector<double> ms;
-    for (int64_t i = 0; i < steps; ++i) {
-      flame::cuda::Event a(true), b(true);
-      a.record();
-      step();
-      b.record();
-      b.synchronize();
-      ms.push_back(a.elapsed_time(b));
-    }
-    std::sort(ms.begin(), ms.end());
-    const double median = ms[ms.size() / 2];
-    const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
+    const flame_diffusion::tools::StepTimes timed = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
+    const double median = timed.median_ms, peak = timed.peak_gib;
     const double flops = 2.0 * forward_flops(config, batch, latent, text);  // forward + input gradients
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf(
         "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, \"peak_gib\": "
-        "%.3f, "
-        "\"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
+        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, "
+        "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
         name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent), static_cast<long long>(text),
         static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
         static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
