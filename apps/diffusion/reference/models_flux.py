@@ -45,6 +45,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_timing import time_steps  # noqa: E402
 
 BASE = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -318,25 +320,10 @@ def time_steps(args):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        t0 = time.time()
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        warmup_s = time.time() - t0
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        t = time_steps(step, args.warmup, args.steps)
         print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""),
                           "work": f"{name}_lora_r{args.rank}_step", "latent": args.latent, "text": args.text,
-                          "batch": args.batch, "checkpointing": ckpt, "median_ms": round(statistics.median(times), 2),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-                          "warmup_s": round(warmup_s, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
+                          "batch": args.batch, "checkpointing": ckpt, **t, "gpu": torch.cuda.get_device_name()}), flush=True)
         del model, opt, params, x, net
 
 

@@ -47,6 +47,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_timing import time_steps  # noqa: E402
 
 # Published configurations (stabilityai/stable-diffusion-3-medium-diffusers, -3.5-medium, -3.5-large).
 REAL = {
@@ -299,25 +301,10 @@ def time_steps(args):
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        t0 = time.time()
-        for _ in range(args.warmup):
-            step()
-        torch.cuda.synchronize()
-        warmup_s = time.time() - t0
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for _ in range(args.steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
+        t = time_steps(step, args.warmup, args.steps)
         print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""),
                           "work": f"{name}_lora_r{args.rank}_step", "latent": args.latent, "text": args.text,
-                          "batch": args.batch, "checkpointing": ckpt, "median_ms": round(statistics.median(times), 2),
-                          "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-                          "warmup_s": round(warmup_s, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
+                          "batch": args.batch, "checkpointing": ckpt, **t, "gpu": torch.cuda.get_device_name()}), flush=True)
         del model, opt, params, x, net
 
 

@@ -37,6 +37,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_timing import time_steps  # noqa: E402
+
 CONFIGS = {
     # SDXL's shape at toy size: DownBlock2D first, linear projections, text_time (10 + 6 * 4 = 34).
     "tiny-xl": dict(
@@ -240,24 +243,10 @@ def time_steps(args):
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            t0 = time.time()
-            for _ in range(args.warmup):
-                step()
-            torch.cuda.synchronize()
-            warmup_s = time.time() - t0
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.steps):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                step()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
+            t = time_steps(step, args.warmup, args.steps)
             print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""), "work": f"{name}_unet_lora_r{args.rank}_step", "latent": args.latent,
-                              "batch": batch, "checkpointing": ckpt, "median_ms": round(statistics.median(times), 2),
-                              "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3),
-                              "warmup_s": round(warmup_s, 1), "gpu": torch.cuda.get_device_name()}), flush=True)
+                              "batch": batch, "checkpointing": ckpt, **t,
+                              "gpu": torch.cuda.get_device_name()}), flush=True)
             del unet, opt, params, x
 
 

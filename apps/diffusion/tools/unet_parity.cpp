@@ -45,6 +45,7 @@
 
 #include "models/unet2d.h"
 #include "models/unet2d_convert.h"
+#include "parity_util.h"
 
 namespace fm = flame_diffusion::models;
 using flame::DType;
@@ -61,45 +62,14 @@ const char* kUsage =
     "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
     "                    [--dtype bf16|f32] [--device cpu]\n";
 
-std::map<std::string, std::string> parse_flags(int argc, char** argv) {
-  static const std::vector<std::string> known = {"dir",   "device", "checkpointing", "config",    "latent",
-                                                 "batch", "rank",   "steps",         "warmup",    "recompute",
-                                                 "dtype", "graph",  "trace"};
-  std::map<std::string, std::string> f;
-  for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a.rfind("--", 0) != 0 || std::find(known.begin(), known.end(), a.substr(2)) == known.end())
-      throw std::runtime_error("unknown flag '" + a + "'\n" + kUsage);
-    if (i + 1 >= argc) throw std::runtime_error("flag '" + a + "' needs a value");
-    f[a.substr(2)] = argv[++i];
-  }
-  return f;
-}
+const std::vector<std::string> kFlags = {"dir",  "device", "checkpointing", "config", "latent", "batch", "rank",
+                                          "steps", "warmup", "recompute", "dtype", "graph", "trace"};
 
+using flame_diffusion::tools::int_list;
+using flame_diffusion::tools::parse_device;
+using flame_diffusion::tools::print_kernel_trace;
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
-  auto it = f.find(k);
-  return it == f.end() ? fallback : it->second;
-}
-
-std::vector<int64_t> int_list(const std::string& flag, const std::string& v) {
-  std::vector<int64_t> out;
-  std::size_t s = 0;
-  while (s <= v.size()) {
-    const std::size_t e = std::min(v.find(',', s), v.size());
-    try {
-      out.push_back(std::stoll(v.substr(s, e - s)));
-    } catch (const std::exception&) {
-      throw std::runtime_error("--" + flag + ": '" + v + "' is not a comma-separated list of integers");
-    }
-    s = e + 1;
-  }
-  return out;
-}
-
-flame::Device parse_device(const std::string& v) {
-  if (v == "cpu") return flame::Device::cpu();
-  if (v == "cuda") return flame::Device::cuda(0);
-  throw std::runtime_error("--device must be cpu or cuda, got '" + v + "'");
+  return flame_diffusion::tools::flag_or(f, k, fallback);
 }
 
 struct Err {
@@ -281,25 +251,6 @@ StepInputs step_inputs(const fm::UNet2DConditionConfig& config, int64_t batch, i
   return in;
 }
 
-// Diagnostics: where the GPU time of `steps` more steps goes (profiler::KernelTrace), by kernel
-// name (grouped by their first 60 characters), and the host gap of a step (span - busy).
-void print_kernel_trace(const std::function<void()>& step, int64_t steps) {
-  flame::profiler::KernelTrace trace;
-  trace.start();
-  for (int64_t i = 0; i < steps; ++i) step();
-  trace.stop();
-  const double n = static_cast<double>(steps);
-  std::printf("# kernel trace of %lld steps: per step %.2f ms busy, %.2f ms span, %.0f kernels\n",
-              static_cast<long long>(steps), trace.busy_ms() / n, trace.span_ms() / n,
-              static_cast<double>(trace.records().size()) / n);
-  for (const auto& row : trace.by_name(60)) {
-    if (row.percent < 0.5) continue;
-    std::printf("#   %7.2f ms/step %5.1f%% %6.0f calls/step  %s\n", row.total_ms / n, row.percent,
-                static_cast<double>(row.calls) / n, row.name.c_str());
-  }
-  std::fflush(stdout);
-}
-
 int time_steps(const std::map<std::string, std::string>& f) {
   const std::string name = get(f, "config", "sdxl");
   const auto config = fm::unet2d_preset(name);
@@ -443,7 +394,7 @@ int main(int argc, char** argv) {
   try {
     if (argc < 2) throw std::runtime_error(std::string("no command\n") + kUsage);
     const std::string cmd = argv[1];
-    const auto flags = parse_flags(argc, argv);
+    const auto flags = flame_diffusion::tools::parse_flags(argc, argv, kFlags, kUsage);
     if (cmd == "check") return check(flags);
     if (cmd == "time") return time_steps(flags);
     if (cmd == "saved") return saved(flags);
