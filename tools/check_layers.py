@@ -35,7 +35,7 @@ LAYERS = [
     ("ops", ["include/flame/ops.h", "include/flame/random.h", "src/ops/*", "src/random/*",
              "include/flame/nn/args.h", "include/flame/nn/adaln.h", "include/flame/nn/attention.h",
              "include/flame/nn/conv.h", "include/flame/nn/norm.h", "include/flame/nn/pool.h",
-             "include/flame/nn/linear_gelu.h"]),
+             "include/flame/nn/linear_gelu.h", "include/flame/nn/rotary.h"]),
     # What consumes op definitions: autograd, compile, autocast, the profiler.
     ("transforms", ["include/flame/autograd.h", "include/flame/anomaly.h", "include/flame/recompute.h",
                     "include/flame/amp.h", "include/flame/compile.h", "include/flame/profiler.h",
@@ -92,6 +92,7 @@ src/ops/norm.cpp -> src/autograd/recompute.h
 src/ops/norm.cpp -> src/autograd/rules/norm.h
 src/ops/pool.cpp -> src/autograd/record.h
 src/ops/pool.cpp -> src/autograd/rules/pool.h
+src/ops/rotary.cpp -> src/autograd/rules/rotary.h
 src/ops/reduce.cpp -> src/autograd/rules/rules.h
 src/ops/views.cpp -> src/autograd/record.h
 src/ops/views.cpp -> src/autograd/rules/rules.h

@@ -20,4 +20,5 @@
 #include "flame/nn/norm_layers.h"
 #include "flame/nn/pool.h"
 #include "flame/nn/pool_layers.h"
+#include "flame/nn/rotary.h"
 #include "flame/nn/serialization.h"

@@ -124,10 +124,8 @@ Tensor apply_rotary_emb(const Tensor& x, const RotaryEmbedding& rope) {
               "apply_rotary_emb", "x must be [B, H, S, D] with cos/sin [S, D]; got x ", flame::shape_str(x.sizes()),
               " and cos ", rope.defined() ? flame::shape_str(rope.cos.sizes()) : std::string("(none)"),
               " (the position ids must cover the joint sequence: text tokens + image tokens)");
-  const Tensor xf = x.to(DType::f32);
-  const Tensor pairs = xf.unflatten(-1, {x.size(3) / 2, 2});
-  const Tensor rotated = flame::stack({-pairs.select(-1, 1), pairs.select(-1, 0)}, -1).flatten(3);
-  return (xf * rope.cos + rotated * rope.sin).to(x.dtype());
+  // FLAME's fused rotary op: one pass over x, and a backward that saves only cos and sin.
+  return F::rotary_embedding(x, rope.cos, rope.sin, F::RotaryLayout::interleaved);
 }
 
 // ---- joint attention ----

@@ -31,8 +31,8 @@
 // axis a of the position ids, freqs_i = 1 / theta^(2i / d_a) (f64), angle = pos * freqs_i, each cos
 // and sin repeated twice (interleaved), the axes concatenated -> cos, sin [S, head_dim] (f32). Pairs
 // (x[2i], x[2i+1]) rotate: out = x * cos + rot(x) * sin with rot(x)[2i] = -x[2i+1],
-// rot(x)[2i+1] = x[2i], computed in f32 and returned in x's dtype. This is a composite of FLAME ops
-// (view, select, stack, multiply-add): a fused rotary op is framework work (issue #30, item 3).
+// rot(x)[2i+1] = x[2i], computed in f32 and returned in x's dtype: FLAME's fused
+// nn::functional::rotary_embedding (interleaved layout), one pass over x forward and backward.
 #include <cstdint>
 #include <functional>
 #include <memory>

@@ -107,6 +107,8 @@ std::shared_ptr<Storage> allocate_storage(std::size_t nbytes);
 void register_cpu_optim_kernels();
 void register_cpu_graph_kernels();
 void register_cpu_amp_kernels();
+// and the rotary embedding (cpu_rotary.cpp).
+void register_cpu_rotary_kernels();
 
 class CpuBackend final : public Backend {
  public:
@@ -114,6 +116,7 @@ class CpuBackend final : public Backend {
     register_cpu_optim_kernels();
     register_cpu_graph_kernels();
     register_cpu_amp_kernels();
+    register_cpu_rotary_kernels();
   }
   std::shared_ptr<void> allocate(std::size_t nbytes) override;
   void copy(const Tensor& dst, const Tensor& src) override;

@@ -175,6 +175,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   register_optim_kernels();
   register_foreach_kernels();
   register_amp_kernels();
+  register_rotary_kernels();
 }
 
 CudaBackend::~CudaBackend() {

@@ -161,5 +161,7 @@ void register_adaln_kernels();
 void register_optim_kernels();
 void register_foreach_kernels();
 void register_amp_kernels();
+// and the rotary embedding: rotary/rotary.cu.
+void register_rotary_kernels();
 
 }  // namespace flame::backend::cuda

@@ -3,6 +3,7 @@
 #include "src/backend/fused/adaln.h"
 #include "src/backend/fused/linear_epilogue.h"
 #include "src/backend/fused/multi_tensor.h"
+#include "src/backend/fused/rotary.h"
 
 namespace flame::backend::fused {
 
@@ -21,5 +22,6 @@ constinit decltype(ema_update_device) ema_update_device{"ema_update_device"};
 constinit decltype(foreach_norm_accumulate) foreach_norm_accumulate{"foreach_norm_accumulate"};
 constinit decltype(foreach_clip_scale) foreach_clip_scale{"foreach_clip_scale"};
 constinit decltype(amp_unscale) amp_unscale{"amp_unscale"};
+constinit decltype(rotary_embedding) rotary_embedding{"rotary_embedding"};
 
 }  // namespace flame::backend::fused

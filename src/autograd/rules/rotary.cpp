@@ -1,0 +1,39 @@
+// Gradient rule of the fused rotary embedding (src/autograd/rules/rotary.h).
+#include "src/autograd/rules/rotary.h"
+
+#include "flame/autograd.h"
+#include "src/autograd/record.h"
+#include "src/backend/fused/rotary.h"
+#include "src/core/tensor_impl.h"
+
+namespace flame::rules {
+namespace {
+
+// args.op: x's dtype; args.dim: the layout; saved: cos, sin.
+TensorList rotary_rule(const Tensor& grad, const Node& n) {
+  const Tensor cos = n.saved(0), sin = n.saved(1);
+  const int64_t s_len = cos.size(0), d = cos.size(1);
+  const Tensor g = grad.to(static_cast<DType>(n.args().op)).contiguous();
+  Tensor dx = make_empty(g.sizes(), g.dtype(), g.device(), "rotary_embedding_backward");
+  if (g.numel() == 0) return {dx};
+  const Shape rows = {g.numel() / (s_len * d), s_len, d};
+  const bool ok = backend::fused::rotary_embedding.try_run(g.device(), dx.view(rows), g.view(rows), cos, sin,
+                                                           static_cast<int>(n.args().dim), /*inverse=*/true);
+  FLAME_CHECK(ok, "rotary_embedding", "the device ran the forward but declined its backward (gradient ", g.sizes(),
+              " ", dtype_name(g.dtype()), ")");
+  return {dx};
+}
+
+}  // namespace
+
+void rotary(Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int layout) {
+  if (!needs_grad({x})) return;
+  RuleArgs args;
+  args.op = static_cast<int>(x.dtype());
+  args.dim = layout;
+  Node& n = record(out, "RotaryEmbeddingBackward", {x}, &rotary_rule, std::move(args));
+  n.save(cos);
+  n.save(sin);
+}
+
+}  // namespace flame::rules

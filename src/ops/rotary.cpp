@@ -1,0 +1,85 @@
+// Rotary position embedding (flame/nn/rotary.h).
+//
+// Note [Rotary embedding]
+// q and k of a DiT with RoPE (FLUX: [B, 24, 4608, 128] each, every block) get
+// out = x * cos + rotate(x) * sin, rotate mapping each pair (a, b) to (-b, a). As ordinary ops that
+// is a cast to f32, a stack of the rotated pairs, two products, a sum and a cast back: six passes
+// over x forward, and a backward that saves x in f32 and the rotated copy. Here it is one fused
+// kernel (src/backend/fused/rotary.h: both backends have it) that reads x once and writes the
+// result once, and a node that saves only cos and sin ([S, D], shared by every head and batch
+// element); the backward is the kernel's inverse pass over the gradient. Where cos or sin need a
+// gradient (a learned table), the composite runs instead, so autograd differentiates it as written.
+// The composite is also the reference the tests hold the kernels to.
+#include "flame/nn/rotary.h"
+
+#include "flame/grad_mode.h"
+#include "flame/ops.h"
+#include "src/autograd/rules/rotary.h"
+#include "src/backend/fused/rotary.h"
+#include "src/core/tensor_impl.h"
+#include "src/ops/trace_hooks.h"
+
+namespace flame::nn::functional {
+namespace {
+
+constexpr const char* kOp = "rotary_embedding";
+
+// The same math as ordinary ops (Note [Rotary embedding]).
+Tensor composite(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout, DType c) {
+  const int64_t d = x.size(-1);
+  const Tensor xf = x.to(c);
+  Tensor rotated;
+  if (layout == RotaryLayout::interleaved) {
+    const Tensor pairs = xf.unflatten(-1, {d / 2, 2});
+    rotated = stack({neg(pairs.select(-1, 1)), pairs.select(-1, 0)}, -1).flatten(-2);
+  } else {
+    rotated = cat({neg(xf.narrow(-1, d / 2, d / 2)), xf.narrow(-1, 0, d / 2)}, -1);
+  }
+  return (xf * cos.to(c) + rotated * sin.to(c)).to(x.dtype());
+}
+
+void validate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
+  FLAME_CHECK(x.defined() && cos.defined() && sin.defined(), kOp, "x, cos and sin must be defined");
+  FLAME_CHECK(is_floating(x.dtype()), kOp, "x must be floating, got ", dtype_name(x.dtype()), " (shape ", x.sizes(),
+              ")");
+  FLAME_CHECK(x.dim() >= 2, kOp, "x must be [..., S, D], got shape ", x.sizes());
+  const int64_t s = x.size(-2), d = x.size(-1);
+  FLAME_CHECK(d % 2 == 0, kOp, "the last dim of x must be even (pairs rotate together), got shape ", x.sizes());
+  for (const Tensor* t : {&cos, &sin}) {
+    const char* what = t == &cos ? "cos" : "sin";
+    FLAME_CHECK(is_floating(t->dtype()), kOp, what, " must be floating, got ", dtype_name(t->dtype()));
+    FLAME_CHECK(t->device() == x.device(), kOp, what, " is on ", t->device().str(), " but x is on ",
+                x.device().str());
+    bool ok = t->dim() >= 2 && t->size(-2) == s && t->size(-1) == d;
+    for (int64_t i = 0; ok && i + 2 < t->dim(); ++i) ok = t->size(i) == 1;
+    FLAME_CHECK(ok, kOp, what, " must be [S, D] = [", s, ", ", d, "] (leading dims of size 1 allowed) for x of shape ",
+                x.sizes(), ", got ", t->sizes());
+  }
+}
+
+}  // namespace
+
+Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout) {
+  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
+    return compile_detail::trace_eager_op(*tr, kOp, {x, cos, sin}, [layout](const TensorList& in) {
+      return rotary_embedding(in[0], in[1], in[2], layout);
+    });
+  }
+  validate(x, cos, sin);
+  const DType c = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  if (grad_enabled() && (cos.requires_grad() || sin.requires_grad())) return composite(x, cos, sin, layout, c);
+  const int64_t s = x.size(-2), d = x.size(-1);
+  const Tensor xc = x.contiguous();
+  const Tensor cc = cos.detach().to(c).reshape({s, d}).contiguous(), sc = sin.detach().to(c).reshape({s, d}).contiguous();
+  Tensor out = make_empty(x.sizes(), x.dtype(), x.device(), kOp);
+  if (out.numel() > 0) {
+    const Shape rows = {x.numel() / (s * d), s, d};
+    const bool fused = backend::fused::rotary_embedding.try_run(x.device(), out.view(rows), xc.view(rows), cc, sc,
+                                                                static_cast<int>(layout), /*inverse=*/false);
+    if (!fused) return composite(x, cos, sin, layout, c);
+  }
+  rules::rotary(out, xc, cc, sc, static_cast<int>(layout));
+  return out;
+}
+
+}  // namespace flame::nn::functional
