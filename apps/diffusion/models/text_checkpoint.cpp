@@ -251,10 +251,16 @@ TextEncoderEntry pick_entry(const Checkpoint& ck, const std::string& kind, const
                             : "; none or several of them are family \"" + family + "\"");
 }
 
-const Shape& shape_of(const std::map<std::string, Shape>& shapes, const std::string& name, const std::string& where) {
+// The shape of `name`, which the configuration is read from: it must have `rank` dims, all >= 1.
+const Shape& shape_of(const std::map<std::string, Shape>& shapes, const std::string& name, const std::string& where,
+                      std::size_t rank = 2) {
   auto it = shapes.find(name);
   FLAME_CHECK(it != shapes.end(), "load_text_encoder", where, " has no tensor for ", name);
-  return it->second;
+  const Shape& s = it->second;
+  FLAME_CHECK(s.size() == rank && std::all_of(s.begin(), s.end(), [](int64_t d) { return d >= 1; }),
+              "load_text_encoder", where, ": ", name, " has shape ", flame::shape_str(s), ", expected ", rank,
+              " dims of at least 1 (the configuration is read from it): a damaged or foreign file");
+  return s;
 }
 
 std::map<std::string, Shape> target_shapes(const Checkpoint& ck, const KeyPlan& plan) {
@@ -331,6 +337,9 @@ T5FileInfo inspect_t5_encoder(const Checkpoint& ck, const std::string& config_js
   c.d_model = emb.at(1);
   const Shape& table =
       shape_of(shapes, "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ck.description());
+  FLAME_CHECK(table.at(0) >= 4, "load_text_encoder", ck.description(),
+              ": encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight has shape ",
+              flame::shape_str(table), ": T5's relative position buckets need at least 4 rows");
   c.relative_attention_num_buckets = table.at(0);
   c.num_heads = table.at(1);
   c.d_kv = shape_of(shapes, "encoder.block.0.layer.0.SelfAttention.q.weight", ck.description()).at(0) / c.num_heads;
