@@ -1,6 +1,7 @@
 #include "models/clip_text.h"
 
 #include <sstream>
+#include <utility>
 
 namespace flame_diffusion::models {
 
@@ -43,6 +44,14 @@ ClipTextConfig ClipTextConfig::from_json(const JsonConfig& j) {
   c.with_projection = !arch.empty() && arch[0] == "CLIPTextModelWithProjection";
   FLAME_CHECK(c.hidden_act == "quick_gelu" || c.hidden_act == "gelu", "config", j.origin(), ": hidden_act \"",
               c.hidden_act, "\" is not one of quick_gelu, gelu (the CLIP text encoders FLAME runs)");
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
+                                {"intermediate_size", c.intermediate_size},
+                                {"max_position_embeddings", c.max_position_embeddings},
+                                {"projection_dim", c.projection_dim}}) {
+    FLAME_CHECK(v >= 1, "config", j.origin(), ": ", key, " is ", v, "; it must be at least 1");
+  }
+  FLAME_CHECK(c.num_hidden_layers >= 0, "config", j.origin(), ": num_hidden_layers is ", c.num_hidden_layers,
+              "; it must not be negative");
   FLAME_CHECK(c.hidden_size > 0 && c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads == 0, "config",
               j.origin(), ": hidden_size ", c.hidden_size, " is not a multiple of num_attention_heads ",
               c.num_attention_heads);

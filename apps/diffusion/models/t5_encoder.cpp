@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <utility>
 
 namespace flame_diffusion::models {
 
@@ -32,6 +33,14 @@ T5EncoderConfig T5EncoderConfig::from_json(const JsonConfig& j) {
   c.layer_norm_epsilon = j.get_double("layer_norm_epsilon", c.layer_norm_epsilon);
   FLAME_CHECK(c.feed_forward_proj == "gated-gelu", "config", j.origin(), ": feed_forward_proj \"", c.feed_forward_proj,
               "\" is not gated-gelu (FLAME runs the T5 v1.1 encoder; T5 v1.0's relu feed-forward is not implemented)");
+  for (const auto& [key, v] : {std::pair<const char*, int64_t>{"vocab_size", c.vocab_size},
+                                {"d_model", c.d_model},
+                                {"d_kv", c.d_kv},
+                                {"d_ff", c.d_ff},
+                                {"num_layers", c.num_layers},
+                                {"num_heads", c.num_heads}}) {
+    FLAME_CHECK(v >= 1, "config", j.origin(), ": ", key, " is ", v, "; it must be at least 1");
+  }
   FLAME_CHECK(c.relative_attention_num_buckets >= 4 && c.relative_attention_max_distance > c.relative_attention_num_buckets / 4,
               "config", j.origin(), ": relative_attention_num_buckets ", c.relative_attention_num_buckets,
               " / relative_attention_max_distance ", c.relative_attention_max_distance, " do not define buckets");
@@ -171,6 +180,11 @@ T5EncoderModel::T5EncoderModel(const T5EncoderConfig& config, flame::TensorOptio
               config.feed_forward_proj, "\" is not gated-gelu");
   FLAME_CHECK(config.num_layers >= 1 && config.num_heads >= 1 && config.d_kv >= 1, "T5EncoderModel",
               "num_layers, num_heads and d_kv must be positive (", config.to_string(), ")");
+  // Note [T5 encoder]: the logarithmic buckets divide by num_buckets / 4.
+  FLAME_CHECK(config.relative_attention_num_buckets >= 4 &&
+                  config.relative_attention_max_distance > config.relative_attention_num_buckets / 4,
+              "T5EncoderModel", "relative_attention_num_buckets must be >= 4 and relative_attention_max_distance above "
+              "a quarter of it (", config.to_string(), ")");
   shared_ = register_module("shared", std::make_shared<nn::Embedding>(config.vocab_size, config.d_model, std::nullopt, opts));
   auto encoder = register_module("encoder", std::make_shared<nn::Module>());
   auto block = encoder->register_module("block", std::make_shared<nn::ModuleList>());
