@@ -149,7 +149,15 @@ std::optional<std::string> detect_original(const Checkpoint& ck) {
 // The architecture read from the stored shapes (single files carry no config).
 FluxTransformerConfig config_from_shapes(const Checkpoint& ck, const std::string& format, const std::string& p) {
   const bool bfl = format == "flux-original";
-  auto shape = [&](const std::string& name) -> const flame::Shape& { return ck.info(p + name).shape; };
+  // The configuration is read from these shapes: each must be a matrix (or a vector) of sizes >= 1.
+  auto shape = [&](const std::string& name) -> const flame::Shape& {
+    const flame::Shape& s = ck.info(p + name).shape;
+    const std::size_t rank = ends_with(name, "_norm.scale") || ends_with(name, "norm_q.weight") ? 1 : 2;
+    FLAME_CHECK(s.size() == rank && std::all_of(s.begin(), s.end(), [](int64_t d) { return d >= 1; }), "load_flux",
+                ck.description(), ": ", p + name, " has shape ", flame::shape_str(s), ", expected ", rank,
+                " dims of at least 1 (the configuration is read from it): a damaged or foreign file");
+    return s;
+  };
   FluxTransformerConfig c;
   const flame::Shape& x_in = shape(bfl ? "img_in.weight" : "x_embedder.weight");
   c.in_channels = x_in.at(1);
