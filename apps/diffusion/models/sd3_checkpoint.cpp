@@ -175,8 +175,11 @@ SD3TransformerConfig sd3_config_from_original(const Checkpoint& ck, const std::s
   const Shape& pos = shape("pos_embed");
   const Shape& y_emb = shape("y_embedder.mlp.0.weight");
   const Shape& fin = shape("final_layer.linear.weight");
-  FLAME_CHECK(ctx.size() == 2 && x_emb.size() == 4 && pos.size() == 3 && y_emb.size() == 2 && fin.size() == 2, op,
-              ck.description(), ": unexpected ranks of context_embedder.weight ", flame::shape_str(ctx),
+  auto positive = [](const Shape& s) { return std::all_of(s.begin(), s.end(), [](int64_t d) { return d >= 1; }); };
+  FLAME_CHECK(ctx.size() == 2 && x_emb.size() == 4 && pos.size() == 3 && y_emb.size() == 2 && fin.size() == 2 &&
+                  positive(ctx) && positive(x_emb) && positive(pos) && positive(y_emb) && positive(fin),
+              op, ck.description(), ": unexpected ranks or empty dims (the configuration is read from them) of "
+              "context_embedder.weight ", flame::shape_str(ctx),
               ", x_embedder.proj.weight ", flame::shape_str(x_emb), ", pos_embed ", flame::shape_str(pos),
               ", y_embedder.mlp.0.weight ", flame::shape_str(y_emb), ", final_layer.linear.weight ",
               flame::shape_str(fin));
