@@ -208,6 +208,12 @@ ClipTokenizer ClipTokenizer::from_files(const std::string& vocab_json, const std
     FLAME_CHECK(it->is_number_integer(), kOp, vocab_json, ": the id of \"", it.key(), "\" is not an integer");
     impl->vocab.emplace(it.key(), it->get<int64_t>());
   }
+  // The ids index the text encoder's embedding table: each must lie in [0, vocabulary size).
+  const auto n = static_cast<int64_t>(impl->vocab.size());
+  for (const auto& [tok, id] : impl->vocab) {
+    FLAME_CHECK(id >= 0 && id < n, kOp, vocab_json, ": the id of \"", tok, "\" is ", id, ", outside [0, ", n,
+                ") of its ", n, " tokens: not a CLIP vocabulary (or a damaged one)");
+  }
   impl->finish();
   ClipTokenizer t;
   t.impl_ = std::move(impl);
