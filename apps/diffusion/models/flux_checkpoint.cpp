@@ -24,6 +24,7 @@
 // fp8-scaled files (ComfyUI): a "scaled_fp8" marker, ".scale_input" (ignored) and per weight a
 // one-element ".scale_weight" that the weight is multiplied by as it is loaded, before the split.
 #include <algorithm>
+#include <set>
 #include <string>
 
 #include "models/flux.h"
@@ -100,17 +101,24 @@ class PlanBuilder {
 };
 
 // 1 + the largest block index of stored keys "<prefix><group>.<i>.", or 0.
+// The number of blocks under `prefix` ("double_blocks."): every index from 0 up to the largest must
+// be present, so a stray or corrupt key cannot make the model that many blocks deep.
 int64_t block_count(const Checkpoint& ck, const std::string& prefix) {
-  int64_t n = 0;
+  std::set<int64_t> seen;
   for (const std::string& k : ck.keys()) {
     if (!starts_with(k, prefix)) continue;
     const std::size_t dot = k.find('.', prefix.size());
     if (dot == std::string::npos) continue;
     try {
-      n = std::max<int64_t>(n, std::stoll(k.substr(prefix.size(), dot - prefix.size())) + 1);
+      seen.insert(std::stoll(k.substr(prefix.size(), dot - prefix.size())));
     } catch (const std::exception&) {
     }
   }
+  if (seen.empty()) return 0;
+  const int64_t n = *seen.rbegin() + 1;
+  FLAME_CHECK(*seen.begin() == 0 && static_cast<int64_t>(seen.size()) == n, "load_flux", ck.description(), ": ",
+              prefix, "* keys name ", seen.size(), " blocks with indices from ", *seen.begin(), " to ", n - 1,
+              "; the blocks must be numbered 0, 1, ... without gaps (is the file complete?)");
   return n;
 }
 

@@ -127,6 +127,23 @@ TEST(ModelsBadInput, FluxShapesWithAZeroHeadDim) {
   fs::remove_all(tmp);
 }
 
+// A stray block index (double_blocks.99999999.*) must not make a model that deep: block indices
+// are numbered without gaps.
+TEST(ModelsBadInput, FluxBlockIndicesWithAGap) {
+  const fs::path tmp = fd_test::fresh_temp_dir("flame_bad_input", "flux_gap");
+  const flame::StateDict sd{{"x_embedder.weight", Tensor::zeros({256, 64})},
+                            {"context_embedder.weight", Tensor::zeros({256, 32})},
+                            {"time_text_embed.timestep_embedder.linear_1.weight", Tensor::zeros({256, 256})},
+                            {"time_text_embed.text_embedder.linear_1.weight", Tensor::zeros({256, 24})},
+                            {"transformer_blocks.0.attn.norm_q.weight", Tensor::zeros({128})},
+                            {"transformer_blocks.99999999.attn.norm_q.weight", Tensor::zeros({128})},
+                            {"proj_out.weight", Tensor::zeros({64, 256})}};
+  const std::string file = save(tmp, "flux_gap.safetensors", sd);
+  expect_parts(flame_error_of([&] { m::inspect_flux(m::Checkpoint::open(file)); }),
+               {"flux_gap.safetensors", "transformer_blocks.", "2 blocks", "99999999", "without gaps"});
+  fs::remove_all(tmp);
+}
+
 TEST(ModelsBadInput, SD3ShapesWithAZeroPatch) {
   const fs::path tmp = fd_test::fresh_temp_dir("flame_bad_input", "sd3");
   const flame::StateDict sd{{"context_embedder.weight", Tensor::zeros({64, 32})},
