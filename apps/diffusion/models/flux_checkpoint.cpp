@@ -33,10 +33,6 @@ namespace flame_diffusion::models {
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-bool ends_with(const std::string& s, const std::string& x) {
-  return s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
-}
 
 constexpr const char* kComfyPrefix = "model.diffusion_model.";
 
@@ -76,9 +72,9 @@ class PlanBuilder {
   // The fp8-scaled file's markers are known and not loaded.
   void ignore_fp8_markers() {
     for (const std::string& k : ck_.keys()) {
-      if (!starts_with(k, p_)) continue;
+      if (!k.starts_with(p_)) continue;
       const std::string name = k.substr(p_.size());
-      if (name == "scaled_fp8" || ends_with(name, ".scale_input")) plan_.ignored.push_back(k);
+      if (name == "scaled_fp8" || name.ends_with(".scale_input")) plan_.ignored.push_back(k);
     }
   }
   KeyPlan take() { return std::move(plan_); }
@@ -88,7 +84,7 @@ class PlanBuilder {
     KeyPlanEntry e;
     e.target = target;
     e.sources = {p_ + source};
-    if (ends_with(source, ".weight")) {
+    if (source.ends_with(".weight")) {
       const std::string scale = p_ + source.substr(0, source.size() - 7) + ".scale_weight";
       if (ck_.contains(scale)) e.sources.push_back(scale);
     }
@@ -106,7 +102,7 @@ class PlanBuilder {
 int64_t block_count(const Checkpoint& ck, const std::string& prefix) {
   std::set<int64_t> seen;
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, prefix)) continue;
+    if (!k.starts_with(prefix)) continue;
     const std::size_t dot = k.find('.', prefix.size());
     if (dot == std::string::npos) continue;
     try {
@@ -125,9 +121,9 @@ int64_t block_count(const Checkpoint& ck, const std::string& prefix) {
 KeyPlan flux_diffusers_plan(const Checkpoint& ck, const std::string& prefix) {
   PlanBuilder b(ck, prefix);
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, prefix)) continue;
+    if (!k.starts_with(prefix)) continue;
     const std::string name = k.substr(prefix.size());
-    if (name == "scaled_fp8" || ends_with(name, ".scale_input") || ends_with(name, ".scale_weight")) continue;
+    if (name == "scaled_fp8" || name.ends_with(".scale_input") || name.ends_with(".scale_weight")) continue;
     b.copy(name, name);
   }
   b.ignore_fp8_markers();
@@ -160,7 +156,7 @@ FluxTransformerConfig config_from_shapes(const Checkpoint& ck, const std::string
   // The configuration is read from these shapes: each must be a matrix (or a vector) of sizes >= 1.
   auto shape = [&](const std::string& name) -> const flame::Shape& {
     const flame::Shape& s = ck.info(p + name).shape;
-    const std::size_t rank = ends_with(name, "_norm.scale") || ends_with(name, "norm_q.weight") ? 1 : 2;
+    const std::size_t rank = name.ends_with("_norm.scale") || name.ends_with("norm_q.weight") ? 1 : 2;
     FLAME_CHECK(s.size() == rank && std::all_of(s.begin(), s.end(), [](int64_t d) { return d >= 1; }), "load_flux",
                 ck.description(), ": ", p + name, " has shape ", flame::shape_str(s), ", expected ", rank,
                 " dims of at least 1 (the configuration is read from it): a damaged or foreign file");
@@ -277,7 +273,7 @@ FluxFileInfo inspect_flux(const Checkpoint& ck, const FluxLoadOptions& options) 
   info.format = det.format;
   info.prefix = det.prefix;
   for (const std::string& k : ck.keys()) {
-    if (starts_with(k, det.prefix) && starts_with(ck.info(k).dtype, "F8_")) info.fp8 = true;
+    if (k.starts_with(det.prefix) && ck.info(k).dtype.starts_with("F8_")) info.fp8 = true;
   }
   info.fp8_scaled = ck.contains(det.prefix + "scaled_fp8");
   if (options.config) {

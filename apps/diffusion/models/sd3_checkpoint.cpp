@@ -30,16 +30,12 @@ using flame::Shape;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-bool ends_with(const std::string& s, const std::string& p) {
-  return s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
-}
 
 // The distinct N of keys "<head>N.*".
 std::set<int64_t> indices(const Checkpoint& ck, const std::string& head) {
   std::set<int64_t> out;
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, head)) continue;
+    if (!k.starts_with(head)) continue;
     std::size_t i = head.size(), j = i;
     while (j < k.size() && std::isdigit(static_cast<unsigned char>(k[j]))) ++j;
     if (j > i && j < k.size() && k[j] == '.' && j - i < 7) out.insert(std::stoll(k.substr(i, j - i)));
@@ -49,7 +45,7 @@ std::set<int64_t> indices(const Checkpoint& ck, const std::string& head) {
 
 // The ".scale_weight" beside a ".weight" of an fp8-scaled file, or "".
 std::string scale_of(const Checkpoint& ck, const std::string& key) {
-  if (!ends_with(key, ".weight")) return "";
+  if (!key.ends_with(".weight")) return "";
   const std::string s = key.substr(0, key.size() - 6) + "scale_weight";
   return ck.contains(s) ? s : "";
 }
@@ -156,9 +152,9 @@ KeyPlan sd3_original_plan(const Checkpoint& ck, const std::string& prefix) {
   }
   // fp8-scaled files: the scales are consumed by their weights' entries; the markers are not loaded.
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, P)) continue;
+    if (!k.starts_with(P)) continue;
     const std::string name = k.substr(P.size());
-    if (name == "scaled_fp8" || ends_with(name, ".scale_input")) plan.ignored.push_back(k);
+    if (name == "scaled_fp8" || name.ends_with(".scale_input")) plan.ignored.push_back(k);
   }
   return plan;
 }
@@ -297,7 +293,7 @@ SD3FileInfo inspect_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
   info.config.validate();
   info.family = sd3_family_of(info.config);
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, det.prefix)) continue;
+    if (!k.starts_with(det.prefix)) continue;
     const std::string& dt = ck.info(k).dtype;
     if (dt == "F8_E4M3" || dt == "F8_E5M2") {
       info.fp8 = true;

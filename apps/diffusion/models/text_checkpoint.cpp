@@ -14,10 +14,6 @@ using flame::Shape;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
-bool ends_with(const std::string& s, const std::string& p) {
-  return s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0;
-}
 
 const std::vector<std::string> kClipTransformersPrefixes = {
     "", "conditioner.embedders.0.transformer.", "text_encoders.clip_l.transformer.",
@@ -36,7 +32,7 @@ std::string join(const std::vector<std::string>& v, const std::string& sep = ", 
 int64_t count_indexed(const Checkpoint& ck, const std::string& head) {
   int64_t n = 0;
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, head)) continue;
+    if (!k.starts_with(head)) continue;
     const std::size_t dot = k.find('.', head.size());
     const std::string idx = k.substr(head.size(), dot == std::string::npos ? std::string::npos : dot - head.size());
     if (idx.empty() || idx.size() > 5 || !std::all_of(idx.begin(), idx.end(), [](char c) { return std::isdigit(c); }))
@@ -137,19 +133,19 @@ KeyPlan t5_transformers_plan(const Checkpoint& ck, const std::string& prefix) {
   plan.source_prefix = prefix;
   const bool has_shared = ck.contains(prefix + "shared.weight");
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, prefix)) continue;
+    if (!k.starts_with(prefix)) continue;
     const std::string name = k.substr(prefix.size());
-    if (name == "scaled_fp8" || ends_with(name, ".scale_input")) {
+    if (name == "scaled_fp8" || name.ends_with(".scale_input")) {
       plan.ignored.push_back(k);
       continue;
     }
-    if (ends_with(name, ".scale_weight")) continue;  // consumed by its weight's entry
+    if (name.ends_with(".scale_weight")) continue;  // consumed by its weight's entry
     if (name == "encoder.embed_tokens.weight") {
       if (has_shared) plan.ignored.push_back(k);  // the tied copy
       else add(plan, "shared.weight", k);
       continue;
     }
-    const std::string scale = ends_with(name, ".weight") ? k.substr(0, k.size() - 7) + ".scale_weight" : "";
+    const std::string scale = name.ends_with(".weight") ? k.substr(0, k.size() - 7) + ".scale_weight" : "";
     if (!scale.empty() && ck.contains(scale)) {
       KeyPlanEntry e;
       e.target = name;

@@ -41,7 +41,6 @@ Layout layout_of(const UNet2DConditionConfig& c) {
   return l;
 }
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 // "<digits>." at the front of s: the number and the rest, or nullopt.
 std::optional<std::pair<int64_t, std::string>> take_index(const std::string& s) {
@@ -56,14 +55,14 @@ std::optional<std::string> resnet_name(const std::string& rest) {
       {"in_layers.0.", "norm1."},  {"in_layers.2.", "conv1."},  {"emb_layers.1.", "time_emb_proj."},
       {"out_layers.0.", "norm2."}, {"out_layers.3.", "conv2."}, {"skip_connection.", "conv_shortcut."}};
   for (const auto& [from, to] : names) {
-    if (starts_with(rest, from)) return to + rest.substr(from.size());
+    if (rest.starts_with(from)) return to + rest.substr(from.size());
   }
   return std::nullopt;
 }
 
 std::optional<std::string> attention_name(const std::string& rest) {
   for (const char* p : {"norm.", "proj_in.", "proj_out.", "transformer_blocks."}) {
-    if (starts_with(rest, p)) return rest;
+    if (rest.starts_with(p)) return rest;
   }
   return std::nullopt;
 }
@@ -75,11 +74,11 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
       {"time_embed.2.", "time_embedding.linear_2."}, {"out.0.", "conv_norm_out."},
       {"out.2.", "conv_out."}};
   for (const auto& [from, to] : top) {
-    if (starts_with(k, from)) return to + k.substr(from.size());
+    if (k.starts_with(from)) return to + k.substr(from.size());
   }
   if (l.label_emb) {
-    if (starts_with(k, "label_emb.0.0.")) return "add_embedding.linear_1." + k.substr(14);
-    if (starts_with(k, "label_emb.0.2.")) return "add_embedding.linear_2." + k.substr(14);
+    if (k.starts_with("label_emb.0.0.")) return "add_embedding.linear_1." + k.substr(14);
+    if (k.starts_with("label_emb.0.2.")) return "add_embedding.linear_2." + k.substr(14);
   }
   auto block_part = [](const std::string& s) { return take_index(s); };  // "<i>.<part>.<rest>"
   // Part 0 of an input or output block is its resnet, part 1 its attention (transformer).
@@ -92,7 +91,7 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
     }
     return std::nullopt;
   };
-  if (starts_with(k, "input_blocks.")) {
+  if (k.starts_with("input_blocks.")) {
     auto i = take_index(k.substr(13));
     if (!i || i->first < 1 || i->first > static_cast<int64_t>(l.input.size())) return std::nullopt;
     const Slot s = l.input[i->first - 1];
@@ -100,12 +99,12 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
     if (!part) return std::nullopt;
     const std::string blk = "down_blocks." + std::to_string(s.block) + ".";
     if (s.resample) {
-      if (part->first == 0 && starts_with(part->second, "op.")) return blk + "downsamplers.0.conv." + part->second.substr(3);
+      if (part->first == 0 && part->second.starts_with("op.")) return blk + "downsamplers.0.conv." + part->second.substr(3);
       return std::nullopt;
     }
     return layer_part(blk, s.layer, *part);
   }
-  if (starts_with(k, "middle_block.")) {
+  if (k.starts_with("middle_block.")) {
     auto part = take_index(k.substr(13));
     if (!part) return std::nullopt;
     if (part->first % 2 == 0) {
@@ -117,7 +116,7 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
     }
     return std::nullopt;
   }
-  if (starts_with(k, "output_blocks.")) {
+  if (k.starts_with("output_blocks.")) {
     auto i = take_index(k.substr(14));
     if (!i || i->first >= static_cast<int64_t>(l.output.size())) return std::nullopt;
     const Slot s = l.output[i->first];
@@ -126,7 +125,7 @@ std::optional<std::string> diffusers_key(const std::string& k, const Layout& l) 
     const std::string blk = "up_blocks." + std::to_string(s.block) + ".";
     const bool last_in_block = i->first + 1 == static_cast<int64_t>(l.output.size()) || l.output[i->first + 1].block != s.block;
     const int64_t up_pos = l.up_cross[s.block] ? 2 : 1;
-    if (last_in_block && part->first == up_pos && starts_with(part->second, "conv.") &&
+    if (last_in_block && part->first == up_pos && part->second.starts_with("conv.") &&
         s.block + 1 < static_cast<int64_t>(l.up_cross.size())) {
       return blk + "upsamplers.0.conv." + part->second.substr(5);
     }
@@ -146,7 +145,7 @@ bool is_projection_weight(const std::string& diffusers) {
 
 bool is_unet_original_layout(const std::vector<std::string>& keys) {
   const std::string p = std::string(kUNetOriginalPrefix) + "input_blocks.";
-  return std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return starts_with(k, p); });
+  return std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return k.starts_with(p); });
 }
 
 namespace {
@@ -158,7 +157,7 @@ KeyPlan plan_for(const Layout& l, std::optional<bool> linear, const std::vector<
   KeyPlan plan;
   plan.source_prefix = prefix;
   for (const auto& [key, shape] : stored) {
-    if (!starts_with(key, prefix)) continue;
+    if (!key.starts_with(prefix)) continue;
     auto target = diffusers_key(key.substr(prefix.size()), l);
     if (!target) continue;
     KeyPlanEntry e;
@@ -185,19 +184,19 @@ Layout layout_from_keys(const std::vector<std::string>& keys, const std::string&
   std::map<int64_t, bool> input_op, output_up, output_attn;
   auto slot_of = [&](const std::string& group, const std::string& k) -> std::optional<std::pair<int64_t, std::string>> {
     const std::string p = prefix + group;
-    if (!starts_with(k, p)) return std::nullopt;
+    if (!k.starts_with(p)) return std::nullopt;
     return take_index(k.substr(p.size()));
   };
   bool label_emb = false;
   for (const std::string& k : keys) {
-    if (starts_with(k, prefix + "label_emb.0.")) label_emb = true;
+    if (k.starts_with(prefix + "label_emb.0.")) label_emb = true;
     if (auto in = slot_of("input_blocks.", k); in && in->first >= 1) {
-      input_op[in->first] = input_op[in->first] || starts_with(in->second, "0.op.");
+      input_op[in->first] = input_op[in->first] || in->second.starts_with("0.op.");
     }
     if (auto out = slot_of("output_blocks.", k)) {
       const std::string& r = out->second;
-      output_up[out->first] = output_up[out->first] || starts_with(r, "1.conv.") || starts_with(r, "2.conv.");
-      output_attn[out->first] = output_attn[out->first] || (starts_with(r, "1.") && !starts_with(r, "1.conv."));
+      output_up[out->first] = output_up[out->first] || r.starts_with("1.conv.") || r.starts_with("2.conv.");
+      output_attn[out->first] = output_attn[out->first] || (r.starts_with("1.") && !r.starts_with("1.conv."));
     }
   }
   Layout l;
@@ -238,7 +237,7 @@ KeyPlan unet_original_plan(const UNet2DConditionConfig& config,
   config.validate();
   const std::string prefix = kUNetOriginalPrefix;
   const bool prefixed =
-      std::any_of(stored.begin(), stored.end(), [&](const auto& kv) { return starts_with(kv.first, prefix); });
+      std::any_of(stored.begin(), stored.end(), [&](const auto& kv) { return kv.first.starts_with(prefix); });
   return plan_for(layout_of(config), config.use_linear_projection, stored, prefixed ? prefix : "");
 }
 
@@ -272,7 +271,7 @@ std::string guess_family(const Checkpoint& ck, const std::string& prefix, const 
   if (ck.has_prefix(prefix + (format == "unet-original" ? "label_emb.0." : "add_embedding."))) return "sdxl";
   for (const std::string& k : ck.keys()) {
     const std::string suffix = "attn2.to_k.weight";
-    if (!starts_with(k, prefix) || k.size() < suffix.size() || k.compare(k.size() - suffix.size(), suffix.size(), suffix))
+    if (!k.starts_with(prefix) || k.size() < suffix.size() || k.compare(k.size() - suffix.size(), suffix.size(), suffix))
       continue;
     const flame::Shape& s = ck.info(k).shape;
     if (s.size() == 2 && s[1] == 768) return "sd15";

@@ -23,7 +23,6 @@ using flame::Shape;
 
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.compare(0, p.size(), p) == 0; }
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
@@ -123,12 +122,12 @@ KeyPlan vae_original_plan(const Checkpoint& ck, const std::string& prefix) {
   int64_t num_up = 0;
   const std::string up = prefix + "decoder.up.";
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, up)) continue;
+    if (!k.starts_with(up)) continue;
     const std::string idx = split(k.substr(up.size()))[0];
     if (is_index(idx)) num_up = std::max<int64_t>(num_up, std::stoll(idx) + 1);
   }
   for (const std::string& k : ck.keys()) {
-    if (!starts_with(k, prefix)) continue;
+    if (!k.starts_with(prefix)) continue;
     auto target = original_to_diffusers(k.substr(prefix.size()), num_up);
     if (!target) continue;  // reported as unplaced by the check
     KeyPlanEntry e;
