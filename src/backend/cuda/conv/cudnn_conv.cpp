@@ -24,6 +24,13 @@
 // after the call. Execution of one plan is serialised by a per-plan mutex: the frontend's execute
 // is only documented as const, not as thread-safe.
 //
+// Note [cuDNN conv workspace]
+// The plan's engine is the heuristic's first whose workspace is at most kMaxConvWorkspace (2 GiB):
+// its first f32 (TF32 off) choice for the SD/FLUX VAE's convolutions at 1024² needed a 129 GiB
+// workspace, which an 80 GB GPU cannot allocate (and a 24 GB one far less). PyTorch likewise
+// passes over algorithms whose workspace it cannot allocate. When no engine fits under the cap,
+// the cap is lifted and the heuristic's choice stands.
+//
 // Compute types: f32 runs with float compute and may use TF32 tensor cores while
 // flame::cuda::allow_conv_tf32() (default on, as PyTorch's torch.backends.cudnn.allow_tf32); off,
 // the engine configurations with the TENSOR_CORE or DOWN_CONVERT_INPUTS numerical notes are
@@ -53,6 +60,9 @@
 #include "src/ops/conv.h"
 
 namespace flame::backend::cuda {
+namespace {
+constexpr int64_t kMaxConvWorkspace = int64_t{2} << 30;  // Note [cuDNN conv workspace]
+}  // namespace
 namespace {
 
 namespace fe = cudnn_frontend;
@@ -207,7 +217,7 @@ void check_fe(const fe::error_t& e, const char* step, const std::string& op, con
 
 std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w, const Tensor& y, const ConvParams& p,
                                      const Geometry& gx, const Geometry& gw, const Geometry& gy, bool tf32,
-                                     cudnnHandle_t handle, const std::string& name) {
+                                     cudnnHandle_t handle, const std::string& name, bool cap_workspace = true) {
   const std::string what = describe(op, x, w, y, p);
   const fe::DataType_t io = fe_type(x.dtype(), name);
   const fe::DataType_t compute = x.dtype() == DType::f64 ? fe::DataType_t::DOUBLE : fe::DataType_t::FLOAT;
@@ -274,8 +284,18 @@ std::unique_ptr<ConvPlan> build_plan(ConvOp op, const Tensor& x, const Tensor& w
   // TF32 off: no engine that rounds f32 inputs (PyTorch filters the same notes).
   if (x.dtype() == DType::f32 && !tf32)
     graph->deselect_numeric_notes({fe::NumericalNote_t::TENSOR_CORE, fe::NumericalNote_t::DOWN_CONVERT_INPUTS});
-  check_fe(graph->check_support(handle), "support check (no engine supports this convolution)", name, what);
-  check_fe(graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "plan build", name, what);
+  // Note [cuDNN conv workspace]: engines whose workspace passes kMaxConvWorkspace are passed over
+  // (cuDNN 9.2+ filters them in the support check); when none fits, the graph is built again
+  // without the cap.
+  if (cap_workspace) {
+    graph->deselect_workspace_greater_than(kMaxConvWorkspace);
+    if (graph->check_support(handle).is_bad() ||
+        graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE).is_bad())
+      return build_plan(op, x, w, y, p, gx, gw, gy, tf32, handle, name, /*cap_workspace=*/false);
+  } else {
+    check_fe(graph->check_support(handle), "support check (no engine supports this convolution)", name, what);
+    check_fe(graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE), "plan build", name, what);
+  }
   auto plan = std::make_unique<ConvPlan>();
   int64_t workspace = 0;
   check_fe(graph->get_workspace_size(workspace), "workspace query", name, what);
