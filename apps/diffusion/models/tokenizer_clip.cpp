@@ -306,20 +306,11 @@ std::vector<int64_t> ClipTokenizer::encode(std::string_view text) const {
 }
 
 TokenIds ClipTokenizer::encode_padded(std::string_view text) const {
-  std::vector<int64_t> ids = encode(text);
-  const size_t L = static_cast<size_t>(impl_->options.max_length);
-  if (ids.size() > L) {
-    ids.resize(L);
-    ids.back() = impl_->eos;
-  }
-  return pad_ids(std::move(ids), L, impl_->pad);
+  return truncate_and_pad(encode(text), static_cast<size_t>(impl_->options.max_length), impl_->eos, impl_->pad);
 }
 
 TokenBatch ClipTokenizer::operator()(const std::vector<std::string>& texts) const {
-  std::vector<TokenIds> rows;
-  rows.reserve(texts.size());
-  for (const std::string& t : texts) rows.push_back(encode_padded(t));
-  return stack_token_ids(rows);
+  return encode_batch(texts, [this](const std::string& t) { return encode_padded(t); });
 }
 
 int64_t ClipTokenizer::bos_id() const { return impl_->bos; }

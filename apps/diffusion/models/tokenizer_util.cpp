@@ -94,6 +94,14 @@ TokenIds pad_ids(std::vector<int64_t> ids, size_t length, int64_t pad) {
   return r;
 }
 
+TokenIds truncate_and_pad(std::vector<int64_t> ids, size_t length, int64_t eos, int64_t pad) {
+  if (ids.size() > length) {
+    ids.resize(length);
+    if (length > 0) ids.back() = eos;
+  }
+  return pad_ids(std::move(ids), length, pad);
+}
+
 TokenBatch stack_token_ids(const std::vector<TokenIds>& rows) {
   const int64_t b = static_cast<int64_t>(rows.size());
   const int64_t l = rows.empty() ? 0 : static_cast<int64_t>(rows[0].ids.size());

@@ -33,5 +33,15 @@ std::vector<TextSegment> split_special_tokens(std::string_view text,
 
 // `ids` (at most `length` long) padded on the right with `pad`; mask 1 on ids, 0 on padding.
 TokenIds pad_ids(std::vector<int64_t> ids, size_t length, int64_t pad);
+// Truncates `ids` to `length` keeping `eos` last (as transformers' tokenizers truncate), then pads.
+TokenIds truncate_and_pad(std::vector<int64_t> ids, size_t length, int64_t eos, int64_t pad);
+// One padded row per text (`encode_padded(text)`), stacked into a batch.
+template <class F>
+TokenBatch encode_batch(const std::vector<std::string>& texts, F&& encode_padded) {
+  std::vector<TokenIds> rows;
+  rows.reserve(texts.size());
+  for (const std::string& t : texts) rows.push_back(encode_padded(t));
+  return stack_token_ids(rows);
+}
 
 }  // namespace flame_diffusion::models

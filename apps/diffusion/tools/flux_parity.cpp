@@ -232,21 +232,8 @@ int time_steps(const std::map<std::string, std::string>& f) {
       const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
       opt.step(loss.backward());
     };
-    for (int64_t i = 0; i < warmup; ++i) step();
-    flame::cuda::synchronize();
-    flame::cuda::reset_peak_memory_stats();
-    std::vector<double> ms;
-    for (int64_t i = 0; i < steps; ++i) {
-      flame::cuda::Event a(true), b(true);
-      a.record();
-      step();
-      b.record();
-      b.synchronize();
-      ms.push_back(a.elapsed_time(b));
-    }
-    std::sort(ms.begin(), ms.end());
-    const double median = ms[ms.size() / 2];
-    const double peak = static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30);
+    const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
+    const double median = times.median_ms, peak = times.peak_gib;
     const double flops = step_flops(config, batch, latent, text);
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "

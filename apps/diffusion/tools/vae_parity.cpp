@@ -31,6 +31,7 @@
 #include <flame/profiler.h>
 
 #include "models/vae.h"
+#include "parity_util.h"
 
 namespace fs = std::filesystem;
 namespace m = flame_diffusion::models;
@@ -55,27 +56,7 @@ Err compare(const Tensor& got, const Tensor& ref) {
   return e;
 }
 
-double median_ms(const std::function<void()>& fn, bool cuda) {
-  for (int i = 0; i < 3; ++i) fn();
-  if (cuda) flame::cuda::synchronize();
-  std::vector<double> t;
-  for (int i = 0; i < 10; ++i) {
-    if (cuda) {
-      flame::cuda::Event a(true), b(true);
-      a.record();
-      fn();
-      b.record();
-      b.synchronize();
-      t.push_back(a.elapsed_time(b));
-    } else {
-      const auto s = std::chrono::steady_clock::now();
-      fn();
-      t.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s).count());
-    }
-  }
-  std::sort(t.begin(), t.end());
-  return (t[4] + t[5]) / 2;
-}
+using flame_diffusion::tools::median_ms;
 
 }  // namespace
 
