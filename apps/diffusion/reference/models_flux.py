@@ -46,7 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_timing import time_steps  # noqa: E402
+from parity_common import add_lora, time_steps  # noqa: E402
 
 BASE = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
             num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
@@ -217,23 +217,6 @@ def run(model, x, guidance):
                  txt_ids=x["txt_ids"], guidance=x["guidance"] if guidance else None).sample
 
 
-def add_lora(model, rank, alpha, seed, b_std, dtype):
-    from peft import LoraConfig
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=True, target_modules=LORA_TARGETS))
-    gen = torch.Generator().manual_seed(seed + 2)
-    adapters = {}
-    for n, p in model.named_parameters():
-        is_lora = ".lora_A." in n or ".lora_B." in n
-        p.requires_grad_(is_lora)
-        if is_lora:
-            with torch.no_grad():
-                p.data = p.data.to(dtype)
-                if ".lora_B." in n:
-                    p.copy_(torch.randn(p.shape, generator=gen).to(p.device, dtype) * b_std)
-            adapters[n.replace(".default", "")] = p  # PEFT's saved name: no adapter name
-    return adapters
-
-
 def write_reference(args):
     from safetensors.torch import save_file
     import diffusers
@@ -277,7 +260,7 @@ def write_reference(args):
                 ref[key] = run(fp8_model, x, guidance).float()
             files.append(fname)
     rank, alpha = (4, 8.0) if tiny else (args.rank, float(args.rank))
-    adapters = add_lora(model, rank, alpha, args.seed, 0.05, dtype)
+    adapters = add_lora(model, LORA_TARGETS, rank, alpha, args.seed, 0.05, dtype)
     out = run(model, x, guidance)
     loss = F.mse_loss(out.float(), x["target"].float())
     loss.backward()
@@ -303,7 +286,7 @@ def time_steps(args):
     for ckpt in [c == "1" for c in args.checkpointing.split(",")]:
         torch.cuda.empty_cache()
         model = build(name, device, torch.bfloat16, args.seed)
-        add_lora(model, args.rank, float(args.rank), args.seed, 0.0, torch.float32)
+        add_lora(model, LORA_TARGETS, args.rank, float(args.rank), args.seed, 0.0, torch.float32)
         if ckpt:
             model.enable_gradient_checkpointing()
         model.train()

@@ -48,7 +48,7 @@ import time
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_timing import time_steps  # noqa: E402
+from parity_common import add_lora, time_steps  # noqa: E402
 
 # Published configurations (stabilityai/stable-diffusion-3-medium-diffusers, -3.5-medium, -3.5-large).
 REAL = {
@@ -197,23 +197,6 @@ def run(model, x):
                  pooled_projections=x["pooled_projections"], timestep=x["timestep"]).sample
 
 
-def add_lora(model, rank, alpha, seed, b_std, dtype):
-    from peft import LoraConfig
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights=True, target_modules=LORA_TARGETS))
-    gen = torch.Generator().manual_seed(seed + 2)
-    adapters = {}
-    for n, p in model.named_parameters():
-        is_lora = ".lora_A." in n or ".lora_B." in n
-        p.requires_grad_(is_lora)
-        if is_lora:
-            with torch.no_grad():
-                p.data = p.data.to(dtype)
-                if ".lora_B." in n:
-                    p.copy_(torch.randn(p.shape, generator=gen).to(p.device, dtype) * b_std)
-            adapters[n.replace(".default", "")] = p  # PEFT's saved name: no adapter name
-    return adapters
-
-
 def write_reference(args):
     from safetensors.torch import save_file
     import diffusers
@@ -259,7 +242,7 @@ def write_reference(args):
             if device != "cpu":
                 torch.cuda.empty_cache()
     rank, alpha = (4, 8.0) if tiny else (args.rank, float(args.rank))
-    adapters = add_lora(model, rank, alpha, args.seed, 0.05, dtype)
+    adapters = add_lora(model, LORA_TARGETS, rank, alpha, args.seed, 0.05, dtype)
     out = run(model, x)
     loss = F.mse_loss(out.float(), x["target"].float())
     loss.backward()
@@ -284,7 +267,7 @@ def time_steps(args):
     for ckpt in [c == "1" for c in args.checkpointing.split(",")]:
         torch.cuda.empty_cache()
         model = build(name, device, torch.bfloat16, args.seed)
-        add_lora(model, args.rank, float(args.rank), args.seed, 0.0, torch.float32)
+        add_lora(model, LORA_TARGETS, args.rank, float(args.rank), args.seed, 0.0, torch.float32)
         if ckpt:
             model.enable_gradient_checkpointing()
         model.train()

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_timing import time_steps  # noqa: E402
+from parity_common import time_steps  # noqa: E402
 
 CONFIGS = {
     # SDXL's shape at toy size: DownBlock2D first, linear projections, text_time (10 + 6 * 4 = 34).
