@@ -221,7 +221,7 @@ def write_reference(args):
                       "parameters": sum(p.numel() for p in unet.parameters()), "bytes": sizes}))
 
 
-def time_steps(args):
+def time_training(args):
     name = args.config
     device = args.device
     for batch in [int(b) for b in args.batch_list.split(",")]:
@@ -268,7 +268,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
     if args.time:
-        time_steps(args)
+        time_training(args)
     else:
         if not args.out:
             sys.exit("--out is required (reference mode)")
