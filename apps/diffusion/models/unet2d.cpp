@@ -318,10 +318,17 @@ ResnetBlock2D::ResnetBlock2D(int64_t in_channels, int64_t out_channels, int64_t 
 }
 
 Tensor ResnetBlock2D::forward(const Tensor& x, const Tensor& temb) {
-  Tensor h = conv1->forward(norm1->forward(x).silu());
+  // One statement per step: a temporary of a longer expression lives until the expression ends, a
+  // full activation more at the peak of inference.
+  Tensor h = norm1->forward(x);
+  h = h.silu();
+  h = conv1->forward(h);
   const Tensor t = time_emb_proj->forward(temb.silu());
   h = h + t.unsqueeze(-1).unsqueeze(-1);
-  h = conv2->forward(dropout->forward(norm2->forward(h).silu()));
+  h = norm2->forward(h);
+  h = h.silu();
+  h = dropout->forward(h);
+  h = conv2->forward(h);
   Tensor out = (conv_shortcut ? conv_shortcut->forward(x) : x) + h;
   return output_scale_factor_ == 1.0 ? out : out / output_scale_factor_;
 }
