@@ -189,7 +189,7 @@ if has flux; then
     done
   done
   run "time flux-dev: diffusers" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev --time --latent 128 --text 512 --checkpointing 0,1
-  run "time flux-dev: flame" 500 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0,-1
+  run "time flux-dev: flame" 500 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0,-1 --recompute 0,1
   run "time flux-dev: flame, offloaded checkpoints" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing -1 --offload 1
   run "time flux-dev: flame kernel trace" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0 --trace 2
   run "time flux-dev: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_flux.py --config flux-dev --time --compile --latent 128 --text 512 --checkpointing 0

@@ -483,6 +483,23 @@ TEST(RecomputeCheap, LayerNormAndRmsNorm) {
   }
 }
 
+// Chains (Note [Recompute cheap], "Chains"): linear(silu(gelu(x))). Without marking the step saves
+// x (gelu's node), gelu's output (SiLU's node) and SiLU's output (the linear's). With it SiLU's
+// recipe folds gelu's in: it holds x instead of gelu's output, so only x stays, and the recomputed
+// values are the forward's bit for bit.
+TEST(RecomputeCheap, ChainsFoldMarkedInputs) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (DType dt : mlp_dtypes()) {
+    const TensorList t = make_leaves({randn_f64({4, 6, 16}, 720), randn_f64({8, 16}, 721, 0.3)}, dt, dev);
+    const auto [rec, base] = run_with_and_without(
+        [&](const TensorList& l) { return F::linear(l[0].gelu().silu(), l[1]); }, t, randn_f64({4, 6, 8}, 722));
+    const std::string what = std::string("gelu then silu ") + dtype_name(dt);
+    expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : rerun_tol(dt), what);
+    EXPECT_EQ(base.saved_bytes - rec.saved_bytes, 2 * bytes_of(t[0])) << what;  // gelu's and SiLU's outputs
+  }
+}
+
 // An input written in place after the op ran but before a node saves the output: the recipe no
 // longer describes the output, so the output is saved as is and the backward succeeds. (Only W
 // trains: no adaLN node saves x, so nothing else would notice.)
@@ -579,8 +596,9 @@ TEST(RecomputeCheap, GegluGateOfAChunk) {
 
 // GroupNorm -> SiLU -> conv (a ResnetBlock2D). With the conv frozen (a LoRA elsewhere) only SiLU
 // saves anything here: the norm's output goes, its recipe adds the bias. With the conv trained it
-// saves SiLU's output too; that recipe holds the norm's output as a plain tensor (recipe inputs
-// are never recipes themselves), so one of the two goes: SiLU's, less the norm's bias.
+// saves SiLU's output too, as a recipe that folds the norm's in (Note [Recompute cheap], "Chains"),
+// but in its rule's captures, which autograd_saved_bytes does not see: the counted drop is the
+// norm's output less its bias either way (ChainsFoldMarkedInputs counts a chain's whole drop).
 TEST(RecomputeCheap, GroupNormThenSilu) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
@@ -605,7 +623,9 @@ TEST(RecomputeCheap, GroupNormThenSilu) {
 }
 
 // Under autocast the norm runs in f32 and so does the SiLU after it; the conv saves the bf16 copy
-// it makes. What goes is the norm's f32 output (less its f32 bias).
+// it makes. What goes is the norm's f32 output (less its f32 bias), and the f32 copy of the bf16
+// input that the norm computes on is kept as that bf16 input (the widening cast is marked too:
+// Note [Recompute cheap], "Chains"), half its bytes.
 TEST(RecomputeCheap, GroupNormUnderAutocast) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
@@ -622,7 +642,8 @@ TEST(RecomputeCheap, GroupNormUnderAutocast) {
       t, randn_f64({2, 4, 6, 4}, 864));
   EXPECT_EQ(g.dtype(), DType::f32);
   expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : rerun_tol(DType::bf16), "autocast");
-  EXPECT_EQ(base.saved_bytes - rec.saved_bytes, bytes_of(g) - 8 * 4);
+  const std::size_t half_of_the_f32_copy = bytes_of(g) / 2;  // x's f32 copy has g's shape and dtype
+  EXPECT_EQ(base.saved_bytes - rec.saved_bytes, bytes_of(g) - 8 * 4 + half_of_the_f32_copy);
 }
 
 TEST(RecomputeCheap, InPlaceWritesAfterTheSaveRaise) {

@@ -9,7 +9,8 @@
 //
 // While a RecomputeCheap guard is alive (and enabled) on the thread, ops that are cheap to redo
 // (F::layer_norm_modulate, F::layer_norm, F::rms_norm, F::group_norm, and the activations gelu,
-// silu, mish, softplus, leaky_relu, elu, hardswish, hardsigmoid) attach a recipe to their output
+// silu, mish, softplus, leaky_relu, elu, hardswish, hardsigmoid, and autocast's bf16/f16 -> f32
+// casts of a norm's input) attach a recipe to their output
 // when it requires grad: the op's inputs, held as saved
 // tensors, and the call that made it. A node that later saves that output for its backward (a
 // linear layer's input, kept for the weight gradient) keeps the recipe instead of the tensor, so

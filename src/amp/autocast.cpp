@@ -73,6 +73,7 @@
 #include "flame/amp.h"
 #include "flame/autograd.h"
 #include "src/autograd/node.h"
+#include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
 #include "src/random/graph_rng.h"
@@ -284,7 +285,14 @@ Tensor cast_low(const Tensor& x) {
 
 Tensor cast_f32(const Tensor& x) {
   if (!x.defined() || (x.dtype() != DType::bf16 && x.dtype() != DType::f16)) return x;
-  return x.to(DType::f32);
+  Tensor y = x.to(DType::f32);
+  // Under autograd::RecomputeCheap the f32 copy a norm computes on (and its node saves) is kept as
+  // the bf16/f16 input and cast again in the backward: exact, and half the bytes (Note [Recompute
+  // cheap], "Chains", in src/autograd/recompute.cpp).
+  if (autograd_detail::should_mark_recomputable()) {
+    autograd_detail::mark_recomputable(y, "autocast", {x}, [](const TensorList& in) { return in[0].to(DType::f32); });
+  }
+  return y;
 }
 
 AutocastState autocast_state() {

@@ -27,10 +27,17 @@
 //    kernels on the same inputs, so the recomputed values are the forward's bit for bit; one
 //    exception: an adaLN that saved x-hat (Note [Saved x-hat] in src/ops/adaln.cpp) redoes its
 //    output from the rounded x-hat, within one rounding of the forward's.
-//  - Inputs are held detached (no graph is kept alive through a storage) as plain tensors: not
+//  - Inputs are held detached (no graph is kept alive through a storage) as plain tensors, not
 //    packed by saved-tensor hooks (they are mostly tensors the op's own node saves anyway;
-//    offloading them twice would cost a second copy) and not replaced by their own recipes.
-//    autograd_saved_bytes() counts them.
+//    offloading them twice would cost a second copy). autograd_saved_bytes() counts them.
+//  - Chains: an input that is itself a marked output (its recipe still describing its bytes) is
+//    not held: the recipe takes that input's recipe inputs instead and reruns both ops. The op's
+//    own node saves such an input as a recipe too, so holding it here would be the one thing
+//    keeping it alive. This is what makes autocast's widening casts worth marking: a norm under
+//    autocast computes on an f32 copy of its bf16 input, its node saves the copy and its output's
+//    recipe reads it; with the cast marked, both keep the bf16 input (half the bytes) and cast it
+//    again in the backward (exact). A chain is at most kMaxRecipeDepth ops long (a longer one
+//    holds its input), so no saved tensor costs more than a few cheap passes to redo.
 //  - Lifetime: the recipe (RecipeBody) lives as long as the output's storage or a node that saved
 //    it. A caller who keeps the output also keeps the recipe's inputs: mark only inside a training
 //    forward. Nothing of the recipe refers to the storage's shared_ptr, not even weakly: a CPU
@@ -43,7 +50,9 @@
 //    capture records them like any other rule's work.
 #include "src/autograd/recompute.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 #include "flame/recompute.h"
 #include "src/amp/autocast.h"
@@ -68,7 +77,19 @@ namespace autograd_detail {
 
 bool should_mark_recomputable() { return t_recompute_cheap && grad_enabled(); }
 
-void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn) {
+namespace {
+constexpr int kMaxRecipeDepth = 4;  // Note [Recompute cheap], "Chains"
+
+// The recipe of an input that is a marked output and can be folded into a new recipe, or null.
+std::shared_ptr<const RecipeBody> foldable_recipe(const Tensor& t) {
+  if (!t.defined() || !t.impl()->storage || !t.impl()->storage->recipe) return nullptr;
+  const std::shared_ptr<const RecomputedSaved> s = recompute_saved(t);
+  if (!s || s->recipe->depth >= kMaxRecipeDepth) return nullptr;
+  return s->recipe;
+}
+}  // namespace
+
+void mark_recomputable(const Tensor& out, const char* op, const TensorList& given, RecipeFn given_fn) {
   // An output that needs no gradient had no node record its op, so nothing else holds the recipe's
   // inputs: keeping them instead of the output would gain nothing (or cost, for wider inputs).
   if (!out.defined() || out.numel() == 0 || !out.requires_grad()) return;
@@ -76,7 +97,47 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& inpu
   if (!impl.storage || impl.offset != 0 || !out.is_contiguous() ||
       impl.storage->nbytes != static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype()))
     return;  // not the sole content of its storage: nothing to gain, keep it saved as is
+  // Chains: inputs that are marked outputs are replaced by their recipes' inputs.
+  struct Fold {
+    std::size_t index = 0, count = 0;  // the input folded, and how many recipe inputs replace it
+    std::shared_ptr<const RecipeBody> body;
+    Shape sizes;  // the input's shape (a contiguous view of the whole output of `body`)
+  };
+  std::vector<Fold> folds;
+  TensorList inputs;
+  int depth = 1;
+  for (std::size_t i = 0; i < given.size(); ++i) {
+    std::shared_ptr<const RecipeBody> inner = foldable_recipe(given[i]);
+    if (!inner) {
+      inputs.push_back(given[i]);
+      continue;
+    }
+    folds.push_back({i, inner->inputs.size(), inner, given[i].sizes()});
+    for (const SavedTensor& t : inner->inputs) inputs.push_back(t.raw());
+    depth = std::max(depth, inner->depth + 1);
+  }
+  RecipeFn fn = std::move(given_fn);
+  if (!folds.empty()) {
+    fn = [folds = std::move(folds), n = given.size(), outer = std::move(fn)](const TensorList& in) {
+      TensorList args;
+      args.reserve(n);
+      std::size_t k = 0, f = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (f < folds.size() && folds[f].index == i) {
+          const TensorList sub(in.begin() + static_cast<std::ptrdiff_t>(k),
+                               in.begin() + static_cast<std::ptrdiff_t>(k + folds[f].count));
+          args.push_back(folds[f].body->fn(sub).contiguous().view(folds[f].sizes));
+          k += folds[f].count;
+          ++f;
+        } else {
+          args.push_back(in[k++]);
+        }
+      }
+      return outer(args);
+    };
+  }
   auto r = std::make_shared<RecipeBody>();
+  r->depth = depth;
   r->op = op;
   r->inputs.reserve(inputs.size());
   for (const Tensor& t : inputs) r->inputs.emplace_back(t, op, /*detach=*/true, /*allow_hooks=*/false);

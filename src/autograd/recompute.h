@@ -28,6 +28,7 @@ struct RecipeBody {
   Shape sizes;
   DType dtype = DType::f32;
   Device device;
+  int depth = 1;  // recipes folded into this one, plus one (Note [Recompute cheap], "Chains")
 };
 
 // Storage::recipe: the mark, owned by the output's storage alone (nodes that save the output hold
@@ -48,7 +49,8 @@ struct RecomputedSaved {
 // Whether an op should mark its output now: RecomputeCheap is on and grad mode is on.
 bool should_mark_recomputable();
 // Attaches the recipe to out's storage when out owns it whole (contiguous from offset 0);
-// inputs are held as saved tensors (version-checked when the recipe runs).
+// inputs are held as saved tensors (version-checked when the recipe runs). An input that is itself
+// a marked output is replaced by its own recipe's inputs (Note [Recompute cheap], "Chains").
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn);
 // The recipe of t's storage when it still describes t's bytes (not written since the mark) and t
 // is a contiguous view of all of them; null otherwise (t is then saved as usual).

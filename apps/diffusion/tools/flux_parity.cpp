@@ -21,11 +21,18 @@
 //       measured in the same run.
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory.
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
+//       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
+//   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
+//       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
+//       are those of the CUDA step): one JSON line per RecomputeCheap setting with
+//       autograd_saved_bytes of the loss, the memory live after the forward by the op that made it,
+//       and the step's peak above the start.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -51,7 +58,8 @@ const char* kUsage =
     "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
-    "                    [--device cuda]\n";
+    "                    [--recompute 0] [--device cuda]\n"
+    "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n";
 
 using flame_diffusion::tools::flag_or;
 using flame_diffusion::tools::int_list;
@@ -59,7 +67,7 @@ using flame_diffusion::tools::parse_device;
 using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
-                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload"};
+                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -179,6 +187,60 @@ double gemm_tflops(flame::Device device) {
   return 2.0 * 8192.0 * 8192.0 * 8192.0 / (ms / 1e3) / 1e12;
 }
 
+// The LoRA r16 training step of `time` and `saved`, as diffusers + peft run it: bf16 weights, f32
+// adapters on to_q/k/v/out.0, bf16 autocast, mse loss, AdamW on the adapters; random weights.
+struct LoraStep {
+  std::shared_ptr<fm::FluxTransformerConfig> config;
+  std::shared_ptr<fm::FluxTransformer2DModel> model;
+  std::unique_ptr<flame::optim::AdamW> opt;
+  Tensor x, target, ctx, pooled, t, g, img_ids, txt_ids;
+  flame::Device device;
+  bool recompute = false;
+
+  LoraStep(const fm::FluxTransformerConfig& c, flame::Device dev, int64_t batch, int64_t latent, int64_t text,
+           int64_t rank, int64_t checkpointing, bool offload, bool recompute_cheap)
+      : config(std::make_shared<fm::FluxTransformerConfig>(c)), device(dev), recompute(recompute_cheap) {
+    const flame::TensorOptions o(DType::bf16, device);
+    model = std::make_shared<fm::FluxTransformer2DModel>(c, o);
+    model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+    model->set_gradient_checkpointing(checkpointing);
+    model->set_activation_offload(offload);
+    model->train();
+    for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft
+      if (auto* lin = dynamic_cast<flame::nn::Linear*>(m.get()); lin && lin->has_lora()) {
+        lin->lora_A()->to(DType::f32);
+        lin->lora_B()->to(DType::f32);
+      }
+    }
+    flame::TensorList params;
+    for (const Tensor& p : model->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+    opt = std::make_unique<flame::optim::AdamW>(params, flame::optim::AdamW::Options{.lr = 1e-4});
+    flame::Generator gen(0);
+    const int64_t tokens = (latent / 2) * (latent / 2);
+    x = Tensor::randn({batch, tokens, c.in_channels}, 0.0, 1.0, o, &gen);
+    target = Tensor::randn({batch, tokens, c.output_channels()}, 0.0, 1.0, o, &gen);
+    ctx = Tensor::randn({batch, text, c.joint_attention_dim}, 0.0, 1.0, o, &gen);
+    pooled = Tensor::randn({batch, c.pooled_projection_dim}, 0.0, 1.0, o, &gen);
+    t = Tensor::full({batch}, 0.5, {DType::f32, device});
+    g = c.guidance_embeds ? Tensor::full({batch}, 3.5, {DType::f32, device}) : Tensor();
+    img_ids = fm::flux_img_ids(latent, latent, device);
+    txt_ids = fm::flux_txt_ids(text, device);
+  }
+  // Forward and loss (the graph is kept for backward()).
+  Tensor loss() const {
+    Tensor out;
+    {
+      flame::amp::AutocastGuard autocast(DType::bf16, device.type);
+      flame::autograd::RecomputeCheap cheap(recompute);  // Note [Recompute cheap]
+      out = model->forward(x, ctx, pooled, t, img_ids, txt_ids, g);
+    }
+    return flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
+  }
+  void step() const { opt->step(loss().backward()); }
+};
+
 int time_steps(const std::map<std::string, std::string>& f) {
   const std::string name = flag_or(f, "config", "flux-dev");
   const auto config = fm::flux_preset(name);
@@ -195,57 +257,74 @@ int time_steps(const std::map<std::string, std::string>& f) {
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
-  const flame::TensorOptions o(DType::bf16, device);
   for (int64_t ckpt : int_list("checkpointing", flag_or(f, "checkpointing", "0,-1"))) {
-    flame::cuda::empty_cache();
-    auto model = std::make_shared<fm::FluxTransformer2DModel>(config, o);
-    model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
-    model->set_gradient_checkpointing(ckpt);
-    model->set_activation_offload(offload);
-    model->train();
-    for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft
-      if (auto* lin = dynamic_cast<flame::nn::Linear*>(m.get()); lin && lin->has_lora()) {
-        lin->lora_A()->to(DType::f32);
-        lin->lora_B()->to(DType::f32);
-      }
+    for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0"))) {
+      flame::cuda::empty_cache();
+      const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0);
+      auto step = [&] { ls.step(); };
+      const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
+      const double median = times.median_ms, peak = times.peak_gib;
+      const double flops = step_flops(config, batch, latent, text);
+      const double rate = flops / (median / 1e3) / 1e12;
+      std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
+                  "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"offloaded_gib\": %.3f, "
+                  "\"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, "
+                  "\"mfu_vs_gemm\": %.3f}\n",
+                  name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
+                  static_cast<long long>(text), static_cast<long long>(batch),
+                  static_cast<long long>(ls.model->gradient_checkpointing_blocks()), recompute ? "true" : "false",
+                  static_cast<double>(ls.model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12,
+                  rate / 989.0, rate / gemm);
+      std::fflush(stdout);
+      if (trace_steps > 0) print_kernel_trace(step, trace_steps);
     }
-    flame::TensorList params;
-    for (const Tensor& p : model->parameters()) {
-      if (p.requires_grad()) params.push_back(p);
-    }
-    flame::optim::AdamW opt(params, {.lr = 1e-4});
-    flame::Generator gen(0);
-    const int64_t tokens = (latent / 2) * (latent / 2);
-    const Tensor x = Tensor::randn({batch, tokens, config.in_channels}, 0.0, 1.0, o, &gen);
-    const Tensor target = Tensor::randn({batch, tokens, config.output_channels()}, 0.0, 1.0, o, &gen);
-    const Tensor ctx = Tensor::randn({batch, text, config.joint_attention_dim}, 0.0, 1.0, o, &gen);
-    const Tensor pooled = Tensor::randn({batch, config.pooled_projection_dim}, 0.0, 1.0, o, &gen);
-    const Tensor t = Tensor::full({batch}, 0.5, {DType::f32, device});
-    const Tensor g = config.guidance_embeds ? Tensor::full({batch}, 3.5, {DType::f32, device}) : Tensor();
-    const Tensor img_ids = fm::flux_img_ids(latent, latent, device), txt_ids = fm::flux_txt_ids(text, device);
-    auto step = [&] {
-      Tensor out;
-      {
-        flame::amp::AutocastGuard autocast(DType::bf16);
-        out = model->forward(x, ctx, pooled, t, img_ids, txt_ids, g);
+  }
+  return 0;
+}
+
+// ---- saved activations (any device; the CPU gives the CUDA bf16 step's saved tensors) ----
+// What the step keeps for its backward: autograd_saved_bytes of the loss and the memory live after
+// the forward by the op that made it (profiler::MemoryProfiler), per RecomputeCheap setting.
+int saved(const std::map<std::string, std::string>& f) {
+  const std::string name = flag_or(f, "config", "flux-dev-d2");
+  const auto config = fm::flux_preset(name);
+  const flame::Device device = parse_device(flag_or(f, "device", "cpu"));
+  const int64_t latent = int_list("latent", flag_or(f, "latent", "32")).at(0);
+  const int64_t text = int_list("text", flag_or(f, "text", "64")).at(0);
+  const int64_t rank = int_list("rank", flag_or(f, "rank", "16")).at(0);
+  if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
+  // The fused attention saves what the CUDA step saves (outputs and row statistics, no weights).
+  flame::nn::functional::SdpaBackendGuard fused(flame::nn::functional::SdpaBackend::fused);
+  for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0,1"))) {
+    const LoraStep ls(config, device, 1, latent, text, rank, 0, false, recompute != 0);
+    flame::profiler::MemoryProfiler prof;
+    std::size_t saved_bytes = 0, forward_bytes = 0, peak = 0;
+    std::vector<flame::profiler::MemoryGroup> groups;
+    {
+      flame::profiler::MemoryProfileScope scope(prof);
+      const Tensor loss = ls.loss();
+      saved_bytes = flame::autograd_saved_bytes(loss);
+      for (const auto& s : prof.summary()) {
+        if (s.device == device) forward_bytes = s.end_bytes - s.start_bytes;
       }
-      const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
-      opt.step(loss.backward());
-    };
-    const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
-    const double median = times.median_ms, peak = times.peak_gib;
-    const double flops = step_flops(config, batch, latent, text);
-    const double rate = flops / (median / 1e3) / 1e12;
-    std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-                "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, "
-                "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
+      groups = prof.live_groups(device, flame::profiler::GroupBy::op);
+      (void)loss.backward();
+    }
+    for (const auto& s : prof.summary()) {
+      if (s.device == device) peak = s.peak_bytes - s.start_bytes;
+    }
+    std::string by_op;
+    for (const auto& g : groups) {
+      if (g.phase == "before") continue;  // held since before the forward (weights, inputs)
+      by_op += (by_op.empty() ? "" : ", ") + std::string("\"") + g.op + "\": " + std::to_string(g.bytes);
+    }
+    std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_saved\", \"latent\": %lld, \"text\": %lld, "
+                "\"recompute_cheap\": %s, \"saved_bytes\": %zu, \"forward_live_bytes\": %zu, "
+                "\"step_peak_above_start_bytes\": %zu, \"forward_live_by_op\": {%s}}\n",
                 name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
-                static_cast<long long>(text), static_cast<long long>(batch),
-                static_cast<long long>(model->gradient_checkpointing_blocks()),
-                static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
-                rate / gemm);
+                static_cast<long long>(text), recompute ? "true" : "false", saved_bytes, forward_bytes, peak,
+                by_op.c_str());
     std::fflush(stdout);
-    if (trace_steps > 0) print_kernel_trace(step, trace_steps);
   }
   return 0;
 }
@@ -259,6 +338,7 @@ int main(int argc, char** argv) {
     const auto flags = flame_diffusion::tools::parse_flags(argc, argv, kFlags, kUsage);
     if (cmd == "check") return check(flags);
     if (cmd == "time") return time_steps(flags);
+    if (cmd == "saved") return saved(flags);
     throw std::runtime_error("unknown command '" + cmd + "'\n" + kUsage);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "flux_parity: %s\n", e.what());
