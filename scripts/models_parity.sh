@@ -18,6 +18,9 @@
 #              SDXL UNet LoRA r16 training step (batch 1 and 4, with and without gradient
 #              checkpointing and RecomputeCheap; batch 1 also as one CUDA graph) and a kernel trace
 #   compile    the SDXL UNet step under torch.compile (slow to compile: its own stage)
+#   finetune   the LoRA training loop of diffusers' scripts (reference/finetune_loop.py: SDXL, FLUX-dev at
+#              1024², bf16 weights and autocast, f32 adapters, 20 AdamW steps) replayed by
+#              finetune_parity: the loss of every step and the adapters after the last
 #   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
 #              transformers makes each with random weights and saves every layout FLAME loads
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
@@ -79,7 +82,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
 fi
-if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity flux_parity >> "$LOG" 2>&1; then
+if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity flux_parity finetune_parity >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
 fi
 note "build: ok ($(( $(date +%s) - START )) s)"
@@ -193,6 +196,17 @@ if has flux; then
   run "time flux-dev: flame, offloaded checkpoints" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing -1 --offload 1
   run "time flux-dev: flame kernel trace" 300 "$BIN/flux_parity" time --config flux-dev --latent 128 --text 512 --checkpointing 0 --trace 2
   run "time flux-dev: diffusers + torch.compile" 600 python3 apps/diffusion/reference/models_flux.py --config flux-dev --time --compile --latent 128 --text 512 --checkpointing 0
+fi
+if has finetune; then  # FINETUNE_CONFIGS: family:config pairs; bf16 mixed precision, 20 steps, LoRA r16
+  for fc in ${FINETUNE_CONFIGS:-sdxl:sdxl flux:flux-dev}; do
+    f=${fc%%:*}; c=${fc#*:}; lat=128; txt=512; [ "$f" = sdxl ] && txt=77
+    run "finetune $c: diffusers + peft loop" 600 python3 apps/diffusion/reference/finetune_loop.py --family $f --config $c \
+      --model-dir /tmp/ft_model_$c --device cuda --dtype bf16 --latent $lat --text $txt --batch 1 --steps 20 \
+      --rank 16 --alpha 16 --lr 1e-4 --out /tmp/ft_ref_$c
+    run "finetune $c: flame replay" 600 "$BIN/finetune_parity" check --reference /tmp/ft_ref_$c/finetune_reference.safetensors \
+      --model-dir /tmp/ft_model_$c --device cuda
+    rm -rf /tmp/ft_model_$c /tmp/ft_ref_$c
+  done
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

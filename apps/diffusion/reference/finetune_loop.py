@@ -13,6 +13,10 @@ adapters after the last.
     python3 finetune_loop.py --family flux --model-dir tests/data/models/flux-tiny/transformer --out DIR
     python3 finetune_loop.py --family sd3  --model-dir tests/data/models/sd3-tiny/transformer --out DIR
     python3 finetune_loop.py --family sdxl --model-dir tests/data/models/unet2d-tiny-xl/unet --out DIR
+    # a real configuration on the GPU (the model folder as models_flux.py writes it), mixed precision:
+    python3 finetune_loop.py --family flux --config flux-dev --model-dir /tmp/fluxdev --device cuda --dtype bf16 \
+        --latent 128 --text 512 --batch 1 --steps 20 --rank 16 --alpha 16 --lr 1e-4 --out /tmp/ft_fluxdev
+    finetune_parity check --reference /tmp/ft_fluxdev/finetune_reference.safetensors --model-dir /tmp/fluxdev
 
 Writes DIR/finetune_reference.safetensors (inputs per step, losses, initial and final adapters;
 metadata: the settings).
@@ -79,11 +83,24 @@ def main():
     ap.add_argument("--prediction", default="epsilon", help="sdxl: epsilon|v_prediction")
     ap.add_argument("--snr-gamma", type=float, default=5.0, help="sdxl: min-SNR gamma (0: plain mse)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["f32", "bf16"], default="f32",
+                    help="bf16: the model's weights in bf16, f32 adapters, bf16 autocast (the scripts' mixed precision)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--config", default=None,
+                    help="when --model-dir does not exist: build this configuration (models_flux/sd3/unet.py's "
+                         "CONFIGS, e.g. flux-dev, sd3.5-large, sdxl) with random weights and save it there")
     a = ap.parse_args()
     torch.manual_seed(a.seed)
     torch.use_deterministic_algorithms(True)
     gen = torch.Generator().manual_seed(a.seed + 10)
 
+    if not os.path.isdir(a.model_dir):
+        if not a.config:
+            sys.exit(f"finetune_loop: {a.model_dir} does not exist (give --config to build a model there)")
+        import importlib
+        ref = importlib.import_module({"flux": "models_flux", "sd3": "models_sd3", "sdxl": "models_unet"}[a.family])
+        ref.build(a.config, a.device, torch.float32 if a.dtype == "f32" else torch.bfloat16,
+                  a.seed).save_pretrained(a.model_dir)
     if a.family == "flux":
         from diffusers import FluxTransformer2DModel
         model = FluxTransformer2DModel.from_pretrained(a.model_dir, torch_dtype=torch.float32)
@@ -96,6 +113,9 @@ def main():
         from diffusers import UNet2DConditionModel
         model = UNet2DConditionModel.from_pretrained(a.model_dir, torch_dtype=torch.float32)
         chans = model.config.in_channels
+    wdt = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    dev = torch.device(a.device)
+    model.to(dev, wdt)
     model.train()
     adapters = add_lora(model, TARGETS, a.rank, a.alpha, a.seed, 0.05, torch.float32)
     names = sorted(adapters)
@@ -113,6 +133,13 @@ def main():
 
     B, H, W, T = a.batch, a.latent, a.latent, a.text
     losses = []
+
+    def fwd(fn):  # the forward under the scripts' mixed precision
+        if a.dtype == "bf16":
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                return fn()
+        return fn()
+
     for step in range(a.steps):
         x0 = torch.randn(B, chans, H, W, generator=gen)
         noise = torch.randn(B, chans, H, W, generator=gen)
@@ -133,38 +160,46 @@ def main():
             out[f"step{step}.time_ids"] = time_ids
         out[f"step{step}.text"] = ctx
         out[f"step{step}.pooled"] = pooled
+        # The model dtype's values (as the scripts cast latents and states to weight_dtype), kept as f32.
+        for k in ("latents", "noise", "text", "pooled"):
+            out[f"step{step}.{k}"] = out[f"step{step}.{k}"].to(wdt).float()
+        x0, noise = out[f"step{step}.latents"].to(dev, wdt), out[f"step{step}.noise"].to(dev, wdt)
+        ctx, pooled = out[f"step{step}.text"].to(dev, wdt), out[f"step{step}.pooled"].to(dev, wdt)
+        if a.family == "sdxl":
+            time_ids = time_ids.to(dev, wdt)
 
         if a.family in ("flux", "sd3"):
             u = density_u(a.sampling, B, gen)
             out[f"step{step}.u"] = u
             idx = (u * 1000).long()
-            timesteps = ts_table[idx]
-            sigmas = sig_table[idx]
-            s4 = sigmas.view(B, 1, 1, 1)
+            timesteps = ts_table[idx].to(dev)
+            sigmas = sig_table[idx].to(dev)
+            s4 = sigmas.view(B, 1, 1, 1).to(wdt)
             noisy = (1.0 - s4) * x0 + s4 * noise
             if a.family == "flux":
                 from diffusers import FluxPipeline
                 packed = FluxPipeline._pack_latents(noisy, B, chans, H, W)
-                img_ids = FluxPipeline._prepare_latent_image_ids(B, H // 2, W // 2, "cpu", torch.float32)
-                txt_ids = torch.zeros(T, 3)
-                guidance = torch.full((B,), a.guidance) if cfg.guidance_embeds else None
-                pred = model(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
-                             pooled_projections=pooled, encoder_hidden_states=ctx, txt_ids=txt_ids, img_ids=img_ids,
-                             return_dict=False)[0]
+                img_ids = FluxPipeline._prepare_latent_image_ids(B, H // 2, W // 2, dev, wdt)
+                txt_ids = torch.zeros(T, 3, device=dev, dtype=wdt)
+                guidance = torch.full((B,), a.guidance, device=dev) if cfg.guidance_embeds else None
+                pred = fwd(lambda: model(hidden_states=packed, timestep=timesteps / 1000, guidance=guidance,
+                                         pooled_projections=pooled, encoder_hidden_states=ctx, txt_ids=txt_ids,
+                                         img_ids=img_ids, return_dict=False)[0])
                 pred = FluxPipeline._unpack_latents(pred, H * 8, W * 8, 8)  # vae_scale_factor 8: latent H
             else:
-                pred = model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=ctx,
-                             pooled_projections=pooled, return_dict=False)[0]
+                pred = fwd(lambda: model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=ctx,
+                                         pooled_projections=pooled, return_dict=False)[0])
             target = noise - x0
-            wgt = loss_weighting(a.weighting, sigmas).view(B, 1, 1, 1)
+            wgt = loss_weighting(a.weighting, sigmas.float()).view(B, 1, 1, 1)
             loss = torch.mean((wgt.float() * (pred.float() - target.float()) ** 2).reshape(B, -1), 1).mean()
         else:
             t = torch.randint(0, 1000, (B,), generator=gen)
             out[f"step{step}.timesteps"] = t.float()
+            t = t.to(dev)
             noisy = ddpm.add_noise(x0, noise, t)
             target = noise if a.prediction == "epsilon" else ddpm.get_velocity(x0, noise, t)
-            pred = model(noisy, t, ctx, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
-                         return_dict=False)[0]
+            pred = fwd(lambda: model(noisy, t, ctx, added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids},
+                                     return_dict=False)[0])
             if a.snr_gamma <= 0:
                 loss = F.mse_loss(pred.float(), target.float(), reduction="mean")
             else:
@@ -181,6 +216,7 @@ def main():
     out["losses"] = torch.tensor(losses, dtype=torch.float64)
     for n in names:
         out[f"final.{n}"] = adapters[n].detach().clone()
+    out = {k: v.detach().cpu() for k, v in out.items()}
     meta = {k: str(v) for k, v in vars(a).items()}
     meta.update(shift=str(shift), adapters=json.dumps(names), torch=torch.__version__)
     os.makedirs(a.out, exist_ok=True)

@@ -11,8 +11,6 @@
 
 #include <cmath>
 #include <filesystem>
-#include <functional>
-#include <map>
 #include <string>
 
 #include <flame/io/safetensors.h>
@@ -20,6 +18,7 @@
 #include <flame/optim.h>
 
 #include "model_test_util.h"
+#include "../tools/finetune_replay.h"
 #include "models/finetune.h"
 #include "models/unet2d_convert.h"
 
@@ -32,121 +31,62 @@ namespace {
 
 std::filesystem::path data_dir() { return std::filesystem::path(__FILE__).parent_path() / "data" / "models"; }
 
-struct Reference {
-  flame::StateDict t;
-  flame::io::Metadata meta;
-  const Tensor& operator[](const std::string& k) const { return t.at(k); }
-  std::string step(int i, const std::string& what) const { return "step" + std::to_string(i) + "." + what; }
-};
-
-Reference load_reference(const std::string& family) {
+flame_diffusion::tools::FinetuneReference load_reference(const std::string& family) {
   const std::string path = (data_dir() / ("finetune-" + family) / "finetune_reference.safetensors").string();
-  return {flame::io::load_safetensors(path, fd_test::test_device()), flame::io::load_safetensors_metadata(path)};
+  return flame_diffusion::tools::load_finetune_reference(path, fd_test::test_device());
 }
 
-// Adds the reference's LoRA to `model`, sets the adapters to the reference's initial values and
-// returns AdamW over them with the reference's learning rate (weight decay 1e-2 as the script).
-std::unique_ptr<flame::optim::AdamW> init_lora(nn::Module& model, const Reference& r,
-                                               const std::function<void(const nn::LoraOptions&)>& add) {
-  add({.rank = std::stoll(r.meta.at("rank")), .alpha = std::stod(r.meta.at("alpha"))});
-  flame::StateDict init;
-  for (const auto& [k, t] : r.t) {
-    if (k.rfind("init.", 0) == 0) init.insert(k.substr(5), t);
-  }
-  nn::load_lora_state_dict(model, init);
-  flame::TensorList params;
-  for (const Tensor& p : model.parameters()) {
-    if (p.requires_grad()) params.push_back(p);
-  }
-  return std::make_unique<flame::optim::AdamW>(
-      params, flame::optim::AdamW::Options{.lr = std::stod(r.meta.at("lr")), .weight_decay = 1e-2});
-}
-
-// Runs the reference's steps with `loss_of(step)`, checking each loss and the final adapters.
-void run_steps(nn::Module& model, flame::optim::AdamW& opt, const Reference& r,
-               const std::function<Tensor(int)>& loss_of) {
-  const std::vector<double> want = r["losses"].to_vec<double>();
-  ASSERT_EQ(static_cast<int64_t>(want.size()), std::stoll(r.meta.at("steps")));
-  for (int i = 0; i < static_cast<int>(want.size()); ++i) {
-    const Tensor loss = loss_of(i);
-    const double got = loss.item<double>();
-    EXPECT_NEAR(got, want[static_cast<std::size_t>(i)], 1e-5 * std::abs(want[static_cast<std::size_t>(i)]))
-        << "step " << i;
-    opt.step(loss.backward());
-  }
-  const flame::StateDict final_lora = nn::lora_state_dict(model);
+// Replays the reference's steps on the model in `model_dir`, checking each loss and the final adapters.
+void expect_replay_matches(const std::string& family, const std::string& model_dir) {
+  const auto r = load_reference(family);
+  const auto run = flame_diffusion::tools::replay_finetune(r, (data_dir() / model_dir).string(), fd_test::test_device());
+  const std::vector<double> want = r.t.at("losses").to_vec<double>();
+  ASSERT_EQ(run.losses.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(run.losses[i], want[i], 1e-5 * std::abs(want[i])) << "step " << i;
   int checked = 0;
   for (const auto& [k, t] : r.t) {
     if (k.rfind("final.", 0) != 0) continue;
-    const Tensor& got = final_lora.at(std::string(nn::kPeftPrefix) + k.substr(6));
+    const Tensor& got = run.adapters.at(k.substr(6));
     const double scale = fd_test::max_abs(t), err = fd_test::max_abs_diff(got, t);
     EXPECT_LE(err, 5e-4 * scale + 1e-7) << k << ": max error " << err << " at scale " << scale;
     ++checked;
   }
-  EXPECT_EQ(checked, static_cast<int>(final_lora.size())) << "adapters in the reference against the model's";
-}
-
-fm::FlowMatchOptions flow_options(const Reference& r) {
-  fm::FlowMatchOptions o;
-  const std::string s = r.meta.at("sampling"), w = r.meta.at("weighting");
-  o.density = s == "logit_normal" ? fm::TimestepDensity::logit_normal
-              : s == "mode"       ? fm::TimestepDensity::mode
-                                  : fm::TimestepDensity::uniform;
-  o.weighting = w == "sigma_sqrt" ? fm::FlowLossWeighting::sigma_sqrt
-                : w == "cosmap"   ? fm::FlowLossWeighting::cosmap
-                                  : fm::FlowLossWeighting::none;
-  o.shift = std::stod(r.meta.at("shift"));
-  return o;
-}
-
-fm::FlowBatch flow_batch(const Reference& r, int i) {
-  return {.latents = r[r.step(i, "latents")],
-          .noise = r[r.step(i, "noise")],
-          .text = r[r.step(i, "text")],
-          .pooled = r[r.step(i, "pooled")],
-          .u = r[r.step(i, "u")]};
+  EXPECT_EQ(checked, static_cast<int>(run.adapters.size())) << "adapters in the reference against the model's";
+  EXPECT_GT(checked, 0);
 }
 
 }  // namespace
 
-TEST(Finetune, FluxFlowMatchingFollowsDiffusersLoop) {
-  const Reference r = load_reference("flux");
-  auto model = fm::load_flux((data_dir() / "flux-tiny" / "transformer").string(), {.device = fd_test::test_device()});
-  model->train();
-  auto opt = init_lora(*model, r, [&](const nn::LoraOptions& o) { model->add_lora(o); });
-  const fm::FlowMatchOptions o = flow_options(r);
-  const double guidance = std::stod(r.meta.at("guidance"));
-  run_steps(*model, *opt, r, [&](int i) { return fm::flux_flow_loss(*model, o, flow_batch(r, i), guidance); });
+TEST(Finetune, FluxFlowMatchingFollowsDiffusersLoop) { expect_replay_matches("flux", "flux-tiny/transformer"); }
+
+// The same loop in the scripts' mixed precision (bf16 weights and autocast, f32 adapters): every
+// loss within 1e-3 relative (measured 6.4e-5 at worst) and the adapters' update within 15% of the
+// reference's (measured 4.4%; PyTorch's own bf16 loop ends 34% of the update away from its f32 one).
+TEST(Finetune, FluxBf16AutocastFollowsDiffusersLoop) {
+  const auto r = load_reference("flux-bf16");
+  ASSERT_TRUE(r.bf16());
+  const auto run = flame_diffusion::tools::replay_finetune(r, (data_dir() / "flux-tiny/transformer").string(),
+                                                           fd_test::test_device());
+  const std::vector<double> want = r.t.at("losses").to_vec<double>();
+  ASSERT_EQ(run.losses.size(), want.size());
+  for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(run.losses[i], want[i], 1e-3 * std::abs(want[i])) << "step " << i;
+  double diff2 = 0, update2 = 0;
+  for (const auto& [k, t] : r.t) {
+    if (k.rfind("final.", 0) != 0) continue;
+    const Tensor ref = t.to(DType::f64), got = run.adapters.at(k.substr(6)).to(DType::f64);
+    diff2 += (got - ref).pow(2.0).sum().item<double>();
+    update2 += (ref - run.initial.at(k.substr(6)).to(DType::f64)).pow(2.0).sum().item<double>();
+  }
+  ASSERT_GT(update2, 0.0);
+  EXPECT_LE(std::sqrt(diff2 / update2), 0.15);
 }
 
 TEST(Finetune, SD3FlowMatchingFollowsDiffusersLoop) {
-  const Reference r = load_reference("sd3");
-  auto model = fm::load_sd3((data_dir() / "sd3-tiny" / "transformer").string(), {.device = fd_test::test_device()});
-  model->train();
-  auto opt = init_lora(*model, r, [&](const nn::LoraOptions& o) { model->add_lora(o); });
-  const fm::FlowMatchOptions o = flow_options(r);
-  EXPECT_EQ(o.shift, 3.0);  // SD3's scheduler config
-  run_steps(*model, *opt, r, [&](int i) { return fm::sd3_flow_loss(*model, o, flow_batch(r, i)); });
+  EXPECT_EQ(flame_diffusion::tools::finetune_flow_options(load_reference("sd3")).shift, 3.0);  // SD3's scheduler
+  expect_replay_matches("sd3", "sd3-tiny/transformer");
 }
 
-TEST(Finetune, SDXLDdpmMinSnrFollowsDiffusersLoop) {
-  const Reference r = load_reference("sdxl");
-  auto model =
-      fm::load_unet((data_dir() / "unet2d-tiny-xl" / "unet").string(), {.device = fd_test::test_device()});
-  model->train();
-  auto opt = init_lora(*model, r, [&](const nn::LoraOptions& o) { model->add_lora(o); });
-  fm::DdpmOptions o;
-  o.prediction = r.meta.at("prediction") == "v_prediction" ? fm::Prediction::v_prediction : fm::Prediction::epsilon;
-  o.snr_gamma = std::stod(r.meta.at("snr_gamma"));
-  run_steps(*model, *opt, r, [&](int i) {
-    return fm::unet_ddpm_loss(*model, o,
-                              {.latents = r[r.step(i, "latents")],
-                               .noise = r[r.step(i, "noise")],
-                               .text = r[r.step(i, "text")],
-                               .timesteps = r[r.step(i, "timesteps")],
-                               .added = {.text_embeds = r[r.step(i, "pooled")], .time_ids = r[r.step(i, "time_ids")]}});
-  });
-}
+TEST(Finetune, SDXLDdpmMinSnrFollowsDiffusersLoop) { expect_replay_matches("sdxl", "unet2d-tiny-xl/unet"); }
 
 // The flow-matching pieces on their own: the training table of FlowMatchEulerDiscreteScheduler
 // (sigma_i = s((N - i) / N), timestep = sigma N), the SD3 loss weightings, and the densities.
