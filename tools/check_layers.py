@@ -60,8 +60,6 @@ src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
 src/core/print.cpp -> include/flame/ops.h
 src/core/set_data.cpp -> src/amp/autocast.h
 src/core/tensor.cpp -> include/flame/autograd.h
-src/core/tensor.cpp -> include/flame/ops.h
-src/core/tensor.cpp -> src/autograd/rules/rules.h
 src/core/tensor.cpp -> src/backend/backend.h
 src/core/tensor.cpp -> src/backend/cpu/cpu_backend.h
 src/core/tensor.cpp -> src/ops/trace_hooks.h
@@ -93,6 +91,7 @@ src/ops/norm.cpp -> src/autograd/rules/norm.h
 src/ops/pool.cpp -> src/autograd/record.h
 src/ops/pool.cpp -> src/autograd/rules/pool.h
 src/ops/rotary.cpp -> src/autograd/rules/rotary.h
+src/ops/tensor_factories.cpp -> src/autograd/rules/rules.h
 src/ops/reduce.cpp -> src/autograd/rules/rules.h
 src/ops/views.cpp -> src/autograd/record.h
 src/ops/views.cpp -> src/autograd/rules/rules.h
