@@ -59,10 +59,6 @@ src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h
 src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
 src/core/print.cpp -> include/flame/ops.h
 src/core/set_data.cpp -> src/amp/autocast.h
-src/core/tensor.cpp -> include/flame/autograd.h
-src/core/tensor.cpp -> src/backend/backend.h
-src/core/tensor.cpp -> src/backend/cpu/cpu_backend.h
-src/core/tensor.cpp -> src/ops/trace_hooks.h
 src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
 src/ops/adaln.cpp -> src/autograd/recompute.h

@@ -5,6 +5,7 @@
 #include "flame/device.h"
 #include "src/backend/backend.h"
 #include "src/backend/cpu/cpu_backend.h"
+#include "src/core/tensor_impl.h"
 
 #ifdef FLAME_WITH_CUDA
 #include "src/backend/cuda/cuda_backend.h"
@@ -29,6 +30,12 @@ Backend& backend_for(Device device) {
 }  // namespace flame::backend
 
 namespace flame {
+std::shared_ptr<Storage> allocate_storage(Device device, std::size_t nbytes) {
+  // On the CPU the Storage lives in its data block (Note [Storage in its block]).
+  if (device.is_cpu()) return backend::cpu::allocate_storage(nbytes);
+  return std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
+}
+
 #ifndef FLAME_WITH_CUDA
 bool cuda_is_available() { return false; }
 int cuda_device_count() { return 0; }

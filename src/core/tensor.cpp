@@ -21,12 +21,9 @@
 #include <utility>
 #include <vector>
 
-#include "flame/autograd.h"
-#include "src/backend/backend.h"
-#include "src/backend/cpu/cpu_backend.h"
-#include "src/ops/trace_hooks.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
+#include "src/core/trace_seam.h"
 #include "src/core/profiler_context.h"
 
 namespace flame {
@@ -174,10 +171,7 @@ std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device dev
 #endif
   profiler_detail::set_current_op(op);  // Note [Allocation context] in src/profiler/memory_profiler.cpp
   try {
-    // On the CPU the Storage lives in its data block (Note [Storage in its block]).
-    std::shared_ptr<Storage> s = device.is_cpu()
-                                     ? backend::cpu::allocate_storage(nbytes)
-                                     : std::make_shared<Storage>(backend::backend_for(device).allocate(nbytes), nbytes, device);
+    std::shared_ptr<Storage> s = allocate_storage(device, nbytes);
     if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_new_storage(*tr, s.get(), op);
     return s;
   } catch (const std::exception& e) {  // flame::Error or std::bad_alloc: say which op and shape

@@ -20,6 +20,7 @@ struct Storage {
   std::size_t nbytes;
   Device device;
   std::atomic<uint64_t> version{0};
+
   // CPU storage in page-locked memory from the pinned host cache (src/memory/pinned.h); the
   // deleter of `data` hands the block back to that cache.
   bool pinned = false;
@@ -27,6 +28,11 @@ struct Storage {
   // write them again (Note [Recompute cheap] in src/autograd/recompute.cpp).
   std::shared_ptr<const autograd_detail::Recipe> recipe;
 };
+
+// The bytes of a new tensor's storage on `device` (uninitialised). Core declares it, the kernels
+// layer implements it (src/backend/registry.cpp: the CPU allocator's storage-in-its-block, or the
+// device backend's pool), so that core reaches no backend header (Note [Layers] in docs/design.md).
+std::shared_ptr<Storage> allocate_storage(Device device, std::size_t nbytes);
 
 struct AutogradMeta;  // src/autograd/node.h
 
