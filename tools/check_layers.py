@@ -57,7 +57,6 @@ src/backend/cuda/graph.cu -> include/flame/random.h
 src/backend/cuda/graph.cu -> src/random/graph_rng.h
 src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h
 src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
-src/core/print.cpp -> include/flame/ops.h
 src/core/set_data.cpp -> src/amp/autocast.h
 src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
