@@ -51,7 +51,6 @@ LAYERS = [
 KNOWN = """
 src/amp/grad_scaler.cpp -> include/flame/optim/optimizer.h
 src/autograd/saved_hooks.cpp -> include/flame/offload.h
-src/backend/cuda/conv/cudnn_conv.cpp -> src/ops/conv.h
 src/backend/cuda/cupti_trace.cpp -> src/profiler/kernel_trace.h
 src/backend/cuda/graph.cu -> include/flame/random.h
 src/backend/cuda/graph.cu -> src/random/graph_rng.h

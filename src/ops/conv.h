@@ -4,6 +4,7 @@
 // record no autograd: the rules call them while the engine runs, without higher-order gradients.
 #include "flame/tensor.h"
 #include "src/backend/backend.h"
+#include "src/core/memory_format.h"
 
 namespace flame::conv_detail {
 
@@ -13,12 +14,8 @@ using ConvParams = backend::Backend::ConvParams;
 // the error names `op` and the argument `what`.
 Shape expand_arg(const Shape& v, int64_t nsp, const char* op, const char* what);
 
-// Layout of every tensor given to a conv kernel: contiguous, or dense channels-last.
-bool channels_last(const Tensor& t);
 // t in the requested layout (t itself when it already is); no autograd recorded.
 Tensor in_layout(const Tensor& t, bool cl);
-// A fresh uninitialised tensor of logical shape `sizes` in the requested layout.
-Tensor empty_in_layout(const Shape& sizes, DType dtype, Device device, bool cl);
 
 // y = conv(x, w) in layout cl; y_shape is the logical output shape. Zero-size shapes give zeros.
 Tensor conv_forward(const Tensor& x, const Tensor& w, const ConvParams& p, const Shape& y_shape, bool cl);

@@ -57,7 +57,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/cudnn_autotune.h"
 #include "src/backend/cuda/cudnn_handle.h"
-#include "src/ops/conv.h"
+#include "src/core/memory_format.h"
 
 namespace flame::backend::cuda {
 namespace {
