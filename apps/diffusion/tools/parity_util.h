@@ -140,4 +140,20 @@ inline void print_kernel_trace(const std::function<void()>& step, int64_t steps)
   std::fflush(stdout);
 }
 
+// main() of a tool with commands (`tool CMD --flag value ...`): parses the flags, runs the
+// command, and turns any error into one line on stderr naming the tool (exit code 2).
+using ToolCommand = std::function<int(const std::map<std::string, std::string>&)>;
+inline int run_tool(int argc, char** argv, const char* tool, const std::string& usage,
+                    const std::vector<std::string>& known_flags, const std::map<std::string, ToolCommand>& commands) {
+  try {
+    if (argc < 2) throw std::runtime_error("no command\n" + usage);
+    const auto it = commands.find(argv[1]);
+    if (it == commands.end()) throw std::runtime_error("unknown command '" + std::string(argv[1]) + "'\n" + usage);
+    return it->second(parse_flags(argc, argv, known_flags, usage));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: %s\n", tool, e.what());
+    return 2;
+  }
+}
+
 }  // namespace flame_diffusion::tools

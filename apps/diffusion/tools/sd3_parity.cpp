@@ -252,15 +252,6 @@ int time_steps(const std::map<std::string, std::string>& f) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    if (argc < 2) throw std::runtime_error(std::string("no command\n") + kUsage);
-    const std::string cmd = argv[1];
-    const auto flags = flame_diffusion::tools::parse_flags(argc, argv, kFlags, kUsage);
-    if (cmd == "check") return check(flags);
-    if (cmd == "time") return time_steps(flags);
-    throw std::runtime_error("unknown command '" + cmd + "'\n" + kUsage);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "sd3_parity: %s\n", e.what());
-    return 2;
-  }
+  return flame_diffusion::tools::run_tool(argc, argv, "sd3_parity", kUsage, kFlags,
+                                          {{"check", check}, {"time", time_steps}});
 }
