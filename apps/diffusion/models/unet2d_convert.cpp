@@ -143,6 +143,116 @@ bool is_projection_weight(const std::string& diffusers) {
 
 }  // namespace
 
+std::optional<std::string> unet_original_name(const UNet2DConditionConfig& config, const std::string& name) {
+  const Layout l = layout_of(config);
+  static const std::vector<std::pair<std::string, std::string>> top = {
+      {"conv_in", "input_blocks.0.0"},          {"time_embedding.linear_1", "time_embed.0"},
+      {"time_embedding.linear_2", "time_embed.2"}, {"add_embedding.linear_1", "label_emb.0.0"},
+      {"add_embedding.linear_2", "label_emb.0.2"}, {"conv_norm_out", "out.0"},
+      {"conv_out", "out.2"}};
+  // `rest` after "<prefix>" is the whole name or starts with ".".
+  auto after = [&](const std::string& prefix) -> std::optional<std::string> {
+    if (!name.starts_with(prefix)) return std::nullopt;
+    const std::string rest = name.substr(prefix.size());
+    if (!rest.empty() && rest[0] != '.') return std::nullopt;
+    return rest;
+  };
+  for (const auto& [from, to] : top) {
+    if (auto rest = after(from)) return to + *rest;
+  }
+  static const std::vector<std::pair<std::string, std::string>> resnet = {
+      {"norm1", "in_layers.0"},  {"conv1", "in_layers.2"},  {"time_emb_proj", "emb_layers.1"},
+      {"norm2", "out_layers.0"}, {"conv2", "out_layers.3"}, {"conv_shortcut", "skip_connection"}};
+  auto resnet_part = [&](const std::string& rest) -> std::optional<std::string> {  // rest: "norm1.weight"
+    for (const auto& [from, to] : resnet) {
+      if (rest == from || rest.starts_with(from + ".")) return to + rest.substr(from.size());
+    }
+    return std::nullopt;
+  };
+  // "<b>.<kind>.<j>.<rest>" of a block group.
+  struct Parsed {
+    int64_t block, layer;
+    std::string kind, rest;
+  };
+  auto parse = [&](const std::string& s) -> std::optional<Parsed> {
+    auto b = take_index(s);
+    if (!b) return std::nullopt;
+    const std::size_t dot = b->second.find('.');
+    if (dot == std::string::npos) return std::nullopt;
+    auto j = take_index(b->second.substr(dot + 1));
+    if (!j) return std::nullopt;
+    return Parsed{b->first, j->first, b->second.substr(0, dot), j->second};
+  };
+  auto slot_index = [](const std::vector<Slot>& slots, int64_t block, int64_t layer, bool resample) -> int64_t {
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].block == block && slots[i].layer == layer && slots[i].resample == resample) return static_cast<int64_t>(i);
+    }
+    return -1;
+  };
+  if (name.starts_with("down_blocks.")) {
+    auto p = parse(name.substr(12));
+    if (!p) return std::nullopt;
+    if (p->kind == "downsamplers" && p->layer == 0 && p->rest.starts_with("conv")) {
+      const int64_t b = p->block;
+      if (b < 0 || b >= config.num_blocks()) return std::nullopt;
+      const int64_t i = slot_index(l.input, b, config.layers_per_block[b], true);
+      if (i < 0) return std::nullopt;
+      return "input_blocks." + std::to_string(i + 1) + ".0.op" + p->rest.substr(4);
+    }
+    const int64_t i = slot_index(l.input, p->block, p->layer, false);
+    if (i < 0) return std::nullopt;
+    const std::string blk = "input_blocks." + std::to_string(i + 1);
+    if (p->kind == "resnets") {
+      if (auto r = resnet_part(p->rest)) return blk + ".0." + *r;
+    } else if (p->kind == "attentions") {
+      if (attention_name(p->rest + ".")) return blk + ".1." + p->rest;
+    }
+    return std::nullopt;
+  }
+  if (name.starts_with("mid_block.")) {
+    // "resnets.k.rest" / "attentions.0.rest": no block index in front.
+    const std::string s = name.substr(10);
+    for (const auto& [kind, pos] : std::vector<std::pair<std::string, int64_t>>{{"resnets.", 0}, {"attentions.", 1}}) {
+      if (!s.starts_with(kind)) continue;
+      auto k = take_index(s.substr(kind.size()));
+      if (!k) return std::nullopt;
+      const std::string blk = "middle_block." + std::to_string(2 * k->first + pos) + ".";
+      if (pos == 0) {
+        if (k->first > 1) return std::nullopt;
+        if (auto r = resnet_part(k->second)) return blk + *r;
+      } else if (k->first == 0 && attention_name(k->second + ".")) {
+        return blk + k->second;
+      }
+      return std::nullopt;
+    }
+    return std::nullopt;
+  }
+  if (name.starts_with("up_blocks.")) {
+    auto p = parse(name.substr(10));
+    if (!p) return std::nullopt;
+    if (p->kind == "upsamplers" && p->layer == 0 && p->rest.starts_with("conv")) {
+      const int64_t b = p->block;
+      if (b < 0 || b + 1 >= static_cast<int64_t>(l.up_cross.size())) return std::nullopt;
+      int64_t last = -1;
+      for (std::size_t i = 0; i < l.output.size(); ++i) {
+        if (l.output[i].block == b) last = static_cast<int64_t>(i);
+      }
+      if (last < 0) return std::nullopt;
+      return "output_blocks." + std::to_string(last) + (l.up_cross[b] ? ".2.conv" : ".1.conv") + p->rest.substr(4);
+    }
+    const int64_t i = slot_index(l.output, p->block, p->layer, false);
+    if (i < 0) return std::nullopt;
+    const std::string blk = "output_blocks." + std::to_string(i);
+    if (p->kind == "resnets") {
+      if (auto r = resnet_part(p->rest)) return blk + ".0." + *r;
+    } else if (p->kind == "attentions") {
+      if (attention_name(p->rest + ".")) return blk + ".1." + p->rest;
+    }
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
 bool is_unet_original_layout(const std::vector<std::string>& keys) {
   const std::string p = std::string(kUNetOriginalPrefix) + "input_blocks.";
   return std::any_of(keys.begin(), keys.end(), [&](const std::string& k) { return k.starts_with(p); });

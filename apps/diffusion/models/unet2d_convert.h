@@ -44,6 +44,11 @@ KeyPlan unet_original_plan(const UNet2DConditionConfig& config,
 // upsampler slots split the blocks): the plan of the registered format "unet-original".
 KeyPlan unet_original_plan(const Checkpoint& ck, const std::string& prefix);
 
+// The inverse: the original name (no prefix) of a diffusers key or module path of the UNet of
+// `config` ("down_blocks.1.attentions.0.proj_in" -> "input_blocks.4.1.proj_in"), or nullopt for a
+// name the original layout does not have. Kohya's SDXL LoRA files name modules this way.
+std::optional<std::string> unet_original_name(const UNet2DConditionConfig& config, const std::string& diffusers_name);
+
 // True when `keys` hold the original UNet layout (an input_blocks key under the prefix).
 bool is_unet_original_layout(const std::vector<std::string>& keys);
 
