@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -455,6 +456,50 @@ TEST(SdpaCudaRoutes, GraphCaptureOfLongNonCausalKv) {
   EXPECT_TRUE(close_rel(got.dq, m.dq, 3e-2));
   EXPECT_TRUE(close_rel(got.dk, m.dk, 3e-2));
   EXPECT_TRUE(close_rel(got.dv, m.dv, 3e-2));
+}
+
+// The real model families' attention: FLUX.1 (24 heads of 128 over 4096 image + 512 text tokens)
+// and SD3.5-Large (38 heads of 64 over 4096 + 333, not a multiple of 128), bf16, forward and
+// backward against the f32 math path, eagerly and captured in a CUDA graph (as a trainer's
+// captured step runs it). PyTorch 2.11's own cuDNN attention faulted on the FLUX shape.
+TEST(SdpaCudaRoutes, FluxAndSD35SequencesEagerAndCaptured) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  for (const CudaCase& c : {CudaCase{DType::bf16, 1, 24, 4608, 4608, 128, false, 0},
+                            CudaCase{DType::bf16, 1, 38, 4429, 4429, 64, false, 0}}) {
+    const FusedVsMath m = run_cuda(c, DType::f32, SdpaBackend::math, 21);
+    const FusedVsMath f = run_cuda(c, DType::bf16, SdpaBackend::automatic, 21);
+    EXPECT_STRNE(f.path, "math") << case_name(c);
+    for (const auto& [got, want, what] : {std::tuple{f.out, m.out, "out"}, std::tuple{f.dq, m.dq, "dq"},
+                                          std::tuple{f.dk, m.dk, "dk"}, std::tuple{f.dv, m.dv, "dv"}}) {
+      EXPECT_TRUE(close_rel(got, want, 3e-2)) << case_name(c) << " eager " << what << " (" << f.path << ")";
+    }
+    // The same values as run_cuda draws for seed 21, captured.
+    Tensor q = rnd({c.b, c.h, c.l, c.d}, 21, DType::bf16, dev).requires_grad_();
+    Tensor k = rnd({c.b, c.h, c.s, c.d}, 22, DType::bf16, dev).requires_grad_();
+    Tensor v = rnd({c.b, c.h, c.s, c.d}, 23, DType::bf16, dev).requires_grad_();
+    const Tensor gout = rnd({c.b, c.h, c.l, c.d}, 25, DType::bf16, dev);
+    {  // plans and handles are built eagerly, outside the capture
+      BackwardOptions opt;
+      opt.grad_output = gout;
+      (void)F::scaled_dot_product_attention(q, k, v).backward(opt);
+    }
+    cuda::Graph graph;
+    AttentionGrads got;
+    const char* path = "";
+    cuda::capture(graph, [&] {
+      const Tensor out = F::scaled_dot_product_attention(q, k, v);
+      path = F::sdpa_last_path();
+      got = attention_grads(out, gout, q, k, v);
+    });
+    graph.replay();
+    cuda::synchronize();
+    EXPECT_STRNE(path, "math") << case_name(c);
+    EXPECT_TRUE(close_rel(got.out, m.out, 3e-2)) << case_name(c) << " captured out (" << path << ")";
+    EXPECT_TRUE(close_rel(got.dq, m.dq, 3e-2)) << case_name(c) << " captured dq";
+    EXPECT_TRUE(close_rel(got.dk, m.dk, 3e-2)) << case_name(c) << " captured dk";
+    EXPECT_TRUE(close_rel(got.dv, m.dv, 3e-2)) << case_name(c) << " captured dv";
+  }
 }
 
 TEST(SdpaCudaRoutes, ChunkedEagerMatchesMath) {
