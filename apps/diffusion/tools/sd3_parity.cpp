@@ -15,8 +15,8 @@
 //       to_q/k/v/out.0), bf16 autocast, mse loss, AdamW on the adapters; random weights; image
 //       (latent/2)^2 tokens + `text` tokens (SD3 pipelines: 77 CLIP + 256 T5 = 333, or 154).
 //       One JSON line per checkpointing setting (0: none, -1: every block, N: the first N) with the
-//       median step time (CUDA events), the peak allocated memory, the step's FLOPs (2 x forward:
-//       the frozen weights get no gradient; recomputation not counted)
+//       median step time (CUDA events), the peak allocated memory, the step's FLOPs (step_flops:
+//       linears 2x their forward, the frozen weights get no weight gradients; attention 3x)
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
@@ -157,20 +157,28 @@ int check(const std::map<std::string, std::string>& f) {
 }
 
 // ---- timing ----
-// Forward FLOPs (multiply-adds x 2) of the linears, the patch embedding and the attention products.
-double forward_flops(const fm::SD3TransformerConfig& c, int64_t b, int64_t latent, int64_t text) {
+// FLOPs (multiply-adds x 2) of the LoRA step's forward and backward, as flux_parity counts them:
+// the linears (and the patch embedding) twice their forward (data gradients only: the frozen
+// weights get no weight gradients; the rank-r adapters are negligible), the attention products
+// three times theirs (forward, then dS = dO V^T and dQ, dK, dV). Recompute under checkpointing is
+// not counted (MFU counts model FLOPs).
+double step_flops(const fm::SD3TransformerConfig& c, int64_t b, int64_t latent, int64_t text) {
   const double d = static_cast<double>(c.inner_dim()), p = static_cast<double>(c.patch_size);
   const double l = static_cast<double>(latent / c.patch_size) * static_cast<double>(latent / c.patch_size);
   const double s = static_cast<double>(text), n = l + s;
-  double f = 2 * l * c.in_channels * p * p * d + 2 * s * c.joint_attention_dim * d + 2 * l * d * p * p * c.out_channels;
+  double linear = 2 * l * c.in_channels * p * p * d + 2 * s * c.joint_attention_dim * d + 2 * l * d * p * p * c.out_channels;
+  double attention = 0;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const bool last = i == c.num_layers - 1;
-    f += 2 * 3 * n * d * d + 2 * (last ? l : n) * d * d;  // q, k, v of both streams; to_out (+ to_add_out)
-    f += 2 * 2 * n * n * d;                               // scores and values over the joint sequence
-    f += 2 * 8 * (last ? l : n) * d * d;                  // ff (+ ff_context): d -> 4d -> d
-    if (c.dual_attention(i)) f += 2 * 4 * l * d * d + 2 * 2 * l * l * d;
+    linear += 2 * 3 * n * d * d + 2 * (last ? l : n) * d * d;  // q, k, v of both streams; to_out (+ to_add_out)
+    attention += 2 * 2 * n * n * d;                             // scores and values over the joint sequence
+    linear += 2 * 8 * (last ? l : n) * d * d;                   // ff (+ ff_context): d -> 4d -> d
+    if (c.dual_attention(i)) {
+      linear += 2 * 4 * l * d * d;
+      attention += 2 * 2 * l * l * d;
+    }
   }
-  return f * static_cast<double>(b);
+  return (2 * linear + 3 * attention) * static_cast<double>(b);
 }
 
 // bf16 GEMM throughput of this GPU now (TFLOP/s): 8192^3, median of 10.
@@ -233,7 +241,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
     };
     const flame_diffusion::tools::StepTimes timed = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
     const double median = timed.median_ms, peak = timed.peak_gib;
-    const double flops = 2.0 * forward_flops(config, batch, latent, text);  // forward + input gradients
+    const double flops = step_flops(config, batch, latent, text);
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf(
         "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "

@@ -12,7 +12,8 @@
 //                    [--graph 0] [--trace 0] [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
 //       the bf16 LoRA training step (random weights, AdamW on the adapters, mse loss) timed with
 //       CUDA events: one JSON line per (batch, checkpointing, recompute) with the median step time,
-//       the peak allocated memory and MFU (2 x forward FLOPs per step, of 989 TFLOP/s dense bf16).
+//       the peak allocated memory and MFU (step_flops: convolutions and linears 2x their forward,
+//       attention 3x; of 989 TFLOP/s dense bf16).
 //       --recompute 1 runs the forward under autograd::RecomputeCheap (set_recompute_cheap).
 //       --graph 1 captures the whole step (forward, backward, capturable AdamW) once as a CUDA graph
 //       (cuda::GraphedStep) and replays it; its peak counts the graph's private pool.
@@ -166,9 +167,11 @@ int check(const std::map<std::string, std::string>& f) {
 }
 
 // ---- timing ----
-// Forward FLOPs (multiply-adds x 2) of the convolutions, linears and attention products.
-double forward_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, int64_t w, int64_t seq) {
-  double f = 0;
+// FLOPs (multiply-adds x 2) of the LoRA step's forward and backward, as flux_parity counts them:
+// the convolutions and linears twice their forward (data gradients only: the frozen weights get
+// no weight gradients), the attention products three times theirs. Recompute not counted.
+double step_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, int64_t w, int64_t seq) {
+  double f = 0, attention = 0;
   auto conv = [&](int64_t hh, int64_t ww, int64_t in, int64_t out, int64_t k) { f += 2.0 * b * hh * ww * in * out * k * k; };
   auto resnet = [&](int64_t hh, int64_t ww, int64_t in, int64_t out) {
     conv(hh, ww, in, out, 3);
@@ -179,9 +182,10 @@ double forward_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, i
     const double n = static_cast<double>(hh) * ww;
     f += 2 * 2.0 * b * n * ch * ch;  // proj_in, proj_out
     for (int64_t l = 0; l < layers; ++l) {
-      f += 2.0 * b * n * ch * ch * 4 + 2 * 2.0 * b * n * n * ch;              // self-attention
+      f += 2.0 * b * n * ch * ch * 4;                                        // self-attention q, k, v, out
+      attention += 2 * 2.0 * b * n * n * ch;                                 // its scores and values
       f += 2.0 * b * n * ch * ch * 2 + 2 * 2.0 * b * seq * cross * ch;       // cross q, out; k, v
-      f += 2 * 2.0 * b * n * seq * ch;                                       // cross scores, values
+      attention += 2 * 2.0 * b * n * seq * ch;                               // cross scores, values
       f += 2.0 * b * n * ch * 8 * ch + 2.0 * b * n * 4 * ch * ch;            // GEGLU feed-forward
     }
   };
@@ -225,7 +229,7 @@ double forward_flops(const fm::UNet2DConditionConfig& c, int64_t b, int64_t h, i
     }
   }
   conv(h, w, c.block_out_channels[0], c.out_channels, 3);
-  return f;
+  return 2 * f + 3 * attention;
 }
 
 // The training step's random inputs (SDXL's added conditions for an image 8x the latent).
@@ -318,7 +322,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
           const auto stats = flame::cuda::memory_stats();
           const double peak =
               static_cast<double>(stats.peak_allocated_bytes + (graph != 0 ? stats.graph_pool_bytes : 0)) / (1u << 30);
-          const double flops = 2.0 * forward_flops(config, batch, latent, latent, seq);
+          const double flops = step_flops(config, batch, latent, latent, seq);
           std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
                       "\"checkpointing\": %s, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"median_ms\": %.2f, "
                       "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f}\n",
