@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <optional>
 #include <set>
@@ -355,7 +357,8 @@ std::string guess_lora_family(const std::vector<std::string>& keys) {
       std::any_of(keys.begin(), keys.end(), [](const std::string& k) { return k.starts_with("unet."); })) {
     return "sdxl";
   }
-  if (any({"joint_blocks", "context_block", "x_block", "transformer_blocks"})) return "sd3";
+  if (any({"joint_blocks", "context_block", "x_block"})) return "sd3";
+  if (any({"transformer_blocks"})) return "flux-or-sd3";  // both use diffusers' joint block names
   return "";
 }
 
@@ -436,27 +439,44 @@ struct AlphaSource {
   }
 };
 
+// PEFT's LoraConfig fields (keys with or without `prefix`) into `out`.
+void read_adapter_config(const json& j, const std::string& prefix, AlphaSource& out) {
+  auto get = [&](const std::string& k) -> const json* {
+    for (const std::string& key : {prefix + k, k}) {
+      if (j.is_object() && j.contains(key) && !j.at(key).is_null()) return &j.at(key);
+    }
+    return nullptr;
+  };
+  if (const json* a = get("lora_alpha"); a && a->is_number()) out.alpha = a->get<double>();
+  if (const json* r = get("use_rslora"); r && r->is_boolean()) out.rslora = r->get<bool>();
+  if (const json* p = get("alpha_pattern"); p && p->is_object()) {
+    for (const auto& [k, v] : p->items()) {
+      if (v.is_number()) out.pattern[k] = v.get<double>();
+    }
+  }
+}
+
+json parse_json(const std::string& text, const std::string& what) {
+  try {
+    return json::parse(text);
+  } catch (const std::exception& e) {
+    FLAME_FAIL(kOp, what, " is not JSON (", e.what(), ")");
+  }
+}
+
+// Alpha: the adapter configuration in the metadata (diffusers, FLAME's peft files), else PEFT's
+// adapter_config.json beside a PEFT file, else the metadata's lora_alpha / ss_network_alpha.
 AlphaSource alpha_source(const flame::io::Metadata& meta, const std::string& path, const std::string& prefix) {
   AlphaSource out;
   if (auto it = meta.find(kAdapterMetadataKey); it != meta.end()) {
-    json j;
-    try {
-      j = json::parse(it->second);
-    } catch (const std::exception& e) {
-      FLAME_FAIL(kOp, path, ": its ", kAdapterMetadataKey, " metadata is not JSON (", e.what(), ")");
-    }
-    auto get = [&](const std::string& k) -> const json* {
-      for (const std::string& key : {prefix + k, k}) {
-        if (j.is_object() && j.contains(key) && !j.at(key).is_null()) return &j.at(key);
-      }
-      return nullptr;
-    };
-    if (const json* a = get("lora_alpha"); a && a->is_number()) out.alpha = a->get<double>();
-    if (const json* r = get("use_rslora"); r && r->is_boolean()) out.rslora = r->get<bool>();
-    if (const json* p = get("alpha_pattern"); p && p->is_object()) {
-      for (const auto& [k, v] : p->items()) {
-        if (v.is_number()) out.pattern[k] = v.get<double>();
-      }
+    read_adapter_config(parse_json(it->second, path + ": its " + kAdapterMetadataKey + " metadata"), prefix, out);
+  } else if (prefix == flame::nn::kPeftPrefix) {
+    const std::filesystem::path config = std::filesystem::path(path).parent_path() / "adapter_config.json";
+    if (std::filesystem::exists(config)) {
+      std::ifstream in(config);
+      std::stringstream text;
+      text << in.rdbuf();
+      read_adapter_config(parse_json(text.str(), config.string()), "", out);
     }
   }
   if (!out.alpha) {
@@ -499,7 +519,10 @@ struct Reader {
 
   [[noreturn]] void fail_unplaced(const std::vector<std::string>& keys) const {
     const std::string guess = guess_lora_family(keys);
-    if (!guess.empty() && guess != to_string(family)) {
+    if (guess == "flux-or-sd3" && family == LoraFamily::kSDXL) {
+      FLAME_FAIL(kOp, path, " looks like a FLUX or SD3 LoRA; the model is SDXL (keys such as ", keys.front(), ")");
+    }
+    if (!guess.empty() && guess != "flux-or-sd3" && guess != to_string(family)) {
       FLAME_FAIL(kOp, path, " looks like ", with_article(family_title(lora_family_from_string(guess))), " LoRA; the model is ",
                  family_title(family), " (keys such as ", keys.front(), ")");
     }

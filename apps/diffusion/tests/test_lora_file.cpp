@@ -102,6 +102,15 @@ void expect_close(const Tensor& got, const Tensor& want, double tol, const std::
   EXPECT_LE(err, tol * std::max(1.0, fd_test::max_abs(want))) << what << ": max abs error " << err;
 }
 
+// Adds N(0, std) noise to the adapters' tensors only.
+void perturb_adapters(nn::Module& m, double std, uint64_t seed) {
+  flame::NoGradGuard no_grad;
+  flame::Generator gen(seed);
+  for (auto& [n, p] : m.named_parameters()) {
+    if (nn::is_lora_key(n)) p.add_(Tensor::randn(p.sizes(), 0.0, std, {}, &gen));
+  }
+}
+
 const std::vector<LoraFamily> kFamilies = {LoraFamily::kFlux, LoraFamily::kSD3, LoraFamily::kSDXL};
 const std::vector<LoraFileFormat> kFormats = {LoraFileFormat::kPeft, LoraFileFormat::kDiffusers, LoraFileFormat::kKohya};
 
@@ -294,19 +303,35 @@ TEST(LoraFile, KohyaAlphaBecomesTheModelsScaling) {
   fs::remove_all(dir);
 }
 
+// PEFT's own folder: adapter_model.safetensors without metadata, alpha in adapter_config.json.
+TEST(LoraFile, PeftFolderTakesAlphaFromAdapterConfig) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "peft_folder");
+  Tiny src = tiny(LoraFamily::kSD3);
+  dynamic_cast<fm::SD3Transformer2DModel&>(*src.model).add_lora({.rank = 4, .alpha = 6.0});
+  perturb_adapters(*src.model, 0.3, 5);
+  const Tensor want = src.run();
+  const std::string path = (dir / "adapter_model.safetensors").string();
+  flame::io::save_safetensors(path, nn::lora_state_dict(*src.model));
+  Tiny without = tiny(LoraFamily::kSD3);
+  fm::load_lora(path, *without.model, LoraFamily::kSD3);  // no alpha anywhere: alpha = rank
+  EXPECT_DOUBLE_EQ(linear(*without.model, "transformer_blocks.1.attn.to_v").lora_scaling(), 1.0);
+  EXPECT_GT(fd_test::max_abs_diff(without.run(), want), 1e-3);
+  fd_test::write_text(dir / "adapter_config.json", R"({"r": 4, "lora_alpha": 6, "peft_type": "LORA", "use_rslora": false})");
+  Tiny with = tiny(LoraFamily::kSD3);
+  const fm::LoraLoadReport rep = fm::load_lora(path, *with.model, LoraFamily::kSD3);
+  EXPECT_EQ(rep.format, LoraFileFormat::kPeft);
+  EXPECT_DOUBLE_EQ(linear(*with.model, "transformer_blocks.1.attn.to_v").lora_scaling(), 1.5);
+  expect_close(with.run(), want, 1e-6, "peft folder");
+  fs::remove_all(dir);
+}
+
 // DoRA adapters through every layout (kohya: dora_scale), and the fused FLUX layer refusing DoRA.
 TEST(LoraFile, DoraRoundTrips) {
   const fs::path dir = fd_test::fresh_temp_dir("lora_file", "dora");
   Tiny src = tiny(LoraFamily::kSDXL);
   auto* unet = dynamic_cast<fm::UNet2DConditionModel*>(src.model.get());
   unet->add_lora({.rank = 2, .alpha = 3.0, .use_dora = true}, {"to_q", "to_v", "proj_in"});
-  {  // B and the magnitudes away from their initial values
-    flame::NoGradGuard no_grad;
-    flame::Generator gen(11);
-    for (auto& [n, p] : src.model->named_parameters()) {
-      if (nn::is_lora_key(n)) p.add_(Tensor::randn(p.sizes(), 0.0, 0.2, {}, &gen));
-    }
-  }
+  perturb_adapters(*src.model, 0.2, 11);  // B and the magnitudes away from their initial values
   const Tensor want = src.run();
   for (LoraFileFormat fmt : kFormats) {
     const std::string path = (dir / (std::string(fm::to_string(fmt)) + ".safetensors")).string();
@@ -368,6 +393,8 @@ TEST(LoraFile, BadFilesGiveErrorsNamingFileAndKey) {
     err = fd_test::error_of([&] { fm::load_lora(file_of(LoraFamily::kFlux, "kohya_fused"), *unet.model, LoraFamily::kSDXL); });
     EXPECT_NE(err.find("looks like a FLUX LoRA; the model is SDXL"), std::string::npos) << err;
     EXPECT_TRUE(adapter_shapes(*flux.model).empty());
+    err = fd_test::error_of([&] { fm::load_lora(good, *unet.model, LoraFamily::kSDXL); });
+    EXPECT_NE(err.find("looks like a FLUX or SD3 LoRA; the model is SDXL"), std::string::npos) << err;
     // A model of another family than the one named.
     err = fd_test::error_of([&] { fm::load_lora(good, *flux.model, LoraFamily::kSD3); });
     EXPECT_NE(err.find("not an SD3 model"), std::string::npos) << err;
