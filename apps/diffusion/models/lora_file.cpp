@@ -409,6 +409,35 @@ void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily fam
   flame::io::save_safetensors(path, dict, meta);
 }
 
+void save_merged_checkpoint(const std::string& path, flame::nn::Module& model, std::optional<DType> dtype,
+                            const std::map<std::string, std::string>& metadata) {
+  const LinearMap lin = linears_of(model);
+  std::vector<Linear*> merged;
+  for (const auto& [n, l] : lin) {
+    if (l->has_lora() && !l->merged()) merged.push_back(l);
+  }
+  FLAME_CHECK(!merged.empty(), "save_merged_checkpoint", "the ", model.name(), " has no unmerged LoRA adapter to merge into ",
+              path);
+  flame::io::Metadata meta = {{"format", "pt"}, {"lora_merged", "true"}};
+  for (const auto& [k, v] : metadata) meta[k] = v;
+  // Written while merged (the dict shares the weights: no copy of the model), unmerged whatever happens.
+  try {
+    for (Linear* l : merged) l->merge();
+    StateDict out;
+    for (const auto& [k, t] : model.state_dict()) {
+      if (flame::nn::is_lora_key(k)) continue;
+      out.insert(k, dtype && flame::is_floating(t.dtype()) ? t.to(*dtype) : t);
+    }
+    flame::io::save_safetensors(path, out, meta);
+  } catch (...) {
+    for (Linear* l : merged) {
+      if (l->merged()) l->unmerge();
+    }
+    throw;
+  }
+  for (Linear* l : merged) l->unmerge();
+}
+
 // ---- reading ----
 namespace {
 

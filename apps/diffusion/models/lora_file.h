@@ -41,6 +41,7 @@
 // adapters: rank R or, when the existing ranks of the layer's modules sum to R and up is zero off
 // their diagonal blocks, each module its own block; otherwise an error naming the key and shapes.
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,15 @@ struct LoraLoadReport {
 // LoRA; the model is FLUX"); LoKr / LoHa keys are refused as unsupported. Nothing is changed in the
 // model unless the whole file places.
 LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, LoraFamily family);
+
+// A base checkpoint with the LoRA merged in: folds the adapters of `model` into its weights
+// (nn::merge_lora, DoRA included) and writes every parameter and persistent buffer except the
+// adapters' under the model's diffusers names (the "*-diffusers" single-file layout load_flux,
+// load_sd3 and load_unet read), floating tensors converted to `dtype` when given, with `metadata`.
+// The model is unmerged again afterwards (its adapters keep training). Raises if no adapter.
+void save_merged_checkpoint(const std::string& path, flame::nn::Module& model,
+                            std::optional<flame::DType> dtype = std::nullopt,
+                            const std::map<std::string, std::string>& metadata = {});
 
 // The family a set of LoRA keys belongs to by their module names, or "" when they do not say.
 std::string guess_lora_family(const std::vector<std::string>& keys);

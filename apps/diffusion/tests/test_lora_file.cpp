@@ -45,10 +45,12 @@ struct Tiny {
   std::function<Tensor()> run;
 };
 
-Tiny tiny(LoraFamily family) {
+// `file`: a single file of the model's weights instead of the tiny folder (its config.json used).
+Tiny tiny(LoraFamily family, const std::string& file = "") {
   Tiny t;
   if (family == LoraFamily::kFlux) {
-    auto m = fm::load_flux((data_dir() / "flux-tiny" / "transformer").string());
+    const fs::path folder = data_dir() / "flux-tiny" / "transformer";
+    auto m = file.empty() ? fm::load_flux(folder.string()) : fm::load_flux(file, {.config_json = (folder / "config.json").string()});
     auto in = std::make_shared<flame::StateDict>(flame::io::load_safetensors((data_dir() / "flux-tiny" / "reference.safetensors").string()));
     t.model = m;
     t.run = [m, in] {
@@ -57,7 +59,8 @@ Tiny tiny(LoraFamily family) {
                         r.at("input.timestep"), r.at("input.img_ids"), r.at("input.txt_ids"), r.at("input.guidance"));
     };
   } else if (family == LoraFamily::kSD3) {
-    auto m = fm::load_sd3((data_dir() / "sd3-tiny" / "transformer").string());
+    const fs::path folder = data_dir() / "sd3-tiny" / "transformer";
+    auto m = file.empty() ? fm::load_sd3(folder.string()) : fm::load_sd3(file, {.config_json = (folder / "config.json").string()});
     auto in = std::make_shared<flame::StateDict>(flame::io::load_safetensors((data_dir() / "sd3-tiny" / "reference.safetensors").string()));
     t.model = m;
     t.run = [m, in] {
@@ -66,7 +69,8 @@ Tiny tiny(LoraFamily family) {
                         r.at("input.timestep"));
     };
   } else {
-    auto m = fm::load_unet((data_dir() / "unet2d-tiny-xl" / "unet").string());
+    const fs::path folder = data_dir() / "unet2d-tiny-xl" / "unet";
+    auto m = file.empty() ? fm::load_unet(folder.string()) : fm::load_unet(file, {.config_json = (folder / "config.json").string()});
     auto in = std::make_shared<flame::StateDict>(
         flame::io::load_safetensors((data_dir() / "unet2d-tiny-xl" / "reference.safetensors").string()));
     t.model = m;
@@ -450,6 +454,45 @@ TEST(LoraFile, BadFilesGiveErrorsNamingFileAndKey) {
     const std::string err = fd_test::error_of([&] { fm::load_lora(p, *t.model, LoraFamily::kSDXL); });
     EXPECT_NE(err.find("is not a LoRA file"), std::string::npos) << err;
   }
+  fs::remove_all(dir);
+}
+
+// A base checkpoint with the LoRA merged in loads as a plain model giving the adapted output; the
+// adapted model is unmerged afterwards.
+TEST(LoraFile, MergedCheckpointIsTheBaseWithTheLora) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "merged");
+  for (LoraFamily f : kFamilies) {
+    const std::string fam = fm::to_string(f);
+    Tiny src = tiny(f);
+    fm::load_lora(file_of(f, "diffusers"), *src.model, f);
+    if (f == LoraFamily::kSDXL) {  // and a DoRA adapter on a layer without one
+      linear(*src.model, "down_blocks.1.attentions.0.proj_out").add_lora({.rank = 2, .alpha = 2.0, .use_dora = true});
+      perturb_adapters(*src.model, 0.1, 3);
+    }
+    const Tensor want = src.run();
+    const std::string path = (dir / (fam + ".safetensors")).string();
+    fm::save_merged_checkpoint(path, *src.model, std::nullopt, {{"base_model", "tiny"}});
+    const std::string q = f == LoraFamily::kSDXL ? "mid_block.attentions.0.transformer_blocks.0.attn1.to_q" : "transformer_blocks.0.attn.to_q";
+    EXPECT_TRUE(linear(*src.model, q).has_lora() && !linear(*src.model, q).merged()) << fam;
+    // Merge and unmerge round W + delta - delta in f32 (as PEFT's): ulps of the weights, which the
+    // deep SDXL UNet with these large updates turns into a few 1e-6 of its output.
+    expect_close(src.run(), want, 1e-5, fam + " after the merged save");
+    const flame::io::SafetensorsFile file(path);
+    EXPECT_EQ(file.metadata().at("base_model"), "tiny");
+    for (const auto& k : file.names()) EXPECT_FALSE(nn::is_lora_key(k)) << fam << " " << k;
+    Tiny merged = tiny(f, path);
+    EXPECT_TRUE(adapter_shapes(*merged.model).empty());
+    expect_close(merged.run(), want, 1e-5, fam + " merged checkpoint");
+  }
+  // bf16 weights on request.
+  Tiny src = tiny(LoraFamily::kSD3);
+  fm::load_lora(file_of(LoraFamily::kSD3, "kohya"), *src.model, LoraFamily::kSD3);
+  const std::string path = (dir / "bf16.safetensors").string();
+  fm::save_merged_checkpoint(path, *src.model, DType::bf16);
+  EXPECT_EQ(flame::io::SafetensorsFile(path).info("transformer_blocks.0.attn.to_q.weight").dtype, "BF16");
+  Tiny none = tiny(LoraFamily::kSD3);
+  const std::string err = fd_test::error_of([&] { fm::save_merged_checkpoint(path, *none.model); });
+  EXPECT_NE(err.find("no unmerged LoRA adapter"), std::string::npos) << err;
   fs::remove_all(dir);
 }
 
