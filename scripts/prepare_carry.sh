@@ -36,6 +36,16 @@ if [ ! -f .deps/jpeg/lib/libjpeg.a ] && [ -f /usr/lib/x86_64-linux-gnu/libjpeg.a
     /usr/include/x86_64-linux-gnu/jconfig.h .deps/jpeg/include/
   cp -L /usr/lib/x86_64-linux-gnu/libjpeg.a .deps/jpeg/lib/
 fi
+# libwebp (WebP training images): headers and the static library (Debian's libwebp.a has no
+# further dependencies), like libjpeg; toml++ (the fine-tuning configuration) is header-only.
+if [ ! -f .deps/webp/lib/libwebp.a ] && [ -f /usr/lib/x86_64-linux-gnu/libwebp.a ]; then
+  mkdir -p .deps/webp/include .deps/webp/lib
+  cp -rL /usr/include/webp .deps/webp/include/
+  cp -L /usr/lib/x86_64-linux-gnu/libwebp.a .deps/webp/lib/
+fi
+if [ ! -f .deps/tomlplusplus/include/toml++/toml.h ]; then
+  mkdir -p .deps/tomlplusplus/include && cp -rL /usr/include/toml++ .deps/tomlplusplus/include/
+fi
 # Text tokenizers: utf8proc and RE2 as static libraries; SentencePiece has no static library in
 # Debian, so its shared one is carried (it needs only libstdc++; protobuf-lite is built in).
 if [ ! -f .deps/text/lib/libre2.a ]; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building FLAME needs on a Debian machine, only where it is missing:
 # a C++20 compiler, CMake, Ninja, OpenBLAS (CPU GEMM) and GoogleTest; for the diffusion trainer
-# (apps/diffusion) libpng, zlib, CLI11, utf8proc, RE2, SentencePiece and the Fashion-MNIST data
+# (apps/diffusion) libpng, zlib, CLI11, libjpeg, libwebp, toml++, utf8proc, RE2, SentencePiece and the Fashion-MNIST data
 # set. The CUDA toolkit is used when present (nvcc on PATH or in /usr/local/cuda) and is never installed here.
 set -euo pipefail
 
@@ -19,6 +19,9 @@ command -v g++ >/dev/null 2>&1 || need+=(g++)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 [ -f /usr/include/CLI/CLI.hpp ] || need+=(libcli11-dev)
 [ -f /usr/include/jpeglib.h ] || need+=(libjpeg-dev)  # libjpeg-turbo: sample --out *.jpg
+# Fine-tuning data and configuration: WebP training images, the TOML configuration (header-only toml++).
+[ -f /usr/include/webp/decode.h ] || need+=(libwebp-dev)
+[ -f /usr/include/toml++/toml.h ] || need+=(libtomlplusplus-dev)
 # Text tokenizers (apps/diffusion/models/tokenizer_*): Unicode data, CLIP's regex, T5's SentencePiece.
 [ -f /usr/include/utf8proc.h ] || need+=(libutf8proc-dev)
 [ -f /usr/include/re2/re2.h ] || need+=(libre2-dev)

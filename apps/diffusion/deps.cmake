@@ -88,3 +88,25 @@ if(FLAME_TESTS AND NOT TARGET GTest::gtest)
     message(FATAL_ERROR "flame-diffusion: GoogleTest not found: install libgtest-dev (scripts/setup_deps.sh)")
   endif()
 endif()
+
+# ---- image data sets and the fine-tuning configuration (src/image_dataset.cpp, src/train_config.cpp) ----
+# libwebp (Debian libwebp-dev) decodes WebP training images; optional like libjpeg: a build without
+# it reports .webp files as unsupported and skips them. toml++ (libtomlplusplus-dev, used
+# header-only) reads the configuration; nlohmann-json (the framework's) reads JSONL manifests.
+find_path(FD_WEBP_INCLUDE_DIR webp/decode.h PATHS ${FD_DEPS_DIR}/webp/include)
+find_library(FD_WEBP_LIBRARY NAMES libwebp.a webp PATHS ${FD_DEPS_DIR}/webp/lib)
+if(FD_WEBP_INCLUDE_DIR AND FD_WEBP_LIBRARY)
+  message(STATUS "flame-diffusion: libwebp ${FD_WEBP_LIBRARY}")
+  target_include_directories(flame_diffusion PUBLIC ${FD_WEBP_INCLUDE_DIR})
+  target_link_libraries(flame_diffusion PUBLIC ${FD_WEBP_LIBRARY})
+  target_compile_definitions(flame_diffusion PUBLIC FLAME_DIFFUSION_HAVE_WEBP=1)
+else()
+  message(WARNING "flame-diffusion: libwebp not found (install libwebp-dev, scripts/setup_deps.sh; "
+                  "scripts/prepare_carry.sh fills .deps/webp): WebP training images are skipped in this build")
+endif()
+find_path(FD_TOMLPP_INCLUDE_DIR toml++/toml.h PATHS ${FD_DEPS_DIR}/tomlplusplus/include)
+if(NOT FD_TOMLPP_INCLUDE_DIR)
+  message(FATAL_ERROR "flame-diffusion: toml++ (toml++/toml.h) not found: install the Debian package "
+                      "libtomlplusplus-dev (scripts/setup_deps.sh), or fill .deps/tomlplusplus with scripts/prepare_carry.sh")
+endif()
+target_include_directories(flame_diffusion PRIVATE ${FD_TOMLPP_INCLUDE_DIR} ${FLAME_JSON_INCLUDE_DIR})
