@@ -402,6 +402,15 @@ void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily fam
     }
     const std::string config_prefix = format == LoraFileFormat::kPeft ? "" : prefix;
     meta[kAdapterMetadataKey] = adapter_config(adapters, config_prefix).dump(2);
+    if (format == LoraFileFormat::kPeft && std::filesystem::path(path).filename() == "adapter_model.safetensors") {
+      // PEFT's folder: PeftModel.from_pretrained reads the configuration from adapter_config.json.
+      json config = adapter_config(adapters, "");
+      config["peft_type"] = "LORA";
+      const std::filesystem::path config_path = std::filesystem::path(path).parent_path() / "adapter_config.json";
+      std::ofstream out(config_path);
+      out << config.dump(2) << "\n";
+      FLAME_CHECK(out.good(), "save_lora", "could not write ", config_path.string());
+    }
   }
   meta["lora_rank"] = std::to_string(most_common(ranks));
   meta["lora_alpha"] = number(most_common(alphas));

@@ -64,7 +64,8 @@ LoraFileFormat lora_format_from_string(const std::string& name);
 // UNet2DConditionModel with adapters) to `path` in `format`. The file's metadata: format "pt",
 // lora_format, lora_family, lora_rank and lora_alpha (the most common of the file), for kohya
 // ss_network_dim, ss_network_alpha, ss_network_module and ss_base_model_version; then `metadata`
-// (the caller's: base model, resolution, steps, dataset size ...), which wins on equal keys. Raises
+// (the caller's: base model, resolution, steps, dataset size ...), which wins on equal keys. A peft
+// file named adapter_model.safetensors gets PEFT's adapter_config.json beside it. Raises
 // naming the module when an adapted module has no name in the layout (kohya FLUX: a Linear BFL's
 // layout does not have), when the model has no adapter, or when the model is not of `family`.
 void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily family, LoraFileFormat format,

@@ -296,6 +296,12 @@ def check(folder):
     names = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not names:
         sys.exit(f"no .safetensors files in {folder}")
+    for sub in sorted(f for f in os.listdir(folder) if os.path.isdir(os.path.join(folder, f))):
+        from peft import PeftModel  # PEFT's folder: adapter_model.safetensors + adapter_config.json
+        family = sub.split("_")[0]
+        want = ref["output.flux_kohya_fused"] if "from_fused" in sub else ref[f"output.{family}"]
+        model = PeftModel.from_pretrained(load_model(family), os.path.join(folder, sub))
+        report(f"{sub}/ via peft.PeftModel.from_pretrained", run(model.base_model.model, family, inputs(family)), want)
     for name in names:
         family = name.split("_")[0]
         if family not in SPEC:

@@ -145,6 +145,9 @@ TEST(LoraFile, MatchesTheDiffusersReference) {
         fm::save_lora((fs::path(export_dir) / (stem + "_flame_" + fm::to_string(fmt) + ".safetensors")).string(), *t.model,
                       f, fmt);
       }
+      const fs::path peft_dir = fs::path(export_dir) / (stem + "_flame_peft_folder");
+      fs::create_directories(peft_dir);
+      fm::save_lora((peft_dir / "adapter_model.safetensors").string(), *t.model, f, LoraFileFormat::kPeft);
     }
   }
 }
@@ -291,8 +294,10 @@ TEST(LoraFile, KohyaAlphaBecomesTheModelsScaling) {
     // Into an existing adapter of alpha 16 (scaling 4).
     Tiny t = tiny(LoraFamily::kSD3);
     linear(*t.model, m).add_lora({.rank = 4, .alpha = 16.0});
+    linear(*t.model, "transformer_blocks.0.attn.to_k").add_lora({.rank = 2, .alpha = 2.0});
     const fm::LoraLoadReport rep = fm::load_lora(path, *t.model, LoraFamily::kSD3);
     ASSERT_EQ(rep.loaded, std::vector<std::string>{m}) << c.name;
+    EXPECT_EQ(rep.untouched, std::vector<std::string>{"transformer_blocks.0.attn.to_k"}) << c.name;
     nn::Linear& l = linear(*t.model, m);
     EXPECT_DOUBLE_EQ(l.lora_scaling(), 4.0) << c.name;
     const Tensor expect = up.to(DType::f64).matmul(down.to(DType::f64)) * c.scaling;
@@ -321,6 +326,14 @@ TEST(LoraFile, PeftFolderTakesAlphaFromAdapterConfig) {
   EXPECT_DOUBLE_EQ(linear(*without.model, "transformer_blocks.1.attn.to_v").lora_scaling(), 1.0);
   EXPECT_GT(fd_test::max_abs_diff(without.run(), want), 1e-3);
   fd_test::write_text(dir / "adapter_config.json", R"({"r": 4, "lora_alpha": 6, "peft_type": "LORA", "use_rslora": false})");
+  // FLAME's own PEFT folder writes the same file.
+  const fs::path own = dir / "own";
+  fs::create_directories(own);
+  fm::save_lora((own / "adapter_model.safetensors").string(), *src.model, LoraFamily::kSD3, LoraFileFormat::kPeft);
+  const fm::JsonConfig config = fm::JsonConfig::from_file((own / "adapter_config.json").string());
+  EXPECT_EQ(config.get_int("r"), 4);
+  EXPECT_DOUBLE_EQ(config.get_double("lora_alpha"), 6.0);
+  EXPECT_EQ(config.get_string("peft_type"), "LORA");
   Tiny with = tiny(LoraFamily::kSD3);
   const fm::LoraLoadReport rep = fm::load_lora(path, *with.model, LoraFamily::kSD3);
   EXPECT_EQ(rep.format, LoraFileFormat::kPeft);
