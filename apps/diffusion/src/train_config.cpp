@@ -34,14 +34,14 @@ ConfigKey make_key(const char* name, Ref ref, std::type_identity_t<T> def, const
   k.min_open = lim.min_open;
   k.max_open = lim.max_open;
   k.choices = std::move(lim.choices);
-  k.get = [ref](const TrainConfig& c) { return ConfigValue(std::in_place_type<T>, ref(const_cast<TrainConfig&>(c))); };
-  k.set = [ref](TrainConfig& c, const ConfigValue& v) { ref(c) = std::get<T>(v); };
+  k.get = [ref](const FinetuneConfig& c) { return ConfigValue(std::in_place_type<T>, ref(const_cast<FinetuneConfig&>(c))); };
+  k.set = [ref](FinetuneConfig& c, const ConfigValue& v) { ref(c) = std::get<T>(v); };
   return k;
 }
 
 // One row: the key, the member it fills, its default, its description, what it accepts.
 #define FD_KEY(key, member, ...) \
-  make_key<decltype(TrainConfig::member)>(key, [](TrainConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
+  make_key<decltype(FinetuneConfig::member)>(key, [](FinetuneConfig& c) -> auto& { return c.member; }, __VA_ARGS__)
 
 using Strings = std::vector<std::string>;
 constexpr double kNoBound = 1e300;
@@ -203,7 +203,7 @@ size_t edit_distance(const std::string& a, const std::string& b) {
 
 std::string format_double(double v) {
   char buf[64];
-  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  const auto r = std::to_chars(buf, buf + sizeof buf, v, std::chars_format::general);  // shortest, %g style
   std::string s(buf, r.ptr);
   if (s.find_first_of(".eEn") == std::string::npos) s += ".0";  // 1 -> 1.0 (inf and nan have an 'n')
   return s;
@@ -257,6 +257,7 @@ std::string value_to_toml(const ConfigValue& v) {
 std::string node_text(const toml::node& node) {
   std::ostringstream os;
   if (node.is_string()) os << quote(*node.value<std::string>());
+  else if (node.is_table()) os << "{...}";
   else node.visit([&](const auto& n) { os << n; });
   std::string s = os.str();
   if (s.size() > 80) s = s.substr(0, 77) + "...";
@@ -355,7 +356,7 @@ std::string convert(const ConfigKey& k, const toml::node& node, ConfigValue& out
 // The table names in the order of the table ("model", "dataset", ...).
 std::vector<std::string> table_names() {
   std::vector<std::string> names;
-  for (const auto& k : train_config_keys()) {
+  for (const auto& k : finetune_config_keys()) {
     const std::string t = k.key.substr(0, k.key.find('.'));
     if (std::find(names.begin(), names.end(), t) == names.end()) names.push_back(t);
   }
@@ -369,17 +370,19 @@ std::string unknown_key_problem(const std::string& key) {
   const auto tables = table_names();
   if (key.find('.') != std::string::npos && std::find(tables.begin(), tables.end(), table) != tables.end()) {
     std::string keys;
-    for (const auto& k : train_config_keys())
+    for (const auto& k : finetune_config_keys())
       if (k.key.starts_with(table + ".")) keys += (keys.empty() ? "" : ", ") + k.key.substr(table.size() + 1);
     return msg + " (the keys of [" + table + "] are: " + keys + ")";
   }
+  for (const auto& t : tables)
+    if (edit_distance(table, t) <= 2) return msg + " (did you mean [" + t + "]?)";
   std::string all;
   for (const auto& t : tables) all += (all.empty() ? "[" : ", [") + t + "]";
   return msg + " (the tables are " + all + "; `finetune_config --keys` lists every key)";
 }
 
 // Walks a parsed TOML table into `config`, collecting problems.
-void read_table(const toml::table& table, const std::string& prefix, TrainConfig& config, std::vector<std::string>& problems) {
+void read_table(const toml::table& table, const std::string& prefix, FinetuneConfig& config, std::vector<std::string>& problems) {
   for (const auto& [name, node] : table) {
     const std::string key = prefix.empty() ? std::string(name.str()) : prefix + "." + std::string(name.str());
     const ConfigKey* k = find_config_key(key);
@@ -412,14 +415,14 @@ void read_table(const toml::table& table, const std::string& prefix, TrainConfig
   throw ConfigError(msg);
 }
 
-void finish(TrainConfig& config, const std::vector<std::string>& overrides) {
+void finish(FinetuneConfig& config, const std::vector<std::string>& overrides) {
   for (const auto& o : overrides) apply_config_override(config, o);
-  validate_train_config(config);
+  validate_finetune_config(config);
 }
 
 }  // namespace
 
-const std::vector<ConfigKey>& train_config_keys() {
+const std::vector<ConfigKey>& finetune_config_keys() {
   static const std::vector<ConfigKey> keys = build_table();
   return keys;
 }
@@ -427,7 +430,7 @@ const std::vector<ConfigKey>& train_config_keys() {
 const ConfigKey* find_config_key(const std::string& key) {
   static const std::map<std::string, const ConfigKey*> index = [] {
     std::map<std::string, const ConfigKey*> m;
-    for (const auto& k : train_config_keys()) m[k.key] = &k;
+    for (const auto& k : finetune_config_keys()) m[k.key] = &k;
     return m;
   }();
   auto it = index.find(key);
@@ -438,7 +441,7 @@ std::string suggest_config_key(const std::string& key) {
   std::string best;
   size_t best_d = std::max<size_t>(2, key.size() / 5) + 1;
   const std::string leaf = key.substr(key.rfind('.') + 1);
-  for (const auto& k : train_config_keys()) {
+  for (const auto& k : finetune_config_keys()) {
     size_t d = edit_distance(key, k.key);
     // The right name in the wrong table ("train.lr" for "optimizer.lr") is a near miss too.
     if (k.key.substr(k.key.rfind('.') + 1) == leaf) d = std::min<size_t>(d, 1);
@@ -478,19 +481,19 @@ std::string ConfigKey::accepted() const {
       default_value);
 }
 
-TrainConfig::TrainConfig() {
-  for (const auto& k : train_config_keys()) k.set(*this, k.default_value);
+FinetuneConfig::FinetuneConfig() {
+  for (const auto& k : finetune_config_keys()) k.set(*this, k.default_value);
 }
 
-bool TrainConfig::operator==(const TrainConfig& other) const {
-  for (const auto& k : train_config_keys())
+bool FinetuneConfig::operator==(const FinetuneConfig& other) const {
+  for (const auto& k : finetune_config_keys())
     if (k.get(*this) != k.get(other)) return false;
   return true;
 }
 
-DatasetConfig default_dataset_config() { return TrainConfig().dataset; }
+DatasetConfig default_dataset_config() { return FinetuneConfig().dataset; }
 
-void apply_config_override(TrainConfig& config, const std::string& assignment) {
+void apply_config_override(FinetuneConfig& config, const std::string& assignment) {
   const std::string where = "--set " + assignment;
   const size_t eq = assignment.find('=');
   if (eq == std::string::npos)
@@ -531,7 +534,7 @@ void apply_config_override(TrainConfig& config, const std::string& assignment) {
   k->set(config, v);
 }
 
-void validate_train_config(const TrainConfig& c) {
+void validate_finetune_config(const FinetuneConfig& c) {
   try {
     check_dataset_config(c.dataset, false);
   } catch (const std::runtime_error& e) {
@@ -546,7 +549,7 @@ void validate_train_config(const TrainConfig& c) {
                         ": must be a multiple of 16 (the VAE's 8 times the 2x2 patches), or 0");
 }
 
-TrainConfig parse_train_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
+FinetuneConfig parse_finetune_config(const std::string& text, const std::string& source, const std::vector<std::string>& overrides) {
   toml::table table;
   try {
     table = toml::parse(text, source);
@@ -555,7 +558,7 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
     throw ConfigError(source + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
                       ": not valid TOML: " + std::string(e.description()));
   }
-  TrainConfig config;
+  FinetuneConfig config;
   std::vector<std::string> problems;
   read_table(table, "", config, problems);
   if (!problems.empty()) raise_problems(source, problems);
@@ -563,9 +566,9 @@ TrainConfig parse_train_config(const std::string& text, const std::string& sourc
   return config;
 }
 
-TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides) {
+FinetuneConfig load_finetune_config(const std::string& path, const std::vector<std::string>& overrides) {
   if (path.empty()) {
-    TrainConfig config;
+    FinetuneConfig config;
     finish(config, overrides);
     return config;
   }
@@ -573,14 +576,14 @@ TrainConfig load_train_config(const std::string& path, const std::vector<std::st
   if (!in) throw ConfigError(path + ": cannot open the configuration file");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_train_config(ss.str(), path, overrides);
+  return parse_finetune_config(ss.str(), path, overrides);
 }
 
-std::string train_config_to_toml(const TrainConfig& config) {
+std::string finetune_config_to_toml(const FinetuneConfig& config) {
   std::string out = "# flame-diffusion fine-tuning configuration: every key, with its description.\n";
   for (const auto& table : table_names()) {
     out += "\n[" + table + "]\n";
-    for (const auto& k : train_config_keys()) {
+    for (const auto& k : finetune_config_keys()) {
       if (!k.key.starts_with(table + ".")) continue;
       out += "# " + k.doc + "; " + k.accepted() + "\n";
       out += k.key.substr(table.size() + 1) + " = " + value_to_toml(k.get(config)) + "\n";
@@ -589,13 +592,13 @@ std::string train_config_to_toml(const TrainConfig& config) {
   return out;
 }
 
-std::string save_train_config(const TrainConfig& config, const std::string& dir) {
+std::string save_finetune_config(const FinetuneConfig& config, const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path path = fs::path(dir) / "config.toml";
   const fs::path tmp = fs::path(dir) / "config.toml.tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << train_config_to_toml(config);
+    out << finetune_config_to_toml(config);
     out.flush();
     if (!out) throw ConfigError(tmp.string() + ": cannot write the configuration (" + std::strerror(errno) + ")");
   }
@@ -605,11 +608,11 @@ std::string save_train_config(const TrainConfig& config, const std::string& dir)
   return path.string();
 }
 
-std::string train_config_help() {
+std::string finetune_config_help() {
   std::string out;
   for (const auto& table : table_names()) {
     out += "[" + table + "]\n";
-    for (const auto& k : train_config_keys()) {
+    for (const auto& k : finetune_config_keys()) {
       if (!k.key.starts_with(table + ".")) continue;
       out += "  " + k.key + " = " + value_to_toml(k.default_value) + "\n      " + k.doc + "; " + k.accepted() + "\n";
     }

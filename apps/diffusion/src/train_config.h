@@ -2,14 +2,14 @@
 // The fine-tuning configuration: a typed struct read from a TOML file (toml++) with
 // `--set key=value` overrides, and saved back beside a run as config.toml.
 //
-//   TrainConfig cfg = load_train_config("lora.toml", {"train.steps=2000", "lora.rank=32"});
-//   save_train_config(cfg, run_dir);                 // <run_dir>/config.toml
-//   std::cout << train_config_help();                // every key, its default and what it does
+//   FinetuneConfig cfg = load_finetune_config("lora.toml", {"train.steps=2000", "lora.rank=32"});
+//   save_finetune_config(cfg, run_dir);                 // <run_dir>/config.toml
+//   std::cout << finetune_config_help();                // every key, its default and what it does
 //
 // Note [Configuration table]
-// Every setting is one row of one table (train_config_keys(), in train_config.cpp): its dotted key
+// Every setting is one row of one table (finetune_config_keys(), in train_config.cpp): its dotted key
 // ("train.steps" is `steps` in the TOML table [train]), its default, a one-line description, what
-// it accepts (a range, or a list of choices) and the struct member it fills. TrainConfig's
+// it accepts (a range, or a list of choices) and the struct member it fills. FinetuneConfig's
 // constructor, the TOML reader, the --set parser, the writer and the help text all walk that
 // table, so a key exists everywhere or nowhere. Reading is strict: an unknown key, a value of the
 // wrong type or out of range is an error naming the key, the value and what is accepted (with the
@@ -30,21 +30,21 @@
 
 namespace flame_diffusion {
 
-struct ModelConfig {
+struct FinetuneModelConfig {
   std::string family;      // "flux", "sd3", "sdxl"
   std::string checkpoint;  // diffusers folder or single .safetensors file
   std::string vae;
   std::string prediction;  // SDXL: "epsilon" or "v_prediction"
 };
 
-struct LoraConfig {
+struct FinetuneLoraConfig {
   int64_t rank = 0;
   double alpha = 0.0;
   double dropout = 0.0;
   std::vector<std::string> targets;
 };
 
-struct OptimizerConfig {
+struct FinetuneOptimizerConfig {
   std::string type;  // "adamw", "adamw8bit"
   double lr = 0.0;
   std::vector<double> betas;
@@ -55,7 +55,7 @@ struct OptimizerConfig {
   int64_t warmup_steps = 0;
 };
 
-struct TrainSettings {
+struct FinetuneTrainSettings {
   std::string method;  // "lora", "lokr", "dora", "full"
   int64_t steps = 0;
   int64_t batch_size = 0;
@@ -75,14 +75,14 @@ struct TrainSettings {
   int64_t log_every = 0;
 };
 
-struct CheckpointConfig {
+struct FinetuneCheckpointConfig {
   int64_t every = 0;
   int64_t keep = 0;
   std::string lora_format;  // "kohya", "peft", "both"
   std::string resume;
 };
 
-struct SampleConfig {
+struct FinetuneSampleConfig {
   std::vector<std::string> prompts;
   std::string negative_prompt;
   int64_t every = 0;
@@ -92,33 +92,33 @@ struct SampleConfig {
   int64_t width = 0, height = 0;
 };
 
-struct CacheConfig {
+struct FinetuneCacheConfig {
   bool latents = false;
   bool text_embeddings = false;
   std::string dir;
 };
 
-struct OutputConfig {
+struct FinetuneOutputConfig {
   std::string dir;
   std::string name;
 };
 
 // Every member is set from the configuration table's defaults by the constructor (the zeros
 // above are placeholders).
-struct TrainConfig {
-  ModelConfig model;
+struct FinetuneConfig {
+  FinetuneModelConfig model;
   DatasetConfig dataset;
-  LoraConfig lora;
-  OptimizerConfig optimizer;
-  TrainSettings train;
-  CheckpointConfig checkpoint;
-  SampleConfig sample;
-  CacheConfig cache;
-  OutputConfig output;
+  FinetuneLoraConfig lora;
+  FinetuneOptimizerConfig optimizer;
+  FinetuneTrainSettings train;
+  FinetuneCheckpointConfig checkpoint;
+  FinetuneSampleConfig sample;
+  FinetuneCacheConfig cache;
+  FinetuneOutputConfig output;
 
-  TrainConfig();
+  FinetuneConfig();
   // Key by key through the table.
-  bool operator==(const TrainConfig& other) const;
+  bool operator==(const FinetuneConfig& other) const;
 };
 
 class ConfigError : public std::runtime_error {
@@ -138,14 +138,14 @@ struct ConfigKey {
   double min = -1e300, max = 1e300;
   bool min_open = false, max_open = false;
   std::vector<std::string> choices;  // strings: the accepted values (empty: any)
-  std::function<ConfigValue(const TrainConfig&)> get;
-  std::function<void(TrainConfig&, const ConfigValue&)> set;
+  std::function<ConfigValue(const FinetuneConfig&)> get;
+  std::function<void(FinetuneConfig&, const ConfigValue&)> set;
 
   // "an integer >= 1", "one of \"flux\", \"sd3\", \"sdxl\"", "a list of numbers in [0, 1)" ...
   std::string accepted() const;
 };
 
-const std::vector<ConfigKey>& train_config_keys();
+const std::vector<ConfigKey>& finetune_config_keys();
 // The row of `key`, or null.
 const ConfigKey* find_config_key(const std::string& key);
 // The known key nearest `key` in edit distance when it is close enough to be a likely typo; "" otherwise.
@@ -154,21 +154,23 @@ std::string suggest_config_key(const std::string& key);
 // Defaults, then the TOML file (when `path` is not empty), then the overrides in order, then the
 // checks between keys. Raises ConfigError listing every problem, each naming the file or --set,
 // the key, the value and what is accepted.
-TrainConfig load_train_config(const std::string& path, const std::vector<std::string>& overrides = {});
+FinetuneConfig load_finetune_config(const std::string& path, const std::vector<std::string>& overrides = {});
 // The same from TOML text; `source` names it in errors.
-TrainConfig parse_train_config(const std::string& toml_text, const std::string& source,
+FinetuneConfig parse_finetune_config(const std::string& toml_text, const std::string& source,
                                const std::vector<std::string>& overrides = {});
-// Applies one "key=value" override (typed by the key: TOML syntax for the value, or a bare
-// string for string keys; a bare value is a one-element list for list keys). Raises ConfigError.
-void apply_config_override(TrainConfig& config, const std::string& assignment);
+// Applies one "key=value" override, typed by the key: the value in TOML syntax ("2e-4", "true",
+// "[1, 2]", "\"a b\""), except that a string key also takes a bare string, and a list key a bare
+// single element (a bare string keeps its commas: sample.prompts=a cat, on a mat is one prompt).
+// Blanks around the key and the value are dropped (quote a string to keep them). Raises ConfigError.
+void apply_config_override(FinetuneConfig& config, const std::string& assignment);
 // The checks between keys (the bucket limits, folder_repeats' length). Raises ConfigError.
-void validate_train_config(const TrainConfig& config);
+void validate_finetune_config(const FinetuneConfig& config);
 
 // The whole configuration as TOML, every key with its description as a comment.
-std::string train_config_to_toml(const TrainConfig& config);
+std::string finetune_config_to_toml(const FinetuneConfig& config);
 // Writes <dir>/config.toml (through a temporary file and a rename); returns its path.
-std::string save_train_config(const TrainConfig& config, const std::string& dir);
+std::string save_finetune_config(const FinetuneConfig& config, const std::string& dir);
 // Every key, grouped by table: "  key = default" and its description with what it accepts.
-std::string train_config_help();
+std::string finetune_config_help();
 
 }  // namespace flame_diffusion

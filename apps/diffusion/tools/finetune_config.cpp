@@ -24,15 +24,15 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (keys) {
-      std::cout << flame_diffusion::train_config_help();
+      std::cout << flame_diffusion::finetune_config_help();
       return 0;
     }
-    const flame_diffusion::TrainConfig config = flame_diffusion::load_train_config(path, overrides);
+    const flame_diffusion::FinetuneConfig config = flame_diffusion::load_finetune_config(path, overrides);
     if (scan) (void)flame_diffusion::ImageDataset::scan(config.dataset);
     if (!out_dir.empty()) {
-      std::cout << "wrote " << flame_diffusion::save_train_config(config, out_dir) << "\n";
+      std::cout << "wrote " << flame_diffusion::save_finetune_config(config, out_dir) << "\n";
     } else {
-      std::cout << flame_diffusion::train_config_to_toml(config);
+      std::cout << flame_diffusion::finetune_config_to_toml(config);
     }
   } catch (const std::exception& e) {
     std::cerr << "finetune_config: " << e.what() << "\n";
