@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fills the ignored .deps/ folder with what a build on a machine without apt or internet needs
 # (the GPU machine): GoogleTest sources, nlohmann-json headers, cudnn-frontend headers, and for
-# apps/diffusion the Fashion-MNIST files, CLI11 headers and libpng/zlib/libjpeg/utf8proc/RE2
-# headers with static libraries, SentencePiece with its shared library (apps/diffusion/deps.cmake
+# apps/diffusion the Fashion-MNIST files, CLI11 and toml++ headers and libpng/zlib/libjpeg/libwebp/
+# utf8proc/RE2 headers with static libraries, SentencePiece with its shared library (apps/diffusion/deps.cmake
 # uses those only where the machine has none of its own). Run
 # it here, then carry ".deps" with the GPU runner (scripts/gpu_run.sh).
 set -euo pipefail

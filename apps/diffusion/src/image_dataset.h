@@ -139,7 +139,8 @@ class ImageDataset {
   // (default: standard error, "dataset: warning: ...") and kept in warnings(); the bucket
   // histogram is logged at the end. Raises std::runtime_error on a bad setting, a folder or
   // manifest that cannot be read, a malformed manifest line (naming file and line), or when no
-  // image is left (naming the folders and manifest and how many files were skipped).
+  // image is left (naming the folders and manifest and how many files were skipped). `log` is kept
+  // for item()'s warnings, which the loader's worker threads raise: it must be safe to call from them.
   static ImageDataset scan(const DatasetConfig& config, const Log& log = {});
 
   const DatasetConfig& config() const { return config_; }
