@@ -412,6 +412,22 @@ INSTANTIATE_TEST_SUITE_P(
                       CudaCase{DType::f16, 2, 2, 320, 320, 64, false, 3}),
     [](const ::testing::TestParamInfo<CudaCase>& i) { return case_name(i.param); });
 
+// Forward and backward of q, k, v (upstream gradient gout) captured in a CUDA graph and replayed
+// once; `path` gets the route the captured forward took.
+AttentionGrads captured_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& gout,
+                                  const char** path) {
+  cuda::Graph graph;
+  AttentionGrads got;
+  cuda::capture(graph, [&] {
+    const Tensor out = F::scaled_dot_product_attention(q, k, v);
+    *path = F::sdpa_last_path();
+    got = attention_grads(out, gout, q, k, v);
+  });
+  graph.replay();
+  cuda::synchronize();
+  return got;
+}
+
 TEST(SdpaCudaRoutes, MaskedTrapLengthTakesPaddedRoute) {
   // Note [cuDNN masked backward at seq % 128 == 64]: L = S = 192 with an additive mask goes padded
   // and its dq matches the math path (no NaN).
@@ -441,16 +457,8 @@ TEST(SdpaCudaRoutes, GraphCaptureOfLongNonCausalKv) {
     opt.grad_output = gout;
     (void)F::scaled_dot_product_attention(q, k, v).backward(opt);
   }
-  cuda::Graph graph;
-  AttentionGrads got;
   const char* path = "";
-  cuda::capture(graph, [&] {
-    const Tensor out = F::scaled_dot_product_attention(q, k, v);
-    path = F::sdpa_last_path();
-    got = attention_grads(out, gout, q, k, v);
-  });
-  graph.replay();
-  cuda::synchronize();
+  const AttentionGrads got = captured_attention(q, k, v, gout, &path);
   EXPECT_STREQ(path, "fused_chunked");
   EXPECT_TRUE(close_rel(got.out, m.out, 3e-2));
   EXPECT_TRUE(close_rel(got.dq, m.dq, 3e-2));
@@ -484,16 +492,8 @@ TEST(SdpaCudaRoutes, FluxAndSD35SequencesEagerAndCaptured) {
       opt.grad_output = gout;
       (void)F::scaled_dot_product_attention(q, k, v).backward(opt);
     }
-    cuda::Graph graph;
-    AttentionGrads got;
     const char* path = "";
-    cuda::capture(graph, [&] {
-      const Tensor out = F::scaled_dot_product_attention(q, k, v);
-      path = F::sdpa_last_path();
-      got = attention_grads(out, gout, q, k, v);
-    });
-    graph.replay();
-    cuda::synchronize();
+    const AttentionGrads got = captured_attention(q, k, v, gout, &path);
     EXPECT_STRNE(path, "math") << case_name(c);
     EXPECT_TRUE(close_rel(got.out, m.out, 3e-2)) << case_name(c) << " captured out (" << path << ")";
     EXPECT_TRUE(close_rel(got.dq, m.dq, 3e-2)) << case_name(c) << " captured dq";
