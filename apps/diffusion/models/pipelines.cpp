@@ -287,8 +287,8 @@ GenerateOptions resolve_generate_options(const Pipeline& p, GenerateOptions o) {
   if (o.width == 0) o.width = 1024;
   if (o.height == 0) o.height = 1024;
   const int64_t m = size_multiple(p);
-  FLAME_CHECK(o.width > 0 && o.height > 0 && o.width % m == 0 && o.height % m == 0, kGenerate, "the size ", o.width,
-              "x", o.height, " must be positive multiples of ", m, " for this ", fam, " pipeline");
+  FLAME_CHECK(o.width > 0 && o.height > 0 && o.width % m == 0 && o.height % m == 0, kGenerate, "width ", o.width,
+              " and height ", o.height, " must be positive multiples of ", m, " for this ", fam, " pipeline");
   FLAME_CHECK(o.images_per_prompt >= 1, kGenerate, "images per prompt is ", o.images_per_prompt, "; give 1 or more");
   if (o.max_sequence_length == 0) o.max_sequence_length = fam == "flux" ? 512 : 256;
   FLAME_CHECK(o.max_sequence_length >= 1 && o.max_sequence_length <= 512, kGenerate, "max_sequence_length is ",

@@ -3,6 +3,7 @@
 //   flame-diffusion sample --checkpoint runs/dit-s/checkpoints/ckpt-0000006000.safetensors --out grid.png
 //   flame-diffusion finetune --base CKPT --classes 7 --lora-rank 8 --steps 500 --out runs/lora
 //   flame-diffusion export --checkpoint CKPT --out weights.safetensors   (PyTorch state dict)
+//   flame-diffusion generate --model /models/FLUX.1-dev --prompt "a red cat" --out grid.png   (FLUX, SD3.5, SDXL)
 // `flame-diffusion <command> --help` lists every flag.
 #include <CLI/CLI.hpp>
 #include <flame/error.h>
@@ -16,6 +17,7 @@
 #include "cli_checks.h"
 #include "dit.h"
 #include "embed.h"
+#include "generate.h"
 #include "stop_signal.h"
 #include "trainer.h"
 
@@ -189,6 +191,10 @@ int main(int argc, char** argv) {
   export_cmd->add_option("--ema", ec.use_ema, "export the EMA weights when the checkpoint has them")->capture_default_str();
   export_cmd->add_option("--out", ec.out, "safetensors path")->capture_default_str();
 
+  GenerateConfig gc;
+  auto* generate_cmd = app.add_subcommand("generate", "text-to-image with FLUX.1, SD3 / SD3.5 or SDXL into a captioned grid");
+  add_generate_flags(generate_cmd, gc);
+
   if (const auto m = check_subcommand(app, argc, argv)) {
     std::fprintf(stderr, "flame-diffusion: error: %s\n", m->c_str());
     return kUsageStatus;
@@ -253,6 +259,8 @@ int main(int argc, char** argv) {
       sample_checkpoint(sc);
     } else if (*export_cmd) {
       export_weights(ec);
+    } else if (*generate_cmd) {
+      run_generate(gc, *generate_cmd);
     }
   } catch (const Interrupted& e) {
     std::fprintf(stderr, "\nflame-diffusion: %s\n", e.what());
