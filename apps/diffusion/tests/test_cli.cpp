@@ -233,7 +233,7 @@ TEST(CliArgs, TyposGetTheNearestSubcommandOrFlag) {
   EXPECT_HAS(r.err, "did you mean 'sample'?");
   r = run(dir, {"xyzzy"});
   EXPECT_EQ(r.status, 2);
-  EXPECT_HAS(r.err, "unknown subcommand 'xyzzy' (commands: train, finetune, sample, export)");
+  EXPECT_HAS(r.err, "unknown subcommand 'xyzzy' (commands: train, finetune, sample, export, generate)");
   r = run(dir, {"train", "--stpes", "3"});
   EXPECT_EQ(r.status, 2);
   EXPECT_HAS(r.err, "unknown flag --stpes for train; did you mean --steps?");
