@@ -7,6 +7,7 @@
 
 #include <flame/error.h>
 
+#include "models/lora_file.h"
 #include "models/text_checkpoint.h"
 #include "models/unet2d_convert.h"
 
@@ -256,6 +257,13 @@ std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& o) {
     p->clip_l = load_clip(o, o.text_encoder, "text_encoder", "clip-l");
     p->clip_g = load_clip(o, o.text_encoder_2, "text_encoder_2", "clip-g");
   }
+  if (!o.lora.empty()) {
+    flame::nn::Module& denoiser_model = p->flux   ? static_cast<flame::nn::Module&>(*p->flux)
+                                        : p->sd3 ? static_cast<flame::nn::Module&>(*p->sd3)
+                                                 : static_cast<flame::nn::Module&>(*p->unet);
+    const LoraFamily lf = fam == "flux" ? LoraFamily::kFlux : fam == "sd3" ? LoraFamily::kSD3 : LoraFamily::kSDXL;
+    p->lora_skipped = load_lora(o.lora, denoiser_model, lf).skipped;
+  }
   p->tokenizer_l = clip_tokenizer(o, "tokenizer", fam, *p->clip_l);
   if (p->clip_g) p->tokenizer_g = clip_tokenizer(o, "tokenizer_2", fam, *p->clip_g);
   if (fam == "sdxl" || fam == "sd3") {
@@ -268,7 +276,9 @@ std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& o) {
 GenerateOptions resolve_generate_options(const Pipeline& p, GenerateOptions o) {
   const std::string& fam = p.family;
   FLAME_CHECK(!o.prompts.empty(), kGenerate, "no prompt given");
-  if (o.steps == 0) o.steps = fam == "sdxl" ? 30 : 28;
+  // FLUX.1-schnell (no guidance embedding) is distilled to 4 steps over 256 T5 tokens.
+  const bool schnell = p.flux && !p.flux->config().guidance_embeds;
+  if (o.steps == 0) o.steps = fam == "sdxl" ? 30 : schnell ? 4 : 28;
   FLAME_CHECK(o.steps >= 1 && o.steps <= 1000, kGenerate, "steps is ", o.steps, "; give 1 to 1000");
   if (o.guidance == 0) o.guidance = fam == "flux" ? 3.5 : fam == "sd3" ? 7.0 : 5.0;
   FLAME_CHECK(o.guidance >= 0 && o.guidance <= 100, kGenerate, "guidance is ", o.guidance, "; give 0 to 100");
@@ -290,7 +300,7 @@ GenerateOptions resolve_generate_options(const Pipeline& p, GenerateOptions o) {
   FLAME_CHECK(o.width > 0 && o.height > 0 && o.width % m == 0 && o.height % m == 0, kGenerate, "width ", o.width,
               " and height ", o.height, " must be positive multiples of ", m, " for this ", fam, " pipeline");
   FLAME_CHECK(o.images_per_prompt >= 1, kGenerate, "images per prompt is ", o.images_per_prompt, "; give 1 or more");
-  if (o.max_sequence_length == 0) o.max_sequence_length = fam == "flux" ? 512 : 256;
+  if (o.max_sequence_length == 0) o.max_sequence_length = fam == "flux" && !schnell ? 512 : 256;
   FLAME_CHECK(o.max_sequence_length >= 1 && o.max_sequence_length <= 512, kGenerate, "max_sequence_length is ",
               o.max_sequence_length, "; give 1 to 512");
   if (o.latents.defined()) {

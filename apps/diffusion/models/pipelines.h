@@ -63,6 +63,9 @@ struct PipelineLoadOptions {
   // them: the transformer / UNet (FLUX, SD3 / SD3.5 and SDXL single files, ComfyUI layouts), the VAE,
   // and the text encoders (CLIP-L, bigG, T5 single files). Empty: the folder's.
   std::string denoiser, vae, text_encoder, text_encoder_2, text_encoder_3;
+  // A LoRA file of the denoiser in any layout models/lora_file.h reads (PEFT, diffusers, kohya),
+  // applied at its own alpha (text-encoder keys are skipped and reported).
+  std::string lora;
   flame::Device device = flame::Device::cpu();
   flame::DType dtype = flame::DType::f32;
 };
@@ -85,6 +88,7 @@ struct Pipeline {
   std::optional<FlowMatchConfig> flow_config;          // FLUX, SD3
   std::optional<DiscreteSchedulerConfig> discrete_config;  // SDXL
   bool force_zeros_for_empty_prompt = true;                // SDXL
+  std::vector<std::string> lora_skipped;                   // keys of the LoRA file not loaded
 };
 
 // Loads a pipeline; errors name the folder or file and the missing piece.
@@ -93,7 +97,7 @@ std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& options);
 struct GenerateOptions {
   std::vector<std::string> prompts;
   std::optional<std::string> negative_prompt;  // SD3 / SDXL (FLUX: rejected)
-  int64_t steps = 0;                            // 0: 28 (FLUX, SD3), 30 (SDXL)
+  int64_t steps = 0;                            // 0: 28 (FLUX-dev, SD3), 4 (FLUX-schnell), 30 (SDXL)
   // FLUX: the guidance embedding's value (0: 3.5). SD3 / SDXL: the CFG scale (0: 7.0 / 5.0).
   double guidance = 0;
   // FLUX / SD3: "" or "euler" (flow-match Euler). SDXL: "" (euler), euler, euler-karras, euler-a,
@@ -102,7 +106,7 @@ struct GenerateOptions {
   uint64_t seed = 0;
   int64_t width = 0, height = 0;  // 0: 1024; multiples of 16
   int64_t images_per_prompt = 1;
-  int64_t max_sequence_length = 0;  // T5 tokens; 0: 512 (FLUX), 256 (SD3)
+  int64_t max_sequence_length = 0;  // T5 tokens; 0: 512 (FLUX-dev), 256 (FLUX-schnell, SD3)
   bool tiled_decode = false;
   // The initial latents [N, C, H/f, W/f] (unpacked, for FLUX too) instead of the seed's noise (tests,
   // reproducing another run).

@@ -18,7 +18,11 @@ Writes apps/diffusion/tests/data/models/pipelines-tiny/:
   reference.safetensors     per case: "<case>.latents" (the initial latents given to the pipeline:
                             packed for FLUX), "<case>.image" (the pipeline's output_type="pt" image, in
                             [0, 1]); metadata "cases": "<case>:<family>:<sampler>:<steps>:<guidance>:
-                            <negative prompt or '-' for none>" and "prompts" (joined by '|').
+                            <negative prompt or '-' for none>:<LoRA file of lora/ or '-'>" and
+                            "prompts" (joined by '|').
+  lora/flux.safetensors, lora/sdxl.safetensors
+                            random rank-4 adapters written by the pipelines' save_lora_weights (the
+                            diffusers layout), loaded with load_lora_weights for the LoRA cases.
 Weights are stored in bf16 and every run is f32 on the CPU (the stored values are the computed ones).
 
 Usage: python pipelines.py [--out DIR]   (torch, diffusers, transformers, sentencepiece, safetensors)
@@ -46,13 +50,37 @@ PROMPTS = ["a red cat on a wooden table", "a photo of the moon over the sea at n
 HEIGHT, WIDTH = 16, 24
 CLIP_MAX = 16  # the tiny CLIPs' max_position_embeddings and their tokenizers' model_max_length
 T5_MAX = 20    # max_sequence_length given to the FLUX and SD3 pipelines
-# (case, family, sampler, steps, guidance, negative prompt or None)
+# (case, family, sampler, steps, guidance, negative prompt or None, LoRA file or None). A LoRA case
+# gives the denoiser a rank-4 PEFT adapter with random A and B (seeded), writes it with the
+# pipeline's save_lora_weights (diffusers layout) into lora/, and runs a fresh pipeline after
+# load_lora_weights.
 CASES = [
-    ("flux", "flux", "flow-euler", 3, 3.5, None),
-    ("sd3", "sd3", "flow-euler", 3, 4.5, "blurry, dark"),
-    ("sdxl_euler", "sdxl", "euler", 3, 5.0, "blurry, dark"),
-    ("sdxl_dpm_karras", "sdxl", "dpm++2m-karras", 4, 6.0, None),
+    ("flux", "flux", "flow-euler", 3, 3.5, None, None),
+    ("sd3", "sd3", "flow-euler", 3, 4.5, "blurry, dark", None),
+    ("sdxl_euler", "sdxl", "euler", 3, 5.0, "blurry, dark", None),
+    ("sdxl_dpm_karras", "sdxl", "dpm++2m-karras", 4, 6.0, None, None),
+    ("flux_lora", "flux", "flow-euler", 3, 3.5, None, "flux.safetensors"),
+    ("sdxl_lora", "sdxl", "euler", 3, 5.0, None, "sdxl.safetensors"),
 ]
+PIPELINES = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "sdxl": StableDiffusionXLPipeline}
+
+
+def write_lora(out, family, name, seed):
+    """A random rank-4 adapter on the denoiser's attention projections, saved as diffusers does."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    pipe = PIPELINES[family].from_pretrained(os.path.join(out, family), torch_dtype=torch.float32)
+    model = pipe.transformer if family != "sdxl" else pipe.unet
+    torch.manual_seed(seed)
+    model.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"],
+                                 init_lora_weights=False))
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            if "lora_" in k:
+                p.mul_(0.5)
+    layers = get_peft_model_state_dict(model)
+    kw = {"unet_lora_layers": layers} if family == "sdxl" else {"transformer_lora_layers": layers}
+    PIPELINES[family].save_lora_weights(os.path.join(out, "lora"), weight_name=name, **kw)
 
 MERGES = ["t h", "th e</w>", "o n</w>", "c a", "ca t</w>", "r e", "re d</w>", "m o", "mo o", "moo n</w>",
           "s e", "se a</w>", "o f</w>", "p h", "ph o", "pho t", "phot o</w>", "a t</w>"]
@@ -261,8 +289,10 @@ def dedupe(out):
 def run(out):
     tensors, names = {}, []
     g = torch.Generator().manual_seed(31)
-    for case, family, sampler, steps, guidance, negative in CASES:
+    for case, family, sampler, steps, guidance, negative, lora in CASES:
         path = os.path.join(out, family)
+        if lora:
+            write_lora(out, family, lora, 40 + len(names))
         if family == "flux":
             pipe = FluxPipeline.from_pretrained(path, torch_dtype=torch.float32)
             stored = load_file(os.path.join(path, "text_encoder", "model.safetensors"))
@@ -282,12 +312,15 @@ def run(out):
                     pipe.scheduler.config, algorithm_type="dpmsolver++", solver_order=2, use_karras_sigmas=True)
             latents = torch.randn(len(PROMPTS), 4, HEIGHT // 2, WIDTH // 2, generator=g)
             kw = dict(negative_prompt=negative)
+        if lora:
+            pipe.load_lora_weights(os.path.join(out, "lora"), weight_name=lora)
         with torch.no_grad():
             image = pipe(PROMPTS, height=HEIGHT, width=WIDTH, num_inference_steps=steps, guidance_scale=guidance,
                          latents=latents.clone(), output_type="pt", **kw).images
         tensors[f"{case}.latents"] = latents.contiguous()
         tensors[f"{case}.image"] = image.float().contiguous()
-        names.append(f"{case}:{family}:{sampler}:{steps}:{guidance}:{'-' if negative is None else negative}")
+        names.append(f"{case}:{family}:{sampler}:{steps}:{guidance}:{'-' if negative is None else negative}:"
+                     f"{lora or '-'}")
         print(f"{case}: image {tuple(image.shape)} mean {image.mean().item():.4f} std {image.std().item():.4f}")
     path = os.path.join(out, "reference.safetensors")
     save_file(tensors, path, metadata={"cases": "|".join(names), "prompts": "|".join(PROMPTS),

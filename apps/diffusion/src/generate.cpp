@@ -114,6 +114,7 @@ void add_generate_flags(CLI::App* cmd, GenerateConfig& c) {
   cmd->add_option("--clip-l", c.clip_l, "CLIP-L single file replacing text_encoder/");
   cmd->add_option("--clip-g", c.clip_g, "CLIP bigG single file replacing text_encoder_2/ (SD3, SDXL)");
   cmd->add_option("--t5", c.t5, "T5-XXL single file replacing the folder's T5 (FLUX, SD3)");
+  cmd->add_option("--lora", c.lora, "LoRA file of the transformer / UNet (PEFT, diffusers or kohya layout)");
   cmd->add_option("--prompt", c.prompts, "a prompt (repeat for more; each is one row of the grid)")->required();
   cmd->add_option("--negative-prompt", c.negative_prompt, "what to steer away from (SD3, SDXL)");
   cmd->add_option("--steps", c.steps, "denoising steps (default 28 FLUX / SD3, 30 SDXL)")
@@ -149,7 +150,7 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   }
   for (const auto& [flag, path] : {std::pair<const char*, const std::string*>{"--transformer", &c.transformer},
                                    {"--unet", &c.unet}, {"--vae", &c.vae}, {"--clip-l", &c.clip_l},
-                                   {"--clip-g", &c.clip_g}, {"--t5", &c.t5}}) {
+                                   {"--clip-g", &c.clip_g}, {"--t5", &c.t5}, {"--lora", &c.lora}}) {
     if (!path->empty() && !fs::exists(*path)) throw UsageError(std::string(flag) + " " + *path + ": no such file");
   }
   if (cmd.count("--cfg") && cmd.count("--guidance") && c.cfg != c.guidance) {
@@ -171,6 +172,7 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   lo.text_encoder = c.clip_l;
   lo.text_encoder_2 = c.clip_g;
   lo.text_encoder_3 = c.t5;
+  lo.lora = c.lora;
   if (!c.family.empty()) {
     const auto fams = fm::pipeline_families();
     if (std::find(fams.begin(), fams.end(), c.family) == fams.end()) {
@@ -191,6 +193,10 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   }
   if (pipe->family == "flux" && c.has_negative_prompt) {
     throw UsageError("--negative-prompt: FLUX takes no negative prompt");
+  }
+  if (!pipe->lora_skipped.empty()) {
+    std::fprintf(stderr, "generate: %zu key(s) of %s not loaded (text encoder adapters), e.g. %s\n",
+                 pipe->lora_skipped.size(), c.lora.c_str(), pipe->lora_skipped.front().c_str());
   }
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

@@ -7,7 +7,8 @@
 //
 // Each prompt is one row of --batch images (seeds drawn from --seed). The pipeline folder gives the
 // tokenizers and every component unless a single file replaces one (--transformer / --unet, --vae,
-// --clip-l, --clip-g, --t5).
+// --clip-l, --clip-g, --t5); --lora applies a LoRA file of the transformer / UNet (PEFT, diffusers
+// or kohya layout).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -23,6 +24,7 @@ struct GenerateConfig {
   std::string family;  // "" : model_index.json's
   std::string model;   // the diffusers pipeline folder
   std::string transformer, unet, vae, clip_l, clip_g, t5;
+  std::string lora;  // a LoRA file of the transformer / UNet
   std::vector<std::string> prompts;
   std::string negative_prompt;
   bool has_negative_prompt = false;

@@ -104,7 +104,7 @@ TEST(CliGenerate, WritesTheCaptionedGridOfTheLibraryImages) {
   fs::remove_all(dir);
 }
 
-TEST(CliGenerate, FluxAndSD35FoldersRun) {
+TEST(CliGenerate, FluxSD35AndSdxlLoraRun) {
   const fs::path dir = fd_test::fresh_temp_dir("cli_generate", "flux_sd3");
   for (const char* family : {"flux", "sd3"}) {
     const std::string out = (dir / (std::string(family) + ".png")).string();
@@ -115,6 +115,12 @@ TEST(CliGenerate, FluxAndSD35FoldersRun) {
     const flame_diffusion::Image img = flame_diffusion::decode_image(out);
     EXPECT_EQ(img.width, 16 + 4 + 4) << family;
   }
+  // A LoRA file (diffusers' save_lora_weights) on SDXL's UNet.
+  const Result r = generate(dir, {"--model", (pipelines_dir() / "sdxl").string(), "--lora",
+                                  (pipelines_dir() / "lora" / "sdxl.safetensors").string(), "--prompt", "a cat",
+                                  "--steps", "2", "--width", "16", "--height", "16", "--out",
+                                  (dir / "lora.png").string()});
+  EXPECT_EQ(r.status, 0) << r.err;
   fs::remove_all(dir);
 }
 
@@ -135,6 +141,7 @@ TEST(CliGenerate, MistakesNameTheFlag) {
       {{"--model", sdxl, "--prompt", "x", "--width", "17", "--height", "16", "--out", out}, "width 17"},
       {{"--model", sdxl, "--prompt", "x", "--out", (dir / "g.gif").string()}, "--out"},
       {{"--model", sdxl, "--prompt", "x", "--steps", "0"}, "--steps"},
+      {{"--model", sdxl, "--prompt", "x", "--lora", (dir / "none.safetensors").string()}, "--lora"},
       {{"--model", sdxl, "--prompt", "x", "--dtype", "f8", "--out", out}, "--dtype"},
       {{"--model", sdxl, "--prompt", "x", "--transformer", sdxl, "--out", out}, "--transformer"},
   };

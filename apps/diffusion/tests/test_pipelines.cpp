@@ -49,21 +49,26 @@ const Reference& reference() {
   return r;
 }
 
-std::shared_ptr<fm::Pipeline> load(const std::string& family) {
+std::shared_ptr<fm::Pipeline> load(const std::string& family, const std::string& lora = "") {
   static std::map<std::string, std::shared_ptr<fm::Pipeline>> cache;
-  auto& p = cache[family];
-  if (!p) p = fm::load_pipeline({.path = (data_dir() / family).string(), .device = fd_test::test_device()});
+  auto& p = cache[family + "+" + lora];
+  if (!p) {
+    fm::PipelineLoadOptions o{.path = (data_dir() / family).string(), .device = fd_test::test_device()};
+    if (!lora.empty()) o.lora = (data_dir() / "lora" / lora).string();
+    p = fm::load_pipeline(o);
+  }
   return p;
 }
 
-// Runs one reference case ("<case>:<family>:<sampler>:<steps>:<guidance>:<negative>") through FLAME.
-Tensor run_case(const std::string& spec, std::string* name) {
+// Runs one reference case ("<case>:<family>:<sampler>:<steps>:<guidance>:<negative>:<lora>")
+// through FLAME; without_lora: the same run with no LoRA.
+Tensor run_case(const std::string& spec, std::string* name, bool without_lora = false) {
   const std::vector<std::string> f = split(spec, ':');
-  EXPECT_EQ(f.size(), 6u) << spec;
+  EXPECT_EQ(f.size(), 7u) << spec;
   const Reference& r = reference();
   *name = f[0];
   const std::string family = f[1];
-  std::shared_ptr<fm::Pipeline> pipe = load(family);
+  std::shared_ptr<fm::Pipeline> pipe = load(family, f[6] == "-" || without_lora ? "" : f[6]);
   EXPECT_EQ(pipe->family, family);
   fm::GenerateOptions o;
   o.prompts = split(r.meta.at("prompts"), '|');
@@ -85,8 +90,9 @@ TEST(Pipelines, TinyFluxSD35AndSdxlMatchDiffusers) {
   FD_SKIP_IF_NO_DEVICE();
   const Reference& r = reference();
   const std::vector<std::string> cases = split(r.meta.at("cases"), '|');
-  ASSERT_EQ(cases.size(), 4u);
+  ASSERT_EQ(cases.size(), 6u);
   for (const std::string& spec : cases) {
+    if (split(spec, ':').back() != "-") continue;  // the LoRA cases: their own test
     std::string name;
     const Tensor image = run_case(spec, &name);
     const Tensor want = r.t.at(name + ".image");
@@ -97,6 +103,26 @@ TEST(Pipelines, TinyFluxSD35AndSdxlMatchDiffusers) {
     EXPECT_LE(err, 2e-5) << name;
     EXPECT_GT(fd_test::max_abs(image - image.mean()), 0.05) << name << ": a flat image";
   }
+}
+
+// diffusers' save_lora_weights files (diffusers layout) loaded into FLUX's transformer and SDXL's
+// UNet give diffusers' images after load_lora_weights, within 2e-5; without the LoRA they differ.
+TEST(Pipelines, DiffusersLoraFilesGiveDiffusersImages) {
+  FD_SKIP_IF_NO_DEVICE();
+  const Reference& r = reference();
+  int n = 0;
+  for (const std::string& spec : split(r.meta.at("cases"), '|')) {
+    if (split(spec, ':').back() == "-") continue;
+    ++n;
+    std::string name;
+    const Tensor image = run_case(spec, &name);
+    const Tensor want = r.t.at(name + ".image");
+    const double err = fd_test::max_abs_diff(image, want);
+    std::printf("  %-16s max |FLAME - diffusers| %.2e\n", name.c_str(), err);
+    EXPECT_LE(err, 2e-5) << name;
+    EXPECT_GT(fd_test::max_abs_diff(run_case(spec, &name, true), want), 1e-3) << name << ": the LoRA changed nothing";
+  }
+  EXPECT_EQ(n, 2);
 }
 
 // The seed fixes the noise: the same seed gives the same images, another seed others; each
