@@ -296,11 +296,6 @@ Tensor predict_x0(const std::string& prediction, const Tensor& model_output, con
   return model_output * (-sigma / f32_sqrt(s2p1)) + sample / s2p1;
 }
 
-float euler_init_noise_sigma(const std::vector<float>& sigmas, const std::string& spacing) {
-  const float max_sigma = *std::max_element(sigmas.begin(), sigmas.end());
-  if (spacing == "linspace" || spacing == "trailing") return max_sigma;
-  return f32_sqrt(max_sigma * max_sigma + 1.0f);
-}
 
 }  // namespace
 
@@ -323,7 +318,10 @@ void EulerDiscreteScheduler::set_timesteps(int64_t n) {
 }
 
 double EulerDiscreteScheduler::init_noise_sigma() const {
-  return euler_init_noise_sigma(sigmas_.empty() ? train_sigmas_ : sigmas_, config_.timestep_spacing);
+  const std::vector<float>& sigmas = sigmas_.empty() ? train_sigmas_ : sigmas_;
+  const float max_sigma = *std::max_element(sigmas.begin(), sigmas.end());
+  if (config_.timestep_spacing == "linspace" || config_.timestep_spacing == "trailing") return max_sigma;
+  return f32_sqrt(max_sigma * max_sigma + 1.0f);
 }
 
 Tensor EulerDiscreteScheduler::scale_model_input(const Tensor& sample) const {
@@ -344,7 +342,7 @@ Tensor EulerDiscreteScheduler::step(const Tensor& model_output, const Tensor& sa
 }
 
 EulerAncestralDiscreteScheduler::EulerAncestralDiscreteScheduler(DiscreteSchedulerConfig config)
-    : DiscreteScheduler(std::move(config)) {
+    : EulerDiscreteScheduler(std::move(config)) {
   FLAME_CHECK(!config_.use_karras_sigmas, name().c_str(), ": Karras sigmas are not part of diffusers' Euler-ancestral");
 }
 
@@ -356,16 +354,6 @@ void EulerAncestralDiscreteScheduler::set_timesteps(int64_t n) {
   for (float v : timesteps_) sigmas_.push_back(static_cast<float>(interp_sigma(v)));
   sigmas_.push_back(0.0f);
   step_index_ = 0;
-}
-
-double EulerAncestralDiscreteScheduler::init_noise_sigma() const {
-  return euler_init_noise_sigma(sigmas_.empty() ? train_sigmas_ : sigmas_, config_.timestep_spacing);
-}
-
-Tensor EulerAncestralDiscreteScheduler::scale_model_input(const Tensor& sample) const {
-  FLAME_CHECK(step_index_ < num_steps(), name().c_str(), ".scale_model_input: call set_timesteps first (or steps are done)");
-  const float sigma = sigmas_[step_index_];
-  return sample / f32_sqrt(sigma * sigma + 1.0f);
 }
 
 Tensor EulerAncestralDiscreteScheduler::step(const Tensor& model_output, const Tensor& sample_in, const Tensor& noise) {

@@ -162,13 +162,12 @@ class EulerDiscreteScheduler : public DiscreteScheduler {
   Tensor step(const Tensor& model_output, const Tensor& sample, const Tensor& noise = {}) override;
 };
 
-class EulerAncestralDiscreteScheduler : public DiscreteScheduler {
+// Euler's initial noise scale and model input; its own spacing (no Karras sigmas) and step.
+class EulerAncestralDiscreteScheduler : public EulerDiscreteScheduler {
  public:
   explicit EulerAncestralDiscreteScheduler(DiscreteSchedulerConfig config = sdxl_scheduler_config());
   std::string name() const override { return "EulerAncestralDiscreteScheduler"; }
   void set_timesteps(int64_t num_inference_steps) override;
-  double init_noise_sigma() const override;
-  Tensor scale_model_input(const Tensor& sample) const override;
   bool needs_noise() const override { return true; }
   Tensor step(const Tensor& model_output, const Tensor& sample, const Tensor& noise = {}) override;
 };

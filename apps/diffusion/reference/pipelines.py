@@ -38,6 +38,7 @@ from diffusers import (AutoencoderKL, DPMSolverMultistepScheduler, EulerDiscrete
                        FluxTransformer2DModel, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
                        StableDiffusion3Pipeline, StableDiffusionXLPipeline, UNet2DConditionModel)
 from safetensors.torch import load_file, save_file
+from tokenizers_ref import bytes_to_unicode
 from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
                           T5EncoderModel, T5TokenizerFast)
 
@@ -97,21 +98,9 @@ SDXL_SCHEDULER = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.0
                       interpolation_type="linear", use_karras_sigmas=False)
 
 
-def bytes_to_unicode():
-    """GPT-2's printable stand-ins for the 256 bytes (a fact of the CLIP/GPT-2 vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
-
-
 def clip_vocab():
-    symbols = bytes_to_unicode()
+    table = bytes_to_unicode()
+    symbols = [table[b] for b in range(256)]
     vocab = symbols + [s + "</w>" for s in symbols]
     vocab += ["".join(m.split(" ")) for m in MERGES]
     return vocab + ["<|startoftext|>", "<|endoftext|>"]
