@@ -91,15 +91,15 @@ Tensor repeat_rows(const Tensor& x, int64_t n) {
 }
 
 struct ClipEmbeds {
-  Tensor penultimate, pooled;  // [B, L, D]; the projection (with one) or the pooled output
+  Tensor penultimate, pooled;  // [B, L, D]; the projection (SD3, SDXL's bigG) or the pooled output (FLUX)
 };
 
 ClipEmbeds encode_clip(ClipTextModel& model, const ClipTokenizer& tokenizer, const std::vector<std::string>& texts,
-                       Device device) {
+                       Device device, bool projected = true) {
   const TokenBatch b = tokenizer(texts);
   ClipTextOutput out = model.encode(b.input_ids.to(device), {.output_hidden_states = true});
   const auto n = out.hidden_states.size();
-  return {out.hidden_states[n - 2], model.config().with_projection ? out.text_embeds : out.pooled};
+  return {out.hidden_states[n - 2], projected ? out.text_embeds : out.pooled};
 }
 
 Tensor encode_t5(T5EncoderModel& model, const T5Tokenizer& tokenizer, const std::vector<std::string>& texts,
@@ -119,7 +119,8 @@ struct Conditioning {
 };
 
 Conditioning flux_conditioning(Pipeline& p, const GenerateOptions& o) {
-  const ClipEmbeds clip = encode_clip(*p.clip_l, *p.tokenizer_l, o.prompts, p.device);
+  // FLUX's CLIPTextModel: the pooled output, even when a single file brings a text_projection.
+  const ClipEmbeds clip = encode_clip(*p.clip_l, *p.tokenizer_l, o.prompts, p.device, false);
   const Tensor t5 = encode_t5(*p.t5, *p.tokenizer_t5, o.prompts, p.device);
   return {repeat_rows(t5, o.images_per_prompt), repeat_rows(clip.pooled, o.images_per_prompt), {}};
 }
@@ -269,6 +270,10 @@ std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& o) {
   if (fam == "sdxl" || fam == "sd3") {
     FLAME_CHECK(p->clip_g->config().with_projection, kLoad, fam, ": text_encoder_2 has no text_projection (the ",
                 "pooled embedding is its projection); is it the bigG encoder?");
+  }
+  if (fam == "sd3") {
+    FLAME_CHECK(p->clip_l->config().with_projection, kLoad, "sd3: text_encoder (CLIP-L) has no text_projection (SD3 ",
+                "pools its projection); give SD3's CLIP-L (CLIPTextModelWithProjection)");
   }
   return p;
 }

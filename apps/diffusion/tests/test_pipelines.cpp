@@ -166,6 +166,26 @@ TEST(Pipelines, SeedAndImagesPerPrompt) {
   EXPECT_GT(fd_test::max_abs_diff(fm::generate(*pipe, o), c), 1e-3);
 }
 
+// Components given apart from the pipeline folder (here the model folders themselves, as the CLI's
+// --unet / --vae / --clip-l / --clip-g pass them) replace the folder's: the same images.
+TEST(Pipelines, ComponentsGivenApartReplaceTheFolders) {
+  FD_SKIP_IF_NO_DEVICE();
+  const std::string sdxl = (data_dir() / "sdxl").string();
+  fm::PipelineLoadOptions lo{.path = sdxl, .device = fd_test::test_device()};
+  lo.denoiser = sdxl + "/unet";
+  lo.vae = sdxl + "/vae";
+  lo.text_encoder = sdxl + "/text_encoder";
+  lo.text_encoder_2 = sdxl + "/text_encoder_2";
+  auto apart = fm::load_pipeline(lo);
+  fm::GenerateOptions o;
+  o.prompts = {"a red cat"};
+  o.width = 16;
+  o.height = 16;
+  o.steps = 2;
+  o.seed = 3;
+  EXPECT_EQ(fd_test::max_abs_diff(fm::generate(*apart, o), fm::generate(*load("sdxl"), o)), 0.0);
+}
+
 TEST(Pipelines, BadInputNamesTheSetting) {
   FD_SKIP_IF_NO_DEVICE();
   std::shared_ptr<fm::Pipeline> flux = load("flux");
