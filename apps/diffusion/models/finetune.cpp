@@ -15,12 +15,6 @@ namespace {
 
 const flame::TensorOptions kCpuF32(DType::f32, flame::Device::cpu());
 
-// The [B] values of a 1-d tensor on the host as f32 / int64.
-std::vector<float> host_f32(const Tensor& t) {
-  const Tensor c = t.to(flame::Device::cpu()).to(DType::f32).contiguous();
-  return std::vector<float>(c.data<float>(), c.data<float>() + c.numel());
-}
-
 void check_latents(const char* op, const Tensor& latents, const Tensor& noise) {
   FLAME_CHECK(latents.defined() && latents.dim() == 4, op, "latents must be [B, C, H, W], got ",
               latents.defined() ? flame::shape_str(latents.sizes()) : std::string("an undefined tensor"));
@@ -78,7 +72,7 @@ FlowMatchTimesteps flow_match_timesteps(const FlowMatchOptions& o, const Tensor&
   FLAME_CHECK(o.num_train_timesteps > 0, op, "num_train_timesteps must be positive, got ", o.num_train_timesteps);
   FLAME_CHECK(o.shift > 0 && std::isfinite(o.shift), op, "shift must be positive, got ", o.shift);
   const float n = static_cast<float>(o.num_train_timesteps), shift = static_cast<float>(o.shift);
-  const std::vector<float> us = host_f32(u);
+  const std::vector<float> us = u.to_vec<float>();
   std::vector<float> sig(us.size()), ts(us.size());
   for (std::size_t i = 0; i < us.size(); ++i) {
     FLAME_CHECK(us[i] >= 0.0f && us[i] < 1.0f, op, "u[", i, "] = ", us[i], " is outside [0, 1)");
@@ -164,7 +158,7 @@ Tensor unet_ddpm_loss(UNet2DConditionModel& model, const DdpmOptions& o, const D
   const int64_t b = batch.latents.size(0);
   check_per_sample(op, "timesteps", batch.timesteps, b);
   const Tensor abar = ddpm_alphas_cumprod(o);
-  const std::vector<float> tv = host_f32(batch.timesteps);
+  const std::vector<float> tv = batch.timesteps.to_vec<float>();
   std::vector<float> sa(tv.size()), s1(tv.size()), snr(tv.size());
   for (std::size_t i = 0; i < tv.size(); ++i) {
     const auto t = static_cast<int64_t>(tv[i]);
