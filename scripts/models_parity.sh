@@ -139,18 +139,24 @@ if has unet; then
     rm -rf /tmp/unet_sdxl_$d
   done
 fi
-if has time; then
+# TIME_PARTS limits the time stage to some of: vae unet text (default all three).
+part() { [[ " ${TIME_PARTS:-vae unet text} " == *" $1 "* ]]; }
+if has time && part vae; then
   for c in ${VAE_CONFIGS:-sdxl flux}; do
     run "time vae $c: diffusers (eager, tiled vs untiled, torch.compile)" 400 python3 apps/diffusion/reference/models_vae.py \
       --config $c --size 256 --dtype bf16 --out /tmp/vae_t_$c --time --compile
     run "time vae $c: flame" 300 "$BIN/vae_parity" --dir /tmp/vae_t_$c --time
     rm -rf /tmp/vae_t_$c
   done
+fi
+if has time && part unet; then
   run "time unet sdxl: diffusers" 400 python3 apps/diffusion/reference/models_unet.py --config sdxl --time --batch-list 1,4 --checkpointing 0,1
   # batch 1: eager and one CUDA graph per step, each with and without RecomputeCheap; batch 4 eager.
   run "time unet sdxl b1: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0,1 --recompute 0,1 --graph 0,1
   run "time unet sdxl b4: flame" 300 "$BIN/unet_parity" time --config sdxl --batch 4 --checkpointing 0,1 --recompute 0,1
   run "time unet sdxl b1: flame kernel trace" 200 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0 --trace 3
+fi
+if has time && part text; then
   for c in ${TEXT_CONFIGS:-t5-xxl clip-l clip-g}; do  # T5 16 x 512, CLIP 64 x 77, bf16
     run "time text $c: transformers" 300 python3 apps/diffusion/reference/models_text.py --config $c --time --out /tmp/text_t_$c
     run "time text $c: flame" 300 "$BIN/text_parity" --time --model $c --device cuda
