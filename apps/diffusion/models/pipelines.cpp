@@ -118,62 +118,40 @@ struct Conditioning {
   Tensor states, pooled, time_ids;  // [N or 2N, ...]; time_ids: SDXL only
 };
 
-Conditioning flux_conditioning(Pipeline& p, const GenerateOptions& o) {
-  // FLUX's CLIPTextModel: the pooled output, even when a single file brings a text_projection.
-  const ClipEmbeds clip = encode_clip(*p.clip_l, *p.tokenizer_l, o.prompts, p.device, false);
-  const Tensor t5 = encode_t5(*p.t5, *p.tokenizer_t5, o.prompts, p.device);
-  return {repeat_rows(t5, o.images_per_prompt), repeat_rows(clip.pooled, o.images_per_prompt), {}};
+using Encode = std::function<PromptEmbeddings(const std::vector<std::string>&)>;
+
+Conditioning flux_conditioning(const Encode& encode, const GenerateOptions& o) {
+  const PromptEmbeddings e = encode(o.prompts);
+  return {repeat_rows(e.states, o.images_per_prompt), repeat_rows(e.pooled, o.images_per_prompt), {}};
 }
 
-// SD3's joint embeddings of `texts`: [B, L + T, joint_dim] and pooled [B, proj_l + proj_g].
-std::pair<Tensor, Tensor> sd3_embed(Pipeline& p, const std::vector<std::string>& texts, const GenerateOptions& o) {
-  const ClipEmbeds l = encode_clip(*p.clip_l, *p.tokenizer_l, texts, p.device);
-  const ClipEmbeds g = encode_clip(*p.clip_g, *p.tokenizer_g, texts, p.device);
-  Tensor clip = flame::cat({l.penultimate, g.penultimate}, -1);
-  const int64_t joint = p.sd3->config().joint_attention_dim;
-  Tensor t5 = p.t5 ? encode_t5(*p.t5, *p.tokenizer_t5, texts, p.device)
-                   : Tensor::zeros({static_cast<int64_t>(texts.size()), o.max_sequence_length, joint},
-                                   {clip.dtype(), p.device});
-  const int64_t pad = t5.size(-1) - clip.size(-1);
-  FLAME_CHECK(pad >= 0, kGenerate, "SD3: the CLIP states' width ", clip.size(-1), " exceeds T5's ", t5.size(-1));
-  if (pad > 0) clip = flame::pad(clip, {0, pad});
-  return {flame::cat({clip, t5.to(clip.dtype())}, 1), flame::cat({l.pooled, g.pooled}, -1)};
-}
-
-Conditioning sd3_conditioning(Pipeline& p, const GenerateOptions& o, bool cfg) {
-  auto [states, pooled] = sd3_embed(p, o.prompts, o);
-  states = repeat_rows(states, o.images_per_prompt);
-  pooled = repeat_rows(pooled, o.images_per_prompt);
+Conditioning sd3_conditioning(const Encode& encode, const GenerateOptions& o, bool cfg) {
+  PromptEmbeddings e = encode(o.prompts);
+  const Tensor states = repeat_rows(e.states, o.images_per_prompt), pooled = repeat_rows(e.pooled, o.images_per_prompt);
   if (!cfg) return {states, pooled, {}};
-  std::vector<std::string> neg(o.prompts.size(), o.negative_prompt.value_or(""));
-  auto [nstates, npooled] = sd3_embed(p, neg, o);
-  return {flame::cat({repeat_rows(nstates, o.images_per_prompt), states}, 0),
-          flame::cat({repeat_rows(npooled, o.images_per_prompt), pooled}, 0), {}};
+  const PromptEmbeddings n = encode(std::vector<std::string>(o.prompts.size(), o.negative_prompt.value_or("")));
+  return {flame::cat({repeat_rows(n.states, o.images_per_prompt), states}, 0),
+          flame::cat({repeat_rows(n.pooled, o.images_per_prompt), pooled}, 0), {}};
 }
 
-std::pair<Tensor, Tensor> sdxl_embed(Pipeline& p, const std::vector<std::string>& texts) {
-  const ClipEmbeds l = encode_clip(*p.clip_l, *p.tokenizer_l, texts, p.device);
-  const ClipEmbeds g = encode_clip(*p.clip_g, *p.tokenizer_g, texts, p.device);
-  return {flame::cat({l.penultimate, g.penultimate}, -1), g.pooled};
-}
-
-Conditioning sdxl_conditioning(Pipeline& p, const GenerateOptions& o, bool cfg) {
-  auto [states, pooled] = sdxl_embed(p, o.prompts);
-  states = repeat_rows(states, o.images_per_prompt);
-  pooled = repeat_rows(pooled, o.images_per_prompt);
+Conditioning sdxl_conditioning(const Pipeline& p, const Encode& encode, const GenerateOptions& o, bool cfg) {
+  const PromptEmbeddings e = encode(o.prompts);
+  const Tensor states = repeat_rows(e.states, o.images_per_prompt), pooled = repeat_rows(e.pooled, o.images_per_prompt);
   const auto h = static_cast<float>(o.height), w = static_cast<float>(o.width);
   const int64_t n = states.size(0);
-  const Tensor ids =
-      Tensor::from_vec(std::vector<float>{h, w, 0.0f, 0.0f, h, w}, {1, 6}).to(states.dtype()).to(p.device).expand({n, 6});
+  const Tensor ids = Tensor::from_vec(std::vector<float>{h, w, 0.0f, 0.0f, h, w}, {1, 6})
+                         .to(states.dtype())
+                         .to(states.device())
+                         .expand({n, 6});
   if (!cfg) return {states, pooled, ids};
   Tensor nstates, npooled;
   if (!o.negative_prompt && p.force_zeros_for_empty_prompt) {
-    nstates = Tensor::zeros(states.sizes(), {states.dtype(), p.device});
-    npooled = Tensor::zeros(pooled.sizes(), {pooled.dtype(), p.device});
+    nstates = Tensor::zeros(states.sizes(), {states.dtype(), states.device()});
+    npooled = Tensor::zeros(pooled.sizes(), {pooled.dtype(), pooled.device()});
   } else {
-    std::tie(nstates, npooled) = sdxl_embed(p, std::vector<std::string>(o.prompts.size(), o.negative_prompt.value_or("")));
-    nstates = repeat_rows(nstates, o.images_per_prompt);
-    npooled = repeat_rows(npooled, o.images_per_prompt);
+    const PromptEmbeddings ne = encode(std::vector<std::string>(o.prompts.size(), o.negative_prompt.value_or("")));
+    nstates = repeat_rows(ne.states, o.images_per_prompt);
+    npooled = repeat_rows(ne.pooled, o.images_per_prompt);
   }
   return {flame::cat({nstates, states}, 0), flame::cat({npooled, pooled}, 0), flame::cat({ids, ids}, 0)};
 }
@@ -318,17 +296,46 @@ GenerateOptions resolve_generate_options(const Pipeline& p, GenerateOptions o) {
   return o;
 }
 
+PromptEmbeddings encode_prompts(Pipeline& p, const std::vector<std::string>& texts, int64_t max_sequence_length) {
+  flame::NoGradGuard no_grad;
+  FLAME_CHECK(!texts.empty(), kGenerate, "encode_prompts: no text given");
+  FLAME_CHECK(max_sequence_length >= 1 && max_sequence_length <= 512, kGenerate, "max_sequence_length is ",
+              max_sequence_length, "; give 1 to 512");
+  FLAME_CHECK(p.clip_l && (p.family == "flux" || p.clip_g) && (p.family != "flux" || p.t5), kGenerate,
+              "the ", p.family, " pipeline's text encoders were released (or never loaded); give prompt "
+              "embeddings (GenerateOptions::encode) or keep the encoders");
+  if (p.tokenizer_t5 && p.tokenizer_t5->options().max_length != max_sequence_length) {
+    T5TokenizerOptions to = p.tokenizer_t5->options();
+    to.max_length = max_sequence_length;
+    p.tokenizer_t5 = T5Tokenizer::from_folder(
+        (fs::path(p.path) / (p.family == "flux" ? "tokenizer_2" : "tokenizer_3")).string(), to);
+  }
+  if (p.family == "flux") {
+    // FLUX's CLIPTextModel: the pooled output, even when a single file brings a text_projection.
+    const ClipEmbeds clip = encode_clip(*p.clip_l, *p.tokenizer_l, texts, p.device, false);
+    return {encode_t5(*p.t5, *p.tokenizer_t5, texts, p.device), clip.pooled};
+  }
+  const ClipEmbeds l = encode_clip(*p.clip_l, *p.tokenizer_l, texts, p.device);
+  const ClipEmbeds g = encode_clip(*p.clip_g, *p.tokenizer_g, texts, p.device);
+  Tensor clip = flame::cat({l.penultimate, g.penultimate}, -1);
+  if (p.family == "sdxl") return {clip, g.pooled};
+  // SD3: [B, L + T, joint_dim] and pooled [B, proj_l + proj_g].
+  const int64_t joint = p.sd3->config().joint_attention_dim;
+  Tensor t5 = p.t5 ? encode_t5(*p.t5, *p.tokenizer_t5, texts, p.device)
+                   : Tensor::zeros({static_cast<int64_t>(texts.size()), max_sequence_length, joint},
+                                   {clip.dtype(), p.device});
+  const int64_t pad = t5.size(-1) - clip.size(-1);
+  FLAME_CHECK(pad >= 0, kGenerate, "SD3: the CLIP states' width ", clip.size(-1), " exceeds T5's ", t5.size(-1));
+  if (pad > 0) clip = flame::pad(clip, {0, pad});
+  return {flame::cat({clip, t5.to(clip.dtype())}, 1), flame::cat({l.pooled, g.pooled}, -1)};
+}
+
 Tensor generate(Pipeline& p, const GenerateOptions& options) {
   flame::NoGradGuard no_grad;
   GenerateOptions o = resolve_generate_options(p, options);
-  if (p.tokenizer_t5) {
-    T5TokenizerOptions to = p.tokenizer_t5->options();
-    if (to.max_length != o.max_sequence_length) {
-      to.max_length = o.max_sequence_length;
-      p.tokenizer_t5 = T5Tokenizer::from_folder(
-          (fs::path(p.path) / (p.family == "flux" ? "tokenizer_2" : "tokenizer_3")).string(), to);
-    }
-  }
+  const Encode encode = o.encode ? o.encode : Encode([&p, &o](const std::vector<std::string>& texts) {
+    return encode_prompts(p, texts, o.max_sequence_length);
+  });
   const int64_t f = p.vae->config().downscale();
   const int64_t n = static_cast<int64_t>(o.prompts.size()) * o.images_per_prompt;
   const int64_t h = o.height / f, w = o.width / f, c = latent_channels(p);
@@ -339,7 +346,7 @@ Tensor generate(Pipeline& p, const GenerateOptions& options) {
   const bool cfg = p.family != "flux" && o.guidance > 1.0;
 
   if (p.family == "flux") {
-    const Conditioning cond = flux_conditioning(p, o);
+    const Conditioning cond = flux_conditioning(encode, o);
     FlowMatchEulerDiscreteScheduler s(*p.flow_config);
     Tensor x = pack_latents(latents);
     s.set_flux_timesteps(o.steps, x.size(1));
@@ -355,7 +362,7 @@ Tensor generate(Pipeline& p, const GenerateOptions& options) {
     }
     latents = unpack_latents(x, h, w);
   } else if (p.family == "sd3") {
-    const Conditioning cond = sd3_conditioning(p, o, cfg);
+    const Conditioning cond = sd3_conditioning(encode, o, cfg);
     FlowMatchEulerDiscreteScheduler s(*p.flow_config);
     FLAME_CHECK(!p.flow_config->use_dynamic_shifting, kGenerate,
                 "SD3 with a dynamically shifted scheduler is not supported (SD3 and SD3.5 ship a fixed shift)");
@@ -369,7 +376,7 @@ Tensor generate(Pipeline& p, const GenerateOptions& options) {
       if (o.on_step) o.on_step(i + 1, s.num_steps());
     }
   } else {
-    const Conditioning cond = sdxl_conditioning(p, o, cfg);
+    const Conditioning cond = sdxl_conditioning(p, encode, o, cfg);
     std::unique_ptr<Scheduler> s = make_discrete_scheduler(o.sampler, *p.discrete_config);
     s->set_timesteps(o.steps);
     latents = latents * static_cast<float>(s->init_noise_sigma());

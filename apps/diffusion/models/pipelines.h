@@ -94,6 +94,17 @@ struct Pipeline {
 // Loads a pipeline; errors name the folder or file and the missing piece.
 std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& options);
 
+// A batch of texts as the family's denoiser takes them (Note [Pipelines]): FLUX T5 states
+// [B, T, 4096] and CLIP-L's pooled output; SD3 the joint states [B, 77 + T, joint_dim] and both
+// pooled projections; SDXL both CLIPs' penultimate states [B, 77, 2048] and bigG's projection.
+struct PromptEmbeddings {
+  flame::Tensor states, pooled;
+};
+
+// Encodes `texts` with the pipeline's text encoders (T5 to max_sequence_length tokens: 1 to 512).
+// Raises when the encoders were released (a trainer that cached its embeddings).
+PromptEmbeddings encode_prompts(Pipeline& pipe, const std::vector<std::string>& texts, int64_t max_sequence_length);
+
 struct GenerateOptions {
   std::vector<std::string> prompts;
   std::optional<std::string> negative_prompt;  // SD3 / SDXL (FLUX: rejected)
@@ -111,6 +122,9 @@ struct GenerateOptions {
   // The initial latents [N, C, H/f, W/f] (unpacked, for FLUX too) instead of the seed's noise (tests,
   // reproducing another run).
   flame::Tensor latents;
+  // Encodes prompts (and the negative prompt) instead of the pipeline's text encoders, e.g. from an
+  // embedding cache while the encoders are not in memory; must return what encode_prompts would.
+  std::function<PromptEmbeddings(const std::vector<std::string>&)> encode;
   // Called after each denoising step with (step, steps).
   std::function<void(int64_t, int64_t)> on_step;
 };

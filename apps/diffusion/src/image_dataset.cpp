@@ -370,10 +370,13 @@ std::string ImageDataset::bucket_histogram() const {
   return os.str();
 }
 
-ImageItem ImageDataset::make_item(int64_t index, const Image& rgb, uint64_t seed) const {
+ImageItem ImageDataset::describe(int64_t index, uint64_t seed) const {
+  if (index < 0 || index >= static_cast<int64_t>(records_.size()))
+    throw std::out_of_range("ImageDataset::describe: index " + std::to_string(index) + " is outside [0, " +
+                            std::to_string(records_.size()) + ")");
   const ImageRecord& rec = records_[index];
   const Bucket bucket = buckets_[rec.bucket];
-  const int W = rgb.width, H = rgb.height, bw = bucket.width, bh = bucket.height;
+  const int W = rec.width, H = rec.height, bw = bucket.width, bh = bucket.height;
   // The smallest size of the image's aspect ratio covering the bucket: one side is the bucket's.
   const double sx = static_cast<double>(bw) / W, sy = static_cast<double>(bh) / H;
   CropBox box;
@@ -395,29 +398,35 @@ ImageItem ImageDataset::make_item(int64_t index, const Image& rgb, uint64_t seed
     box.y = (box.resized_height - bh) / 2;
   }
   flame::HostRng flip_rng(flame::HostRng::mix(seed, 1));
-  const bool flipped = config_.flip_p > 0.0 && uniform01(flip_rng) < config_.flip_p;
-
-  const std::vector<float> hwc = resize_lanczos_window(rgb.pixels.data(), W, H, 3, box.resized_width,
-                                                       box.resized_height, box.x, box.y, bw, bh, flipped);
-  std::vector<float> chw(hwc.size());
-  const size_t plane = static_cast<size_t>(bw) * bh;
-  for (size_t p = 0; p < plane; ++p) {
-    for (int c = 0; c < 3; ++c) chw[c * plane + p] = std::clamp(hwc[p * 3 + c], 0.0f, 255.0f) / 127.5f - 1.0f;
-  }
   ImageItem item;
-  item.image = flame::Tensor::from_vec(chw, {3, bh, bw});
   item.caption = transform_caption(rec.caption, config_, flame::HostRng::mix(seed, 3));
   item.path = rec.path;
   item.record = index;
   item.bucket = bucket;
   item.crop = box;
-  item.flipped = flipped;
+  item.flipped = config_.flip_p > 0.0 && uniform01(flip_rng) < config_.flip_p;
   item.original_width = W;
   item.original_height = H;
   return item;
 }
 
-ImageItem ImageDataset::item(int64_t index, uint64_t seed) const {
+ImageItem ImageDataset::make_item(int64_t index, const Image& rgb, uint64_t seed, std::optional<bool> flip) const {
+  ImageItem item = describe(index, seed);
+  if (flip) item.flipped = *flip;
+  const CropBox& box = item.crop;
+  const int bw = box.width, bh = box.height;
+  const std::vector<float> hwc = resize_lanczos_window(rgb.pixels.data(), rgb.width, rgb.height, 3, box.resized_width,
+                                                       box.resized_height, box.x, box.y, bw, bh, item.flipped);
+  std::vector<float> chw(hwc.size());
+  const size_t plane = static_cast<size_t>(bw) * bh;
+  for (size_t p = 0; p < plane; ++p) {
+    for (int c = 0; c < 3; ++c) chw[c * plane + p] = std::clamp(hwc[p * 3 + c], 0.0f, 255.0f) / 127.5f - 1.0f;
+  }
+  item.image = flame::Tensor::from_vec(chw, {3, bh, bw});
+  return item;
+}
+
+ImageItem ImageDataset::item(int64_t index, uint64_t seed, std::optional<bool> flip) const {
   if (index < 0 || index >= static_cast<int64_t>(records_.size()))
     throw std::out_of_range("ImageDataset::item: index " + std::to_string(index) + " is outside [0, " +
                             std::to_string(records_.size()) + ")");
@@ -432,7 +441,7 @@ ImageItem ImageDataset::item(int64_t index, uint64_t seed) const {
       if (rgb.width != records_[j].width || rgb.height != records_[j].height)
         throw ImageDecodeError(records_[j].path + ": now " + size_text(rgb.width, rgb.height) + ", was " +
                                size_text(records_[j].width, records_[j].height) + " when the data set was scanned");
-      return make_item(j, rgb, seed);
+      return make_item(j, rgb, seed, flip);
     } catch (const ImageDecodeError& e) {
       if (first_error.empty()) first_error = e.what();
       log_(std::string("warning: ") + e.what() + "; using the next image of its bucket instead");
@@ -514,15 +523,20 @@ ImageLoader::ImageLoader(std::shared_ptr<const ImageDataset> dataset, const Imag
     for (size_t j = 0; j < indices.size(); ++j) batch.items[j].record = indices[j];
     return batch;
   };
-  auto transform = [ds = dataset_](ImageBatch& batch, const flame::data::BatchInfo& info) {
+  auto transform = [ds = dataset_, decode = o.decode](ImageBatch& batch, const flame::data::BatchInfo& info) {
     std::vector<flame::Tensor> images;
     for (size_t j = 0; j < batch.items.size(); ++j) {
-      ImageItem item = ds->item(batch.items[j].record, flame::HostRng::mix(info.seed, j));
+      const uint64_t seed = flame::HostRng::mix(info.seed, j);
+      if (!decode) {
+        batch.items[j] = ds->describe(batch.items[j].record, seed);
+        continue;
+      }
+      ImageItem item = ds->item(batch.items[j].record, seed);
       images.push_back(std::move(item.image));
       item.image = flame::Tensor();
       batch.items[j] = std::move(item);
     }
-    batch.images = flame::data::collate_tensors(images, false, "image");
+    if (decode) batch.images = flame::data::collate_tensors(images, false, "image");
     batch.position = {info.epoch, info.batch, 0};
   };
   auto indices = std::make_shared<RecordIndices>(static_cast<int64_t>(dataset_->records().size()));

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -155,10 +156,16 @@ class ImageDataset {
   // The item of record `index` made with `seed` (Note [Image item transforms]). When the file no
   // longer decodes (changed since the scan), the next record of the same bucket that does is used
   // instead, with a warning to the log; raises only when none of the bucket's records decodes.
-  ImageItem item(int64_t index, uint64_t seed) const;
+  // With `flip` given, the item is flipped or not as it says instead of by the seed (the latent
+  // cache encodes both orientations).
+  ImageItem item(int64_t index, uint64_t seed, std::optional<bool> flip = std::nullopt) const;
+  // The same item without its pixels (image undefined): caption, crop, flip and sizes from the
+  // scanned record alone, nothing decoded. item(index, seed) is describe(index, seed) plus pixels
+  // (unless the file no longer decodes and another record stands in).
+  ImageItem describe(int64_t index, uint64_t seed) const;
 
  private:
-  ImageItem make_item(int64_t index, const Image& rgb, uint64_t seed) const;
+  ImageItem make_item(int64_t index, const Image& rgb, uint64_t seed, std::optional<bool> flip) const;
 
   DatasetConfig config_;
   std::vector<ImageRecord> records_;
@@ -208,6 +215,9 @@ struct ImageLoaderOptions {
   int num_workers = 2;  // threads decoding and resizing batches ahead (Note [Loader workers])
   int prefetch_factor = 2;
   flame::Device device = flame::Device::cpu();
+  // false: the items are described (ImageDataset::describe), not decoded, and `images` is
+  // undefined: a trainer whose latents are cached needs only the captions, flips and crops.
+  bool decode = true;
 };
 
 // flame::data::DataLoader over an ImageDataset with a BucketBatchSampler: batches of one bucket,
