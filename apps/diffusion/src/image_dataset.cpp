@@ -491,7 +491,9 @@ std::vector<int64_t> BucketBatchSampler::indices(int64_t epoch) const {
   return out;
 }
 
-void for_each_tensor(ImageBatch& batch, const std::function<void(flame::Tensor&)>& fn) { fn(batch.images); }
+void for_each_tensor(ImageBatch& batch, const std::function<void(flame::Tensor&)>& fn) {
+  if (batch.images.defined()) fn(batch.images);  // undefined when the loader does not decode
+}
 
 namespace {
 // The records as flame::data examples: example i is its index; the loader's transform makes the items.

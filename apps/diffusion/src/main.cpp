@@ -1,6 +1,7 @@
 // flame-diffusion: trains class-conditional diffusion models on Fashion-MNIST with FLAME.
 //   flame-diffusion train --model dit-s --objective flow --steps 6000 --batch 256 --out runs/dit-s
 //   flame-diffusion sample --checkpoint runs/dit-s/checkpoints/ckpt-0000006000.safetensors --out grid.png
+//   flame-diffusion finetune --config lora.toml --set train.steps=2000   (FLUX, SD3.5, SDXL from captioned images)
 //   flame-diffusion finetune --base CKPT --classes 7 --lora-rank 8 --steps 500 --out runs/lora
 //   flame-diffusion export --checkpoint CKPT --out weights.safetensors   (PyTorch state dict)
 //   flame-diffusion generate --model /models/FLUX.1-dev --prompt "a red cat" --out grid.png   (FLUX, SD3.5, SDXL)
@@ -17,6 +18,7 @@
 #include "cli_checks.h"
 #include "dit.h"
 #include "embed.h"
+#include "finetune_run.h"
 #include "generate.h"
 #include "stop_signal.h"
 #include "trainer.h"
@@ -64,7 +66,8 @@ void add_train_flags(CLI::App* cmd, TrainConfig& c, std::string& classes, std::s
     cmd->add_option("--model", c.model, "model preset: " + model_presets())->capture_default_str();
     cmd->add_option("--objective", c.objective, "flow, ddpm-linear or ddpm-cosine")->capture_default_str();
   } else {
-    cmd->add_option("--base", c.base_checkpoint, "the trained checkpoint to adapt")->required()->check(CLI::ExistingFile);
+    cmd->add_option("--base", c.base_checkpoint, "the trained checkpoint to adapt (the Fashion-MNIST models)")
+        ->check(CLI::ExistingFile);
     cmd->add_option("--lora-rank", c.lora_rank,
                     "adapter rank (at most the smaller width of the adapted layers, e.g. 96 for dit-tiny)")
         ->capture_default_str()
@@ -165,8 +168,15 @@ int main(int argc, char** argv) {
   fc.sample_every = 0;
   fc.ckpt_every = 0;
   std::string f_classes, f_exclude, f_sampler = "euler";
-  auto* ft_cmd = app.add_subcommand("finetune", "train LoRA adapters of a trained model on a class subset");
+  auto* ft_cmd = app.add_subcommand("finetune",
+                                    "fine-tune FLUX.1, SD3 / SD3.5 or SDXL on captioned images (--config), or train "
+                                    "LoRA adapters of a Fashion-MNIST model on a class subset (--base)");
   add_train_flags(ft_cmd, fc, f_classes, f_exclude, f_sampler, true);
+  std::string ft_config;
+  std::vector<std::string> ft_set;
+  ft_cmd->add_option("--config", ft_config, "a fine-tuning configuration (TOML; finetune_config --keys lists every key)")
+      ->check(CLI::ExistingFile);
+  ft_cmd->add_option("--set", ft_set, "key=value overrides of the configuration, after the file (repeatable)");
 
   SampleConfig sc;
   std::string s_classes, s_sampler = "euler";
@@ -248,7 +258,23 @@ int main(int argc, char** argv) {
       if (!t_exclude.empty()) tc.exclude_classes = parse_classes(t_exclude);
       tc.sampling.sampler = parse_sampler(t_sampler);
       train(tc);
+    } else if (*ft_cmd && (ft_cmd->count("--config") > 0 || !ft_set.empty())) {
+      // The real model families: everything but the device and --overwrite is in the configuration.
+      for (const CLI::Option* o : ft_cmd->get_options()) {
+        const std::string n = o->get_name();
+        if (o->count() > 0 && n != "--config" && n != "--set" && n != "--device" && n != "--overwrite" && n != "--help")
+          throw UsageError(n + ": with --config, the configuration holds the settings (finetune_config --keys lists "
+                               "them); give them in the file or with --set key=value");
+      }
+      FinetuneRunOptions ro;
+      ro.config = load_finetune_config(ft_config, ft_set);
+      ro.device = parse_device(fc.device);
+      ro.overwrite = fc.overwrite;
+      const FinetuneRunResult r = run_finetune(ro);
+      for (const auto& f : r.lora_files) std::printf("%s\n", f.c_str());
     } else if (*ft_cmd) {
+      if (fc.base_checkpoint.empty())
+        throw UsageError("finetune: give --config FILE (FLUX, SD3, SDXL) or --base CHECKPOINT (a Fashion-MNIST model)");
       if (f_classes.empty()) throw std::runtime_error("finetune: --classes is required (the classes to adapt to)");
       fc.classes = parse_classes(f_classes);
       fc.sampling.sampler = parse_sampler(f_sampler);

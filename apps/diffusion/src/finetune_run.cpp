@@ -1,0 +1,616 @@
+// Note [Fine-tuning runs]
+// run_finetune, in order:
+// 1. The run folder: config.toml is written (after the checks of the configuration); a folder that
+//    holds a run is refused unless checkpoint.resume is set or the caller overwrites.
+// 2. The pipeline (models/pipelines.h) of model.checkpoint, a diffusers pipeline folder (it brings
+//    the tokenizers and text encoders), in bf16 when train.mixed_precision is bf16, else f32;
+//    model.vae replaces its VAE. The family must be model.family.
+// 3. The data set (image_dataset.h): folders / manifest, buckets, transforms.
+// 4. Caches (models/text_cache.h, the same validated per-key safetensors store for both):
+//    - text: every caption the run can draw (the transformed captions: with caption dropout the
+//      empty caption too; tag shuffling makes captions without end and is refused with the cache)
+//      and the sample prompts, encoded once by encode_prompts; keyed by (caption, pipeline files'
+//      sizes and mtimes, dtype, T5 length);
+//    - latents: each image's VAE distribution (mean, logvar) at its bucket's crop, unflipped and,
+//      when dataset.flip_p > 0, flipped; keyed by (file, size, mtime, bucket, crop, flip) and the
+//      VAE's files, so a changed image or VAE is encoded again. A random crop makes every draw a new
+//      window and is refused with the cache (as kohya's trainers do).
+//    With both caches the text encoders are released before training (and the VAE when no samples
+//    are asked for); without one, the encoders / VAE stay and encode each batch.
+// 5. The denoiser: LoRA (or DoRA) adapters in f32 on lora.targets (default_lora_targets), or every
+//    weight trainable (train.method full); gradient checkpointing of every block.
+// 6. AdamW (torch.optim.AdamW's update) or AdamW8bit, the warmup + constant / linear / cosine
+//    learning rate, gradient clipping, EMA of the trained weights.
+// 7. Each optimizer step: train.grad_accum batches of one bucket each; a batch's latents are drawn
+//    from the cached distribution (diffusers' latent_dist.sample()) or encoded, the noise and the
+//    timesteps from one flame::Generator seeded by train.seed; the objectives of models/finetune.h:
+//    flow matching for FLUX / SD3 (logit-normal or uniform u; FLUX's resolution-dependent shift
+//    exp(flux_mu(tokens)) when train.shift is 0, SD3's 3.0; FLUX-dev's guidance input), DDPM for
+//    SDXL (epsilon / v, min-SNR-gamma; time ids from each item's original size, crop and bucket).
+//    bf16 autocast when mixed_precision is bf16.
+// 8. Every checkpoint.every steps a flame::Checkpoint (atomic; the newest checkpoint.keep kept);
+//    every sample.every steps a grid of the sample prompts (captions under the images); a stop
+//    signal or stop_after ends the run after a checkpoint. checkpoint.resume ("latest" or a file)
+//    restores all of it, so a resumed run continues exactly where the stopped one was.
+// 9. At the end: the LoRA file(s) (kohya and / or diffusers layout, models/lora_file.h; the EMA
+//    weights when train.ema is on) with metadata (base model, family, rank, alpha, resolution, steps,
+//    images), or for method full the model's weights as a diffusers-named single file.
+#include "finetune_run.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <sstream>
+
+#include <flame/amp.h>
+#include <flame/checkpoint.h>
+#include <flame/io/safetensors.h>
+#include <flame/nn.h>
+#include <flame/optim.h>
+
+#include "generate.h"
+#include "image_dataset.h"
+#include "models/finetune.h"
+#include "models/lora_file.h"
+#include "models/pipelines.h"
+#include "models/text_cache.h"
+#include "stop_signal.h"
+
+namespace flame_diffusion {
+
+namespace fs = std::filesystem;
+namespace fm = models;
+namespace nn = flame::nn;
+namespace optim = flame::optim;
+using flame::Device;
+using flame::DType;
+using flame::Tensor;
+
+std::vector<std::string> default_lora_targets(const std::string& family) {
+  if (family == "sdxl") return {"to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"};
+  // FLUX and SD3 / SD3.5: the image and text streams' attention and feed-forward.
+  return {"to_q",          "to_k",     "to_v",     "to_out.0",         "add_q_proj",           "add_k_proj",
+          "add_v_proj",    "to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"};
+}
+
+namespace {
+
+// Sizes and modification times of a file, or of every file under a folder (sorted): what the caches
+// key their sources by.
+std::string fingerprint(const std::string& path) {
+  std::ostringstream s;
+  auto one = [&](const fs::path& p) {
+    std::error_code ec;
+    const auto size = fs::file_size(p, ec);
+    const auto mtime = fs::last_write_time(p, ec).time_since_epoch().count();
+    s << p.lexically_normal().string() << ':' << size << ':' << mtime << ';';
+  };
+  if (fs::is_directory(path)) {
+    std::vector<fs::path> files;
+    for (const auto& e : fs::recursive_directory_iterator(path)) {
+      if (e.is_regular_file()) files.push_back(e.path());
+    }
+    std::sort(files.begin(), files.end());
+    for (const auto& f : files) one(f);
+  } else {
+    one(path);
+  }
+  return s.str();
+}
+
+// What a run leaves in its folder once it trained (a run that failed before its first step leaves
+// only config.toml and the cache, and may simply be run again); --overwrite removes these and
+// config.toml, never the cache.
+std::vector<fs::path> run_outputs(const fs::path& dir, const std::string& name) {
+  std::vector<fs::path> out;
+  for (const char* p : {"checkpoints", "samples", "loss.csv"}) {
+    if (fs::exists(dir / p)) out.push_back(dir / p);
+  }
+  for (const std::string& f : {name + ".safetensors", name + "_diffusers.safetensors"}) {
+    if (fs::exists(dir / f)) out.push_back(dir / f);
+  }
+  return out;
+}
+
+// The trained tensors of the model as a checkpoint component: the adapters (LoRA / DoRA) by their
+// PEFT names.
+class AdapterState final : public flame::Stateful {
+ public:
+  explicit AdapterState(nn::Module& model) : model_(model) {}
+  flame::StateDict state_dict() const override { return nn::lora_state_dict(model_); }
+  void load_state_dict(const flame::StateDict& state) override { nn::load_lora_state_dict(model_, state, true); }
+
+ private:
+  nn::Module& model_;
+};
+
+struct Denoiser {
+  std::shared_ptr<fm::FluxTransformer2DModel> flux;
+  std::shared_ptr<fm::SD3Transformer2DModel> sd3;
+  std::shared_ptr<fm::UNet2DConditionModel> unet;
+  nn::Module& module() const {
+    if (flux) return *flux;
+    if (sd3) return *sd3;
+    return *unet;
+  }
+};
+
+std::string fmt(const char* f, double v) {
+  char b[64];
+  std::snprintf(b, sizeof b, f, v);
+  return b;
+}
+
+}  // namespace
+
+FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
+  const FinetuneConfig& cfg = options.config;
+  const Device device = options.device;
+  auto log = options.log ? options.log : [](const std::string& m) { std::fprintf(stderr, "%s\n", m.c_str()); };
+  const auto say = [&](const std::string& m) { log("finetune: " + m); };
+  validate_finetune_config(cfg);
+  FinetuneRunResult result;
+
+  // ---- 1. the run folder ----
+  const fs::path run = cfg.output.dir;
+  result.run_dir = run.string();
+  if (cfg.model.checkpoint.empty())
+    throw std::runtime_error("model.checkpoint is empty: give the base model's diffusers pipeline folder");
+  if (cfg.dataset.folders.empty() && cfg.dataset.manifest.empty())
+    throw std::runtime_error("dataset.folders and dataset.manifest are both empty: give the training images");
+  const std::string& method = cfg.train.method;
+  if (method == "lokr")
+    throw std::runtime_error("train.method = \"lokr\": LoKr training is not available yet; use lora, dora or full");
+  const bool full = method == "full";
+  const bool resume = !cfg.checkpoint.resume.empty();
+  const fs::path ckpt_dir = run / "checkpoints";
+  std::optional<std::string> resume_file;
+  if (resume) {
+    if (cfg.checkpoint.resume == "latest") {
+      resume_file = flame::latest_checkpoint(ckpt_dir.string());
+      if (!resume_file)
+        throw std::runtime_error("checkpoint.resume = \"latest\": " + ckpt_dir.string() +
+                                 " holds no checkpoint to resume from");
+    } else {
+      resume_file = cfg.checkpoint.resume;
+      if (!fs::is_regular_file(*resume_file))
+        throw std::runtime_error("checkpoint.resume = \"" + cfg.checkpoint.resume +
+                                 "\": no such checkpoint file (give a ckpt-<step>.safetensors or \"latest\")");
+    }
+  } else if (const auto existing = run_outputs(run, cfg.output.name); !existing.empty()) {
+    if (!options.overwrite) {
+      throw std::runtime_error("output.dir " + run.string() + " already holds a run (" + existing.front().string() +
+                               "); set checkpoint.resume = \"latest\" to continue it, pass --overwrite to replace "
+                               "it, or choose another output.dir");
+    }
+    for (const auto& p : existing) fs::remove_all(p);
+    fs::remove(run / "config.toml");
+    say("--overwrite: removed the previous run's files in " + run.string() + " (the cache is kept)");
+  }
+  fs::create_directories(run);
+  save_finetune_config(cfg, run.string());
+
+  // ---- 2. the pipeline ----
+  const DType dtype = cfg.train.mixed_precision == "bf16" ? DType::bf16 : DType::f32;
+  fm::PipelineLoadOptions lo;
+  lo.path = cfg.model.checkpoint;
+  lo.family = cfg.model.family;
+  lo.vae = cfg.model.vae;
+  lo.device = device;
+  lo.dtype = dtype;
+  say("loading " + cfg.model.family + " from " + lo.path + " on " + device.str());
+  const std::shared_ptr<fm::Pipeline> pipe = fm::load_pipeline(lo);
+  const std::string family = pipe->family;
+  Denoiser den{pipe->flux, pipe->sd3, pipe->unet};
+  fm::AutoencoderKL& vae = *pipe->vae;
+  const bool schnell = den.flux && !den.flux->config().guidance_embeds;
+  const int64_t max_seq = family == "flux" && !schnell ? 512 : 256;
+
+  // ---- 3. the data set ----
+  auto dataset = std::make_shared<const ImageDataset>(ImageDataset::scan(cfg.dataset, log));
+  const auto& records = dataset->records();
+  say(std::to_string(records.size()) + " images in " + std::to_string(dataset->buckets().size()) + " buckets");
+  {
+    const int64_t m = vae.config().downscale() * (family == "flux" ? 2 : family == "sd3" ? den.sd3->config().patch_size : 1);
+    for (const Bucket& b : dataset->buckets()) {
+      const std::string size = std::to_string(b.width) + "x" + std::to_string(b.height);
+      if (b.width % m != 0 || b.height % m != 0)
+        throw std::runtime_error("dataset: bucket " + size + " is not a multiple of " + std::to_string(m) +
+                                 " pixels, which " + family + " needs; set dataset.bucket_step to a multiple of " +
+                                 std::to_string(m));
+      // SD3's position table covers pos_embed_max_size patches a side.
+      const int64_t most = den.sd3 ? den.sd3->config().pos_embed_max_size * m : 0;
+      if (den.sd3 && std::max(b.width, b.height) > most)
+        throw std::runtime_error("dataset: bucket " + size + " is larger than the " + std::to_string(most) +
+                                 " pixels a side SD3's position table covers; lower dataset.bucket_max_size or "
+                                 "dataset.resolution");
+    }
+  }
+
+  // ---- 4. caches ----
+  const std::string cache_dir = cfg.cache.dir.empty() ? (run / "cache").string() : cfg.cache.dir;
+  const std::string dt = dtype == DType::bf16 ? "bf16" : "f32";
+  std::optional<fm::TextEmbeddingCache> text_cache;
+  std::optional<fm::TextEmbeddingCache> latent_cache;
+  auto encode_text = [&](const std::vector<std::string>& texts) {
+    fm::PromptEmbeddings e = fm::encode_prompts(*pipe, texts, max_seq);
+    return fm::TextTensors{{"states", e.states}, {"pooled", e.pooled}};
+  };
+  std::vector<std::string> sample_texts = cfg.sample.prompts;
+  const bool negative = family != "flux" && !cfg.sample.prompts.empty() && cfg.sample.guidance > 1.0 &&
+                        (!cfg.sample.negative_prompt.empty() || family == "sd3");
+  if (negative) sample_texts.push_back(cfg.sample.negative_prompt);
+  if (cfg.cache.text_embeddings) {
+    if (cfg.dataset.shuffle_tags)
+      throw std::runtime_error("cache.text_embeddings with dataset.shuffle_tags: every shuffle is a new caption "
+                               "the cache cannot hold; turn one of them off");
+    text_cache.emplace((fs::path(cache_dir) / "text").string(),
+                       family + " text encoders " + fingerprint(cfg.model.checkpoint),
+                       "dtype=" + dt + " max_sequence_length=" + std::to_string(max_seq));
+    std::set<std::string> captions(sample_texts.begin(), sample_texts.end());
+    DatasetConfig kept = cfg.dataset;  // each caption as an item has it when not dropped
+    kept.caption_dropout = 0;
+    for (const auto& r : records) captions.insert(transform_caption(r.caption, kept, 0));
+    if (cfg.dataset.caption_dropout > 0) captions.insert("");
+    const std::vector<std::string> all(captions.begin(), captions.end());
+    const fm::TextCacheStats st = text_cache->build(all, encode_text, std::max<int64_t>(cfg.train.batch_size, 8));
+    result.text_cache_hits = st.hits;
+    result.text_encoded = st.encoded;
+    say("text cache " + text_cache->dir() + ": " + std::to_string(st.hits) + " cached, " +
+        std::to_string(st.encoded) + " encoded");
+    for (const auto& p : text_cache->problems()) say("text cache: re-encoded " + p);
+  }
+  // A latent cache entry's key: the source file as it is now and the window taken from it.
+  auto latent_key = [&](const ImageItem& it, bool flipped) {
+    return fingerprint(it.path) + " bucket " + std::to_string(it.bucket.width) + "x" +
+           std::to_string(it.bucket.height) + " crop " + std::to_string(it.crop.x) + "," + std::to_string(it.crop.y) +
+           " of " + std::to_string(it.crop.resized_width) + "x" + std::to_string(it.crop.resized_height) +
+           (flipped ? " flipped" : "");
+  };
+  if (cfg.cache.latents) {
+    if (cfg.dataset.crop == "random")
+      throw std::runtime_error("cache.latents with dataset.crop = \"random\": every draw is a new window the cache "
+                               "cannot hold; use crop = \"center\" or turn cache.latents off");
+    latent_cache.emplace((fs::path(cache_dir) / "latents").string(),
+                         "vae " + fingerprint(cfg.model.vae.empty() ? (fs::path(cfg.model.checkpoint) / "vae").string()
+                                                                    : cfg.model.vae),
+                         "dtype=" + dt + " distribution");
+    std::vector<bool> flips{false};
+    if (cfg.dataset.flip_p > 0) flips.push_back(true);
+    std::vector<std::string> keys;
+    std::map<std::string, std::pair<int64_t, bool>> source;
+    for (int64_t i = 0; i < static_cast<int64_t>(records.size()); ++i) {
+      const ImageItem it = dataset->describe(i, 0);
+      for (bool f : flips) {
+        keys.push_back(latent_key(it, f));
+        source[keys.back()] = {i, f};
+      }
+    }
+    auto encode_images = [&](const std::vector<std::string>& batch) {
+      flame::NoGradGuard ng;
+      std::vector<Tensor> means, logvars;
+      for (const auto& k : batch) {  // one image at a time: the keys of a call may span buckets
+        const auto [i, f] = source.at(k);
+        const ImageItem it = dataset->item(i, 0, f);
+        const fm::LatentDistribution d = vae.encode(it.image.unsqueeze(0).to(device));
+        means.push_back(d.mean.to(Device::cpu()));
+        logvars.push_back(d.logvar.to(Device::cpu()));
+      }
+      const bool same = std::all_of(means.begin(), means.end(), [&](const Tensor& t) { return t.sizes() == means[0].sizes(); });
+      FLAME_CHECK(same, "finetune", "latent cache: images of one encoder call differ in size");
+      return fm::TextTensors{{"mean", flame::cat(means, 0)}, {"logvar", flame::cat(logvars, 0)}};
+    };
+    // One encoder call per image (the cache's batches mix buckets).
+    const fm::TextCacheStats st = latent_cache->build(keys, encode_images, 1);
+    result.latents_cached = st.hits;
+    result.latents_encoded = st.encoded;
+    say("latent cache " + latent_cache->dir() + ": " + std::to_string(st.hits) + " cached, " +
+        std::to_string(st.encoded) + " encoded");
+    for (const auto& p : latent_cache->problems()) say("latent cache: re-encoded " + p);
+  }
+  if (text_cache) {
+    pipe->clip_l.reset();
+    pipe->clip_g.reset();
+    pipe->t5.reset();
+    say("text encoders released");
+  }
+  const bool sampling = cfg.sample.every > 0 && !cfg.sample.prompts.empty();
+  if (latent_cache && !sampling) {
+    pipe->vae.reset();
+    say("VAE released");
+  }
+
+  // ---- 5. the denoiser ----
+  nn::Module& model = den.module();
+  const fm::LoraFamily lfam = fm::lora_family_from_string(family);
+  if (!full) {
+    const nn::LoraOptions lora{.rank = cfg.lora.rank,
+                               .alpha = cfg.lora.alpha,
+                               .dropout = cfg.lora.dropout,
+                               .use_dora = method == "dora"};
+    const std::vector<std::string> targets = cfg.lora.targets.empty() ? default_lora_targets(family) : cfg.lora.targets;
+    flame::manual_seed(static_cast<uint64_t>(cfg.train.seed));  // the adapters' initialisation
+    std::vector<std::string> adapted;
+    try {
+      adapted = den.flux  ? den.flux->add_lora(lora, targets)
+                : den.sd3 ? den.sd3->add_lora(lora, targets)
+                          : den.unet->add_lora(lora, targets);
+    } catch (const std::exception& e) {
+      throw std::runtime_error(std::string("lora.targets / lora.rank: ") + e.what());
+    }
+    if (adapted.empty()) throw std::runtime_error("lora.targets matched no module of the " + family + " model");
+    for (const auto& m : model.modules()) {  // f32 adapters under bf16 weights
+      if (auto* lin = dynamic_cast<nn::Linear*>(m.get()); lin && lin->has_lora()) {
+        lin->lora_A()->to(DType::f32);
+        lin->lora_B()->to(DType::f32);
+      }
+    }
+    say(std::to_string(adapted.size()) + " modules adapted (" + method + ", rank " + std::to_string(cfg.lora.rank) + ")");
+  }
+  if (cfg.train.gradient_checkpointing) {
+    if (den.flux) den.flux->set_gradient_checkpointing(fm::kAllFluxBlocks);
+    if (den.sd3) den.sd3->set_gradient_checkpointing(true);
+    if (den.unet) den.unet->set_gradient_checkpointing(true);
+  }
+  model.train();
+  flame::TensorList params;
+  for (Tensor p : model.parameters()) {
+    if (full) p.requires_grad_(true);
+    if (p.requires_grad()) params.push_back(p);
+  }
+  int64_t n_params = 0;
+  for (const Tensor& p : params) n_params += p.numel();
+  say(std::to_string(n_params) + " trained parameters");
+
+  // ---- 6. optimizer, schedule, EMA ----
+  const auto& oc = cfg.optimizer;
+  std::unique_ptr<optim::Optimizer> opt;
+  if (oc.type == "adamw8bit") {
+    throw std::runtime_error("optimizer.type = \"adamw8bit\" is not available in this build; use \"adamw\"");
+  }
+  opt = std::make_unique<optim::AdamW>(
+      params, optim::AdamWOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
+                                  .weight_decay = oc.weight_decay});
+  const int64_t total = cfg.train.steps, warm = oc.warmup_steps;
+  const std::string sched_kind = oc.scheduler;
+  auto sched = std::make_shared<optim::LambdaLR>(*opt, [total, warm, sched_kind](int64_t s) {
+    if (warm > 0 && s < warm) return static_cast<double>(s + 1) / static_cast<double>(warm);
+    const double p = total > warm ? static_cast<double>(s - warm) / static_cast<double>(total - warm) : 1.0;
+    if (sched_kind == "linear") return std::max(0.0, 1.0 - p);
+    if (sched_kind == "cosine") return 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, p)));
+    return 1.0;
+  });
+  std::optional<optim::EMA> ema;
+  if (cfg.train.ema) ema.emplace(params, optim::EMAOptions{.decay = cfg.train.ema_decay});
+  flame::Generator gen(static_cast<uint64_t>(cfg.train.seed) * 7919 + 23);
+
+  AdapterState adapters(model);
+  flame::Checkpoint ckpt;
+  if (full) {
+    ckpt.add("model", model);
+  } else {
+    ckpt.add("adapters", adapters);
+  }
+  ckpt.add("optimizer", *opt);
+  ckpt.add("scheduler", *sched);
+  if (ema) ckpt.add("ema", *ema);
+  ckpt.add_generator("train", gen);
+  ckpt.set_metadata("family", family);
+  ckpt.set_metadata("base_model", cfg.model.checkpoint);
+  ckpt.set_metadata("method", method);
+  flame::data::LoaderState start;
+  start.seed = static_cast<uint64_t>(cfg.train.seed);
+  if (resume_file) {
+    ckpt.load(*resume_file, {.map_location = device});
+    start.epoch = ckpt.progress().counters["epoch"];
+    start.batch = ckpt.progress().counters["batch"];
+    say("resumed from " + *resume_file + " at step " + std::to_string(ckpt.progress().step));
+  }
+  int64_t& step = ckpt.progress().step;
+  result.first_step = step;
+
+  // ---- 7. the loop ----
+  ImageLoader loader(dataset,
+                     {.batch_size = cfg.train.batch_size,
+                      .seed = static_cast<uint64_t>(cfg.train.seed),
+                      .num_workers = static_cast<int>(cfg.train.dataloader_workers),
+                      .device = Device::cpu(),
+                      .decode = !latent_cache},
+                     start);
+  fm::FlowMatchOptions flow;
+  flow.density = cfg.train.timestep_sampling == "uniform" ? fm::TimestepDensity::uniform : fm::TimestepDensity::logit_normal;
+  flow.logit_mean = cfg.train.logit_mean;
+  flow.logit_std = cfg.train.logit_std;
+  fm::DdpmOptions ddpm;
+  ddpm.prediction = cfg.model.prediction == "v_prediction" ? fm::Prediction::v_prediction : fm::Prediction::epsilon;
+  ddpm.snr_gamma = cfg.train.min_snr_gamma;
+
+  auto batch_text = [&](const std::vector<ImageItem>& items) {
+    std::vector<std::string> caps;
+    for (const auto& it : items) caps.push_back(it.caption);
+    if (text_cache) return text_cache->get_batch(caps, device);
+    flame::NoGradGuard ng;
+    return encode_text(caps);
+  };
+  auto batch_latents = [&](ImageBatch& b) {
+    flame::NoGradGuard ng;
+    fm::LatentDistribution d;
+    if (latent_cache) {
+      std::vector<std::string> keys;
+      for (const auto& it : b.items) keys.push_back(latent_key(it, it.flipped));
+      const fm::TextTensors t = latent_cache->get_batch(keys, device);
+      d = {t.at("mean"), t.at("logvar")};
+    } else {
+      d = vae.encode(b.images.to(device));
+    }
+    const Tensor z = d.mean + d.std() * Tensor::randn(d.mean.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(d.mean.dtype());
+    return vae.to_latent(z).to(dtype);
+  };
+  auto batch_loss = [&](ImageBatch& b) {
+    const Tensor x0 = batch_latents(b);
+    const fm::TextTensors text = batch_text(b.items);
+    const Tensor states = text.at("states").to(dtype), pooled = text.at("pooled").to(dtype);
+    const int64_t n = x0.size(0);
+    const Tensor noise = Tensor::randn(x0.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(dtype);
+    std::optional<flame::amp::AutocastGuard> ac;
+    if (dtype == DType::bf16) ac.emplace(DType::bf16, device.type);
+    if (den.unet) {
+      std::vector<float> ids;
+      for (const auto& it : b.items) {
+        ids.insert(ids.end(), {static_cast<float>(it.original_height), static_cast<float>(it.original_width),
+                               static_cast<float>(it.crop.y), static_cast<float>(it.crop.x),
+                               static_cast<float>(it.bucket.height), static_cast<float>(it.bucket.width)});
+      }
+      const Tensor t = Tensor::randint(0, ddpm.num_train_timesteps, {n}, {DType::i64, Device::cpu()}, &gen);
+      return fm::unet_ddpm_loss(*den.unet, ddpm,
+                                {.latents = x0,
+                                 .noise = noise,
+                                 .text = states,
+                                 .timesteps = t.to(device),
+                                 .added = {.text_embeds = pooled, .time_ids = Tensor::from_vec(ids, {n, 6}).to(device).to(dtype)}});
+    }
+    fm::FlowMatchOptions o = flow;
+    o.shift = cfg.train.shift > 0 ? cfg.train.shift : 1.0;
+    if (cfg.train.shift == 0 && den.sd3) o.shift = 3.0;
+    if (cfg.train.shift == 0 && den.flux)
+      o.shift = std::exp(fm::flux_mu(x0.size(2) / 2 * (x0.size(3) / 2), *pipe->flow_config));
+    const fm::FlowBatch fb{.latents = x0, .noise = noise, .text = states, .pooled = pooled,
+                           .u = fm::sample_timestep_density(o, n, gen).to(device)};
+    return den.flux ? fm::flux_flow_loss(*den.flux, o, fb, cfg.train.guidance) : fm::sd3_flow_loss(*den.sd3, o, fb);
+  };
+
+  // Samples: the sample prompts through the pipeline with this model (eval mode: no adapter dropout).
+  const fs::path samples_dir = run / "samples";
+  auto write_samples = [&](int64_t at) {
+    if (cfg.sample.prompts.empty()) return;
+    flame::NoGradGuard ng;
+    model.eval();
+    fm::GenerateOptions g;
+    g.prompts = cfg.sample.prompts;
+    if (family != "flux" && !cfg.sample.negative_prompt.empty()) g.negative_prompt = cfg.sample.negative_prompt;
+    g.steps = cfg.sample.steps;
+    g.guidance = cfg.sample.guidance;
+    g.seed = static_cast<uint64_t>(cfg.sample.seed);
+    g.width = cfg.sample.width > 0 ? cfg.sample.width : cfg.dataset.resolution;
+    g.height = cfg.sample.height > 0 ? cfg.sample.height : cfg.dataset.resolution;
+    g.max_sequence_length = max_seq;
+    if (text_cache) {
+      g.encode = [&](const std::vector<std::string>& texts) {
+        const fm::TextTensors t = text_cache->get_batch(texts, device);
+        return fm::PromptEmbeddings{t.at("states").to(dtype), t.at("pooled").to(dtype)};
+      };
+    }
+    const Tensor images = fm::generate(*pipe, g);
+    fs::create_directories(samples_dir);
+    char name[64];
+    std::snprintf(name, sizeof name, "step-%07lld.png", static_cast<long long>(at));
+    const std::string path = (samples_dir / name).string();
+    write_png(path, caption_grid(images, cfg.sample.prompts, static_cast<int>(std::min<size_t>(4, cfg.sample.prompts.size()))));
+    result.sample_files.push_back(path);
+    say("samples: " + path);
+    model.train();
+  };
+
+  std::ofstream csv(run / "loss.csv", resume_file ? std::ios::app : std::ios::trunc);
+  if (!resume_file) csv << "step,loss,lr,grad_norm\n";
+  const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
+  auto save_checkpoint = [&] {
+    const flame::data::LoaderState pos = loader.position();
+    ckpt.progress().counters["epoch"] = pos.epoch;
+    ckpt.progress().counters["batch"] = pos.batch;
+    result.last_checkpoint = ckpt.save_rotating(ckpt_dir.string(), keep);
+    say("checkpoint " + result.last_checkpoint);
+  };
+  say("training " + std::to_string(total - step) + " steps of " + std::to_string(cfg.train.batch_size) + " x " +
+      std::to_string(cfg.train.grad_accum) + " images");
+  auto t_last = std::chrono::steady_clock::now();
+  int64_t ran = 0;
+  while (step < total) {
+    flame::Gradients grads;
+    double loss_sum = 0;
+    for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
+      ImageBatch b = loader.next();
+      Tensor loss = batch_loss(b);
+      if (cfg.train.grad_accum > 1) loss = loss * (1.0 / static_cast<double>(cfg.train.grad_accum));
+      flame::BackwardOptions bo;
+      bo.accumulate_into = &grads;
+      (void)loss.backward(bo);
+      loss_sum += loss.item<double>();
+    }
+    if (!std::isfinite(loss_sum))
+      throw std::runtime_error("the loss is " + fmt("%g", loss_sum) + " at step " + std::to_string(step + 1) +
+                               "; lower optimizer.lr or check the data (the last checkpoint is intact)");
+    const double gnorm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip).item<double>()
+                                          : flame::grad_norm(grads).item<double>();
+    const double lr = opt->lr();
+    opt->step(grads);
+    sched->step();
+    if (ema) ema->update(step);
+    ++step;
+    ++ran;
+    result.losses.push_back(loss_sum);
+    csv << step << ',' << loss_sum << ',' << lr << ',' << gnorm << '\n';
+    if (step % cfg.train.log_every == 0 || step == total) {
+      const auto now = std::chrono::steady_clock::now();
+      const double secs = std::chrono::duration<double>(now - t_last).count();
+      t_last = now;
+      csv.flush();
+      say("step " + std::to_string(step) + "/" + std::to_string(total) + " loss " + fmt("%.5f", loss_sum) + " lr " +
+          fmt("%.3g", lr) + " grad norm " + fmt("%.3g", gnorm) + " " +
+          fmt("%.2f", secs / static_cast<double>(std::min(cfg.train.log_every, ran))) + " s/step");
+    }
+    const bool stopping = stop_signal() != 0 || (options.stop_after > 0 && ran >= options.stop_after);
+    if ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == total || stopping) save_checkpoint();
+    if (sampling && step % cfg.sample.every == 0 && step < total) write_samples(step);
+    if (stopping && step < total) {
+      result.steps_done = step;
+      if (stop_signal() != 0) throw_if_stopped("training", "resume with checkpoint.resume = \"latest\"");
+      say("stopped after " + std::to_string(ran) + " steps; resume with checkpoint.resume = \"latest\"");
+      return result;
+    }
+  }
+  result.steps_done = step;
+  if (sampling) write_samples(step);
+
+  // ---- 9. the result ----
+  if (ema) {
+    ema->store();
+    ema->copy_to();
+  }
+  std::map<std::string, std::string> meta{{"ss_base_model", cfg.model.checkpoint},
+                                          {"flame_family", family},
+                                          {"ss_resolution", std::to_string(cfg.dataset.resolution)},
+                                          {"ss_steps", std::to_string(step)},
+                                          {"ss_num_train_images", std::to_string(records.size())},
+                                          {"flame_method", method}};
+  if (full) {
+    const std::string path = (run / (cfg.output.name + ".safetensors")).string();
+    flame::io::save_safetensors(path, model.state_dict(), {{"format", "pt"}, {"flame_family", family}});
+    result.lora_files.push_back(path);
+  } else {
+    const std::string& f = cfg.checkpoint.lora_format;
+    if (f == "kohya" || f == "both") {
+      const std::string path = (run / (cfg.output.name + ".safetensors")).string();
+      fm::save_lora(path, model, lfam, fm::LoraFileFormat::kKohya, meta);
+      result.lora_files.push_back(path);
+    }
+    if (f == "peft" || f == "both") {
+      const std::string path =
+          (run / (cfg.output.name + (f == "both" ? "_diffusers" : "") + ".safetensors")).string();
+      fm::save_lora(path, model, lfam, fm::LoraFileFormat::kDiffusers, meta);
+      result.lora_files.push_back(path);
+    }
+  }
+  if (ema) ema->restore();
+  for (const auto& p : result.lora_files) say("wrote " + p);
+  return result;
+}
+
+}  // namespace flame_diffusion

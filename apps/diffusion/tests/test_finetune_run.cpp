@@ -1,0 +1,229 @@
+// The fine-tuning run (finetune_run.h, issue #31) end to end on the tiny FLUX, SD3.5 and SDXL pipeline
+// folders: a captioned image folder with buckets -> text and latent caches -> LoRA training with a
+// checkpoint, an interruption and a resume that continues exactly -> samples -> LoRA files in both
+// layouts that load back into the pipeline; and the run folder's refusals. Suite FinetuneRun.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <flame/flame.h>
+#include <flame/io/safetensors.h>
+
+#include "finetune_run.h"
+#include "model_test_util.h"
+#include "models/pipelines.h"
+#include "png_image.h"
+#include "train_config.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace fd = flame_diffusion;
+namespace fm = flame_diffusion::models;
+using flame::Tensor;
+
+fs::path pipelines_dir() { return fs::path(__FILE__).parent_path() / "data" / "models" / "pipelines-tiny"; }
+
+// Six captioned images of three shapes (two buckets at resolution 64: square and 80x48).
+fs::path make_images(const fs::path& dir) {
+  const fs::path images = dir / "images" / "2_shapes";  // kohya repeats 2
+  fs::create_directories(images);
+  const int sizes[6][2] = {{64, 64}, {96, 96}, {120, 72}, {100, 60}, {70, 70}, {160, 96}};
+  for (int i = 0; i < 6; ++i) {
+    const int w = sizes[i][0], h = sizes[i][1];
+    fd::Image img(w, h, 3);
+    for (int y = 0; y < h; ++y) {
+      for (int x = 0; x < w; ++x) {
+        const bool inside = (x - w / 2) * (x - w / 2) + (y - h / 2) * (y - h / 2) < (h / 3) * (h / 3);
+        uint8_t* p = img.at(x, y);
+        p[0] = static_cast<uint8_t>(inside ? 200 + 9 * i : 20 * i);
+        p[1] = static_cast<uint8_t>((x * 255) / w);
+        p[2] = static_cast<uint8_t>((y * 255) / h);
+      }
+    }
+    const std::string stem = "img" + std::to_string(i);
+    fd::write_png((images / (stem + ".png")).string(), img);
+    fd_test::write_text(images / (stem + ".txt"), i % 2 ? "a red circle, on a gradient" : "a round shape");
+  }
+  return dir / "images";
+}
+
+fd::FinetuneConfig tiny_config(const std::string& family, const fs::path& images, const fs::path& out) {
+  fd::FinetuneConfig c;
+  c.model.family = family;
+  c.model.checkpoint = (pipelines_dir() / family).string();
+  c.dataset.folders = {images.string()};
+  c.dataset.resolution = 64;
+  c.dataset.bucket_step = 16;
+  c.dataset.bucket_min_size = 32;
+  c.dataset.bucket_max_size = 128;
+  c.dataset.flip_p = 0.5;
+  c.dataset.caption_dropout = 0.25;
+  c.lora.rank = 4;
+  c.lora.alpha = 4;
+  c.optimizer.lr = 3e-3;
+  c.optimizer.warmup_steps = 1;
+  c.optimizer.scheduler = "cosine";
+  c.train.steps = 4;
+  c.train.batch_size = 2;
+  c.train.seed = 5;
+  c.train.mixed_precision = "no";
+  c.train.dataloader_workers = 1;
+  c.train.log_every = 2;
+  c.checkpoint.every = 2;
+  c.checkpoint.lora_format = "both";
+  c.sample.prompts = {"a red circle", "a round shape"};
+  c.sample.every = 3;
+  c.sample.steps = 2;
+  c.sample.guidance = family == "flux" ? 3.5 : 2.0;
+  c.cache.dir = (out.parent_path() / "cache").string();
+  c.output.dir = out.string();
+  c.output.name = "shapes";
+  return c;
+}
+
+fd::FinetuneRunResult run(fd::FinetuneConfig c, int64_t stop_after = 0, bool overwrite = false) {
+  return fd::run_finetune({.config = std::move(c), .device = fd_test::test_device(), .overwrite = overwrite,
+                           .stop_after = stop_after, .log = [](const std::string&) {}});
+}
+
+Tensor sample(const std::string& family, const std::string& lora) {
+  auto pipe = fm::load_pipeline({.path = (pipelines_dir() / family).string(), .lora = lora, .device = fd_test::test_device()});
+  fm::GenerateOptions g;
+  g.prompts = {"a red circle"};
+  g.steps = 2;
+  g.width = g.height = 64;
+  g.seed = 3;
+  if (family != "flux") g.guidance = 1.0;
+  return fm::generate(*pipe, g);
+}
+
+double max_diff(const Tensor& a, const Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+template <class F>
+std::string error_of(F&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(FinetuneRun, FluxCachesCheckpointResumeSamplesAndLoraFiles) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "flux");
+  const fs::path images = make_images(dir);
+
+  // One uninterrupted run: caches built, 4 steps, samples at the end, both LoRA layouts.
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "a");
+  const fd::FinetuneRunResult a = run(c);
+  ASSERT_EQ(a.losses.size(), 4u);
+  for (double l : a.losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;
+  EXPECT_EQ(a.steps_done, 4);
+  EXPECT_GT(a.text_encoded, 0);
+  EXPECT_EQ(a.latents_encoded, 12);  // 6 images x (unflipped, flipped)
+  ASSERT_EQ(a.lora_files.size(), 2u);
+  EXPECT_TRUE(fs::exists(dir / "a" / "config.toml"));
+  EXPECT_TRUE(fs::exists(dir / "a" / "loss.csv"));
+  ASSERT_EQ(a.sample_files.size(), 2u);  // step 3 and the end
+  for (const auto& f : a.sample_files) EXPECT_TRUE(fs::exists(f)) << f;
+  EXPECT_EQ(fd::load_finetune_config((dir / "a" / "config.toml").string()), c);
+
+  // The same run stopped after 2 steps and resumed: the caches are all hits, and the losses and the
+  // adapters are those of the uninterrupted run.
+  c.output.dir = (dir / "b").string();
+  const fd::FinetuneRunResult b1 = run(c, 2);
+  EXPECT_EQ(b1.steps_done, 2);
+  EXPECT_TRUE(b1.lora_files.empty());
+  EXPECT_EQ(b1.text_encoded, 0);
+  EXPECT_EQ(b1.latents_encoded, 0);
+  EXPECT_EQ(b1.latents_cached, 12);
+  c.checkpoint.resume = "latest";
+  const fd::FinetuneRunResult b2 = run(c);
+  EXPECT_EQ(b2.first_step, 2);
+  ASSERT_EQ(b2.losses.size(), 2u);
+  std::vector<double> resumed = b1.losses;
+  resumed.insert(resumed.end(), b2.losses.begin(), b2.losses.end());
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(resumed[i], a.losses[i], 1e-6 * std::abs(a.losses[i])) << "step " << i + 1;
+  const flame::StateDict la = flame::io::load_safetensors(a.lora_files[0]);
+  const flame::StateDict lb = flame::io::load_safetensors(b2.lora_files[0]);
+  ASSERT_EQ(la.size(), lb.size());
+  double worst = 0, largest = 0;
+  for (const auto& [k, t] : la) {
+    worst = std::max(worst, max_diff(t, lb.at(k)));
+    largest = std::max(largest, t.abs().max().item<double>());
+  }
+  EXPECT_LE(worst, 1e-5 * largest);
+  EXPECT_GT(largest, 0.0);
+
+  // Both files load into the pipeline and give the same images, which the training changed.
+  const Tensor kohya = sample("flux", a.lora_files[0]);
+  const Tensor diffusers = sample("flux", a.lora_files[1]);
+  const Tensor base = sample("flux", "");
+  EXPECT_LE(max_diff(kohya, diffusers), 1e-5);
+  EXPECT_GT(max_diff(kohya, base), 1e-6);
+  const auto meta = flame::io::load_safetensors_metadata(a.lora_files[0]);
+  EXPECT_EQ(meta.at("ss_steps"), "4");
+  EXPECT_EQ(meta.at("ss_num_train_images"), "6");
+  EXPECT_EQ(meta.at("lora_family"), "flux");
+
+  // The folder holds a run now: a fresh run into it is refused, --overwrite replaces it.
+  c.checkpoint.resume = "";
+  c.output.dir = (dir / "a").string();
+  const std::string err = error_of([&] { run(c); });
+  EXPECT_NE(err.find("already holds a run"), std::string::npos) << err;
+  EXPECT_NE(err.find("checkpoint.resume"), std::string::npos) << err;
+  c.train.steps = 1;
+  c.sample.prompts.clear();
+  const fd::FinetuneRunResult o = run(c, 0, true);
+  EXPECT_EQ(o.steps_done, 1);
+  EXPECT_EQ(o.latents_cached, 12);
+}
+
+// SD3.5 and SDXL without caches (the encoders and the VAE stay and encode every batch), samples
+// during the run, kohya and diffusers files.
+TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
+  for (const std::string family : {"sd3", "sdxl"}) {
+    SCOPED_TRACE(family);
+    const fs::path dir = fd_test::fresh_temp_dir("finetune_run", family);
+    fd::FinetuneConfig c = tiny_config(family, make_images(dir), dir / "run");
+    c.cache.latents = false;
+    c.dataset.bucketing = false;  // the tiny SD3.5's position table covers 64 x 64 pixels
+    c.dataset.max_upscale = 2.0;
+    c.cache.text_embeddings = false;
+    c.train.steps = 2;
+    c.train.grad_accum = 2;
+    c.sample.every = 1;
+    c.sample.negative_prompt = "blurry";
+    c.train.min_snr_gamma = family == "sdxl" ? 5.0 : 0.0;
+    const fd::FinetuneRunResult r = run(c);
+    ASSERT_EQ(r.losses.size(), 2u);
+    for (double l : r.losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;
+    EXPECT_EQ(r.sample_files.size(), 2u);  // step 1, and the end
+    ASSERT_EQ(r.lora_files.size(), 2u);
+    const Tensor kohya = sample(family, r.lora_files[0]);
+    const Tensor diffusers = sample(family, r.lora_files[1]);
+    EXPECT_LE(max_diff(kohya, diffusers), 1e-5);
+  }
+}
+
+TEST(FinetuneRun, BadSettingsAreNamed) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "bad");
+  const fs::path images = make_images(dir);
+  auto err = [&](const std::function<void(fd::FinetuneConfig&)>& change) {
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / "run");
+    change(c);
+    return error_of([&] { run(c); });
+  };
+  EXPECT_NE(err([](auto& c) { c.dataset.crop = "random"; }).find("dataset.crop"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.dataset.shuffle_tags = true; }).find("dataset.shuffle_tags"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.train.method = "lokr"; }).find("lokr"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.checkpoint.resume = "latest"; }).find("holds no checkpoint"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.model.family = "sdxl"; }).find("flux"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.lora.targets = {"no_such_module"}; }).find("lora.targets"), std::string::npos);
+}
+
+}  // namespace
