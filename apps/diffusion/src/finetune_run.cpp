@@ -105,6 +105,20 @@ std::string fingerprint(const std::string& path) {
   return s.str();
 }
 
+// The text encoders' files, as the text cache's identity: the pipeline's text_encoder* and
+// tokenizer* folders and the files given instead.
+std::string text_encoder_fingerprint(const FinetuneConfig& c, const std::string& pipeline) {
+  std::string s;
+  for (const char* sub : {"text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer", "tokenizer_2", "tokenizer_3"}) {
+    const fs::path p = fs::path(pipeline) / sub;
+    if (fs::exists(p)) s += fingerprint(p.string());
+  }
+  for (const std::string& f : {c.model.clip_l, c.model.clip_g, c.model.t5}) {
+    if (!f.empty()) s += fingerprint(f);
+  }
+  return s;
+}
+
 // What a run leaves in its folder once it trained (a run that failed before its first step leaves
 // only config.toml and the cache, and may simply be run again); --overwrite removes these and
 // config.toml, never the cache.
@@ -162,7 +176,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const fs::path run = cfg.output.dir;
   result.run_dir = run.string();
   if (cfg.model.checkpoint.empty())
-    throw std::runtime_error("model.checkpoint is empty: give the base model's diffusers pipeline folder");
+    throw std::runtime_error("model.checkpoint is empty: give the base model (a diffusers pipeline folder, or a "
+                             "single file with model.pipeline)");
   if (cfg.dataset.folders.empty() && cfg.dataset.manifest.empty())
     throw std::runtime_error("dataset.folders and dataset.manifest are both empty: give the training images");
   const std::string& method = cfg.train.method;
@@ -200,9 +215,18 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   // ---- 2. the pipeline ----
   const DType dtype = cfg.train.mixed_precision == "bf16" ? DType::bf16 : DType::f32;
   fm::PipelineLoadOptions lo;
-  lo.path = cfg.model.checkpoint;
+  const bool single_file = !fs::is_directory(cfg.model.checkpoint);
+  if (single_file && cfg.model.pipeline.empty())
+    throw std::runtime_error("model.checkpoint " + cfg.model.checkpoint + " is a single file: set model.pipeline to "
+                             "the family's diffusers pipeline folder (its tokenizers, and the text encoders and VAE "
+                             "unless model.clip_l / clip_g / t5 / vae give files)");
+  lo.path = cfg.model.pipeline.empty() ? cfg.model.checkpoint : cfg.model.pipeline;
+  if (single_file || !cfg.model.pipeline.empty()) lo.denoiser = cfg.model.checkpoint;
   lo.family = cfg.model.family;
   lo.vae = cfg.model.vae;
+  lo.text_encoder = cfg.model.clip_l;
+  lo.text_encoder_2 = cfg.model.clip_g;  // PipelineLoadOptions: text_encoder_2 is bigG, text_encoder_3 T5
+  lo.text_encoder_3 = cfg.model.t5;
   lo.device = device;
   lo.dtype = dtype;
   say("loading " + cfg.model.family + " from " + lo.path + " on " + device.str());
@@ -216,7 +240,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   // ---- 3. the data set ----
   auto dataset = std::make_shared<const ImageDataset>(ImageDataset::scan(cfg.dataset, log));
   const auto& records = dataset->records();
-  say(std::to_string(records.size()) + " images in " + std::to_string(dataset->buckets().size()) + " buckets");
+  {
+    const auto counts = dataset->bucket_counts();
+    const auto used = std::count_if(counts.begin(), counts.end(), [](int64_t n) { return n > 0; });
+    say(std::to_string(records.size()) + " images in " + std::to_string(used) + " buckets");
+  }
   {
     const int64_t m = vae.config().downscale() * (family == "flux" ? 2 : family == "sd3" ? den.sd3->config().patch_size : 1);
     for (const Bucket& b : dataset->buckets()) {
@@ -252,7 +280,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       throw std::runtime_error("cache.text_embeddings with dataset.shuffle_tags: every shuffle is a new caption "
                                "the cache cannot hold; turn one of them off");
     text_cache.emplace((fs::path(cache_dir) / "text").string(),
-                       family + " text encoders " + fingerprint(cfg.model.checkpoint),
+                       family + " text encoders " + text_encoder_fingerprint(cfg, lo.path),
                        "dtype=" + dt + " max_sequence_length=" + std::to_string(max_seq));
     std::set<std::string> captions(sample_texts.begin(), sample_texts.end());
     DatasetConfig kept = cfg.dataset;  // each caption as an item has it when not dropped
@@ -279,8 +307,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       throw std::runtime_error("cache.latents with dataset.crop = \"random\": every draw is a new window the cache "
                                "cannot hold; use crop = \"center\" or turn cache.latents off");
     latent_cache.emplace((fs::path(cache_dir) / "latents").string(),
-                         "vae " + fingerprint(cfg.model.vae.empty() ? (fs::path(cfg.model.checkpoint) / "vae").string()
-                                                                    : cfg.model.vae),
+                         "vae " + fingerprint(cfg.model.vae.empty() ? (fs::path(lo.path) / "vae").string() : cfg.model.vae),
                          "dtype=" + dt + " distribution");
     std::vector<bool> flips{false};
     if (cfg.dataset.flip_p > 0) flips.push_back(true);

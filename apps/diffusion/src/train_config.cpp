@@ -69,8 +69,15 @@ std::vector<ConfigKey> build_table() {
       // [model]
       FD_KEY("model.family", model.family, "flux", "the base model's architecture", one_of({"flux", "sd3", "sdxl"})),
       FD_KEY("model.checkpoint", model.checkpoint, "",
-             "the base model: a diffusers folder or a single-file .safetensors checkpoint"),
-      FD_KEY("model.vae", model.vae, "", "a VAE to use instead of the checkpoint's (empty: the checkpoint's)"),
+             "the base model: a diffusers pipeline folder, or a single-file .safetensors checkpoint of the "
+             "transformer / UNet (then model.pipeline gives the rest)"),
+      FD_KEY("model.pipeline", model.pipeline, "",
+             "the diffusers pipeline folder the tokenizers and the components not given come from (empty: "
+             "model.checkpoint, when it is one)"),
+      FD_KEY("model.vae", model.vae, "", "a VAE to use instead of the pipeline's (empty: the pipeline's)"),
+      FD_KEY("model.clip_l", model.clip_l, "", "a CLIP-L text encoder file instead of the pipeline's"),
+      FD_KEY("model.clip_g", model.clip_g, "", "an OpenCLIP bigG text encoder file instead of the pipeline's (SD3, SDXL)"),
+      FD_KEY("model.t5", model.t5, "", "a T5-XXL encoder file instead of the pipeline's (FLUX, SD3)"),
       FD_KEY("model.prediction", model.prediction, "epsilon",
              "SDXL's training target (FLUX and SD3 are trained by flow matching)", one_of({"epsilon", "v_prediction"})),
       // [dataset]

@@ -32,8 +32,9 @@ namespace flame_diffusion {
 
 struct FinetuneModelConfig {
   std::string family;      // "flux", "sd3", "sdxl"
-  std::string checkpoint;  // diffusers folder or single .safetensors file
-  std::string vae;
+  std::string checkpoint;  // diffusers pipeline folder or single .safetensors file of the denoiser
+  std::string pipeline;    // the pipeline folder when checkpoint is a single file
+  std::string vae, clip_l, clip_g, t5;
   std::string prediction;  // SDXL: "epsilon" or "v_prediction"
 };
 

@@ -178,6 +178,10 @@ TEST(FinetuneRun, FluxCachesCheckpointResumeSamplesAndLoraFiles) {
   EXPECT_NE(err.find("checkpoint.resume"), std::string::npos) << err;
   c.train.steps = 1;
   c.sample.prompts.clear();
+  // ... here with the transformer given apart from the pipeline folder (a model folder here: the tiny
+  // model's single file does not say its rotary axes, which a real FLUX file does).
+  c.model.pipeline = c.model.checkpoint;
+  c.model.checkpoint = (pipelines_dir() / "flux" / "transformer").string();
   const fd::FinetuneRunResult o = run(c, 0, true);
   EXPECT_EQ(o.steps_done, 1);
   EXPECT_EQ(o.latents_cached, 12);
@@ -221,6 +225,10 @@ TEST(FinetuneRun, BadSettingsAreNamed) {
   EXPECT_NE(err([](auto& c) { c.dataset.crop = "random"; }).find("dataset.crop"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.dataset.shuffle_tags = true; }).find("dataset.shuffle_tags"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.train.method = "lokr"; }).find("lokr"), std::string::npos);
+  EXPECT_NE(err([](auto& c) {
+              c.model.checkpoint = (pipelines_dir() / "flux" / "transformer" / "diffusion_pytorch_model.safetensors").string();
+            }).find("model.pipeline"),
+            std::string::npos);
   EXPECT_NE(err([](auto& c) { c.checkpoint.resume = "latest"; }).find("holds no checkpoint"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.model.family = "sdxl"; }).find("flux"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.lora.targets = {"no_such_module"}; }).find("lora.targets"), std::string::npos);
