@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <map>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -101,6 +103,41 @@ Tensor sample(const std::string& family, const std::string& lora) {
   return fm::generate(*pipe, g);
 }
 
+// FLAME_FINETUNE_EXPORT_DIR=DIR: the LoRA files a test trained, with FLAME's images of them from
+// fixed latents, for `python3 apps/diffusion/reference/pipelines.py --check-lora DIR` (diffusers'
+// load_lora_weights and pipeline on the same latents).
+void export_for_diffusers(const std::string& family, const std::vector<std::string>& lora_files) {
+  const char* env = std::getenv("FLAME_FINETUNE_EXPORT_DIR");
+  if (env == nullptr || *env == '\0') return;
+  const fs::path dir = env;
+  fs::create_directories(dir);
+  flame::StateDict out;
+  std::map<std::string, std::string> meta;
+  std::string cases;
+  flame::Generator gen(11);
+  for (const std::string& file : lora_files) {
+    const std::string layout = file.find("_diffusers") != std::string::npos ? "diffusers" : "kohya";
+    const std::string name = family + "_" + layout;
+    fs::copy_file(file, dir / (name + ".safetensors"), fs::copy_options::overwrite_existing);
+    auto pipe = fm::load_pipeline({.path = (pipelines_dir() / family).string(), .lora = file, .device = fd_test::test_device()});
+    fm::GenerateOptions g;
+    g.prompts = {"a red circle on a gradient"};
+    g.steps = 3;
+    g.width = 24;
+    g.height = 16;
+    g.guidance = family == "flux" ? 3.5 : 1.0;
+    g.max_sequence_length = 20;
+    g.latents = Tensor::randn({1, family == "sdxl" ? 4 : 16, 8, 12}, 0.0, 1.0, {}, &gen);
+    out.insert(name + ".latents", g.latents);
+    out.insert(name + ".image", fm::generate(*pipe, g));
+    cases += (cases.empty() ? "" : "|") + name + ":" + family + ":" + std::to_string(g.steps) + ":" +
+             std::to_string(g.guidance) + ":" + g.prompts[0];
+  }
+  meta["cases"] = cases;
+  const fs::path ref = dir / (family + "_flame_images.safetensors");
+  flame::io::save_safetensors(ref.string(), out, meta);
+}
+
 double max_diff(const Tensor& a, const Tensor& b) { return (a - b).abs().max().item<double>(); }
 
 template <class F>
@@ -170,6 +207,8 @@ TEST(FinetuneRun, FluxCachesCheckpointResumeSamplesAndLoraFiles) {
   EXPECT_EQ(meta.at("ss_num_train_images"), "6");
   EXPECT_EQ(meta.at("lora_family"), "flux");
 
+  export_for_diffusers("flux", a.lora_files);
+
   // The folder holds a run now: a fresh run into it is refused, --overwrite replaces it.
   c.checkpoint.resume = "";
   c.output.dir = (dir / "a").string();
@@ -211,6 +250,7 @@ TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
     const Tensor kohya = sample(family, r.lora_files[0]);
     const Tensor diffusers = sample(family, r.lora_files[1]);
     EXPECT_LE(max_diff(kohya, diffusers), 1e-5);
+    export_for_diffusers(family, r.lora_files);
   }
 }
 
