@@ -364,11 +364,56 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                .use_dora = method == "dora"};
     const std::vector<std::string> targets = cfg.lora.targets.empty() ? default_lora_targets(family) : cfg.lora.targets;
     flame::manual_seed(static_cast<uint64_t>(cfg.train.seed));  // the adapters' initialisation
+    // PEFT's target_modules, rank_pattern and alpha_pattern: each targeted Linear gets the rank and
+    // alpha of the first pattern naming it (a suffix of its dotted name), else lora.rank / alpha.
+    auto names = [](const std::string& name, const std::string& pattern) {
+      return name == pattern ||
+             (name.size() > pattern.size() && name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0 &&
+              name[name.size() - pattern.size() - 1] == '.');
+    };
+    auto split = [](const std::string& entry) {
+      const auto eq = entry.rfind('=');
+      return std::pair{entry.substr(0, eq), std::stod(entry.substr(eq + 1))};
+    };
+    std::map<std::pair<int64_t, double>, std::vector<std::string>> groups;
+    std::map<std::string, int64_t> pattern_uses;
+    for (const auto& [n, m] : model.named_modules()) {
+      if (!dynamic_cast<nn::Linear*>(m.get())) continue;
+      if (std::none_of(targets.begin(), targets.end(), [&](const std::string& t) { return names(n, t); })) continue;
+      int64_t r = lora.rank;
+      double a = lora.alpha;
+      for (const auto& e : cfg.lora.rank_pattern) {
+        if (const auto [p, v] = split(e); names(n, p)) {
+          r = static_cast<int64_t>(v);
+          ++pattern_uses[e];
+          break;
+        }
+      }
+      for (const auto& e : cfg.lora.alpha_pattern) {
+        if (const auto [p, v] = split(e); names(n, p)) {
+          a = v;
+          ++pattern_uses[e];
+          break;
+        }
+      }
+      groups[{r, a}].push_back(n);
+    }
+    for (const auto* list : {&cfg.lora.rank_pattern, &cfg.lora.alpha_pattern}) {
+      for (const auto& e : *list) {
+        if (pattern_uses[e] == 0) say("warning: lora pattern \"" + e + "\" names no adapted module");
+      }
+    }
     std::vector<std::string> adapted;
     try {
-      adapted = den.flux  ? den.flux->add_lora(lora, targets)
-                : den.sd3 ? den.sd3->add_lora(lora, targets)
-                          : den.unet->add_lora(lora, targets);
+      for (const auto& [ra, group] : groups) {
+        nn::LoraOptions o = lora;
+        o.rank = ra.first;
+        o.alpha = ra.second;
+        const auto added = den.flux  ? den.flux->add_lora(o, group)
+                           : den.sd3 ? den.sd3->add_lora(o, group)
+                                     : den.unet->add_lora(o, group);
+        adapted.insert(adapted.end(), added.begin(), added.end());
+      }
     } catch (const std::exception& e) {
       throw std::runtime_error(std::string("lora.targets / lora.rank: ") + e.what());
     }

@@ -10,9 +10,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
+#include <tuple>
 
 #include <toml++/toml.h>
+
+#include "cli_checks.h"
 
 namespace flame_diffusion {
 namespace {
@@ -120,6 +124,11 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("lora.rank", lora.rank, 16, "the adapters' rank", in_range(1, 4096)),
       FD_KEY("lora.alpha", lora.alpha, 16.0, "the adapters' alpha: their output is scaled by alpha / rank",
              kPositive),
+      FD_KEY("lora.rank_pattern", lora.rank_pattern, Strings{},
+             "per-module ranks, \"<module-name suffix>=<rank>\" (PEFT's rank_pattern; the module is adapted at "
+             "that rank)"),
+      FD_KEY("lora.alpha_pattern", lora.alpha_pattern, Strings{},
+             "per-module alphas, \"<module-name suffix>=<alpha>\" (PEFT's alpha_pattern)"),
       FD_KEY("lora.dropout", lora.dropout, 0.0, "dropout on the adapters' input",
              lim(0, 1, false, true)),
       FD_KEY("lora.targets", lora.targets, Strings{},
@@ -195,18 +204,6 @@ std::vector<ConfigKey> build_table() {
 }
 
 // ---- text helpers ----
-
-size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    cur[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j)
-      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1)});
-    std::swap(prev, cur);
-  }
-  return prev[b.size()];
-}
 
 std::string format_double(double v) {
   char buf[64];
@@ -546,6 +543,19 @@ void validate_finetune_config(const FinetuneConfig& c) {
     check_dataset_config(c.dataset, false);
   } catch (const std::runtime_error& e) {
     throw ConfigError(std::string("configuration: ") + e.what());
+  }
+  for (const auto& [key, list, integer] :
+       {std::tuple{"lora.rank_pattern", &c.lora.rank_pattern, true}, std::tuple{"lora.alpha_pattern", &c.lora.alpha_pattern, false}}) {
+    for (const std::string& entry : *list) {
+      const auto eq = entry.rfind('=');
+      const auto value = eq == std::string::npos ? std::nullopt : parse_finite(entry.substr(eq + 1));
+      const bool ok = eq != std::string::npos && eq > 0 && value && *value > 0 &&
+                      (!integer || (*value == std::floor(*value) && *value <= 4096));
+      if (!ok)
+        throw ConfigError(std::string("configuration: ") + key + " entry \"" + entry + "\": expected \"<module>=<" +
+                          (integer ? "rank>\" with a rank from 1 to 4096" : "alpha>\" with a positive alpha") +
+                          ", e.g. \"to_q=" + (integer ? "32" : "16") + "\"");
+    }
   }
   if (c.optimizer.betas.size() != 2)
     throw ConfigError("configuration: optimizer.betas = " + value_to_toml(c.optimizer.betas) +

@@ -43,6 +43,7 @@ struct FinetuneLoraConfig {
   double alpha = 0.0;
   double dropout = 0.0;
   std::vector<std::string> targets;
+  std::vector<std::string> rank_pattern, alpha_pattern;  // "<module suffix>=<value>"
 };
 
 struct FinetuneOptimizerConfig {

@@ -242,6 +242,8 @@ TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
     c.sample.every = 1;
     c.sample.negative_prompt = "blurry";
     c.train.min_snr_gamma = family == "sdxl" ? 5.0 : 0.0;
+    c.lora.rank_pattern = {"ff.net.2=2"};
+    c.lora.alpha_pattern = {"to_q=8"};
     const fd::FinetuneRunResult r = run(c);
     ASSERT_EQ(r.losses.size(), 2u);
     for (double l : r.losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;
@@ -251,6 +253,16 @@ TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
     const Tensor diffusers = sample(family, r.lora_files[1]);
     EXPECT_LE(max_diff(kohya, diffusers), 1e-5);
     export_for_diffusers(family, r.lora_files);
+    // Per-module ranks: ff.net.2 at rank 2, the rest at lora.rank 4 (diffusers layout: lora_A [r, in]).
+    int ff = 0, other = 0;
+    for (const auto& [k, t] : flame::io::load_safetensors(r.lora_files[1])) {
+      if (k.find("lora_A") == std::string::npos) continue;
+      const bool is_ff = k.find("ff.net.2.") != std::string::npos;
+      EXPECT_EQ(t.size(0), is_ff ? 2 : 4) << k;
+      (is_ff ? ff : other)++;
+    }
+    EXPECT_GT(ff, 0);
+    EXPECT_GT(other, 0);
   }
 }
 
@@ -272,6 +284,25 @@ TEST(FinetuneRun, BadSettingsAreNamed) {
   EXPECT_NE(err([](auto& c) { c.checkpoint.resume = "latest"; }).find("holds no checkpoint"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.model.family = "sdxl"; }).find("flux"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.lora.targets = {"no_such_module"}; }).find("lora.targets"), std::string::npos);
+}
+
+}  // namespace
+
+namespace {
+
+// The example configurations of apps/diffusion/configs read without an error.
+TEST(FinetuneRun, ExampleConfigurationsRead) {
+  const fs::path dir = fs::path(__FILE__).parent_path().parent_path() / "configs";
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() != ".toml") continue;
+    SCOPED_TRACE(e.path().string());
+    const fd::FinetuneConfig c = fd::load_finetune_config(e.path().string());
+    EXPECT_FALSE(c.model.checkpoint.empty());
+    EXPECT_FALSE(c.dataset.folders.empty());
+    ++n;
+  }
+  EXPECT_GE(n, 3);
 }
 
 }  // namespace

@@ -133,11 +133,29 @@ TEST(TrainConfigToml, SavesAndReadsBackExactly) {
   EXPECT_THROW(fd::save_finetune_config(c, dir.file("no/such/dir")), fd::ConfigError);
 }
 
+TEST(TrainConfigErrors, LoraPatternsNeedModuleEqualsValue) {
+  using namespace flame_diffusion;
+  for (const char* bad : {"lora.rank_pattern=[\"to_q\"]", "lora.rank_pattern=[\"to_q=1.5\"]",
+                          "lora.rank_pattern=[\"=4\"]", "lora.alpha_pattern=[\"to_q=-1\"]"}) {
+    SCOPED_TRACE(bad);
+    try {
+      (void)parse_finetune_config("", "run.toml", {bad});
+      ADD_FAILURE() << "accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string(bad).substr(0, 17)), std::string::npos) << e.what();
+    }
+  }
+  const FinetuneConfig c = parse_finetune_config("", "run.toml", {"lora.rank_pattern=[\"ff.net.2=8\"]",
+                                                                  "lora.alpha_pattern=[\"to_q=4.5\"]"});
+  EXPECT_EQ(c.lora.rank_pattern, std::vector<std::string>{"ff.net.2=8"});
+  EXPECT_EQ(c.lora.alpha_pattern, std::vector<std::string>{"to_q=4.5"});
+}
+
 TEST(TrainConfigErrors, UnknownKeysNameTheKeyAndTheNearestOne) {
   EXPECT_HAS(error_of("[train]\nstpes = 10\n"), "run.toml: unknown key \"train.stpes\" (did you mean \"train.steps\"?)");
   EXPECT_HAS(error_of("[train]\nlr = 1e-3\n"), "unknown key \"train.lr\" (did you mean \"optimizer.lr\"?)");
   EXPECT_HAS(error_of("[trian]\nsteps = 10\n"), "unknown key \"trian\" (did you mean [train]?)");
-  EXPECT_HAS(error_of("[lora]\nflavour = 1\n"), "unknown key \"lora.flavour\" (the keys of [lora] are: rank, alpha, dropout, targets)");
+  EXPECT_HAS(error_of("[lora]\nflavour = 1\n"), "unknown key \"lora.flavour\" (the keys of [lora] are: rank, alpha, rank_pattern, alpha_pattern, dropout, targets)");
   EXPECT_HAS(error_of("verbose = true\n"), "unknown key \"verbose\" (the tables are [model], [dataset]");
   EXPECT_HAS(error_of("[dataset.extra]\nx = 1\n"), "unknown key \"dataset.extra\"");
 }
