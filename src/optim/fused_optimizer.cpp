@@ -278,7 +278,7 @@ void FusedOptimizer::step(const Gradients& grads) {
       }
       for (const Slot& s : slots(groups_[g], a.param))
         if (!find_slot(a.index, s.name).defined()) {
-          st.slots.emplace_back(s.name, zeros_for(a.param, s.shape, state_dtype(a.param)));
+          st.slots.emplace_back(s.name, zeros_for(a.param, s.shape, s.dtype.value_or(state_dtype(a.param))));
           a.fresh_state = true;
         }
       ++st.step;
@@ -443,8 +443,8 @@ void FusedOptimizer::load_state_dict(const StateDict& sd) {
                   " must be an integer scalar, got shape ", st.sizes(), " dtype ", dtype_name(st.dtype()));
       state[i].step = st.item<int64_t>();
       FLAME_CHECK(state[i].step >= 0, o, sk, " is negative (", state[i].step, ")");
-      const DType sdt = state_dtype(p);
       for (const Slot& s : slots(groups[g], p)) {
+        const DType sdt = s.dtype.value_or(state_dtype(p));
         const std::string key = state_key(i, s.name);
         const Tensor& t = need(key);
         FLAME_CHECK(t.sizes() == s.shape, o, key, " has shape ", t.sizes(), ", parameter ", i, " needs ", s.shape);

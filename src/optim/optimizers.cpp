@@ -8,25 +8,15 @@
 #include "flame/ops.h"
 #include "flame/optim/optimizers.h"
 #include "src/backend/optim_params.h"
+#include "src/optim/optim_checks.h"
 
 namespace flame::optim {
 
 namespace {
 
-void check_range(bool ok, const std::string& who, std::size_t group, const char* what, double v) {
-  FLAME_CHECK(ok, who.c_str(), "invalid ", what, " ", v, " in parameter group ", group);
-}
-
-void check_common(const std::string& who, const ParamGroup& g, std::size_t i) {
-  check_range(g.lr >= 0.0 && std::isfinite(g.lr), who, i, "learning rate (must be >= 0)", g.lr);
-  check_range(g.weight_decay >= 0.0 && std::isfinite(g.weight_decay), who, i, "weight_decay (must be >= 0)",
-              g.weight_decay);
-}
-
-void check_betas(const std::string& who, const ParamGroup& g, std::size_t i) {
-  check_range(g.beta1 >= 0.0 && g.beta1 < 1.0, who, i, "beta parameter at index 0 (must be in [0, 1))", g.beta1);
-  check_range(g.beta2 >= 0.0 && g.beta2 < 1.0, who, i, "beta parameter at index 1 (must be in [0, 1))", g.beta2);
-}
+using detail::check_betas;
+using detail::check_common;
+using detail::check_range;
 
 std::vector<ParamGroup> one_group(ParamGroup g) { return std::vector<ParamGroup>{std::move(g)}; }
 

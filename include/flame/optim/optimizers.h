@@ -1,5 +1,6 @@
 #pragma once
-// Optimizers with torch.optim semantics and defaults: SGD, Adam, AdamW, Lion, Adafactor. See
+// Optimizers with torch.optim semantics and defaults: SGD, Adam, AdamW, Lion, Adafactor, and
+// AdamW8bit (AdamW with 8-bit block-wise quantised state, as bitsandbytes' AdamW8bit). See
 // docs/optim.md.
 //
 //   optim::AdamW opt(model.parameters(), {.lr = 1e-4, .weight_decay = 0.01});
@@ -17,7 +18,9 @@
 //
 // Updates are in place: a parameter keeps its identity and its version counter rises. On CUDA
 // SGD, Adam, AdamW and Lion update a whole group in one fused multi-tensor kernel launch per
-// (device, dtype) bucket (Note [Multi-tensor apply]); Adafactor uses FLAME ops per parameter.
+// (device, dtype) bucket (Note [Multi-tensor apply]), AdamW8bit in one launch of its block-wise
+// kernel (plus AdamW's for its small parameters); Adafactor uses FLAME ops per parameter.
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -173,6 +176,7 @@ class FusedOptimizer : public Optimizer {
   struct Slot {
     std::string name;
     Shape shape;
+    std::optional<DType> dtype{};  // unset: state_dtype(param)
   };
   // A parameter being updated this step: its index, the parameter, its gradient (same dtype and
   // dense layout), and whether its state slots were created in this step.
@@ -314,6 +318,75 @@ class Adafactor final : public FusedOptimizer {
  private:
   Options options_;
 };
+
+// AdamW whose two moments are stored in 8 bits (Dettmers et al., "8-bit Optimizers via Block-wise
+// Quantization", 2021; bitsandbytes' bnb.optim.AdamW8bit): the update is AdamW's (decoupled weight
+// decay, torch.optim.AdamW's bias corrections) computed in f32 (f64 for f64 parameters) from the
+// dequantised state; exp_avg and exp_avg_sq are then requantised block-wise: per block of
+// block_size elements (in the parameter's memory order) one f32 absmax and one uint8 code per
+// element into a 256-entry dynamic map, signed for exp_avg, unsigned for exp_avg_sq
+// (dynamic_map below; Note [8-bit optimizer state] in src/backend/fused/adamw8bit.h). State per
+// parameter element: 2 bytes + 8 / block_size bytes of absmax (2.03 bytes at block_size 256)
+// instead of AdamW's 8 (f32 state). Parameters of fewer than min_8bit_size elements keep AdamW's
+// f32 state (exp_avg, exp_avg_sq) and are updated exactly as AdamW updates them.
+//   optim::AdamW8bit opt(model.parameters(), {.lr = 1e-4, .weight_decay = 0.01});
+// State dict: as FusedOptimizer's, with state.<i>.exp_avg_codes / exp_avg_sq_codes (u8, the
+// parameter's shape) and state.<i>.exp_avg_absmax / exp_avg_sq_absmax (f32 [ceil(numel /
+// block_size)]) for 8-bit parameters, plus options.block_size and options.min_8bit_size (i64);
+// load_state_dict refuses a state of another block size, kind (8-bit or f32) or shape, naming it.
+// Half parameters keep f32 master weights by default (the 8-bit state does not depend on it).
+struct AdamW8bitOptions {
+  double lr = 1e-3;
+  std::pair<double, double> betas{0.9, 0.999};
+  double eps = 1e-8;
+  double weight_decay = 1e-2;  // decoupled: p *= 1 - lr * weight_decay
+  int64_t min_8bit_size = 4096;  // smaller parameters keep f32 (AdamW) state
+  int64_t block_size = 256;      // elements per absmax; a power of two in [64, 4096]
+  bool maximize = false;
+  bool master_weights = true;
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
+  ParamGroup group(TensorList params) const;
+};
+
+class AdamW8bit final : public FusedOptimizer {
+ public:
+  using Options = AdamW8bitOptions;
+  explicit AdamW8bit(TensorList params, Options options = {});
+  AdamW8bit(std::vector<ParamGroup> groups, Options options);
+  std::string name() const override { return "AdamW8bit"; }
+  MomentumKind momentum_kind() const override { return MomentumKind::beta1; }
+  const Options& options() const { return options_; }
+  // Whether parameter `index` (or `param`) keeps 8-bit state: numel >= min_8bit_size.
+  bool is_8bit(std::size_t index) const;
+  bool is_8bit(const Tensor& param) const { return is_8bit(param_index(param, "is_8bit")); }
+  StateDict state_dict() const override;
+  void load_state_dict(const StateDict& state) override;
+
+ protected:
+  void validate_group(const ParamGroup& g, std::size_t index) const override;
+  std::vector<Slot> slots(const ParamGroup& g, const Tensor& param) const override;
+  std::vector<std::string> group_keys() const override;
+  void update_group(std::size_t g, const std::vector<Active>& active) override;
+
+ private:
+  Options options_;
+};
+
+// Block-wise dynamic quantisation, the format of AdamW8bit's state (bitsandbytes'
+// create_dynamic_map / quantize_blockwise / dequantize_blockwise).
+// The 256 values of the dynamic map, ascending: signed (in [-1, 1], for exp_avg) or unsigned (in
+// [0, 1], for exp_avg_sq); both hold 0 and 1 exactly.
+const std::array<float, 256>& dynamic_map(bool is_signed);
+struct QuantizedBlocks {
+  Tensor codes;   // u8, x's shape: the nearest map entry to x / absmax of its block
+  Tensor absmax;  // f32 [ceil(numel / block_size)]: the largest |x| of each block
+};
+// Quantises x (floating, any device; blocks over its elements in row-major order); the results are
+// on x's device. An unsigned map takes x >= 0.
+QuantizedBlocks quantize_blockwise(const Tensor& x, bool is_signed, int64_t block_size = 256);
+// map[codes] * absmax of each element's block, f32, on codes' device.
+Tensor dequantize_blockwise(const Tensor& codes, const Tensor& absmax, bool is_signed, int64_t block_size = 256);
 
 // Fused optimizer/EMA kernel launches (CUDA) plus CPU backend calls so far, process-wide: a
 // step of one group of one dtype on one device adds 1 (a group of more than 288 tensors adds

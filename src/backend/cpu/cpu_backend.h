@@ -105,6 +105,7 @@ std::shared_ptr<Storage> allocate_storage(std::size_t nbytes);
 // backend is created: the training step's multi-tensor updates (cpu_optim.cpp, cpu_graph.cpp,
 // cpu_amp.cpp), the reference of the CUDA ones.
 void register_cpu_optim_kernels();
+void register_cpu_adamw8bit_kernels();  // cpu_adamw8bit.cpp
 void register_cpu_graph_kernels();
 void register_cpu_amp_kernels();
 // and the rotary embedding (cpu_rotary.cpp).
@@ -114,6 +115,7 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend() {
     register_cpu_optim_kernels();
+    register_cpu_adamw8bit_kernels();
     register_cpu_graph_kernels();
     register_cpu_amp_kernels();
     register_cpu_rotary_kernels();

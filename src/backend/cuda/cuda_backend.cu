@@ -173,6 +173,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   register_epilogue_kernels();  // Note [Fused kernels]
   register_adaln_kernels();
   register_optim_kernels();
+  register_adamw8bit_kernels();
   register_foreach_kernels();
   register_amp_kernels();
   register_rotary_kernels();

@@ -159,6 +159,7 @@ void register_adaln_kernels();
 // and the training step's multi-tensor updates: optim/multi_tensor.cu, graph/foreach_norm.cu,
 // amp/amp_unscale.cu.
 void register_optim_kernels();
+void register_adamw8bit_kernels();  // optim/adamw8bit.cu
 void register_foreach_kernels();
 void register_amp_kernels();
 // and the rotary embedding: rotary/rotary.cu.

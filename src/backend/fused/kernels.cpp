@@ -1,6 +1,7 @@
 // The fused kernels' registry entries (Note [Fused kernels]); their implementations register
 // themselves from the backends' files.
 #include "src/backend/fused/adaln.h"
+#include "src/backend/fused/adamw8bit.h"
 #include "src/backend/fused/linear_epilogue.h"
 #include "src/backend/fused/multi_tensor.h"
 #include "src/backend/fused/rotary.h"
@@ -18,6 +19,7 @@ constinit decltype(gated_residual_forward) gated_residual_forward{"gated_residua
 constinit decltype(gated_residual_backward) gated_residual_backward{"gated_residual_backward"};
 constinit decltype(optim_step) optim_step{"optim_step"};
 constinit decltype(ema_update) ema_update{"ema_update"};
+constinit decltype(adamw8bit_step) adamw8bit_step{"adamw8bit_step"};
 constinit decltype(ema_update_device) ema_update_device{"ema_update_device"};
 constinit decltype(foreach_norm_accumulate) foreach_norm_accumulate{"foreach_norm_accumulate"};
 constinit decltype(foreach_clip_scale) foreach_clip_scale{"foreach_clip_scale"};
