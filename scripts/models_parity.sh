@@ -21,6 +21,11 @@
 #   finetune   the LoRA training loop of diffusers' scripts (reference/finetune_loop.py: SDXL, FLUX-dev at
 #              1024², bf16 weights and autocast, f32 adapters, 20 AdamW steps) replayed by
 #              finetune_parity: the loss of every step and the adapters after the last
+#   finetune_e2e  `flame-diffusion finetune --config` end to end (E2E_FAMILIES, default flux sdxl): a
+#              pipeline folder of random weights at the real configuration and 8 captioned 1024-class
+#              images (reference/make_pipeline.py), then 20 LoRA r16 steps from the text and latent
+#              caches (the targets of the per-step timings), its median step and peak memory, beside
+#              diffusers + peft's step on the same model (models_flux.py / models_unet.py --time)
 #   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
 #              transformers makes each with random weights and saves every layout FLAME loads
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
@@ -82,7 +87,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   eval "$(bash scripts/setup_deps.sh 2>/dev/null)" || true
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release >> "$LOG" 2>&1
 fi
-if ! ninja -C "$BUILD" diffusion_tests vae_parity unet_parity text_parity sd3_parity flux_parity finetune_parity >> "$LOG" 2>&1; then
+if ! ninja -C "$BUILD" flame-diffusion diffusion_tests vae_parity unet_parity text_parity sd3_parity flux_parity finetune_parity >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
 fi
 note "build: ok ($(( $(date +%s) - START )) s)"
@@ -212,6 +217,42 @@ if has finetune; then  # FINETUNE_CONFIGS: family:config pairs; bf16 mixed preci
     run "finetune $c: flame replay" 600 "$BIN/finetune_parity" check --reference /tmp/ft_ref_$c/finetune_reference.safetensors \
       --model-dir /tmp/ft_model_$c --device cuda
     rm -rf /tmp/ft_model_$c /tmp/ft_ref_$c
+  done
+fi
+if has finetune_e2e; then
+  for f in ${E2E_FAMILIES:-flux sdxl}; do
+    pipe=/tmp/e2e_pipe_$f img=/tmp/e2e_images_$f run_dir=/tmp/e2e_run_$f
+    run "finetune_e2e $f: random pipeline + images" 600 python3 apps/diffusion/reference/make_pipeline.py --family $f \
+      --out $pipe --images $img --device cuda
+    cat > /tmp/e2e_$f.toml <<EOF
+[model]
+family = "$f"
+checkpoint = "$pipe"
+[dataset]
+folders = ["$img"]
+resolution = 1024
+[lora]
+rank = 16
+alpha = 16
+targets = ["to_q", "to_k", "to_v", "to_out.0"]
+[train]
+steps = 20
+log_every = 5
+[checkpoint]
+every = 0
+[output]
+dir = "$run_dir"
+EOF
+    run "finetune_e2e $f: flame-diffusion finetune (caches, 20 steps)" 600 "$BIN/flame-diffusion" finetune \
+      --config /tmp/e2e_$f.toml --device cuda --overwrite
+    if [ "$f" = flux ]; then
+      run "finetune_e2e flux: diffusers + peft step" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev \
+        --time --latent 128 --text 512 --checkpointing 0
+    else
+      run "finetune_e2e sdxl: diffusers + peft step" 400 python3 apps/diffusion/reference/models_unet.py --config sdxl \
+        --time --batch-list 1 --checkpointing 0
+    fi
+    rm -rf $pipe $img $run_dir
   done
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).

@@ -51,6 +51,7 @@
 
 #include <flame/amp.h>
 #include <flame/checkpoint.h>
+#include <flame/cuda.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
 #include <flame/optim.h>
@@ -604,7 +605,13 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       std::to_string(cfg.train.grad_accum) + " images");
   auto t_last = std::chrono::steady_clock::now();
   int64_t ran = 0;
+  if (device.is_cuda()) {
+    flame::cuda::synchronize(device.index);
+    flame::cuda::reset_peak_memory_stats(device.index);
+  }
+  std::vector<double> step_seconds;
   while (step < total) {
+    const auto t_step = std::chrono::steady_clock::now();
     flame::Gradients grads;
     double loss_sum = 0;
     for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
@@ -627,6 +634,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (ema) ema->update(step);
     ++step;
     ++ran;
+    step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count());
     result.losses.push_back(loss_sum);
     csv << step << ',' << loss_sum << ',' << lr << ',' << gnorm << '\n';
     if (step % cfg.train.log_every == 0 || step == total) {
@@ -649,6 +657,16 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     }
   }
   result.steps_done = step;
+  // The steps' wall time (each ends with the loss and gradient norm read back, so it is the GPU's
+  // time too), the first two left out as warm-up when there are more.
+  if (!step_seconds.empty()) {
+    std::vector<double> t(step_seconds.begin() + (step_seconds.size() > 4 ? 2 : 0), step_seconds.end());
+    std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+    result.median_step_seconds = t[t.size() / 2];
+    if (device.is_cuda()) result.peak_memory_bytes = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
+    say("median step " + fmt("%.1f", result.median_step_seconds * 1e3) + " ms over " + std::to_string(t.size()) +
+        " steps" + (device.is_cuda() ? ", peak memory " + fmt("%.2f", result.peak_memory_bytes / 1073741824.0) + " GiB" : ""));
+  }
   if (sampling) write_samples(step);
 
   // ---- 9. the result ----

@@ -10,6 +10,7 @@
 // latents, unless cache.dir says elsewhere), checkpoints/ckpt-<step>.safetensors (adapters,
 // optimizer, scheduler, EMA, random generator and data position: flame::Checkpoint), samples/
 // step-<N>.png, loss.csv, and the LoRA files.
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -43,6 +44,10 @@ struct FinetuneRunResult {
   std::vector<std::string> lora_files;  // written at the end (empty when stopped early)
   std::vector<std::string> sample_files;
   std::string last_checkpoint;
+  // The median wall time of an optimizer step (warm-up steps left out) and, on a GPU, the peak memory
+  // allocated while training (the model, adapters, optimizer state and activations).
+  double median_step_seconds = 0;
+  std::size_t peak_memory_bytes = 0;
   int64_t text_cache_hits = 0, text_encoded = 0, latents_cached = 0, latents_encoded = 0;
 };
 
