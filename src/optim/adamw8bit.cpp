@@ -26,12 +26,6 @@ void check_block_size(const char* op, int64_t block_size) {
               block_size, " is not a power of two in [64, 4096] (bitsandbytes' 8-bit optimizers use 256)");
 }
 
-// The code of 0 in the signed map (a fresh exp_avg's codes).
-uint8_t signed_zero_code() {
-  const auto& map = backend::quant_maps().map[0];
-  return static_cast<uint8_t>(std::find(map.begin(), map.end(), 0.0f) - map.begin());
-}
-
 }  // namespace
 
 ParamGroup AdamW8bitOptions::group(TensorList params) const {
@@ -110,9 +104,10 @@ void AdamW8bit::update_group(std::size_t g, const std::vector<Active>& active) {
     std::vector<backend::Optim8bitTensor> tensors;
   };
   std::vector<Bucket> buckets;
+  // Fresh state is all zero codes with absmax 0: every element dequantises to 0, and the step
+  // rewrites every code.
   for (const Active* a : quantized) {
     const ParamState& st = state_[a->index];
-    if (a->fresh_state) find_slot(a->index, kCodes[0]).fill_(static_cast<int64_t>(signed_zero_code()));
     backend::Optim8bitTensor e;
     e.param = a->param;
     e.grad = a->grad;
