@@ -56,6 +56,7 @@
 #include <flame/nn.h>
 #include <flame/optim.h>
 
+#include "cli_checks.h"
 #include "generate.h"
 #include "image_dataset.h"
 #include "models/finetune.h"
@@ -591,8 +592,19 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     model.train();
   };
 
-  std::ofstream csv(run / "loss.csv", resume_file ? std::ios::app : std::ios::trunc);
-  if (!resume_file) csv << "step,loss,lr,grad_norm\n";
+  // loss.csv: a resumed run keeps the rows up to its checkpoint's step (later ones were trained again).
+  std::string kept = "step,loss,lr,grad_norm\n";
+  if (resume_file) {
+    std::ifstream in(run / "loss.csv");
+    std::string line;
+    for (bool header = true; std::getline(in, line); header = false) {
+      if (header) continue;
+      const auto at = parse_int64(line.substr(0, line.find(',')));
+      if (at && *at <= step) kept += line + "\n";  // a malformed line is dropped
+    }
+  }
+  std::ofstream csv(run / "loss.csv", std::ios::trunc);
+  csv << kept;
   const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
   auto save_checkpoint = [&] {
     const flame::data::LoaderState pos = loader.position();

@@ -4,10 +4,14 @@
 // layouts that load back into the pipeline; and the run folder's refusals. Suite FinetuneRun.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
 #include <cmath>
+#include <csignal>
 #include <cstdlib>
 #include <map>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -303,6 +307,54 @@ TEST(FinetuneRun, ExampleConfigurationsRead) {
     ++n;
   }
   EXPECT_GE(n, 3);
+}
+
+}  // namespace
+
+namespace {
+
+// A write that fails (here: the file-size limit, as a full disk fails it) while saving a checkpoint
+// is an error naming the file; the previous checkpoint stays whole and the run resumes from it.
+TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "full");
+  fd::FinetuneConfig c = tiny_config("flux", make_images(dir), dir / "run");
+  c.sample.prompts.clear();
+  c.checkpoint.lora_format = "kohya";
+  (void)run(c, 2);
+  const fs::path first = dir / "run" / "checkpoints" / "ckpt-0000000002.safetensors";
+  ASSERT_TRUE(fs::exists(first));
+  const auto ckpt_size = fs::file_size(first);
+  const auto config_size = fs::file_size(dir / "run" / "config.toml");
+  ASSERT_LT(config_size * 2, ckpt_size);
+
+  c.checkpoint.resume = "latest";
+  std::string err;
+  {
+    struct rlimit old {};
+    ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+    const auto previous = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+    struct rlimit small = old;
+    small.rlim_cur = static_cast<rlim_t>(ckpt_size / 2);
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+    err = error_of([&] { run(c); });
+    setrlimit(RLIMIT_FSIZE, &old);
+    std::signal(SIGXFSZ, previous);
+  }
+  EXPECT_NE(err.find("ckpt-0000000004"), std::string::npos) << err;
+  EXPECT_TRUE(fs::exists(first));
+  EXPECT_EQ(fs::file_size(first), ckpt_size);
+  EXPECT_FALSE(fs::exists(dir / "run" / "checkpoints" / "ckpt-0000000004.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "run" / "shapes.safetensors"));
+  // With room again the run resumes from step 2 and finishes.
+  const fd::FinetuneRunResult r = run(c);
+  EXPECT_EQ(r.first_step, 2);
+  EXPECT_EQ(r.steps_done, 4);
+  EXPECT_EQ(r.lora_files.size(), 1u);
+  // loss.csv holds each step once: the rows of the failed attempt's steps 3 and 4 were dropped.
+  std::ifstream csv(dir / "run" / "loss.csv");
+  std::string line, steps;
+  while (std::getline(csv, line)) steps += line.substr(0, line.find(',')) + " ";
+  EXPECT_EQ(steps, "step 1 2 3 4 ");
 }
 
 }  // namespace
