@@ -19,7 +19,7 @@
 //    are asked for); without one, the encoders / VAE stay and encode each batch.
 // 5. The denoiser: LoRA (or DoRA) adapters in f32 on lora.targets (default_lora_targets), or every
 //    weight trainable (train.method full); gradient checkpointing of every block.
-// 6. AdamW (torch.optim.AdamW's update) or AdamW8bit, the warmup + constant / linear / cosine
+// 6. AdamW (torch.optim.AdamW's update) or AdamW8bit (8-bit block-wise moments), the warmup + constant / linear / cosine
 //    learning rate, gradient clipping, EMA of the trained weights.
 // 7. Each optimizer step: train.grad_accum batches of one bucket each; a batch's latents are drawn
 //    from the cached distribution (diffusers' latent_dist.sample()) or encoded, the noise and the
@@ -446,12 +446,15 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   // ---- 6. optimizer, schedule, EMA ----
   const auto& oc = cfg.optimizer;
   std::unique_ptr<optim::Optimizer> opt;
-  if (oc.type == "adamw8bit") {
-    throw std::runtime_error("optimizer.type = \"adamw8bit\" is not available in this build; use \"adamw\"");
+  if (oc.type == "adamw8bit") {  // 8-bit block-wise moments (bitsandbytes' AdamW8bit)
+    opt = std::make_unique<optim::AdamW8bit>(
+        params, optim::AdamW8bitOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
+                                        .weight_decay = oc.weight_decay});
+  } else {
+    opt = std::make_unique<optim::AdamW>(
+        params, optim::AdamWOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
+                                    .weight_decay = oc.weight_decay});
   }
-  opt = std::make_unique<optim::AdamW>(
-      params, optim::AdamWOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
-                                  .weight_decay = oc.weight_decay});
   const int64_t total = cfg.train.steps, warm = oc.warmup_steps;
   const std::string sched_kind = oc.scheduler;
   auto sched = std::make_shared<optim::LambdaLR>(*opt, [total, warm, sched_kind](int64_t s) {
