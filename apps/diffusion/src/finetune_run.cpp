@@ -34,7 +34,7 @@
 //    restores all of it, so a resumed run continues exactly where the stopped one was.
 // 9. At the end: the LoRA file(s) (kohya and / or diffusers layout, models/lora_file.h; the EMA
 //    weights when train.ema is on) with metadata (base model, family, rank, alpha, resolution, steps,
-//    images), or for method full the model's weights as a diffusers-named single file.
+//    images), or for method full a diffusers model folder <output.name>/ (weights and config.json).
 #include "finetune_run.h"
 
 #include <algorithm>
@@ -696,9 +696,16 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                           {"ss_num_train_images", std::to_string(records.size())},
                                           {"flame_method", method}};
   if (full) {
-    const std::string path = (run / (cfg.output.name + ".safetensors")).string();
+    // A diffusers model folder (what from_pretrained and the loaders read): the weights under
+    // diffusers' names and the base model's config.json when the pipeline folder has one.
+    const fs::path folder = run / cfg.output.name;
+    fs::create_directories(folder);
+    const fs::path config = fs::path(lo.path) / (family == "sdxl" ? "unet" : "transformer") / "config.json";
+    if (lo.denoiser.empty() && fs::exists(config))
+      fs::copy_file(config, folder / "config.json", fs::copy_options::overwrite_existing);
+    const std::string path = (folder / "diffusion_pytorch_model.safetensors").string();
     flame::io::save_safetensors(path, model.state_dict(), {{"format", "pt"}, {"flame_family", family}});
-    result.lora_files.push_back(path);
+    result.lora_files.push_back(folder.string());
   } else {
     const std::string& f = cfg.checkpoint.lora_format;
     if (f == "kohya" || f == "both") {

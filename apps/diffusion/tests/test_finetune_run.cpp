@@ -359,3 +359,53 @@ TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
 }
 
 }  // namespace
+
+namespace {
+
+// train.method full (a diffusers model folder that the pipeline loads in place of its UNet), DoRA
+// adapters, and the EMA of the trained weights written at the end.
+TEST(FinetuneRun, FullDoraAndEma) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "methods");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("sdxl", images, dir / "full");
+  c.sample.prompts.clear();
+  c.train.steps = 2;
+  c.train.method = "full";
+  c.optimizer.lr = 1e-2;
+  const fd::FinetuneRunResult full = run(c);
+  ASSERT_EQ(full.lora_files.size(), 1u);
+  EXPECT_TRUE(fs::exists(fs::path(full.lora_files[0]) / "config.json"));
+  auto tuned = fm::load_pipeline({.path = (pipelines_dir() / "sdxl").string(), .denoiser = full.lora_files[0],
+                                  .device = fd_test::test_device()});
+  fm::GenerateOptions g;
+  g.prompts = {"a red circle"};
+  g.steps = 2;
+  g.width = g.height = 64;
+  g.guidance = 1.0;
+  g.seed = 3;
+  EXPECT_GT(max_diff(fm::generate(*tuned, g), sample("sdxl", "")), 1e-5);
+
+  // DoRA with EMA: the file holds the EMA of the adapters, which moves slower than the adapters.
+  for (const bool ema : {false, true}) {
+    fd::FinetuneConfig d = tiny_config("sdxl", images, dir / (ema ? "dora_ema" : "dora"));
+    d.sample.prompts.clear();
+    d.train.steps = 3;
+    d.train.method = "dora";
+    d.train.ema = ema;
+    d.train.ema_decay = 0.5;
+    d.checkpoint.lora_format = "peft";
+    const fd::FinetuneRunResult r = run(d);
+    ASSERT_EQ(r.lora_files.size(), 1u);
+    const flame::StateDict sd = flame::io::load_safetensors(r.lora_files[0]);
+    bool magnitude = false;
+    for (const auto& [k, t] : sd) magnitude |= k.find("lora_magnitude_vector") != std::string::npos;
+    EXPECT_TRUE(magnitude);
+  }
+  const flame::StateDict plain = flame::io::load_safetensors((dir / "dora" / "shapes.safetensors").string());
+  const flame::StateDict averaged = flame::io::load_safetensors((dir / "dora_ema" / "shapes.safetensors").string());
+  double moved = 0;
+  for (const auto& [k, t] : plain) moved = std::max(moved, max_diff(t, averaged.at(k)));
+  EXPECT_GT(moved, 0.0);  // same run, same steps: only the EMA differs
+}
+
+}  // namespace
