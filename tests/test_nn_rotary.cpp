@@ -84,6 +84,38 @@ TEST(Rotary, StridedInputAndBroadcastTables) {
   EXPECT_TRUE(all_close(got.to(DType::f64), reference(q, t.cos, t.sin, RotaryLayout::interleaved), 1e-5, 1e-6));
 }
 
+// q and k as attention takes them from one projection: [B, H, S, D] over [B, S, H, D] memory. The
+// output keeps that layout (no copy) and equals the loop; the backward, given a gradient in the same
+// layout (as SDPA's dq is for such q) or a contiguous one, gives the composite's gradient.
+TEST(Rotary, HeadsInnerLayoutStaysAndMatches) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (RotaryLayout layout : {RotaryLayout::interleaved, RotaryLayout::half}) {
+    for (DType dt : {DType::f64, DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(layout == RotaryLayout::half ? "half " : "interleaved ") + dtype_name(dt));
+      const Tables t = tables(6, 8, false, dev, 41);
+      const Tensor mem = make_input({{2, 6, 3, 8}, dt, Layout::contiguous}, dev, 42);  // [B, S, H, D]
+      const Tensor q = mem.transpose(1, 2);
+      const Tensor got = F::rotary_embedding(q, t.cos, t.sin, layout);
+      EXPECT_EQ(got.strides(), q.strides());
+      EXPECT_TRUE(all_close(got.to(DType::f64), reference(q, t.cos, t.sin, layout), default_rtol(dt), default_atol(dt)));
+    }
+    const Tables t = tables(6, 8, false, dev, 43);
+    const Tensor x0 = make_input({{2, 6, 3, 8}, DType::f64, Layout::contiguous}, dev, 44).transpose(1, 2);
+    for (bool strided_grad : {true, false}) {
+      SCOPED_TRACE(strided_grad ? "gradient in the heads-inner layout" : "contiguous gradient");
+      const Tensor seed_mem = make_input({{2, 6, 3, 8}, DType::f64, Layout::contiguous}, dev, 45);
+      const Tensor seed = strided_grad ? seed_mem.transpose(1, 2) : seed_mem.transpose(1, 2).contiguous();
+      const Tensor x = x0.detach().requires_grad_(true);
+      const Gradients fused = F::rotary_embedding(x, t.cos, t.sin, layout).backward(BackwardOptions{seed});
+      const Tensor xc = x0.detach().requires_grad_(true);
+      const Tensor c = t.cos.to(DType::f64).requires_grad_(true), s = t.sin.to(DType::f64).requires_grad_(true);
+      const Gradients comp = F::rotary_embedding(xc, c, s, layout).backward(BackwardOptions{seed});
+      EXPECT_TRUE(all_close(fused.get(x), comp.get(xc), 1e-12, 1e-12));
+    }
+  }
+}
+
 // The fused backward (the kernel's inverse pass) equals the composite's gradient, for general tables
 // (cos/sin differ within a pair), and finite differences.
 TEST(Rotary, BackwardMatchesCompositeAndFiniteDifferences) {

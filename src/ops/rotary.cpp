@@ -9,7 +9,10 @@
 // result once, and a node that saves only cos and sin ([S, D], shared by every head and batch
 // element); the backward is the kernel's inverse pass over the gradient. Where cos or sin need a
 // gradient (a learned table), the composite runs instead, so autograd differentiates it as written.
-// The composite is also the reference the tests hold the kernels to.
+// The composite is also the reference the tests hold the kernels to. q and k that arrive as the
+// [B, H, S, D] view of a projection's [B, S, H, D] (heads_inner) are rotated in place of that memory
+// and come out in the same layout, which attention takes without a copy; the backward does the
+// same for a gradient in that layout.
 #include "flame/nn/rotary.h"
 
 #include "flame/grad_mode.h"
@@ -18,6 +21,7 @@
 #include "src/backend/fused/rotary.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/trace_hooks.h"
+#include "src/ops/rotary_layout.h"
 
 namespace flame::nn::functional {
 namespace {
@@ -59,6 +63,12 @@ void validate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 }  // namespace
 
+bool heads_inner(const Tensor& x) {
+  if (x.dim() != 4 || x.size(1) < 2 || x.size(2) < 2) return false;
+  const int64_t h = x.size(1), s = x.size(2), d = x.size(3);
+  return x.stride(3) == 1 && x.stride(1) == d && x.stride(2) == h * d && (x.size(0) == 1 || x.stride(0) == s * h * d);
+}
+
 Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout) {
   if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
     return compile_detail::trace_eager_op(*tr, kOp, {x, cos, sin}, [layout](const TensorList& in) {
@@ -69,13 +79,19 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, R
   const DType c = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
   if (grad_enabled() && (cos.requires_grad() || sin.requires_grad())) return composite(x, cos, sin, layout, c);
   const int64_t s = x.size(-2), d = x.size(-1);
-  const Tensor xc = x.contiguous();
   const Tensor cc = cos.detach().to(c).reshape({s, d}).contiguous(), sc = sin.detach().to(c).reshape({s, d}).contiguous();
-  Tensor out = make_empty(x.sizes(), x.dtype(), x.device(), kOp);
+  // q or k split from one projection: [B, H, S, D] over [B, S, H, D] memory. The kernel runs on that
+  // memory and the output keeps the layout (attention takes it as it is), so nothing is copied.
+  const int64_t heads = heads_inner(x) ? x.size(1) : 1;
+  const Tensor xc = heads > 1 ? x : x.contiguous();
+  Tensor out = heads > 1 ? make_empty_strided(x.sizes(), x.strides(), x.dtype(), x.device(), kOp)
+                         : make_empty(x.sizes(), x.dtype(), x.device(), kOp);
   if (out.numel() > 0) {
-    const Shape rows = {x.numel() / (s * d), s, d};
-    const bool fused = backend::fused::rotary_embedding.try_run(x.device(), out.view(rows), xc.view(rows), cc, sc,
-                                                                static_cast<int>(layout), /*inverse=*/false);
+    const Shape rows = {x.numel() / d, d};
+    const Tensor out_rows = heads > 1 ? out.transpose(1, 2).view(rows) : out.view(rows);
+    const Tensor x_rows = heads > 1 ? xc.transpose(1, 2).view(rows) : xc.view(rows);
+    const bool fused = backend::fused::rotary_embedding.try_run(x.device(), out_rows, x_rows, cc, sc,
+                                                                static_cast<int>(layout), /*inverse=*/false, heads);
     if (!fused) return composite(x, cos, sin, layout, c);
   }
   rules::rotary(out, xc, cc, sc, static_cast<int>(layout));

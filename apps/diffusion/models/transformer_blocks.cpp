@@ -170,11 +170,13 @@ std::pair<Tensor, Tensor> JointAttention::forward(const Tensor& x, const Tensor&
               op, "expected context [", x.size(0), ", T, ", o.added_kv_proj_dim, "], got ",
               flame::shape_str(context.sizes()));
   const int64_t b = x.size(0), l = x.size(1), t = joint ? context.size(1) : 0;
-  // [B, len, H*D] -> [B, H, len, D], RMS-normalised per head when `norm` is set.
+  // [B, len, H*D] -> [B, len, H, D], RMS-normalised per head when `norm` is set. The streams are
+  // joined along the sequence in this layout (contiguous copies) and attention sees its
+  // [B, H, S, D] view: the rotary kernel and SDPA take that layout as it is, SDPA's output comes in
+  // q's layout, so merging the heads back is a view, and the backward copies nothing either.
   auto heads = [&](const Tensor& p, int64_t len, const std::shared_ptr<nn::RMSNorm>& norm) {
     Tensor h = p.view({b, len, o.heads, o.dim_head});
-    if (norm) h = norm->forward(h);
-    return h.transpose(1, 2);
+    return norm ? norm->forward(h) : h;
   };
   Tensor q = heads(to_q->forward(x), l, norm_q);
   Tensor k = heads(to_k->forward(x), l, norm_k);
@@ -184,12 +186,15 @@ std::pair<Tensor, Tensor> JointAttention::forward(const Tensor& x, const Tensor&
     const Tensor ck = heads(add_k_proj->forward(context), t, norm_added_k);
     const Tensor cv = heads(add_v_proj->forward(context), t, nullptr);
     auto join = [&](const Tensor& img, const Tensor& ctx) {
-      return o.context_first ? flame::cat({ctx, img}, 2) : flame::cat({img, ctx}, 2);
+      return o.context_first ? flame::cat({ctx, img}, 1) : flame::cat({img, ctx}, 1);
     };
     q = join(q, cq);
     k = join(k, ck);
     v = join(v, cv);
   }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
   if (rope.defined()) {
     q = apply_rotary_emb(q, rope);
     k = apply_rotary_emb(k, rope);

@@ -5,6 +5,7 @@
 #include "src/autograd/record.h"
 #include "src/backend/fused/rotary.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/rotary_layout.h"
 
 namespace flame::rules {
 namespace {
@@ -12,13 +13,19 @@ namespace {
 // args.op: x's dtype; args.dim: the layout; saved: cos, sin.
 TensorList rotary_rule(const Tensor& grad, const Node& n) {
   const Tensor cos = n.saved(0), sin = n.saved(1);
-  const int64_t s_len = cos.size(0), d = cos.size(1);
-  const Tensor g = grad.to(static_cast<DType>(n.args().op)).contiguous();
-  Tensor dx = make_empty(g.sizes(), g.dtype(), g.device(), "rotary_embedding_backward");
+  const int64_t d = cos.size(1);
+  const Tensor g0 = grad.to(static_cast<DType>(n.args().op));
+  // A gradient in the heads-inner layout (attention's dq / dk for q and k in it) is rotated as it lies.
+  const int64_t heads = nn::functional::heads_inner(g0) ? g0.size(1) : 1;
+  const Tensor g = heads > 1 ? g0 : g0.contiguous();
+  Tensor dx = heads > 1 ? make_empty_strided(g.sizes(), g.strides(), g.dtype(), g.device(), "rotary_embedding_backward")
+                        : make_empty(g.sizes(), g.dtype(), g.device(), "rotary_embedding_backward");
   if (g.numel() == 0) return {dx};
-  const Shape rows = {g.numel() / (s_len * d), s_len, d};
-  const bool ok = backend::fused::rotary_embedding.try_run(g.device(), dx.view(rows), g.view(rows), cos, sin,
-                                                           static_cast<int>(n.args().dim), /*inverse=*/true);
+  const Shape rows = {g.numel() / d, d};
+  const Tensor dx_rows = heads > 1 ? dx.transpose(1, 2).view(rows) : dx.view(rows);
+  const Tensor g_rows = heads > 1 ? g.transpose(1, 2).view(rows) : g.view(rows);
+  const bool ok = backend::fused::rotary_embedding.try_run(g.device(), dx_rows, g_rows, cos, sin,
+                                                           static_cast<int>(n.args().dim), /*inverse=*/true, heads);
   FLAME_CHECK(ok, "rotary_embedding", "the device ran the forward but declined its backward (gradient ", g.sizes(),
               " ", dtype_name(g.dtype()), ")");
   return {dx};

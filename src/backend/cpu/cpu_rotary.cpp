@@ -14,12 +14,12 @@ namespace flame::backend::cpu {
 namespace {
 
 template <class T, class C>
-void rotary_rows(T* out, const T* x, const C* cos, const C* sin, int64_t rows, int64_t s_len, int64_t d, bool half,
-                 bool inverse) {
+void rotary_rows(T* out, const T* x, const C* cos, const C* sin, int64_t rows, int64_t s_len, int64_t heads, int64_t d,
+                 bool half, bool inverse) {
   const int64_t pairs = d / 2;
   parallel_for(rows, std::max<int64_t>(1, 16384 / d), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t s = r % s_len;
+      const int64_t s = (r / heads) % s_len;
       const C* c = cos + s * d;
       const C* sn = sin + s * d;
       const T* xr = x + r * d;
@@ -40,14 +40,14 @@ void rotary_rows(T* out, const T* x, const C* cos, const C* sin, int64_t rows, i
 }
 
 bool rotary_embedding_cpu(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int layout,
-                          bool inverse) {
-  const int64_t d = x.size(-1), s_len = x.size(-2);
+                          bool inverse, int64_t heads) {
+  const int64_t d = x.size(-1), s_len = cos.size(0);
   const int64_t rows = x.numel() / d;
   dispatch_floating(x.dtype(), "rotary_embedding", [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto run = [&]<class C>() {
       rotary_rows<T, C>(static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()),
-                        static_cast<const C*>(cos.data_ptr()), static_cast<const C*>(sin.data_ptr()), rows, s_len, d,
+                        static_cast<const C*>(cos.data_ptr()), static_cast<const C*>(sin.data_ptr()), rows, s_len, heads, d,
                         layout == 1, inverse);
     };
     if (cos.dtype() == DType::f64) run.template operator()<double>();

@@ -6,13 +6,16 @@
 
 namespace flame::backend::fused {
 
-// x, out: [N, S, D] contiguous, one floating dtype; cos, sin: [S, D] contiguous, f32 (f64 when x is
-// f64). layout: 0 interleaved pairs (2i, 2i + 1), 1 half pairs (i, i + D/2). For each pair (a, b):
+// x, out: contiguous rows of D, one floating dtype; cos, sin: [S, D] contiguous, f32 (f64 when x is
+// f64). Row r sits at position (r / heads) % S: heads = 1 for [N, S, D] memory, H for [B, S, H, D]
+// memory (q and k as one projection gives them, seen as [B, H, S, D]). layout: 0 interleaved pairs
+// (2i, 2i + 1), 1 half pairs (i, i + D/2). For each pair (a, b):
 //   forward:  out[a] = x[a] c[a] - x[b] s[a],  out[b] = x[b] c[b] + x[a] s[b]
 //   inverse:  out[a] = x[a] c[a] + x[b] s[b],  out[b] = x[b] c[b] - x[a] s[a]
 // (the inverse is the forward's transpose: the gradient of x given the output's in x). Computed in
 // the dtype of cos. Returns false, writing nothing, for a call it does not take.
-// (out, x, cos, sin, layout, inverse)
-extern FusedKernel<bool(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int, bool)> rotary_embedding;
+// (out, x, cos, sin, layout, inverse, heads)
+extern FusedKernel<bool(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int, bool, int64_t)>
+    rotary_embedding;
 
 }  // namespace flame::backend::fused

@@ -15,12 +15,13 @@ constexpr int kThreads = 256;
 
 template <class T, class C, bool kHalf, bool kInverse>
 __global__ void rotary_kernel(T* __restrict__ out, const T* __restrict__ x, const C* __restrict__ cos,
-                              const C* __restrict__ sin, int64_t pairs_total, int64_t s_len, int64_t d) {
+                              const C* __restrict__ sin, int64_t pairs_total, int64_t s_len, int64_t heads,
+                              int64_t d) {
   const int64_t half = d / 2;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs_total; p += stride) {
     const int64_t row = p / half, j = p - row * half;
-    const int64_t s = row % s_len;
+    const int64_t s = (row / heads) % s_len;
     const int64_t a = kHalf ? j : 2 * j, b = kHalf ? j + half : 2 * j + 1;
     const int64_t xo = row * d, co = s * d;
     const C xa = load_as<C>(x[xo + a]), xb = load_as<C>(x[xo + b]);
@@ -38,9 +39,9 @@ __global__ void rotary_kernel(T* __restrict__ out, const T* __restrict__ x, cons
 }
 
 bool rotary_embedding_cuda(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int layout,
-                           bool inverse) {
+                           bool inverse, int64_t heads) {
   CudaBackend& be = cuda_backend(x.device().index);
-  const int64_t d = x.size(-1), s_len = x.size(-2);
+  const int64_t d = x.size(-1), s_len = cos.size(0);
   const int64_t pairs_total = x.numel() / 2;
   if (pairs_total == 0) return true;
   DeviceGuard guard(be.device());
@@ -51,7 +52,7 @@ bool rotary_embedding_cuda(const Tensor& out, const Tensor& x, const Tensor& cos
     auto go = [&]<class C, bool kHalf, bool kInverse>() {
       rotary_kernel<T, C, kHalf, kInverse><<<blocks, kThreads, 0, be.stream()>>>(
           static_cast<T*>(out.data_ptr()), static_cast<const T*>(x.data_ptr()), static_cast<const C*>(cos.data_ptr()),
-          static_cast<const C*>(sin.data_ptr()), pairs_total, s_len, d);
+          static_cast<const C*>(sin.data_ptr()), pairs_total, s_len, heads, d);
       FLAME_CUDA_CHECK_LAUNCH();
     };
     auto pick = [&]<class C>() {
