@@ -52,3 +52,18 @@ Tensor empty_in_layout(const Shape& sizes, DType dtype, Device device, bool cl) 
 }
 
 }  // namespace flame::conv_detail
+
+namespace flame::layout_detail {
+
+bool heads_inner(const Tensor& t) {
+  if (t.dim() != 4 || t.size(1) < 2 || t.size(2) < 2) return false;
+  const int64_t h = t.size(1), s = t.size(2), d = t.size(3);
+  return t.stride(3) == 1 && t.stride(1) == d && t.stride(2) == h * d && (t.size(0) == 1 || t.stride(0) == s * h * d);
+}
+
+Tensor empty_like_heads(const Tensor& t, const char* op) {
+  return heads_inner(t) ? make_empty_strided(t.sizes(), t.strides(), t.dtype(), t.device(), op)
+                        : make_empty(t.sizes(), t.dtype(), t.device(), op);
+}
+
+}  // namespace flame::layout_detail

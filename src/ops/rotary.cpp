@@ -21,7 +21,7 @@
 #include "src/backend/fused/rotary.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/trace_hooks.h"
-#include "src/ops/rotary_layout.h"
+#include "src/core/memory_format.h"
 
 namespace flame::nn::functional {
 namespace {
@@ -63,12 +63,6 @@ void validate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 }  // namespace
 
-bool heads_inner(const Tensor& x) {
-  if (x.dim() != 4 || x.size(1) < 2 || x.size(2) < 2) return false;
-  const int64_t h = x.size(1), s = x.size(2), d = x.size(3);
-  return x.stride(3) == 1 && x.stride(1) == d && x.stride(2) == h * d && (x.size(0) == 1 || x.stride(0) == s * h * d);
-}
-
 Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout) {
   if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
     return compile_detail::trace_eager_op(*tr, kOp, {x, cos, sin}, [layout](const TensorList& in) {
@@ -82,10 +76,9 @@ Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, R
   const Tensor cc = cos.detach().to(c).reshape({s, d}).contiguous(), sc = sin.detach().to(c).reshape({s, d}).contiguous();
   // q or k split from one projection: [B, H, S, D] over [B, S, H, D] memory. The kernel runs on that
   // memory and the output keeps the layout (attention takes it as it is), so nothing is copied.
-  const int64_t heads = heads_inner(x) ? x.size(1) : 1;
+  const int64_t heads = layout_detail::heads_inner(x) ? x.size(1) : 1;
   const Tensor xc = heads > 1 ? x : x.contiguous();
-  Tensor out = heads > 1 ? make_empty_strided(x.sizes(), x.strides(), x.dtype(), x.device(), kOp)
-                         : make_empty(x.sizes(), x.dtype(), x.device(), kOp);
+  Tensor out = layout_detail::empty_like_heads(xc, kOp);
   if (out.numel() > 0) {
     const Shape rows = {x.numel() / d, d};
     const Tensor out_rows = heads > 1 ? out.transpose(1, 2).view(rows) : out.view(rows);

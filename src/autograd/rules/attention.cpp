@@ -9,6 +9,7 @@
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"
+#include "src/core/memory_format.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::rules {
@@ -48,9 +49,11 @@ TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor
     g = like;
   }
   g = last_dim_dense(g);
-  Tensor dq = make_empty(q.sizes(), q.dtype(), q.device(), "scaled_dot_product_attention");
-  Tensor dk = make_empty(k.sizes(), k.dtype(), k.device(), "scaled_dot_product_attention");
-  Tensor dv = make_empty(v.sizes(), v.dtype(), v.device(), "scaled_dot_product_attention");
+  // Each gradient in its input's layout when that is the heads-inner view of a projection, so the
+  // gradient reaches the projection without a transposing copy.
+  Tensor dq = layout_detail::empty_like_heads(q, "scaled_dot_product_attention");
+  Tensor dk = layout_detail::empty_like_heads(k, "scaled_dot_product_attention");
+  Tensor dv = layout_detail::empty_like_heads(v, "scaled_dot_product_attention");
   const int64_t s_kv = k.size(2);
   if (kv_chunk <= 0 || kv_chunk >= s_kv) {
     be.sdpa_backward(dq, dk, dv, q, k, v, out, g, stats, bias, scale, causal, nullptr);

@@ -5,7 +5,7 @@
 #include "src/autograd/record.h"
 #include "src/backend/fused/rotary.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/rotary_layout.h"
+#include "src/core/memory_format.h"
 
 namespace flame::rules {
 namespace {
@@ -16,10 +16,9 @@ TensorList rotary_rule(const Tensor& grad, const Node& n) {
   const int64_t d = cos.size(1);
   const Tensor g0 = grad.to(static_cast<DType>(n.args().op));
   // A gradient in the heads-inner layout (attention's dq / dk for q and k in it) is rotated as it lies.
-  const int64_t heads = nn::functional::heads_inner(g0) ? g0.size(1) : 1;
+  const int64_t heads = layout_detail::heads_inner(g0) ? g0.size(1) : 1;
   const Tensor g = heads > 1 ? g0 : g0.contiguous();
-  Tensor dx = heads > 1 ? make_empty_strided(g.sizes(), g.strides(), g.dtype(), g.device(), "rotary_embedding_backward")
-                        : make_empty(g.sizes(), g.dtype(), g.device(), "rotary_embedding_backward");
+  Tensor dx = layout_detail::empty_like_heads(g, "rotary_embedding_backward");
   if (g.numel() == 0) return {dx};
   const Shape rows = {g.numel() / d, d};
   const Tensor dx_rows = heads > 1 ? dx.transpose(1, 2).view(rows) : dx.view(rows);
