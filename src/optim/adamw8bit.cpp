@@ -28,15 +28,13 @@ void check_block_size(const char* op, int64_t block_size) {
 
 }  // namespace
 
-ParamGroup AdamW8bitOptions::group(TensorList params) const {
-  ParamGroup g;
-  g.params = std::move(params);
-  g.lr = lr;
-  g.beta1 = betas.first;
-  g.beta2 = betas.second;
-  g.eps = eps;
-  g.weight_decay = weight_decay;
-  return g;
+ParamGroup AdamW8bitOptions::group(TensorList params) const {  // the group of Adam's hyperparameters
+  AdamOptions adam;
+  adam.lr = lr;
+  adam.betas = betas;
+  adam.eps = eps;
+  adam.weight_decay = weight_decay;
+  return adam.group(std::move(params));
 }
 
 AdamW8bit::AdamW8bit(TensorList params, Options options)
