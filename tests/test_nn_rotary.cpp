@@ -55,6 +55,20 @@ Tables tables(int64_t s, int64_t d, bool paired, Device dev, uint64_t seed) {
   return {t.cos().to(DType::f32).to(dev), t.sin().to(DType::f32).to(dev)};
 }
 
+// x's gradient through the fused op and through the composite (tables that require a gradient take
+// the composite path), for the upstream gradient `seed`; the composite's table gradients too.
+struct BackwardPair {
+  Tensor fused, composite, dcos;
+};
+BackwardPair backward_pair(const Tensor& x0, const Tensor& seed, const Tables& t, RotaryLayout layout) {
+  const Tensor x = x0.detach().requires_grad_(true);
+  const Gradients fused = F::rotary_embedding(x, t.cos, t.sin, layout).backward(BackwardOptions{seed});
+  const Tensor xc = x0.detach().requires_grad_(true);
+  const Tensor c = t.cos.to(DType::f64).requires_grad_(true), s = t.sin.to(DType::f64).requires_grad_(true);
+  const Gradients comp = F::rotary_embedding(xc, c, s, layout).backward(BackwardOptions{seed});
+  return {fused.get(x), comp.get(xc), comp.get(c)};
+}
+
 TEST(Rotary, ForwardMatchesLoopReference) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
@@ -106,12 +120,8 @@ TEST(Rotary, HeadsInnerLayoutStaysAndMatches) {
       SCOPED_TRACE(strided_grad ? "gradient in the heads-inner layout" : "contiguous gradient");
       const Tensor seed_mem = make_input({{2, 6, 3, 8}, DType::f64, Layout::contiguous}, dev, 45);
       const Tensor seed = strided_grad ? seed_mem.transpose(1, 2) : seed_mem.transpose(1, 2).contiguous();
-      const Tensor x = x0.detach().requires_grad_(true);
-      const Gradients fused = F::rotary_embedding(x, t.cos, t.sin, layout).backward(BackwardOptions{seed});
-      const Tensor xc = x0.detach().requires_grad_(true);
-      const Tensor c = t.cos.to(DType::f64).requires_grad_(true), s = t.sin.to(DType::f64).requires_grad_(true);
-      const Gradients comp = F::rotary_embedding(xc, c, s, layout).backward(BackwardOptions{seed});
-      EXPECT_TRUE(all_close(fused.get(x), comp.get(xc), 1e-12, 1e-12));
+      const BackwardPair b = backward_pair(x0, seed, t, layout);
+      EXPECT_TRUE(all_close(b.fused, b.composite, 1e-12, 1e-12));
     }
   }
 }
@@ -126,16 +136,10 @@ TEST(Rotary, BackwardMatchesCompositeAndFiniteDifferences) {
     const Tables t = tables(4, 6, false, dev, 11);
     const Tensor x0 = make_input({{2, 2, 4, 6}, DType::f64, Layout::contiguous}, dev, 12);
     const Tensor seed = make_input({{2, 2, 4, 6}, DType::f64, Layout::contiguous}, dev, 13);
-    const Tensor x = x0.detach().requires_grad_(true);
-    const Gradients fused = F::rotary_embedding(x, t.cos, t.sin, layout).backward(BackwardOptions{seed});
-    // The composite: tables that require a gradient take it.
-    const Tensor xc = x0.detach().requires_grad_(true);
-    const Tensor c = t.cos.to(DType::f64).requires_grad_(true), s = t.sin.to(DType::f64).requires_grad_(true);
-    const Gradients comp = F::rotary_embedding(xc, c, s, layout).backward(BackwardOptions{seed});
-    EXPECT_TRUE(all_close(fused.get(x), comp.get(xc), 1e-12, 1e-12));
+    const BackwardPair b = backward_pair(x0, seed, t, layout);
+    EXPECT_TRUE(all_close(b.fused, b.composite, 1e-12, 1e-12));
     // d/dcos[s, e] = sum over rows at position s of g[e] x[e]
-    const Tensor dcos_want = (seed * x0).sum({0, 1});
-    EXPECT_TRUE(all_close(comp.get(c), dcos_want, 1e-12, 1e-12));
+    EXPECT_TRUE(all_close(b.dcos, (seed * x0).sum({0, 1}), 1e-12, 1e-12));
   }
   const Tables t = tables(3, 4, false, Device::cpu(), 17);
   for (RotaryLayout layout : {RotaryLayout::interleaved, RotaryLayout::half}) {
