@@ -20,6 +20,7 @@
 #include "image_decode.h"
 #include "model_test_util.h"
 #include "models/pipelines.h"
+#include "png_image.h"
 
 #ifndef FLAME_DIFFUSION_BIN
 #define FLAME_DIFFUSION_BIN "flame-diffusion"
@@ -46,9 +47,9 @@ struct Result {
   std::string out, err;
 };
 
-// Runs flame-diffusion generate with `args` (on the CPU), capturing stdout and stderr.
-Result generate(const fs::path& dir, const std::vector<std::string>& args) {
-  std::vector<std::string> full = {FLAME_DIFFUSION_BIN, "generate", "--device", "cpu"};
+// Runs flame-diffusion `command` with `args` (on the CPU), capturing stdout and stderr.
+Result run_cli(const fs::path& dir, const std::string& command, const std::vector<std::string>& args) {
+  std::vector<std::string> full = {FLAME_DIFFUSION_BIN, command, "--device", "cpu"};
   full.insert(full.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (std::string& a : full) argv.push_back(a.data());
@@ -70,6 +71,8 @@ Result generate(const fs::path& dir, const std::vector<std::string>& args) {
   r.err = slurp(err);
   return r;
 }
+
+Result generate(const fs::path& dir, const std::vector<std::string>& args) { return run_cli(dir, "generate", args); }
 
 TEST(CliGenerate, WritesTheCaptionedGridOfTheLibraryImages) {
   const fs::path dir = fd_test::fresh_temp_dir("cli_generate", "sdxl");
@@ -152,6 +155,61 @@ TEST(CliGenerate, MistakesNameTheFlag) {
   }
   EXPECT_FALSE(fs::exists(out));
   fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+// `flame-diffusion finetune --config` as a user runs it: a TOML file and --set overrides, the LoRA
+// path on stdout, the refusal of a second run into the folder, flags that belong in the
+// configuration refused with status 2, --overwrite, and the LoRA used by `generate`.
+TEST(CliFinetune, ConfigRunRefusalsAndTheLoraInGenerate) {
+  const fs::path dir = fd_test::fresh_temp_dir("cli_finetune", "flux");
+  const fs::path images = dir / "images";
+  fs::create_directories(images);
+  for (int i = 0; i < 3; ++i) {
+    flame_diffusion::Image img(64 + 16 * i, 64, 3, static_cast<uint8_t>(60 * i));
+    flame_diffusion::write_png((images / ("p" + std::to_string(i) + ".png")).string(), img);
+    std::ofstream(images / ("p" + std::to_string(i) + ".txt")) << "a plain colour " << i;
+  }
+  const fs::path config = dir / "lora.toml";
+  std::ofstream(config) << "[model]\nfamily = \"flux\"\ncheckpoint = \"" << (pipelines_dir() / "flux").string()
+                        << "\"\n[dataset]\nfolders = [\"" << images.string()
+                        << "\"]\nresolution = 64\nbucket_step = 16\nbucket_min_size = 32\n"
+                           "[lora]\nrank = 4\n[train]\nmixed_precision = \"no\"\n[output]\ndir = \""
+                        << (dir / "run").string() << "\"\nname = \"plain\"\n";
+  const std::vector<std::string> args = {"--config", config.string(), "--set", "train.steps=2", "--set",
+                                         "checkpoint.lora_format=both"};
+  Result r = run_cli(dir, "finetune", args);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string kohya = (dir / "run" / "plain.safetensors").string();
+  EXPECT_EQ(r.out, kohya + "\n" + (dir / "run" / "plain_diffusers.safetensors").string() + "\n");
+  EXPECT_NE(r.err.find("step 2/2"), std::string::npos) << r.err;
+
+  r = run_cli(dir, "finetune", args);
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("already holds a run"), std::string::npos) << r.err;
+
+  std::vector<std::string> with_flag = args;
+  with_flag.insert(with_flag.end(), {"--steps", "3"});
+  r = run_cli(dir, "finetune", with_flag);
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("--steps: with --config"), std::string::npos) << r.err;
+
+  r = run_cli(dir, "finetune", {"--config", config.string(), "--set", "train.stepz=2"});
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("train.steps"), std::string::npos) << r.err;  // did you mean
+
+  std::vector<std::string> again = args;
+  again.push_back("--overwrite");
+  r = run_cli(dir, "finetune", again);
+  EXPECT_EQ(r.status, 0) << r.err;
+
+  r = generate(dir, {"--model", (pipelines_dir() / "flux").string(), "--lora", kohya, "--prompt", "a plain colour",
+                     "--steps", "2", "--width", "32", "--height", "32", "--out", (dir / "g.png").string()});
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(fs::exists(dir / "g.png"));
 }
 
 }  // namespace
