@@ -1,5 +1,5 @@
 #pragma once
-// Linear (y = x W^T + b) and its functional form, with an optional LoRA/DoRA adapter (lora.h).
+// Linear (y = x W^T + b) and its functional form, with an optional LoRA/DoRA or LoKr adapter (lora.h).
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -33,9 +33,10 @@ class Linear : public Module, public LoraTarget {
   const Tensor& weight() const { return weight_; }
   const Tensor& bias() const { return bias_; }  // undefined without bias
 
-  // ---- LoRA / DoRA (lora.h) ----
+  // ---- LoRA / DoRA / LoKr (lora.h) ----
   void add_lora(const LoraOptions& options) override;
-  bool has_lora() const override { return lora_A_ != nullptr; }
+  // Any adapter: LoRA, DoRA or LoKr (lora_A() is null for LoKr).
+  bool has_lora() const override { return lora_A_ != nullptr || has_lokr(); }
   void merge() override;
   void unmerge() override;
   bool merged() const override { return merged_; }
@@ -47,9 +48,28 @@ class Linear : public Module, public LoraTarget {
   // scaling * B A, the adapter's weight update [out, in] (recorded: gradients reach A and B).
   Tensor lora_delta_weight() const;
 
+  // LoKr: the layout lokr_layout() gives these options, or an explicit one (files); w1 (or w1_a,
+  // w1_b) kaiming_uniform(a = sqrt(5)), w2_a kaiming_uniform, w2 (or w2_b) zero, as LyCORIS.
+  void add_lokr(const LokrOptions& options) override;
+  void add_lokr(const LokrLayout& layout);
+  bool has_lokr() const { return lokr_layout_.a > 0; }
+  const LokrLayout& lokr_layout() const { return lokr_layout_; }
+  // The adapter's parameters; the ones its layout does not use are undefined.
+  struct LokrFactors {
+    Tensor w1, w1_a, w1_b, w2, w2_a, w2_b;
+  };
+  const LokrFactors& lokr_factors() const { return lokr_; }
+  // w1 [a, b] and w2 [c, d], products formed when decomposed (recorded).
+  Tensor lokr_w1() const;
+  Tensor lokr_w2() const;
+  // scale * kron(w1, w2) [out, in] (recorded).
+  Tensor lokr_delta_weight() const;
+
  private:
   // DoRA's per-row norm of W + delta, detached (the DoRA paper's and PEFT's choice).
   Tensor dora_weight_norm(const Tensor& delta) const;
+  // scale * x kron(w1, w2)^T without forming the [out, in] product (Note [LoKr forward]).
+  Tensor lokr_forward(const Tensor& x) const;
 
   int64_t in_features_, out_features_;
   Tensor weight_, bias_;
@@ -60,6 +80,8 @@ class Linear : public Module, public LoraTarget {
   double scaling_ = 0.0;
   bool merged_ = false;
   Tensor dora_factor_;  // magnitude / norm at merge time, to unmerge exactly
+  LokrLayout lokr_layout_;
+  LokrFactors lokr_;
 };
 
 }  // namespace flame::nn
