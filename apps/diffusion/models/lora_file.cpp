@@ -1,5 +1,5 @@
 // LoRA files: writing and reading the peft, diffusers and kohya layouts (models/lora_file.h,
-// Note [LoRA file layouts]).
+// Note [LoRA file layouts]), and LyCORIS' kohya-style LoKr keys (Note [LoKr files]).
 #include "models/lora_file.h"
 
 #include <algorithm>
@@ -193,10 +193,13 @@ struct ModuleLora {
   int64_t rank() const { return A.size(0); }
 };
 
+// A LoRA / DoRA adapter (has_lora() is also true for LoKr).
+bool has_lora_adapter(const Linear* l) { return l->has_lora() && !l->has_lokr(); }
+
 std::map<std::string, ModuleLora> adapters_of(const LinearMap& lin) {
   std::map<std::string, ModuleLora> out;
   for (const auto& [name, l] : lin) {
-    if (!l->has_lora()) continue;
+    if (!has_lora_adapter(l)) continue;
     FLAME_CHECK(!l->merged(), "save_lora", "the adapter of ", name, " is merged into its weight; unmerge_lora first");
     ModuleLora a;
     a.A = l->lora_A()->weight().detach();
@@ -206,6 +209,61 @@ std::map<std::string, ModuleLora> adapters_of(const LinearMap& lin) {
     out[name] = a;
   }
   return out;
+}
+
+// ---- one module's LoKr adapter (Note [LoKr files]) ----
+struct ModuleLokr {
+  Tensor w1, w1_a, w1_b, w2, w2_a, w2_b;  // the defined ones as in nn::Linear::LokrFactors
+  double scale = 1.0;
+  std::string key;  // the file key it came from (messages)
+  flame::nn::LokrLayout layout() const {
+    flame::nn::LokrLayout l;
+    l.decompose_w1 = !w1.defined();
+    l.decompose_w2 = !w2.defined();
+    l.a = l.decompose_w1 ? w1_a.size(0) : w1.size(0);
+    l.b = l.decompose_w1 ? w1_b.size(1) : w1.size(1);
+    l.c = l.decompose_w2 ? w2_a.size(0) : w2.size(0);
+    l.d = l.decompose_w2 ? w2_b.size(1) : w2.size(1);
+    l.rank = l.decompose_w2 ? w2_a.size(1) : l.decompose_w1 ? w1_a.size(1) : 0;
+    l.scale = scale;
+    return l;
+  }
+  // The kohya .alpha: scale * rank (LyCORIS writes the rank when both factors are whole).
+  double alpha() const {
+    const auto l = layout();
+    return l.rank > 0 ? scale * static_cast<double>(l.rank) : 1.0;
+  }
+  std::vector<std::pair<const char*, const Tensor*>> tensors() const {
+    std::vector<std::pair<const char*, const Tensor*>> out;
+    for (const auto& [n, t] : {std::pair{"lokr_w1", &w1}, {"lokr_w1_a", &w1_a}, {"lokr_w1_b", &w1_b}, {"lokr_w2", &w2},
+                               {"lokr_w2_a", &w2_a}, {"lokr_w2_b", &w2_b}}) {
+      if (t->defined()) out.emplace_back(n, t);
+    }
+    return out;
+  }
+};
+
+std::map<std::string, ModuleLokr> lokr_adapters_of(const LinearMap& lin) {
+  std::map<std::string, ModuleLokr> out;
+  for (const auto& [name, l] : lin) {
+    if (!l->has_lokr()) continue;
+    FLAME_CHECK(!l->merged(), "save_lora", "the LoKr adapter of ", name, " is merged into its weight; unmerge_lora first");
+    const auto& f = l->lokr_factors();
+    ModuleLokr a;
+    for (auto [dst, src] : {std::pair{&a.w1, &f.w1}, {&a.w1_a, &f.w1_a}, {&a.w1_b, &f.w1_b}, {&a.w2, &f.w2},
+                            {&a.w2_a, &f.w2_a}, {&a.w2_b, &f.w2_b}}) {
+      if (src->defined()) *dst = src->detach();
+    }
+    a.scale = l->lokr_layout().scale;
+    a.key = name;
+    out[name] = a;
+  }
+  return out;
+}
+
+void write_lokr(const std::string& stem, const ModuleLokr& a, StateDict& out) {
+  for (const auto& [n, t] : a.tensors()) out.insert(stem + "." + n, t->contiguous());
+  out.insert(stem + ".alpha", Tensor::scalar(a.alpha(), {DType::f32}));
 }
 
 std::string number(double v) {
@@ -367,7 +425,12 @@ void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily fam
   check_model_family(model, family, "save_lora");
   const LinearMap lin = linears_of(model);
   const auto adapters = adapters_of(lin);
-  FLAME_CHECK(!adapters.empty(), "save_lora", "the ", model.name(), " has no LoRA adapter to save to ", path);
+  const auto lokr = lokr_adapters_of(lin);
+  FLAME_CHECK(!adapters.empty() || !lokr.empty(), "save_lora", "the ", model.name(), " has no LoRA or LoKr adapter to save to ",
+              path);
+  FLAME_CHECK(lokr.empty() || format == LoraFileFormat::kKohya, "save_lora", "the LoKr adapter of ", lokr.begin()->first,
+              " (and ", lokr.size() - 1, " more) can be written in the kohya layout only (LyCORIS' lora_unet_*.lokr_w1 "
+              "keys, which ComfyUI and Forge load), not as ", to_string(format), " (", path, "); save with format kohya");
   StateDict dict;
   flame::io::Metadata meta = {{"format", "pt"}, {"lora_format", to_string(format)}, {"lora_family", to_string(family)}};
   std::vector<int64_t> ranks;
@@ -386,7 +449,27 @@ void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily fam
       FLAME_CHECK(written.count(m), "save_lora", "the adapted module ", m, " has no name in the kohya layout of ",
                   family_title(family), "; save in the diffusers or peft layout");
     }
-    meta["ss_network_module"] = "networks.lora";
+    // Note [LoKr files]: a module's own stem, else (a fused or reordered FLUX layer) its
+    // lora_transformer_ spelling.
+    for (const Stem& s : stems_of(model, family, lin)) {
+      if (!s.write || s.fused() || s.parts[0].module_row != 0) continue;
+      auto it = lokr.find(s.parts[0].module);
+      if (it == lokr.end() || written.count(it->first)) continue;
+      write_lokr(s.name, it->second, dict);
+      written.insert(it->first);
+    }
+    for (const auto& [m, a] : lokr) {
+      if (!written.count(m)) {
+        FLAME_CHECK(family == LoraFamily::kFlux, "save_lora", "the LoKr-adapted module ", m,
+                    " has no name in the kohya layout of ", family_title(family));
+        write_lokr("lora_transformer_" + underscored(m), a, dict);
+      }
+      const auto l = a.layout();
+      ranks.push_back(l.rank);
+      alphas.push_back(a.alpha());
+    }
+    meta["ss_network_module"] = lokr.empty() ? "networks.lora" : "lycoris.kohya";
+    if (!lokr.empty()) meta["ss_network_args"] = R"({"algo": "lokr"})";
     meta["ss_network_dim"] = std::to_string(most_common(ranks));
     meta["ss_network_alpha"] = number(most_common(alphas));
     meta["ss_base_model_version"] =
@@ -456,7 +539,7 @@ bool is_text_encoder_key(const std::string& k) {
 }
 
 bool is_unsupported_kind(const std::string& k) {
-  for (const char* p : {".lokr_w1", ".lokr_w2", ".lokr_t2", ".hada_w1", ".hada_w2", ".oft_", ".ia3_"}) {
+  for (const char* p : {".lokr_t2", ".hada_w1", ".hada_w2", ".oft_", ".ia3_"}) {
     if (k.find(p) != std::string::npos) return true;
   }
   return false;
@@ -552,6 +635,7 @@ struct Reader {
   flame::nn::Module& model;
   LinearMap lin;
   std::map<std::string, ModuleLora> incoming;
+  std::map<std::string, ModuleLokr> incoming_lokr;
   std::vector<std::string> unplaced;
   std::vector<std::string> skipped;
 
@@ -575,8 +659,80 @@ struct Reader {
       unplaced.push_back(a.key);
       return;
     }
-    FLAME_CHECK(!incoming.count(module), kOp, path, ": two entries of the file adapt ", module, " (the second is ", a.key, ")");
+    FLAME_CHECK(!incoming.count(module) && !incoming_lokr.count(module), kOp, path, ": two entries of the file adapt ",
+                module, " (the second is ", a.key, ")");
     incoming[module] = std::move(a);
+  }
+
+  void add_lokr(const std::string& module, ModuleLokr a) {
+    if (!lin.count(module)) {
+      unplaced.push_back(a.key);
+      return;
+    }
+    FLAME_CHECK(!incoming.count(module) && !incoming_lokr.count(module), kOp, path, ": two entries of the file adapt ",
+                module, " (the second is ", a.key, ")");
+    incoming_lokr[module] = std::move(a);
+  }
+
+  // Note [LoKr files], reading: the factors of `stem`, found from its lokr_w1 / lokr_w1_a key `key`.
+  void read_lokr(const StateDict& sd, const std::string& stem, const std::string& key, const Stem& s) {
+    auto get = [&](const char* n) {
+      const Tensor* t = sd.find(stem + "." + n);
+      return t ? *t : Tensor();
+    };
+    ModuleLokr f{get("lokr_w1"), get("lokr_w1_a"), get("lokr_w1_b"), get("lokr_w2"), get("lokr_w2_a"), get("lokr_w2_b"), 1.0, key};
+    auto shapes = [&] {
+      std::string out;
+      for (const auto& [n, t] : f.tensors()) out += std::string(out.empty() ? "" : ", ") + n + " " + shape_str(t->sizes());
+      return out;
+    };
+    FLAME_CHECK(!sd.find(stem + ".dora_scale"), kOp, path, ": ", stem, " is a LoKr with weight decomposition (dora_scale), "
+                "which is not supported");
+    const bool w1_ok = f.w1.defined() ? !f.w1_a.defined() && !f.w1_b.defined() : f.w1_a.defined() && f.w1_b.defined();
+    const bool w2_ok = f.w2.defined() ? !f.w2_a.defined() && !f.w2_b.defined() : f.w2_a.defined() && f.w2_b.defined();
+    bool dims_ok = w1_ok && w2_ok;
+    for (const auto& [n, t] : f.tensors()) dims_ok = dims_ok && t->dim() == 2;
+    if (dims_ok && !f.w1.defined()) dims_ok = f.w1_a.size(1) == f.w1_b.size(0);
+    if (dims_ok && !f.w2.defined()) dims_ok = f.w2_a.size(1) == f.w2_b.size(0);
+    if (dims_ok && !f.w1.defined() && !f.w2.defined()) dims_ok = f.w1_a.size(1) == f.w2_a.size(1);
+    FLAME_CHECK(dims_ok, kOp, path, ": ", stem, " is not a LoKr adapter FLAME reads (", shapes(), "): it needs lokr_w1 "
+                "[a, b] or lokr_w1_a [a, r] and lokr_w1_b [r, b], and lokr_w2 [c, d] or lokr_w2_a [c, r] and lokr_w2_b [r, d], "
+                "one rank r");
+    const flame::nn::LokrLayout l = f.layout();
+    const int64_t in = lin.at(s.parts[0].module)->in_features();
+    FLAME_CHECK(l.a * l.c == s.out_rows && l.b * l.d == in, kOp, path, ": ", stem, " has ", shapes(),
+                ", a kron product of [", l.a * l.c, ", ", l.b * l.d, "]; the model's layer is [", s.out_rows, ", ", in, "]");
+    // ComfyUI's and LyCORIS' scale: alpha / r, and 1 when both factors are whole or alpha is absent.
+    if (const Tensor* a = sd.find(stem + ".alpha"); a && l.rank > 0) {
+      FLAME_CHECK(a->numel() == 1, kOp, path, ": ", stem, ".alpha has shape ", shape_str(a->sizes()), ", not a scalar");
+      f.scale = a->item<double>() / static_cast<double>(l.rank);
+    }
+    if (s.parts.size() == 1 && s.parts[0].module_row == 0) {
+      add_lokr(s.parts[0].module, std::move(f));
+      return;
+    }
+    // A fused layer: module m takes the rows of w1 (w1_a) over its rows, which must be whole
+    // blocks of w2's c rows (rows i c + k of kron(w1, w2) are row i of w1 with row k of w2).
+    std::vector<std::string> modules;
+    for (const Part& p : s.parts) {
+      if (std::find(modules.begin(), modules.end(), p.module) == modules.end()) modules.push_back(p.module);
+    }
+    const Tensor& rows_of = f.w1.defined() ? f.w1 : f.w1_a;
+    for (const auto& m : modules) {
+      const int64_t out = lin.at(m)->out_features();
+      Tensor w = Tensor::zeros({out / l.c, rows_of.size(1)}, {rows_of.dtype(), rows_of.device()});
+      for (const Part& p : s.parts) {
+        if (p.module != m) continue;
+        FLAME_CHECK(p.fused_row % l.c == 0 && p.rows % l.c == 0 && p.module_row % l.c == 0 && out % l.c == 0, kOp, path,
+                    ": ", stem, " is a LoKr of the fused layer (", shapes(), "); the rows [", p.fused_row, ", ",
+                    p.fused_row + p.rows, ") of ", m, " are not whole blocks of w2's ", l.c,
+                    " rows, so it cannot become a LoKr adapter of ", m, " alone");
+        w.narrow(0, p.module_row / l.c, p.rows / l.c).copy_(rows_of.narrow(0, p.fused_row / l.c, p.rows / l.c));
+      }
+      ModuleLokr g = f;
+      (f.w1.defined() ? g.w1 : g.w1_a) = w;
+      add_lokr(m, std::move(g));
+    }
   }
 
   const Tensor& need(const StateDict& sd, const std::string& key, const std::string& why) const {
@@ -621,6 +777,18 @@ struct Reader {
       }
       const std::size_t dot = k.find('.');
       const std::string stem = k.substr(0, dot), what = dot == std::string::npos ? "" : k.substr(dot + 1);
+      if (what.starts_with("lokr_")) {
+        FLAME_CHECK(sd.find(stem + ".lokr_w1") || sd.find(stem + ".lokr_w1_a"), kOp, path, ": ", k,
+                    " belongs to a LoKr adapter without ", stem, ".lokr_w1 (or lokr_w1_a / lokr_w1_b)");
+        if (what != "lokr_w1" && what != "lokr_w1_a") continue;  // read with the stem's w1
+        auto it = by_name.find(stem);
+        if (it == by_name.end()) {
+          unplaced.push_back(k);
+        } else {
+          read_lokr(sd, stem, k, *it->second);
+        }
+        continue;
+      }
       if (what != "lora_down.weight") {
         if (what != "lora_up.weight" && what != "alpha" && what != "dora_scale") unplaced.push_back(k);
         continue;
@@ -680,7 +848,7 @@ struct Reader {
     int64_t sum = 0;
     for (const auto& m : modules) {
       Linear* l = lin.at(m);
-      if (!l->has_lora()) all_existing = false;
+      if (!has_lora_adapter(l)) all_existing = false;
       else sum += l->lora_A()->weight().size(0);
     }
     if (all_existing && sum == R && modules.size() > 1) {
@@ -700,7 +868,7 @@ struct Reader {
     for (const auto& m : modules) {
       const Tensor& b = rows.at(m);
       Linear* l = lin.at(m);
-      if (l->has_lora()) {  // rank R (checked against the adapter later)
+      if (has_lora_adapter(l)) {  // rank R (checked against the adapter later)
         add(m, {down, b, Tensor(), alpha, key});
         continue;
       }
@@ -728,6 +896,8 @@ struct Reader {
         FLAME_CHECK(a.magnitude.numel() == l->out_features(), kOp, path, ": the DoRA magnitude of ", m, " has ",
                     a.magnitude.numel(), " elements; the layer has ", l->out_features(), " outputs");
       }
+      FLAME_CHECK(!l->has_lokr(), kOp, path, ": ", a.key, " is a LoRA adapter; the model's adapter on ", m,
+                  " is LoKr (load into a model without adapters)");
       if (l->has_lora()) {
         const Tensor& mine = l->lora_A()->weight();
         FLAME_CHECK(mine.sizes() == a.A.sizes(), kOp, path, ": rank mismatch at ", a.key, ": the file's A is ",
@@ -739,8 +909,48 @@ struct Reader {
         FLAME_CHECK(!l->merged(), kOp, path, ": the adapter of ", m, " is merged; unmerge_lora first");
       }
     }
+    for (const auto& [m, f] : incoming_lokr) {
+      Linear* l = lin.at(m);
+      FLAME_CHECK(std::isfinite(f.scale) && f.scale != 0.0, kOp, path, ": ", f.key, " has scale ", f.scale);
+      FLAME_CHECK(!has_lora_adapter(l), kOp, path, ": ", f.key, " is a LoKr adapter; the model's adapter on ", m,
+                  " is LoRA (load into a model without adapters)");
+      if (!l->has_lokr()) continue;
+      const auto mine = l->lokr_layout(), file = f.layout();
+      auto describe = [](const flame::nn::LokrLayout& x) {
+        std::ostringstream o;
+        o << "w1 [" << x.a << ", " << x.b << "]" << (x.decompose_w1 ? " (w1_a @ w1_b)" : "") << ", w2 [" << x.c << ", "
+          << x.d << "]" << (x.decompose_w2 ? " (w2_a @ w2_b)" : "") << ", rank " << x.rank;
+        return o.str();
+      };
+      FLAME_CHECK(mine.a == file.a && mine.b == file.b && mine.c == file.c && mine.d == file.d &&
+                      mine.decompose_w1 == file.decompose_w1 && mine.decompose_w2 == file.decompose_w2 &&
+                      (mine.rank == file.rank || !(file.decompose_w1 || file.decompose_w2)),
+                  kOp, path, ": LoKr layout mismatch at ", f.key, ": the file's ", describe(file), "; the model's adapter on ",
+                  m, ": ", describe(mine), " (load into a model without adapters to take the file's layout)");
+      FLAME_CHECK(!l->merged(), kOp, path, ": the adapter of ", m, " is merged; unmerge_lora first");
+    }
     bool created = false;
     flame::NoGradGuard no_grad;
+    for (const auto& [m, f] : incoming_lokr) {
+      Linear* l = lin.at(m);
+      if (l->has_lokr()) {
+        report.loaded.push_back(m);
+      } else {
+        l->add_lokr(f.layout());
+        report.created.push_back(m);
+        created = true;
+      }
+      // The update keeps its value under the layer's scale: w2 (or w2_b) takes the ratio.
+      const double ratio = f.scale / l->lokr_layout().scale;
+      const auto& mine = l->lokr_factors();
+      for (auto [dst, src] : {std::pair{&mine.w1, &f.w1}, {&mine.w1_a, &f.w1_a}, {&mine.w1_b, &f.w1_b},
+                              {&mine.w2, &f.w2}, {&mine.w2_a, &f.w2_a}, {&mine.w2_b, &f.w2_b}}) {
+        if (!src->defined()) continue;
+        const bool last = dst == (mine.w2.defined() ? &mine.w2 : &mine.w2_b);
+        Tensor d = *dst;
+        d.copy_((last ? src->to(DType::f64) * ratio : src->to(DType::f64)).to(d.dtype(), d.device()));
+      }
+    }
     for (const auto& [m, a] : incoming) {
       Linear* l = lin.at(m);
       double target_scaling;
@@ -768,7 +978,7 @@ struct Reader {
       }
     }
     for (const auto& [m, l] : lin) {
-      if (l->has_lora() && !incoming.count(m)) report.untouched.push_back(m);
+      if (l->has_lora() && !incoming.count(m) && !incoming_lokr.count(m)) report.untouched.push_back(m);
     }
   }
 };
@@ -784,7 +994,8 @@ LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, Lora
   FLAME_CHECK(!keys.empty(), kOp, path, " holds no tensors");
   for (const auto& k : keys) {
     FLAME_CHECK(!is_unsupported_kind(k), kOp, path, ": ", k,
-                " is a LyCORIS LoKr / LoHa / OFT / IA3 tensor; only LoRA and DoRA adapters are supported");
+                " is a LyCORIS LoHa / OFT / IA3 / Tucker-LoKr (lokr_t2) tensor; only LoRA, DoRA and LoKr adapters are "
+                "supported");
   }
   if (auto it = report.metadata.find("lora_family"); it != report.metadata.end() && it->second != to_string(family)) {
     const std::string title = it->second == "sdxl" ? "SDXL" : it->second == "sd3" ? "SD3" : it->second == "flux" ? "FLUX" : it->second;
@@ -800,7 +1011,10 @@ LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, Lora
   if (any_starts(flame::nn::kPeftPrefix)) {
     report.format = LoraFileFormat::kPeft;
     prefix = flame::nn::kPeftPrefix;
-  } else if (any_contains(".lora_down.weight")) {
+  } else if (any_contains(".lora_down.weight") ||
+             std::any_of(keys.begin(), keys.end(), [](const std::string& k) {
+               return k.starts_with("lora_") && k.find(".lokr_") != std::string::npos;
+             })) {
     report.format = LoraFileFormat::kKohya;
   } else if (any_contains(".lora_A.weight")) {
     report.format = LoraFileFormat::kDiffusers;
@@ -810,12 +1024,17 @@ LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, Lora
       FLAME_FAIL(kOp, path, " looks like ", family == LoraFamily::kSDXL ? "a FLUX or SD3" : "an SDXL",
                  " LoRA (its keys start with '", other, "'); the model is ", family_title(family));
     }
-  } else {
+  } else if (!any_contains(".lokr_")) {
     std::vector<std::string> first(keys.begin(), keys.begin() + std::min<std::size_t>(keys.size(), 5));
     std::string list;
     for (const auto& k : first) list += "\n  " + k;
     FLAME_FAIL(kOp, path, " is not a LoRA file in a layout FLAME reads (PEFT base_model.model.*, diffusers *.lora_A.weight, "
-               "kohya *.lora_down.weight); its first keys:", list);
+               "kohya *.lora_down.weight, LyCORIS *.lokr_w1); its first keys:", list);
+  }
+  if (report.format != LoraFileFormat::kKohya && any_contains(".lokr_")) {
+    FLAME_FAIL(kOp, path, ": LoKr adapters are read from LyCORIS' kohya-style keys (lora_unet_<layer>.lokr_w1 ...); this ",
+               prefix.empty() ? "file" : to_string(report.format) + std::string(" file"), " has LoKr keys such as ",
+               *std::find_if(keys.begin(), keys.end(), [](const std::string& k) { return k.find(".lokr_") != std::string::npos; }));
   }
   const StateDict sd = file.load_all();
   Reader reader{path, family, model, linears_of(model), {}, {}, {}};
@@ -826,7 +1045,7 @@ LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, Lora
     reader.read_peft(sd, prefix, alphas);
   }
   if (!reader.unplaced.empty()) reader.fail_unplaced(reader.unplaced);
-  FLAME_CHECK(!reader.incoming.empty(), kOp, path, " holds no adapter for the ", family_title(family), " model (",
+  FLAME_CHECK(!reader.incoming.empty() || !reader.incoming_lokr.empty(), kOp, path, " holds no adapter for the ", family_title(family), " model (",
               reader.skipped.size(), " text-encoder keys skipped)");
   reader.apply(report);
   report.skipped = reader.skipped;

@@ -40,6 +40,22 @@
 // up (as written above) gives each module the columns its rows use. Into a model that already has
 // adapters: rank R or, when the existing ranks of the layer's modules sum to R and up is zero off
 // their diagonal blocks, each module its own block; otherwise an error naming the key and shapes.
+//
+// Note [LoKr files]
+// LoKr adapters (nn::apply_lokr) are written in the kohya layout only, as LyCORIS' kohya wrapper
+// writes them and ComfyUI / Forge load them: <stem>.lokr_w1 [a, b] or .lokr_w1_a [a, r] and
+// .lokr_w1_b [r, b]; .lokr_w2 [c, d] or .lokr_w2_a [c, r] and .lokr_w2_b [r, d]; .alpha = scale * r
+// (r when both factors are whole; the scale is then 1), the stems those of the LoRA layout above.
+// A fused kohya FLUX layer (qkv, linear1) or the reordered final_layer_adaLN_modulation_1 cannot
+// hold a LoKr of its separate modules, so those modules are written per module under their
+// lora_transformer_<diffusers path> stems (ComfyUI maps them onto the rows of the fused weight);
+// the file's ss_network_module is then lycoris.kohya. peft / diffusers files with LoKr adapters
+// are refused (nn::lora_state_dict keeps them as lokr_* keys for checkpoints).
+// Reading creates LoKr adapters with the file's factor shapes and scale (alpha / r, 1 without
+// .alpha or with whole factors, as ComfyUI). A LoKr of a fused FLUX layer (a file trained on BFL's
+// modules) is split exactly when each module's rows are whole blocks of w2's c rows (module m takes
+// its rows of w1 or w1_a and the shared w2); otherwise an error names the stem and shapes. LoHa,
+// Tucker LoKr (lokr_t2) and LoKr with weight decomposition (dora_scale) are refused.
 #include <map>
 #include <optional>
 #include <string>
@@ -68,6 +84,7 @@ LoraFileFormat lora_format_from_string(const std::string& name);
 // file named adapter_model.safetensors gets PEFT's adapter_config.json beside it. Raises
 // naming the module when an adapted module has no name in the layout (kohya FLUX: a Linear BFL's
 // layout does not have), when the model has no adapter, or when the model is not of `family`.
+// LoKr adapters: kohya only (Note [LoKr files]).
 void save_lora(const std::string& path, flame::nn::Module& model, LoraFamily family, LoraFileFormat format,
                const std::map<std::string, std::string>& metadata = {});
 
@@ -80,15 +97,15 @@ struct LoraLoadReport {
   std::map<std::string, std::string> metadata;  // the file's
 };
 
-// Reads a LoRA file of any layout of Note [LoRA file layouts] (detected from its keys) into
-// `model`: modules without an adapter get one (rank from the file; alpha from the file's .alpha,
+// Reads a LoRA file of any layout of Note [LoRA file layouts] or LoKr keys (Note [LoKr files]),
+// detected from its keys, into `model`: modules without an adapter get one (rank from the file; alpha from the file's .alpha,
 // its adapter metadata or lora_alpha / ss_network_alpha, else alpha = rank), modules with one get
 // the file's values with the update rescaled to their scaling (rank mismatch: error naming the key
 // and both shapes). Creating an adapter freezes the model's other parameters (as apply_lora).
 // Text-encoder keys (lora_te*, text_encoder*) are skipped and listed. Errors (flame::Error) name the
 // file and the first keys it could not place; a file of another family says so ("looks like an SDXL
-// LoRA; the model is FLUX"); LoKr / LoHa keys are refused as unsupported. Nothing is changed in the
-// model unless the whole file places.
+// LoRA; the model is FLUX"); LoHa keys are refused as unsupported. Modules with a LoKr adapter take
+// a LoKr of the same layout (else an error). Nothing is changed in the model unless the whole file places.
 LoraLoadReport load_lora(const std::string& path, flame::nn::Module& model, LoraFamily family);
 
 // A base checkpoint with the LoRA merged in: folds the adapters of `model` into its weights

@@ -1,7 +1,9 @@
 // LoRA files (models/lora_file.h): the tiny FLUX, SD3 and SDXL models with the adapters of
 // apps/diffusion/reference/lora_files.py (diffusers 0.42 + peft 0.21, f32 on the CPU), whose outputs
 // are in tests/data/models/lora/reference.safetensors; round trips through every layout; the fused
-// kohya FLUX layers; alpha conversion; bad files.
+// kohya FLUX layers; alpha conversion; bad files. LoKr (Note [LoKr files]): round trips of the
+// LyCORIS kohya keys, a fused FLUX LoKr split against the update added to the weights by hand,
+// ComfyUI's scale rules, bad files.
 //
 // FLAME_LORA_EXPORT_DIR=DIR makes LoraFile.MatchesTheDiffusersReference write FLAME's files there
 // for `python3 apps/diffusion/reference/lora_files.py check DIR` (diffusers' own loaders).
@@ -427,14 +429,14 @@ TEST(LoraFile, BadFilesGiveErrorsNamingFileAndKey) {
     EXPECT_NE(err.find("lora_transformer_no_such_layer.lora_down.weight"), std::string::npos) << err;
     EXPECT_TRUE(adapter_shapes(*t.model).empty());
   }
-  // LoKr: refused by name.
+  // LoHa: refused by name (LoKr files: LoraFile.Lokr*).
   {
-    const std::string p = (dir / "lokr.safetensors").string();
-    flame::io::save_safetensors(p, {{"lora_transformer_transformer_blocks_0_attn_to_q.lokr_w1", Tensor::ones({4, 4})}});
+    const std::string p = (dir / "loha.safetensors").string();
+    flame::io::save_safetensors(p, {{"lora_transformer_transformer_blocks_0_attn_to_q.hada_w1_a", Tensor::ones({16, 4})}});
     Tiny t = tiny(LoraFamily::kSD3);
     const std::string err = fd_test::error_of([&] { fm::load_lora(p, *t.model, LoraFamily::kSD3); });
-    EXPECT_NE(err.find("lokr_w1"), std::string::npos) << err;
-    EXPECT_NE(err.find("LoKr"), std::string::npos) << err;
+    EXPECT_NE(err.find("hada_w1_a"), std::string::npos) << err;
+    EXPECT_NE(err.find("LoHa"), std::string::npos) << err;
   }
   // A layer's shape: lora_up of the wrong height.
   {
@@ -533,4 +535,307 @@ TEST(LoraFile, UNetOriginalNamesInvertTheLoadersPlan) {
   EXPECT_EQ(fm::unet_original_name(sdxl, "down_blocks.2.downsamplers.0.conv"), std::nullopt);  // SDXL's last block has none
   EXPECT_EQ(fm::unet_original_name(sdxl, "down_blocks.1.downsamplers.0.conv"), "input_blocks.6.0.op");
   EXPECT_EQ(fm::unet_original_name(sdxl, "no_such.layer"), std::nullopt);
+}
+
+// ---- LoKr (Note [LoKr files]) ----
+namespace {
+
+// name -> layout of every LoKr adapter.
+std::map<std::string, nn::LokrLayout> lokr_layouts(nn::Module& m) {
+  std::map<std::string, nn::LokrLayout> out;
+  for (auto& [n, mod] : m.named_modules()) {
+    auto* l = dynamic_cast<nn::Linear*>(mod.get());
+    if (l && l->has_lokr()) out[n] = l->lokr_layout();
+  }
+  return out;
+}
+
+std::vector<std::string> lokr_targets(LoraFamily f) {
+  switch (f) {
+    case LoraFamily::kFlux:  // fused (to_q, to_k, add_v_proj, proj_mlp), reordered (norm_out) and whole layers
+      return {"to_q", "to_k", "add_v_proj", "to_out.0", "proj_mlp", "ff.net.0.proj", "norm1.linear", "norm_out.linear"};
+    case LoraFamily::kSD3: return {"to_q", "add_k_proj", "to_out.0", "ff.net.2"};
+    case LoraFamily::kSDXL: return {"to_q", "to_v", "to_out.0", "ff.net.2"};
+  }
+  return {};
+}
+
+// scale * kron(w1, w2) by loops in f64 ([a c, b d]).
+Tensor kron_f64(const Tensor& w1, const Tensor& w2, double scale) {
+  const int64_t a = w1.size(0), b = w1.size(1), c = w2.size(0), d = w2.size(1);
+  const std::vector<double> x = w1.to(DType::f64).contiguous().to_vec<double>(), y = w2.to(DType::f64).contiguous().to_vec<double>();
+  std::vector<double> out(a * c * b * d);
+  for (int64_t i = 0; i < a; ++i)
+    for (int64_t k = 0; k < c; ++k)
+      for (int64_t j = 0; j < b; ++j)
+        for (int64_t l = 0; l < d; ++l) out[(i * c + k) * (b * d) + j * d + l] = scale * x[i * b + j] * y[k * d + l];
+  return Tensor::from_vec(out, {a * c, b * d});
+}
+
+void add_to_weight(nn::Module& m, const std::string& name, const Tensor& delta, int64_t row = 0) {
+  flame::NoGradGuard no_grad;
+  Tensor w = linear(m, name).weight();
+  Tensor rows = w.narrow(0, row, delta.size(0));
+  rows.add_(delta.to(w.dtype()));
+}
+
+}  // namespace
+
+// apply_lokr -> kohya file -> a fresh model: the same adapters (layouts, scales) and outputs, in every
+// family, with decomposed and whole factors; fused FLUX modules go under lora_transformer_ stems.
+TEST(LoraFile, LokrRoundTripsThroughKohyaKeys) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "lokr_round_trip");
+  const std::vector<nn::LokrOptions> options = {{.rank = 1, .alpha = 3, .decompose_both = true},
+                                                {.factor = 2, .rank = 4, .alpha = 2}};
+  uint64_t seed = 70;
+  for (LoraFamily f : kFamilies) {
+    for (std::size_t oi = 0; oi < options.size(); ++oi) {
+      const std::string what = std::string(fm::to_string(f)) + " options " + std::to_string(oi);
+      Tiny src = tiny(f);
+      const Tensor plain = src.run();
+      const auto adapted = nn::apply_lokr(*src.model, options[oi], lokr_targets(f));
+      perturb_adapters(*src.model, 0.3, ++seed);  // w2 / w2_b start at zero
+      const Tensor want = src.run();
+      EXPECT_GT(fd_test::max_abs_diff(want, plain), 1e-3) << what << ": the adapters change nothing";
+      const auto layouts = lokr_layouts(*src.model);
+      ASSERT_EQ(layouts.size(), adapted.size()) << what;
+      const std::string path = (dir / (what + ".safetensors")).string();
+      fm::save_lora(path, *src.model, f, LoraFileFormat::kKohya, {{"ss_steps", "5"}});
+      const flame::StateDict sd = flame::io::load_safetensors(path);
+      const auto meta = flame::io::load_safetensors_metadata(path);
+      EXPECT_EQ(meta.at("ss_network_module"), "lycoris.kohya") << what;
+      EXPECT_EQ(meta.at("ss_steps"), "5") << what;
+      for (const auto& k : sd.keys()) {
+        EXPECT_TRUE(k.starts_with(f == LoraFamily::kSDXL ? "lora_unet_" : f == LoraFamily::kSD3 ? "lora_transformer_" : "lora_"))
+            << what << " " << k;
+        EXPECT_EQ(k.find("lora_down"), std::string::npos) << k;
+      }
+      if (f == LoraFamily::kFlux && oi == 0) {
+        // 16 x 16 -> w1 [4, 4] = w1_a [4, 1] @ w1_b [1, 4], w2 = w2_a [4, 1] @ w2_b [1, 4]; alpha = 3 * 1.
+        EXPECT_EQ(sd.at("lora_unet_double_blocks_0_img_attn_proj.lokr_w1_a").sizes(), (flame::Shape{4, 1}));
+        EXPECT_EQ(sd.at("lora_unet_double_blocks_1_img_attn_proj.lokr_w2_b").sizes(), (flame::Shape{1, 4}));
+        EXPECT_DOUBLE_EQ(sd.at("lora_unet_double_blocks_0_img_mod_lin.alpha").item<double>(), 3.0);
+        EXPECT_TRUE(sd.contains("lora_transformer_transformer_blocks_0_attn_to_q.lokr_w1_a"));
+        EXPECT_TRUE(sd.contains("lora_transformer_transformer_blocks_1_attn_add_v_proj.lokr_w2_a"));
+        EXPECT_TRUE(sd.contains("lora_transformer_single_transformer_blocks_0_proj_mlp.lokr_w1_b"));
+        EXPECT_TRUE(sd.contains("lora_transformer_norm_out_linear.lokr_w2_b"));
+        for (const auto& k : sd.keys()) EXPECT_EQ(k.find("qkv"), std::string::npos) << k;
+        const nn::Linear& proj = linear(*src.model, "transformer_blocks.0.attn.to_out.0");
+        EXPECT_EQ(fd_test::max_abs_diff(sd.at("lora_unet_double_blocks_0_img_attn_proj.lokr_w2_a"), proj.lokr_factors().w2_a), 0.0);
+      }
+      if (f == LoraFamily::kSDXL) {
+        const std::vector<std::string> keys = sd.keys();
+        EXPECT_TRUE(std::any_of(keys.begin(), keys.end(), [](const std::string& k) {
+          return k.starts_with("lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q.lokr_w1");
+        }));
+      }
+      Tiny dst = tiny(f);
+      const fm::LoraLoadReport rep = fm::load_lora(path, *dst.model, f);
+      EXPECT_EQ(rep.format, LoraFileFormat::kKohya) << what;
+      EXPECT_EQ(rep.created.size(), layouts.size()) << what;
+      const auto got = lokr_layouts(*dst.model);
+      ASSERT_EQ(got.size(), layouts.size()) << what;
+      for (const auto& [name, l] : layouts) {
+        ASSERT_TRUE(got.count(name)) << what << ": no LoKr adapter on " << name;
+        const nn::LokrLayout& g = got.at(name);
+        EXPECT_EQ((std::vector<int64_t>{g.a, g.b, g.c, g.d}), (std::vector<int64_t>{l.a, l.b, l.c, l.d})) << what << " " << name;
+        EXPECT_EQ(g.decompose_w1, l.decompose_w1) << what << " " << name;
+        EXPECT_EQ(g.decompose_w2, l.decompose_w2) << what << " " << name;
+        if (l.decompose_w1 || l.decompose_w2) EXPECT_EQ(g.rank, l.rank) << what << " " << name;
+        EXPECT_NEAR(g.scale, l.scale, 1e-12) << what << " scale of " << name;
+      }
+      for (auto& [n, p] : dst.model->named_parameters()) EXPECT_EQ(p.requires_grad(), nn::is_lora_key(n)) << what << " " << n;
+      expect_close(dst.run(), want, 1e-6, what);
+      // Into the adapters just made: replaced in place.
+      const fm::LoraLoadReport again = fm::load_lora(path, *dst.model, f);
+      EXPECT_TRUE(again.created.empty()) << what;
+      EXPECT_EQ(again.loaded.size(), layouts.size()) << what;
+      expect_close(dst.run(), want, 1e-6, what + " reloaded");
+    }
+  }
+  fs::remove_all(dir);
+}
+
+// A LoKr of BFL's fused qkv (and the reordered final adaLN) splits into the modules exactly: the
+// output equals a plain model whose q, k, v weights got the rows of scale * kron(w1, w2), by loops.
+TEST(LoraFile, LokrOfAFusedFluxLayerSplitsExactly) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "lokr_fused");
+  flame::Generator g(80);
+  auto rnd = [&](flame::Shape s) { return Tensor::randn(s, 0.0, 0.3, {}, &g); };
+  // qkv [48, 16] = kron([6, 4], [8, 4]): every 16-row module is 2 rows of w1. alpha 2, rank 1: scale 2.
+  const Tensor w1 = rnd({6, 4}), w2_a = rnd({8, 1}), w2_b = rnd({1, 4});
+  // final_layer_adaLN_modulation_1 [32, 16] = kron([4, 4], [8, 4]), both whole: scale 1 whatever alpha.
+  const Tensor n1 = rnd({4, 4}), n2 = rnd({8, 4});
+  const std::string qkv = "lora_unet_double_blocks_0_img_attn_qkv", ada = "lora_unet_final_layer_adaLN_modulation_1";
+  const std::string path = (dir / "fused.safetensors").string();
+  flame::io::save_safetensors(path, {{qkv + ".lokr_w1", w1}, {qkv + ".lokr_w2_a", w2_a}, {qkv + ".lokr_w2_b", w2_b},
+                                     {qkv + ".alpha", Tensor::scalar(2.0, {DType::f32})}, {ada + ".lokr_w1", n1},
+                                     {ada + ".lokr_w2", n2}, {ada + ".alpha", Tensor::scalar(5.0, {DType::f32})}});
+  Tiny ref = tiny(LoraFamily::kFlux);
+  const Tensor dq = kron_f64(w1, w2_a.matmul(w2_b), 2.0), dn = kron_f64(n1, n2, 1.0);
+  const char* parts[] = {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_v"};
+  for (int p = 0; p < 3; ++p) add_to_weight(*ref.model, parts[p], dq.narrow(0, 16 * p, 16));
+  // BFL's (shift, scale) rows are diffusers' (scale, shift).
+  add_to_weight(*ref.model, "norm_out.linear", dn.narrow(0, 16, 16), 0);
+  add_to_weight(*ref.model, "norm_out.linear", dn.narrow(0, 0, 16), 16);
+  Tiny t = tiny(LoraFamily::kFlux);
+  const fm::LoraLoadReport rep = fm::load_lora(path, *t.model, LoraFamily::kFlux);
+  EXPECT_EQ(rep.created.size(), 4u);
+  for (int p = 0; p < 3; ++p) {
+    const nn::Linear& l = linear(*t.model, parts[p]);
+    ASSERT_TRUE(l.has_lokr()) << parts[p];
+    EXPECT_EQ(l.lokr_layout().a, 2);
+    EXPECT_EQ(l.lokr_layout().c, 8);
+    EXPECT_DOUBLE_EQ(l.lokr_layout().scale, 2.0);
+    EXPECT_EQ(fd_test::max_abs_diff(l.lokr_factors().w1, w1.narrow(0, 2 * p, 2)), 0.0) << parts[p];
+  }
+  EXPECT_DOUBLE_EQ(linear(*t.model, "norm_out.linear").lokr_layout().scale, 1.0);
+  expect_close(t.run(), ref.run(), 1e-5, "fused LoKr");
+  // linear1 [112, 16] = kron([8, 4], [14, 4]): q's 16 rows are not whole blocks of 14: refused, nothing changed.
+  const std::string l1 = "lora_unet_single_blocks_0_linear1", bad = (dir / "linear1.safetensors").string();
+  flame::io::save_safetensors(bad, {{l1 + ".lokr_w1", rnd({8, 4})}, {l1 + ".lokr_w2", rnd({14, 4})}});
+  Tiny u = tiny(LoraFamily::kFlux);
+  const std::string err = fd_test::error_of([&] { fm::load_lora(bad, *u.model, LoraFamily::kFlux); });
+  for (const char* part : {"linear1.safetensors", l1.c_str(), "not whole blocks of w2's 14 rows", "single_transformer_blocks.0.attn.to_q"}) {
+    EXPECT_NE(err.find(part), std::string::npos) << part << " not in: " << err;
+  }
+  EXPECT_TRUE(lokr_layouts(*u.model).empty());
+  fs::remove_all(dir);
+}
+
+// ComfyUI's scale: alpha / r, 1 without .alpha or with whole factors; a model's existing LoKr keeps
+// its scale and takes the file's update.
+TEST(LoraFile, LokrScaleFollowsComfyAndExistingAdapters) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "lokr_scale");
+  flame::Generator g(90);
+  auto rnd = [&](flame::Shape s) { return Tensor::randn(s, 0.0, 0.5, {}, &g); };
+  const std::string q = "transformer_blocks.0.attn.to_q", stem = "lora_transformer_transformer_blocks_0_attn_to_q";
+  const Tensor w1 = rnd({4, 4}), w2 = rnd({4, 4}), w2_a = rnd({4, 1}), w2_b = rnd({1, 4});
+  struct Case {
+    std::string name;
+    flame::StateDict sd;
+    double scale;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"whole", {}, 1.0});
+  cases.back().sd.insert(stem + ".lokr_w1", w1);
+  cases.back().sd.insert(stem + ".lokr_w2", w2);
+  cases.back().sd.insert(stem + ".alpha", Tensor::scalar(7.0, {DType::f32}));
+  cases.push_back({"no_alpha", {}, 1.0});
+  cases.back().sd.insert(stem + ".lokr_w1", w1);
+  cases.back().sd.insert(stem + ".lokr_w2_a", w2_a);
+  cases.back().sd.insert(stem + ".lokr_w2_b", w2_b);
+  cases.push_back({"alpha", cases.back().sd, 3.0});
+  cases.back().sd.insert(stem + ".alpha", Tensor::scalar(3.0, {DType::f32}));
+  for (const Case& c : cases) {
+    const std::string path = (dir / (c.name + ".safetensors")).string();
+    flame::io::save_safetensors(path, c.sd);
+    Tiny t = tiny(LoraFamily::kSD3);
+    fm::load_lora(path, *t.model, LoraFamily::kSD3);
+    const nn::Linear& l = linear(*t.model, q);
+    ASSERT_TRUE(l.has_lokr()) << c.name;
+    EXPECT_DOUBLE_EQ(l.lokr_layout().scale, c.scale) << c.name;
+    const Tensor want = kron_f64(w1, c.sd.contains(stem + ".lokr_w2") ? w2 : w2_a.matmul(w2_b), c.scale);
+    EXPECT_LE(fd_test::max_abs_diff(l.lokr_delta_weight(), want), 1e-6) << c.name;
+    if (c.name != "alpha") continue;
+    // An existing adapter of alpha 5: its scale stays, the update is the file's.
+    Tiny e = tiny(LoraFamily::kSD3);
+    nn::apply_lokr(*e.model, {.rank = 1, .alpha = 5}, {"to_q"});
+    const fm::LoraLoadReport rep = fm::load_lora(path, *e.model, LoraFamily::kSD3);
+    EXPECT_EQ(rep.loaded, (std::vector<std::string>{q}));
+    EXPECT_EQ(rep.untouched, (std::vector<std::string>{"transformer_blocks.1.attn.to_q"}));
+    EXPECT_DOUBLE_EQ(linear(*e.model, q).lokr_layout().scale, 5.0);
+    EXPECT_LE(fd_test::max_abs_diff(linear(*e.model, q).lokr_delta_weight(), want), 1e-6);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(LoraFile, LokrBadFilesAndModels) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "lokr_bad");
+  const std::string stem = "lora_transformer_transformer_blocks_0_attn_to_q";
+  auto write = [&](const std::string& name, const std::vector<std::pair<std::string, Tensor>>& tensors) {
+    flame::StateDict sd;
+    for (const auto& [k, v] : tensors) sd.insert(k, v);
+    const std::string p = (dir / name).string();
+    flame::io::save_safetensors(p, sd);
+    return p;
+  };
+  // Each file into a fresh SD3 model: the error names the file and what is wrong; nothing is adapted.
+  const std::vector<std::pair<std::string, std::vector<std::string>>> files = {
+      {write("no_w2.safetensors", {{stem + ".lokr_w1", Tensor::ones({4, 4})}}), {stem, "lokr_w2 [c, d]"}},
+      {write("shape.safetensors", {{stem + ".lokr_w1", Tensor::ones({4, 4})}, {stem + ".lokr_w2", Tensor::ones({4, 3})}}),
+       {stem, "[16, 12]", "[16, 16]"}},
+      {write("ranks.safetensors", {{stem + ".lokr_w1_a", Tensor::ones({4, 2})}, {stem + ".lokr_w1_b", Tensor::ones({2, 4})},
+                                   {stem + ".lokr_w2_a", Tensor::ones({4, 1})}, {stem + ".lokr_w2_b", Tensor::ones({1, 4})}}),
+       {stem, "one rank"}},
+      {write("orphan.safetensors", {{stem + ".lokr_w2", Tensor::ones({4, 4})}}), {stem + ".lokr_w2", "without"}},
+      {write("tucker.safetensors", {{stem + ".lokr_w1", Tensor::ones({4, 4})}, {stem + ".lokr_t2", Tensor::ones({1, 1, 3, 3})}}),
+       {"lokr_t2", "Tucker"}},
+      {write("dora.safetensors", {{stem + ".lokr_w1", Tensor::ones({4, 4})}, {stem + ".lokr_w2", Tensor::ones({4, 4})},
+                                  {stem + ".dora_scale", Tensor::ones({16})}}),
+       {stem, "dora_scale"}},
+      {write("peft.safetensors", {{"base_model.model.transformer_blocks.0.attn.to_q.lokr_w1", Tensor::ones({4, 4})}}),
+       {"peft", "kohya-style", "to_q.lokr_w1"}},
+      {write("flux.safetensors", {{"lora_unet_double_blocks_0_img_attn_proj.lokr_w1", Tensor::ones({4, 4})},
+                                  {"lora_unet_double_blocks_0_img_attn_proj.lokr_w2", Tensor::ones({4, 4})}}),
+       {"looks like a FLUX LoRA"}},
+  };
+  for (const auto& [path, parts] : files) {
+    Tiny t = tiny(LoraFamily::kSD3);
+    const std::string err = fd_test::error_of([&] { fm::load_lora(path, *t.model, LoraFamily::kSD3); });
+    EXPECT_NE(err.find(fs::path(path).filename().string()), std::string::npos) << err;
+    for (const auto& p : parts) EXPECT_NE(err.find(p), std::string::npos) << p << " not in: " << err;
+    EXPECT_TRUE(lokr_layouts(*t.model).empty()) << path;
+  }
+  // Against the model's adapters: another LoKr layout, LoRA vs LoKr both ways.
+  const std::string good = write("good.safetensors", {{stem + ".lokr_w1", Tensor::ones({4, 4})}, {stem + ".lokr_w2", Tensor::ones({4, 4})}});
+  {
+    Tiny t = tiny(LoraFamily::kSD3);
+    nn::apply_lokr(*t.model, {.rank = 1}, {"to_q"});
+    const Tensor before = linear(*t.model, "transformer_blocks.0.attn.to_q").lokr_factors().w1.clone();
+    std::string err = fd_test::error_of([&] { fm::load_lora(good, *t.model, LoraFamily::kSD3); });
+    EXPECT_NE(err.find("LoKr layout mismatch"), std::string::npos) << err;
+    EXPECT_NE(err.find("w2 [4, 4] (w2_a @ w2_b), rank 1"), std::string::npos) << err;
+    EXPECT_EQ(fd_test::max_abs_diff(linear(*t.model, "transformer_blocks.0.attn.to_q").lokr_factors().w1, before), 0.0);
+    err = fd_test::error_of([&] { fm::load_lora(file_of(LoraFamily::kSD3, "kohya"), *t.model, LoraFamily::kSD3); });
+    EXPECT_NE(err.find("is a LoRA adapter; the model's adapter on transformer_blocks."), std::string::npos) << err;
+    EXPECT_NE(err.find("is LoKr"), std::string::npos) << err;
+  }
+  {
+    Tiny t = tiny(LoraFamily::kSD3);
+    nn::apply_lora(*t.model, {.rank = 2}, {"to_q"});
+    const std::string err = fd_test::error_of([&] { fm::load_lora(good, *t.model, LoraFamily::kSD3); });
+    EXPECT_NE(err.find("is a LoKr adapter; the model's adapter on transformer_blocks.0.attn.to_q is LoRA"), std::string::npos) << err;
+  }
+  // Writing: LoKr adapters only in the kohya layout.
+  {
+    Tiny t = tiny(LoraFamily::kSD3);
+    nn::apply_lokr(*t.model, {.rank = 1}, {"to_q"});
+    for (LoraFileFormat fmt : {LoraFileFormat::kPeft, LoraFileFormat::kDiffusers}) {
+      const std::string err = fd_test::error_of([&] { fm::save_lora((dir / "w.safetensors").string(), *t.model, LoraFamily::kSD3, fmt); });
+      for (const char* p : {"save_lora", "LoKr adapter of transformer_blocks.0.attn.to_q", "kohya layout only", "w.safetensors"}) {
+        EXPECT_NE(err.find(p), std::string::npos) << p << " not in: " << err;
+      }
+    }
+    EXPECT_FALSE(fs::exists(dir / "w.safetensors"));
+  }
+  fs::remove_all(dir);
+}
+
+// A base checkpoint with LoKr adapters merged in is the adapted model.
+TEST(LoraFile, LokrMergedCheckpoint) {
+  const fs::path dir = fd_test::fresh_temp_dir("lora_file", "lokr_merged");
+  Tiny src = tiny(LoraFamily::kSD3);
+  nn::apply_lokr(*src.model, {.rank = 1, .alpha = 2}, lokr_targets(LoraFamily::kSD3));
+  perturb_adapters(*src.model, 0.3, 95);
+  const Tensor want = src.run();
+  const std::string path = (dir / "merged.safetensors").string();
+  fm::save_merged_checkpoint(path, *src.model);
+  const flame::io::SafetensorsFile file(path);
+  for (const auto& k : file.names()) EXPECT_FALSE(nn::is_lora_key(k)) << k;
+  EXPECT_FALSE(linear(*src.model, "transformer_blocks.0.attn.to_q").merged());
+  Tiny merged = tiny(LoraFamily::kSD3, path);
+  EXPECT_TRUE(lokr_layouts(*merged.model).empty());
+  expect_close(merged.run(), want, 1e-5, "LoKr merged checkpoint");
+  fs::remove_all(dir);
 }
