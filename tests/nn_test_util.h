@@ -10,6 +10,19 @@
 
 namespace flame::test {
 
+// N(0, std^2) values of t's shape, dtype and device, drawn from `seed`.
+inline Tensor randn_like_seeded(const Tensor& t, uint64_t seed, double std = 1.0) {
+  Generator g(seed);
+  return Tensor::randn(t.sizes(), 0.0, std, TensorOptions(t.dtype(), t.device()), &g);
+}
+
+// Copies v into the parameter t under no-grad (identity kept).
+inline void set_(const Tensor& t, const Tensor& v) {
+  NoGradGuard ng;
+  Tensor d = t;
+  d.copy_(v);
+}
+
 // Normal f64 values N(0, stddev^2) drawn on the CPU from `seed`: every device gets the same inputs.
 inline Tensor randn_f64(const Shape& s, uint64_t seed, double stddev = 1.0) {
   Generator g(seed);

@@ -11,17 +11,6 @@ namespace {
 
 using namespace flame::nn;
 
-Tensor randn_like_seeded(const Tensor& t, uint64_t seed, double std = 1.0) {
-  Generator g(seed);
-  return Tensor::randn(t.sizes(), 0.0, std, TensorOptions(t.dtype(), t.device()), &g);
-}
-
-void set_(const Tensor& t, const Tensor& v) {
-  NoGradGuard ng;
-  Tensor d = t;
-  d.copy_(v);
-}
-
 // Every LoKr factor of the layer drawn N(0, 1) (w2 / w2_b start at zero).
 void randomize_lokr(const Linear& lin, uint64_t seed) {
   const auto& f = lin.lokr_factors();

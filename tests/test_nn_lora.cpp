@@ -9,17 +9,6 @@ namespace {
 
 using namespace flame::nn;
 
-Tensor randn_like_seeded(const Tensor& t, uint64_t seed, double std = 1.0) {
-  Generator g(seed);
-  return Tensor::randn(t.sizes(), 0.0, std, TensorOptions(t.dtype(), t.device()), &g);
-}
-
-void set_(const Tensor& t, const Tensor& v) {
-  NoGradGuard ng;
-  Tensor d = t;
-  d.copy_(v);
-}
-
 struct Attn : Module {
   std::shared_ptr<Linear> q_proj, k_proj, v_proj, o_proj;
   Attn(int64_t d, TensorOptions o) {
