@@ -3,6 +3,7 @@
 // apply_lokr on a nested model, adapter-only state dicts.
 #include <cmath>
 
+#include "flame/amp.h"
 #include "flame/nn/conv_layers.h"
 #include "nn_test_util.h"
 
@@ -300,6 +301,34 @@ TEST(Lokr, ApplyLokrAndAdapterStateDictRoundTrip) {
   EXPECT_TRUE(w2_a.is_same(b.attn(0)->q_proj->lokr_factors().w2_a));
   EXPECT_EQ(b.attn(0)->o_proj->lora_A()->weight().dtype(), DType::f64);
   EXPECT_EQ(b.attn(0)->q_proj->weight().dtype(), DType::f32);
+}
+
+TEST(Lokr, F32AdapterUnderBf16BaseWithAutocast) {
+  // The training setup: bf16 weights, f32 LoKr factors (adapters_to), CPU autocast to bf16.
+  Linear ref(24, 18);
+  ref.add_lokr({.factor = 3, .rank = 2, .alpha = 1});
+  randomize_lokr(ref, 600);
+  Linear lin(24, 18);
+  lin.add_lokr({.factor = 3, .rank = 2, .alpha = 1});
+  ASSERT_TRUE(lin.load_state_dict(ref.state_dict()).ok());
+  lin.to(DType::bf16);
+  adapters_to(lin, DType::f32);
+  EXPECT_EQ(lin.weight().dtype(), DType::bf16);
+  EXPECT_EQ(lin.lokr_factors().w2_a.dtype(), DType::f32);
+  Generator g(601);
+  const Tensor x = Tensor::randn({4, 24}, 0.0, 1.0, {}, &g);
+  Tensor y;
+  {
+    amp::AutocastGuard autocast(DType::bf16, DeviceType::cpu);
+    y = lin(x.to(DType::bf16));
+  }
+  EXPECT_EQ(y.dtype(), DType::bf16);
+  EXPECT_TRUE(all_close(y.to(DType::f32), ref(x), 5e-2, 5e-2));
+  Gradients grads = y.to(DType::f32).square().sum().backward();
+  EXPECT_EQ(grads.get(lin.lokr_factors().w2_b).dtype(), DType::f32);
+  EXPECT_FALSE(grads.contains(lin.weight()));
+  Gradients want = ref(x).square().sum().backward();
+  EXPECT_TRUE(close_rel(grads.get(lin.lokr_factors().w1), want.get(ref.lokr_factors().w1), 5e-2));
 }
 
 TEST(LokrCuda, MatchesCpuForwardAndGradients) {
