@@ -176,7 +176,18 @@ std::pair<Tensor, Tensor> JointAttention::forward(const Tensor& x, const Tensor&
   // q's layout, so merging the heads back is a view, and the backward copies nothing either.
   auto heads = [&](const Tensor& p, int64_t len, const std::shared_ptr<nn::RMSNorm>& norm) {
     Tensor h = p.view({b, len, o.heads, o.dim_head});
-    return norm ? norm->forward(h) : h;
+    if (!norm) return h;
+    // diffusers' RMSNorm gives its weight's dtype when that is half (a bf16 model): q and k stay
+    // bf16 under autocast rather than the f32 of the norm op's autocast policy, which would make
+    // the joins and the rotary pass twice the bytes and add a cast before attention. The kernel
+    // still computes in f32.
+    const DType w = norm->weight().defined() ? norm->weight().dtype() : DType::f32;
+    const flame::DeviceType dev = h.device().type;
+    if ((w == DType::bf16 || w == DType::f16) && h.dtype() == w && flame::amp::is_autocast_enabled(dev)) {
+      flame::amp::AutocastGuard off(false, dev);
+      return norm->forward(h);
+    }
+    return norm->forward(h);
   };
   Tensor q = heads(to_q->forward(x), l, norm_q);
   Tensor k = heads(to_k->forward(x), l, norm_k);

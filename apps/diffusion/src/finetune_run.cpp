@@ -17,7 +17,7 @@
 //      window and is refused with the cache (as kohya's trainers do).
 //    With both caches the text encoders are released before training (and the VAE when no samples
 //    are asked for); without one, the encoders / VAE stay and encode each batch.
-// 5. The denoiser: LoRA (or DoRA) adapters in f32 on lora.targets (default_lora_targets), or every
+// 5. The denoiser: LoRA, DoRA or LoKr adapters in f32 on lora.targets (default_lora_targets), or every
 //    weight trainable (train.method full); gradient checkpointing of every block.
 // 6. AdamW (torch.optim.AdamW's update) or AdamW8bit (8-bit block-wise moments), the warmup + constant / linear / cosine
 //    learning rate, gradient clipping, EMA of the trained weights.
@@ -183,8 +183,10 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (cfg.dataset.folders.empty() && cfg.dataset.manifest.empty())
     throw std::runtime_error("dataset.folders and dataset.manifest are both empty: give the training images");
   const std::string& method = cfg.train.method;
-  if (method == "lokr")
-    throw std::runtime_error("train.method = \"lokr\": LoKr training is not available yet; use lora, dora or full");
+  const bool lokr = method == "lokr";
+  if (lokr && cfg.checkpoint.lora_format != "kohya")
+    throw std::runtime_error("train.method = \"lokr\" with checkpoint.lora_format = \"" + cfg.checkpoint.lora_format +
+                             "\": LoKr files exist in the kohya / LyCORIS layout only; set lora_format = \"kohya\"");
   const bool full = method == "full";
   const bool resume = !cfg.checkpoint.resume.empty();
   const fs::path ckpt_dir = run / "checkpoints";
@@ -408,24 +410,22 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     std::vector<std::string> adapted;
     try {
       for (const auto& [ra, group] : groups) {
-        nn::LoraOptions o = lora;
-        o.rank = ra.first;
-        o.alpha = ra.second;
-        const auto added = den.flux  ? den.flux->add_lora(o, group)
-                           : den.sd3 ? den.sd3->add_lora(o, group)
-                                     : den.unet->add_lora(o, group);
+        std::vector<std::string> added;
+        if (lokr) {
+          added = nn::apply_lokr(model, {.factor = cfg.lora.lokr_factor, .rank = ra.first, .alpha = ra.second}, group);
+        } else {
+          nn::LoraOptions o = lora;
+          o.rank = ra.first;
+          o.alpha = ra.second;
+          added = den.flux ? den.flux->add_lora(o, group) : den.sd3 ? den.sd3->add_lora(o, group) : den.unet->add_lora(o, group);
+        }
         adapted.insert(adapted.end(), added.begin(), added.end());
       }
     } catch (const std::exception& e) {
       throw std::runtime_error(std::string("lora.targets / lora.rank: ") + e.what());
     }
     if (adapted.empty()) throw std::runtime_error("lora.targets matched no module of the " + family + " model");
-    for (const auto& m : model.modules()) {  // f32 adapters under bf16 weights
-      if (auto* lin = dynamic_cast<nn::Linear*>(m.get()); lin && lin->has_lora()) {
-        lin->lora_A()->to(DType::f32);
-        lin->lora_B()->to(DType::f32);
-      }
-    }
+    nn::adapters_to(model, DType::f32);  // f32 adapters (LoRA, DoRA or LoKr) under bf16 weights
     say(std::to_string(adapted.size()) + " modules adapted (" + method + ", rank " + std::to_string(cfg.lora.rank) + ")");
   }
   if (cfg.train.gradient_checkpointing) {

@@ -129,6 +129,9 @@ std::vector<ConfigKey> build_table() {
              "that rank)"),
       FD_KEY("lora.alpha_pattern", lora.alpha_pattern, Strings{},
              "per-module alphas, \"<module-name suffix>=<alpha>\" (PEFT's alpha_pattern)"),
+      FD_KEY("lora.lokr_factor", lora.lokr_factor, -1,
+             "LoKr (train.method = \"lokr\"): how out and in split into the two Kronecker factors (-1: the most "
+             "even split, as LyCORIS' factor = -1)", at_least(-1)),
       FD_KEY("lora.dropout", lora.dropout, 0.0, "dropout on the adapters' input",
              lim(0, 1, false, true)),
       FD_KEY("lora.targets", lora.targets, Strings{},

@@ -44,6 +44,7 @@ struct FinetuneLoraConfig {
   double dropout = 0.0;
   std::vector<std::string> targets;
   std::vector<std::string> rank_pattern, alpha_pattern;  // "<module suffix>=<value>"
+  int64_t lokr_factor = 0;
 };
 
 struct FinetuneOptimizerConfig {

@@ -281,7 +281,7 @@ TEST(FinetuneRun, BadSettingsAreNamed) {
   };
   EXPECT_NE(err([](auto& c) { c.dataset.crop = "random"; }).find("dataset.crop"), std::string::npos);
   EXPECT_NE(err([](auto& c) { c.dataset.shuffle_tags = true; }).find("dataset.shuffle_tags"), std::string::npos);
-  EXPECT_NE(err([](auto& c) { c.train.method = "lokr"; }).find("lokr"), std::string::npos);
+  EXPECT_NE(err([](auto& c) { c.train.method = "lokr"; }).find("lora_format"), std::string::npos);  // "both"
   EXPECT_NE(err([](auto& c) {
               c.model.checkpoint = (pipelines_dir() / "flux" / "transformer" / "diffusion_pytorch_model.safetensors").string();
             }).find("model.pipeline"),
@@ -362,9 +362,9 @@ TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
 
 namespace {
 
-// train.method full (a diffusers model folder that the pipeline loads in place of its UNet), DoRA
-// adapters, and the EMA of the trained weights written at the end.
-TEST(FinetuneRun, FullDoraAndEma) {
+// train.method full (a diffusers model folder that the pipeline loads in place of its UNet), LoKr and
+// DoRA adapters, and the EMA of the trained weights written at the end.
+TEST(FinetuneRun, FullLokrDoraAndEma) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "methods");
   const fs::path images = make_images(dir);
   fd::FinetuneConfig c = tiny_config("sdxl", images, dir / "full");
@@ -384,6 +384,22 @@ TEST(FinetuneRun, FullDoraAndEma) {
   g.guidance = 1.0;
   g.seed = 3;
   EXPECT_GT(max_diff(fm::generate(*tuned, g), sample("sdxl", "")), 1e-5);
+
+  // LoKr: a LyCORIS kohya file that loads back into the pipeline and changes its images.
+  {
+    fd::FinetuneConfig k = tiny_config("sdxl", images, dir / "lokr");
+    k.sample.prompts.clear();
+    k.train.steps = 2;
+    k.train.method = "lokr";
+    k.lora.rank = 2;
+    k.checkpoint.lora_format = "kohya";
+    const fd::FinetuneRunResult r = run(k);
+    ASSERT_EQ(r.lora_files.size(), 1u);
+    bool lokr_keys = false;
+    for (const auto& [key, t] : flame::io::load_safetensors(r.lora_files[0])) lokr_keys |= key.find(".lokr_w") != std::string::npos;
+    EXPECT_TRUE(lokr_keys);
+    EXPECT_GT(max_diff(sample("sdxl", r.lora_files[0]), sample("sdxl", "")), 1e-6);
+  }
 
   // DoRA with EMA: the file holds the EMA of the adapters, which moves slower than the adapters.
   for (const bool ema : {false, true}) {

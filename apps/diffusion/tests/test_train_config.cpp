@@ -155,7 +155,7 @@ TEST(TrainConfigErrors, UnknownKeysNameTheKeyAndTheNearestOne) {
   EXPECT_HAS(error_of("[train]\nstpes = 10\n"), "run.toml: unknown key \"train.stpes\" (did you mean \"train.steps\"?)");
   EXPECT_HAS(error_of("[train]\nlr = 1e-3\n"), "unknown key \"train.lr\" (did you mean \"optimizer.lr\"?)");
   EXPECT_HAS(error_of("[trian]\nsteps = 10\n"), "unknown key \"trian\" (did you mean [train]?)");
-  EXPECT_HAS(error_of("[lora]\nflavour = 1\n"), "unknown key \"lora.flavour\" (the keys of [lora] are: rank, alpha, rank_pattern, alpha_pattern, dropout, targets)");
+  EXPECT_HAS(error_of("[lora]\nflavour = 1\n"), "unknown key \"lora.flavour\" (the keys of [lora] are: rank, alpha, rank_pattern, alpha_pattern, lokr_factor, dropout, targets)");
   EXPECT_HAS(error_of("verbose = true\n"), "unknown key \"verbose\" (the tables are [model], [dataset]");
   EXPECT_HAS(error_of("[dataset.extra]\nx = 1\n"), "unknown key \"dataset.extra\"");
 }
