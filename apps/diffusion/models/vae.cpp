@@ -439,10 +439,12 @@ Tensor AutoencoderKL::tiled_decode(const Tensor& latents, TileOptions o) {
       .to(latents.dtype());
 }
 
-Tensor AutoencoderKL::to_latent(const Tensor& z) const {
-  Tensor s = config_.shift_factor ? z - *config_.shift_factor : z;
-  return s * config_.scaling_factor;
+Tensor vae_to_latent(const VaeConfig& config, const Tensor& z) {
+  const Tensor s = config.shift_factor ? z - *config.shift_factor : z;
+  return s * config.scaling_factor;
 }
+
+Tensor AutoencoderKL::to_latent(const Tensor& z) const { return vae_to_latent(config_, z); }
 
 Tensor AutoencoderKL::from_latent(const Tensor& z) const {
   Tensor s = z / config_.scaling_factor;

@@ -66,6 +66,10 @@ struct VaeConfig {
 // The dtype to run a VAE in when `requested` is asked for (Note [VAE dtypes]).
 flame::DType vae_compute_dtype(flame::DType requested, const VaeConfig& config);
 
+// The VAE's latent scaling of a configuration (AutoencoderKL::to_latent without the module: a trainer
+// that caches latents releases the VAE and keeps its configuration).
+flame::Tensor vae_to_latent(const VaeConfig& config, const flame::Tensor& z);
+
 // The latent distribution encode() gives: a diagonal Gaussian, logvar clamped to [-30, 20].
 struct LatentDistribution {
   flame::Tensor mean, logvar;

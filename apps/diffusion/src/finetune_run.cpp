@@ -237,7 +237,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const std::shared_ptr<fm::Pipeline> pipe = fm::load_pipeline(lo);
   const std::string family = pipe->family;
   Denoiser den{pipe->flux, pipe->sd3, pipe->unet};
-  fm::AutoencoderKL& vae = *pipe->vae;
+  // The VAE may be released once the latents are cached (step 4): keep its configuration, and reach
+  // the module through pipe->vae only while it is there.
+  const fm::VaeConfig vae_config = pipe->vae->config();
   const bool schnell = den.flux && !den.flux->config().guidance_embeds;
   const int64_t max_seq = family == "flux" && !schnell ? 512 : 256;
 
@@ -250,7 +252,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     say(std::to_string(records.size()) + " images in " + std::to_string(used) + " buckets");
   }
   {
-    const int64_t m = vae.config().downscale() * (family == "flux" ? 2 : family == "sd3" ? den.sd3->config().patch_size : 1);
+    const int64_t m = vae_config.downscale() * (family == "flux" ? 2 : family == "sd3" ? den.sd3->config().patch_size : 1);
     for (const Bucket& b : dataset->buckets()) {
       const std::string size = std::to_string(b.width) + "x" + std::to_string(b.height);
       if (b.width % m != 0 || b.height % m != 0)
@@ -330,7 +332,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       for (const auto& k : batch) {  // one image at a time: the keys of a call may span buckets
         const auto [i, f] = source.at(k);
         const ImageItem it = dataset->item(i, 0, f);
-        const fm::LatentDistribution d = vae.encode(it.image.unsqueeze(0).to(device));
+        const fm::LatentDistribution d = pipe->vae->encode(it.image.unsqueeze(0).to(device));
         means.push_back(d.mean.to(Device::cpu()));
         logvars.push_back(d.logvar.to(Device::cpu()));
       }
@@ -525,15 +527,17 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       const fm::TextTensors t = latent_cache->get_batch(keys, device);
       d = {t.at("mean"), t.at("logvar")};
     } else {
-      d = vae.encode(b.images.to(device));
+      d = pipe->vae->encode(b.images.to(device));  // kept: no latent cache
     }
     const Tensor z = d.mean + d.std() * Tensor::randn(d.mean.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(d.mean.dtype());
-    return vae.to_latent(z).to(dtype);
+
+    return fm::vae_to_latent(vae_config, z).to(dtype);
   };
   auto batch_loss = [&](ImageBatch& b) {
     const Tensor x0 = batch_latents(b);
     const fm::TextTensors text = batch_text(b.items);
     const Tensor states = text.at("states").to(dtype), pooled = text.at("pooled").to(dtype);
+
     const int64_t n = x0.size(0);
     const Tensor noise = Tensor::randn(x0.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(dtype);
     std::optional<flame::amp::AutocastGuard> ac;
