@@ -274,12 +274,13 @@ void adapters_to(Module& root, DType dtype) {
   }
 }
 
-namespace {
 bool matches_target(const std::string& name, const std::string& target) {
   if (name == target) return true;
   return name.size() > target.size() && name.compare(name.size() - target.size(), target.size(), target) == 0 &&
          name[name.size() - target.size() - 1] == '.';
 }
+
+namespace {
 // A module inside an adapter (lora_A, lora_B, ...) is never itself a target.
 bool inside_adapter(const std::string& name) {
   std::size_t start = 0;

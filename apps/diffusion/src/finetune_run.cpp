@@ -372,11 +372,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     flame::manual_seed(static_cast<uint64_t>(cfg.train.seed));  // the adapters' initialisation
     // PEFT's target_modules, rank_pattern and alpha_pattern: each targeted Linear gets the rank and
     // alpha of the first pattern naming it (a suffix of its dotted name), else lora.rank / alpha.
-    auto names = [](const std::string& name, const std::string& pattern) {
-      return name == pattern ||
-             (name.size() > pattern.size() && name.compare(name.size() - pattern.size(), pattern.size(), pattern) == 0 &&
-              name[name.size() - pattern.size() - 1] == '.');
-    };
+    const auto& names = nn::matches_target;
     auto split = [](const std::string& entry) {
       const auto eq = entry.rfind('=');
       return std::pair{entry.substr(0, eq), std::stod(entry.substr(eq + 1))};
@@ -632,7 +628,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   while (step < total) {
     const auto t_step = std::chrono::steady_clock::now();
     flame::Gradients grads;
-    double loss_sum = 0;
+    Tensor loss_total;  // on the device; read with the gradient norm, one host sync per step
     for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
       ImageBatch b = loader.next();
       Tensor loss = batch_loss(b);
@@ -640,13 +636,17 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       flame::BackwardOptions bo;
       bo.accumulate_into = &grads;
       (void)loss.backward(bo);
-      loss_sum += loss.item<double>();
+      const Tensor l = loss.detach().to(DType::f32);
+      loss_total = loss_total.defined() ? loss_total + l : l;
     }
+    const Tensor norm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip) : flame::grad_norm(grads);
+    const std::vector<float> read = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})})
+                                        .to(Device::cpu())
+                                        .to_vec<float>();
+    const double loss_sum = read[0], gnorm = read[1];
     if (!std::isfinite(loss_sum))
       throw std::runtime_error("the loss is " + fmt("%g", loss_sum) + " at step " + std::to_string(step + 1) +
                                "; lower optimizer.lr or check the data (the last checkpoint is intact)");
-    const double gnorm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip).item<double>()
-                                          : flame::grad_norm(grads).item<double>();
     const double lr = opt->lr();
     opt->step(grads);
     sched->step();

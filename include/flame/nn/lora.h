@@ -86,6 +86,9 @@ inline constexpr const char* kPeftPrefix = "base_model.model.";
 // and the adapters' own layers, are skipped. Then, as PEFT's get_peft_model, every parameter of
 // root that is not an adapter's is frozen. Returns the names adapted; raises if none matched.
 std::vector<std::string> apply_lora(Module& root, const LoraOptions& options, const std::vector<std::string>& targets);
+// PEFT's target_modules rule used by apply_lora / apply_lokr: `name` equals `target` or ends with
+// "." + target.
+bool matches_target(const std::string& name, const std::string& target);
 // The same with LoKr adapters (matching, skipping and freezing as apply_lora).
 std::vector<std::string> apply_lokr(Module& root, const LokrOptions& options, const std::vector<std::string>& targets);
 // The adapter tensors only (lora_A/lora_B weights, DoRA magnitudes, LoKr factors), keyed as PEFT saves them:
