@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -495,7 +496,8 @@ TEST(AdamW8bitCuda, StateDictRoundTripResumesBitIdentically) {
 // The CUDA kernel against the CPU kernel over 5 steps, for every parameter dtype (bf16/f16 with and
 // without master weights), 230 tensors (two launches) of odd sizes including partial blocks: the
 // parameters agree to the compute type's rounding, the absmax to 1e-5, the codes exactly or by one
-// where the value sits on a rounding boundary (at most 0.1% of them).
+// where the value sits on a rounding boundary (at most 0.1% of them); a parameter whose state took
+// the neighbouring code may differ by a fraction of lr (at most 0.1% of the parameters).
 TEST(AdamW8bitCuda, StepMatchesCpu) {
   FLAME_SKIP_IF_NO_CUDA();
   struct C {
@@ -533,13 +535,22 @@ TEST(AdamW8bitCuda, StepMatchesCpu) {
       launches = optim::fused_launch_count() - before;
     }
     EXPECT_EQ(launches, 2) << "230 tensors in launches of 200";
-    int64_t off_by_one = 0, total = 0;
+    int64_t off_by_one = 0, total = 0, params_off = 0, params = 0;
+    double worst_off = 0.0;
     for (int i = 0; i < 230; ++i) {
       const std::string what = std::string(dtype_name(c.dt)) + (c.master ? " master" : "") + " tensor " +
                                std::to_string(i);
       const auto a = pc[i].to_vec<double>(), b = pg[i].to_vec<double>();
-      for (std::size_t k = 0; k < a.size(); ++k)
-        ASSERT_NEAR(b[k], a[k], c.rtol * (std::abs(a[k]) + 1e-2)) << what << " element " << k;
+      for (std::size_t k = 0; k < a.size(); ++k) {
+        const double d = std::abs(b[k] - a[k]);
+        if (d <= c.rtol * (std::abs(a[k]) + 1e-2)) continue;
+        // A state code one apart dequantises to the neighbouring map value, which moves that
+        // element's later updates by a fraction of lr: bounded by half of 5 steps of lr.
+        ASSERT_LE(d, 0.5 * 5 * o.lr) << what << " element " << k << ": " << b[k] << " on CUDA, " << a[k] << " on the CPU";
+        ++params_off;
+        worst_off = std::max(worst_off, d);
+      }
+      params += static_cast<int64_t>(a.size());
       for (const char* slot : {"exp_avg_absmax", "exp_avg_sq_absmax"}) {
         const auto x = oc.state(i, slot).to_vec<double>(), y = og.state(i, slot).to_vec<double>();
         for (std::size_t k = 0; k < x.size(); ++k) ASSERT_NEAR(y[k], x[k], 1e-5 * x[k]) << what << " " << slot;
@@ -553,7 +564,12 @@ TEST(AdamW8bitCuda, StepMatchesCpu) {
         total += static_cast<int64_t>(x.size());
       }
     }
+    std::printf("# AdamW8bit %s%s: %lld of %lld codes one apart; %lld of %lld parameters beyond rtol %.0e (worst %.2e)\n",
+                dtype_name(c.dt), c.master ? " master" : "", static_cast<long long>(off_by_one),
+                static_cast<long long>(total), static_cast<long long>(params_off), static_cast<long long>(params),
+                c.rtol, worst_off);
     EXPECT_LE(off_by_one, total / 1000) << dtype_name(c.dt);
+    EXPECT_LE(params_off, params / 1000) << dtype_name(c.dt) << ": parameters beyond the compute type's rounding";
   }
 }
 

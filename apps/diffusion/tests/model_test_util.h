@@ -29,6 +29,20 @@ inline flame::Device test_device() {
       GTEST_SKIP() << "FLAME_TEST_DEVICE=cuda but no CUDA device is available";             \
   } while (0)
 
+// f32 convolutions in full f32 (no TF32 tensor cores, which cuDNN may use by default as PyTorch's
+// torch.backends.cudnn.allow_tf32) while alive, for comparisons with references computed in f32
+// on the CPU; restores the previous setting.
+class ConvTf32Off {
+ public:
+  ConvTf32Off() : was_(flame::cuda::allow_conv_tf32()) { flame::cuda::set_allow_conv_tf32(false); }
+  ~ConvTf32Off() { flame::cuda::set_allow_conv_tf32(was_); }
+  ConvTf32Off(const ConvTf32Off&) = delete;
+  ConvTf32Off& operator=(const ConvTf32Off&) = delete;
+
+ private:
+  bool was_;
+};
+
 // Adds N(0, std) noise to every parameter (under no-grad).
 inline void perturb(flame::nn::Module& m, double std, uint64_t seed) {
   flame::NoGradGuard no_grad;

@@ -38,6 +38,7 @@ flame_diffusion::tools::FinetuneReference load_reference(const std::string& fami
 
 // Replays the reference's steps on the model in `model_dir`, checking each loss and the final adapters.
 void expect_replay_matches(const std::string& family, const std::string& model_dir) {
+  const fd_test::ConvTf32Off full_f32;  // SDXL's UNet convolutions on CUDA
   const auto r = load_reference(family);
   const auto run = flame_diffusion::tools::replay_finetune(r, (data_dir() / model_dir).string(), fd_test::test_device());
   const std::vector<double> want = r.t.at("losses").to_vec<double>();

@@ -449,7 +449,7 @@ TEST(ModelsVae, F16AsksForF32WhereTheConfigForcesUpcast) {
 // The GPU path (cuDNN convolutions, pad, interpolate, SDPA) against the CPU, f32 without TF32 and bf16.
 TEST(ModelsVaeCuda, MatchesCpu) {
   if (!flame::cuda_is_available()) GTEST_SKIP() << "no CUDA device";
-  flame::cuda::set_allow_conv_tf32(false);
+  const fd_test::ConvTf32Off full_f32;
   auto vae = random_vae(tiny_config(), 16);
   flame::NoGradGuard no_grad;
   flame::Generator gen(17);
@@ -465,7 +465,6 @@ TEST(ModelsVaeCuda, MatchesCpu) {
   vae->to(DType::bf16);
   EXPECT_LT(rel_err(vae->decode(lat_g.to(DType::bf16)), dec_cpu), 5e-2);
   EXPECT_EQ(vae->decode(lat_g.to(DType::bf16)).dtype(), DType::bf16);
-  flame::cuda::set_allow_conv_tf32(true);
 
 }
 

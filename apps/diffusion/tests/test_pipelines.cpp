@@ -88,6 +88,7 @@ Tensor run_case(const std::string& spec, std::string* name, bool without_lora = 
 // Every case's image within 2e-5 (absolute, on [0, 1]) of diffusers'.
 TEST(Pipelines, TinyFluxSD35AndSdxlMatchDiffusers) {
   FD_SKIP_IF_NO_DEVICE();
+  const fd_test::ConvTf32Off full_f32;  // SDXL's VAE and UNet convolutions on CUDA
   const Reference& r = reference();
   const std::vector<std::string> cases = split(r.meta.at("cases"), '|');
   ASSERT_EQ(cases.size(), 6u);
@@ -109,6 +110,7 @@ TEST(Pipelines, TinyFluxSD35AndSdxlMatchDiffusers) {
 // UNet give diffusers' images after load_lora_weights, within 2e-5; without the LoRA they differ.
 TEST(Pipelines, DiffusersLoraFilesGiveDiffusersImages) {
   FD_SKIP_IF_NO_DEVICE();
+  const fd_test::ConvTf32Off full_f32;
   const Reference& r = reference();
   int n = 0;
   for (const std::string& spec : split(r.meta.at("cases"), '|')) {
