@@ -326,6 +326,31 @@ TEST(MemProfTest, TwoSessionsSeeTheSameEvents) {
   EXPECT_LT(p2.trace().size(), p1.trace().size());
 }
 
+// Ops run through invoke (Note [Invoke]) own every allocation they make, their output and a layout
+// copy of a non-contiguous input alike: each event names the op, none the generic "empty" or
+// "contiguous".
+TEST(MemProfTest, InvokedOpsOwnTheirAllocations) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor x = Tensor::randn({2, 3, 8, 8}, TensorOptions(dev)), w = Tensor::randn({4, 3, 3, 3}, TensorOptions(dev));
+  const Tensor xt = x.transpose(2, 3);  // neither contiguous nor channels-last: conv copies it
+  MemoryProfiler prof;
+  prof.start();
+  Tensor y = nn::functional::conv2d(xt, w, {}, {1}, {1});
+  Tensor z = nn::functional::max_pool2d(y, 2);
+  Tensor u = nn::functional::interpolate(z, nn::functional::InterpolateOptions().with_scale(2.0));
+  prof.stop();
+  int conv = 0;
+  for (const MemoryEvent& e : prof.trace()) {
+    if (!e.is_alloc) continue;
+    EXPECT_TRUE(e.op == "conv2d" || e.op == "max_pool2d" || e.op == "interpolate") << "an allocation of " << e.op;
+    conv += e.op == "conv2d" ? 1 : 0;
+  }
+  EXPECT_GE(conv, 2) << "conv2d's output and its copy of the input";
+  EXPECT_TRUE(has_alloc(prof.trace(), dev, "max_pool2d", "", false));
+  EXPECT_TRUE(has_alloc(prof.trace(), dev, "interpolate", "", false));
+}
+
 TEST(MemProfTest, TwoThreadsAllocating) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

@@ -19,6 +19,7 @@ inline bool recording() { return g_recording.load(std::memory_order_relaxed) > 0
 struct ThreadContext {
   static constexpr int kMaxDepth = 64;  // deeper module calls keep the path of the 64th
   const char* op = nullptr;             // the op that last allocated an output on this thread
+  const char* invoking = nullptr;       // the op invoke<Def> runs now (Note [Invoke] in src/ops/invoke.h)
   const char* backward_node = nullptr;  // the node whose gradient rule runs now (backward only)
   const char* node_module = nullptr;    // the module path that node was recorded in
   const char* modules[kMaxDepth] = {};  // paths of the nn::Module calls entered (interned)
@@ -29,9 +30,33 @@ ThreadContext& thread_context();
 // Names the op allocating now (make_empty's op). Deliberately not restored on exit: scratch
 // memory a kernel allocates right after its output (a cuBLAS or cuDNN workspace) is attributed
 // to the same op.
+// Inside an op run through invoke<Def>, its allocations (outputs, layout copies, scratch) belong
+// to that op rather than to the generic name ("empty") make_empty was given.
 inline void set_current_op(const char* op) {
-  if (recording()) thread_context().op = op;
+  if (!recording()) return;
+  ThreadContext& ctx = thread_context();
+  ctx.op = ctx.invoking ? ctx.invoking : op;
 }
+
+// The op invoke<Def> runs while alive (the innermost one when invokes nest).
+class InvokeScope {
+ public:
+  explicit InvokeScope(const char* op) {
+    if (!recording()) return;
+    ctx_ = &thread_context();
+    prev_ = ctx_->invoking;
+    ctx_->invoking = op;
+  }
+  ~InvokeScope() {
+    if (ctx_) ctx_->invoking = prev_;
+  }
+  InvokeScope(const InvokeScope&) = delete;
+  InvokeScope& operator=(const InvokeScope&) = delete;
+
+ private:
+  ThreadContext* ctx_ = nullptr;
+  const char* prev_ = nullptr;
+};
 
 // The gradient rule of `node` runs (backward.cpp): allocations meanwhile belong to it.
 class BackwardNodeScope {

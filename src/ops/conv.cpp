@@ -16,15 +16,14 @@
 #include "src/ops/conv.h"
 
 #include <algorithm>
+#include <ostream>
 #include <string>
 
 #include "flame/grad_mode.h"
 #include "flame/nn/conv.h"
 #include "flame/ops.h"
-#include "src/ops/autocast_hooks.h"
-#include "src/autograd/rules/conv.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
+#include "src/ops/conv_def.h"
 
 namespace flame {
 
@@ -101,30 +100,27 @@ Tensor to_channels_last(const Tensor& t) {
   return t.permute(to_last).contiguous().permute(back);
 }
 
-namespace {
+}  // namespace nn::functional
+
+namespace op_detail {
 using conv_detail::ConvParams;
-using conv_detail::expand_arg;
+using nn::functional::Padding;
 
-struct ConvCall {
-  const char* op;
-  int64_t nsp;
-  bool transposed;
+namespace {
+// A per-dim argument of the call: read by index, printed as a shape only when a check fails.
+struct DimsView {
+  const int64_t* v;
+  int64_t n;
+  int64_t operator[](int64_t i) const { return v[i]; }
 };
+std::ostream& operator<<(std::ostream& os, const DimsView& d) { return os << shape_str(Shape(d.v, d.v + d.n)); }
+}  // namespace
 
-Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride_arg,
-                 const Padding& padding_arg, const Shape& dilation_arg, int64_t groups, const Shape& out_pad_arg) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, c.op, {input, weight, bias}, [=](const TensorList& in) {
-      return conv_impl(c, in[0], in[1], in[2], stride_arg, padding_arg, dilation_arg, groups, out_pad_arg);
-    });
-  }
-  if (amp::detail::should_autocast(input)) {  // Note [Autocast policy]: low precision
-    amp::detail::AutocastOpScope scope;
-    return conv_impl(c, amp::detail::cast_low(input), amp::detail::cast_low(weight), amp::detail::cast_low(bias),
-                     stride_arg, padding_arg, dilation_arg, groups, out_pad_arg);
-  }
-  const char* op = c.op;
-  const int64_t nsp = c.nsp, nd = nsp + 2;
+ConvDef::Prep ConvDef::prepare(const Args& a) {
+  const char* op = a.op;
+  const Tensor &input = a.input, &weight = a.weight, &bias = a.bias;
+  const int64_t nsp = a.nsp, nd = nsp + 2, groups = a.groups;
+  Prep r;
   FLAME_CHECK(input.defined(), op, "input is undefined");
   FLAME_CHECK(weight.defined(), op, "weight is undefined");
   FLAME_CHECK(input.dim() == nd || input.dim() == nd - 1, op, "expected a ", nd - 1, "-d (unbatched) or ", nd,
@@ -136,13 +132,13 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
   FLAME_CHECK(input.device() == weight.device(), op, "input is on ", input.device(), " but weight is on ",
               weight.device());
   FLAME_CHECK(groups > 0, op, "groups must be positive, got ", groups);
-  const bool unbatched = input.dim() == nd - 1;
-  const Tensor x = unbatched ? input.unsqueeze(0) : input;
+  r.unbatched = input.dim() == nd - 1;
+  const Tensor x = r.unbatched ? input.unsqueeze(0) : input;
   const Shape& xs = x.sizes();
   const Shape& ws = weight.sizes();
   const int64_t c_in = xs[1];
   int64_t c_out = 0;
-  if (!c.transposed) {
+  if (!a.transposed) {
     FLAME_CHECK(ws[0] % groups == 0, op, "weight shape ", ws, ": out_channels ", ws[0], " not divisible by groups ",
                 groups);
     FLAME_CHECK(ws[1] * groups == c_in, op, "input shape ", input.sizes(), " has ", c_in,
@@ -163,10 +159,8 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
                 bias.device());
   }
 
-  const Shape stride = expand_arg(stride_arg, nsp, op, "stride");
-  const Shape dilation = expand_arg(dilation_arg, nsp, op, "dilation");
-  const Shape out_pad = expand_arg(out_pad_arg, nsp, op, "output_padding");
-  ConvParams p;
+  const DimsView stride{a.stride, nsp}, dilation{a.dilation, nsp}, out_pad{a.out_pad, nsp};
+  ConvParams& p = r.p;
   p.nsp = nsp;
   p.groups = groups;
   for (int64_t i = 0; i < nsp; ++i) {
@@ -175,14 +169,14 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
     p.stride[i] = stride[i];
     p.dilation[i] = dilation[i];
   }
-  if (padding_arg.mode == Padding::Mode::explicit_sizes) {
-    const Shape pad = expand_arg(padding_arg.sizes, nsp, op, "padding");
+  if (a.pad_mode == Padding::Mode::explicit_sizes) {
+    const DimsView pad{a.pad, nsp};
     for (int64_t i = 0; i < nsp; ++i) {
       FLAME_CHECK(pad[i] >= 0, op, "padding must be non-negative, got ", pad);
       p.pad_lo[i] = p.pad_hi[i] = pad[i];
     }
-  } else if (padding_arg.mode == Padding::Mode::same) {
-    FLAME_CHECK(!c.transposed, op, "padding \"same\" is only for convolutions");
+  } else if (a.pad_mode == Padding::Mode::same) {
+    FLAME_CHECK(!a.transposed, op, "padding \"same\" is only for convolutions");
     for (int64_t i = 0; i < nsp; ++i) {
       FLAME_CHECK(stride[i] == 1, op, "padding=\"same\" is not supported for strided convolutions (stride ", stride,
                   ")");
@@ -193,7 +187,7 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
     }
   }
   for (int64_t i = 0; i < nsp; ++i) {
-    if (c.transposed) {
+    if (a.transposed) {
       FLAME_CHECK(out_pad[i] >= 0 && (out_pad[i] < stride[i] || out_pad[i] < dilation[i]), op, "output_padding ",
                   out_pad, " must be smaller than either stride ", stride, " or dilation ", dilation);
     } else {
@@ -202,11 +196,13 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
   }
 
   // Output shape; for a transposed conv the roles of the two shapes swap (Note [Transposed conv]).
-  Shape ys{xs[0], c_out};
+  r.c_out = c_out;
+  Shape& ys = r.ys;
+  ys = {xs[0], c_out};
   for (int64_t i = 0; i < nsp; ++i) {
     const int64_t in = xs[2 + i], k = ws[2 + i];
     const int64_t span = p.dilation[i] * (k - 1) + 1;
-    if (!c.transposed) {
+    if (!a.transposed) {
       const int64_t padded = in + p.pad_lo[i] + p.pad_hi[i];
       FLAME_CHECK(padded >= span, op, "kernel size (dilated) ", span, " in spatial dim ", i,
                   " is larger than the padded input size ", padded, " (input shape ", input.sizes(),
@@ -221,11 +217,12 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
     }
   }
 
-  const bool cl = conv_detail::channels_last(x);
+  r.cl = conv_detail::channels_last(x);
   // "same" with an even dilated kernel pads one more zero after than before. As PyTorch, the
   // extra zeros are made explicit (a pad op, with its own gradient) and the kernels only ever see
   // symmetric padding, which every cuDNN engine supports.
-  Tensor xin = x;
+  Tensor& xin = r.x;
+  xin = x;
   Shape extra;
   bool asymmetric = false;
   for (int64_t i = nsp - 1; i >= 0; --i) {
@@ -237,28 +234,68 @@ Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, c
     xin = flame::pad(x, extra);
     for (int64_t i = 0; i < nsp; ++i) p.pad_hi[i] = p.pad_lo[i];
   }
-  Tensor y;
-  {
-    NoGradGuard no_grad;  // the layout copies below are not part of the graph; the rule is
-    if (!c.transposed) {
-      y = conv_detail::conv_forward(xin, weight, p, ys, cl);
-    } else {
-      y = conv_detail::conv_backward_data(xin, weight, p, ys, cl);
-    }
-    if (bias.defined() && y.numel() > 0) {
-      // In place through the broadcast add kernel; y is fresh, so nothing else sees the write.
-      Shape bshape(static_cast<std::size_t>(nd), 1);
-      bshape[1] = c_out;
-      const Tensor b = bias.reshape(bshape).expand(ys);
-      backend::backend_for(y.device()).binary(backend::BinaryOp::add, y, y, b);
-    }
+  return r;
+}
+
+ConvDef::Result ConvDef::run(const Args& a, Prep& pr) {
+  const conv_detail::ConvParams& p = pr.p;
+  const Tensor& xin = pr.x;
+  const Shape& ys = pr.ys;
+  const int64_t nd = a.nsp + 2;
+  Result r;
+  Tensor& y = r.y;
+  NoGradGuard no_grad;  // the layout copies below are not part of the graph; the rule is
+  if (!a.transposed) {
+    y = conv_detail::conv_forward(xin, a.weight, p, ys, pr.cl);
+  } else {
+    y = conv_detail::conv_backward_data(xin, a.weight, p, ys, pr.cl);
   }
-  rules::ConvRecord rec;
-  rec.params = p;
-  rec.transposed = c.transposed;
-  rec.channels_last = cl;
-  rules::conv(y, xin, weight, bias, rec);
-  return unbatched ? y.squeeze(0) : y;
+  if (a.bias.defined() && y.numel() > 0) {
+    // In place through the broadcast add kernel; y is fresh, so nothing else sees the write.
+    Shape bshape(static_cast<std::size_t>(nd), 1);
+    bshape[1] = pr.c_out;
+    const Tensor b = a.bias.reshape(bshape).expand(ys);
+    backend::backend_for(y.device()).binary(backend::BinaryOp::add, y, y, b);
+  }
+  return r;
+}
+
+}  // namespace op_detail
+
+namespace nn::functional {
+namespace {
+using conv_detail::expand_arg;
+
+struct ConvCall {
+  const char* op;
+  int64_t nsp;
+  bool transposed;
+};
+
+Tensor conv_impl(const ConvCall& c, const Tensor& input, const Tensor& weight, const Tensor& bias, const Shape& stride_arg,
+                 const Padding& padding_arg, const Shape& dilation_arg, int64_t groups, const Shape& out_pad_arg) {
+  op_detail::ConvDef::Args a;
+  a.op = c.op;
+  a.nsp = c.nsp;
+  a.transposed = c.transposed;
+  a.input = input;
+  a.weight = weight;
+  a.bias = bias;
+  a.groups = groups;
+  a.pad_mode = padding_arg.mode;
+  const Shape stride = expand_arg(stride_arg, c.nsp, c.op, "stride");
+  const Shape dilation = expand_arg(dilation_arg, c.nsp, c.op, "dilation");
+  const Shape out_pad = expand_arg(out_pad_arg, c.nsp, c.op, "output_padding");
+  for (int64_t i = 0; i < c.nsp; ++i) {
+    a.stride[i] = stride[i];
+    a.dilation[i] = dilation[i];
+    a.out_pad[i] = out_pad[i];
+  }
+  if (padding_arg.mode == Padding::Mode::explicit_sizes) {
+    const Shape pad = expand_arg(padding_arg.sizes, c.nsp, c.op, "padding");
+    for (int64_t i = 0; i < c.nsp; ++i) a.pad[i] = pad[i];
+  }
+  return op_detail::invoke<op_detail::ConvDef>(a);
 }
 
 constexpr ConvCall kConv1d{"conv1d", 1, false}, kConv2d{"conv2d", 2, false}, kConv3d{"conv3d", 3, false};

@@ -9,26 +9,35 @@
 // the tests compare the fused path with.
 #include "src/ops/cross_entropy.h"
 
-#include "src/autograd/rules/pool.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/pool_def.h"
+
+namespace flame::op_detail {
+
+CrossEntropyRowsDef::Prep CrossEntropyRowsDef::prepare(const Args& a) {
+  FLAME_CHECK(a.logits.size(0) == 0 || a.logits.size(1) > 0, "cross_entropy",
+              "expected at least one class, got logits of shape ", a.logits.sizes());
+  return {a.logits.contiguous(), a.target.contiguous()};
+}
+
+CrossEntropyRowsDef::Result CrossEntropyRowsDef::run(const Args& a, Prep& p) {
+  const DType acc = p.x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  const int64_t n = p.x.size(0);
+  Result r;
+  r.loss = make_empty({n}, acc, p.x.device());
+  r.lse = make_empty({n}, acc, p.x.device());
+  if (n > 0) backend::backend_for(p.x.device()).cross_entropy(r.loss, r.lse, p.x, p.t, a.ignore_index, a.label_smoothing);
+  return r;
+}
+
+}  // namespace flame::op_detail
 
 namespace flame::detail {
 
 Tensor cross_entropy_rows(const Tensor& logits, const Tensor& target, int64_t ignore_index, double label_smoothing) {
-  const Tensor x = logits.contiguous();
-  const Tensor t = target.contiguous();
-  const DType acc = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
-  const int64_t n = x.size(0);
-  Tensor loss = make_empty({n}, acc, x.device());
-  Tensor lse = make_empty({n}, acc, x.device());
-  if (n > 0) {
-    FLAME_CHECK(x.size(1) > 0, "cross_entropy", "expected at least one class, got logits of shape ", logits.sizes());
-    backend::backend_for(x.device()).cross_entropy(loss, lse, x, t, ignore_index, label_smoothing);
-  }
-  // The rule reads x (the contiguous logits); gradients reach `logits` through contiguous().
-  rules::cross_entropy(loss, x, t, lse, ignore_index, label_smoothing);
-  return loss;
+  // The rule reads the contiguous logits; gradients reach `logits` through contiguous().
+  return op_detail::invoke<op_detail::CrossEntropyRowsDef>({logits, target, ignore_index, label_smoothing});
 }
 
 }  // namespace flame::detail

@@ -1,6 +1,8 @@
 // Pooling, interpolation and pixel shuffle (include/flame/nn/pool.h): validation, output shapes
 // (PyTorch's formulas), then one backend kernel over an [N, C, H, W] view; 1-d ops run as 2-d ops
-// on [N, C, 1, L] and inputs without a batch dim get one. Gradients: src/autograd/rules/pool.cpp.
+// on [N, C, 1, L] and inputs without a batch dim get one. Pooling and interpolation are op
+// definitions (src/ops/pool_def.h) run through invoke (Note [Invoke]); their gradient rules are in
+// src/autograd/rules/pool.cpp.
 #include "flame/nn/pool.h"
 
 #include <cmath>
@@ -8,13 +10,12 @@
 #include <limits>
 
 #include "flame/ops.h"
-#include "src/autograd/record.h"
-#include "src/autograd/rules/pool.h"
 #include "src/backend/backend.h"
+#include "src/core/grad_state.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
+#include "src/ops/pool_def.h"
 
-namespace flame::nn::functional {
+namespace flame::op_detail {
 namespace {
 using backend::PoolDim;
 using backend::PoolMode;
@@ -22,6 +23,8 @@ using backend::Pool2dParams;
 using backend::UpsampleDim;
 using backend::UpsampleMode;
 using backend::Upsample2dParams;
+using nn::functional::InterpolateOptions;
+using nn::functional::Size2;
 
 // x as [N, C, H, W] (a view): 1-d inputs get H = 1, unbatched inputs N = 1.
 Tensor as_4d(const Tensor& x, int spatial, const char* op) {
@@ -75,120 +78,60 @@ PoolDim adaptive_dim(const char* op, int64_t in, int64_t out, const Shape& xs) {
   return d;
 }
 
-std::pair<Tensor, Tensor> run_pool(const Tensor& x, const Tensor& x4, const Pool2dParams& p, int spatial,
-                                   bool want_indices) {
-  const Shape out_shape{x4.size(0), x4.size(1), p.h.out, p.w.out};
-  Tensor out = make_empty(out_shape, x.dtype(), x.device());
-  const bool is_max = p.mode == PoolMode::max;
-  Tensor indices;
-  if (is_max && (want_indices || needs_grad({x}))) {
-    // Indices kept only for the backward may be int32 on CUDA (half the bytes written and read
-    // again; Note [Pool fast paths] in src/backend/cuda/pool/pool_fast.cu); the public ones are int64.
-    const bool compact = !want_indices && x.device().is_cuda() &&
-                         x4.size(2) * x4.size(3) <= std::numeric_limits<int32_t>::max();
-    indices = make_empty(out_shape, compact ? DType::i32 : DType::i64, x.device());
-  }
-  if (out.numel() > 0) backend::backend_for(x.device()).pool2d(out, indices, x4, p);
-  rules::pool2d(out, x4, indices, p);
-  Tensor y = from_4d(out, x, spatial);
-  return {y, indices.defined() && want_indices ? from_4d(indices, x, spatial) : Tensor()};
-}
-
-std::pair<Tensor, Tensor> max_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
-                                   bool ceil_mode, bool want_indices) {
-  if (auto* tr = compile_detail::active_tracer(); tr && !want_indices) {  // an opaque step of a trace
-    return {compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
-              return max_pool(op, spatial, in[0], k, s, pad, dil, ceil_mode, false).first;
-            }),
-            Tensor()};
-  }
-  const Tensor x4 = as_4d(x, spatial, op);
-  if (s.h == 0 && s.w == 0) s = k;
-  Pool2dParams p;
-  p.mode = PoolMode::max;
-  p.h = regular_dim(op, "height", x4.size(2), k.h, s.h, pad.h, dil.h, ceil_mode, x.sizes());
-  p.w = regular_dim(op, spatial == 1 ? "length" : "width", x4.size(3), k.w, s.w, pad.w, dil.w, ceil_mode, x.sizes());
-  return run_pool(x, x4, p, spatial, want_indices);
-}
-
-Tensor avg_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode,
-                bool count_include_pad, std::optional<int64_t> divisor_override) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
-      return avg_pool(op, spatial, in[0], k, s, pad, ceil_mode, count_include_pad, divisor_override);
-    });
-  }
-  const Tensor x4 = as_4d(x, spatial, op);
-  if (s.h == 0 && s.w == 0) s = k;
-  Pool2dParams p;
-  p.mode = PoolMode::avg;
-  p.count_include_pad = count_include_pad;
-  if (divisor_override) {
-    FLAME_CHECK(*divisor_override > 0, op, "divisor_override must be positive, got ", *divisor_override);
-    p.divisor_override = *divisor_override;
-  }
-  // Average pools have no dilation; their padding limit is half the kernel.
-  p.h = regular_dim(op, "height", x4.size(2), k.h, s.h, pad.h, 1, ceil_mode, x.sizes());
-  p.w = regular_dim(op, spatial == 1 ? "length" : "width", x4.size(3), k.w, s.w, pad.w, 1, ceil_mode, x.sizes());
-  return run_pool(x, x4, p, spatial, false).first;
-}
-
-std::pair<Tensor, Tensor> adaptive_pool(const char* op, int spatial, PoolMode mode, const Tensor& x, Size2 out,
-                                        bool want_indices) {
-  if (auto* tr = compile_detail::active_tracer(); tr && !want_indices) {  // an opaque step of a trace
-    return {compile_detail::trace_eager_op(*tr, op, {x}, [=](const TensorList& in) {
-              return adaptive_pool(op, spatial, mode, in[0], out, false).first;
-            }),
-            Tensor()};
-  }
-  const Tensor x4 = as_4d(x, spatial, op);
-  Pool2dParams p;
-  p.mode = mode;
-  p.h = adaptive_dim(op, x4.size(2), out.h, x.sizes());
-  p.w = adaptive_dim(op, x4.size(3), out.w, x.sizes());
-  return run_pool(x, x4, p, spatial, want_indices);
-}
-
 }  // namespace
 
-Tensor max_pool1d(const Tensor& x, int64_t k, int64_t s, int64_t pad, int64_t dil, bool ceil_mode) {
-  return max_pool("max_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, {1, dil}, ceil_mode, false).first;
-}
-std::pair<Tensor, Tensor> max_pool1d_with_indices(const Tensor& x, int64_t k, int64_t s, int64_t pad, int64_t dil,
-                                                  bool ceil_mode) {
-  return max_pool("max_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, {1, dil}, ceil_mode, true);
-}
-Tensor max_pool2d(const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil, bool ceil_mode) {
-  return max_pool("max_pool2d", 2, x, k, s, pad, dil, ceil_mode, false).first;
-}
-std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
-                                                  bool ceil_mode) {
-  return max_pool("max_pool2d", 2, x, k, s, pad, dil, ceil_mode, true);
+Pool2dDef::Prep Pool2dDef::prepare(const Args& a) {
+  const char* op = a.op;
+  const Tensor& x = a.x;
+  Prep r;
+  r.x4 = as_4d(x, a.spatial, op);
+  Pool2dParams& p = r.p;
+  p.mode = a.mode;
+  const char* w_axis = a.spatial == 1 ? "length" : "width";
+  if (a.adaptive) {
+    p.h = adaptive_dim(op, r.x4.size(2), a.out.h, x.sizes());
+    p.w = adaptive_dim(op, r.x4.size(3), a.out.w, x.sizes());
+    return r;
+  }
+  Size2 s = a.s;
+  if (s.h == 0 && s.w == 0) s = a.k;
+  if (a.mode == PoolMode::max) {
+    p.h = regular_dim(op, "height", r.x4.size(2), a.k.h, s.h, a.pad.h, a.dil.h, a.ceil_mode, x.sizes());
+    p.w = regular_dim(op, w_axis, r.x4.size(3), a.k.w, s.w, a.pad.w, a.dil.w, a.ceil_mode, x.sizes());
+    return r;
+  }
+  p.count_include_pad = a.count_include_pad;
+  if (a.divisor_override) {
+    FLAME_CHECK(*a.divisor_override > 0, op, "divisor_override must be positive, got ", *a.divisor_override);
+    p.divisor_override = *a.divisor_override;
+  }
+  // Average pools have no dilation; their padding limit is half the kernel.
+  p.h = regular_dim(op, "height", r.x4.size(2), a.k.h, s.h, a.pad.h, 1, a.ceil_mode, x.sizes());
+  p.w = regular_dim(op, w_axis, r.x4.size(3), a.k.w, s.w, a.pad.w, 1, a.ceil_mode, x.sizes());
+  return r;
 }
 
-Tensor avg_pool1d(const Tensor& x, int64_t k, int64_t s, int64_t pad, bool ceil_mode, bool count_include_pad) {
-  return avg_pool("avg_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, ceil_mode, count_include_pad,
-                  std::nullopt);
-}
-Tensor avg_pool2d(const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode, bool count_include_pad,
-                  std::optional<int64_t> divisor_override) {
-  return avg_pool("avg_pool2d", 2, x, k, s, pad, ceil_mode, count_include_pad, divisor_override);
+Pool2dDef::Result Pool2dDef::run(const Args& a, Prep& pr) {
+  const Tensor& x = a.x;
+  const Tensor& x4 = pr.x4;
+  const Pool2dParams& p = pr.p;
+  const Shape out_shape{x4.size(0), x4.size(1), p.h.out, p.w.out};
+  Result r;
+  r.out = make_empty(out_shape, x.dtype(), x.device());
+  if (p.mode == PoolMode::max && (a.want_indices || needs_grad({x}))) {
+    // Indices kept only for the backward may be int32 on CUDA (half the bytes written and read
+    // again; Note [Pool fast paths] in src/backend/cuda/pool/pool_fast.cu); the public ones are int64.
+    const bool compact = !a.want_indices && x.device().is_cuda() &&
+                         x4.size(2) * x4.size(3) <= std::numeric_limits<int32_t>::max();
+    r.indices = make_empty(out_shape, compact ? DType::i32 : DType::i64, x.device());
+  }
+  if (r.out.numel() > 0) backend::backend_for(x.device()).pool2d(r.out, r.indices, x4, p);
+  return r;
 }
 
-Tensor adaptive_avg_pool1d(const Tensor& x, int64_t out) {
-  return adaptive_pool("adaptive_avg_pool1d", 1, PoolMode::avg, x, {1, out}, false).first;
-}
-Tensor adaptive_avg_pool2d(const Tensor& x, Size2 out) {
-  return adaptive_pool("adaptive_avg_pool2d", 2, PoolMode::avg, x, out, false).first;
-}
-Tensor adaptive_max_pool1d(const Tensor& x, int64_t out) {
-  return adaptive_pool("adaptive_max_pool1d", 1, PoolMode::max, x, {1, out}, false).first;
-}
-Tensor adaptive_max_pool2d(const Tensor& x, Size2 out) {
-  return adaptive_pool("adaptive_max_pool2d", 2, PoolMode::max, x, out, false).first;
-}
-std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size2 out) {
-  return adaptive_pool("adaptive_max_pool2d", 2, PoolMode::max, x, out, true);
+Pool2dDef::Out Pool2dDef::finish(Result&& r, const Args& a, const Prep&) {
+  Tensor y = from_4d(r.out, a.x, a.spatial);
+  return {y, r.indices.defined() && a.want_indices ? from_4d(r.indices, a.x, a.spatial) : Tensor()};
 }
 
 // Note [Interpolate dims]
@@ -196,18 +139,18 @@ std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size
 // nearest-exact, linear), a 4-d input [N, C, H, W] (nearest, nearest-exact, bilinear, bicubic;
 // antialias for bilinear and bicubic). 1-d runs as 2-d with H = 1 (size 1 -> 1 is the identity
 // in every mode). There is no unbatched form: PyTorch has none either.
-Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "interpolate", {x}, [o](const TensorList& in) { return interpolate(in[0], o); });
-  }
+Upsample2dDef::Prep Upsample2dDef::prepare(const Args& a) {
+  const Tensor& x = a.x;
+  const InterpolateOptions& o = a.o;
   const char* op = "interpolate";
   FLAME_CHECK(x.defined(), op, "got an undefined tensor");
   FLAME_CHECK(x.dim() == 3 || x.dim() == 4, op, "expected a 3-d [N, C, L] (1-d interpolation) or 4-d [N, C, H, W] ",
               "(2-d interpolation) input, as PyTorch, got shape ", x.sizes(),
               x.dim() == 2 ? " (add the batch dim: x.unsqueeze(0))" : "");
-  const bool one_d = x.dim() == 3;
-  const Tensor x4 = one_d ? as_4d(x, 1, op) : as_4d(x, 2, op);
-  Upsample2dParams p;
+  Prep r;
+  const bool one_d = r.one_d = x.dim() == 3;
+  const Tensor x4 = r.x4 = one_d ? as_4d(x, 1, op) : as_4d(x, 2, op);
+  Upsample2dParams& p = r.p;
   const std::string& m = o.mode;
   if (m == "nearest") {
     p.mode = UpsampleMode::nearest;
@@ -265,10 +208,117 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
     p.h = make_dim(x4.size(2), o.size ? o.size->h : 0, sf ? std::optional<double>(sf->first) : std::nullopt);
   }
   p.w = make_dim(x4.size(3), o.size ? o.size->w : 0, sf ? std::optional<double>(sf->second) : std::nullopt);
-  Tensor out = make_empty({x4.size(0), x4.size(1), p.h.out, p.w.out}, x.dtype(), x.device());
-  if (out.numel() > 0) backend::backend_for(x.device()).upsample2d(out, x4, p);
-  rules::upsample2d(out, x4, p);
-  return one_d ? out.squeeze(2) : out;
+  return r;
+}
+
+Upsample2dDef::Result Upsample2dDef::run(const Args& a, Prep& pr) {
+  const Tensor& x4 = pr.x4;
+  Result r;
+  r.out = make_empty({x4.size(0), x4.size(1), pr.p.h.out, pr.p.w.out}, a.x.dtype(), a.x.device());
+  if (r.out.numel() > 0) backend::backend_for(a.x.device()).upsample2d(r.out, x4, pr.p);
+  return r;
+}
+
+Upsample2dDef::Out Upsample2dDef::finish(Result&& r, const Args&, const Prep& pr) {
+  return pr.one_d ? r.out.squeeze(2) : std::move(r.out);
+}
+
+}  // namespace flame::op_detail
+
+namespace flame::nn::functional {
+namespace {
+using backend::PoolMode;
+using op_detail::Pool2dDef;
+
+std::pair<Tensor, Tensor> max_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
+                                   bool ceil_mode, bool want_indices) {
+  Pool2dDef::Args a;
+  a.op = op;
+  a.spatial = spatial;
+  a.x = x;
+  a.mode = PoolMode::max;
+  a.k = k;
+  a.s = s;
+  a.pad = pad;
+  a.dil = dil;
+  a.ceil_mode = ceil_mode;
+  a.want_indices = want_indices;
+  return op_detail::invoke<Pool2dDef>(a);
+}
+
+Tensor avg_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode,
+                bool count_include_pad, std::optional<int64_t> divisor_override) {
+  Pool2dDef::Args a;
+  a.op = op;
+  a.spatial = spatial;
+  a.x = x;
+  a.mode = PoolMode::avg;
+  a.k = k;
+  a.s = s;
+  a.pad = pad;
+  a.ceil_mode = ceil_mode;
+  a.count_include_pad = count_include_pad;
+  a.divisor_override = divisor_override;
+  return op_detail::invoke<Pool2dDef>(a).first;
+}
+
+std::pair<Tensor, Tensor> adaptive_pool(const char* op, int spatial, PoolMode mode, const Tensor& x, Size2 out,
+                                        bool want_indices) {
+  Pool2dDef::Args a;
+  a.op = op;
+  a.spatial = spatial;
+  a.x = x;
+  a.mode = mode;
+  a.adaptive = true;
+  a.out = out;
+  a.want_indices = want_indices;
+  return op_detail::invoke<Pool2dDef>(a);
+}
+
+}  // namespace
+
+Tensor max_pool1d(const Tensor& x, int64_t k, int64_t s, int64_t pad, int64_t dil, bool ceil_mode) {
+  return max_pool("max_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, {1, dil}, ceil_mode, false).first;
+}
+std::pair<Tensor, Tensor> max_pool1d_with_indices(const Tensor& x, int64_t k, int64_t s, int64_t pad, int64_t dil,
+                                                  bool ceil_mode) {
+  return max_pool("max_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, {1, dil}, ceil_mode, true);
+}
+Tensor max_pool2d(const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil, bool ceil_mode) {
+  return max_pool("max_pool2d", 2, x, k, s, pad, dil, ceil_mode, false).first;
+}
+std::pair<Tensor, Tensor> max_pool2d_with_indices(const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
+                                                  bool ceil_mode) {
+  return max_pool("max_pool2d", 2, x, k, s, pad, dil, ceil_mode, true);
+}
+
+Tensor avg_pool1d(const Tensor& x, int64_t k, int64_t s, int64_t pad, bool ceil_mode, bool count_include_pad) {
+  return avg_pool("avg_pool1d", 1, x, {1, k}, {1, s == 0 ? k : s}, {0, pad}, ceil_mode, count_include_pad,
+                  std::nullopt);
+}
+Tensor avg_pool2d(const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode, bool count_include_pad,
+                  std::optional<int64_t> divisor_override) {
+  return avg_pool("avg_pool2d", 2, x, k, s, pad, ceil_mode, count_include_pad, divisor_override);
+}
+
+Tensor adaptive_avg_pool1d(const Tensor& x, int64_t out) {
+  return adaptive_pool("adaptive_avg_pool1d", 1, PoolMode::avg, x, {1, out}, false).first;
+}
+Tensor adaptive_avg_pool2d(const Tensor& x, Size2 out) {
+  return adaptive_pool("adaptive_avg_pool2d", 2, PoolMode::avg, x, out, false).first;
+}
+Tensor adaptive_max_pool1d(const Tensor& x, int64_t out) {
+  return adaptive_pool("adaptive_max_pool1d", 1, PoolMode::max, x, {1, out}, false).first;
+}
+Tensor adaptive_max_pool2d(const Tensor& x, Size2 out) {
+  return adaptive_pool("adaptive_max_pool2d", 2, PoolMode::max, x, out, false).first;
+}
+std::pair<Tensor, Tensor> adaptive_max_pool2d_with_indices(const Tensor& x, Size2 out) {
+  return adaptive_pool("adaptive_max_pool2d", 2, PoolMode::max, x, out, true);
+}
+
+Tensor interpolate(const Tensor& x, const InterpolateOptions& o) {
+  return op_detail::invoke<op_detail::Upsample2dDef>({x, o});
 }
 
 Tensor pixel_shuffle(const Tensor& x, int64_t r) {

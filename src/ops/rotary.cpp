@@ -17,14 +17,14 @@
 
 #include "flame/grad_mode.h"
 #include "flame/ops.h"
-#include "src/autograd/rules/rotary.h"
 #include "src/backend/fused/rotary.h"
-#include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
 #include "src/core/memory_format.h"
+#include "src/core/tensor_impl.h"
+#include "src/ops/rotary_def.h"
 
-namespace flame::nn::functional {
+namespace flame::op_detail {
 namespace {
+using nn::functional::RotaryLayout;
 
 constexpr const char* kOp = "rotary_embedding";
 
@@ -63,32 +63,49 @@ void validate(const Tensor& x, const Tensor& cos, const Tensor& sin) {
 
 }  // namespace
 
-Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout) {
-  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
-    return compile_detail::trace_eager_op(*tr, kOp, {x, cos, sin}, [layout](const TensorList& in) {
-      return rotary_embedding(in[0], in[1], in[2], layout);
-    });
-  }
+RotaryDef::Prep RotaryDef::prepare(const Args& a) {
+  const Tensor &x = a.x, &cos = a.cos, &sin = a.sin;
   validate(x, cos, sin);
-  const DType c = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
-  if (grad_enabled() && (cos.requires_grad() || sin.requires_grad())) return composite(x, cos, sin, layout, c);
+  Prep p;
+  p.compute = x.dtype() == DType::f64 ? DType::f64 : DType::f32;
+  p.composite = grad_enabled() && (cos.requires_grad() || sin.requires_grad());
+  if (p.composite) return p;
   const int64_t s = x.size(-2), d = x.size(-1);
-  const Tensor cc = cos.detach().to(c).reshape({s, d}).contiguous(), sc = sin.detach().to(c).reshape({s, d}).contiguous();
+  p.cos = cos.detach().to(p.compute).reshape({s, d}).contiguous();
+  p.sin = sin.detach().to(p.compute).reshape({s, d}).contiguous();
   // q or k split from one projection: [B, H, S, D] over [B, S, H, D] memory. The kernel runs on that
   // memory and the output keeps the layout (attention takes it as it is), so nothing is copied.
-  const int64_t heads = layout_detail::heads_inner(x) ? x.size(1) : 1;
-  const Tensor xc = heads > 1 ? x : x.contiguous();
-  Tensor out = layout_detail::empty_like_heads(xc, kOp);
-  if (out.numel() > 0) {
-    const Shape rows = {x.numel() / d, d};
-    const Tensor out_rows = heads > 1 ? out.transpose(1, 2).view(rows) : out.view(rows);
-    const Tensor x_rows = heads > 1 ? xc.transpose(1, 2).view(rows) : xc.view(rows);
-    const bool fused = backend::fused::rotary_embedding.try_run(x.device(), out_rows, x_rows, cc, sc,
-                                                                static_cast<int>(layout), /*inverse=*/false, heads);
-    if (!fused) return composite(x, cos, sin, layout, c);
+  p.heads = layout_detail::heads_inner(x) ? x.size(1) : 1;
+  p.x = p.heads > 1 ? x : x.contiguous();
+  return p;
+}
+
+RotaryDef::Result RotaryDef::run(const Args& a, Prep& p) {
+  Result r;
+  if (p.composite) {
+    r.out = composite(a.x, a.cos, a.sin, a.layout, p.compute);
+    return r;
   }
-  rules::rotary(out, xc, cc, sc, static_cast<int>(layout));
-  return out;
+  const int64_t d = a.x.size(-1);
+  r.out = layout_detail::empty_like_heads(p.x, "rotary_embedding");
+  r.fused = true;
+  if (r.out.numel() > 0) {
+    const Shape rows = {a.x.numel() / d, d};
+    const Tensor out_rows = p.heads > 1 ? r.out.transpose(1, 2).view(rows) : r.out.view(rows);
+    const Tensor x_rows = p.heads > 1 ? p.x.transpose(1, 2).view(rows) : p.x.view(rows);
+    r.fused = backend::fused::rotary_embedding.try_run(a.x.device(), out_rows, x_rows, p.cos, p.sin,
+                                                       static_cast<int>(a.layout), /*inverse=*/false, p.heads);
+    if (!r.fused) r.out = composite(a.x, a.cos, a.sin, a.layout, p.compute);
+  }
+  return r;
+}
+
+}  // namespace flame::op_detail
+
+namespace flame::nn::functional {
+
+Tensor rotary_embedding(const Tensor& x, const Tensor& cos, const Tensor& sin, RotaryLayout layout) {
+  return op_detail::invoke<op_detail::RotaryDef>({x, cos, sin, layout});
 }
 
 }  // namespace flame::nn::functional

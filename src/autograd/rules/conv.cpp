@@ -4,15 +4,23 @@
 // Saved: w only when x needs a gradient, x only when w does; nothing for the bias. Each gradient
 // is computed only for the inputs that need one, in the forward's layout, and the weight's
 // gradient is returned in the weight's own layout.
-#include "src/autograd/rules/conv.h"
+#include "src/ops/conv_def.h"
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/ops/conv.h"
 
-namespace flame::rules {
+namespace flame::op_detail {
 
-void conv(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const ConvRecord& rec) {
+// The record member of the conv op definition (src/ops/conv_def.h): the node of y = conv(x, w) + bias
+// (bias may be undefined) when any input needs a gradient.
+void ConvDef::record(Result& r, const Args& a, const Prep& pr) {
+  Tensor& y = r.y;
+  const Tensor &x = pr.x, &w = a.weight, &bias = a.bias;
+  struct {
+    backend::Backend::ConvParams params;  // a copy: the node outlives the call
+    bool transposed, channels_last;
+  } const rec{pr.p, a.transposed, pr.cl};
   const bool has_bias = bias.defined();
   if (!(has_bias ? needs_grad({x, w, bias}) : needs_grad({x, w}))) return;
   const bool need_x = x.requires_grad(), need_w = w.requires_grad(), need_b = has_bias && bias.requires_grad();
@@ -23,7 +31,7 @@ void conv(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const
   TensorList inputs{x, w};
   if (has_bias) inputs.push_back(bias);
   const char* name = rec.transposed ? "ConvTransposeBackward" : "ConvolutionBackward";
-  record(y, name, inputs, [=](const Tensor& g) {
+  flame::record(y, name, inputs, [=](const Tensor& g) {
     const auto& p = rec.params;
     const bool cl = rec.channels_last;
     TensorList grads(has_bias ? 3 : 2);
@@ -47,4 +55,4 @@ void conv(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& bias, const
   });
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

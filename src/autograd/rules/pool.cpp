@@ -1,17 +1,22 @@
-// Gradient rules of the pool family. The backward passes are backend kernels (gathers over the
-// outputs that read each input, Note [Pool windows]); their results need no further gradient.
-#include "src/autograd/rules/pool.h"
+// Gradient rules of the pool family: the record members of its op definitions (src/ops/pool_def.h,
+// Note [Invoke]). The backward passes are backend kernels (gathers over the outputs that read each
+// input, Note [Pool windows]); their results need no further gradient.
+#include "src/ops/pool_def.h"
 
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
 
-namespace flame::rules {
+namespace flame::op_detail {
 
-void pool2d(Tensor& out, const Tensor& x4, const Tensor& indices, const backend::Pool2dParams& p) {
+void Pool2dDef::record(Result& r, const Args&, const Prep& pr) {
+  const Tensor& x4 = pr.x4;
+  const Tensor& indices = r.indices;
+  const backend::Pool2dParams& p = pr.p;
+  Tensor& out = r.out;
   if (!needs_grad({x4})) return;
   const Shape xs = x4.sizes();
   SavedTensor sidx = indices.defined() ? SavedTensor(indices, "max_pool") : SavedTensor();
-  record(out, p.mode == backend::PoolMode::max ? "max_pool2d" : "avg_pool2d", {x4}, [xs, sidx, p](const Tensor& g) {
+  flame::record(out, p.mode == backend::PoolMode::max ? "max_pool2d" : "avg_pool2d", {x4}, [xs, sidx, p](const Tensor& g) {
     Tensor gi = make_empty(xs, g.dtype(), g.device());
     if (gi.numel() > 0) {
       const Tensor idx = sidx.defined() ? sidx.get() : Tensor();
@@ -21,7 +26,10 @@ void pool2d(Tensor& out, const Tensor& x4, const Tensor& indices, const backend:
   });
 }
 
-void upsample2d(Tensor& out, const Tensor& x4, const backend::Upsample2dParams& p) {
+void Upsample2dDef::record(Result& r, const Args&, const Prep& pr) {
+  const Tensor& x4 = pr.x4;
+  const backend::Upsample2dParams& p = pr.p;
+  Tensor& out = r.out;
   if (!needs_grad({x4})) return;
   const Shape xs = x4.sizes();
   const char* name = "upsample_nearest2d";
@@ -32,7 +40,7 @@ void upsample2d(Tensor& out, const Tensor& x4, const backend::Upsample2dParams& 
     case backend::UpsampleMode::cubic_aa: name = "_upsample_bicubic2d_aa"; break;
     default: break;
   }
-  record(out, name, {x4},
+  flame::record(out, name, {x4},
          [xs, p](const Tensor& g) {
            Tensor gi = make_empty(xs, g.dtype(), g.device());
            if (gi.numel() > 0) backend::backend_for(g.device()).upsample2d_backward(gi, g, p);
@@ -40,11 +48,16 @@ void upsample2d(Tensor& out, const Tensor& x4, const backend::Upsample2dParams& 
          });
 }
 
-void cross_entropy(Tensor& loss, const Tensor& logits, const Tensor& target, const Tensor& lse, int64_t ignore_index,
-                   double label_smoothing) {
+void CrossEntropyRowsDef::record(Result& r, const Args& a, const Prep& pr) {
+  const Tensor& logits = pr.x;
+  const Tensor& target = pr.t;
+  const Tensor& lse = r.lse;
+  Tensor& loss = r.loss;
+  const int64_t ignore_index = a.ignore_index;
+  const double label_smoothing = a.label_smoothing;
   if (!needs_grad({logits})) return;
   SavedTensor sx(logits, "cross_entropy"), st(target, "cross_entropy"), sl(lse, "cross_entropy");
-  record(loss, "cross_entropy", {logits}, [sx, st, sl, ignore_index, label_smoothing](const Tensor& g) {
+  flame::record(loss, "cross_entropy", {logits}, [sx, st, sl, ignore_index, label_smoothing](const Tensor& g) {
     const Tensor x = sx.get();
     Tensor gx = make_empty(x.sizes(), x.dtype(), x.device());
     if (gx.numel() > 0) {
@@ -55,4 +68,4 @@ void cross_entropy(Tensor& loss, const Tensor& logits, const Tensor& target, con
   });
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

@@ -1,5 +1,8 @@
-// Gradient rule of the fused rotary embedding (src/autograd/rules/rotary.h).
-#include "src/autograd/rules/rotary.h"
+// Gradient rule of the fused rotary embedding: the record member of its op definition
+// (src/ops/rotary_def.h). Saves only cos and sin (as the kernel read them, [S, D] contiguous in the
+// compute dtype); the backward is the kernel's inverse pass over the output's gradient
+// (src/backend/fused/rotary.h).
+#include "src/ops/rotary_def.h"
 
 #include "flame/autograd.h"
 #include "src/autograd/record.h"
@@ -32,14 +35,18 @@ TensorList rotary_rule(const Tensor& grad, const Node& n) {
 
 }  // namespace
 
-void rotary(Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int layout) {
-  if (!needs_grad({x})) return;
+}  // namespace flame::rules
+
+namespace flame::op_detail {
+
+void RotaryDef::record(Result& r, const Args& a, const Prep& p) {
+  if (!r.fused || !needs_grad({p.x})) return;  // the composite recorded its own graph
   RuleArgs args;
-  args.op = static_cast<int>(x.dtype());
-  args.dim = layout;
-  Node& n = record(out, "RotaryEmbeddingBackward", {x}, &rotary_rule, std::move(args));
-  n.save(cos);
-  n.save(sin);
+  args.op = static_cast<int>(p.x.dtype());
+  args.dim = static_cast<int>(a.layout);
+  Node& n = flame::record(r.out, "RotaryEmbeddingBackward", {p.x}, &rules::rotary_rule, std::move(args));
+  n.save(p.cos);
+  n.save(p.sin);
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

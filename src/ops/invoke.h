@@ -1,0 +1,106 @@
+#pragma once
+// Note [Invoke]
+// An op with an op definition runs through invoke<Def>(args), which applies what every op must do
+// in one fixed order, so that an op gets each concern by being defined rather than by remembering
+// to call it:
+//
+//   1. autocast    Def::autocast (Autocast::low or f32) and autocast on for the lead input's
+//                  device type: the inputs are cast once (Def::with_inputs over the cast tensors)
+//                  and the op runs again with nested ops excluded. Casting comes before the checks,
+//                  as PyTorch's autocast runs before the kernel's, so dtype checks see the cast
+//                  inputs (an f32 input and a bf16 weight are valid under autocast).
+//   2. trace       inside flame::compile's tracer (and when Def::traceable(args)): one opaque step
+//                  that replays invoke<Def> over its inputs (Note [Tracing]). Elementwise regions
+//                  fuse on both sides of it.
+//   3. validation  Def::prepare(args) checks the arguments (the op's error text names the op, the
+//                  shapes, dtypes and values) and works out the kernel's parameters (Def::Prep).
+//   4. profiler    allocations from here to the end of the dispatch belong to Def::name(args) in
+//                  the memory profiler (profiler_detail::InvokeScope), layout copies and scratch
+//                  included.
+//   5. dispatch    Def::run(args, prep) runs the kernel into a Def::Result (its outputs and what
+//                  the backward will read; an op that keeps state only for a backward, as max
+//                  pooling's indices, asks needs_grad, src/core/grad_state.h).
+//   6. record      Def::record(result, args, prep): declared by the definition, defined by the
+//                  gradient rules (src/autograd/rules), which record a node when an input needs a
+//                  gradient; the op layer includes no autograd header (Note [Layers]).
+//   7. finish      Def::finish(result, args, prep): the public result (e.g. the batch dim of an
+//                  unbatched input dropped again, through view ops that have their own gradients).
+//
+// Recompute hooks (autograd::RecomputeCheap) mark the elementwise table ops (Note [Op table]);
+// an op defined here is opaque to them: its saved tensors are kept.
+//
+// A definition is a struct with static members:
+//   using Args, Prep, Result, Out;            the call's arguments, the kernel's parameters, the
+//                                             kernel's outputs, the public result
+//   static constexpr Autocast autocast;
+//   static const char* name(const Args&);     static string (errors, traces, the profiler)
+//   static TensorList inputs(const Args&);    the tensor arguments, in order
+//   static const Tensor& lead(const Args&);   the input whose device type decides autocast
+//   static Args with_inputs(const Args&, const TensorList&);   the same call over other tensors
+//   static bool traceable(const Args&);       false: the call runs eagerly even while tracing
+//   static Prep prepare(const Args&);
+//   static Result run(const Args&, Prep&);
+//   static void record(Result&, const Args&, const Prep&);    defined in src/autograd/rules
+//   static Out finish(Result&&, const Args&, const Prep&);
+//   static Out from_traced(Tensor);           only when Out is not Tensor: the traced result, and
+//   static Tensor to_traced(Out);             the tensor a trace step stands for
+// Host cost: no allocation or virtual call of its own; one thread-local test per concern when
+// autocast, tracing and the memory profiler are off (HostCost.* hold the op paths to their counts).
+#include <type_traits>
+#include <utility>
+
+#include "flame/tensor.h"
+#include "src/core/profiler_context.h"
+#include "src/ops/autocast_hooks.h"
+#include "src/ops/trace_hooks.h"
+
+namespace flame::op_detail {
+
+// What autocast does to an op's floating inputs (Note [Autocast policy] in src/amp/autocast.cpp).
+enum class Autocast { none, low, f32 };
+
+template <class Def>
+typename Def::Out invoke(const typename Def::Args& args) {
+  using Out = typename Def::Out;
+  if constexpr (Def::autocast != Autocast::none) {
+    if (amp::detail::should_autocast(Def::lead(args))) {
+      amp::detail::AutocastOpScope scope;
+      const TensorList in = Def::inputs(args);
+      TensorList cast;
+      cast.reserve(in.size());
+      for (const Tensor& t : in) {
+        cast.push_back(!t.defined()                             ? t
+                       : Def::autocast == Autocast::low         ? amp::detail::cast_low(t)
+                                                                : amp::detail::cast_f32(t));
+      }
+      return invoke<Def>(Def::with_inputs(args, cast));
+    }
+  }
+  if (auto* tr = compile_detail::active_tracer(); tr && Def::traceable(args)) {
+    const TensorList in = Def::inputs(args);
+    // The replay keeps the call's values, not its tensors (they are the step's inputs).
+    const typename Def::Args values = Def::with_inputs(args, TensorList(in.size()));
+    Tensor y = compile_detail::trace_eager_op(*tr, Def::name(args), in, [values](const TensorList& replay_in) {
+      if constexpr (std::is_same_v<Out, Tensor>) {
+        return invoke<Def>(Def::with_inputs(values, replay_in));
+      } else {
+        return Def::to_traced(invoke<Def>(Def::with_inputs(values, replay_in)));
+      }
+    });
+    if constexpr (std::is_same_v<Out, Tensor>) {
+      return y;
+    } else {
+      return Def::from_traced(std::move(y));
+    }
+  }
+  typename Def::Prep prep = Def::prepare(args);
+  typename Def::Result result;
+  {
+    profiler_detail::InvokeScope attribution(Def::name(args));
+    result = Def::run(args, prep);
+  }
+  Def::record(result, args, prep);
+  return Def::finish(std::move(result), args, prep);
+}
+
+}  // namespace flame::op_detail

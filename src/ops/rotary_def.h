@@ -1,0 +1,47 @@
+#pragma once
+// Op definition of the fused rotary embedding (Note [Rotary embedding] in src/ops/rotary.cpp; Note
+// [Invoke] in src/ops/invoke.h). prepare / run / finish are in src/ops/rotary.cpp; record, the
+// gradient rule, in src/autograd/rules/rotary.cpp.
+#include <cstdint>
+
+#include "flame/nn/rotary.h"
+#include "flame/tensor.h"
+#include "src/ops/invoke.h"
+
+namespace flame::op_detail {
+
+struct RotaryDef {
+  struct Args {
+    Tensor x, cos, sin;
+    nn::functional::RotaryLayout layout = nn::functional::RotaryLayout::interleaved;
+  };
+  struct Prep {
+    DType compute = DType::f32;  // f32, or f64 for f64 x
+    bool composite = false;      // cos or sin need a gradient: ordinary ops, differentiated as written
+    Tensor cos, sin;             // [S, D] contiguous in the compute dtype, as the kernel reads them
+    Tensor x;                    // x as the kernel reads it (contiguous, or the heads-inner view)
+    int64_t heads = 1;           // > 1: x is [B, H, S, D] over [B, S, H, D] memory
+  };
+  struct Result {
+    Tensor out;
+    bool fused = false;  // the kernel ran (false: the composite did, and recorded its own graph)
+  };
+  using Out = Tensor;
+  static constexpr Autocast autocast = Autocast::none;
+  static const char* name(const Args&) { return "rotary_embedding"; }
+  static TensorList inputs(const Args& a) { return {a.x, a.cos, a.sin}; }
+  static const Tensor& lead(const Args& a) { return a.x; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x = in[0];
+    a.cos = in[1];
+    a.sin = in[2];
+    return a;
+  }
+  static bool traceable(const Args&) { return true; }
+  static Prep prepare(const Args& a);
+  static Result run(const Args& a, Prep& p);
+  static void record(Result& r, const Args& a, const Prep& p);
+  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
+};
+
+}  // namespace flame::op_detail
