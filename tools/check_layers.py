@@ -59,7 +59,6 @@ src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
 src/core/set_data.cpp -> src/amp/autocast.h
 src/ops/adaln.cpp -> include/flame/autograd.h
 src/ops/adaln.cpp -> include/flame/recompute.h
-src/ops/adaln.cpp -> src/autograd/recompute.h
 src/ops/adaln.cpp -> src/autograd/record.h
 src/ops/adaln.cpp -> src/autograd/rules/adaln.h
 src/ops/attention.cpp -> src/autograd/record.h
@@ -73,13 +72,9 @@ src/ops/elementwise.cpp -> src/autograd/rules/rules.h
 src/ops/index.cpp -> src/autograd/rules/rules.h
 src/ops/joins.cpp -> src/autograd/record.h
 src/ops/joins.cpp -> src/autograd/rules/rules.h
-src/ops/linalg.cpp -> src/autograd/rules/rules.h
 src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h
 src/ops/linear_epilogue.cpp -> src/autograd/record.h
 src/ops/linear_epilogue.cpp -> src/autograd/rules/linear_epilogue.h
-src/ops/norm.cpp -> include/flame/autograd.h
-src/ops/norm.cpp -> src/autograd/recompute.h
-src/ops/norm.cpp -> src/autograd/rules/norm.h
 src/ops/tensor_factories.cpp -> src/autograd/rules/rules.h
 src/ops/reduce.cpp -> src/autograd/rules/rules.h
 src/ops/views.cpp -> src/autograd/record.h

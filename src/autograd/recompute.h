@@ -7,14 +7,11 @@
 #include <mutex>
 
 #include "src/autograd/node.h"
+#include "src/ops/recompute_hooks.h"  // RecipeFn, should_mark_recomputable, mark_recomputable
 
 namespace flame::autograd_detail {
 
 extern thread_local bool t_recompute_cheap;
-
-// Makes a marked output again from its recipe inputs (grad mode off, autocast excluded, marking
-// off while it runs). Must return the output's shape, dtype and device.
-using RecipeFn = std::function<Tensor(const TensorList& inputs)>;
 
 struct RecipeBody {
   const char* op = "";  // static: the op that wrote the output (for error messages)
@@ -46,12 +43,6 @@ struct RecomputedSaved {
   Shape sizes;  // the saved tensor's shape (a contiguous view of the whole output)
 };
 
-// Whether an op should mark its output now: RecomputeCheap is on and grad mode is on.
-bool should_mark_recomputable();
-// Attaches the recipe to out's storage when out owns it whole (contiguous from offset 0);
-// inputs are held as saved tensors (version-checked when the recipe runs). An input that is itself
-// a marked output is replaced by its own recipe's inputs (Note [Recompute cheap], "Chains").
-void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn);
 // The recipe of t's storage when it still describes t's bytes (not written since the mark) and t
 // is a contiguous view of all of them; null otherwise (t is then saved as usual).
 std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t);

@@ -32,7 +32,7 @@
 #include "flame/ops.h"
 #include "flame/recompute.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/autograd/recompute.h"
+#include "src/ops/recompute_hooks.h"
 #include "src/autograd/record.h"
 #include "src/backend/backend.h"
 #include "src/autograd/rules/adaln.h"

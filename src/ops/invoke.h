@@ -23,11 +23,13 @@
 //   6. record      Def::record(result, args, prep): declared by the definition, defined by the
 //                  gradient rules (src/autograd/rules), which record a node when an input needs a
 //                  gradient; the op layer includes no autograd header (Note [Layers]).
-//   7. finish      Def::finish(result, args, prep): the public result (e.g. the batch dim of an
+//   7. recompute   under autograd::RecomputeCheap, a definition with `recomputable = true` marks
+//                  its output (Def::recipe_output) with a recipe: the op again over the tensors
+//                  its kernel read (Def::recipe_inputs), so a node that saves the output keeps the
+//                  recipe instead (Note [Recompute cheap]). The elementwise table ops are marked
+//                  by their table rows (Note [Op table]).
+//   8. finish      Def::finish(result, args, prep): the public result (e.g. the batch dim of an
 //                  unbatched input dropped again, through view ops that have their own gradients).
-//
-// Recompute hooks (autograd::RecomputeCheap) mark the elementwise table ops (Note [Op table]);
-// an op defined here is opaque to them: its saved tensors are kept.
 //
 // A definition is a struct with static members:
 //   using Args, Prep, Result, Out;            the call's arguments, the kernel's parameters, the
@@ -42,6 +44,8 @@
 //   static Result run(const Args&, Prep&);
 //   static void record(Result&, const Args&, const Prep&);    defined in src/autograd/rules
 //   static Out finish(Result&&, const Args&, const Prep&);
+//   static constexpr bool recomputable;      optional (absent: false); when true also
+//   static TensorList recipe_inputs(const Prep&);  static const Tensor& recipe_output(const Result&);
 //   static Out from_traced(Tensor);           only when Out is not Tensor: the traced result, and
 //   static Tensor to_traced(Out);             the tensor a trace step stands for
 // Host cost: no allocation or virtual call of its own; one thread-local test per concern when
@@ -52,6 +56,7 @@
 #include "flame/tensor.h"
 #include "src/core/profiler_context.h"
 #include "src/ops/autocast_hooks.h"
+#include "src/ops/recompute_hooks.h"
 #include "src/ops/trace_hooks.h"
 
 namespace flame::op_detail {
@@ -100,6 +105,17 @@ typename Def::Out invoke(const typename Def::Args& args) {
     result = Def::run(args, prep);
   }
   Def::record(result, args, prep);
+  if constexpr (requires { requires Def::recomputable; }) {
+    if (autograd_detail::should_mark_recomputable()) {
+      // The recipe is the op again over the tensors its kernel read (the call's values kept).
+      const TensorList in = Def::recipe_inputs(prep);
+      const typename Def::Args values = Def::with_inputs(args, TensorList(in.size()));
+      autograd_detail::mark_recomputable(Def::recipe_output(result), Def::name(args), in,
+                                         [values](const TensorList& replay_in) {
+                                           return invoke<Def>(Def::with_inputs(values, replay_in));
+                                         });
+    }
+  }
   return Def::finish(std::move(result), args, prep);
 }
 

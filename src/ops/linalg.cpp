@@ -25,11 +25,9 @@
 
 #include "flame/grad_mode.h"
 #include "flame/ops.h"
-#include "src/ops/autocast_hooks.h"
-#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
+#include "src/ops/linalg_def.h"
 
 namespace flame {
 namespace {
@@ -183,43 +181,38 @@ Tensor matmul_impl(const Tensor& a, const Tensor& b) {
 }
 }  // namespace
 
-// The kernels run without recording; one node covers the whole product (rules/linalg.cpp).
-Tensor matmul(const Tensor& a, const Tensor& b) {
-  if (auto* tr = compile_detail::active_tracer()) {
-    return compile_detail::trace_eager_op(*tr, "matmul", {a, b}, [](const TensorList& in) { return matmul(in[0], in[1]); });
+}  // namespace flame
+
+namespace flame::op_detail {
+
+MatmulDef::Prep MatmulDef::prepare(const Args& x) {
+  const Tensor &a = x.a, &b = x.b;
+  if (x.op[0] == 'b') {  // bmm
+    check_operands("bmm", a, b);
+    FLAME_CHECK(a.dim() == 3 && b.dim() == 3, "bmm", "expected 3-d operands, got shapes ", a.sizes(), " and ",
+                b.sizes());
+    FLAME_CHECK(a.size(0) == b.size(0), "bmm", "batch sizes differ: shapes ", a.sizes(), " and ", b.sizes());
+    FLAME_CHECK(a.size(2) == b.size(1), "bmm", "shapes ", a.sizes(), " and ", b.sizes(),
+                " cannot be multiplied (inner sizes ", a.size(2), " and ", b.size(1), " differ)");
   }
-  if (amp::detail::should_autocast(a)) {  // Note [Autocast policy]: low precision
-    amp::detail::AutocastOpScope scope;
-    return matmul(amp::detail::cast_low(a), amp::detail::cast_low(b));
-  }
-  Tensor out;
-  {
-    NoGradGuard no_grad;
-    out = matmul_impl(a, b);
-  }
-  rules::matmul(out, a, b);
-  return out;
+  return {};  // matmul's checks are its shape logic's (matmul_impl)
 }
 
-Tensor bmm(const Tensor& a, const Tensor& b) {
-  if (amp::detail::should_autocast(a)) {  // Note [Autocast policy]: low precision
-    amp::detail::AutocastOpScope scope;
-    return bmm(amp::detail::cast_low(a), amp::detail::cast_low(b));
-  }
-  check_operands("bmm", a, b);
-  FLAME_CHECK(a.dim() == 3 && b.dim() == 3, "bmm", "expected 3-d operands, got shapes ", a.sizes(), " and ",
-              b.sizes());
-  FLAME_CHECK(a.size(0) == b.size(0), "bmm", "batch sizes differ: shapes ", a.sizes(), " and ", b.sizes());
-  FLAME_CHECK(a.size(2) == b.size(1), "bmm", "shapes ", a.sizes(), " and ", b.sizes(),
-              " cannot be multiplied (inner sizes ", a.size(2), " and ", b.size(1), " differ)");
-  Tensor out;
-  {
-    NoGradGuard no_grad;
-    out = batched_matmul(a, b, {a.size(0)}, a.size(1), a.size(2), b.size(2));
-  }
-  rules::matmul(out, a, b);
-  return out;
+// The kernels run without recording; one node covers the whole product (record: rules/linalg.cpp).
+MatmulDef::Result MatmulDef::run(const Args& x, Prep&) {
+  NoGradGuard no_grad;
+  const Tensor &a = x.a, &b = x.b;
+  if (x.op[0] == 'b') return {batched_matmul(a, b, {a.size(0)}, a.size(1), a.size(2), b.size(2))};
+  return {matmul_impl(a, b)};
 }
+
+}  // namespace flame::op_detail
+
+namespace flame {
+
+Tensor matmul(const Tensor& a, const Tensor& b) { return op_detail::invoke<op_detail::MatmulDef>({"matmul", a, b}); }
+
+Tensor bmm(const Tensor& a, const Tensor& b) { return op_detail::invoke<op_detail::MatmulDef>({"bmm", a, b}); }
 
 Tensor outer(const Tensor& a, const Tensor& b) {
   FLAME_CHECK(a.defined() && b.defined(), "outer", "got an undefined tensor");

@@ -15,17 +15,15 @@
 #include <cmath>
 #include <limits>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
-#include "src/ops/autocast_hooks.h"
-#include "src/autograd/recompute.h"
-#include "src/autograd/rules/norm.h"
 #include "src/backend/backend.h"
-#include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/autocast_hooks.h"
+#include "src/ops/norm_def.h"
 
-namespace flame::nn::functional {
+namespace flame::op_detail {
 namespace {
 
 DType stat_dtype(DType t) { return t == DType::f64 ? DType::f64 : DType::f32; }
@@ -49,36 +47,6 @@ void check_param(const Tensor& p, const char* what, const Tensor& x, const Shape
 
 Tensor contiguous_or_empty(const Tensor& t) { return t.defined() ? t.contiguous() : t; }
 
-Tensor rows_norm(const char* op, const Tensor& x, const Shape& normalized_shape, const Tensor& weight,
-                 const Tensor& bias, double eps, bool rms) {
-  check_input(x, op);
-  const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  bool match = k >= 1 && x.dim() >= k;
-  for (int64_t i = 0; match && i < k; ++i) match = x.sizes()[x.dim() - k + i] == normalized_shape[i];
-  FLAME_CHECK(match, op, "normalized_shape ", normalized_shape, " must be non-empty and equal the last dims of the input shape ",
-              x.sizes());
-  check_param(weight, "weight", x, normalized_shape, op);
-  check_param(bias, "bias", x, normalized_shape, op);
-  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
-  int64_t rows = 1;
-  for (int64_t d = 0; d < x.dim() - k; ++d) rows *= x.sizes()[d];
-  const Tensor xc = x.contiguous(), wc = contiguous_or_empty(weight), bc = contiguous_or_empty(bias);
-  Tensor y = make_empty(x.sizes(), x.dtype(), x.device(), op);
-  const DType sd = stat_dtype(x.dtype());
-  Tensor mean = rms ? Tensor() : make_empty({rows}, sd, x.device(), op);
-  Tensor rstd = make_empty({rows}, sd, x.device(), op);
-  if (x.numel() > 0) backend::backend_for(x.device()).norm_rows_forward(y, mean, rstd, xc, wc, bc, eps);
-  rules::norm_rows(y, xc, wc, bc, mean, rstd);
-  // Under autograd::RecomputeCheap a node that saves y keeps this call instead (Note [Recompute
-  // cheap] in src/autograd/recompute.cpp); its inputs are what the norm node saves anyway.
-  if (autograd_detail::should_mark_recomputable()) {
-    autograd_detail::mark_recomputable(y, op, {xc, wc, bc}, [op, normalized_shape, eps, rms](const TensorList& in) {
-      return rows_norm(op, in[0], normalized_shape, in[1], in[2], eps, rms);
-    });
-  }
-  return y;
-}
-
 // N, C and S (the product of the trailing dims) of an [N, C, *] input.
 struct ChannelShape {
   int64_t n, c, s;
@@ -90,98 +58,65 @@ ChannelShape channel_shape(const Tensor& x, const char* op) {
   return {x.sizes()[0], x.sizes()[1], s};
 }
 
-// group_norm below its tracer and autocast steps (also the recipe of its marked output).
-Tensor group_norm_impl(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps);
-
 }  // namespace
 
-Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
-  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
-    return compile_detail::trace_eager_op(*tr, "layer_norm", {x, weight, bias}, [normalized_shape, eps](const TensorList& in) {
-      return layer_norm(in[0], normalized_shape, in[1], in[2], eps);
-    });
-  }
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
-    amp::detail::AutocastOpScope scope;
-    return layer_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);
-  }
-  return rows_norm("layer_norm", x, normalized_shape, weight, bias, eps, /*rms=*/false);
+NormPrep NormRowsDef::prepare(const Args& a) {
+  const char* op = a.op;
+  const Tensor& x = a.x;
+  check_input(x, op);
+  const Shape normalized(x.sizes().end() - a.dims, x.sizes().end());  // the wrapper checked it
+  check_param(a.weight, "weight", x, normalized, op);
+  check_param(a.bias, "bias", x, normalized, op);
+  FLAME_CHECK(a.eps >= 0 && std::isfinite(a.eps), op, "eps must be finite and non-negative, got ", a.eps);
+  return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias)};
 }
 
-Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, std::optional<double> eps) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "rms_norm", {x, weight}, [normalized_shape, eps](const TensorList& in) {
-      return rms_norm(in[0], normalized_shape, in[1], eps);
-    });
-  }
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
-    amp::detail::AutocastOpScope scope;
-    return rms_norm(amp::detail::cast_f32(x), normalized_shape, amp::detail::cast_f32(weight), eps);
-  }
-  check_input(x, "rms_norm");
-  double e = 0;
-  if (eps) {
-    e = *eps;
-  } else {
-    switch (x.dtype()) {  // torch.finfo(dtype).eps
-      case DType::f64: e = std::numeric_limits<double>::epsilon(); break;
-      case DType::bf16: e = 0.0078125; break;
-      case DType::f16: e = 0.0009765625; break;
-      default: e = std::numeric_limits<float>::epsilon(); break;
-    }
-  }
-  return rows_norm("rms_norm", x, normalized_shape, weight, Tensor(), e, /*rms=*/true);
+NormResult NormRowsDef::run(const Args& a, Prep& p) {
+  const Tensor& x = a.x;
+  int64_t rows = 1;
+  for (int64_t d = 0; d < x.dim() - a.dims; ++d) rows *= x.sizes()[d];
+  Result r;
+  r.y = make_empty(x.sizes(), x.dtype(), x.device(), a.op);
+  const DType sd = stat_dtype(x.dtype());
+  if (!a.rms) r.mean = make_empty({rows}, sd, x.device(), a.op);
+  r.rstd = make_empty({rows}, sd, x.device(), a.op);
+  if (x.numel() > 0) backend::backend_for(x.device()).norm_rows_forward(r.y, r.mean, r.rstd, p.x, p.weight, p.bias, a.eps);
+  return r;
 }
 
-Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "group_norm", {x, weight, bias}, [num_groups, eps](const TensorList& in) {
-      return group_norm(in[0], num_groups, in[1], in[2], eps);
-    });
-  }
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
-    amp::detail::AutocastOpScope scope;
-    return group_norm(amp::detail::cast_f32(x), num_groups, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), eps);
-  }
-  return group_norm_impl(x, num_groups, weight, bias, eps);
-}
-
-namespace {
-
-Tensor group_norm_impl(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+NormPrep GroupNormDef::prepare(const Args& a) {
   const char* op = "group_norm";
+  const Tensor& x = a.x;
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);
-  FLAME_CHECK(num_groups > 0 && cs.c % num_groups == 0, op, "num_groups (", num_groups,
+  FLAME_CHECK(a.groups > 0 && cs.c % a.groups == 0, op, "num_groups (", a.groups,
               ") must be positive and divide the number of channels (", cs.c, ", input shape ", x.sizes(), ")");
-  check_param(weight, "weight", x, {cs.c}, op);
-  check_param(bias, "bias", x, {cs.c}, op);
-  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
-  const Tensor xc = x.contiguous(), wc = contiguous_or_empty(weight), bc = contiguous_or_empty(bias);
-  Tensor y = make_empty(x.sizes(), x.dtype(), x.device(), op);
-  const DType sd = stat_dtype(x.dtype());
-  Tensor mean = make_empty({cs.n * num_groups}, sd, x.device(), op);
-  Tensor rstd = make_empty({cs.n * num_groups}, sd, x.device(), op);
-  if (x.numel() > 0) backend::backend_for(x.device()).group_norm_forward(y, mean, rstd, xc, wc, bc, num_groups, eps);
-  rules::group_norm(y, xc, wc, bc, mean, rstd, num_groups);
-  // Under autograd::RecomputeCheap a node that saves y (the SiLU after it) keeps this call instead
-  // (Note [Recompute cheap] in src/autograd/recompute.cpp); the norm node saves x and weight anyway.
-  if (autograd_detail::should_mark_recomputable()) {
-    autograd_detail::mark_recomputable(y, op, {xc, wc, bc}, [num_groups, eps](const TensorList& in) {
-      return group_norm_impl(in[0], num_groups, in[1], in[2], eps);
-    });
-  }
-  return y;
+  check_param(a.weight, "weight", x, {cs.c}, op);
+  check_param(a.bias, "bias", x, {cs.c}, op);
+  FLAME_CHECK(a.eps >= 0 && std::isfinite(a.eps), op, "eps must be finite and non-negative, got ", a.eps);
+  return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias)};
 }
 
-}  // namespace
-
-Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
-                  const Tensor& bias, bool training, double momentum, double eps) {
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: norms in f32
-    amp::detail::AutocastOpScope scope;
-    return batch_norm(amp::detail::cast_f32(x), running_mean, running_var, amp::detail::cast_f32(weight), amp::detail::cast_f32(bias), training, momentum, eps);
+NormResult GroupNormDef::run(const Args& a, Prep& p) {
+  const char* op = "group_norm";
+  const Tensor& x = a.x;
+  const int64_t n = x.sizes()[0];
+  Result r;
+  r.y = make_empty(x.sizes(), x.dtype(), x.device(), op);
+  const DType sd = stat_dtype(x.dtype());
+  r.mean = make_empty({n * a.groups}, sd, x.device(), op);
+  r.rstd = make_empty({n * a.groups}, sd, x.device(), op);
+  if (x.numel() > 0) {
+    backend::backend_for(x.device()).group_norm_forward(r.y, r.mean, r.rstd, p.x, p.weight, p.bias, a.groups, a.eps);
   }
+  return r;
+}
+
+NormPrep BatchNormDef::prepare(const Args& a) {
+  const Tensor &x = a.x, &weight = a.weight, &bias = a.bias, &running_mean = a.running_mean,
+               &running_var = a.running_var;
+  const bool training = a.training;
+  const double eps = a.eps;
   const char* op = "batch_norm";
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);
@@ -204,7 +139,16 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
   const int64_t count = cs.n * cs.s;  // values per channel
   FLAME_CHECK(!training || count > 1 || x.numel() == 0, op,
               "expected more than 1 value per channel when training, got input shape ", x.sizes());
-  const Tensor xc = x.contiguous(), wc = contiguous_or_empty(weight), bc = contiguous_or_empty(bias);
+  return {x.contiguous(), contiguous_or_empty(weight), contiguous_or_empty(bias)};
+}
+
+NormResult BatchNormDef::run(const Args& a, Prep& p) {
+  const char* op = "batch_norm";
+  const Tensor &x = a.x, &xc = p.x, &running_mean = a.running_mean, &running_var = a.running_var;
+  const bool training = a.training;
+  const double eps = a.eps, momentum = a.momentum;
+  const ChannelShape cs = channel_shape(x, op);
+  const int64_t count = cs.n * cs.s;
   auto& be = backend::backend_for(x.device());
   const DType sd = stat_dtype(x.dtype());
   Tensor mean, rstd;
@@ -234,10 +178,64 @@ Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& run
       if (mean.is_same(running_mean)) mean = mean.clone();  // saved for backward: not the live buffer
     }
   }
-  Tensor y = make_empty(x.sizes(), x.dtype(), x.device(), op);
-  if (x.numel() > 0) be.batch_norm_apply(y, xc, mean, rstd, wc, bc);
-  rules::batch_norm(y, xc, wc, bc, mean, rstd, training);
-  return y;
+  Result r;
+  r.mean = mean;
+  r.rstd = rstd;
+  r.y = make_empty(x.sizes(), x.dtype(), x.device(), op);
+  if (x.numel() > 0) be.batch_norm_apply(r.y, xc, mean, rstd, p.weight, p.bias);
+  return r;
+}
+
+}  // namespace flame::op_detail
+
+namespace flame::nn::functional {
+namespace {
+
+// normalized_shape must equal the last dims of x; returns how many.
+int64_t normalized_dims(const char* op, const Tensor& x, const Shape& normalized_shape) {
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  bool match = x.defined() && k >= 1 && x.dim() >= k;
+  for (int64_t i = 0; match && i < k; ++i) match = x.sizes()[x.dim() - k + i] == normalized_shape[i];
+  FLAME_CHECK(match, op, "normalized_shape ", normalized_shape, " must be non-empty and equal the last dims of the input shape ",
+              x.defined() ? x.sizes() : Shape{});
+  return k;
+}
+
+}  // namespace
+
+Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, const Tensor& bias, double eps) {
+  FLAME_CHECK(x.defined(), "layer_norm", "got an undefined input");
+  return op_detail::invoke<op_detail::NormRowsDef>(
+      {"layer_norm", x, weight, bias, normalized_dims("layer_norm", x, normalized_shape), eps, /*rms=*/false});
+}
+
+Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, std::optional<double> eps) {
+  FLAME_CHECK(x.defined(), "rms_norm", "got an undefined input");
+  double e = 0;
+  if (eps) {
+    e = *eps;
+  } else {
+    // torch.finfo of the dtype the op computes in: f32 under autocast for a half input.
+    const bool half = x.dtype() == DType::bf16 || x.dtype() == DType::f16;
+    const DType dt = half && amp::detail::should_autocast(x) ? DType::f32 : x.dtype();
+    switch (dt) {
+      case DType::f64: e = std::numeric_limits<double>::epsilon(); break;
+      case DType::bf16: e = 0.0078125; break;
+      case DType::f16: e = 0.0009765625; break;
+      default: e = std::numeric_limits<float>::epsilon(); break;
+    }
+  }
+  return op_detail::invoke<op_detail::NormRowsDef>(
+      {"rms_norm", x, weight, Tensor(), normalized_dims("rms_norm", x, normalized_shape), e, /*rms=*/true});
+}
+
+Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {
+  return op_detail::invoke<op_detail::GroupNormDef>({x, weight, bias, num_groups, eps});
+}
+
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var, const Tensor& weight,
+                  const Tensor& bias, bool training, double momentum, double eps) {
+  return op_detail::invoke<op_detail::BatchNormDef>({x, weight, bias, running_mean, running_var, training, momentum, eps});
 }
 
 }  // namespace flame::nn::functional

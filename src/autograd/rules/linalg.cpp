@@ -3,7 +3,7 @@
 // Saved: B only when A needs a gradient, A only when B does.
 #include "flame/ops.h"
 #include "src/autograd/record.h"
-#include "src/autograd/rules/rules.h"
+#include "src/ops/linalg_def.h"
 
 namespace flame::rules {
 
@@ -37,15 +37,22 @@ TensorList matmul_backward(const Tensor& g, const Node& n) {
 }
 }  // namespace
 
-void matmul(Tensor& out, const Tensor& a, const Tensor& b) {
+}  // namespace flame::rules
+
+namespace flame::op_detail {
+
+// The record member of matmul's op definition (src/ops/linalg_def.h).
+void MatmulDef::record(Result& r, const Args& x, const Prep&) {
+  Tensor& out = r.out;
+  const Tensor &a = x.a, &b = x.b;
   if (!is_floating(out.dtype()) || !needs_grad({a, b})) return;
   RuleArgs args;
   args.need[0] = a.requires_grad();
   args.need[1] = b.requires_grad();
   const char* name = a.dim() == 2 && b.dim() == 2 ? "MmBackward" : a.dim() == 3 && b.dim() == 3 ? "BmmBackward" : "MatmulBackward";
-  Node& n = record(out, name, {a, b}, &matmul_backward, args);
+  Node& n = flame::record(out, name, {a, b}, &rules::matmul_backward, args);
   if (args.need[1]) n.save(a);
   if (args.need[0]) n.save(b);
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

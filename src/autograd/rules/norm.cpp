@@ -2,7 +2,7 @@
 // backward is one fused backend call that writes only the gradients the graph needs (an input
 // whose edge has no autograd meta gets none). Saved: x, the statistics (mean, rstd) and weight;
 // never the normalised output, which the kernels recompute from x in registers.
-#include "src/autograd/rules/norm.h"
+#include "src/ops/norm_def.h"
 
 #include "flame/autograd.h"
 #include "src/autograd/record.h"
@@ -93,19 +93,23 @@ void record_norm(Tensor& y, Kind kind, const Tensor& x, const Tensor& weight, co
 
 }  // namespace
 
-void norm_rows(Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
-               const Tensor& rstd) {
-  record_norm(y, Kind::rows, x, weight, bias, mean, rstd, 0, 0);
-}
-
-void group_norm(Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
-                const Tensor& rstd, int64_t groups) {
-  record_norm(y, Kind::group, x, weight, bias, mean, rstd, groups, 0);
-}
-
-void batch_norm(Tensor& y, const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& mean,
-                const Tensor& rstd, bool training) {
-  record_norm(y, Kind::batch, x, weight, bias, mean, rstd, 0, training ? 1 : 0);
-}
-
 }  // namespace flame::rules
+
+namespace flame::op_detail {
+using rules::Kind;
+using rules::record_norm;
+
+// The record members of the norms' op definitions (src/ops/norm_def.h).
+void NormRowsDef::record(Result& r, const Args&, const Prep& p) {
+  record_norm(r.y, Kind::rows, p.x, p.weight, p.bias, r.mean, r.rstd, 0, 0);
+}
+
+void GroupNormDef::record(Result& r, const Args& a, const Prep& p) {
+  record_norm(r.y, Kind::group, p.x, p.weight, p.bias, r.mean, r.rstd, a.groups, 0);
+}
+
+void BatchNormDef::record(Result& r, const Args& a, const Prep& p) {
+  record_norm(r.y, Kind::batch, p.x, p.weight, p.bias, r.mean, r.rstd, 0, a.training ? 1 : 0);
+}
+
+}  // namespace flame::op_detail

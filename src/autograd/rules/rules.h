@@ -38,10 +38,6 @@ void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log);
 }  // namespace flame::rules
 
 namespace flame::rules {
-void matmul(Tensor& out, const Tensor& a, const Tensor& b);  // also bmm
-}  // namespace flame::rules
-
-namespace flame::rules {
 // cat: starts[i] is where input i begins along dim d of out, -1 for a skipped [0] input.
 void cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d);
 void stack(Tensor& out, const TensorList& tensors, int64_t d);
