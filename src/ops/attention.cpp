@@ -43,6 +43,7 @@
 // sdpa_last_path() reports "fused_chunked".
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -53,8 +54,8 @@
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
 #include "src/ops/trace_hooks.h"
-#include "src/autograd/record.h"
-#include "src/autograd/rules/attention.h"
+#include "src/core/grad_state.h"
+#include "src/ops/attention_def.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 
@@ -290,21 +291,33 @@ Tensor make_output(const Tensor& q4, int64_t ev) {
 // The logsumexp rows: f32, or f64 for f64 inputs (the CPU reference), as the kernels accumulate.
 DType stats_dtype(const Tensor& q) { return q.dtype() == DType::f64 ? DType::f64 : DType::f32; }
 
-Tensor last_dim_dense(const Tensor& t) { return rules::fused_operand(t); }
+Tensor last_dim_dense(const Tensor& t) { return op_detail::fused_operand(t); }
 
-// One fused call on 4-d operands, with its autograd node.
+// One fused call on 4-d operands, with its autograd node (SdpaCoreDef, src/ops/attention_def.h).
 Tensor fused_core(const Tensor& q4, const Tensor& k4, const Tensor& v4, const Tensor& bias4, double scale, bool causal) {
-  auto& be = backend::backend_for(q4.device());
-  Tensor out = make_output(q4, v4.size(3));
-  const Tensor stats = make_empty({q4.size(0), q4.size(1), q4.size(2), 1}, stats_dtype(q4), q4.device(), kOp);
-  be.sdpa_forward(out, stats, q4, k4, v4, bias4, scale, causal);
-  rules::sdpa_fused(out, stats, q4, k4, v4, bias4, scale, causal);
-  return out;
+  return op_detail::invoke<op_detail::SdpaCoreDef>({q4, k4, v4, bias4, scale, causal, 0});
 }
 
 // Note [cuDNN capture of long kv]: forward over kv chunks, one node whose rule chunks backward too.
 Tensor fused_chunked(const Tensor& q4, const Tensor& k4, const Tensor& v4, const Tensor& bias4, double scale,
                      int64_t chunk) {
+  return op_detail::invoke<op_detail::SdpaCoreDef>({q4, k4, v4, bias4, scale, false, chunk});
+}
+
+// The kernels of fused_core: the output and its logsumexp rows.
+op_detail::SdpaCoreDef::Result fused_core_kernel(const Tensor& q4, const Tensor& k4, const Tensor& v4,
+                                                 const Tensor& bias4, double scale, bool causal) {
+  auto& be = backend::backend_for(q4.device());
+  op_detail::SdpaCoreDef::Result r;
+  r.out = make_output(q4, v4.size(3));
+  r.stats = make_empty({q4.size(0), q4.size(1), q4.size(2), 1}, stats_dtype(q4), q4.device(), kOp);
+  be.sdpa_forward(r.out, r.stats, q4, k4, v4, bias4, scale, causal);
+  return r;
+}
+
+// The kernels of fused_chunked: each chunk's output merged by the running logsumexp.
+op_detail::SdpaCoreDef::Result fused_chunked_kernel(const Tensor& q4, const Tensor& k4, const Tensor& v4,
+                                                    const Tensor& bias4, double scale, int64_t chunk) {
   auto& be = backend::backend_for(q4.device());
   const int64_t s = k4.size(2);
   const DType acc_dt = q4.dtype() == DType::f64 ? DType::f64 : DType::f32;  // the merge's precision
@@ -334,11 +347,11 @@ Tensor fused_chunked(const Tensor& q4, const Tensor& k4, const Tensor& v4, const
   }
   // A fully hidden row has m = -inf; its output is 0 as on the unchunked path.
   acc = masked_fill(acc, isinf(m), 0.0);
-  Tensor out = make_output(q4, v4.size(3));
-  be.copy(out, acc);
-  const Tensor stats = m.to(stats_dtype(q4)).contiguous();
-  rules::sdpa_fused(out, stats, q4, k4, v4, bias4, scale, false);
-  return out;
+  op_detail::SdpaCoreDef::Result r;
+  r.out = make_output(q4, v4.size(3));
+  be.copy(r.out, acc);
+  r.stats = m.to(stats_dtype(q4)).contiguous();
+  return r;
 }
 
 // The query rows `mask` hides entirely, [..., L or 1, 1] (Note [SDPA fully hidden rows]).
@@ -470,3 +483,18 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
 }
 
 }  // namespace flame::nn::functional
+
+namespace flame::op_detail {
+
+Tensor fused_operand(const Tensor& t) {
+  bool ok = t.stride(-1) == 1 && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ok && d + 1 < t.dim(); ++d) ok = t.size(d) == 1 || (t.stride(d) > 0 && t.stride(d) % 8 == 0);
+  return ok ? t : t.contiguous();
+}
+
+SdpaCoreDef::Result SdpaCoreDef::run(const Args& a, Prep&) {
+  if (a.kv_chunk > 0) return nn::functional::fused_chunked_kernel(a.q, a.k, a.v, a.bias, a.scale, a.kv_chunk);
+  return nn::functional::fused_core_kernel(a.q, a.k, a.v, a.bias, a.scale, a.causal);
+}
+
+}  // namespace flame::op_detail

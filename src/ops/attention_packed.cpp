@@ -28,8 +28,8 @@
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/autograd/record.h"
-#include "src/autograd/rules/attention.h"
+#include "src/core/grad_state.h"
+#include "src/ops/attention_def.h"
 #include "src/autograd/rules/attention_packed.h"
 #include "src/backend/backend.h"
 #include "src/ops/trace_hooks.h"
@@ -69,7 +69,7 @@ Tensor composite(const Tensor& qkv, int64_t num_heads, bool causal, std::optiona
 Tensor packed_fused(const Tensor& qkv_in, const TensorList& qkv4_in, int64_t num_heads, bool causal, double scale) {
   // Kernels read qkv in place when its layout allows (last-dim stride 1, strides multiples of 8,
   // 16-byte aligned start); otherwise one autograd-aware contiguous copy.
-  const Tensor qkv = rules::fused_operand(qkv_in);
+  const Tensor qkv = op_detail::fused_operand(qkv_in);
   const int64_t b = qkv.size(0), l = qkv.size(1), hd = qkv.size(2) / (3 * num_heads);
   const TensorList qkv4 = qkv.impl() == qkv_in.impl() ? qkv4_in : rules::packed_qkv_views(qkv, num_heads);
   auto& be = backend::backend_for(qkv.device());

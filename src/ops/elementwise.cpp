@@ -7,7 +7,7 @@
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/autograd/record.h"
+#include "src/core/grad_state.h"
 #include "src/autograd/rules/inplace.h"
 #include "src/autograd/rules/rules.h"
 #include "src/ops/trace_hooks.h"

@@ -51,7 +51,7 @@
 #include "flame/nn/linear_gelu.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/autograd/record.h"
+#include "src/core/grad_state.h"
 #include "src/autograd/rules/linear_epilogue.h"
 #include "src/backend/backend.h"
 #include "src/backend/fused/linear_epilogue.h"

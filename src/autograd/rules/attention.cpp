@@ -14,14 +14,8 @@
 
 namespace flame::rules {
 
-Tensor fused_operand(const Tensor& t) {
-  bool ok = t.stride(-1) == 1 && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
-  for (int64_t d = 0; ok && d + 1 < t.dim(); ++d) ok = t.size(d) == 1 || (t.stride(d) > 0 && t.stride(d) % 8 == 0);
-  return ok ? t : t.contiguous();
-}
-
 namespace {
-Tensor last_dim_dense(const Tensor& t) { return fused_operand(t); }
+Tensor last_dim_dense(const Tensor& t) { return op_detail::fused_operand(t); }
 
 TensorList sdpa_fused_rule(const Tensor& g, const Node& n) {
   const bool has_bias = n.args().count != 0;
@@ -75,14 +69,25 @@ TensorList sdpa_fused_backward(const Tensor& dout, const Tensor& q, const Tensor
   return {dq_acc.to(q.dtype()), dk, dv};
 }
 
-void sdpa_fused(Tensor& out, const Tensor& stats, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& bias,
-                double scale, bool causal) {
+}  // namespace flame::rules
+
+namespace flame::op_detail {
+
+// The record member of SdpaCoreDef: the node of out = fused_sdpa(q, k, v, bias) ([B, H, L, Dv]) when
+// q, k or v needs a gradient. Saves q, k, v, out, stats (the f32 logsumexp rows) and bias (when
+// defined): O(L + S) memory besides the bias. The rule calls Backend::sdpa_backward, over kv chunks
+// when sdpa_kv_chunk() asks for it at backward time (Note [cuDNN capture of long kv]).
+void SdpaCoreDef::record(Result& r, const Args& a, const Prep&) {
+  Tensor& out = r.out;
+  const Tensor &q = a.q, &k = a.k, &v = a.v, &bias = a.bias, &stats = r.stats;
+  const double scale = a.scale;
+  const bool causal = a.kv_chunk > 0 ? false : a.causal;
   if (!needs_grad({q, k, v})) return;
   RuleArgs args;
   args.a = scale;
   args.op = causal ? 1 : 0;
   args.count = bias.defined() ? 1 : 0;
-  Node& n = record(out, "ScaledDotProductFlashAttentionBackward", {q, k, v}, &sdpa_fused_rule, args);
+  Node& n = flame::record(out, "ScaledDotProductFlashAttentionBackward", {q, k, v}, &rules::sdpa_fused_rule, args);
   n.save(q);
   n.save(k);
   n.save(v);
@@ -91,4 +96,4 @@ void sdpa_fused(Tensor& out, const Tensor& stats, const Tensor& q, const Tensor&
   if (bias.defined()) n.save(bias);
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail
