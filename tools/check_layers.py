@@ -70,7 +70,6 @@ src/ops/joins.cpp -> src/autograd/rules/rules.h
 src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h
 src/ops/linear_epilogue.cpp -> src/autograd/rules/linear_epilogue.h
 src/ops/tensor_factories.cpp -> src/autograd/rules/rules.h
-src/ops/reduce.cpp -> src/autograd/rules/rules.h
 src/ops/views.cpp -> src/autograd/record.h
 src/ops/views.cpp -> src/autograd/rules/rules.h
 """.split("\n")

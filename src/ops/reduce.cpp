@@ -18,9 +18,9 @@
 
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/reduce_def.h"
 #include "src/ops/trace_hooks.h"
 
 namespace flame {
@@ -28,14 +28,7 @@ using backend::ReduceOp;
 
 namespace {
 
-struct ReducePlan {
-  Shape perm;            // kept dims in order, then reduced dims in order
-  Shape out_shape;       // the kept dims
-  Shape keep_shape;      // the input's shape with each reduced dim set to 1
-  int64_t reduce_ndim = 0;
-  int64_t count = 1;     // input elements per output element
-  int64_t zero_dim = -1; // a reduced dim of size 0, if any
-};
+using op_detail::ReducePlan;
 
 void check_defined(const Tensor& x, const char* op) { FLAME_CHECK(x.defined(), op, "got an undefined tensor"); }
 
@@ -83,10 +76,7 @@ void check_nonzero_extent(const Tensor& x, const ReducePlan& p, const char* op) 
 }
 
 Tensor run_reduce(ReduceOp op, const Tensor& x, const ReducePlan& p, DType out_dtype, bool keepdim) {
-  Tensor out = make_empty(p.out_shape, out_dtype, x.device());
-  if (out.numel() > 0) backend::backend_for(x.device()).reduce(op, out, x.permute(p.perm), p.reduce_ndim);
-  rules::reduce(out, op, x, p.keep_shape, p.count);
-  return keepdim ? out.view(p.keep_shape) : out;
+  return op_detail::invoke<op_detail::ReduceDef>({op, x, &p, out_dtype, keepdim});
 }
 
 DType sum_dtype(DType t) { return is_floating(t) ? t : DType::i64; }
@@ -108,26 +98,6 @@ Tensor variance(const Tensor& xf, const Shape& dims, int64_t correction, bool ke
   const double divisor = std::max(0.0, static_cast<double>(p.count) - static_cast<double>(correction));
   const Tensor centered = xf - mean(xf, dims, /*keepdim=*/true);
   return sum(square(centered), dims, keepdim) / divisor;
-}
-
-// Softmax-family ops run on a 1-d view of a 0-d input so the kernels always see a dim.
-Tensor softmax_impl(const Tensor& x, int64_t dim, bool log, const char* name) {
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
-    amp::detail::AutocastOpScope scope;
-    return softmax_impl(amp::detail::cast_f32(x), dim, log, name);
-  }
-  check_floating(x, name);
-  const int64_t d = wrap_dim(dim, x.dim(), name);
-  Tensor out = make_empty(x.sizes(), x.dtype(), x.device());
-  if (out.numel() == 0) return rules::with_grad(out, name, x, [](const Tensor& g) { return g; });
-  auto& be = backend::backend_for(x.device());
-  if (x.dim() == 0) {
-    be.softmax(out.view({1}), x.reshape({1}), 0, log);
-  } else {
-    be.softmax(out, x, d, log);
-  }
-  rules::softmax(out, x, d, log);
-  return out;
 }
 
 }  // namespace
@@ -251,32 +221,65 @@ Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
   return r.to(x.dtype());
 }
 
-Tensor cumsum(const Tensor& x, int64_t dim) {
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
-    amp::detail::AutocastOpScope scope;
-    return cumsum(amp::detail::cast_f32(x), dim);
-  }
-  check_defined(x, "cumsum");
-  const int64_t d = wrap_dim(dim, x.dim(), "cumsum");
-  Tensor out = make_empty(x.sizes(), sum_dtype(x.dtype()), x.device());
-  if (out.numel() > 0) {
-    auto& be = backend::backend_for(x.device());
-    if (x.dim() == 0) {
-      be.cumsum(out.view({1}), x.reshape({1}), 0);
-    } else {
-      be.cumsum(out, x, d);
-    }
-  }
-  rules::cumsum(out, x, d);
-  return out;
-}
+Tensor cumsum(const Tensor& x, int64_t dim) { return op_detail::invoke<op_detail::CumsumDef>({x, dim}); }
 
 Tensor softmax(const Tensor& x, int64_t dim) {
-  if (auto* tr = compile_detail::active_tracer()) {
-    return compile_detail::trace_eager_op(*tr, "softmax", {x}, [dim](const TensorList& in) { return softmax(in[0], dim); });
-  }
-  return softmax_impl(x, dim, false, "softmax");
+  return op_detail::invoke<op_detail::SoftmaxDef>({"softmax", x, dim, false});
 }
-Tensor log_softmax(const Tensor& x, int64_t dim) { return softmax_impl(x, dim, true, "log_softmax"); }
+Tensor log_softmax(const Tensor& x, int64_t dim) {
+  return op_detail::invoke<op_detail::SoftmaxDef>({"log_softmax", x, dim, true});
+}
 
 }  // namespace flame
+
+namespace flame::op_detail {
+
+ReduceDef::Result ReduceDef::run(const Args& a, Prep&) {
+  const ReducePlan& p = *a.plan;
+  Result r;
+  r.out = make_empty(p.out_shape, a.out_dtype, a.x.device());
+  if (r.out.numel() > 0) backend::backend_for(a.x.device()).reduce(a.op, r.out, a.x.permute(p.perm), p.reduce_ndim);
+  return r;
+}
+
+// Softmax-family ops run on a 1-d view of a 0-d input so the kernels always see a dim.
+SoftmaxDef::Prep SoftmaxDef::prepare(const Args& a) {
+  check_floating(a.x, a.op);
+  return {wrap_dim(a.dim, a.x.dim(), a.op)};
+}
+
+SoftmaxDef::Result SoftmaxDef::run(const Args& a, Prep& p) {
+  const Tensor& x = a.x;
+  Result r;
+  r.out = make_empty(x.sizes(), x.dtype(), x.device());
+  if (r.out.numel() == 0) return r;
+  auto& be = backend::backend_for(x.device());
+  if (x.dim() == 0) {
+    be.softmax(r.out.view({1}), x.reshape({1}), 0, a.log);
+  } else {
+    be.softmax(r.out, x, p.dim, a.log);
+  }
+  return r;
+}
+
+CumsumDef::Prep CumsumDef::prepare(const Args& a) {
+  check_defined(a.x, "cumsum");
+  return {wrap_dim(a.dim, a.x.dim(), "cumsum")};
+}
+
+CumsumDef::Result CumsumDef::run(const Args& a, Prep& p) {
+  const Tensor& x = a.x;
+  Result r;
+  r.out = make_empty(x.sizes(), sum_dtype(x.dtype()), x.device());
+  if (r.out.numel() > 0) {
+    auto& be = backend::backend_for(x.device());
+    if (x.dim() == 0) {
+      be.cumsum(r.out.view({1}), x.reshape({1}), 0);
+    } else {
+      be.cumsum(r.out, x, p.dim);
+    }
+  }
+  return r;
+}
+
+}  // namespace flame::op_detail

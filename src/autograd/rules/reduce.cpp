@@ -4,6 +4,7 @@
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/autograd/rules/rules.h"
+#include "src/ops/reduce_def.h"
 
 namespace flame::rules {
 using backend::ReduceOp;
@@ -79,33 +80,47 @@ TensorList softmax_backward(const Tensor& g, const Node& n) {
 }
 }  // namespace
 
-void reduce(Tensor& out, ReduceOp op, const Tensor& x, const Shape& keep_shape, int64_t count) {
+}  // namespace flame::rules
+
+namespace flame::op_detail {
+using backend::ReduceOp;
+
+// The record members of the reduction family's op definitions (src/ops/reduce_def.h).
+void ReduceDef::record(Result& r, const Args& a, const Prep&) {
+  Tensor& out = r.out;
+  const Tensor& x = a.x;
+  const ReduceOp op = a.op;
   if (!is_floating(out.dtype()) || !needs_grad({x})) return;
   RuleArgs args;
   args.op = static_cast<int>(op);
-  args.shape = keep_shape;
-  args.count = count;
-  Node& n = record(out, reduce_name(op), {x}, &reduce_backward, std::move(args));
+  args.shape = a.plan->keep_shape;
+  args.count = a.plan->count;
+  Node& n = flame::record(out, rules::reduce_name(op), {x}, &rules::reduce_backward, std::move(args));
   if (op == ReduceOp::prod || op == ReduceOp::max || op == ReduceOp::min) {
     n.save(x);
     n.save(out, /*is_output=*/true);
   }
 }
 
-void cumsum(Tensor& out, const Tensor& x, int64_t dim) {
-  if (!is_floating(out.dtype()) || !needs_grad({x})) return;
+void CumsumDef::record(Result& r, const Args& a, const Prep& p) {
+  if (!is_floating(r.out.dtype()) || !needs_grad({a.x})) return;
   RuleArgs args;
-  args.dim = dim;
-  record(out, "CumsumBackward", {x}, &cumsum_backward, std::move(args));
+  args.dim = p.dim;
+  flame::record(r.out, "CumsumBackward", {a.x}, &rules::cumsum_backward, std::move(args));
 }
 
-void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log) {
-  if (!needs_grad({x})) return;
+void SoftmaxDef::record(Result& r, const Args& a, const Prep& p) {
+  if (r.out.numel() == 0) {  // nothing to normalise: the gradient passes through
+    rules::with_grad(r.out, a.op, a.x, [](const Tensor& g) { return g; });
+    return;
+  }
+  if (!needs_grad({a.x})) return;
   RuleArgs args;
-  args.dim = dim;
-  args.op = log ? 1 : 0;
-  Node& n = record(out, log ? "LogSoftmaxBackward" : "SoftmaxBackward", {x}, &softmax_backward, std::move(args));
-  n.save(out, /*is_output=*/true);
+  args.dim = p.dim;
+  args.op = a.log ? 1 : 0;
+  Node& n = flame::record(r.out, a.log ? "LogSoftmaxBackward" : "SoftmaxBackward", {a.x}, &rules::softmax_backward,
+                          std::move(args));
+  n.save(r.out, /*is_output=*/true);
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

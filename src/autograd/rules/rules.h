@@ -31,13 +31,6 @@ void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& ind
 }  // namespace flame::rules
 
 namespace flame::rules {
-// Reductions: out holds the kept dims; keep_shape is x's shape with reduced dims set to 1.
-void reduce(Tensor& out, backend::ReduceOp op, const Tensor& x, const Shape& keep_shape, int64_t count);
-void cumsum(Tensor& out, const Tensor& x, int64_t dim);
-void softmax(Tensor& out, const Tensor& x, int64_t dim, bool log);
-}  // namespace flame::rules
-
-namespace flame::rules {
 // cat: starts[i] is where input i begins along dim d of out, -1 for a skipped [0] input.
 void cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d);
 void stack(Tensor& out, const TensorList& tensors, int64_t d);
