@@ -64,7 +64,6 @@ src/ops/adaln.cpp -> src/autograd/rules/adaln.h
 src/ops/attention_packed.cpp -> src/autograd/rules/attention_packed.h
 src/ops/elementwise.cpp -> src/autograd/rules/inplace.h
 src/ops/elementwise.cpp -> src/autograd/rules/rules.h
-src/ops/index.cpp -> src/autograd/rules/rules.h
 src/ops/joins.cpp -> src/autograd/record.h
 src/ops/joins.cpp -> src/autograd/rules/rules.h
 src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h

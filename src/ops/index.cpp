@@ -19,10 +19,9 @@
 
 #include "flame/grad_mode.h"
 #include "flame/ops.h"
-#include "src/autograd/rules/rules.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
+#include "src/ops/index_def.h"
 
 namespace flame {
 namespace {
@@ -61,38 +60,6 @@ void check_range_on_cpu(const Tensor& index, int64_t lo, int64_t hi, const char*
   }
 }
 
-Tensor scatter_impl(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate,
-                    const char* op) {
-  check_defined(x, op, "input");
-  check_defined(src, op, "src");
-  Tensor idx = index_arg(index, x, op);
-  check_same_device(op, x, src);
-  FLAME_CHECK(src.dtype() == x.dtype(), op, "src dtype ", dtype_name(src.dtype()),
-              " does not match the input's dtype ", dtype_name(x.dtype()));
-  const int64_t d = wrap_dim(dim, x.dim(), op);
-  FLAME_CHECK(nonempty_dim(idx) == nonempty_dim(x) && nonempty_dim(src) == nonempty_dim(x), op,
-              "index and src must have as many dims as the input: input ", x.sizes(), ", index ",
-              idx.sizes(), ", src ", src.sizes());
-  const Tensor x1 = at_least_1d(x), i1 = at_least_1d(idx), s1 = at_least_1d(src);
-  if (idx.numel() > 0) {
-    for (int64_t k = 0; k < x1.dim(); ++k) {
-      FLAME_CHECK(i1.size(k) <= s1.size(k), op, "index of shape ", idx.sizes(),
-                  " is larger than src of shape ", src.sizes(), " in dim ", k);
-      FLAME_CHECK(k == d || i1.size(k) <= x1.size(k), op, "index of shape ", idx.sizes(),
-                  " is larger than the input of shape ", x.sizes(), " in dim ", k);
-    }
-  }
-  check_not_empty_dim(x1, d, idx, op);
-  Tensor out;
-  {
-    NoGradGuard no_grad;  // the clone is an implementation detail; the scatter rule covers both inputs
-    out = x.clone();
-  }
-  if (idx.numel() > 0) backend::backend_for(x.device()).scatter(at_least_1d(out), d, i1, s1, accumulate);
-  rules::scatter(out, x, d, idx, src, accumulate);
-  return out;
-}
-
 Tensor triangle(const Tensor& x, int64_t diagonal, bool upper, const char* op) {
   check_defined(x, op, "input");
   FLAME_CHECK(x.dim() >= 2, op, "input must have at least 2 dims, got shape ", x.sizes());
@@ -108,84 +75,23 @@ Tensor triangle(const Tensor& x, int64_t diagonal, bool upper, const char* op) {
 }  // namespace
 
 Tensor index_select(const Tensor& x, int64_t dim, const Tensor& index) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "index_select", {x, index},
-                                          [dim](const TensorList& in) { return index_select(in[0], dim, in[1]); });
-  }
-  check_defined(x, "index_select", "input");
-  Tensor idx = index_arg(index, x, "index_select");
-  FLAME_CHECK(idx.dim() <= 1, "index_select", "index must be 0-d or 1-d, got shape ", idx.sizes());
-  const int64_t d = wrap_dim(dim, x.dim(), "index_select");
-  FLAME_CHECK(x.dim() > 0 || idx.numel() == 1, "index_select",
-              "a 0-d input takes exactly one index, got ", idx.numel());
-  Shape shape = x.sizes();
-  if (x.dim() > 0) shape[d] = idx.numel();
-  const Tensor x1 = at_least_1d(x);
-  check_not_empty_dim(x1, d, idx, "index_select");
-  Tensor out = make_empty(shape, x.dtype(), x.device(), "index_select");
-  if (out.numel() > 0) {
-    backend::backend_for(x.device()).index_select(at_least_1d(out), x1, d, at_least_1d(idx));
-  }
-  rules::index_select(out, x, d, at_least_1d(idx));
-  return out;
+  return op_detail::invoke<op_detail::IndexSelectDef>({x, index, dim});
 }
 
 Tensor gather(const Tensor& x, int64_t dim, const Tensor& index) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "gather", {x, index},
-                                          [dim](const TensorList& in) { return gather(in[0], dim, in[1]); });
-  }
-  check_defined(x, "gather", "input");
-  Tensor idx = index_arg(index, x, "gather");
-  const int64_t d = wrap_dim(dim, x.dim(), "gather");
-  FLAME_CHECK(nonempty_dim(idx) == nonempty_dim(x), "gather",
-              "index must have as many dims as the input: input ", x.sizes(), ", index ", idx.sizes());
-  const Tensor x1 = at_least_1d(x), i1 = at_least_1d(idx);
-  if (idx.numel() > 0) {
-    for (int64_t k = 0; k < x1.dim(); ++k) {
-      FLAME_CHECK(k == d || i1.size(k) <= x1.size(k), "gather", "index of shape ", idx.sizes(),
-                  " is larger than the input of shape ", x.sizes(), " in dim ", k);
-    }
-  }
-  check_not_empty_dim(x1, d, idx, "gather");
-  Tensor out = make_empty(idx.sizes(), x.dtype(), x.device(), "gather");
-  if (out.numel() > 0) backend::backend_for(x.device()).gather(at_least_1d(out), x1, d, i1);
-  rules::gather(out, x, d, idx);
-  return out;
+  return op_detail::invoke<op_detail::GatherDef>({x, index, dim});
 }
 
 Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "scatter", {x, index, src},
-                                          [dim](const TensorList& in) { return scatter(in[0], dim, in[1], in[2]); });
-  }
-  return scatter_impl(x, dim, index, src, false, "scatter");
+  return op_detail::invoke<op_detail::ScatterDef>({x, index, src, dim, false});
 }
 
 Tensor scatter_add(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "scatter_add", {x, index, src},
-                                          [dim](const TensorList& in) { return scatter_add(in[0], dim, in[1], in[2]); });
-  }
-  return scatter_impl(x, dim, index, src, true, "scatter_add");
+  return op_detail::invoke<op_detail::ScatterDef>({x, index, src, dim, true});
 }
 
 Tensor masked_select(const Tensor& x, const Tensor& mask) {
-  check_defined(x, "masked_select", "input");
-  check_defined(mask, "masked_select", "mask");
-  check_same_device("masked_select", x, mask);
-  FLAME_CHECK(is_bool(mask.dtype()), "masked_select", "mask must be bool, got ", dtype_name(mask.dtype()));
-  Shape shape = broadcast_shapes(x.sizes(), mask.sizes(), "masked_select");
-  const Shape full = shape;
-  if (shape_numel(shape) == 0) {
-    Tensor out = make_empty({0}, x.dtype(), x.device(), "masked_select");
-    rules::masked_select(out, x, mask.expand(full));
-    return out;
-  }
-  if (shape.empty()) shape = {1};  // kernels see >= 1 dim
-  Tensor out = backend::backend_for(x.device()).masked_select(x.expand(shape), mask.expand(shape));
-  rules::masked_select(out, x, mask.expand(full));
-  return out;
+  return op_detail::invoke<op_detail::MaskedSelectDef>({x, mask});
 }
 
 Tensor take(const Tensor& x, const Tensor& index) {
@@ -256,16 +162,7 @@ Tensor embedding(const Tensor& weight, const Tensor& index) {
 }
 
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim, bool descending) {
-  check_defined(x, "sort", "input");
-  const int64_t d = wrap_dim(dim, x.dim(), "sort");
-  Tensor values = make_empty(x.sizes(), x.dtype(), x.device(), "sort");
-  Tensor indices = make_empty(x.sizes(), DType::i64, x.device(), "sort");
-  if (x.numel() > 0) {
-    backend::backend_for(x.device()).sort(at_least_1d(values), at_least_1d(indices), at_least_1d(x), d,
-                                          descending);
-  }
-  rules::sort_values(values, x, d, indices);
-  return {values, indices};
+  return op_detail::invoke<op_detail::SortDef>({x, dim, descending});
 }
 
 Tensor argsort(const Tensor& x, int64_t dim, bool descending) { return sort(x, dim, descending).second; }
@@ -285,3 +182,142 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim, bool lar
 }
 
 }  // namespace flame
+
+namespace flame::op_detail {
+
+IndexDefBase::Prep IndexSelectDef::prepare(const Args& a) {
+  const Tensor& x = a.x;
+  check_defined(x, "index_select", "input");
+  Prep p;
+  p.idx = index_arg(a.index, x, "index_select");
+  FLAME_CHECK(p.idx.dim() <= 1, "index_select", "index must be 0-d or 1-d, got shape ", p.idx.sizes());
+  p.d = wrap_dim(a.dim, x.dim(), "index_select");
+  FLAME_CHECK(x.dim() > 0 || p.idx.numel() == 1, "index_select",
+              "a 0-d input takes exactly one index, got ", p.idx.numel());
+  p.shape = x.sizes();
+  if (x.dim() > 0) p.shape[p.d] = p.idx.numel();
+  check_not_empty_dim(at_least_1d(x), p.d, p.idx, "index_select");
+  return p;
+}
+
+IndexDefBase::Result IndexSelectDef::run(const Args& a, Prep& p) {
+  Result r;
+  r.out = make_empty(p.shape, a.x.dtype(), a.x.device(), "index_select");
+  if (r.out.numel() > 0) {
+    backend::backend_for(a.x.device()).index_select(at_least_1d(r.out), at_least_1d(a.x), p.d, at_least_1d(p.idx));
+  }
+  return r;
+}
+
+IndexDefBase::Prep GatherDef::prepare(const Args& a) {
+  const Tensor& x = a.x;
+  check_defined(x, "gather", "input");
+  Prep p;
+  p.idx = index_arg(a.index, x, "gather");
+  const Tensor& idx = p.idx;
+  p.d = wrap_dim(a.dim, x.dim(), "gather");
+  FLAME_CHECK(nonempty_dim(idx) == nonempty_dim(x), "gather",
+              "index must have as many dims as the input: input ", x.sizes(), ", index ", idx.sizes());
+  const Tensor x1 = at_least_1d(x), i1 = at_least_1d(idx);
+  if (idx.numel() > 0) {
+    for (int64_t k = 0; k < x1.dim(); ++k) {
+      FLAME_CHECK(k == p.d || i1.size(k) <= x1.size(k), "gather", "index of shape ", idx.sizes(),
+                  " is larger than the input of shape ", x.sizes(), " in dim ", k);
+    }
+  }
+  check_not_empty_dim(x1, p.d, idx, "gather");
+  return p;
+}
+
+IndexDefBase::Result GatherDef::run(const Args& a, Prep& p) {
+  Result r;
+  r.out = make_empty(p.idx.sizes(), a.x.dtype(), a.x.device(), "gather");
+  if (r.out.numel() > 0) {
+    backend::backend_for(a.x.device()).gather(at_least_1d(r.out), at_least_1d(a.x), p.d, at_least_1d(p.idx));
+  }
+  return r;
+}
+
+IndexDefBase::Prep ScatterDef::prepare(const Args& a) {
+  const Tensor &x = a.x, &src = a.src;
+  const char* op = name(a);
+  check_defined(x, op, "input");
+  check_defined(src, op, "src");
+  Prep p;
+  p.idx = index_arg(a.index, x, op);
+  const Tensor& idx = p.idx;
+  check_same_device(op, x, src);
+  FLAME_CHECK(src.dtype() == x.dtype(), op, "src dtype ", dtype_name(src.dtype()),
+              " does not match the input's dtype ", dtype_name(x.dtype()));
+  const int64_t d = p.d = wrap_dim(a.dim, x.dim(), op);
+  FLAME_CHECK(nonempty_dim(idx) == nonempty_dim(x) && nonempty_dim(src) == nonempty_dim(x), op,
+              "index and src must have as many dims as the input: input ", x.sizes(), ", index ",
+              idx.sizes(), ", src ", src.sizes());
+  const Tensor x1 = at_least_1d(x), i1 = at_least_1d(idx), s1 = at_least_1d(src);
+  if (idx.numel() > 0) {
+    for (int64_t k = 0; k < x1.dim(); ++k) {
+      FLAME_CHECK(i1.size(k) <= s1.size(k), op, "index of shape ", idx.sizes(),
+                  " is larger than src of shape ", src.sizes(), " in dim ", k);
+      FLAME_CHECK(k == d || i1.size(k) <= x1.size(k), op, "index of shape ", idx.sizes(),
+                  " is larger than the input of shape ", x.sizes(), " in dim ", k);
+    }
+  }
+  check_not_empty_dim(x1, d, idx, op);
+  return p;
+}
+
+IndexDefBase::Result ScatterDef::run(const Args& a, Prep& p) {
+  Result r;
+  {
+    NoGradGuard no_grad;  // the clone is an implementation detail; the scatter rule covers both inputs
+    r.out = a.x.clone();
+  }
+  if (p.idx.numel() > 0) {
+    backend::backend_for(a.x.device())
+        .scatter(at_least_1d(r.out), p.d, at_least_1d(p.idx), at_least_1d(a.src), a.accumulate);
+  }
+  return r;
+}
+
+IndexDefBase::Prep MaskedSelectDef::prepare(const Args& a) {
+  const Tensor &x = a.x, &mask = a.mask;
+  check_defined(x, "masked_select", "input");
+  check_defined(mask, "masked_select", "mask");
+  check_same_device("masked_select", x, mask);
+  FLAME_CHECK(is_bool(mask.dtype()), "masked_select", "mask must be bool, got ", dtype_name(mask.dtype()));
+  Prep p;
+  p.shape = broadcast_shapes(x.sizes(), mask.sizes(), "masked_select");
+  return p;
+}
+
+IndexDefBase::Result MaskedSelectDef::run(const Args& a, Prep& p) {
+  Result r;
+  if (shape_numel(p.shape) == 0) {
+    r.out = make_empty({0}, a.x.dtype(), a.x.device(), "masked_select");
+    return r;
+  }
+  const Shape shape = p.shape.empty() ? Shape{1} : p.shape;  // kernels see >= 1 dim
+  r.out = backend::backend_for(a.x.device()).masked_select(a.x.expand(shape), a.mask.expand(shape));
+  return r;
+}
+
+IndexDefBase::Prep SortDef::prepare(const Args& a) {
+  check_defined(a.x, "sort", "input");
+  Prep p;
+  p.d = wrap_dim(a.dim, a.x.dim(), "sort");
+  return p;
+}
+
+IndexDefBase::Result SortDef::run(const Args& a, Prep& p) {
+  const Tensor& x = a.x;
+  Result r;
+  r.out = make_empty(x.sizes(), x.dtype(), x.device(), "sort");
+  r.indices = make_empty(x.sizes(), DType::i64, x.device(), "sort");
+  if (x.numel() > 0) {
+    backend::backend_for(x.device()).sort(at_least_1d(r.out), at_least_1d(r.indices), at_least_1d(x), p.d,
+                                          a.descending);
+  }
+  return r;
+}
+
+}  // namespace flame::op_detail

@@ -7,9 +7,9 @@
 // check, backward raises instead, naming the op.
 #include "flame/ops.h"
 #include "src/autograd/record.h"
-#include "src/autograd/rules/rules.h"
+#include "src/ops/index_def.h"
 
-namespace flame::rules {
+namespace flame::op_detail {
 namespace {
 // dst of `shape` with `small` (whose sizes are <= shape's) written at the leading corner.
 Tensor pad_into(const Tensor& small, const Shape& shape) {
@@ -22,11 +22,16 @@ Tensor pad_into(const Tensor& small, const Shape& shape) {
 }
 }  // namespace
 
-void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
+// The record members of the indexing family's op definitions (src/ops/index_def.h).
+void IndexSelectDef::record(Result& r, const Args& a, const Prep& p) {
+  Tensor& out = r.out;
+  const Tensor& x = a.x;
+  const int64_t dim = p.d;
+  const Tensor index = p.idx.dim() == 0 ? p.idx.reshape({1}) : p.idx;
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
   SavedTensor sidx(index, "index_select");  // Note [Saved indices]
-  record(out, "index_select", {x}, [xs, dim, sidx](const Tensor& g) {
+  flame::record(out, "index_select", {x}, [xs, dim, sidx](const Tensor& g) {
     Tensor idx = sidx.get();
     Tensor z = Tensor::zeros(xs, {g.dtype(), g.device()});
     if (xs.empty()) return TensorList{g.reshape({})};
@@ -36,21 +41,28 @@ void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index
   });
 }
 
-void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index) {
+void GatherDef::record(Result& r, const Args& a, const Prep& p) {
+  Tensor& out = r.out;
+  const Tensor &x = a.x, &index = p.idx;
+  const int64_t dim = p.d;
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
   SavedTensor sidx(index, "gather");  // Note [Saved indices]
-  record(out, "gather", {x}, [xs, dim, sidx](const Tensor& g) {
+  flame::record(out, "gather", {x}, [xs, dim, sidx](const Tensor& g) {
     Tensor idx = sidx.get();
     return TensorList{scatter_add(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
   });
 }
 
-void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate) {
+void ScatterDef::record(Result& r, const Args& a, const Prep& p) {
+  Tensor& out = r.out;
+  const Tensor &x = a.x, &index = p.idx, &src = a.src;
+  const int64_t dim = p.d;
+  const bool accumulate = a.accumulate;
   if (!needs_grad({x, src})) return;
   const Shape ss = src.sizes();
   SavedTensor sidx(index, accumulate ? "scatter_add" : "scatter");  // Note [Saved indices]
-  record(out, accumulate ? "scatter_add" : "scatter", {x, src}, [ss, dim, sidx, accumulate](const Tensor& g) {
+  flame::record(out, accumulate ? "scatter_add" : "scatter", {x, src}, [ss, dim, sidx, accumulate](const Tensor& g) {
     Tensor idx = sidx.get();
     // Overwritten positions pass no gradient to x; src receives the gradient of where it landed.
     Tensor gx = accumulate ? g : scatter(g, dim, idx, Tensor::zeros(idx.sizes(), {g.dtype(), g.device()}));
@@ -58,11 +70,14 @@ void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, con
   });
 }
 
-void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded) {
+void MaskedSelectDef::record(Result& r, const Args& a, const Prep& p) {
+  Tensor& out = r.out;
+  const Tensor& x = a.x;
+  const Tensor mask_expanded = a.mask.expand(p.shape);
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
   SavedTensor smask(mask_expanded.contiguous(), "masked_select");  // Note [Saved indices]
-  record(out, "masked_select", {x}, [xs, smask](const Tensor& g) {
+  flame::record(out, "masked_select", {x}, [xs, smask](const Tensor& g) {
     Tensor mask = smask.get();
     // Element k of the output came from the k-th true position: position p takes g[cumsum(mask)[p] - 1].
     Tensor flat = mask.reshape({-1});
@@ -74,15 +89,18 @@ void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded) {
   });
 }
 
-void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& indices) {
+void SortDef::record(Result& r, const Args& a, const Prep& p) {
+  Tensor& values = r.out;
+  const Tensor &x = a.x, &indices = r.indices;
+  const int64_t dim = p.d;
   if (!needs_grad({x}) || !is_floating(values.dtype())) return;
   const Shape xs = x.sizes();
   SavedTensor sidx(indices, "sort");  // Note [Saved indices]: the caller may write the returned indices
-  record(values, "sort", {x}, [xs, dim, sidx](const Tensor& g) {
+  flame::record(values, "sort", {x}, [xs, dim, sidx](const Tensor& g) {
     if (xs.empty()) return TensorList{g};
     Tensor idx = sidx.get();
     return TensorList{scatter(Tensor::zeros(xs, {g.dtype(), g.device()}), dim, idx, g)};
   });
 }
 
-}  // namespace flame::rules
+}  // namespace flame::op_detail

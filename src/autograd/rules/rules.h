@@ -22,15 +22,6 @@ void narrow(Tensor& v, const Tensor& x, int64_t d, int64_t start);
 }  // namespace flame::rules
 
 namespace flame::rules {
-// Indexing (index: the i64 contiguous index the kernel used, at x's dim count).
-void index_select(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
-void gather(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index);
-void scatter(Tensor& out, const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src, bool accumulate);
-void masked_select(Tensor& out, const Tensor& x, const Tensor& mask_expanded);
-void sort_values(Tensor& values, const Tensor& x, int64_t dim, const Tensor& indices);
-}  // namespace flame::rules
-
-namespace flame::rules {
 // cat: starts[i] is where input i begins along dim d of out, -1 for a skipped [0] input.
 void cat(Tensor& out, const TensorList& tensors, const std::vector<int64_t>& starts, int64_t d);
 void stack(Tensor& out, const TensorList& tensors, int64_t d);
