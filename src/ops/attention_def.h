@@ -17,19 +17,18 @@ namespace flame::op_detail {
 // contiguous copy (autograd-aware, as Tensor::contiguous).
 Tensor fused_operand(const Tensor& t);
 
-struct SdpaCoreDef {
-  struct Args {
-    Tensor q, k, v, bias;  // [B, H, L or S, D]; bias: undefined or [B or 1, H or 1, L, S]
-    double scale = 1.0;
-    bool causal = false;
-    int64_t kv_chunk = 0;  // > 0: over kv chunks of this many keys (not causal)
-  };
+struct SdpaCoreArgs {
+  Tensor q, k, v, bias;  // [B, H, L or S, D]; bias: undefined or [B or 1, H or 1, L, S]
+  double scale = 1.0;
+  bool causal = false;
+  int64_t kv_chunk = 0;  // > 0: over kv chunks of this many keys (not causal)
+};
+struct SdpaCoreDef : OpDefaults<SdpaCoreArgs> {
   struct Prep {};
   struct Result {
     Tensor out, stats;  // stats: the f32 (f64) logsumexp rows [B, H, L, 1] the backward reads
   };
   using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::none;  // the public op cast already
   static const char* name(const Args&) { return "scaled_dot_product_attention"; }
   static TensorList inputs(const Args& a) { return {a.q, a.k, a.v, a.bias}; }
   static const Tensor& lead(const Args& a) { return a.q; }
@@ -41,10 +40,9 @@ struct SdpaCoreDef {
     return a;
   }
   static bool traceable(const Args&) { return false; }  // the public op is the trace step
-  static Prep prepare(const Args&) { return {}; }       // the public op validated
+  static Prep prepare(const Args&) { return {}; }       // the public op validated (and cast)
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
 };
 
 }  // namespace flame::op_detail

@@ -11,17 +11,17 @@
 
 namespace flame::op_detail {
 
-struct ConvDef {
-  struct Args {
-    const char* op = nullptr;
-    int64_t nsp = 2;  // spatial dims
-    bool transposed = false;
-    Tensor input, weight, bias;  // bias may be undefined
-    // The per-dim arguments, each already expanded to nsp values.
-    int64_t stride[3] = {1, 1, 1}, dilation[3] = {1, 1, 1}, out_pad[3] = {0, 0, 0}, pad[3] = {0, 0, 0};
-    nn::functional::Padding::Mode pad_mode = nn::functional::Padding::Mode::explicit_sizes;
-    int64_t groups = 1;
-  };
+struct ConvArgs {
+  const char* op = nullptr;
+  int64_t nsp = 2;  // spatial dims
+  bool transposed = false;
+  Tensor input, weight, bias;  // bias may be undefined
+  // The per-dim arguments, each already expanded to nsp values.
+  int64_t stride[3] = {1, 1, 1}, dilation[3] = {1, 1, 1}, out_pad[3] = {0, 0, 0}, pad[3] = {0, 0, 0};
+  nn::functional::Padding::Mode pad_mode = nn::functional::Padding::Mode::explicit_sizes;
+  int64_t groups = 1;
+};
+struct ConvDef : OpDefaults<ConvArgs> {
   struct Prep {
     backend::Backend::ConvParams p;
     Shape ys;                // the output's (batched) shape
@@ -44,7 +44,6 @@ struct ConvDef {
     a.bias = in[2];
     return a;
   }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);

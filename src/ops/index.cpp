@@ -185,7 +185,7 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim, bool lar
 
 namespace flame::op_detail {
 
-IndexDefBase::Prep IndexSelectDef::prepare(const Args& a) {
+IndexPrep IndexSelectDef::prepare(const Args& a) {
   const Tensor& x = a.x;
   check_defined(x, "index_select", "input");
   Prep p;
@@ -200,7 +200,7 @@ IndexDefBase::Prep IndexSelectDef::prepare(const Args& a) {
   return p;
 }
 
-IndexDefBase::Result IndexSelectDef::run(const Args& a, Prep& p) {
+IndexResult IndexSelectDef::run(const Args& a, Prep& p) {
   Result r;
   r.out = make_empty(p.shape, a.x.dtype(), a.x.device(), "index_select");
   if (r.out.numel() > 0) {
@@ -209,7 +209,7 @@ IndexDefBase::Result IndexSelectDef::run(const Args& a, Prep& p) {
   return r;
 }
 
-IndexDefBase::Prep GatherDef::prepare(const Args& a) {
+IndexPrep GatherDef::prepare(const Args& a) {
   const Tensor& x = a.x;
   check_defined(x, "gather", "input");
   Prep p;
@@ -229,7 +229,7 @@ IndexDefBase::Prep GatherDef::prepare(const Args& a) {
   return p;
 }
 
-IndexDefBase::Result GatherDef::run(const Args& a, Prep& p) {
+IndexResult GatherDef::run(const Args& a, Prep& p) {
   Result r;
   r.out = make_empty(p.idx.sizes(), a.x.dtype(), a.x.device(), "gather");
   if (r.out.numel() > 0) {
@@ -238,7 +238,7 @@ IndexDefBase::Result GatherDef::run(const Args& a, Prep& p) {
   return r;
 }
 
-IndexDefBase::Prep ScatterDef::prepare(const Args& a) {
+IndexPrep ScatterDef::prepare(const Args& a) {
   const Tensor &x = a.x, &src = a.src;
   const char* op = name(a);
   check_defined(x, op, "input");
@@ -266,7 +266,7 @@ IndexDefBase::Prep ScatterDef::prepare(const Args& a) {
   return p;
 }
 
-IndexDefBase::Result ScatterDef::run(const Args& a, Prep& p) {
+IndexResult ScatterDef::run(const Args& a, Prep& p) {
   Result r;
   {
     NoGradGuard no_grad;  // the clone is an implementation detail; the scatter rule covers both inputs
@@ -279,7 +279,7 @@ IndexDefBase::Result ScatterDef::run(const Args& a, Prep& p) {
   return r;
 }
 
-IndexDefBase::Prep MaskedSelectDef::prepare(const Args& a) {
+IndexPrep MaskedSelectDef::prepare(const Args& a) {
   const Tensor &x = a.x, &mask = a.mask;
   check_defined(x, "masked_select", "input");
   check_defined(mask, "masked_select", "mask");
@@ -290,7 +290,7 @@ IndexDefBase::Prep MaskedSelectDef::prepare(const Args& a) {
   return p;
 }
 
-IndexDefBase::Result MaskedSelectDef::run(const Args& a, Prep& p) {
+IndexResult MaskedSelectDef::run(const Args& a, Prep& p) {
   Result r;
   if (shape_numel(p.shape) == 0) {
     r.out = make_empty({0}, a.x.dtype(), a.x.device(), "masked_select");
@@ -301,14 +301,14 @@ IndexDefBase::Result MaskedSelectDef::run(const Args& a, Prep& p) {
   return r;
 }
 
-IndexDefBase::Prep SortDef::prepare(const Args& a) {
+IndexPrep SortDef::prepare(const Args& a) {
   check_defined(a.x, "sort", "input");
   Prep p;
   p.d = wrap_dim(a.dim, a.x.dim(), "sort");
   return p;
 }
 
-IndexDefBase::Result SortDef::run(const Args& a, Prep& p) {
+IndexResult SortDef::run(const Args& a, Prep& p) {
   const Tensor& x = a.x;
   Result r;
   r.out = make_empty(x.sizes(), x.dtype(), x.device(), "sort");

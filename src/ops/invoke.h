@@ -31,7 +31,7 @@
 //   8. finish      Def::finish(result, args, prep): the public result (e.g. the batch dim of an
 //                  unbatched input dropped again, through view ops that have their own gradients).
 //
-// A definition is a struct with static members:
+// A definition is a struct with static members (OpDefaults<Args> supplies the usual ones):
 //   using Args, Prep, Result, Out;            the call's arguments, the kernel's parameters, the
 //                                             kernel's outputs, the public result
 //   static constexpr Autocast autocast;
@@ -63,6 +63,26 @@ namespace flame::op_detail {
 
 // What autocast does to an op's floating inputs (Note [Autocast policy] in src/amp/autocast.cpp).
 enum class Autocast { none, low, f32 };
+
+// What a definition inherits unless it declares its own (a static member of the definition hides
+// the base's): one tensor input `x`, no autocast, traced, and the result's `out` as the public
+// result.
+template <class A>
+struct OpDefaults {
+  using Args = A;
+  static constexpr Autocast autocast = Autocast::none;
+  static TensorList inputs(const A& a) { return {a.x}; }
+  static const Tensor& lead(const A& a) { return a.x; }
+  static A with_inputs(A a, const TensorList& in) {
+    a.x = in[0];
+    return a;
+  }
+  static bool traceable(const A&) { return true; }
+  template <class R, class P>
+  static Tensor finish(R&& r, const A&, const P&) {
+    return std::move(r.out);
+  }
+};
 
 template <class Def>
 typename Def::Out invoke(const typename Def::Args& args) {

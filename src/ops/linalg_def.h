@@ -6,11 +6,11 @@
 
 namespace flame::op_detail {
 
-struct MatmulDef {
-  struct Args {
-    const char* op = "matmul";  // "matmul" (torch.matmul's broadcasting) or "bmm" (3-d operands)
-    Tensor a, b;
-  };
+struct MatmulArgs {
+  const char* op = "matmul";  // "matmul" (torch.matmul's broadcasting) or "bmm" (3-d operands)
+  Tensor a, b;
+};
+struct MatmulDef : OpDefaults<MatmulArgs> {
   struct Prep {};
   struct Result {
     Tensor out;
@@ -25,11 +25,9 @@ struct MatmulDef {
     x.b = in[1];
     return x;
   }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& x);
   static Result run(const Args& x, Prep& p);
   static void record(Result& r, const Args& x, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
 };
 
 }  // namespace flame::op_detail

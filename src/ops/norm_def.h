@@ -18,95 +18,68 @@ struct NormPrep {
 struct NormResult {
   Tensor y, mean, rstd;  // mean is undefined for rms_norm
 };
-
-// layer_norm and rms_norm over the last `dims` dims of x (the wrappers check normalized_shape).
-struct NormRowsDef {
-  struct Args {
-    const char* op = "layer_norm";
-    Tensor x, weight, bias;  // bias: undefined for rms_norm
-    int64_t dims = 1;        // how many trailing dims are normalised
-    double eps = 1e-5;
-    bool rms = false;
-  };
+// What the norms share: inputs x, weight, bias (either may be undefined), f32 under autocast, y
+// the result; the recipe of a recomputable output is the norm again over the inputs it read.
+template <class A>
+struct NormDefBase : OpDefaults<A> {
   using Prep = NormPrep;
   using Result = NormResult;
   using Out = Tensor;
   static constexpr Autocast autocast = Autocast::f32;
-  static constexpr bool recomputable = true;
-  static const char* name(const Args& a) { return a.op; }
-  static TensorList inputs(const Args& a) { return {a.x, a.weight, a.bias}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
+  static TensorList inputs(const A& a) { return {a.x, a.weight, a.bias}; }
+  static A with_inputs(A a, const TensorList& in) {
     a.x = in[0];
     a.weight = in[1];
     a.bias = in[2];
     return a;
   }
-  static bool traceable(const Args&) { return true; }
   static TensorList recipe_inputs(const Prep& p) { return {p.x, p.weight, p.bias}; }
   static const Tensor& recipe_output(const Result& r) { return r.y; }
-  static Prep prepare(const Args& a);
-  static Result run(const Args& a, Prep& p);
-  static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.y); }
+  static Out finish(Result&& r, const A&, const Prep&) { return std::move(r.y); }
 };
 
-struct GroupNormDef {
-  struct Args {
-    Tensor x, weight, bias;
-    int64_t groups = 1;
-    double eps = 1e-5;
-  };
-  using Prep = NormPrep;
-  using Result = NormResult;
-  using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::f32;
+// layer_norm and rms_norm over the last `dims` dims of x (the wrappers check normalized_shape).
+struct NormRowsArgs {
+  const char* op = "layer_norm";
+  Tensor x, weight, bias;  // bias: undefined for rms_norm
+  int64_t dims = 1;        // how many trailing dims are normalised
+  double eps = 1e-5;
+  bool rms = false;
+};
+struct NormRowsDef : NormDefBase<NormRowsArgs> {
   static constexpr bool recomputable = true;
-  static const char* name(const Args&) { return "group_norm"; }
-  static TensorList inputs(const Args& a) { return {a.x, a.weight, a.bias}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    a.weight = in[1];
-    a.bias = in[2];
-    return a;
-  }
-  static bool traceable(const Args&) { return true; }
-  static TensorList recipe_inputs(const Prep& p) { return {p.x, p.weight, p.bias}; }
-  static const Tensor& recipe_output(const Result& r) { return r.y; }
+  static const char* name(const Args& a) { return a.op; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.y); }
+};
+
+struct GroupNormArgs {
+  Tensor x, weight, bias;
+  int64_t groups = 1;
+  double eps = 1e-5;
+};
+struct GroupNormDef : NormDefBase<GroupNormArgs> {
+  static constexpr bool recomputable = true;
+  static const char* name(const Args&) { return "group_norm"; }
+  static Prep prepare(const Args& a);
+  static Result run(const Args& a, Prep& p);
+  static void record(Result& r, const Args& a, const Prep& p);
 };
 
 // batch_norm: the running statistics are arguments but not inputs (autocast leaves them alone and
 // the op writes them in place), so it is not traced.
-struct BatchNormDef {
-  struct Args {
-    Tensor x, weight, bias, running_mean, running_var;
-    bool training = true;
-    double momentum = 0.1, eps = 1e-5;
-  };
-  using Prep = NormPrep;
-  using Result = NormResult;
-  using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::f32;
-  static constexpr bool recomputable = false;
+struct BatchNormArgs {
+  Tensor x, weight, bias, running_mean, running_var;
+  bool training = true;
+  double momentum = 0.1, eps = 1e-5;
+};
+struct BatchNormDef : NormDefBase<BatchNormArgs> {
   static const char* name(const Args&) { return "batch_norm"; }
-  static TensorList inputs(const Args& a) { return {a.x, a.weight, a.bias}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    a.weight = in[1];
-    a.bias = in[2];
-    return a;
-  }
   static bool traceable(const Args&) { return false; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.y); }
 };
 
 }  // namespace flame::op_detail

@@ -232,47 +232,22 @@ using op_detail::Pool2dDef;
 
 std::pair<Tensor, Tensor> max_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, Size2 dil,
                                    bool ceil_mode, bool want_indices) {
-  Pool2dDef::Args a;
-  a.op = op;
-  a.spatial = spatial;
-  a.x = x;
-  a.mode = PoolMode::max;
-  a.k = k;
-  a.s = s;
-  a.pad = pad;
-  a.dil = dil;
-  a.ceil_mode = ceil_mode;
-  a.want_indices = want_indices;
-  return op_detail::invoke<Pool2dDef>(a);
+  return op_detail::invoke<Pool2dDef>({.op = op, .spatial = spatial, .x = x, .mode = PoolMode::max, .k = k, .s = s,
+                                       .pad = pad, .dil = dil, .ceil_mode = ceil_mode, .want_indices = want_indices});
 }
 
 Tensor avg_pool(const char* op, int spatial, const Tensor& x, Size2 k, Size2 s, Size2 pad, bool ceil_mode,
                 bool count_include_pad, std::optional<int64_t> divisor_override) {
-  Pool2dDef::Args a;
-  a.op = op;
-  a.spatial = spatial;
-  a.x = x;
-  a.mode = PoolMode::avg;
-  a.k = k;
-  a.s = s;
-  a.pad = pad;
-  a.ceil_mode = ceil_mode;
-  a.count_include_pad = count_include_pad;
-  a.divisor_override = divisor_override;
-  return op_detail::invoke<Pool2dDef>(a).first;
+  return op_detail::invoke<Pool2dDef>({.op = op, .spatial = spatial, .x = x, .mode = PoolMode::avg, .k = k, .s = s,
+                                       .pad = pad, .ceil_mode = ceil_mode, .count_include_pad = count_include_pad,
+                                       .divisor_override = divisor_override})
+      .first;
 }
 
 std::pair<Tensor, Tensor> adaptive_pool(const char* op, int spatial, PoolMode mode, const Tensor& x, Size2 out,
                                         bool want_indices) {
-  Pool2dDef::Args a;
-  a.op = op;
-  a.spatial = spatial;
-  a.x = x;
-  a.mode = mode;
-  a.adaptive = true;
-  a.out = out;
-  a.want_indices = want_indices;
-  return op_detail::invoke<Pool2dDef>(a);
+  return op_detail::invoke<Pool2dDef>(
+      {.op = op, .spatial = spatial, .x = x, .mode = mode, .adaptive = true, .out = out, .want_indices = want_indices});
 }
 
 }  // namespace

@@ -17,18 +17,17 @@ namespace flame::op_detail {
 // max_pool1d/2d, avg_pool1d/2d, adaptive_{avg,max}_pool1d/2d (1-d runs as 2-d with H = 1; an
 // unbatched input gets N = 1). Result: the 4-d output and, for max pools whose input needs a
 // gradient or whose caller wants them, the argmax indices.
-struct Pool2dDef {
-  using Size2 = nn::functional::Size2;
-  struct Args {
-    const char* op = nullptr;
-    int spatial = 2;
-    Tensor x;
-    backend::PoolMode mode = backend::PoolMode::max;
-    bool adaptive = false;
-    Size2 k, s, pad, dil{1, 1}, out;
-    bool ceil_mode = false, count_include_pad = true, want_indices = false;
-    std::optional<int64_t> divisor_override;
-  };
+struct Pool2dArgs {
+  const char* op = nullptr;
+  int spatial = 2;
+  Tensor x;
+  backend::PoolMode mode = backend::PoolMode::max;
+  bool adaptive = false;
+  nn::functional::Size2 k, s, pad, dil{1, 1}, out;
+  bool ceil_mode = false, count_include_pad = true, want_indices = false;
+  std::optional<int64_t> divisor_override;
+};
+struct Pool2dDef : OpDefaults<Pool2dArgs> {
   struct Prep {
     Tensor x4;
     backend::Pool2dParams p;
@@ -37,14 +36,7 @@ struct Pool2dDef {
     Tensor out, indices;
   };
   using Out = std::pair<Tensor, Tensor>;
-  static constexpr Autocast autocast = Autocast::none;
   static const char* name(const Args& a) { return a.op; }
-  static TensorList inputs(const Args& a) { return {a.x}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    return a;
-  }
   static bool traceable(const Args& a) { return !a.want_indices; }
   static Out from_traced(Tensor y) { return {std::move(y), Tensor()}; }
   static Tensor to_traced(const Out& o) { return o.first; }
@@ -55,11 +47,11 @@ struct Pool2dDef {
 };
 
 // interpolate (Note [Interpolate dims] in pool.cpp).
-struct Upsample2dDef {
-  struct Args {
-    Tensor x;
-    nn::functional::InterpolateOptions o;
-  };
+struct Upsample2dArgs {
+  Tensor x;
+  nn::functional::InterpolateOptions o;
+};
+struct Upsample2dDef : OpDefaults<Upsample2dArgs> {
   struct Prep {
     Tensor x4;
     backend::Upsample2dParams p;
@@ -69,15 +61,7 @@ struct Upsample2dDef {
     Tensor out;
   };
   using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::none;
   static const char* name(const Args&) { return "interpolate"; }
-  static TensorList inputs(const Args& a) { return {a.x}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    return a;
-  }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
@@ -85,12 +69,12 @@ struct Upsample2dDef {
 };
 
 // The per-row losses of logits [N, V] and i64 targets [N] (Note [Fused cross-entropy]).
-struct CrossEntropyRowsDef {
-  struct Args {
-    Tensor logits, target;
-    int64_t ignore_index = -100;
-    double label_smoothing = 0.0;
-  };
+struct CrossEntropyRowsArgs {
+  Tensor logits, target;
+  int64_t ignore_index = -100;
+  double label_smoothing = 0.0;
+};
+struct CrossEntropyRowsDef : OpDefaults<CrossEntropyRowsArgs> {
   struct Prep {
     Tensor x, t;  // contiguous logits and targets, as the kernel reads them
   };
@@ -98,7 +82,6 @@ struct CrossEntropyRowsDef {
     Tensor loss, lse;  // lse: the per-row logsumexp the backward reads
   };
   using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::none;
   static const char* name(const Args&) { return "cross_entropy"; }
   static TensorList inputs(const Args& a) { return {a.logits, a.target}; }
   static const Tensor& lead(const Args& a) { return a.logits; }
@@ -107,7 +90,6 @@ struct CrossEntropyRowsDef {
     a.target = in[1];
     return a;
   }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);

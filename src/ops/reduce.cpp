@@ -221,13 +221,13 @@ Tensor logsumexp(const Tensor& x, const Shape& dims, bool keepdim) {
   return r.to(x.dtype());
 }
 
-Tensor cumsum(const Tensor& x, int64_t dim) { return op_detail::invoke<op_detail::CumsumDef>({x, dim}); }
+Tensor cumsum(const Tensor& x, int64_t dim) { return op_detail::invoke<op_detail::CumsumDef>({"cumsum", x, dim}); }
 
 Tensor softmax(const Tensor& x, int64_t dim) {
-  return op_detail::invoke<op_detail::SoftmaxDef>({"softmax", x, dim, false});
+  return op_detail::invoke<op_detail::SoftmaxDef>({"softmax", x, dim});
 }
 Tensor log_softmax(const Tensor& x, int64_t dim) {
-  return op_detail::invoke<op_detail::SoftmaxDef>({"log_softmax", x, dim, true});
+  return op_detail::invoke<op_detail::SoftmaxDef>({"log_softmax", x, dim});
 }
 
 }  // namespace flame
@@ -255,9 +255,9 @@ SoftmaxDef::Result SoftmaxDef::run(const Args& a, Prep& p) {
   if (r.out.numel() == 0) return r;
   auto& be = backend::backend_for(x.device());
   if (x.dim() == 0) {
-    be.softmax(r.out.view({1}), x.reshape({1}), 0, a.log);
+    be.softmax(r.out.view({1}), x.reshape({1}), 0, SoftmaxDef::log(a));
   } else {
-    be.softmax(r.out, x, p.dim, a.log);
+    be.softmax(r.out, x, p.dim, SoftmaxDef::log(a));
   }
   return r;
 }

@@ -23,27 +23,20 @@ struct ReducePlan {
 
 // The reduction kernel over a plan the public op made and checked (its dims, dtype and autocast
 // steps are the public op's): internal, so it holds the plan by pointer and is not traced itself.
-struct ReduceDef {
-  struct Args {
-    backend::ReduceOp op = backend::ReduceOp::sum;
-    Tensor x;
-    const ReducePlan* plan = nullptr;
-    DType out_dtype = DType::f32;
-    bool keepdim = false;
-  };
+struct ReduceArgs {
+  backend::ReduceOp op = backend::ReduceOp::sum;
+  Tensor x;
+  const ReducePlan* plan = nullptr;
+  DType out_dtype = DType::f32;
+  bool keepdim = false;
+};
+struct ReduceDef : OpDefaults<ReduceArgs> {
   struct Prep {};
   struct Result {
     Tensor out;  // [kept dims]
   };
   using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::none;
   static const char* name(const Args&) { return "reduce"; }
-  static TensorList inputs(const Args& a) { return {a.x}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    return a;
-  }
   static bool traceable(const Args&) { return false; }
   static Prep prepare(const Args&) { return {}; }
   static Result run(const Args& a, Prep& p);
@@ -53,62 +46,41 @@ struct ReduceDef {
   }
 };
 
-// softmax and log_softmax along one dim (f32 under autocast).
-struct SoftmaxDef {
-  struct Args {
-    const char* op = "softmax";
-    Tensor x;
-    int64_t dim = -1;
-    bool log = false;
-  };
-  struct Prep {
-    int64_t dim = 0;  // wrapped
-  };
-  struct Result {
-    Tensor out;
-  };
+// softmax and log_softmax along one dim, cumsum along one dim (f32 under autocast; cumsum of
+// integers sums in i64).
+struct DimArgs {
+  const char* op = "softmax";  // softmax, log_softmax or cumsum
+  Tensor x;
+  int64_t dim = -1;
+};
+struct DimPrep {
+  int64_t dim = 0;  // wrapped
+};
+struct DimResult {
+  Tensor out;
+};
+
+struct SoftmaxDef : OpDefaults<DimArgs> {
+  using Prep = DimPrep;
+  using Result = DimResult;
   using Out = Tensor;
   static constexpr Autocast autocast = Autocast::f32;
   static const char* name(const Args& a) { return a.op; }
-  static TensorList inputs(const Args& a) { return {a.x}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    return a;
-  }
-  static bool traceable(const Args&) { return true; }
+  static bool log(const Args& a) { return a.op[0] == 'l'; }  // log_softmax
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
 };
 
-// cumsum along one dim (f32 under autocast; integer inputs sum in i64).
-struct CumsumDef {
-  struct Args {
-    Tensor x;
-    int64_t dim = 0;
-  };
-  struct Prep {
-    int64_t dim = 0;  // wrapped
-  };
-  struct Result {
-    Tensor out;
-  };
+struct CumsumDef : OpDefaults<DimArgs> {
+  using Prep = DimPrep;
+  using Result = DimResult;
   using Out = Tensor;
   static constexpr Autocast autocast = Autocast::f32;
   static const char* name(const Args&) { return "cumsum"; }
-  static TensorList inputs(const Args& a) { return {a.x}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
-    return a;
-  }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
 };
 
 }  // namespace flame::op_detail

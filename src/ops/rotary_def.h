@@ -10,11 +10,11 @@
 
 namespace flame::op_detail {
 
-struct RotaryDef {
-  struct Args {
-    Tensor x, cos, sin;
-    nn::functional::RotaryLayout layout = nn::functional::RotaryLayout::interleaved;
-  };
+struct RotaryArgs {
+  Tensor x, cos, sin;
+  nn::functional::RotaryLayout layout = nn::functional::RotaryLayout::interleaved;
+};
+struct RotaryDef : OpDefaults<RotaryArgs> {
   struct Prep {
     DType compute = DType::f32;  // f32, or f64 for f64 x
     bool composite = false;      // cos or sin need a gradient: ordinary ops, differentiated as written
@@ -27,21 +27,17 @@ struct RotaryDef {
     bool fused = false;  // the kernel ran (false: the composite did, and recorded its own graph)
   };
   using Out = Tensor;
-  static constexpr Autocast autocast = Autocast::none;
   static const char* name(const Args&) { return "rotary_embedding"; }
   static TensorList inputs(const Args& a) { return {a.x, a.cos, a.sin}; }
-  static const Tensor& lead(const Args& a) { return a.x; }
   static Args with_inputs(Args a, const TensorList& in) {
     a.x = in[0];
     a.cos = in[1];
     a.sin = in[2];
     return a;
   }
-  static bool traceable(const Args&) { return true; }
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
-  static Out finish(Result&& r, const Args&, const Prep&) { return std::move(r.out); }
 };
 
 }  // namespace flame::op_detail

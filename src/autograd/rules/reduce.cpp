@@ -117,8 +117,9 @@ void SoftmaxDef::record(Result& r, const Args& a, const Prep& p) {
   if (!needs_grad({a.x})) return;
   RuleArgs args;
   args.dim = p.dim;
-  args.op = a.log ? 1 : 0;
-  Node& n = flame::record(r.out, a.log ? "LogSoftmaxBackward" : "SoftmaxBackward", {a.x}, &rules::softmax_backward,
+  const bool log = SoftmaxDef::log(a);
+  args.op = log ? 1 : 0;
+  Node& n = flame::record(r.out, log ? "LogSoftmaxBackward" : "SoftmaxBackward", {a.x}, &rules::softmax_backward,
                           std::move(args));
   n.save(r.out, /*is_output=*/true);
 }
