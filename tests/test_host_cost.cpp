@@ -7,11 +7,15 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <new>
+#include <vector>
 
 #include "flame/cpu.h"
 #include "flame/flame.h"
+#include "flame/nn.h"
 
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
@@ -135,6 +139,45 @@ TEST(HostCostCpu, BackwardAllocatesAtMostEightPerOp) {
     ASSERT_TRUE(g.get(cg).defined());
   });
   EXPECT_LE((both - fwd) / (2 * Chain::kSteps), 8.0);
+}
+
+// The ops run through invoke (Note [Invoke] in src/ops/invoke.h): heap allocations of one call,
+// without and with a recorded node. The bounds are the counts these ops had as hand-written entry
+// points, measured with this test at the commit before invoke: the invoke path adds none of its
+// own.
+TEST(HostCostCpu, InvokedOpsAllocateNoMoreThanTheirHandWrittenEntryPoints) {
+  FLAME_SKIP_WITHOUT_COUNTER();
+  if (std::getenv("FLAME_CPU_BLOCK_CACHE") != nullptr) GTEST_SKIP() << "block cache configured by env";
+  namespace F = nn::functional;
+  const Tensor x = Tensor::uniform({2, 4, 8, 8}, -1.0, 1.0, DType::f32);
+  const Tensor w = Tensor::uniform({4, 4, 3, 3}, -1.0, 1.0, DType::f32);
+  const Tensor m = Tensor::uniform({16, 16}, -1.0, 1.0, DType::f32);
+  const Tensor idx = Tensor::arange(4, Device::cpu());
+  const Tensor xg = x.detach().requires_grad_(true), mg = m.detach().requires_grad_(true);
+  struct Case {
+    const char* name;
+    std::function<void()> fn;
+    double bound;
+  };
+  const std::vector<Case> cases = {
+      {"conv2d", [&] { (void)F::conv2d(x, w, {}, {1}, {1}); }, 17},
+      {"conv2d recorded", [&] { (void)F::conv2d(xg, w, {}, {1}, {1}); }, 30},
+      {"max_pool2d", [&] { (void)F::max_pool2d(x, 2); }, 4},
+      {"max_pool2d recorded", [&] { (void)F::max_pool2d(xg, 2); }, 18},
+      {"layer_norm", [&] { (void)F::layer_norm(x, {8}); }, 10},
+      {"layer_norm recorded", [&] { (void)F::layer_norm(xg, {8}); }, 15},
+      {"matmul", [&] { (void)matmul(m, m); }, 33},
+      {"matmul recorded", [&] { (void)matmul(mg, m); }, 35},
+      {"softmax", [&] { (void)softmax(m, -1); }, 4},
+      {"softmax recorded", [&] { (void)softmax(mg, -1); }, 9},
+      {"sum", [&] { (void)m.sum(Shape{1}); }, 20},
+      {"index_select", [&] { (void)index_select(m, 0, idx); }, 6},
+  };
+  for (const Case& c : cases) {
+    const double n = allocations(c.fn);
+    std::printf("# host cost %-20s %4.0f allocations\n", c.name, n);
+    EXPECT_LE(n, c.bound) << c.name;
+  }
 }
 
 TEST(HostCostCpu, UnrecordedViewsBuildNoGradientFunction) {

@@ -12,8 +12,10 @@
 // half); variances are biased (divided by the count), as PyTorch normalises. A non-contiguous
 // input (channels-last, a transposed view) is copied once here: correct, and the kernels keep a
 // single layout each.
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <span>
 
 #include "flame/grad_mode.h"
 #include "flame/nn/norm.h"
@@ -35,10 +37,11 @@ void check_input(const Tensor& x, const char* op) {
 }
 
 // weight/bias: undefined, or `shape`, x's dtype and device.
-void check_param(const Tensor& p, const char* what, const Tensor& x, const Shape& shape, const char* op) {
+// The shape is compared as a span (the norms over rows pass x's trailing dims without a copy).
+void check_param(const Tensor& p, const char* what, const Tensor& x, std::span<const int64_t> shape, const char* op) {
   if (!p.defined()) return;
-  FLAME_CHECK(p.sizes() == shape, op, what, " must have shape ", shape, ", got ", p.sizes(), " (input shape ",
-              x.sizes(), ")");
+  FLAME_CHECK(std::ranges::equal(p.sizes(), shape), op, what, " must have shape ", Shape(shape.begin(), shape.end()),
+              ", got ", p.sizes(), " (input shape ", x.sizes(), ")");
   FLAME_CHECK(p.dtype() == x.dtype(), op, what, " has dtype ", dtype_name(p.dtype()), " but the input has ",
               dtype_name(x.dtype()), " (mixed dtypes are not supported; convert the parameter)");
   FLAME_CHECK(p.device() == x.device(), op, what, " is on ", p.device().str(), " but the input is on ",
@@ -64,7 +67,7 @@ NormPrep NormRowsDef::prepare(const Args& a) {
   const char* op = a.op;
   const Tensor& x = a.x;
   check_input(x, op);
-  const Shape normalized(x.sizes().end() - a.dims, x.sizes().end());  // the wrapper checked it
+  const std::span<const int64_t> normalized(x.sizes().end() - a.dims, x.sizes().end());  // the wrapper checked it
   check_param(a.weight, "weight", x, normalized, op);
   check_param(a.bias, "bias", x, normalized, op);
   FLAME_CHECK(a.eps >= 0 && std::isfinite(a.eps), op, "eps must be finite and non-negative, got ", a.eps);
@@ -91,8 +94,8 @@ NormPrep GroupNormDef::prepare(const Args& a) {
   const ChannelShape cs = channel_shape(x, op);
   FLAME_CHECK(a.groups > 0 && cs.c % a.groups == 0, op, "num_groups (", a.groups,
               ") must be positive and divide the number of channels (", cs.c, ", input shape ", x.sizes(), ")");
-  check_param(a.weight, "weight", x, {cs.c}, op);
-  check_param(a.bias, "bias", x, {cs.c}, op);
+  check_param(a.weight, "weight", x, std::span<const int64_t>(&cs.c, 1), op);
+  check_param(a.bias, "bias", x, std::span<const int64_t>(&cs.c, 1), op);
   FLAME_CHECK(a.eps >= 0 && std::isfinite(a.eps), op, "eps must be finite and non-negative, got ", a.eps);
   return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias)};
 }
@@ -120,8 +123,8 @@ NormPrep BatchNormDef::prepare(const Args& a) {
   const char* op = "batch_norm";
   check_input(x, op);
   const ChannelShape cs = channel_shape(x, op);
-  check_param(weight, "weight", x, {cs.c}, op);
-  check_param(bias, "bias", x, {cs.c}, op);
+  check_param(weight, "weight", x, std::span<const int64_t>(&cs.c, 1), op);
+  check_param(bias, "bias", x, std::span<const int64_t>(&cs.c, 1), op);
   FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
   for (const Tensor* r : {&running_mean, &running_var}) {
     const char* what = r == &running_mean ? "running_mean" : "running_var";
