@@ -6,6 +6,7 @@
 // operator new: there the counter is absent and the cases skip.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -174,7 +175,9 @@ TEST(HostCostCpu, InvokedOpsAllocateNoMoreThanTheirHandWrittenEntryPoints) {
       {"index_select", [&] { (void)index_select(m, 0, idx); }, 6},
   };
   for (const Case& c : cases) {
-    const double n = allocations(c.fn);
+    // The steady state: the least of three measurements, so that a one-time allocation (a lazily
+    // made pool or cache that an earlier test in the same process left unmade) is not counted.
+    const double n = std::min({allocations(c.fn), allocations(c.fn), allocations(c.fn)});
     std::printf("# host cost %-20s %4.0f allocations\n", c.name, n);
     EXPECT_LE(n, c.bound) << c.name;
   }
