@@ -22,7 +22,6 @@
 #include "flame/ops.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/autocast_hooks.h"
 #include "src/ops/norm_def.h"
 
 namespace flame::op_detail {
@@ -70,8 +69,18 @@ NormPrep NormRowsDef::prepare(const Args& a) {
   const std::span<const int64_t> normalized(x.sizes().end() - a.dims, x.sizes().end());  // the wrapper checked it
   check_param(a.weight, "weight", x, normalized, op);
   check_param(a.bias, "bias", x, normalized, op);
-  FLAME_CHECK(a.eps >= 0 && std::isfinite(a.eps), op, "eps must be finite and non-negative, got ", a.eps);
-  return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias)};
+  // No eps: torch.finfo(dtype).eps of x as the kernel gets it (f32 for a half input under autocast,
+  // which has cast x by now).
+  double eps = 0;
+  switch (x.dtype()) {
+    case DType::f64: eps = std::numeric_limits<double>::epsilon(); break;
+    case DType::bf16: eps = 0.0078125; break;
+    case DType::f16: eps = 0.0009765625; break;
+    default: eps = std::numeric_limits<float>::epsilon(); break;
+  }
+  if (a.eps) eps = *a.eps;
+  FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
+  return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias), eps};
 }
 
 NormResult NormRowsDef::run(const Args& a, Prep& p) {
@@ -83,7 +92,7 @@ NormResult NormRowsDef::run(const Args& a, Prep& p) {
   const DType sd = stat_dtype(x.dtype());
   if (!a.rms) r.mean = make_empty({rows}, sd, x.device(), a.op);
   r.rstd = make_empty({rows}, sd, x.device(), a.op);
-  if (x.numel() > 0) backend::backend_for(x.device()).norm_rows_forward(r.y, r.mean, r.rstd, p.x, p.weight, p.bias, a.eps);
+  if (x.numel() > 0) backend::backend_for(x.device()).norm_rows_forward(r.y, r.mean, r.rstd, p.x, p.weight, p.bias, p.eps);
   return r;
 }
 
@@ -194,13 +203,13 @@ NormResult BatchNormDef::run(const Args& a, Prep& p) {
 namespace flame::nn::functional {
 namespace {
 
-// normalized_shape must equal the last dims of x; returns how many.
+// normalized_shape must equal the last dims of x (defined); returns how many.
 int64_t normalized_dims(const char* op, const Tensor& x, const Shape& normalized_shape) {
   const int64_t k = static_cast<int64_t>(normalized_shape.size());
-  bool match = x.defined() && k >= 1 && x.dim() >= k;
+  bool match = k >= 1 && x.dim() >= k;
   for (int64_t i = 0; match && i < k; ++i) match = x.sizes()[x.dim() - k + i] == normalized_shape[i];
   FLAME_CHECK(match, op, "normalized_shape ", normalized_shape, " must be non-empty and equal the last dims of the input shape ",
-              x.defined() ? x.sizes() : Shape{});
+              x.sizes());
   return k;
 }
 
@@ -214,22 +223,8 @@ Tensor layer_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& 
 
 Tensor rms_norm(const Tensor& x, const Shape& normalized_shape, const Tensor& weight, std::optional<double> eps) {
   FLAME_CHECK(x.defined(), "rms_norm", "got an undefined input");
-  double e = 0;
-  if (eps) {
-    e = *eps;
-  } else {
-    // torch.finfo of the dtype the op computes in: f32 under autocast for a half input.
-    const bool half = x.dtype() == DType::bf16 || x.dtype() == DType::f16;
-    const DType dt = half && amp::detail::should_autocast(x) ? DType::f32 : x.dtype();
-    switch (dt) {
-      case DType::f64: e = std::numeric_limits<double>::epsilon(); break;
-      case DType::bf16: e = 0.0078125; break;
-      case DType::f16: e = 0.0009765625; break;
-      default: e = std::numeric_limits<float>::epsilon(); break;
-    }
-  }
   return op_detail::invoke<op_detail::NormRowsDef>(
-      {"rms_norm", x, weight, Tensor(), normalized_dims("rms_norm", x, normalized_shape), e, /*rms=*/true});
+      {"rms_norm", x, weight, Tensor(), normalized_dims("rms_norm", x, normalized_shape), eps, /*rms=*/true});
 }
 
 Tensor group_norm(const Tensor& x, int64_t num_groups, const Tensor& weight, const Tensor& bias, double eps) {

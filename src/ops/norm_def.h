@@ -5,6 +5,7 @@
 // they run in f32; layer_norm, rms_norm and group_norm outputs are recomputable (Note [Recompute
 // cheap]), batch_norm's are not (it writes the running statistics).
 #include <cstdint>
+#include <optional>
 
 #include "flame/tensor.h"
 #include "src/ops/invoke.h"
@@ -14,6 +15,7 @@ namespace flame::op_detail {
 // The inputs as the kernels read them (contiguous), and the statistics the backward reads.
 struct NormPrep {
   Tensor x, weight, bias;
+  double eps = 0;  // layer_norm / rms_norm: the eps the kernel uses (rms_norm's default resolved)
 };
 struct NormResult {
   Tensor y, mean, rstd;  // mean is undefined for rms_norm
@@ -43,7 +45,7 @@ struct NormRowsArgs {
   const char* op = "layer_norm";
   Tensor x, weight, bias;  // bias: undefined for rms_norm
   int64_t dims = 1;        // how many trailing dims are normalised
-  double eps = 1e-5;
+  std::optional<double> eps;  // none: torch.finfo(dtype).eps of x as the kernel gets it (rms_norm)
   bool rms = false;
 };
 struct NormRowsDef : NormDefBase<NormRowsArgs> {

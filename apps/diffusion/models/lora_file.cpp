@@ -654,25 +654,20 @@ struct Reader {
                model.name(), ", e.g.:", list);
   }
 
-  void add(const std::string& module, ModuleLora a) {
+  // Files the file's entry for `module` (a LoRA into `incoming`, a LoKr into `incoming_lokr`); an
+  // entry for a module the model lacks is listed as unplaced.
+  template <class Entry>
+  void file(std::map<std::string, Entry>& into, const std::string& module, Entry a) {
     if (!lin.count(module)) {
       unplaced.push_back(a.key);
       return;
     }
     FLAME_CHECK(!incoming.count(module) && !incoming_lokr.count(module), kOp, path, ": two entries of the file adapt ",
                 module, " (the second is ", a.key, ")");
-    incoming[module] = std::move(a);
+    into[module] = std::move(a);
   }
-
-  void add_lokr(const std::string& module, ModuleLokr a) {
-    if (!lin.count(module)) {
-      unplaced.push_back(a.key);
-      return;
-    }
-    FLAME_CHECK(!incoming.count(module) && !incoming_lokr.count(module), kOp, path, ": two entries of the file adapt ",
-                module, " (the second is ", a.key, ")");
-    incoming_lokr[module] = std::move(a);
-  }
+  void add(const std::string& module, ModuleLora a) { file(incoming, module, std::move(a)); }
+  void add_lokr(const std::string& module, ModuleLokr a) { file(incoming_lokr, module, std::move(a)); }
 
   // Note [LoKr files], reading: the factors of `stem`, found from its lokr_w1 / lokr_w1_a key `key`.
   void read_lokr(const StateDict& sd, const std::string& stem, const std::string& key, const Stem& s) {

@@ -81,7 +81,7 @@ void SdpaCoreDef::record(Result& r, const Args& a, const Prep&) {
   Tensor& out = r.out;
   const Tensor &q = a.q, &k = a.k, &v = a.v, &bias = a.bias, &stats = r.stats;
   const double scale = a.scale;
-  const bool causal = a.kv_chunk > 0 ? false : a.causal;
+  const bool causal = a.causal;  // false for the chunked forward (Note [cuDNN capture of long kv])
   if (!needs_grad({q, k, v})) return;
   RuleArgs args;
   args.a = scale;
