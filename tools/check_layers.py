@@ -57,20 +57,6 @@ src/backend/cuda/graph.cu -> src/random/graph_rng.h
 src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h
 src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
 src/core/set_data.cpp -> src/amp/autocast.h
-src/ops/adaln.cpp -> include/flame/autograd.h
-src/ops/adaln.cpp -> include/flame/recompute.h
-src/ops/adaln.cpp -> src/autograd/record.h
-src/ops/adaln.cpp -> src/autograd/rules/adaln.h
-src/ops/attention_packed.cpp -> src/autograd/rules/attention_packed.h
-src/ops/elementwise.cpp -> src/autograd/rules/inplace.h
-src/ops/elementwise.cpp -> src/autograd/rules/rules.h
-src/ops/joins.cpp -> src/autograd/record.h
-src/ops/joins.cpp -> src/autograd/rules/rules.h
-src/ops/linear_epilogue.cpp -> include/flame/nn/linear.h
-src/ops/linear_epilogue.cpp -> src/autograd/rules/linear_epilogue.h
-src/ops/tensor_factories.cpp -> src/autograd/rules/rules.h
-src/ops/views.cpp -> src/autograd/record.h
-src/ops/views.cpp -> src/autograd/rules/rules.h
 """.split("\n")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"((?:src|flame)/[^"]+)"', re.M)

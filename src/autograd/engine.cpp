@@ -4,7 +4,7 @@
 
 #include "flame/ops.h"
 #include "src/autograd/record.h"
-#include "src/autograd/rules/inplace.h"
+#include "src/ops/grad_hooks.h"
 
 namespace flame {
 

@@ -13,7 +13,7 @@
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
-#include "src/autograd/rules/inplace.h"
+#include "src/ops/grad_hooks.h"
 #include "src/core/profiler_context.h"
 
 namespace flame {

@@ -77,6 +77,9 @@ namespace autograd_detail {
 
 bool should_mark_recomputable() { return t_recompute_cheap && grad_enabled(); }
 
+MarkingOff::MarkingOff() : previous_(t_recompute_cheap) { t_recompute_cheap = false; }
+MarkingOff::~MarkingOff() { t_recompute_cheap = previous_; }
+
 namespace {
 constexpr int kMaxRecipeDepth = 4;  // Note [Recompute cheap], "Chains"
 

@@ -4,7 +4,7 @@
 
 #include "flame/autograd.h"
 #include "flame/offload.h"
-#include "src/autograd/rules/rules.h"
+#include "src/ops/grad_hooks.h"
 #include "src/core/tensor_impl.h"
 #include "src/memory/pinned.h"
 
@@ -30,7 +30,7 @@ Tensor Tensor::pin_memory() const {
   Tensor dst = make_pinned(sizes(), dtype(), "pin_memory");
   if (numel() > 0) dst.copy_(detach());
   // Like torch: the pinned copy is differentiable (its gradient flows back unchanged).
-  return rules::with_grad(dst, "pin_memory", *this, [](const Tensor& g) { return g; });
+  return rules::copy(dst, "pin_memory", *this);
 }
 
 Tensor& Tensor::copy_(const Tensor& src, bool non_blocking) {
@@ -54,8 +54,7 @@ Tensor Tensor::to(Device device, bool non_blocking) const {
   Tensor dst = d2h ? make_pinned(sizes(), dtype(), "to") : Tensor::empty(sizes(), {dtype(), device});
   const bool done = memory::copy_async(dst, *this);
   FLAME_CHECK(done, "to", "internal: the non-blocking copy was refused");
-  const Device from = this->device();
-  return rules::with_grad(dst, "to_device", *this, [from](const Tensor& g) { return g.to(from); });
+  return rules::copy(dst, "to_device", *this);
 }
 
 namespace offload {

@@ -27,18 +27,17 @@
 
 #include <cmath>
 
-#include "flame/autograd.h"
+#include "flame/grad_mode.h"
 #include "flame/nn/norm.h"
 #include "flame/ops.h"
-#include "flame/recompute.h"
 #include "src/ops/autocast_hooks.h"
 #include "src/ops/recompute_hooks.h"
-#include "src/autograd/record.h"
 #include "src/backend/backend.h"
-#include "src/autograd/rules/adaln.h"
 #include "src/backend/fused/adaln.h"
 #include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
+#include "src/core/grad_state.h"
+#include "src/ops/grad_hooks.h"
 
 namespace flame::nn::functional {
 namespace {
@@ -72,41 +71,6 @@ void check_rows_input(const char* op, const Tensor& x) {
 Shape btd(const Tensor& x) {
   const int64_t b = x.size(0), d = x.size(-1);
   return {b, (b == 0 || d == 0) ? 0 : x.numel() / (b * d), d};
-}
-
-// The node of a fused layer_norm_modulate: x3 is x as the kernel read it ([B, T, D] contiguous),
-// saved with mean, or xhat as the kernel wrote it when defined (Note [Saved x-hat]). residual: x
-// is the h of a gated_residual_modulate, recorded just before (Note [Fused residual backward]).
-void record_adaln(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& x3,
-                  const Tensor& mean, const Tensor& rstd, const Tensor& xhat, DType out, bool residual = false) {
-  if (!needs_grad({x, shift, scale})) return;
-  RuleArgs args;
-  args.op = static_cast<int>(out);
-  args.shape = x.sizes();
-  args.need[0] = xhat.defined();
-  args.need[1] = residual;
-  Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, rules::adaln_rule, std::move(args));
-  n.accept_accumulate_base(0);
-  if (xhat.defined()) {
-    n.save(xhat);
-  } else {
-    n.save(x3);
-    n.save(mean);
-  }
-  n.save(rstd);
-  n.save(scale);
-}
-
-// The node of a fused gated_residual: y3 is y as the kernel read it ([B, T, D] contiguous).
-void record_gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const Tensor& y, const Tensor& y3,
-                           DType out) {
-  if (!needs_grad({x, gate, y})) return;
-  RuleArgs args;
-  args.op = static_cast<int>(out);
-  args.shape = x.sizes();
-  Node& n = record(o, "GatedResidualBackward", {x, gate, y}, rules::gated_residual_rule, std::move(args));
-  n.save(gate);
-  n.save(y3);
 }
 
 // Note [Saved x-hat]: where the result dtype is narrower than x's (an f32 residual stream under
@@ -161,7 +125,7 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
                                                     xhat);
     }
     if (fused) {
-      record_adaln(y, x, shift, scale, x3, mean, rstd, xhat, out);
+      rules::layer_norm_modulate(y, x, shift, scale, x3, mean, rstd, xhat, out);
       if (xhat_out) *xhat_out = xhat;
       return y;
     }
@@ -195,7 +159,7 @@ void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Te
 Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
   Tensor y, xhat;
   {
-    autograd::RecomputeCheap whole_op(false);
+    autograd_detail::MarkingOff whole_op;
     y = layer_norm_modulate_impl(x, shift, scale, eps, out, &xhat);
   }
   mark_adaln_output(y, x, shift, scale, eps, out, xhat);
@@ -241,7 +205,7 @@ Tensor gated_residual(const Tensor& x, const Tensor& gate, const Tensor& y) {
       fused = backend::fused::gated_residual_forward.try_run(x.device(), o.view(s3), x.contiguous().view(s3), gate, y3);
     }
     if (fused) {
-      record_gated_residual(o, x, gate, y, y3, out);
+      rules::gated_residual(o, x, gate, y, y3, out);
       return o;
     }
   }
@@ -284,8 +248,8 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   }
   if (!fused) return composed();
   // The graph of the two ops: h's node, then y's reading h.
-  record_gated_residual(h, x, gate, branch, b3, hdt);
-  record_adaln(y, h, shift, scale, h3, mean, rstd, xhat, out, /*residual=*/true);
+  rules::gated_residual(h, x, gate, branch, b3, hdt);
+  rules::layer_norm_modulate(y, h, shift, scale, h3, mean, rstd, xhat, out, /*residual=*/true);
   mark_adaln_output(y, h, shift, scale, eps, out, xhat);
   return {h, y};
 }

@@ -30,7 +30,7 @@
 #include "src/ops/autocast_hooks.h"
 #include "src/core/grad_state.h"
 #include "src/ops/attention_def.h"
-#include "src/autograd/rules/attention_packed.h"
+#include "src/ops/grad_hooks.h"
 #include "src/backend/backend.h"
 #include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"

@@ -18,8 +18,8 @@
 #include <functional>
 
 #include "flame/ops.h"
-#include "src/autograd/record.h"
-#include "src/autograd/rules/rules.h"
+#include "src/core/grad_state.h"
+#include "src/ops/grad_hooks.h"
 #include "src/backend/backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
@@ -80,48 +80,6 @@ void check_piece_count(int64_t pieces, const char* op, const Tensor& x, int64_t 
 
 bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0; }
 
-// t with `before` and `after` zeros added along dim d.
-Tensor zero_pad_dim(const Tensor& t, int64_t d, int64_t before, int64_t after) {
-  if (before == 0 && after == 0) return t;
-  Shape pads(2 * static_cast<std::size_t>(t.dim() - d), 0);
-  pads[pads.size() - 2] = before;
-  pads[pads.size() - 1] = after;
-  return pad(t, pads, PadMode::constant, 0.0);
-}
-
-// See Note [Join gradients]. left/right: the non-negative pads; crop_lo: elements cropped at the
-// start of each dim; kept: the sizes after cropping.
-void record_pad_grad(Tensor& out, const Tensor& x, const Shape& left, const Shape& right, const Shape& crop_lo,
-                     const Shape& kept, PadMode mode) {
-  const Shape x_shape = x.sizes();
-  rules::with_grad(out, "pad", x, [x_shape, left, right, crop_lo, kept, mode](const Tensor& grad) {
-    const int64_t n = static_cast<int64_t>(x_shape.size());
-    Tensor g = grad;
-    // Undo the padding dim by dim, last first (the forward padded dim 0 first).
-    for (int64_t d = n - 1; d >= 0; --d) {
-      const int64_t l = left[d], r = right[d], c = kept[d];
-      Tensor gi = g.narrow(d, l, c);
-      if (mode == PadMode::reflect) {
-        if (l > 0) gi = gi + zero_pad_dim(g.narrow(d, 0, l).flip({d}), d, 1, c - 1 - l);
-        if (r > 0) gi = gi + zero_pad_dim(g.narrow(d, l + c, r).flip({d}), d, c - 1 - r, 1);
-      } else if (mode == PadMode::replicate) {
-        if (l > 0) gi = gi + zero_pad_dim(sum(g.narrow(d, 0, l), {d}, true), d, 0, c - 1);
-        if (r > 0) gi = gi + zero_pad_dim(sum(g.narrow(d, l + c, r), {d}, true), d, c - 1, 0);
-      }
-      g = gi;
-    }
-    // Cropped elements get zero gradient.
-    Shape uncrop(2 * static_cast<std::size_t>(n), 0);
-    bool cropped = false;
-    for (int64_t d = 0; d < n; ++d) {
-      uncrop[2 * (n - 1 - d)] = crop_lo[d];
-      uncrop[2 * (n - 1 - d) + 1] = x_shape[d] - kept[d] - crop_lo[d];
-      cropped = cropped || kept[d] != x_shape[d];
-    }
-    return cropped ? pad(g, uncrop, PadMode::constant, 0.0) : g;
-  });
-}
-
 }  // namespace
 
 // ---- flip, repeat ----
@@ -143,7 +101,7 @@ Tensor flip(const Tensor& x, const Shape& dims) {
   }
   Tensor out = make_empty(x.sizes(), x.dtype(), x.device(), "flip");
   copy_into(out, src);
-  return rules::with_grad(out, "flip", x, [dims](const Tensor& g) { return g.flip(dims); });
+  return rules::flip(out, x, dims);
 }
 
 Tensor repeat(const Tensor& x, const Shape& repeats) {
@@ -164,22 +122,9 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
   Shape out_shape(m);
   for (int64_t i = 0; i < m; ++i) out_shape[i] = checked_mul(in_sizes[i], repeats[i], "repeat", "the output size");
   Tensor out = make_empty(out_shape, x.dtype(), x.device(), "repeat");
-  const Shape x_shape = x.sizes();
   // Recorded once the output is written (anomaly mode checks outputs at record time).
-  auto record_grad = [&] {
-    rules::with_grad(out, "repeat", x, [x_shape, in_sizes, repeats](const Tensor& g) {
-      if (repeats.empty()) return g;  // 0-d
-      Shape blocks, repeat_dims;  // g as (repeat, size) pairs; sum over the repeats
-      for (std::size_t i = 0; i < repeats.size(); ++i) {
-        repeat_dims.push_back(static_cast<int64_t>(blocks.size()));
-        blocks.push_back(repeats[i]);
-        blocks.push_back(in_sizes[i]);
-      }
-      return sum(g.reshape(blocks), repeat_dims).reshape(x_shape);
-    });
-  };
   if (out.numel() == 0) {
-    record_grad();
+    rules::repeat(out, x, in_sizes, repeats);
     return out;
   }
   // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
@@ -199,7 +144,7 @@ Tensor repeat(const Tensor& x, const Shape& repeats) {
     }
   }
   copy_pairs(out, x, sizes, dst_strides, 0, src_strides, x.storage_offset());
-  record_grad();
+  rules::repeat(out, x, in_sizes, repeats);
   return out;
 }
 
@@ -394,7 +339,7 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
   }
   Tensor out = make_empty(out_shape, x.dtype(), x.device(), "pad");
   if (out.numel() == 0) {
-    record_pad_grad(out, x, left, right, crop_lo, kept, mode);
+    rules::pad(out, x, left, right, crop_lo, kept, mode);
     return out;
   }
   Tensor interior = out;
@@ -429,7 +374,7 @@ Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
   }
   // Recorded once the output is written (anomaly mode checks outputs at record time); the
   // narrows above are then plain views of a tensor outside the graph.
-  record_pad_grad(out, x, left, right, crop_lo, kept, mode);
+  rules::pad(out, x, left, right, crop_lo, kept, mode);
   return out;
 }
 

@@ -47,12 +47,11 @@
 #include <optional>
 
 #include "flame/grad_mode.h"
-#include "flame/nn/linear.h"
 #include "flame/nn/linear_gelu.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
 #include "src/core/grad_state.h"
-#include "src/autograd/rules/linear_epilogue.h"
+#include "src/ops/grad_hooks.h"
 #include "src/backend/backend.h"
 #include "src/backend/fused/linear_epilogue.h"
 #include "src/core/tensor_impl.h"

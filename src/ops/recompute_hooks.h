@@ -21,4 +21,17 @@ bool should_mark_recomputable();
 // a marked output is replaced by its own recipe's inputs (Note [Recompute cheap], "Chains").
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn);
 
+// Marking off for a scope (what `autograd::RecomputeCheap off(false)` does): an op that marks its
+// output as one keeps the ops of its composite path from marking theirs.
+class MarkingOff {
+ public:
+  MarkingOff();
+  ~MarkingOff();
+  MarkingOff(const MarkingOff&) = delete;
+  MarkingOff& operator=(const MarkingOff&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace flame::autograd_detail

@@ -10,7 +10,7 @@
 
 #include "flame/ops.h"
 #include "flame/tensor.h"
-#include "src/autograd/rules/rules.h"
+#include "src/ops/grad_hooks.h"
 #include "src/backend/backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
@@ -128,8 +128,7 @@ Tensor Tensor::to(Device device) const {
   if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_fail(*tr, "a device transfer (to " + device.str() + ")");
   Tensor src = contiguous();
   Tensor dst = make_empty(sizes(), dtype(), device, "to");
-  const Device from = this->device();
-  rules::with_grad(dst, "to_device", *this, [from](const Tensor& g) { return g.to(from); });
+  rules::copy(dst, "to_device", *this);
   if (numel() == 0) return dst;
   if (src.device().is_cpu()) {
     backend::backend_for(device).copy_from_host(dst, src.data_ptr());
@@ -147,8 +146,7 @@ Tensor Tensor::to(DType dt) const {
   Tensor dst = make_empty(sizes(), dt, device(), "to");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
   if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_cast(*tr, dst, *this);
-  const DType from = dtype();
-  return rules::with_grad(dst, "to_dtype", *this, [from](const Tensor& g) { return g.to(from); });
+  return rules::copy(dst, "to_dtype", *this);
 }
 
 Tensor Tensor::to(DType dt, Device dev) const { return to(dt).to(dev); }
@@ -159,7 +157,7 @@ Tensor Tensor::clone() const {
   Tensor dst = make_empty(sizes(), dtype(), device(), "clone");
   if (numel() > 0) backend::backend_for(device()).copy(dst, *this);
   if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_cast(*tr, dst, *this);  // a copy fuses
-  return rules::with_grad(dst, "clone", *this, [](const Tensor& g) { return g; });
+  return rules::copy(dst, "clone", *this);
 }
 
 Tensor Tensor::host_copy(DType dt) const {

@@ -4,8 +4,8 @@
 #include <optional>
 
 #include "flame/ops.h"
-#include "src/autograd/record.h"
-#include "src/autograd/rules/rules.h"
+#include "src/core/grad_state.h"
+#include "src/ops/grad_hooks.h"
 #include "src/core/checked_math.h"
 #include "src/ops/trace_hooks.h"
 #include "src/core/tensor_impl.h"
@@ -93,47 +93,15 @@ int64_t stepped_stride(int64_t stride, int64_t step, int64_t size, const char* o
   return s && *s <= kMaxTensorBytes / 8 && *s >= -kMaxTensorBytes / 8 ? *s : stride;
 }
 
-// A view of `base` recorded for autograd with gradient back(g) (back captures no tensors). The
-// lambda becomes a std::function (a heap allocation for most captures) only when the view is
-// recorded: an unrecorded view is on the per-op host path.
-template <class F>
-Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name, F&& back) {
+// A view of `base`, recorded for autograd when base needs a gradient: its rule (`kind`, `args`) is
+// in src/autograd/rules/views.cpp (Note [Gradient hooks]). An unrecorded view, on the per-op host
+// path, makes nothing for it.
+Tensor grad_view(const Tensor& base, Shape sizes, Shape strides, int64_t offset, const char* name,
+                 rules::ViewGrad kind, const rules::ViewArgs& args = {}) {
   Tensor v = make_view(base, std::move(sizes), std::move(strides), offset, name);
-  if (!is_floating(v.dtype()) || !needs_grad({base})) return v;  // what with_grad would decide
-  return rules::with_grad(v, name, base, std::function<Tensor(const Tensor&)>(std::forward<F>(back)));
-}
-
-// Zeros of `shape` with g written into the region that `region` selects (slice/narrow/select).
-template <class F>
-Tensor place_into(const Tensor& g, const Shape& shape, F&& region) {
-  Tensor z = Tensor::zeros(shape, {g.dtype(), g.device()});
-  region(z).copy_(g);
-  return z;
-}
-
-
-Shape inverse_permutation(const Shape& dims, int64_t n) {
-  Shape inv(static_cast<std::size_t>(n));
-  for (int64_t i = 0; i < n; ++i) inv[wrap_dim(dims[i], n, "permute")] = i;
-  return inv;
-}
-
-// Each window i of unfold read x.narrow(d, i*step, size); its gradient adds back there.
-Tensor unfold_backward(const Tensor& g, const Shape& xs, int64_t d, int64_t size, int64_t step) {
-  Tensor z = Tensor::zeros(xs, {g.dtype(), g.device()});
-  if (xs.empty()) return g.reshape({});
-  const int64_t n = static_cast<int64_t>(xs.size());
-  Shape order;  // g.select(d, i) has x's dims without d, then the window dim: move it to d
-  for (int64_t k = 0; k < n - 1; ++k) {
-    if (k == d) order.push_back(n - 1);
-    order.push_back(k);
-  }
-  if (d == n - 1) order.push_back(n - 1);
-  for (int64_t i = 0; i < g.size(d); ++i) {
-    Tensor part = z.narrow(d, i * step, size);
-    part.add_(g.select(d, i).permute(order));
-  }
-  return z;
+  if (!is_floating(v.dtype()) || !needs_grad({base})) return v;
+  rules::view(v, name, kind, base, args);
+  return v;
 }
 
 }  // namespace
@@ -145,7 +113,7 @@ Tensor Tensor::view(const Shape& shape) const {
   auto strides = view_strides(sizes(), this->strides(), target);
   FLAME_CHECK(strides.has_value(), "view", "shape ", target, " is not compatible with input of shape ",
               sizes(), " and strides ", this->strides(), "; use reshape() (which may copy)");
-  return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "view", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "view", rules::ViewGrad::reshape);
 }
 
 Tensor Tensor::reshape(const Shape& shape) const {
@@ -153,7 +121,7 @@ Tensor Tensor::reshape(const Shape& shape) const {
   FLAME_TRACE_VIEW("reshape", reshape(shape))
   Shape target = infer_shape(shape, numel(), "reshape", sizes());
   if (auto strides = view_strides(sizes(), this->strides(), target)) {
-    return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "reshape", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+    return grad_view(*this, std::move(target), std::move(*strides), storage_offset(), "reshape", rules::ViewGrad::reshape);
   }
   return clone().view(target);
 }
@@ -165,20 +133,20 @@ Tensor Tensor::transpose(int64_t d0, int64_t d1) const {
   if (n == 0) {
     wrap_dim(d0, 0, "transpose");
     wrap_dim(d1, 0, "transpose");
-    return grad_view(*this, sizes(), strides(), storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
+    return grad_view(*this, sizes(), strides(), storage_offset(), "transpose", rules::ViewGrad::identity);
   }
   d0 = wrap_dim(d0, n, "transpose");
   d1 = wrap_dim(d1, n, "transpose");
   Shape sz = sizes(), st = strides();
   std::swap(sz[d0], sz[d1]);
   std::swap(st[d0], st[d1]);
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "transpose", [d0, d1, n = dim()](const Tensor& g) { return n == 0 ? g : g.transpose(d0, d1); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "transpose", rules::ViewGrad::transpose, {d0, d1});
 }
 
 Tensor Tensor::t() const {
   require_defined(*this, "t");
   FLAME_CHECK(dim() <= 2, "t", "expects a tensor with <= 2 dims, got shape ", sizes());
-  return dim() < 2 ? grad_view(*this, sizes(), strides(), storage_offset(), "t", [](const Tensor& g) { return g; }) : transpose(0, 1);
+  return dim() < 2 ? grad_view(*this, sizes(), strides(), storage_offset(), "t", rules::ViewGrad::identity) : transpose(0, 1);
 }
 
 Tensor Tensor::permute(const Shape& dims) const {
@@ -196,7 +164,7 @@ Tensor Tensor::permute(const Shape& dims) const {
     sz[i] = sizes()[d];
     st[i] = strides()[d];
   }
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "permute", [inv = inverse_permutation(dims, dim())](const Tensor& g) { return g.permute(inv); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "permute", rules::ViewGrad::permute, {.dims = &dims});
 }
 
 Tensor Tensor::narrow(int64_t d, int64_t start, int64_t length) const {
@@ -231,7 +199,7 @@ Tensor Tensor::slice(int64_t d, int64_t start, int64_t end, int64_t step) const 
   Shape sz = sizes(), st = strides();
   sz[d] = ceil_div(end - start, step);
   st[d] = stepped_stride(st[d], step, sz[d], "slice");
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset() + start * strides()[d], "slice", [xs = sizes(), d, start, end, step](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.slice(d, start, end, step); }); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset() + start * strides()[d], "slice", rules::ViewGrad::slice, {d, start, end, step});
 }
 
 Tensor Tensor::select(int64_t d, int64_t index) const {
@@ -247,7 +215,7 @@ Tensor Tensor::select(int64_t d, int64_t index) const {
   const int64_t offset = storage_offset() + index * st[d];
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return grad_view(*this, std::move(sz), std::move(st), offset, "select", [xs = sizes(), d, index](const Tensor& g) { return place_into(g, xs, [&](const Tensor& z) { return z.select(d, index); }); });
+  return grad_view(*this, std::move(sz), std::move(st), offset, "select", rules::ViewGrad::select, {d, index});
 }
 
 Tensor Tensor::expand(const Shape& shape) const {
@@ -275,7 +243,7 @@ Tensor Tensor::expand(const Shape& shape) const {
       st[i] = 0;
     }
   }
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "expand", [xs = sizes()](const Tensor& g) { return sum_to(g, xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "expand", rules::ViewGrad::expand);
 }
 
 Tensor Tensor::squeeze() const {
@@ -287,7 +255,7 @@ Tensor Tensor::squeeze() const {
       st.push_back(strides()[i]);
     }
   }
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", rules::ViewGrad::reshape);
 }
 
 Tensor Tensor::squeeze(int64_t d) const {
@@ -295,14 +263,14 @@ Tensor Tensor::squeeze(int64_t d) const {
   FLAME_TRACE_VIEW("squeeze", squeeze(d))
   if (dim() == 0) {
     wrap_dim(d, 0, "squeeze");
-    return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+    return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", rules::ViewGrad::reshape);
   }
   d = wrap_dim(d, dim(), "squeeze");
-  if (sizes()[d] != 1) return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  if (sizes()[d] != 1) return grad_view(*this, sizes(), strides(), storage_offset(), "squeeze", rules::ViewGrad::reshape);
   Shape sz = sizes(), st = strides();
   sz.erase(sz.begin() + d);
   st.erase(st.begin() + d);
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "squeeze", rules::ViewGrad::reshape);
 }
 
 Tensor Tensor::unsqueeze(int64_t d) const {
@@ -313,7 +281,7 @@ Tensor Tensor::unsqueeze(int64_t d) const {
   const int64_t new_stride = d < dim() ? mul_overflows(sizes()[d], strides()[d]).value_or(1) : 1;
   sz.insert(sz.begin() + d, 1);
   st.insert(st.begin() + d, new_stride);
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unsqueeze", [xs = sizes()](const Tensor& g) { return g.reshape(xs); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unsqueeze", rules::ViewGrad::reshape);
 }
 
 Tensor Tensor::flatten(int64_t start_dim, int64_t end_dim) const {
@@ -368,13 +336,13 @@ Tensor Tensor::unfold(int64_t d, int64_t size, int64_t step) const {
               " of the input of shape ", sizes());
   FLAME_CHECK(step > 0, "unfold", "step must be positive, got ", step);
   Shape sz = sizes(), st = strides();
-  if (dim() == 0) return grad_view(*this, {size}, {1}, storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
+  if (dim() == 0) return grad_view(*this, {size}, {1}, storage_offset(), "unfold", rules::ViewGrad::unfold, {d, size, step});
   sz[d] = (n - size) / step + 1;
   const int64_t base = st[d];
   st[d] = stepped_stride(base, step, sz[d], "unfold");
   sz.push_back(size);
   st.push_back(base);
-  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unfold", [xs = sizes(), d, size, step](const Tensor& g) { return unfold_backward(g, xs, d, size, step); });
+  return grad_view(*this, std::move(sz), std::move(st), storage_offset(), "unfold", rules::ViewGrad::unfold, {d, size, step});
 }
 
 }  // namespace flame

@@ -1,12 +1,15 @@
-// Gradient rules of the fused adaLN ops (src/autograd/rules/adaln.h).
-#include "src/autograd/rules/adaln.h"
-
+// Gradient rules of the fused adaLN ops (declared in src/ops/grad_hooks.h): each node's backward
+// is one fused kernel call (src/backend/fused/adaln.h).
 #include "flame/autograd.h"
 #include "src/autograd/record.h"
+#include "src/ops/grad_hooks.h"
 #include "src/backend/fused/adaln.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::rules {
+namespace {
+
+TensorList gated_residual_rule(const Tensor& grad, const Node& n);
 
 // Note [Fused residual backward]
 // In gated_residual_modulate's graph the residual h = x + gate * branch feeds this block's adaLN
@@ -122,6 +125,38 @@ TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
                 dtype_name(y3.dtype()), ", gate ", dtype_name(gate.dtype()), ")");
   }
   return {e[0].meta ? dout : Tensor(), e[1].meta ? dgate : Tensor(), dy};
+}
+
+}  // namespace
+
+void layer_norm_modulate(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, const Tensor& x3,
+                         const Tensor& mean, const Tensor& rstd, const Tensor& xhat, DType out, bool residual) {
+  if (!needs_grad({x, shift, scale})) return;
+  RuleArgs args;
+  args.op = static_cast<int>(out);
+  args.shape = x.sizes();
+  args.need[0] = xhat.defined();
+  args.need[1] = residual;
+  Node& n = record(y, "LayerNormModulateBackward", {x, shift, scale}, adaln_rule, std::move(args));
+  n.accept_accumulate_base(0);
+  if (xhat.defined()) {
+    n.save(xhat);
+  } else {
+    n.save(x3);
+    n.save(mean);
+  }
+  n.save(rstd);
+  n.save(scale);
+}
+
+void gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const Tensor& y, const Tensor& y3, DType out) {
+  if (!needs_grad({x, gate, y})) return;
+  RuleArgs args;
+  args.op = static_cast<int>(out);
+  args.shape = x.sizes();
+  Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
+  n.save(gate);
+  n.save(y3);
 }
 
 }  // namespace flame::rules

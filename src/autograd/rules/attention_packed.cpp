@@ -2,8 +2,6 @@
 // SDPA backward three strided views of ONE gradient buffer as dq, dk and dv (Note [Packed QKV
 // attention] in src/ops/attention_packed.cpp). No zero fill, no slice copies, no sum of three
 // full-size gradients: the buffer the kernel writes is the gradient of qkv.
-#include "src/autograd/rules/attention_packed.h"
-
 #include <cstdint>
 
 #include "flame/autograd.h"
@@ -11,6 +9,7 @@
 #include "src/autograd/rules/attention.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
+#include "src/ops/grad_hooks.h"
 
 namespace flame::rules {
 

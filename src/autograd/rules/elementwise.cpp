@@ -8,7 +8,7 @@
 #include "flame/ops.h"
 #include "src/autograd/record.h"
 #include "src/autograd/recompute.h"
-#include "src/autograd/rules/rules.h"
+#include "src/ops/grad_hooks.h"
 #include "src/opdef/elementwise_grad.h"
 #include "src/ops/elementwise.h"
 

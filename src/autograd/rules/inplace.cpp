@@ -25,7 +25,7 @@
 //   raise (SavedTensor's version check). Under NoGradGuard nothing is recorded (optimizer steps).
 #include "flame/ops.h"
 #include "src/autograd/record.h"
-#include "src/autograd/rules/inplace.h"
+#include "src/ops/grad_hooks.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame::rules {

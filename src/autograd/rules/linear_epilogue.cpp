@@ -7,7 +7,7 @@
 // Where the backend declines,
 // the same formulas run as ordinary ops. Saved: x (as the GEMM read it) when W needs a gradient,
 // W when x does (or, for mlp_gelu, when the hidden layer does), and pre.
-#include "src/autograd/rules/linear_epilogue.h"
+#include "src/ops/grad_hooks.h"
 
 #include "flame/autograd.h"
 #include "flame/ops.h"
