@@ -1,6 +1,7 @@
 // Elementwise ops: dtype rules (Note [Op list]), broadcasting, scalar forms, in-place forms.
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string_view>
 
 #include "flame/ops.h"
@@ -9,6 +10,7 @@
 #include "src/ops/autocast_hooks.h"
 #include "src/core/grad_state.h"
 #include "src/ops/grad_hooks.h"
+#include "src/ops/invoke.h"
 #include "src/ops/trace_hooks.h"
 #include "src/ops/alpha.h"
 #include "src/ops/elementwise.h"
@@ -86,17 +88,6 @@ bool rejects_bool(BinaryOp op) {
   return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
 }
 
-Tensor run_unary(UnaryOp op, const Tensor& x, DType in_dtype, DType out_dtype, const UnaryParams& p) {
-  Tensor in = x.to(in_dtype);
-  Tensor out = make_empty(x.sizes(), out_dtype, x.device(), info(op).name);
-  if (out.numel() > 0) backend::backend_for(x.device()).unary(op, out, in, p);
-  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_unary(*tr, out, op, in, p);
-  rules::unary(out, op, x, in, p);
-  return out;
-}
-
-}  // namespace
-
 // The unary ops PyTorch's autocast runs in f32: the op table's autocast column (Note [Autocast policy]).
 bool autocast_f32(UnaryOp op) {
   switch (op) {
@@ -118,25 +109,185 @@ bool autocast_f32(BinaryOp op) {
   return false;
 }
 
-Tensor unary_op(UnaryOp op, const Tensor& x, const UnaryParams& p) {
-  if (autocast_f32(op) && amp::detail::should_autocast(x)) {
-    amp::detail::AutocastOpScope scope;
-    return unary_op(op, amp::detail::cast_f32(x), p);
+// Note [Elementwise definitions]
+// The elementwise ops are op definitions (Note [Invoke]) of the `elementwise` trace kind: invoke
+// applies their autocast policy (the op table's column), runs the kernel, then reports the op to
+// flame::compile's tracer as a node its fused kernels take in, and records the gradient rule
+// (src/autograd/rules/elementwise.cpp, through Note [Gradient hooks]).
+
+// y = op(x, p). `dtype` set: x is computed in it and y is of it (the scalar forms, clamp and pow
+// work out their promotion themselves); unset: the op's kind decides (Note [Op list]) and its
+// table row the autocast policy.
+struct UnaryCall {
+  UnaryOp op;
+  Tensor x;
+  UnaryParams p;
+  std::optional<DType> dtype;
+};
+
+struct UnaryDef : op_detail::OpDefaults<UnaryCall> {
+  struct Prep {
+    Tensor in;  // x in the compute dtype (what the kernel reads and the backward sees)
+    DType out;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static constexpr op_detail::TraceKind trace_kind = op_detail::TraceKind::elementwise;
+  static op_detail::Autocast autocast_of(const Args& a) {
+    return !a.dtype && autocast_f32(a.op) ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
-  const OpInfo oi = info(op);
-  check_defined(x, oi.name);
-  const DType dt = x.dtype();
-  switch (oi.kind) {
-    case OpKind::same:
-      FLAME_CHECK(!is_bool(dt), oi.name, "not supported for bool tensors (shape ", x.sizes(), ")");
-      return run_unary(op, x, dt, dt, p);
-    case OpKind::floating: {
-      const DType f = is_floating(dt) ? dt : kDefaultFloat;
-      return run_unary(op, x, f, f, p);
+  static const char* name(const Args& a) { return info(a.op).name; }
+  static Prep prepare(const Args& a) {
+    const OpInfo oi = info(a.op);
+    check_defined(a.x, oi.name);
+    if (a.dtype) return {a.x.to(*a.dtype), *a.dtype};
+    const DType dt = a.x.dtype();
+    switch (oi.kind) {
+      case OpKind::same:
+        FLAME_CHECK(!is_bool(dt), oi.name, "not supported for bool tensors (shape ", a.x.sizes(), ")");
+        return {a.x, dt};
+      case OpKind::floating: {
+        const DType f = is_floating(dt) ? dt : kDefaultFloat;
+        return {a.x.to(f), f};
+      }
+      case OpKind::predicate: return {a.x, DType::boolean};
     }
-    case OpKind::predicate: return run_unary(op, x, dt, DType::boolean, p);
+    return {a.x, dt};
   }
-  return {};
+  static Result run(const Args& a, Prep& p) {
+    Tensor out = make_empty(a.x.sizes(), p.out, a.x.device(), info(a.op).name);
+    if (out.numel() > 0) backend::backend_for(a.x.device()).unary(a.op, out, p.in, a.p);
+    return {std::move(out)};
+  }
+  static void trace(compile_detail::Tracer& t, const Result& r, const Args& a, const Prep& p) {
+    compile_detail::trace_unary(t, r.out, a.op, p.in, a.p);
+  }
+  static void record(Result& r, const Args& a, const Prep& p) { rules::unary(r.out, a.op, a.x, p.in, a.p); }
+};
+
+Tensor run_unary(UnaryOp op, const Tensor& x, DType dtype, const UnaryParams& p) {
+  return op_detail::invoke<UnaryDef>({op, x, p, dtype});
+}
+
+// y = op(a, b), broadcast, in the common dtype (Note [Op list]).
+struct BinaryCall {
+  BinaryOp op;
+  Tensor a, b;
+};
+
+struct BinaryDef : op_detail::OpDefaults<BinaryCall> {
+  struct Prep {
+    Tensor ac, bc;  // the operands in the common dtype, not broadcast
+    DType out;
+    Shape shape;  // the broadcast shape where a's and b's differ (empty where they agree)
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static constexpr op_detail::TraceKind trace_kind = op_detail::TraceKind::elementwise;
+  static op_detail::Autocast autocast_of(const Args& a) {
+    return autocast_f32(a.op) ? op_detail::Autocast::f32 : op_detail::Autocast::none;
+  }
+  static const char* name(const Args& a) { return info(a.op).name; }
+  static TensorList inputs(const Args& a) { return {a.a, a.b}; }
+  static const Tensor& lead(const Args& a) { return a.a; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.a = in[0];
+    a.b = in[1];
+    return a;
+  }
+  static Prep prepare(const Args& x) {
+    const OpInfo oi = info(x.op);
+    check_defined(x.a, oi.name);
+    check_defined(x.b, oi.name);
+    check_same_device(oi.name, x.a, x.b);
+    DType common = result_type(x.a, x.b);
+    if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
+    FLAME_CHECK(!(is_bool(common) && rejects_bool(x.op)), oi.name, "not supported for bool tensors");
+    Prep p;
+    p.out = oi.kind == OpKind::predicate ? DType::boolean : common;
+    // Operands of one shape (the usual case) need no broadcast shape made for them.
+    if (x.a.sizes() != x.b.sizes()) p.shape = broadcast_shapes(x.a.sizes(), x.b.sizes(), oi.name);
+    p.ac = x.a.to(common);
+    p.bc = x.b.to(common);
+    return p;
+  }
+  static Result run(const Args& x, Prep& p) {
+    Tensor out = make_empty(x.a.sizes() == x.b.sizes() ? x.a.sizes() : p.shape, p.out,
+                            x.a.device(), info(x.op).name);
+    const Shape& shape = out.sizes();
+    if (out.numel() > 0) {
+      // Operands of the output's shape go as they are; only the others need a broadcast view.
+      backend::backend_for(x.a.device())
+          .binary(x.op, out, p.ac.sizes() == shape ? p.ac : p.ac.expand(shape),
+                  p.bc.sizes() == shape ? p.bc : p.bc.expand(shape));
+    }
+    return {std::move(out)};
+  }
+  static void trace(compile_detail::Tracer& t, const Result& r, const Args& x, const Prep& p) {
+    compile_detail::trace_binary(t, r.out, x.op, p.ac, p.bc);
+  }
+  static void record(Result& r, const Args& x, const Prep& p) {
+    if (info(x.op).kind != OpKind::predicate) rules::binary(r.out, x.op, x.a, x.b, p.ac, p.bc);
+  }
+};
+
+// out = cond ? a : b, broadcast, in a's and b's common dtype.
+struct WhereCall {
+  Tensor cond, a, b;
+};
+
+struct WhereDef : op_detail::OpDefaults<WhereCall> {
+  struct Prep {
+    Tensor ac, bc;  // a and b in the common dtype, not broadcast
+    Shape shape;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static constexpr op_detail::TraceKind trace_kind = op_detail::TraceKind::elementwise;
+  static const char* name(const Args&) { return "where"; }
+  static TensorList inputs(const Args& w) { return {w.cond, w.a, w.b}; }
+  static const Tensor& lead(const Args& w) { return w.a; }
+  static Args with_inputs(Args w, const TensorList& in) {
+    w.cond = in[0];
+    w.a = in[1];
+    w.b = in[2];
+    return w;
+  }
+  static Prep prepare(const Args& w) {
+    check_defined(w.cond, "where");
+    check_defined(w.a, "where");
+    check_defined(w.b, "where");
+    check_same_device("where", w.cond, w.a);
+    check_same_device("where", w.a, w.b);
+    FLAME_CHECK(is_bool(w.cond.dtype()), "where", "condition must be bool, got ", dtype_name(w.cond.dtype()));
+    const DType dt = result_type(w.a, w.b);
+    Shape shape = broadcast_shapes(broadcast_shapes(w.cond.sizes(), w.a.sizes(), "where"), w.b.sizes(), "where");
+    return {w.a.to(dt), w.b.to(dt), std::move(shape)};
+  }
+  static Result run(const Args& w, Prep& p) {
+    Tensor out = make_empty(p.shape, p.ac.dtype(), w.a.device(), "where");
+    if (out.numel() > 0) {
+      backend::backend_for(w.a.device()).where(out, w.cond.expand(p.shape), p.ac.expand(p.shape), p.bc.expand(p.shape));
+    }
+    return {std::move(out)};
+  }
+  static void trace(compile_detail::Tracer& t, const Result& r, const Args& w, const Prep& p) {
+    compile_detail::trace_where(t, r.out, w.cond, p.ac, p.bc);
+  }
+  static void record(Result& r, const Args& w, const Prep&) { rules::where(r.out, w.cond, w.a, w.b); }
+};
+
+}  // namespace
+
+
+Tensor unary_op(UnaryOp op, const Tensor& x, const UnaryParams& p) {
+  return op_detail::invoke<UnaryDef>({op, x, p, std::nullopt});
 }
 
 Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
@@ -158,36 +309,11 @@ Tensor scalar_op(UnaryOp op, const Tensor& x, Scalar s) {
   }
   UnaryParams p;
   p.a = s.to_double();
-  return run_unary(op, x, dt, dt, p);
+  return run_unary(op, x, dt, p);
 }
 
 Tensor binary_op(BinaryOp op, const Tensor& a, const Tensor& b) {
-  if (autocast_f32(op) && amp::detail::should_autocast(a)) {  // Note [Autocast policy]: f32
-    amp::detail::AutocastOpScope scope;
-    return binary_op(op, amp::detail::cast_f32(a), amp::detail::cast_f32(b));
-  }
-  const OpInfo oi = info(op);
-  check_defined(a, oi.name);
-  check_defined(b, oi.name);
-  check_same_device(oi.name, a, b);
-  DType common = result_type(a, b);
-  if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
-  FLAME_CHECK(!(is_bool(common) && rejects_bool(op)), oi.name, "not supported for bool tensors");
-  const DType out_dtype = oi.kind == OpKind::predicate ? DType::boolean : common;
-  // Operands of one shape (the usual case) need no broadcast shape made for them.
-  Tensor out = a.sizes() == b.sizes() ? make_empty(a.sizes(), out_dtype, a.device(), oi.name)
-                                      : make_empty(broadcast_shapes(a.sizes(), b.sizes(), oi.name), out_dtype,
-                                                   a.device(), oi.name);
-  const Shape& shape = out.sizes();
-  const Tensor ac = a.to(common), bc = b.to(common);
-  if (out.numel() > 0) {
-    // Operands of the output's shape go as they are; only the others need a broadcast view.
-    backend::backend_for(a.device())
-        .binary(op, out, ac.sizes() == shape ? ac : ac.expand(shape), bc.sizes() == shape ? bc : bc.expand(shape));
-  }
-  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_binary(*tr, out, op, ac, bc);
-  if (oi.kind != OpKind::predicate) rules::binary(out, op, a, b, ac, bc);
-  return out;
+  return op_detail::invoke<BinaryDef>({op, a, b});
 }
 
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
@@ -252,7 +378,7 @@ Tensor clamp(const Tensor& x, std::optional<Scalar> min, std::optional<Scalar> m
     p.a = min ? static_cast<double>(min->to_int()) : -9.2e18;
     p.b = max ? static_cast<double>(max->to_int()) : 9.2e18;
   }
-  return run_unary(UnaryOp::clamp, x, dt, dt, p);
+  return run_unary(UnaryOp::clamp, x, dt, p);
 }
 
 Tensor pow(const Tensor& x, Scalar exponent) {
@@ -269,7 +395,7 @@ Tensor pow(const Tensor& x, Scalar exponent) {
   if (is_bool(dt)) dt = DType::i64;
   if (needs_exact_int(dt, exponent)) return scalar_op(UnaryOp::pow_scalar, x, exponent);  // exact path
   UnaryParams p{exponent.to_double()};
-  return run_unary(UnaryOp::pow_scalar, x, dt, dt, p);
+  return run_unary(UnaryOp::pow_scalar, x, dt, p);
 }
 
 Tensor nan_to_num(const Tensor& x, double nan, std::optional<double> posinf, std::optional<double> neginf) {
@@ -302,21 +428,7 @@ Tensor rsub_scalar(const Tensor& a, Scalar s) {
 Tensor rdiv_scalar(const Tensor& a, Scalar s) { return scalar_op(UnaryOp::rdiv_scalar, a, s); }
 
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b) {
-  check_defined(cond, "where");
-  check_defined(a, "where");
-  check_defined(b, "where");
-  check_same_device("where", cond, a);
-  check_same_device("where", a, b);
-  FLAME_CHECK(is_bool(cond.dtype()), "where", "condition must be bool, got ", dtype_name(cond.dtype()));
-  const DType dt = result_type(a, b);
-  const Shape shape = broadcast_shapes(broadcast_shapes(cond.sizes(), a.sizes(), "where"), b.sizes(), "where");
-  Tensor out = make_empty(shape, dt, a.device(), "where");
-  if (out.numel() > 0) {
-    backend::backend_for(a.device()).where(out, cond.expand(shape), a.to(dt).expand(shape), b.to(dt).expand(shape));
-  }
-  if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_where(*tr, out, cond, a.to(dt), b.to(dt));
-  rules::where(out, cond, a, b);
-  return out;
+  return op_detail::invoke<WhereDef>({cond, a, b});
 }
 
 Tensor masked_fill(const Tensor& x, const Tensor& mask, Scalar value) {

@@ -9,9 +9,11 @@
 //                  and the op runs again with nested ops excluded. Casting comes before the checks,
 //                  as PyTorch's autocast runs before the kernel's, so dtype checks see the cast
 //                  inputs (an f32 input and a bf16 weight are valid under autocast).
-//   2. trace       inside flame::compile's tracer (and when Def::traceable(args)): one opaque step
-//                  that replays invoke<Def> over its inputs (Note [Tracing]). Elementwise regions
-//                  fuse on both sides of it.
+//   2. trace       inside flame::compile's tracer (and when Def::traceable(args)), by the
+//                  definition's category (Def::trace_kind): `opaque`, one step that replays
+//                  invoke<Def> over its inputs (Note [Tracing]), elementwise regions fusing on both
+//                  sides of it; `elementwise`, the op runs and Def::trace(tracer, result, args,
+//                  prep) then reports it as a node the fused kernels take in (after dispatch).
 //   3. validation  Def::prepare(args) checks the arguments (the op's error text names the op, the
 //                  shapes, dtypes and values) and works out the kernel's parameters (Def::Prep).
 //   4. profiler    allocations from here to the end of the dispatch belong to Def::name(args) in
@@ -34,7 +36,10 @@
 // A definition is a struct with static members (OpDefaults<Args> supplies the usual ones):
 //   using Args, Prep, Result, Out;            the call's arguments, the kernel's parameters, the
 //                                             kernel's outputs, the public result
-//   static constexpr Autocast autocast;
+//   static constexpr Autocast autocast;      or, when the policy depends on the call,
+//   static Autocast autocast_of(const Args&);
+//   static constexpr TraceKind trace_kind;    opaque (the default) or elementwise; elementwise also
+//   static void trace(Tracer&, const Result&, const Args&, const Prep&);
 //   static const char* name(const Args&);     static string (errors, traces, the profiler)
 //   static TensorList inputs(const Args&);    the tensor arguments, in order
 //   static const Tensor& lead(const Args&);   the input whose device type decides autocast
@@ -64,6 +69,9 @@ namespace flame::op_detail {
 // What autocast does to an op's floating inputs (Note [Autocast policy] in src/amp/autocast.cpp).
 enum class Autocast { none, low, f32 };
 
+// How flame::compile's tracer sees an op (Note [Tracing] in src/compile/trace.cpp).
+enum class TraceKind { opaque, elementwise };
+
 // What a definition inherits unless it declares its own (a static member of the definition hides
 // the base's): one tensor input `x`, no autocast, traced, and the result's `out` as the public
 // result.
@@ -71,6 +79,7 @@ template <class A>
 struct OpDefaults {
   using Args = A;
   static constexpr Autocast autocast = Autocast::none;
+  static constexpr TraceKind trace_kind = TraceKind::opaque;
   static TensorList inputs(const A& a) { return {a.x}; }
   static const Tensor& lead(const A& a) { return a.x; }
   static A with_inputs(A a, const TensorList& in) {
@@ -85,37 +94,48 @@ struct OpDefaults {
 };
 
 template <class Def>
+constexpr bool kAutocastPerCall = requires(const typename Def::Args& a) { Def::autocast_of(a); };
+
+template <class Def>
 typename Def::Out invoke(const typename Def::Args& args) {
   using Out = typename Def::Out;
-  if constexpr (Def::autocast != Autocast::none) {
-    if (amp::detail::should_autocast(Def::lead(args))) {
+  if constexpr (kAutocastPerCall<Def> || Def::autocast != Autocast::none) {
+    Autocast policy;
+    if constexpr (kAutocastPerCall<Def>) {
+      policy = Def::autocast_of(args);
+    } else {
+      policy = Def::autocast;
+    }
+    if (policy != Autocast::none && amp::detail::should_autocast(Def::lead(args))) {
       amp::detail::AutocastOpScope scope;
       const TensorList in = Def::inputs(args);
       TensorList cast;
       cast.reserve(in.size());
       for (const Tensor& t : in) {
-        cast.push_back(!t.defined()                             ? t
-                       : Def::autocast == Autocast::low         ? amp::detail::cast_low(t)
-                                                                : amp::detail::cast_f32(t));
+        cast.push_back(!t.defined()                     ? t
+                       : policy == Autocast::low        ? amp::detail::cast_low(t)
+                                                        : amp::detail::cast_f32(t));
       }
       return invoke<Def>(Def::with_inputs(args, cast));
     }
   }
-  if (auto* tr = compile_detail::active_tracer(); tr && Def::traceable(args)) {
-    const TensorList in = Def::inputs(args);
-    // The replay keeps the call's values, not its tensors (they are the step's inputs).
-    const typename Def::Args values = Def::with_inputs(args, TensorList(in.size()));
-    Tensor y = compile_detail::trace_eager_op(*tr, Def::name(args), in, [values](const TensorList& replay_in) {
+  if constexpr (Def::trace_kind == TraceKind::opaque) {
+    if (auto* tr = compile_detail::active_tracer(); tr && Def::traceable(args)) {
+      const TensorList in = Def::inputs(args);
+      // The replay keeps the call's values, not its tensors (they are the step's inputs).
+      const typename Def::Args values = Def::with_inputs(args, TensorList(in.size()));
+      Tensor y = compile_detail::trace_eager_op(*tr, Def::name(args), in, [values](const TensorList& replay_in) {
+        if constexpr (std::is_same_v<Out, Tensor>) {
+          return invoke<Def>(Def::with_inputs(values, replay_in));
+        } else {
+          return Def::to_traced(invoke<Def>(Def::with_inputs(values, replay_in)));
+        }
+      });
       if constexpr (std::is_same_v<Out, Tensor>) {
-        return invoke<Def>(Def::with_inputs(values, replay_in));
+        return y;
       } else {
-        return Def::to_traced(invoke<Def>(Def::with_inputs(values, replay_in)));
+        return Def::from_traced(std::move(y));
       }
-    });
-    if constexpr (std::is_same_v<Out, Tensor>) {
-      return y;
-    } else {
-      return Def::from_traced(std::move(y));
     }
   }
   typename Def::Prep prep = Def::prepare(args);
@@ -123,6 +143,9 @@ typename Def::Out invoke(const typename Def::Args& args) {
   {
     profiler_detail::InvokeScope attribution(Def::name(args));
     result = Def::run(args, prep);
+  }
+  if constexpr (Def::trace_kind == TraceKind::elementwise) {
+    if (auto* tr = compile_detail::active_tracer()) Def::trace(*tr, result, args, prep);
   }
   Def::record(result, args, prep);
   if constexpr (requires { requires Def::recomputable; }) {
