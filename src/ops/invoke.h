@@ -72,6 +72,24 @@ enum class Autocast { none, low, f32 };
 // How flame::compile's tracer sees an op (Note [Tracing] in src/compile/trace.cpp).
 enum class TraceKind { opaque, elementwise };
 
+// An argument an op's call borrows from its caller (a list of tensors, a shape): the plain call
+// holds a pointer (no copy on the per-op path); a call kept beyond its caller (the replay of a
+// trace step, autocast's second call) owns a copy. with_inputs calls keep().
+template <class T>
+struct Kept {
+  const T* borrowed = nullptr;
+  T owned{};
+  Kept() = default;
+  Kept(const T& v) : borrowed(&v) {}  // NOLINT(google-explicit-constructor): the call's argument
+  const T& get() const { return borrowed ? *borrowed : owned; }
+  void keep() {
+    if (borrowed) {
+      owned = *borrowed;
+      borrowed = nullptr;
+    }
+  }
+};
+
 // What a definition inherits unless it declares its own (a static member of the definition hides
 // the base's): one tensor input `x`, no autocast, traced, and the result's `out` as the public
 // result.

@@ -23,7 +23,8 @@
 #include "src/backend/backend.h"
 #include "src/core/checked_math.h"
 #include "src/core/tensor_impl.h"
-#include "src/ops/trace_hooks.h"
+#include "flame/grad_mode.h"
+#include "src/ops/invoke.h"
 
 namespace flame {
 namespace {
@@ -83,70 +84,121 @@ bool is_legacy_empty(const Tensor& t) { return t.dim() == 1 && t.sizes()[0] == 0
 }  // namespace
 
 // ---- flip, repeat ----
+// Op definitions (Note [Invoke]): opaque steps of a flame::compile trace, gradients in
+// src/autograd/rules/joins.cpp (Note [Gradient hooks]).
 
-Tensor flip(const Tensor& x, const Shape& dims) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "flip", {x}, [dims](const TensorList& in) { return flip(in[0], dims); });
-  }
-  check_defined(x, "flip");
-  const int64_t n = x.dim();
-  std::vector<bool> seen(static_cast<std::size_t>(std::max<int64_t>(n, 1)), false);
-  Tensor src = x;
-  for (int64_t d : dims) {
-    const int64_t w = wrap_dim(d, n, "flip");
-    FLAME_CHECK(!seen[w], "flip", "dim ", w, " appears more than once in dims ", dims,
-                " (input shape ", x.sizes(), ")");
-    seen[w] = true;
-    if (n > 0) src = reversed(src, w);
-  }
-  Tensor out = make_empty(x.sizes(), x.dtype(), x.device(), "flip");
-  copy_into(out, src);
-  return rules::flip(out, x, dims);
-}
+namespace {
 
-Tensor repeat(const Tensor& x, const Shape& repeats) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "repeat", {x}, [repeats](const TensorList& in) { return repeat(in[0], repeats); });
+struct FlipCall {
+  Tensor x;
+  op_detail::Kept<Shape> dims;
+};
+struct FlipDef : op_detail::OpDefaults<FlipCall> {
+  struct Prep {
+    Tensor src;  // x read back to front along each flipped dim
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static const char* name(const Args&) { return "flip"; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x = in[0];
+    a.dims.keep();
+    return a;
   }
-  check_defined(x, "repeat");
-  const int64_t n = x.dim(), m = static_cast<int64_t>(repeats.size());
-  FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats,
-              " can not be smaller than the number of dims of the input of shape ", x.sizes());
-  for (int64_t r : repeats) {
-    FLAME_CHECK(r >= 0, "repeat", "repeats must be non-negative, got ", repeats, " (input shape ", x.sizes(), ")");
-  }
-  // x with leading size-1 dims up to m dims.
-  Shape in_sizes(m - n, 1), in_strides(m - n, 0);
-  in_sizes.insert(in_sizes.end(), x.sizes().begin(), x.sizes().end());
-  in_strides.insert(in_strides.end(), x.strides().begin(), x.strides().end());
-  Shape out_shape(m);
-  for (int64_t i = 0; i < m; ++i) out_shape[i] = checked_mul(in_sizes[i], repeats[i], "repeat", "the output size");
-  Tensor out = make_empty(out_shape, x.dtype(), x.device(), "repeat");
-  // Recorded once the output is written (anomaly mode checks outputs at record time).
-  if (out.numel() == 0) {
-    rules::repeat(out, x, in_sizes, repeats);
-    return out;
-  }
-  // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
-  // Size-1 entries are dropped to keep the dim count low.
-  const Shape& out_strides = out.strides();
-  Shape sizes, dst_strides, src_strides;
-  for (int64_t i = 0; i < m; ++i) {
-    if (repeats[i] != 1) {
-      sizes.push_back(repeats[i]);
-      dst_strides.push_back(in_sizes[i] * out_strides[i]);
-      src_strides.push_back(0);
+  static Prep prepare(const Args& a) {
+    check_defined(a.x, "flip");
+    const int64_t n = a.x.dim();
+    uint32_t seen = 0;  // a tensor has at most 16 dims
+    Tensor src = a.x;
+    for (int64_t d : a.dims.get()) {
+      const int64_t w = wrap_dim(d, n, "flip");
+      FLAME_CHECK(!(seen >> std::max<int64_t>(w, 0) & 1u), "flip", "dim ", w, " appears more than once in dims ",
+                  a.dims.get(), " (input shape ", a.x.sizes(), ")");
+      seen |= 1u << std::max<int64_t>(w, 0);
+      if (n > 0) src = reversed(src, w);
     }
-    if (in_sizes[i] != 1) {
-      sizes.push_back(in_sizes[i]);
-      dst_strides.push_back(out_strides[i]);
-      src_strides.push_back(in_strides[i]);
-    }
+    return {std::move(src)};
   }
-  copy_pairs(out, x, sizes, dst_strides, 0, src_strides, x.storage_offset());
-  rules::repeat(out, x, in_sizes, repeats);
-  return out;
-}
+  static Result run(const Args& a, Prep& p) {
+    Tensor out = make_empty(a.x.sizes(), a.x.dtype(), a.x.device(), "flip");
+    copy_into(out, p.src);
+    return {std::move(out)};
+  }
+  static void record(Result& r, const Args& a, const Prep&) { rules::flip(r.out, a.x, a.dims.get()); }
+};
+
+struct RepeatCall {
+  Tensor x;
+  op_detail::Kept<Shape> repeats;
+};
+struct RepeatDef : op_detail::OpDefaults<RepeatCall> {
+  struct Prep {
+    Shape in_sizes, in_strides;  // x with leading size-1 dims up to the repeats' length
+    Shape out_shape;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static const char* name(const Args&) { return "repeat"; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x = in[0];
+    a.repeats.keep();
+    return a;
+  }
+  static Prep prepare(const Args& a) {
+    const Tensor& x = a.x;
+    const Shape& repeats = a.repeats.get();
+    check_defined(x, "repeat");
+    const int64_t n = x.dim(), m = static_cast<int64_t>(repeats.size());
+    FLAME_CHECK(m >= n, "repeat", "number of repeats ", repeats,
+                " can not be smaller than the number of dims of the input of shape ", x.sizes());
+    for (int64_t r : repeats) {
+      FLAME_CHECK(r >= 0, "repeat", "repeats must be non-negative, got ", repeats, " (input shape ", x.sizes(), ")");
+    }
+    Prep p{Shape(m - n, 1), Shape(m - n, 0), Shape(m)};
+    p.in_sizes.insert(p.in_sizes.end(), x.sizes().begin(), x.sizes().end());
+    p.in_strides.insert(p.in_strides.end(), x.strides().begin(), x.strides().end());
+    for (int64_t i = 0; i < m; ++i) {
+      p.out_shape[i] = checked_mul(p.in_sizes[i], repeats[i], "repeat", "the output size");
+    }
+    return p;
+  }
+  static Result run(const Args& a, Prep& p) {
+    const Shape& repeats = a.repeats.get();
+    Tensor out = make_empty(p.out_shape, a.x.dtype(), a.x.device(), "repeat");
+    if (out.numel() == 0) return {std::move(out)};
+    // View the output as (repeat, size) pairs and read x with stride 0 along each repeat dim.
+    // Size-1 entries are dropped to keep the dim count low.
+    const Shape& out_strides = out.strides();
+    Shape sizes, dst_strides, src_strides;
+    for (std::size_t i = 0; i < repeats.size(); ++i) {
+      if (repeats[i] != 1) {
+        sizes.push_back(repeats[i]);
+        dst_strides.push_back(p.in_sizes[i] * out_strides[i]);
+        src_strides.push_back(0);
+      }
+      if (p.in_sizes[i] != 1) {
+        sizes.push_back(p.in_sizes[i]);
+        dst_strides.push_back(out_strides[i]);
+        src_strides.push_back(p.in_strides[i]);
+      }
+    }
+    copy_pairs(out, a.x, sizes, dst_strides, 0, src_strides, a.x.storage_offset());
+    return {std::move(out)};
+  }
+  static void record(Result& r, const Args& a, const Prep& p) {
+    rules::repeat(r.out, a.x, p.in_sizes, a.repeats.get());
+  }
+};
+
+}  // namespace
+
+Tensor flip(const Tensor& x, const Shape& dims) { return op_detail::invoke<FlipDef>({x, dims}); }
+
+Tensor repeat(const Tensor& x, const Shape& repeats) { return op_detail::invoke<RepeatDef>({x, repeats}); }
 
 // ---- split, chunk (views) ----
 
@@ -209,8 +261,15 @@ TensorList chunk(const Tensor& x, int64_t chunks, int64_t dim) {
 // ---- cat, stack ----
 
 namespace {
-// cat, and stack over its unsqueezed inputs: `op` is the public name in errors.
-Tensor cat_as(const TensorList& tensors, int64_t dim, const char* op) {
+// cat's output and where each input starts along its dim (-1: a skipped legacy empty [0] input),
+// for cat and for stack over its unsqueezed inputs: `op` is the public name in errors.
+struct Joined {
+  Tensor out;
+  std::vector<int64_t> starts;
+  int64_t dim = 0;
+};
+
+Joined cat_into(const TensorList& tensors, int64_t dim, const char* op) {
   FLAME_CHECK(!tensors.empty(), op, "expected a non-empty list of tensors");
   const Tensor* first = nullptr;  // the first tensor taking part (legacy empty [0] ones are skipped)
   DType dt = DType::boolean;
@@ -223,9 +282,7 @@ Tensor cat_as(const TensorList& tensors, int64_t dim, const char* op) {
     if (!first && !is_legacy_empty(t)) first = &t;
   }
   if (!first) {  // only [0] tensors: an empty result
-    Tensor out = make_empty({0}, dt, tensors[0].device(), op);
-    rules::cat(out, tensors, std::vector<int64_t>(tensors.size(), -1), 0);
-    return out;
+    return {make_empty({0}, dt, tensors[0].device(), op), std::vector<int64_t>(tensors.size(), -1), 0};
   }
   const int64_t nd = first->dim();
   const int64_t d = wrap_dim(dim, nd, op);
@@ -242,140 +299,207 @@ Tensor cat_as(const TensorList& tensors, int64_t dim, const char* op) {
     }
     out_shape[d] = checked_add(out_shape[d], t.sizes()[d], op, "the concatenated size");
   }
-  Tensor out = make_empty(out_shape, dt, first->device(), op);
-  std::vector<int64_t> starts;  // where each input starts along d; -1: skipped
+  Joined j{make_empty(out_shape, dt, first->device(), op), {}, d};
+  j.starts.reserve(tensors.size());
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
     if (is_legacy_empty(t)) {
-      starts.push_back(-1);
+      j.starts.push_back(-1);
       continue;
     }
     const int64_t len = t.sizes()[d];
-    starts.push_back(offset);
-    copy_into(out.narrow(d, offset, len), t);
+    j.starts.push_back(offset);
+    copy_into(j.out.narrow(d, offset, len), t);
     offset += len;
   }
-  rules::cat(out, tensors, starts, d);
-  return out;
+  return j;
 }
+
+// cat and stack: op definitions over a list of tensors (borrowed from the caller).
+struct JoinCall {
+  op_detail::Kept<TensorList> tensors;
+  int64_t dim = 0;
+};
+struct JoinDefBase : op_detail::OpDefaults<JoinCall> {
+  struct Prep {};
+  using Result = Joined;
+  using Out = Tensor;
+  static TensorList inputs(const Args& a) { return a.tensors.get(); }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.tensors.borrowed = nullptr;
+    a.tensors.owned = in;
+    return a;
+  }
+};
+
+struct CatDef : JoinDefBase {
+  static const char* name(const Args&) { return "cat"; }
+  static Prep prepare(const Args&) { return {}; }  // cat_into checks as it goes
+  static Result run(const Args& a, Prep&) { return cat_into(a.tensors.get(), a.dim, "cat"); }
+  static void record(Result& r, const Args& a, const Prep&) { rules::cat(r.out, a.tensors.get(), r.starts, r.dim); }
+};
+
+struct StackDef : JoinDefBase {
+  static const char* name(const Args&) { return "stack"; }
+  static Prep prepare(const Args& a) {
+    const TensorList& tensors = a.tensors.get();
+    FLAME_CHECK(!tensors.empty(), "stack", "expected a non-empty list of tensors");
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      FLAME_CHECK(tensors[i].defined(), "stack", "tensor at position ", i, " is undefined");
+    }
+    const Shape& shape = tensors[0].sizes();
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+      check_same_device("stack", tensors[0], tensors[i]);
+      FLAME_CHECK(tensors[i].sizes() == shape, "stack", "expects each tensor to be equal size, but got ", shape,
+                  " at entry 0 and ", tensors[i].sizes(), " at entry ", i);
+    }
+    // A tensor has at most 16 dims (Note in src/core/tensor.cpp): say so here, not from unsqueeze.
+    FLAME_CHECK(shape.size() < 16, "stack", "inputs of shape ", shape, " have ", shape.size(),
+                " dims; the stacked result would have one more, and tensors have at most 16 dims");
+    return {};
+  }
+  static Result run(const Args& a, Prep&) {
+    const TensorList& tensors = a.tensors.get();
+    const int64_t d = wrap_dim(a.dim, tensors[0].dim() + 1, "stack");
+    TensorList parts;
+    parts.reserve(tensors.size());
+    {
+      NoGradGuard views_only;  // the parts are read by the copy; stack's own node has the gradient
+      for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
+    }
+    return cat_into(parts, d, "stack");
+  }
+  static void record(Result& r, const Args& a, const Prep&) { rules::stack(r.out, a.tensors.get(), r.dim); }
+};
+
 }  // namespace
 
-Tensor cat(const TensorList& tensors, int64_t dim) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "cat", tensors, [dim](const TensorList& in) { return cat(in, dim); });
-  }
-  return cat_as(tensors, dim, "cat");
-}
+Tensor cat(const TensorList& tensors, int64_t dim) { return op_detail::invoke<CatDef>({tensors, dim}); }
 
-Tensor stack(const TensorList& tensors, int64_t dim) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "stack", tensors, [dim](const TensorList& in) { return stack(in, dim); });
-  }
-  FLAME_CHECK(!tensors.empty(), "stack", "expected a non-empty list of tensors");
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    FLAME_CHECK(tensors[i].defined(), "stack", "tensor at position ", i, " is undefined");
-  }
-  const Shape& shape = tensors[0].sizes();
-  for (std::size_t i = 0; i < tensors.size(); ++i) {
-    check_same_device("stack", tensors[0], tensors[i]);
-    FLAME_CHECK(tensors[i].sizes() == shape, "stack", "expects each tensor to be equal size, but got ", shape,
-                " at entry 0 and ", tensors[i].sizes(), " at entry ", i);
-  }
-  // A tensor has at most 16 dims (Note in src/core/tensor.cpp): say so here, not from unsqueeze.
-  FLAME_CHECK(shape.size() < 16, "stack", "inputs of shape ", shape, " have ", shape.size(),
-              " dims; the stacked result would have one more, and tensors have at most 16 dims");
-  const int64_t d = wrap_dim(dim, static_cast<int64_t>(shape.size()) + 1, "stack");
-  TensorList parts;
-  parts.reserve(tensors.size());
-  for (const Tensor& t : tensors) parts.push_back(t.unsqueeze(d));
-  Tensor out = cat_as(parts, d, "stack");
-  rules::stack(out, tensors, d);  // replaces cat's node: the gradient does not go through views
-  return out;
-}
+Tensor stack(const TensorList& tensors, int64_t dim) { return op_detail::invoke<StackDef>({tensors, dim}); }
 
 // ---- pad ----
 
-Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "pad", {x}, [=](const TensorList& in) { return pad(in[0], pads, mode, value); });
+namespace {
+struct PadCall {
+  Tensor x;
+  op_detail::Kept<Shape> pads;
+  PadMode mode = PadMode::constant;
+  double value = 0.0;
+};
+struct PadDef : op_detail::OpDefaults<PadCall> {
+  struct Prep {
+    // Per dim: the non-negative pads, the elements cropped at the start (negative pads crop),
+    // the sizes after cropping, the output's sizes; src: x cropped.
+    Shape left, right, crop_lo, kept, out_shape;
+    Tensor src;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static const char* name(const Args&) { return "pad"; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x = in[0];
+    a.pads.keep();
+    return a;
   }
-  check_defined(x, "pad");
-  const int64_t n = x.dim(), npairs = static_cast<int64_t>(pads.size()) / 2;
-  FLAME_CHECK(pads.size() % 2 == 0, "pad", "padding length must be even, got ", pads.size(), " values ", pads);
-  FLAME_CHECK(npairs <= n, "pad", "padding ", pads, " has ", npairs,
-              " pairs, more than the dims of the input of shape ", x.sizes());
-  // pads[2k], pads[2k + 1] apply to dim n - 1 - k. Negative pads crop (first), as in PyTorch.
-  Shape left(n, 0), right(n, 0), crop_lo(n), kept(n), out_shape(n);
-  Tensor src = x;
-  for (int64_t k = 0; k < npairs; ++k) {
-    const int64_t d = n - 1 - k;
-    left[d] = pads[2 * k];
-    right[d] = pads[2 * k + 1];
-  }
-  for (int64_t d = 0; d < n; ++d) {
-    const int64_t size = x.sizes()[d];
-    FLAME_CHECK(left[d] >= -size && right[d] >= -size, "pad", "padding ", pads, " crops more than dim ", d,
-                " of size ", size, " (input shape ", x.sizes(), ")");
-    const int64_t crop_l = std::max<int64_t>(-left[d], 0), crop_r = std::max<int64_t>(-right[d], 0);
-    const int64_t out_size = checked_add(checked_add(size, left[d], "pad", "the padded size"), right[d], "pad",
-                                         "the padded size");
-    FLAME_CHECK(crop_l <= size - crop_r && out_size >= 0, "pad", "padding ", pads,
-                " crops more than dim ", d, " of size ", size, " (input shape ", x.sizes(), ")");
-    crop_lo[d] = crop_l;
-    kept[d] = size - crop_l - crop_r;
-    out_shape[d] = out_size;
-    left[d] = std::max<int64_t>(left[d], 0);
-    right[d] = std::max<int64_t>(right[d], 0);
-    src = src.narrow(d, crop_l, kept[d]);
-    if (left[d] == 0 && right[d] == 0) continue;
-    if (mode == PadMode::reflect) {
-      FLAME_CHECK(left[d] < kept[d] && right[d] < kept[d], "pad", "reflect padding (", left[d], ", ", right[d],
-                  ") must be less than the size ", kept[d], " of dim ", d, " (input shape ", x.sizes(),
-                  ", padding ", pads, ")");
-    } else if (mode == PadMode::replicate) {
-      FLAME_CHECK(kept[d] > 0, "pad", "replicate padding of dim ", d, " needs a non-empty dim (input shape ",
-                  x.sizes(), ", padding ", pads, ")");
+  static Prep prepare(const Args& a) {
+    const Tensor& x = a.x;
+    const Shape& pads = a.pads.get();
+    const PadMode mode = a.mode;
+    check_defined(x, "pad");
+    const int64_t n = x.dim(), npairs = static_cast<int64_t>(pads.size()) / 2;
+    FLAME_CHECK(pads.size() % 2 == 0, "pad", "padding length must be even, got ", pads.size(), " values ", pads);
+    FLAME_CHECK(npairs <= n, "pad", "padding ", pads, " has ", npairs,
+                " pairs, more than the dims of the input of shape ", x.sizes());
+    // pads[2k], pads[2k + 1] apply to dim n - 1 - k. Negative pads crop (first), as in PyTorch.
+    Shape left(n, 0), right(n, 0), crop_lo(n), kept(n), out_shape(n);
+    Tensor src = x;
+    for (int64_t k = 0; k < npairs; ++k) {
+      const int64_t d = n - 1 - k;
+      left[d] = pads[2 * k];
+      right[d] = pads[2 * k + 1];
     }
-  }
-  Tensor out = make_empty(out_shape, x.dtype(), x.device(), "pad");
-  if (out.numel() == 0) {
-    rules::pad(out, x, left, right, crop_lo, kept, mode);
-    return out;
-  }
-  Tensor interior = out;
-  for (int64_t d = 0; d < n; ++d) interior = interior.narrow(d, left[d], kept[d]);
-  copy_into(interior, src);
-
-  // Borders dim by dim. At step d, `region` is padded along dims < d and interior along dims > d,
-  // so corners get filled from already-padded rows and no uninitialised element is ever read.
-  for (int64_t d = 0; d < n; ++d) {
-    const int64_t l = left[d], r = right[d], c = kept[d];
-    if (l == 0 && r == 0) continue;
-    Tensor region = out;
-    for (int64_t e = d + 1; e < n; ++e) region = region.narrow(e, left[e], kept[e]);
-    const Tensor lo = region.narrow(d, 0, l), hi = region.narrow(d, l + c, r);
-    switch (mode) {
-      case PadMode::constant: {
-        // Integer tensors take the value truncated, bool tensors value != 0 (as fill_ in PyTorch).
-        const Scalar v = is_bool(x.dtype()) ? Scalar(value != 0.0) : Scalar(value);
-        if (lo.numel() > 0) backend::backend_for(out.device()).fill(lo, v);
-        if (hi.numel() > 0) backend::backend_for(out.device()).fill(hi, v);
-        break;
+    for (int64_t d = 0; d < n; ++d) {
+      const int64_t size = x.sizes()[d];
+      FLAME_CHECK(left[d] >= -size && right[d] >= -size, "pad", "padding ", pads, " crops more than dim ", d,
+                  " of size ", size, " (input shape ", x.sizes(), ")");
+      const int64_t crop_l = std::max<int64_t>(-left[d], 0), crop_r = std::max<int64_t>(-right[d], 0);
+      const int64_t out_size = checked_add(checked_add(size, left[d], "pad", "the padded size"), right[d], "pad",
+                                           "the padded size");
+      FLAME_CHECK(crop_l <= size - crop_r && out_size >= 0, "pad", "padding ", pads,
+                  " crops more than dim ", d, " of size ", size, " (input shape ", x.sizes(), ")");
+      crop_lo[d] = crop_l;
+      kept[d] = size - crop_l - crop_r;
+      out_shape[d] = out_size;
+      left[d] = std::max<int64_t>(left[d], 0);
+      right[d] = std::max<int64_t>(right[d], 0);
+      src = src.narrow(d, crop_l, kept[d]);
+      if (left[d] == 0 && right[d] == 0) continue;
+      if (mode == PadMode::reflect) {
+        FLAME_CHECK(left[d] < kept[d] && right[d] < kept[d], "pad", "reflect padding (", left[d], ", ", right[d],
+                    ") must be less than the size ", kept[d], " of dim ", d, " (input shape ", x.sizes(),
+                    ", padding ", pads, ")");
+      } else if (mode == PadMode::replicate) {
+        FLAME_CHECK(kept[d] > 0, "pad", "replicate padding of dim ", d, " needs a non-empty dim (input shape ",
+                    x.sizes(), ", padding ", pads, ")");
       }
-      case PadMode::reflect:  // out[l - 1 - k] = out[l + 1 + k], out[l + c + k] = out[l + c - 2 - k]
-        copy_into(lo, reversed(region.narrow(d, l + 1, l), d));
-        copy_into(hi, reversed(region.narrow(d, l + c - 1 - r, r), d));
-        break;
-      case PadMode::replicate:
-        copy_into(lo, region.narrow(d, l, 1).expand(lo.sizes()));
-        copy_into(hi, region.narrow(d, l + c - 1, 1).expand(hi.sizes()));
-        break;
     }
+    return {std::move(left), std::move(right), std::move(crop_lo), std::move(kept), std::move(out_shape),
+            std::move(src)};
   }
-  // Recorded once the output is written (anomaly mode checks outputs at record time); the
-  // narrows above are then plain views of a tensor outside the graph.
-  rules::pad(out, x, left, right, crop_lo, kept, mode);
-  return out;
+  static Result run(const Args& a, Prep& p) {
+    const int64_t n = a.x.dim();
+    const Shape &left = p.left, &right = p.right, &kept = p.kept;
+    const PadMode mode = a.mode;
+    const double value = a.value;
+    const Tensor& x = a.x;
+    Tensor out = make_empty(p.out_shape, x.dtype(), x.device(), "pad");
+    if (out.numel() == 0) return {std::move(out)};
+    const Tensor& src = p.src;
+    Tensor interior = out;
+    for (int64_t d = 0; d < n; ++d) interior = interior.narrow(d, left[d], kept[d]);
+    copy_into(interior, src);
+
+    // Borders dim by dim. At step d, `region` is padded along dims < d and interior along dims > d,
+    // so corners get filled from already-padded rows and no uninitialised element is ever read.
+    for (int64_t d = 0; d < n; ++d) {
+      const int64_t l = left[d], r = right[d], c = kept[d];
+      if (l == 0 && r == 0) continue;
+      Tensor region = out;
+      for (int64_t e = d + 1; e < n; ++e) region = region.narrow(e, left[e], kept[e]);
+      const Tensor lo = region.narrow(d, 0, l), hi = region.narrow(d, l + c, r);
+      switch (mode) {
+        case PadMode::constant: {
+          // Integer tensors take the value truncated, bool tensors value != 0 (as fill_ in PyTorch).
+          const Scalar v = is_bool(x.dtype()) ? Scalar(value != 0.0) : Scalar(value);
+          if (lo.numel() > 0) backend::backend_for(out.device()).fill(lo, v);
+          if (hi.numel() > 0) backend::backend_for(out.device()).fill(hi, v);
+          break;
+        }
+        case PadMode::reflect:  // out[l - 1 - k] = out[l + 1 + k], out[l + c + k] = out[l + c - 2 - k]
+          copy_into(lo, reversed(region.narrow(d, l + 1, l), d));
+          copy_into(hi, reversed(region.narrow(d, l + c - 1 - r, r), d));
+          break;
+        case PadMode::replicate:
+          copy_into(lo, region.narrow(d, l, 1).expand(lo.sizes()));
+          copy_into(hi, region.narrow(d, l + c - 1, 1).expand(hi.sizes()));
+          break;
+      }
+    }
+    return {std::move(out)};
+  }
+  // Recorded once the output is written (anomaly mode checks outputs at record time); the narrows
+  // of run are plain views of a tensor outside the graph.
+  static void record(Result& r, const Args& a, const Prep& p) {
+    rules::pad(r.out, a.x, p.left, p.right, p.crop_lo, p.kept, a.mode);
+  }
+};
+}  // namespace
+
+Tensor pad(const Tensor& x, const Shape& pads, PadMode mode, double value) {
+  return op_detail::invoke<PadDef>({x, pads, mode, value});
 }
 
 }  // namespace flame
