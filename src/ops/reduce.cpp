@@ -21,7 +21,6 @@
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/reduce_def.h"
-#include "src/ops/trace_hooks.h"
 
 namespace flame {
 using backend::ReduceOp;
@@ -81,11 +80,69 @@ Tensor run_reduce(ReduceOp op, const Tensor& x, const ReducePlan& p, DType out_d
 
 DType sum_dtype(DType t) { return is_floating(t) ? t : DType::i64; }
 
+// Note [Reduction definitions]
+// The public reductions (sum, mean, prod, amax, amin, argmax, argmin, any, all) are one op
+// definition (Note [Invoke]): their dims and dtype rules and checks (prepare), the autocast policy
+// (sum and prod in f32, as PyTorch), an opaque step of a flame::compile trace. The kernel call,
+// with the gradient rule, is the internal ReduceDef over the plan made here.
+struct ReductionCall {
+  ReduceOp op = ReduceOp::sum;
+  Tensor x;
+  op_detail::Kept<Shape> dims;  // empty: every dim
+  bool keepdim = false;
+  const char* name = "sum";
+};
+struct ReductionDef : op_detail::OpDefaults<ReductionCall> {
+  struct Prep {
+    ReducePlan plan;
+    DType out = DType::f32;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static op_detail::Autocast autocast_of(const Args& a) {
+    return a.op == ReduceOp::sum || a.op == ReduceOp::prod ? op_detail::Autocast::f32 : op_detail::Autocast::none;
+  }
+  static const char* name(const Args& a) { return a.name; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x = in[0];
+    a.dims.keep();
+    return a;
+  }
+  static Prep prepare(const Args& a) {
+    if (a.op == ReduceOp::mean) check_floating(a.x, a.name);
+    Prep p{plan_reduce(a.x, a.dims.get(), a.name)};
+    switch (a.op) {
+      case ReduceOp::sum:
+      case ReduceOp::prod: p.out = sum_dtype(a.x.dtype()); break;
+      case ReduceOp::mean: p.out = a.x.dtype(); break;
+      case ReduceOp::max:
+      case ReduceOp::min:
+        check_nonzero_extent(a.x, p.plan, a.name);
+        p.out = a.x.dtype();
+        break;
+      case ReduceOp::argmax:
+      case ReduceOp::argmin:
+        check_nonzero_extent(a.x, p.plan, a.name);
+        p.out = DType::i64;
+        break;
+      case ReduceOp::any:
+      case ReduceOp::all: p.out = DType::boolean; break;
+    }
+    return p;
+  }
+  static Result run(const Args& a, Prep& p) { return {run_reduce(a.op, a.x, p.plan, p.out, a.keepdim)}; }
+  static void record(Result&, const Args&, const Prep&) {}  // ReduceDef, inside run, recorded the node
+};
+
+Tensor reduction(ReduceOp op, const Tensor& x, const Shape& dims, bool keepdim, const char* name) {
+  return op_detail::invoke<ReductionDef>({op, x, dims, keepdim, name});
+}
+
 Tensor arg_reduce(ReduceOp op, const Tensor& x, std::optional<int64_t> dim, bool keepdim, const char* name) {
   // dim = nullopt reduces every dim in row-major order: the index is into the flattened tensor.
-  const ReducePlan p = plan_reduce(x, dim ? Shape{*dim} : Shape{}, name);
-  check_nonzero_extent(x, p, name);
-  return run_reduce(op, x, p, DType::i64, keepdim);
+  return reduction(op, x, dim ? Shape{*dim} : Shape{}, keepdim, name);
 }
 
 // See Note [Reduce dtypes]: half inputs compute in f32.
@@ -102,46 +159,22 @@ Tensor variance(const Tensor& xf, const Shape& dims, int64_t correction, bool ke
 
 }  // namespace
 
-Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) {
-  if (auto* tr = compile_detail::active_tracer()) {
-    return compile_detail::trace_eager_op(*tr, "sum", {x}, [dims, keepdim](const TensorList& in) { return sum(in[0], dims, keepdim); });
-  }
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
-    amp::detail::AutocastOpScope scope;
-    return sum(amp::detail::cast_f32(x), dims, keepdim);
-  }
-  const ReducePlan p = plan_reduce(x, dims, "sum");
-  return run_reduce(ReduceOp::sum, x, p, sum_dtype(x.dtype()), keepdim);
-}
+Tensor sum(const Tensor& x, const Shape& dims, bool keepdim) { return reduction(ReduceOp::sum, x, dims, keepdim, "sum"); }
 
 Tensor mean(const Tensor& x, const Shape& dims, bool keepdim) {
-  if (auto* tr = compile_detail::active_tracer()) {
-    return compile_detail::trace_eager_op(*tr, "mean", {x}, [dims, keepdim](const TensorList& in) { return mean(in[0], dims, keepdim); });
-  }
-  check_floating(x, "mean");
-  const ReducePlan p = plan_reduce(x, dims, "mean");
-  return run_reduce(ReduceOp::mean, x, p, x.dtype(), keepdim);
+  return reduction(ReduceOp::mean, x, dims, keepdim, "mean");
 }
 
 Tensor prod(const Tensor& x, const Shape& dims, bool keepdim) {
-  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: f32
-    amp::detail::AutocastOpScope scope;
-    return prod(amp::detail::cast_f32(x), dims, keepdim);
-  }
-  const ReducePlan p = plan_reduce(x, dims, "prod");
-  return run_reduce(ReduceOp::prod, x, p, sum_dtype(x.dtype()), keepdim);
+  return reduction(ReduceOp::prod, x, dims, keepdim, "prod");
 }
 
 Tensor amax(const Tensor& x, const Shape& dims, bool keepdim) {
-  const ReducePlan p = plan_reduce(x, dims, "amax");
-  check_nonzero_extent(x, p, "amax");
-  return run_reduce(ReduceOp::max, x, p, x.dtype(), keepdim);
+  return reduction(ReduceOp::max, x, dims, keepdim, "amax");
 }
 
 Tensor amin(const Tensor& x, const Shape& dims, bool keepdim) {
-  const ReducePlan p = plan_reduce(x, dims, "amin");
-  check_nonzero_extent(x, p, "amin");
-  return run_reduce(ReduceOp::min, x, p, x.dtype(), keepdim);
+  return reduction(ReduceOp::min, x, dims, keepdim, "amin");
 }
 
 Tensor argmax(const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
@@ -152,15 +185,9 @@ Tensor argmin(const Tensor& x, std::optional<int64_t> dim, bool keepdim) {
   return arg_reduce(ReduceOp::argmin, x, dim, keepdim, "argmin");
 }
 
-Tensor any(const Tensor& x, const Shape& dims, bool keepdim) {
-  const ReducePlan p = plan_reduce(x, dims, "any");
-  return run_reduce(ReduceOp::any, x, p, DType::boolean, keepdim);
-}
+Tensor any(const Tensor& x, const Shape& dims, bool keepdim) { return reduction(ReduceOp::any, x, dims, keepdim, "any"); }
 
-Tensor all(const Tensor& x, const Shape& dims, bool keepdim) {
-  const ReducePlan p = plan_reduce(x, dims, "all");
-  return run_reduce(ReduceOp::all, x, p, DType::boolean, keepdim);
-}
+Tensor all(const Tensor& x, const Shape& dims, bool keepdim) { return reduction(ReduceOp::all, x, dims, keepdim, "all"); }
 
 Tensor var(const Tensor& x, const Shape& dims, int64_t correction, bool keepdim) {
   check_floating(x, "var");
