@@ -53,7 +53,7 @@
 #include "flame/nn/attention.h"
 #include "flame/ops.h"
 #include "src/ops/autocast_hooks.h"
-#include "src/ops/trace_hooks.h"
+#include "src/ops/invoke.h"
 #include "src/core/grad_state.h"
 #include "src/ops/attention_def.h"
 #include "src/backend/backend.h"
@@ -443,21 +443,58 @@ SdpaBackendGuard::~SdpaBackendGuard() { t_backend = previous_; }
 SdpaBackend sdpa_backend() { return t_backend; }
 const char* sdpa_last_path() { return t_last_path; }
 
+namespace {
+// The public op as an op definition (Note [Invoke]): low precision under autocast (a float mask
+// too), one opaque step of a flame::compile trace. It routes to the fused core (SdpaCoreDef, which
+// records the fused node) or composes the math path (whose ops record their own nodes).
+struct SdpaCall {
+  Tensor q, k, v, attn_mask;
+  double dropout_p = 0.0;
+  bool is_causal = false;
+  std::optional<double> scale;
+  Generator* gen = nullptr;
+};
+struct SdpaDef : op_detail::OpDefaults<SdpaCall> {
+  struct Prep {
+    Dims d;
+    double scale = 1.0;
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static constexpr op_detail::Autocast autocast = op_detail::Autocast::low;
+  static const char* name(const Args&) { return "scaled_dot_product_attention"; }
+  static TensorList inputs(const Args& a) { return {a.q, a.k, a.v, a.attn_mask}; }
+  static const Tensor& lead(const Args& a) { return a.q; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.q = in[0];
+    a.k = in[1];
+    a.v = in[2];
+    a.attn_mask = in[3];
+    return a;
+  }
+  static Prep prepare(const Args& a) {
+    Prep p{validate(a.q, a.k, a.v, a.attn_mask, a.dropout_p, a.is_causal, a.scale)};
+    p.scale = default_scale(p.d, a.scale);
+    return p;
+  }
+  static Result run(const Args& a, Prep& p);
+  static void record(Result&, const Args&, const Prep&) {}  // the routes record their own nodes
+};
+}  // namespace
+
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& attn_mask,
                                     double dropout_p, bool is_causal, std::optional<double> scale, Generator* gen) {
-  if (auto* tr = compile_detail::active_tracer()) {  // replayed eagerly by flame::compile
-    return compile_detail::trace_eager_op(
-        *tr, "scaled_dot_product_attention", {q, k, v, attn_mask}, [dropout_p, is_causal, scale, gen](const TensorList& in) {
-          return scaled_dot_product_attention(in[0], in[1], in[2], in[3], dropout_p, is_causal, scale, gen);
-        });
-  }
-  if (amp::detail::should_autocast(q)) {  // Note [Autocast policy]: low precision (a float mask too)
-    amp::detail::AutocastOpScope scope;
-    return scaled_dot_product_attention(amp::detail::cast_low(q), amp::detail::cast_low(k), amp::detail::cast_low(v),
-                                        amp::detail::cast_low(attn_mask), dropout_p, is_causal, scale, gen);
-  }
-  const Dims d = validate(q, k, v, attn_mask, dropout_p, is_causal, scale);
-  const double sc = default_scale(d, scale);
+  return op_detail::invoke<SdpaDef>({q, k, v, attn_mask, dropout_p, is_causal, scale, gen});
+}
+
+SdpaDef::Result SdpaDef::run(const Args& a, Prep& p) {
+  const Tensor &q = a.q, &k = a.k, &v = a.v, &attn_mask = a.attn_mask;
+  const double dropout_p = a.dropout_p;
+  const bool is_causal = a.is_causal;
+  const Dims& d = p.d;
+  const double sc = p.scale;
   const SdpaBackend choice = t_backend;
   if (choice != SdpaBackend::math) {
     const char* why = fused_unsupported(q, k, v, attn_mask, dropout_p, d);
@@ -465,21 +502,21 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                 why ? why : "", " (query ", describe(q), ", key ", describe(k), ", value ", describe(v), ")");
     const bool take_fused = why == nullptr && (choice == SdpaBackend::fused || q.device().is_cuda());
     if (take_fused) {
-      if (choice == SdpaBackend::fused) return fused_path(q, k, v, attn_mask, is_causal, sc, d);
+      if (choice == SdpaBackend::fused) return {fused_path(q, k, v, attn_mask, is_causal, sc, d)};
       // automatic: a configuration this cuDNN rejects (its support check runs when the plan is
       // built, in the forward) falls back to the math path; sdpa_last_path() then says "math".
       try {
-        return fused_path(q, k, v, attn_mask, is_causal, sc, d);
+        return {fused_path(q, k, v, attn_mask, is_causal, sc, d)};
       } catch (const Error&) {
       }
     }
   }
   if (const int64_t rows = math_chunk_rows(q, k, v, attn_mask, dropout_p); rows > 0) {
     t_last_path = "math_chunked";
-    return math_path_in_chunks(q, k, v, attn_mask, is_causal, sc, rows);
+    return {math_path_in_chunks(q, k, v, attn_mask, is_causal, sc, rows)};
   }
   t_last_path = "math";
-  return math_path(q, k, v, attn_mask, dropout_p, is_causal, sc, gen);
+  return {math_path(q, k, v, attn_mask, dropout_p, is_causal, sc, a.gen)};
 }
 
 }  // namespace flame::nn::functional

@@ -146,20 +146,46 @@ Tensor one_hot(const Tensor& index, int64_t num_classes) {
   return out;
 }
 
-Tensor embedding(const Tensor& weight, const Tensor& index) {
-  if (auto* tr = compile_detail::active_tracer()) {  // one opaque step of a flame::compile trace
-    return compile_detail::trace_eager_op(*tr, "embedding", {weight, index},
-                                          [](const TensorList& in) { return embedding(in[0], in[1]); });
+namespace {
+// embedding as an op definition (Note [Invoke]): one opaque step of a flame::compile trace; the
+// rows are an index_select, which records the gradient.
+struct EmbeddingCall {
+  Tensor weight, index;
+};
+struct EmbeddingDef : op_detail::OpDefaults<EmbeddingCall> {
+  struct Prep {
+    Tensor idx;  // the index as i64 on the weight's device
+  };
+  struct Result {
+    Tensor out;
+  };
+  using Out = Tensor;
+  static const char* name(const Args&) { return "embedding"; }
+  static TensorList inputs(const Args& a) { return {a.weight, a.index}; }
+  static const Tensor& lead(const Args& a) { return a.weight; }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.weight = in[0];
+    a.index = in[1];
+    return a;
   }
-  check_defined(weight, "embedding", "weight");
-  FLAME_CHECK(weight.dim() == 2, "embedding", "weight must be 2-d [num_embeddings, embedding_dim], got shape ",
-              weight.sizes());
-  const Tensor idx = index_arg(index, weight, "embedding");
-  check_range_on_cpu(idx, 0, weight.size(0), "embedding", "the weight's rows");
-  Shape shape = idx.sizes();
-  shape.push_back(weight.size(1));
-  return index_select(weight, 0, idx.reshape({-1})).reshape(shape);
-}
+  static Prep prepare(const Args& a) {
+    check_defined(a.weight, "embedding", "weight");
+    FLAME_CHECK(a.weight.dim() == 2, "embedding", "weight must be 2-d [num_embeddings, embedding_dim], got shape ",
+                a.weight.sizes());
+    Tensor idx = index_arg(a.index, a.weight, "embedding");
+    check_range_on_cpu(idx, 0, a.weight.size(0), "embedding", "the weight's rows");
+    return {std::move(idx)};
+  }
+  static Result run(const Args& a, Prep& p) {
+    Shape shape = p.idx.sizes();
+    shape.push_back(a.weight.size(1));
+    return {index_select(a.weight, 0, p.idx.reshape({-1})).reshape(shape)};
+  }
+  static void record(Result&, const Args&, const Prep&) {}  // index_select and reshape recorded theirs
+};
+}  // namespace
+
+Tensor embedding(const Tensor& weight, const Tensor& index) { return op_detail::invoke<EmbeddingDef>({weight, index}); }
 
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim, bool descending) {
   return op_detail::invoke<op_detail::SortDef>({x, dim, descending});
