@@ -3,9 +3,9 @@
 in one sitting, joined into one table. For a change that must keep performance (a refactor), the
 table is its evidence: every case's value before and after, and after / before.
 
-The programs run alternately, one build then the other, and in the opposite order in the next
-round, so that clock and thermal drift over the sitting falls on both sides alike; each case's
-value is the median over the rounds. Times (ms, us/call) are better lower, rates (GB/s, TFLOP/s)
+The programs run alternately, one build then the other, the order flipping from one program to
+the next and from one round to the next, so that clock and thermal drift over the sitting falls on
+both sides alike; each case's value is the median over the rounds. Times (ms, us/call) are better lower, rates (GB/s, TFLOP/s)
 higher: "after/before" is the time ratio either way (below 1.00: the after build is faster).
 
   python3 bench/before_after.py --before BUILD_A --after BUILD_B --out DIR
@@ -107,8 +107,8 @@ def main():
     t_start = time.time()
     with open(os.path.join(args.out, "logs.txt"), "w") as log:
         for rnd in range(args.rounds):
-            for prog in programs:
-                for side, build in (sides if rnd % 2 == 0 else sides[::-1]):
+            for i, prog in enumerate(programs):
+                for side, build in (sides if (rnd + i) % 2 == 0 else sides[::-1]):
                     left = args.budget - (time.time() - t_start) if args.budget else args.program_timeout
                     if left < 5:
                         failures.append(f"{prog} ({side}, round {rnd + 1}): skipped, budget spent")
