@@ -56,7 +56,6 @@ src/backend/cuda/graph.cu -> include/flame/random.h
 src/backend/cuda/graph.cu -> src/random/graph_rng.h
 src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h
 src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
-src/core/set_data.cpp -> src/amp/autocast.h
 """.split("\n")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"((?:src|flame)/[^"]+)"', re.M)

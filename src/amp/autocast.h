@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "flame/tensor.h"
+#include "src/core/autocast_seam.h"
 #include "src/ops/autocast_hooks.h"
 
 namespace flame::amp::detail {
@@ -23,8 +24,7 @@ struct LowCopy {
 // step did, and marks `written` again.
 Tensor low_copy_for_update(const Tensor& w);
 void low_copy_updated(const Tensor& w, const Tensor& written);
-// Forgets w's kept copy (Tensor::set_data: the data behind the handle changed).
-void drop_low_copy(const Tensor& w);
+// drop_low_copy(w), which Tensor::set_data calls, is declared in core: src/core/autocast_seam.h.
 
 // The autocast settings of this thread, captured by checkpoint() at forward time and put back
 // (with exclusion lifted and one nesting level, so the cast cache is cleared after) while the

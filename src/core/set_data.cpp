@@ -7,7 +7,7 @@
 // describing the old storage.
 #include <atomic>
 
-#include "src/amp/autocast.h"
+#include "src/core/autocast_seam.h"
 #include "src/core/tensor_impl.h"
 
 namespace flame {
