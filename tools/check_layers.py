@@ -49,7 +49,6 @@ LAYERS = [
 # layer's includes of autograd go as its ops become op definitions run through invoke (Note
 # [Invoke] in src/ops/invoke.h; docs/design.md, "Where the layers stand").
 KNOWN = """
-src/amp/grad_scaler.cpp -> include/flame/optim/optimizer.h
 src/autograd/saved_hooks.cpp -> include/flame/offload.h
 src/backend/cuda/cupti_trace.cpp -> src/profiler/kernel_trace.h
 src/backend/cuda/graph.cu -> include/flame/random.h

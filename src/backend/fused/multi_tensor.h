@@ -36,7 +36,7 @@ extern FusedKernel<void(const TensorList&, double, const Tensor&)> foreach_norm_
 // as above; a coefficient of exactly 1 leaves them unwritten. (tensors, total_norm, max_norm)
 extern FusedKernel<void(const TensorList&, const Tensor&, double)> foreach_clip_scale;
 
-// GradScaler's fused unscale (src/amp/grad_scaler.cpp): each tensor of `grads` (floating, on one
+// GradScaler's fused unscale (src/train/grad_scaler.cpp): each tensor of `grads` (floating, on one
 // device, non-overlapping and dense with non-negative strides, so its elements fill [data_ptr,
 // data_ptr + numel)) is multiplied in place by inv_scale (in float; double for f64), and found_inf
 // (0-d f32) is set to 1 when any element read is Inf or NaN, else left as it is. One pass over all

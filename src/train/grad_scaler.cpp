@@ -1,4 +1,5 @@
-// GradScaler: dynamic loss scaling (torch.amp.GradScaler semantics; see flame/amp.h).
+// GradScaler: dynamic loss scaling (torch.amp.GradScaler semantics; see flame/amp.h). It steps an
+// optimizer, so it sits with the training tools, above src/amp (Note [Layers] in docs/design.md).
 //
 // Note [GradScaler synchronisation]
 // The scale and the growth tracker are host numbers: scale() is one mul by a scalar and update()
