@@ -4,7 +4,8 @@
 //  - pinned host memory: Tensor::pin_memory(), offload::empty_pinned(), with asynchronous copies
 //    Tensor::copy_(src, /*non_blocking=*/true) and Tensor::to(device, /*non_blocking=*/true);
 //  - a cap on the CUDA pool: cuda::set_memory_limit (include/flame/cuda.h);
-//  - activation offload: autograd::SavedTensorHooks, offload::OffloadActivations;
+//  - activation offload: autograd::SavedTensorHooks (flame/saved_tensor_hooks.h),
+//    offload::OffloadActivations;
 //  - weight streaming: offload::StreamedBlocks;
 //  - optimizer-state offload: offload::HostOptimizer.
 #include <any>
@@ -17,35 +18,8 @@
 #include "flame/nn/module.h"
 #include "flame/optim/optimizer.h"
 #include "flame/cuda.h"
+#include "flame/saved_tensor_hooks.h"
 #include "flame/tensor.h"
-
-namespace flame::autograd {
-
-// Saved-tensor hooks (like torch.autograd.graph.saved_tensors_hooks): while alive on this
-// thread, every tensor an op saves for its backward is handed to `pack`, and only what pack
-// returns is kept in the graph; backward calls `unpack` on it to get the tensor back (same shape,
-// dtype, device and values; it may be a new tensor). Scoped and nestable: the innermost hooks
-// apply. Both run with grad mode off and no hooks active. Not packed: leaves that require grad
-// (parameters, alive anyway) and the tensors a checkpoint keeps for their identity. In-place
-// checks still apply: a saved tensor written in place after it was saved raises at unpack while
-// its original storage is alive. The hooks outlive the scope in the packed tensors they made.
-using PackHook = std::function<std::any(const Tensor&)>;
-using UnpackHook = std::function<Tensor(const std::any&)>;
-class SavedTensorHooks {
- public:
-  SavedTensorHooks(PackHook pack, UnpackHook unpack);
-  ~SavedTensorHooks();
-  SavedTensorHooks(const SavedTensorHooks&) = delete;
-  SavedTensorHooks& operator=(const SavedTensorHooks&) = delete;
-
-  struct Impl;
-
- private:
-  std::shared_ptr<Impl> impl_;
-  const void* previous_;
-};
-
-}  // namespace flame::autograd
 
 namespace flame::offload {
 

@@ -1,4 +1,4 @@
-// Saved-tensor hooks: autograd::SavedTensorHooks (include/flame/offload.h).
+// Saved-tensor hooks: autograd::SavedTensorHooks (include/flame/saved_tensor_hooks.h).
 //
 // Note [Saved tensor hooks]
 // A SavedTensor made while hooks are active (a thread-local pointer to the innermost hooks, read
@@ -13,7 +13,7 @@
 // disabled (a tensor saved inside a hook is not packed again).
 #include <utility>
 
-#include "flame/offload.h"
+#include "flame/saved_tensor_hooks.h"
 #include "src/autograd/record.h"
 
 namespace flame {
