@@ -50,7 +50,6 @@ LAYERS = [
 # layer's includes of autograd go as its ops become op definitions run through invoke (Note
 # [Invoke] in src/ops/invoke.h; docs/design.md, "Where the layers stand").
 KNOWN = """
-src/backend/cuda/cupti_trace.cpp -> src/profiler/kernel_trace.h
 src/backend/cuda/graph.cu -> include/flame/random.h
 src/backend/cuda/graph.cu -> src/random/graph_rng.h
 src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h

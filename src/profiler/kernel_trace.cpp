@@ -183,12 +183,4 @@ void KernelTrace::save_chrome_trace(const std::string& path) const {
   FLAME_CHECK(f.good(), "KernelTrace::save_chrome_trace", "writing '", path, "' failed");
 }
 
-#ifndef FLAME_WITH_CUDA
-namespace detail {
-std::string kernel_trace_unavailable() { return "FLAME was built without CUDA: there is no GPU to trace"; }
-void kernel_trace_begin() { FLAME_FAIL("KernelTrace", kernel_trace_unavailable()); }
-std::vector<KernelRecord> kernel_trace_end() { return {}; }
-}  // namespace detail
-#endif
-
 }  // namespace flame::profiler

@@ -1,6 +1,6 @@
 #pragma once
 // The collection side of profiler::KernelTrace (include/flame/profiler.h): CUPTI activity records
-// in CUDA builds with CUPTI (src/backend/cuda/cupti_trace.cpp), an error elsewhere.
+// in CUDA builds with CUPTI, an error elsewhere (src/profiler/cupti_trace.cpp, either way).
 #include <string>
 #include <vector>
 

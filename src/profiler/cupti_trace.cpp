@@ -1,5 +1,7 @@
 // The CUPTI side of profiler::KernelTrace (include/flame/profiler.h): activity records of kernels,
-// memcpys and memsets, delivered by CUPTI in buffers we hand it and collected at stop().
+// memcpys and memsets, delivered by CUPTI in buffers we hand it and collected at stop(). CUPTI is
+// the profiler's vendor library, behind this one file (as NCCL is behind src/dist/nccl_group.cpp);
+// a build without CUDA or without CUPTI gets the collector that says why tracing cannot run.
 //
 // Note [CUPTI buffers]
 // CUPTI asks for buffers on its own threads (buffer_requested) and hands them back full or at a
@@ -9,6 +11,9 @@
 // device synchronisation delivers every record of the session before it is read.
 #include "src/profiler/kernel_trace.h"
 
+#include "flame/error.h"
+
+#ifdef FLAME_WITH_CUDA
 #include <cuda_runtime.h>
 #include <cxxabi.h>
 
@@ -16,15 +21,15 @@
 #include <mutex>
 
 #include "flame/cuda.h"
-#include "flame/error.h"
 
 #ifdef FLAME_WITH_CUPTI
 #include <cupti.h>
 #endif
+#endif  // FLAME_WITH_CUDA
 
 namespace flame::profiler::detail {
 
-#ifdef FLAME_WITH_CUPTI
+#if defined(FLAME_WITH_CUDA) && defined(FLAME_WITH_CUPTI)
 namespace {
 
 std::mutex g_mu;
@@ -157,10 +162,14 @@ std::vector<KernelRecord> kernel_trace_end() {
   return out;
 }
 
-#else  // CUDA without CUPTI
+#else  // without CUDA, or CUDA without CUPTI
 
 std::string kernel_trace_unavailable() {
+#ifdef FLAME_WITH_CUDA
   return "FLAME was built without CUPTI (CUDA::cupti was not found at configure time)";
+#else
+  return "FLAME was built without CUDA: there is no GPU to trace";
+#endif
 }
 void kernel_trace_begin() { FLAME_FAIL("KernelTrace", kernel_trace_unavailable()); }
 std::vector<KernelRecord> kernel_trace_end() { return {}; }
