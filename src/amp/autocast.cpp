@@ -76,7 +76,7 @@
 #include "src/autograd/recompute.h"
 #include "src/autograd/record.h"
 #include "src/core/tensor_impl.h"
-#include "src/random/graph_rng.h"
+#include "src/backend/graph_rng.h"
 
 namespace flame::amp {
 namespace detail {

@@ -8,7 +8,7 @@
 #include "flame/random.h"
 #include "src/backend/backend.h"
 #include "src/core/tensor_impl.h"
-#include "src/random/graph_rng.h"
+#include "src/backend/graph_rng.h"
 
 namespace flame {
 

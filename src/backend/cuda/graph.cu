@@ -12,7 +12,7 @@
 //  - Host reads and waits raise before reaching CUDA (check_not_capturing): copy_to_host,
 //    copy_from_host, masked_select, synchronize, Stream/Event::synchronize, empty_cache. The
 //    message names the op and says a graph is being captured.
-//  - Random numbers (Note [Graph-safe RNG], src/random/graph_rng.h): captured draws read their seed
+//  - Random numbers (Note [Graph-safe RNG], src/backend/graph_rng.h): captured draws read their seed
 //    and offset from a device-resident pair per generator, which replay() refills first.
 // replay() launches the executable graph on the current stream, after a wait on the previous
 // replay's event if that ran on another stream (the Philox pairs and private blocks are shared by
@@ -29,7 +29,7 @@
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/memory_pool.h"
-#include "src/random/graph_rng.h"
+#include "src/backend/graph_rng.h"
 
 namespace flame::cuda {
 

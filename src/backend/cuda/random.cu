@@ -4,7 +4,7 @@
 // device: integers bit for bit, uniform samples bit for bit (no FMA contraction below), normal
 // samples to a few ulps (the device's logf/cosf differ from the host's by ulps).
 // Under graph capture the seed and offset are read from device memory at run time
-// (Note [Graph-safe RNG], src/random/graph_rng.h): `state` points to a (seed, offset) pair and the
+// (Note [Graph-safe RNG], src/backend/graph_rng.h): `state` points to a (seed, offset) pair and the
 // draw uses offset state[1] + offset; eager launches pass state = nullptr.
 #include "src/backend/cuda/elementwise.cuh"
 #include "src/random/philox.h"

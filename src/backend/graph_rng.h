@@ -1,6 +1,7 @@
 #pragma once
 // The seam between random ops (src/ops/random.cpp) and CUDA graph capture (src/backend/cuda/graph.cu).
-// Plain C++: random.cpp is built with or without CUDA.
+// Plain C++: random.cpp is built with or without CUDA. Declared in the backend, which implements it
+// (a capturing cuda::Graph), and consulted from above by the random ops and autocast's kept copies.
 //
 // Note [Graph-safe RNG]
 // A captured kernel replays with the arguments it was captured with, so a Philox offset passed by
