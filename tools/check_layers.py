@@ -53,8 +53,6 @@ LAYERS = [
 # layer's includes of autograd go as its ops become op definitions run through invoke (Note
 # [Invoke] in src/ops/invoke.h; docs/design.md, "Where the layers stand").
 KNOWN = """
-src/backend/cuda/offload/pinned_host.cu -> include/flame/offload.h
-src/backend/cuda/offload/pinned_host.cu -> src/memory/pinned.h
 """.split("\n")
 
 INCLUDE = re.compile(r'^\s*#\s*include\s+"((?:src|flame)/[^"]+)"', re.M)

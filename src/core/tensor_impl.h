@@ -21,7 +21,7 @@ struct Storage {
   Device device;
   std::atomic<uint64_t> version{0};
 
-  // CPU storage in page-locked memory from the pinned host cache (src/memory/pinned.h); the
+  // CPU storage in page-locked memory from the pinned host cache (src/backend/pinned_host.h); the
   // deleter of `data` hands the block back to that cache.
   bool pinned = false;
   // Set while autograd::RecomputeCheap is active by the cheap op that wrote these bytes: how to

@@ -1,4 +1,4 @@
-// Pinned host memory and asynchronous host<->device copies (src/memory/pinned.h), and the pool
+// Pinned host memory and asynchronous host<->device copies (src/backend/pinned_host.h), and the pool
 // memory limit's public calls (cuda::set_memory_limit).
 //
 // Note [Pinned host cache]
@@ -34,14 +34,13 @@
 #include <vector>
 
 #include "flame/cuda.h"
-#include "flame/offload.h"
 #include "src/backend/cuda/common.cuh"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/memory_pool.h"
+#include "src/backend/pinned_host.h"
 #include "src/core/tensor_impl.h"
-#include "src/memory/pinned.h"
 
-namespace flame::memory {
+namespace flame::backend::pinned_host {
 namespace {
 
 using backend::cuda::DeviceGuard;
@@ -112,10 +111,10 @@ class PinnedCache {
     if (std::find(uses.begin(), uses.end(), use) == uses.end()) uses.push_back(use);
   }
 
-  offload::PinnedMemoryStats stats() {
+  Stats stats() {
     std::lock_guard<std::mutex> lock(mutex_);
     poll_pending();
-    offload::PinnedMemoryStats s;
+    Stats s;
     s.allocated_bytes = allocated_;
     s.reserved_bytes = reserved_;
     s.cached_bytes = cached_;
@@ -251,7 +250,7 @@ PinnedCache& cache() {
 
 }  // namespace
 
-std::shared_ptr<void> allocate_pinned(std::size_t nbytes, const char* op) {
+std::shared_ptr<void> allocate(std::size_t nbytes, const char* op) {
   FLAME_CHECK(cuda_is_available(), op, "pinned host memory needs a CUDA device, and none is available");
   return cache().allocate(nbytes, op);
 }
@@ -278,10 +277,10 @@ bool copy_async(const Tensor& dst, const Tensor& src) {
   return true;
 }
 
-offload::PinnedMemoryStats pinned_stats() { return cache().stats(); }
-void empty_pinned_cache() { cache().empty_cache(); }
+Stats stats() { return cache().stats(); }
+void empty_cache() { cache().empty_cache(); }
 
-}  // namespace flame::memory
+}  // namespace flame::backend::pinned_host
 
 namespace flame::cuda {
 void set_memory_limit(std::size_t bytes, int device) { backend::cuda::cuda_backend(device).pool().set_limit(bytes); }
