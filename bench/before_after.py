@@ -24,23 +24,16 @@ import subprocess
 import sys
 import time
 
+import suite  # bench/suite.py: the BENCH record format
+
 DEFAULT_PROGRAMS = ["bench_ops", "bench_autograd", "bench_compile", "bench_nn_norm", "bench_nn_conv",
                     "bench_nn_pool", "bench_nn_attention", "bench_steps"]
 LOWER_IS_BETTER = {"ms", "us/call", "us", "ns/call"}
 
 
 def records(text):
-    out = []
-    for line in text.splitlines():
-        if not line.startswith("BENCH "):
-            continue
-        try:
-            rec = json.loads(line[len("BENCH "):])
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "name" in rec and "error" not in rec:
-            out.append(rec)
-    return out
+    """The BENCH records of a program's output, those that measured something."""
+    return [r for r in suite.parse_records(text, "flame") if "error" not in r]
 
 
 # The measured fields of a record (the rest describe the case): (key, unit); "value" carries its
