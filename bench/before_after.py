@@ -39,7 +39,8 @@ def records(text):
 # The measured fields of a record (the rest describe the case): (key, unit); "value" carries its
 # own unit. A record may carry several (a step's ms and peak MiB).
 METRICS = [("value", None), ("ms", "ms"), ("us_per_op", "us/op"), ("allocs_per_op", "allocs/op"),
-           ("peak_mib", "MiB"), ("img_s", "img/s")]
+           ("recorded_us_per_op", "us/op"), ("recorded_allocs_per_op", "allocs/op"), ("peak_mib", "MiB"),
+           ("img_s", "img/s")]
 LOWER_IS_BETTER |= {"us/op", "allocs/op", "MiB"}
 
 

@@ -10,6 +10,11 @@
 // operator new (replaced in this binary only, Note [Allocation counter]) plus the CPU block
 // cache's misses (blocks it had to take from the system).
 //
+// Then, per op family (op_add, op_sum, op_cat, op_conv2d, op_sdpa, ...), the host cost of one call
+// on small tensors, unrecorded (us_per_op, allocs_per_op) and with an input that requires grad
+// (recorded_us_per_op, recorded_allocs_per_op), and a small MLP training step (mlp_step_small, per
+// step). The source uses the public API only, so one build of it can time two builds of the library.
+//
 // Output: one line per figure, "BENCH {json}" like bench_ops.
 //   BENCH {"name": "chain_fwd_norecord", "device": "cpu", "us_per_op": 0.51, "allocs_per_op": 3}
 //
@@ -40,6 +45,7 @@
 
 #include "flame/cpu.h"
 #include "flame/flame.h"
+#include "flame/nn/functional.h"
 
 namespace {
 
@@ -233,6 +239,78 @@ int main(int argc, char** argv) {
   report(a, "chain_fwd_record", fwd_rec / ops, n_rec / ops);
   report(a, "chain_fwd_bwd", fwd_bwd / ops, n_bwd / ops);
   report(a, "chain_bwd_share", (fwd_bwd - fwd_rec) / ops, (n_bwd - n_rec) / ops);
+  // Per op: the host cost of one call of each op family on small tensors (the op layer's own work:
+  // checks, dispatch, allocation, recording), unrecorded and, where it has a gradient, recorded;
+  // and a small MLP training step (forward, MSE, backward, SGD).
+  {
+    namespace F = flame::nn::functional;
+    const Tensor m = Tensor::randn({8, 16}, 0.0, 1.0, dev, &gen), mg = m.detach().requires_grad_(true);
+    const Tensor w = Tensor::randn({16, 16}, 0.0, 0.1, dev, &gen);
+    const Tensor img = Tensor::randn({1, 4, 8, 8}, 0.0, 1.0, dev, &gen), img_g = img.detach().requires_grad_(true);
+    const Tensor k = Tensor::randn({4, 4, 3, 3}, 0.0, 0.1, dev, &gen);
+    const Tensor q = Tensor::randn({1, 2, 8, 16}, 0.0, 1.0, dev, &gen), qg = q.detach().requires_grad_(true);
+    const Tensor idx = Tensor::arange(4, dev), mask = m.gt(Tensor::zeros({}, dev));
+    const Tensor lnw = Tensor::ones({16}, dev), lnb = Tensor::zeros({16}, dev);
+    const flame::TensorList parts = {m, m};
+    struct OpCase {
+      const char* name;
+      std::function<void()> plain, recorded;
+    };
+    const std::vector<OpCase> cases = {
+        {"op_add", [&] { (void)(m + m); }, [&] { (void)(mg + m); }},
+        {"op_relu", [&] { (void)m.relu(); }, [&] { (void)mg.relu(); }},
+        {"op_mul_scalar", [&] { (void)(m * 2.0); }, [&] { (void)(mg * 2.0); }},
+        {"op_where", [&] { (void)flame::where(mask, m, m); }, [&] { (void)flame::where(mask, mg, m); }},
+        {"op_sum", [&] { (void)m.sum(flame::Shape{1}); }, [&] { (void)mg.sum(flame::Shape{1}); }},
+        {"op_amax", [&] { (void)flame::amax(m, {1}, false); }, [&] { (void)flame::amax(mg, {1}, false); }},
+        {"op_softmax", [&] { (void)flame::softmax(m, -1); }, [&] { (void)flame::softmax(mg, -1); }},
+        {"op_matmul", [&] { (void)m.matmul(w); }, [&] { (void)mg.matmul(w); }},
+        {"op_cat", [&] { (void)flame::cat(parts, 0); }, [&] { (void)flame::cat({mg, m}, 0); }},
+        {"op_pad", [&] { (void)flame::pad(m, {1, 1}); }, [&] { (void)flame::pad(mg, {1, 1}); }},
+        {"op_transpose", [&] { (void)m.transpose(0, 1); }, [&] { (void)mg.transpose(0, 1); }},
+        {"op_index_select", [&] { (void)flame::index_select(m, 0, idx); }, [&] { (void)flame::index_select(mg, 0, idx); }},
+        {"op_layer_norm", [&] { (void)F::layer_norm(m, {16}, lnw, lnb); }, [&] { (void)F::layer_norm(mg, {16}, lnw, lnb); }},
+        {"op_conv2d", [&] { (void)F::conv2d(img, k, {}, {1}, {1}); }, [&] { (void)F::conv2d(img_g, k, {}, {1}, {1}); }},
+        {"op_sdpa", [&] { (void)F::scaled_dot_product_attention(q, q, q); },
+         [&] { (void)F::scaled_dot_product_attention(qg, q, q); }},
+    };
+    Args one = a;
+    for (const OpCase& c : cases) {
+      auto many = [&](const std::function<void()>& f) {
+        return [&f] {
+          for (int i = 0; i < 100; ++i) f();
+        };
+      };
+      const auto plain = many(c.plain), recorded = many(c.recorded);
+      std::printf("BENCH {\"name\": \"%s\", \"device\": \"%s\", \"us_per_op\": %.4g, \"allocs_per_op\": %.3g, "
+                  "\"recorded_us_per_op\": %.4g, \"recorded_allocs_per_op\": %.3g}\n",
+                  c.name, a.cuda ? "cuda" : "cpu", median_us(one, plain) / 100, allocs_per_call(plain) / 100,
+                  median_us(one, recorded) / 100, allocs_per_call(recorded) / 100);
+    }
+    // A 4-layer MLP (16 wide, batch 8): forward, MSE, backward, SGD on every weight and bias.
+    std::vector<Tensor> ws, bs;
+    for (int l = 0; l < 4; ++l) {
+      ws.push_back(Tensor::randn({16, 16}, 0.0, 0.1, dev, &gen).requires_grad_(true));
+      bs.push_back(Tensor::zeros({16}, dev).requires_grad_(true));
+    }
+    const Tensor target = Tensor::randn({8, 16}, 0.0, 1.0, dev, &gen);
+    const auto step = [&] {
+      Tensor h = m;
+      for (int l = 0; l < 4; ++l) {
+        h = F::linear(h, ws[l], bs[l]);
+        if (l < 3) h = h.relu();
+      }
+      flame::Gradients g = flame::mse_loss(h, target).backward();
+      flame::NoGradGuard no_grad;
+      for (int l = 0; l < 4; ++l) {
+        ws[l].add_(g.get(ws[l]), -1e-3);
+        bs[l].add_(g.get(bs[l]), -1e-3);
+      }
+    };
+    std::printf("BENCH {\"name\": \"mlp_step_small\", \"device\": \"%s\", \"us_per_op\": %.4g, "
+                "\"allocs_per_op\": %.3g}\n",
+                a.cuda ? "cuda" : "cpu", median_us(one, step), allocs_per_call(step));
+  }
   if (a.trace) {
     const int steps = a.steps;
     a.steps = 4;
