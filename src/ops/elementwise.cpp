@@ -29,25 +29,13 @@ struct OpInfo {
   OpKind kind;
 };
 
-OpInfo info(UnaryOp op) {
-  switch (op) {
-#define FLAME_INFO(name, Functor, kind, ...) \
-  case UnaryOp::name: return {#name, OpKind::kind};
-    FLAME_UNARY_OPS(FLAME_INFO)
+// Each op's name and kind, by its enum value (a table lookup: this is the per-op path).
+#define FLAME_INFO(name, Functor, kind, ...) OpInfo{#name, OpKind::kind},
+constexpr OpInfo kUnaryInfo[] = {FLAME_UNARY_OPS(FLAME_INFO)};
+constexpr OpInfo kBinaryInfo[] = {FLAME_BINARY_OPS(FLAME_INFO)};
 #undef FLAME_INFO
-  }
-  return {"?", OpKind::same};
-}
-
-OpInfo info(BinaryOp op) {
-  switch (op) {
-#define FLAME_INFO(name, Functor, kind, ...) \
-  case BinaryOp::name: return {#name, OpKind::kind};
-    FLAME_BINARY_OPS(FLAME_INFO)
-#undef FLAME_INFO
-  }
-  return {"?", OpKind::same};
-}
+inline OpInfo info(UnaryOp op) { return kUnaryInfo[static_cast<std::size_t>(op)]; }
+inline OpInfo info(BinaryOp op) { return kBinaryInfo[static_cast<std::size_t>(op)]; }
 
 void check_defined(const Tensor& t, const char* op) {
   FLAME_CHECK(t.defined(), op, "got an undefined tensor");
@@ -88,26 +76,14 @@ bool rejects_bool(BinaryOp op) {
   return op == BinaryOp::sub || op == BinaryOp::pow || op == BinaryOp::fmod || op == BinaryOp::atan2;
 }
 
-// The unary ops PyTorch's autocast runs in f32: the op table's autocast column (Note [Autocast policy]).
-bool autocast_f32(UnaryOp op) {
-  switch (op) {
-#define FLAME_AUTOCAST(name, Functor, kind, surface, autocast, ...) \
-  case UnaryOp::name: return std::string_view(#autocast) == "f32";
-    FLAME_UNARY_OPS(FLAME_AUTOCAST)
-#undef FLAME_AUTOCAST
-  }
-  return false;
-}
-
-bool autocast_f32(BinaryOp op) {
-  switch (op) {
-#define FLAME_AUTOCAST(name, Functor, kind, surface, autocast, ...) \
-  case BinaryOp::name: return std::string_view(#autocast) == "f32";
-    FLAME_BINARY_OPS(FLAME_AUTOCAST)
-#undef FLAME_AUTOCAST
-  }
-  return false;
-}
+// The ops PyTorch's autocast runs in f32: the op table's autocast column (Note [Autocast policy]),
+// as tables made at compile time (a string compare per call otherwise: this is the per-op path).
+#define FLAME_AUTOCAST_F32(name, Functor, kind, surface, autocast, ...) std::string_view(#autocast) == "f32",
+constexpr bool kUnaryAutocastF32[] = {FLAME_UNARY_OPS(FLAME_AUTOCAST_F32)};
+constexpr bool kBinaryAutocastF32[] = {FLAME_BINARY_OPS(FLAME_AUTOCAST_F32)};
+#undef FLAME_AUTOCAST_F32
+bool autocast_f32(UnaryOp op) { return kUnaryAutocastF32[static_cast<std::size_t>(op)]; }
+bool autocast_f32(BinaryOp op) { return kBinaryAutocastF32[static_cast<std::size_t>(op)]; }
 
 // Note [Elementwise definitions]
 // The elementwise ops are op definitions (Note [Invoke]) of the `elementwise` trace kind: invoke
@@ -120,7 +96,7 @@ bool autocast_f32(BinaryOp op) {
 // table row the autocast policy.
 struct UnaryCall {
   UnaryOp op;
-  Tensor x;
+  op_detail::Kept<Tensor> x;
   UnaryParams p;
   std::optional<DType> dtype;
 };
@@ -139,32 +115,40 @@ struct UnaryDef : op_detail::OpDefaults<UnaryCall> {
     return !a.dtype && autocast_f32(a.op) ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
   static const char* name(const Args& a) { return info(a.op).name; }
+  static TensorList inputs(const Args& a) { return {a.x.get()}; }
+  static const Tensor& lead(const Args& a) { return a.x.get(); }
+  static Args with_inputs(Args a, const TensorList& in) {
+    a.x.set(in[0]);
+    return a;
+  }
   static Prep prepare(const Args& a) {
+    const Tensor& x = a.x.get();
     const OpInfo oi = info(a.op);
-    check_defined(a.x, oi.name);
-    if (a.dtype) return {a.x.to(*a.dtype), *a.dtype};
-    const DType dt = a.x.dtype();
+    check_defined(x, oi.name);
+    if (a.dtype) return {x.to(*a.dtype), *a.dtype};
+    const DType dt = x.dtype();
     switch (oi.kind) {
       case OpKind::same:
-        FLAME_CHECK(!is_bool(dt), oi.name, "not supported for bool tensors (shape ", a.x.sizes(), ")");
-        return {a.x, dt};
+        FLAME_CHECK(!is_bool(dt), oi.name, "not supported for bool tensors (shape ", x.sizes(), ")");
+        return {x, dt};
       case OpKind::floating: {
         const DType f = is_floating(dt) ? dt : kDefaultFloat;
-        return {a.x.to(f), f};
+        return {x.to(f), f};
       }
-      case OpKind::predicate: return {a.x, DType::boolean};
+      case OpKind::predicate: return {x, DType::boolean};
     }
-    return {a.x, dt};
+    return {x, dt};
   }
   static Result run(const Args& a, Prep& p) {
-    Tensor out = make_empty(a.x.sizes(), p.out, a.x.device(), info(a.op).name);
-    if (out.numel() > 0) backend::backend_for(a.x.device()).unary(a.op, out, p.in, a.p);
+    const Tensor& x = a.x.get();
+    Tensor out = make_empty(x.sizes(), p.out, x.device(), info(a.op).name);
+    if (out.numel() > 0) backend::backend_for(x.device()).unary(a.op, out, p.in, a.p);
     return {std::move(out)};
   }
   static void trace(compile_detail::Tracer& t, const Result& r, const Args& a, const Prep& p) {
     compile_detail::trace_unary(t, r.out, a.op, p.in, a.p);
   }
-  static void record(Result& r, const Args& a, const Prep& p) { rules::unary(r.out, a.op, a.x, p.in, a.p); }
+  static void record(Result& r, const Args& a, const Prep& p) { rules::unary(r.out, a.op, a.x.get(), p.in, a.p); }
 };
 
 Tensor run_unary(UnaryOp op, const Tensor& x, DType dtype, const UnaryParams& p) {
@@ -174,14 +158,15 @@ Tensor run_unary(UnaryOp op, const Tensor& x, DType dtype, const UnaryParams& p)
 // y = op(a, b), broadcast, in the common dtype (Note [Op list]).
 struct BinaryCall {
   BinaryOp op;
-  Tensor a, b;
+  op_detail::Kept<Tensor> a, b;
 };
 
 struct BinaryDef : op_detail::OpDefaults<BinaryCall> {
   struct Prep {
     Tensor ac, bc;  // the operands in the common dtype, not broadcast
     DType out;
-    Shape shape;  // the broadcast shape where a's and b's differ (empty where they agree)
+    bool same_shape;  // a and b have one shape (the usual case): no broadcast shape is made
+    Shape shape;      // the broadcast shape where they differ
   };
   struct Result {
     Tensor out;
@@ -192,38 +177,39 @@ struct BinaryDef : op_detail::OpDefaults<BinaryCall> {
     return autocast_f32(a.op) ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
   static const char* name(const Args& a) { return info(a.op).name; }
-  static TensorList inputs(const Args& a) { return {a.a, a.b}; }
-  static const Tensor& lead(const Args& a) { return a.a; }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.a = in[0];
-    a.b = in[1];
-    return a;
+  static TensorList inputs(const Args& x) { return {x.a.get(), x.b.get()}; }
+  static const Tensor& lead(const Args& x) { return x.a.get(); }
+  static Args with_inputs(Args x, const TensorList& in) {
+    x.a.set(in[0]);
+    x.b.set(in[1]);
+    return x;
   }
   static Prep prepare(const Args& x) {
+    const Tensor &a = x.a.get(), &b = x.b.get();
     const OpInfo oi = info(x.op);
-    check_defined(x.a, oi.name);
-    check_defined(x.b, oi.name);
-    check_same_device(oi.name, x.a, x.b);
-    DType common = result_type(x.a, x.b);
+    check_defined(a, oi.name);
+    check_defined(b, oi.name);
+    check_same_device(oi.name, a, b);
+    DType common = result_type(a, b);
     if (oi.kind == OpKind::floating && !is_floating(common)) common = kDefaultFloat;
     FLAME_CHECK(!(is_bool(common) && rejects_bool(x.op)), oi.name, "not supported for bool tensors");
     Prep p;
     p.out = oi.kind == OpKind::predicate ? DType::boolean : common;
-    // Operands of one shape (the usual case) need no broadcast shape made for them.
-    if (x.a.sizes() != x.b.sizes()) p.shape = broadcast_shapes(x.a.sizes(), x.b.sizes(), oi.name);
-    p.ac = x.a.to(common);
-    p.bc = x.b.to(common);
+    p.same_shape = a.sizes() == b.sizes();
+    if (!p.same_shape) p.shape = broadcast_shapes(a.sizes(), b.sizes(), oi.name);
+    p.ac = a.to(common);
+    p.bc = b.to(common);
     return p;
   }
   static Result run(const Args& x, Prep& p) {
-    Tensor out = make_empty(x.a.sizes() == x.b.sizes() ? x.a.sizes() : p.shape, p.out,
-                            x.a.device(), info(x.op).name);
-    const Shape& shape = out.sizes();
+    const Tensor &a = x.a.get(), &b = x.b.get();
+    Tensor out = make_empty(p.same_shape ? a.sizes() : p.shape, p.out, a.device(), info(x.op).name);
     if (out.numel() > 0) {
       // Operands of the output's shape go as they are; only the others need a broadcast view.
-      backend::backend_for(x.a.device())
-          .binary(x.op, out, p.ac.sizes() == shape ? p.ac : p.ac.expand(shape),
-                  p.bc.sizes() == shape ? p.bc : p.bc.expand(shape));
+      const Shape& shape = out.sizes();
+      backend::backend_for(a.device())
+          .binary(x.op, out, p.same_shape || p.ac.sizes() == shape ? p.ac : p.ac.expand(shape),
+                  p.same_shape || p.bc.sizes() == shape ? p.bc : p.bc.expand(shape));
     }
     return {std::move(out)};
   }
@@ -231,7 +217,7 @@ struct BinaryDef : op_detail::OpDefaults<BinaryCall> {
     compile_detail::trace_binary(t, r.out, x.op, p.ac, p.bc);
   }
   static void record(Result& r, const Args& x, const Prep& p) {
-    if (info(x.op).kind != OpKind::predicate) rules::binary(r.out, x.op, x.a, x.b, p.ac, p.bc);
+    if (info(x.op).kind != OpKind::predicate) rules::binary(r.out, x.op, x.a.get(), x.b.get(), p.ac, p.bc);
   }
 };
 

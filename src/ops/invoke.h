@@ -72,9 +72,10 @@ enum class Autocast { none, low, f32 };
 // How flame::compile's tracer sees an op (Note [Tracing] in src/compile/trace.cpp).
 enum class TraceKind { opaque, elementwise };
 
-// An argument an op's call borrows from its caller (a list of tensors, a shape): the plain call
-// holds a pointer (no copy on the per-op path); a call kept beyond its caller (the replay of a
-// trace step, autocast's second call) owns a copy. with_inputs calls keep().
+// An argument an op's call borrows from its caller (a tensor, a list of tensors, a shape): the
+// plain call holds a pointer (no copy on the per-op path: a Tensor copy is two atomic reference
+// count updates); a call kept beyond its caller (the replay of a trace step, autocast's second
+// call) owns a copy. with_inputs calls keep() or set().
 template <class T>
 struct Kept {
   const T* borrowed = nullptr;
@@ -82,6 +83,10 @@ struct Kept {
   Kept() = default;
   Kept(const T& v) : borrowed(&v) {}  // NOLINT(google-explicit-constructor): the call's argument
   const T& get() const { return borrowed ? *borrowed : owned; }
+  void set(const T& v) {
+    owned = v;
+    borrowed = nullptr;
+  }
   void keep() {
     if (borrowed) {
       owned = *borrowed;

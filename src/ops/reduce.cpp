@@ -87,7 +87,7 @@ DType sum_dtype(DType t) { return is_floating(t) ? t : DType::i64; }
 // with the gradient rule, is the internal ReduceDef over the plan made here.
 struct ReductionCall {
   ReduceOp op = ReduceOp::sum;
-  Tensor x;
+  op_detail::Kept<Tensor> x;
   op_detail::Kept<Shape> dims;  // empty: every dim
   bool keepdim = false;
   const char* name = "sum";
@@ -105,26 +105,28 @@ struct ReductionDef : op_detail::OpDefaults<ReductionCall> {
     return a.op == ReduceOp::sum || a.op == ReduceOp::prod ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
   static const char* name(const Args& a) { return a.name; }
+  static TensorList inputs(const Args& a) { return {a.x.get()}; }
+  static const Tensor& lead(const Args& a) { return a.x.get(); }
   static Args with_inputs(Args a, const TensorList& in) {
-    a.x = in[0];
+    a.x.set(in[0]);
     a.dims.keep();
     return a;
   }
   static Prep prepare(const Args& a) {
-    if (a.op == ReduceOp::mean) check_floating(a.x, a.name);
-    Prep p{plan_reduce(a.x, a.dims.get(), a.name)};
+    if (a.op == ReduceOp::mean) check_floating(a.x.get(), a.name);
+    Prep p{plan_reduce(a.x.get(), a.dims.get(), a.name)};
     switch (a.op) {
       case ReduceOp::sum:
-      case ReduceOp::prod: p.out = sum_dtype(a.x.dtype()); break;
-      case ReduceOp::mean: p.out = a.x.dtype(); break;
+      case ReduceOp::prod: p.out = sum_dtype(a.x.get().dtype()); break;
+      case ReduceOp::mean: p.out = a.x.get().dtype(); break;
       case ReduceOp::max:
       case ReduceOp::min:
-        check_nonzero_extent(a.x, p.plan, a.name);
-        p.out = a.x.dtype();
+        check_nonzero_extent(a.x.get(), p.plan, a.name);
+        p.out = a.x.get().dtype();
         break;
       case ReduceOp::argmax:
       case ReduceOp::argmin:
-        check_nonzero_extent(a.x, p.plan, a.name);
+        check_nonzero_extent(a.x.get(), p.plan, a.name);
         p.out = DType::i64;
         break;
       case ReduceOp::any:
@@ -132,7 +134,7 @@ struct ReductionDef : op_detail::OpDefaults<ReductionCall> {
     }
     return p;
   }
-  static Result run(const Args& a, Prep& p) { return {run_reduce(a.op, a.x, p.plan, p.out, a.keepdim)}; }
+  static Result run(const Args& a, Prep& p) { return {run_reduce(a.op, a.x.get(), p.plan, p.out, a.keepdim)}; }
   static void record(Result&, const Args&, const Prep&) {}  // ReduceDef, inside run, recorded the node
 };
 
