@@ -18,7 +18,10 @@
 // Output: one line per figure, "BENCH {json}" like bench_ops.
 //   BENCH {"name": "chain_fwd_norecord", "device": "cpu", "us_per_op": 0.51, "allocs_per_op": 3}
 //
-// Usage: bench_autograd [--cuda] [--steps N] [--numel N] [--reps N] [--trace-allocs]
+// Usage: bench_autograd [--cuda] [--steps N] [--numel N] [--reps N] [--trace-allocs] [--op NAME --calls N]
+//   --op NAME: runs only that op case (op_add, op_sum, ...) N times, unrecorded, and prints nothing:
+//   for an instruction count of the op's host path, `valgrind --tool=callgrind bench_autograd --op
+//   op_add --calls 2000` (deterministic where wall time on a shared machine is not).
 //   --trace-allocs: after the figures, lists the call stacks of the allocations made by one
 //   recorded forward + backward of a short chain, most frequent first (where the cost comes from).
 //
@@ -112,6 +115,8 @@ using flame::Tensor;
 struct Args {
   bool cuda = false;
   bool trace = false;
+  std::string op;  // --op NAME: only run that op case `calls` times, unrecorded, untimed
+  int calls = 1000;
   int steps = 500;  // 1000 ops
   int64_t numel = 1024;
   int reps = 30;
@@ -209,6 +214,8 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--steps") && i + 1 < argc) a.steps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--numel") && i + 1 < argc) a.numel = std::atoll(argv[++i]);
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) a.reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--op") && i + 1 < argc) a.op = argv[++i];
+    else if (!std::strcmp(argv[i], "--calls") && i + 1 < argc) a.calls = std::atoi(argv[++i]);
   }
   const Device dev = a.cuda ? Device::cuda() : Device::cpu();
   flame::Generator gen(1234);
@@ -231,14 +238,17 @@ int main(int argc, char** argv) {
     flame::Gradients g = chain(cg, dg).backward(o);
     (void)g;
   };
-  const double fwd = median_us(a, run_fwd);
-  const double fwd_rec = median_us(a, run_rec);
-  const double fwd_bwd = median_us(a, run_bwd);
-  const double n_fwd = allocs_per_call(run_fwd), n_rec = allocs_per_call(run_rec), n_bwd = allocs_per_call(run_bwd);
-  report(a, "chain_fwd_norecord", fwd / ops, n_fwd / ops);
-  report(a, "chain_fwd_record", fwd_rec / ops, n_rec / ops);
-  report(a, "chain_fwd_bwd", fwd_bwd / ops, n_bwd / ops);
-  report(a, "chain_bwd_share", (fwd_bwd - fwd_rec) / ops, (n_bwd - n_rec) / ops);
+  if (!a.op.empty()) a.reps = 0;  // --op: the op case alone (below)
+  const double fwd = a.op.empty() ? median_us(a, run_fwd) : 0.0;
+  if (a.op.empty()) {
+    const double fwd_rec = median_us(a, run_rec);
+    const double fwd_bwd = median_us(a, run_bwd);
+    const double n_fwd = allocs_per_call(run_fwd), n_rec = allocs_per_call(run_rec), n_bwd = allocs_per_call(run_bwd);
+    report(a, "chain_fwd_norecord", fwd / ops, n_fwd / ops);
+    report(a, "chain_fwd_record", fwd_rec / ops, n_rec / ops);
+    report(a, "chain_fwd_bwd", fwd_bwd / ops, n_bwd / ops);
+    report(a, "chain_bwd_share", (fwd_bwd - fwd_rec) / ops, (n_bwd - n_rec) / ops);
+  }
   // Per op: the host cost of one call of each op family on small tensors (the op layer's own work:
   // checks, dispatch, allocation, recording), unrecorded and, where it has a gradient, recorded;
   // and a small MLP training step (forward, MSE, backward, SGD).
@@ -274,6 +284,15 @@ int main(int argc, char** argv) {
         {"op_sdpa", [&] { (void)F::scaled_dot_product_attention(q, q, q); },
          [&] { (void)F::scaled_dot_product_attention(qg, q, q); }},
     };
+    if (!a.op.empty()) {  // for an instruction count (valgrind --tool=callgrind): no timing, no output
+      for (const OpCase& c : cases) {
+        if (a.op != c.name) continue;
+        for (int i = 0; i < a.calls; ++i) c.plain();
+        return 0;
+      }
+      std::fprintf(stderr, "bench_autograd: no op case named %s\n", a.op.c_str());
+      return 2;
+    }
     Args one = a;
     for (const OpCase& c : cases) {
       auto many = [&](const std::function<void()>& f) {
