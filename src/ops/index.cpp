@@ -212,10 +212,10 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim, bool lar
 namespace flame::op_detail {
 
 IndexPrep IndexSelectDef::prepare(const Args& a) {
-  const Tensor& x = a.x;
+  const Tensor& x = a.x.get();
   check_defined(x, "index_select", "input");
   Prep p;
-  p.idx = index_arg(a.index, x, "index_select");
+  p.idx = index_arg(a.index.get(), x, "index_select");
   FLAME_CHECK(p.idx.dim() <= 1, "index_select", "index must be 0-d or 1-d, got shape ", p.idx.sizes());
   p.d = wrap_dim(a.dim, x.dim(), "index_select");
   FLAME_CHECK(x.dim() > 0 || p.idx.numel() == 1, "index_select",
@@ -228,18 +228,18 @@ IndexPrep IndexSelectDef::prepare(const Args& a) {
 
 IndexResult IndexSelectDef::run(const Args& a, Prep& p) {
   Result r;
-  r.out = make_empty(p.shape, a.x.dtype(), a.x.device(), "index_select");
+  r.out = make_empty(p.shape, a.x.get().dtype(), a.x.get().device(), "index_select");
   if (r.out.numel() > 0) {
-    backend::backend_for(a.x.device()).index_select(at_least_1d(r.out), at_least_1d(a.x), p.d, at_least_1d(p.idx));
+    backend::backend_for(a.x.get().device()).index_select(at_least_1d(r.out), at_least_1d(a.x.get()), p.d, at_least_1d(p.idx));
   }
   return r;
 }
 
 IndexPrep GatherDef::prepare(const Args& a) {
-  const Tensor& x = a.x;
+  const Tensor& x = a.x.get();
   check_defined(x, "gather", "input");
   Prep p;
-  p.idx = index_arg(a.index, x, "gather");
+  p.idx = index_arg(a.index.get(), x, "gather");
   const Tensor& idx = p.idx;
   p.d = wrap_dim(a.dim, x.dim(), "gather");
   FLAME_CHECK(nonempty_dim(idx) == nonempty_dim(x), "gather",
@@ -257,9 +257,9 @@ IndexPrep GatherDef::prepare(const Args& a) {
 
 IndexResult GatherDef::run(const Args& a, Prep& p) {
   Result r;
-  r.out = make_empty(p.idx.sizes(), a.x.dtype(), a.x.device(), "gather");
+  r.out = make_empty(p.idx.sizes(), a.x.get().dtype(), a.x.get().device(), "gather");
   if (r.out.numel() > 0) {
-    backend::backend_for(a.x.device()).gather(at_least_1d(r.out), at_least_1d(a.x), p.d, at_least_1d(p.idx));
+    backend::backend_for(a.x.get().device()).gather(at_least_1d(r.out), at_least_1d(a.x.get()), p.d, at_least_1d(p.idx));
   }
   return r;
 }

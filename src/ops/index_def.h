@@ -28,16 +28,18 @@ struct IndexDefBase : OpDefaults<A> {
 };
 
 // x with an index along dim (index_select, gather).
+// The tensors are borrowed from the caller (op_detail::Kept: no reference-count traffic per call).
 struct IndexArgs {
-  Tensor x, index;
+  Kept<Tensor> x, index;
   int64_t dim = 0;
 };
 template <class A>
 struct IndexedDefBase : IndexDefBase<A> {
-  static TensorList inputs(const A& a) { return {a.x, a.index}; }
+  static TensorList inputs(const A& a) { return {a.x.get(), a.index.get()}; }
+  static const Tensor& lead(const A& a) { return a.x.get(); }
   static A with_inputs(A a, const TensorList& in) {
-    a.x = in[0];
-    a.index = in[1];
+    a.x.set(in[0]);
+    a.index.set(in[1]);
     return a;
   }
 };

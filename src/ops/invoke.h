@@ -95,6 +95,12 @@ struct Kept {
   }
 };
 
+// A tensor argument held either way, for code shared by definitions of both kinds.
+inline const Tensor& arg(const Tensor& t) { return t; }
+inline const Tensor& arg(const Kept<Tensor>& t) { return t.get(); }
+inline void set_arg(Tensor& t, const Tensor& v) { t = v; }
+inline void set_arg(Kept<Tensor>& t, const Tensor& v) { t.set(v); }
+
 // What a definition inherits unless it declares its own (a static member of the definition hides
 // the base's): one tensor input `x`, no autocast, traced, and the result's `out` as the public
 // result.

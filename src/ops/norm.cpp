@@ -64,11 +64,11 @@ ChannelShape channel_shape(const Tensor& x, const char* op) {
 
 NormPrep NormRowsDef::prepare(const Args& a) {
   const char* op = a.op;
-  const Tensor& x = a.x;
+  const Tensor& x = a.x.get();
   check_input(x, op);
   const std::span<const int64_t> normalized(x.sizes().end() - a.dims, x.sizes().end());  // the wrapper checked it
-  check_param(a.weight, "weight", x, normalized, op);
-  check_param(a.bias, "bias", x, normalized, op);
+  check_param(a.weight.get(), "weight", x, normalized, op);
+  check_param(a.bias.get(), "bias", x, normalized, op);
   // No eps: torch.finfo(dtype).eps of x as the kernel gets it (f32 for a half input under autocast,
   // which has cast x by now).
   double eps = 0;
@@ -80,11 +80,11 @@ NormPrep NormRowsDef::prepare(const Args& a) {
   }
   if (a.eps) eps = *a.eps;
   FLAME_CHECK(eps >= 0 && std::isfinite(eps), op, "eps must be finite and non-negative, got ", eps);
-  return {x.contiguous(), contiguous_or_empty(a.weight), contiguous_or_empty(a.bias), eps};
+  return {x.contiguous(), contiguous_or_empty(a.weight.get()), contiguous_or_empty(a.bias.get()), eps};
 }
 
 NormResult NormRowsDef::run(const Args& a, Prep& p) {
-  const Tensor& x = a.x;
+  const Tensor& x = a.x.get();
   int64_t rows = 1;
   for (int64_t d = 0; d < x.dim() - a.dims; ++d) rows *= x.sizes()[d];
   Result r;

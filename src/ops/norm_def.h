@@ -28,11 +28,12 @@ struct NormDefBase : OpDefaults<A> {
   using Result = NormResult;
   using Out = Tensor;
   static constexpr Autocast autocast = Autocast::f32;
-  static TensorList inputs(const A& a) { return {a.x, a.weight, a.bias}; }
+  static TensorList inputs(const A& a) { return {arg(a.x), arg(a.weight), arg(a.bias)}; }
+  static const Tensor& lead(const A& a) { return arg(a.x); }
   static A with_inputs(A a, const TensorList& in) {
-    a.x = in[0];
-    a.weight = in[1];
-    a.bias = in[2];
+    set_arg(a.x, in[0]);
+    set_arg(a.weight, in[1]);
+    set_arg(a.bias, in[2]);
     return a;
   }
   static TensorList recipe_inputs(const Prep& p) { return {p.x, p.weight, p.bias}; }
@@ -43,8 +44,8 @@ struct NormDefBase : OpDefaults<A> {
 // layer_norm and rms_norm over the last `dims` dims of x (the wrappers check normalized_shape).
 struct NormRowsArgs {
   const char* op = "layer_norm";
-  Tensor x, weight, bias;  // bias: undefined for rms_norm
-  int64_t dims = 1;        // how many trailing dims are normalised
+  Kept<Tensor> x, weight, bias;  // borrowed from the caller; bias: undefined for rms_norm
+  int64_t dims = 1;              // how many trailing dims are normalised
   std::optional<double> eps;  // none: torch.finfo(dtype).eps of x as the kernel gets it (rms_norm)
   bool rms = false;
 };

@@ -25,7 +25,7 @@ Tensor pad_into(const Tensor& small, const Shape& shape) {
 // The record members of the indexing family's op definitions (src/ops/index_def.h).
 void IndexSelectDef::record(Result& r, const Args& a, const Prep& p) {
   Tensor& out = r.out;
-  const Tensor& x = a.x;
+  const Tensor& x = a.x.get();
   const int64_t dim = p.d;
   const Tensor index = p.idx.dim() == 0 ? p.idx.reshape({1}) : p.idx;
   if (!needs_grad({x})) return;
@@ -43,7 +43,7 @@ void IndexSelectDef::record(Result& r, const Args& a, const Prep& p) {
 
 void GatherDef::record(Result& r, const Args& a, const Prep& p) {
   Tensor& out = r.out;
-  const Tensor &x = a.x, &index = p.idx;
+  const Tensor &x = a.x.get(), &index = p.idx;
   const int64_t dim = p.d;
   if (!needs_grad({x})) return;
   const Shape xs = x.sizes();
