@@ -115,12 +115,6 @@ struct UnaryDef : op_detail::OpDefaults<UnaryCall> {
     return !a.dtype && autocast_f32(a.op) ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
   static const char* name(const Args& a) { return info(a.op).name; }
-  static TensorList inputs(const Args& a) { return {a.x.get()}; }
-  static const Tensor& lead(const Args& a) { return a.x.get(); }
-  static Args with_inputs(Args a, const TensorList& in) {
-    a.x.set(in[0]);
-    return a;
-  }
   static Prep prepare(const Args& a) {
     const Tensor& x = a.x.get();
     const OpInfo oi = info(a.op);

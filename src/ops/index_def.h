@@ -36,7 +36,6 @@ struct IndexArgs {
 template <class A>
 struct IndexedDefBase : IndexDefBase<A> {
   static TensorList inputs(const A& a) { return {a.x.get(), a.index.get()}; }
-  static const Tensor& lead(const A& a) { return a.x.get(); }
   static A with_inputs(A a, const TensorList& in) {
     a.x.set(in[0]);
     a.index.set(in[1]);

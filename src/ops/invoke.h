@@ -95,7 +95,8 @@ struct Kept {
   }
 };
 
-// A tensor argument held either way, for code shared by definitions of both kinds.
+// A tensor argument held either way (Tensor or Kept<Tensor>), for code shared by definitions of
+// both kinds (OpDefaults, the norms' base).
 inline const Tensor& arg(const Tensor& t) { return t; }
 inline const Tensor& arg(const Kept<Tensor>& t) { return t.get(); }
 inline void set_arg(Tensor& t, const Tensor& v) { t = v; }
@@ -109,10 +110,10 @@ struct OpDefaults {
   using Args = A;
   static constexpr Autocast autocast = Autocast::none;
   static constexpr TraceKind trace_kind = TraceKind::opaque;
-  static TensorList inputs(const A& a) { return {a.x}; }
-  static const Tensor& lead(const A& a) { return a.x; }
+  static TensorList inputs(const A& a) { return {arg(a.x)}; }
+  static const Tensor& lead(const A& a) { return arg(a.x); }
   static A with_inputs(A a, const TensorList& in) {
-    a.x = in[0];
+    set_arg(a.x, in[0]);
     return a;
   }
   static bool traceable(const A&) { return true; }

@@ -113,10 +113,10 @@ struct FlipDef : op_detail::OpDefaults<FlipCall> {
     uint32_t seen = 0;  // a tensor has at most 16 dims
     Tensor src = a.x;
     for (int64_t d : a.dims.get()) {
-      const int64_t w = wrap_dim(d, n, "flip");
-      FLAME_CHECK(!(seen >> std::max<int64_t>(w, 0) & 1u), "flip", "dim ", w, " appears more than once in dims ",
-                  a.dims.get(), " (input shape ", a.x.sizes(), ")");
-      seen |= 1u << std::max<int64_t>(w, 0);
+      const int64_t w = wrap_dim(d, n, "flip");  // in [0, max(n, 1))
+      FLAME_CHECK(!(seen >> w & 1u), "flip", "dim ", w, " appears more than once in dims ", a.dims.get(),
+                  " (input shape ", a.x.sizes(), ")");
+      seen |= 1u << w;
       if (n > 0) src = reversed(src, w);
     }
     return {std::move(src)};
@@ -326,8 +326,7 @@ struct JoinDefBase : op_detail::OpDefaults<JoinCall> {
   using Out = Tensor;
   static TensorList inputs(const Args& a) { return a.tensors.get(); }
   static Args with_inputs(Args a, const TensorList& in) {
-    a.tensors.borrowed = nullptr;
-    a.tensors.owned = in;
+    a.tensors.set(in);
     return a;
   }
 };

@@ -29,7 +29,6 @@ struct NormDefBase : OpDefaults<A> {
   using Out = Tensor;
   static constexpr Autocast autocast = Autocast::f32;
   static TensorList inputs(const A& a) { return {arg(a.x), arg(a.weight), arg(a.bias)}; }
-  static const Tensor& lead(const A& a) { return arg(a.x); }
   static A with_inputs(A a, const TensorList& in) {
     set_arg(a.x, in[0]);
     set_arg(a.weight, in[1]);

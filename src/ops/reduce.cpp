@@ -105,8 +105,6 @@ struct ReductionDef : op_detail::OpDefaults<ReductionCall> {
     return a.op == ReduceOp::sum || a.op == ReduceOp::prod ? op_detail::Autocast::f32 : op_detail::Autocast::none;
   }
   static const char* name(const Args& a) { return a.name; }
-  static TensorList inputs(const Args& a) { return {a.x.get()}; }
-  static const Tensor& lead(const Args& a) { return a.x.get(); }
   static Args with_inputs(Args a, const TensorList& in) {
     a.x.set(in[0]);
     a.dims.keep();
