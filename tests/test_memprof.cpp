@@ -279,6 +279,47 @@ TEST(MemProfTest, ModulePathsFromTheRoot) {
   EXPECT_EQ(attn->path(), "");
 }
 
+// A block whose forward takes two inputs is called directly, not through operator(): a
+// Module::CallScope gives its allocations its path, and its children's calls nest under it.
+class TwoInputBlock : public nn::Module {
+ public:
+  TwoInputBlock() { proj = register_module("proj", std::make_shared<nn::Linear>(6, 6)); }
+  std::string name() const override { return "TwoInputBlock"; }
+  Tensor forward(const Tensor& x, const Tensor& c) {
+    const CallScope scope(*this);
+    return (*proj)(x) + c.sigmoid();
+  }
+  std::shared_ptr<nn::Linear> proj;
+};
+
+TEST(MemProfTest, CallScopeAttributesDirectCalls) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  nn::ModuleList blocks;
+  auto block = std::make_shared<TwoInputBlock>();
+  blocks.push_back(std::make_shared<nn::Linear>(6, 6));
+  blocks.push_back(block);
+  blocks.to(dev);
+  const Tensor x = Tensor::randn({4, 6}, TensorOptions(dev)), c = Tensor::randn({4, 6}, TensorOptions(dev));
+  MemoryProfiler prof;
+  prof.start();
+  const Tensor y = block->forward(x, c);
+  const Tensor outside = c.sigmoid();
+  prof.stop();
+  const auto trace = prof.trace();
+  EXPECT_TRUE(has_alloc(trace, dev, "sigmoid", "1", false));
+  EXPECT_TRUE(has_alloc(trace, dev, "add", "1", false));
+  EXPECT_TRUE(has_linear_alloc(trace, dev, "1.proj"));
+  EXPECT_TRUE(has_alloc(trace, dev, "sigmoid", "", false));  // after the scope: no path
+  // Not recording: the scope pushes nothing (the thread's path stays empty).
+  const Tensor again = block->forward(x, c);
+  prof.start();
+  const Tensor later = c.sigmoid();
+  prof.stop();
+  EXPECT_TRUE(has_alloc(prof.trace(), dev, "sigmoid", "", false));
+  EXPECT_FALSE(has_alloc(prof.trace(), dev, "sigmoid", "1", false));
+}
+
 TEST(MemProfTest, RecordsNothingWhenInactive) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

@@ -8,7 +8,8 @@
 //    in-place writes to the recipe's inputs or to the marked tensor after the save still raise;
 //    layer_norm and rms_norm; a marked tensor captured by checkpoint() keeps its identity;
 //    the unary activations (gelu, silu, ...), a GEGLU's gelu of a chunk view, group_norm before
-//    SiLU (also under autocast); an output that needs no gradient is not marked;
+//    SiLU (also under autocast); an output that needs no gradient is not marked; attention's
+//    rotated q and k after per-head RMS norms and the join of two streams (dense transposed views);
 //    RecomputeCheap.GraphedStepCuda: the recomputes inside a backward captured by cuda::GraphedStep
 //    (replays give the eager, non-recompute gradients; skips without a GPU).
 #include <cmath>
@@ -731,6 +732,63 @@ TEST(RecomputeCheap, OutputWithoutGradientIsNotMarked) {
   expect_same_grads(rec, base, rerun_tol(DType::f32), "no gradient");
   EXPECT_EQ(rec.saved_bytes, base.saved_bytes);
   EXPECT_EQ(base.saved_bytes, std::size_t{2 * 4 * 6 * 4});
+}
+
+// Attention's q and k as FLUX and SD3.5 make them: each stream's projection, RMS-normed per head,
+// joined along the sequence (image + text), seen as [B, H, S, D] (a transposed, dense view) and
+// rotated; attention saves the rotated q and k. Under RecomputeCheap the rotary output is a recipe
+// that folds the join's and the norms' (the rms_norm nodes save the projections anyway), so the
+// saved bytes drop by exactly the rotated q and k, and the gradients are the default's. A text
+// stream that needs no gradient (block 0 of FLUX: no adapters on the text projections) is held by
+// the join's recipe as it is: still marked while it is under half the join; not when it is larger.
+TEST(RecomputeCheap, RotaryOfNormedJoinedHeads) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  F::SdpaBackendGuard fused(F::SdpaBackend::fused);  // saves q, k, v, the output and its statistics
+  const int64_t b = 2, h = 2, d = 8, e = h * d;
+  struct Case {
+    int64_t l, t;       // image and text tokens (t = 0: one stream, no join)
+    bool text_trains;  // the text projections need a gradient (marked norms)
+    bool marked;       // the rotary outputs are expected to go
+  };
+  const std::vector<Case> cases = {{6, 0, true, true}, {6, 3, true, true}, {6, 2, false, true}, {3, 6, false, false}};
+  for (DType dt : mlp_dtypes()) {
+    for (const Case& c : cases) {
+      const int64_t s = c.l + c.t;
+      const TensorList leaves =
+          make_leaves({randn_f64({b, c.l, e}, 940), randn_f64({e, e}, 941, 0.3), randn_f64({e, e}, 942, 0.3),
+                       randn_f64({e, e}, 943, 0.3), randn_f64({d}, 944), randn_f64({e, e}, 945, 0.3),
+                       randn_f64({e, e}, 946, 0.3)},
+                      dt, dev, {true, false, false, false, true, !c.text_trains, !c.text_trains});
+      const Tensor ctx = randn_f64({b, std::max<int64_t>(c.t, 1), e}, 947).to(dt).to(dev);
+      const Tensor ang = randn_f64({s, d}, 948);
+      const Tensor cos = ang.cos().to(DType::f32).to(dev), sin = ang.sin().to(DType::f32).to(dev);
+      Tensor q_rot;  // of the recomputed run, for the bytes
+      auto fn = [&](const TensorList& l) {
+        auto heads = [&](const Tensor& x, const Tensor& w, int64_t len, bool norm) {
+          const Tensor p = F::linear(x, w).view({b, len, h, d});
+          return norm ? F::rms_norm(p, {d}, l[4], 1e-6) : p;
+        };
+        Tensor q = heads(l[0], l[1], c.l, true), k = heads(l[0], l[2], c.l, true), v = heads(l[0], l[3], c.l, false);
+        if (c.t > 0) {
+          q = cat({heads(ctx, l[5], c.t, true), q}, 1);
+          k = cat({heads(ctx, l[6], c.t, true), k}, 1);
+          v = cat({heads(ctx, l[3], c.t, false), v}, 1);
+        }
+        q = F::rotary_embedding(q.transpose(1, 2), cos, sin, F::RotaryLayout::interleaved);
+        k = F::rotary_embedding(k.transpose(1, 2), cos, sin, F::RotaryLayout::interleaved);
+        q_rot = q;
+        return F::scaled_dot_product_attention(q, k, v.transpose(1, 2));
+      };
+      const auto [rec, base] = run_with_and_without(fn, leaves, randn_f64({b, h, s, d}, 949));
+      const std::string what = std::string(dtype_name(dt)) + " l=" + std::to_string(c.l) + " t=" +
+                               std::to_string(c.t) + (c.text_trains ? " text trains" : " text frozen");
+      expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : rerun_tol(dt), what);
+      const std::size_t qk = 2 * bytes_of(q_rot);
+      const std::size_t text_held = c.text_trains ? 0 : 2 * static_cast<std::size_t>(b * c.t * e) * dtype_size(dt);
+      EXPECT_EQ(base.saved_bytes - rec.saved_bytes, c.marked ? qk - text_held : 0) << what;
+    }
+  }
 }
 
 TEST(RecomputeCheap, GraphedStepCuda) {

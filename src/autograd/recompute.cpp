@@ -4,10 +4,11 @@
 // Activation memory of a training step is mostly tensors saved for the weight gradients of the
 // next layer: the input of a linear layer is often the output of a normalisation that costs one
 // pass over memory to redo. While RecomputeCheap is on, such an op (F::layer_norm_modulate,
-// layer_norm, rms_norm, group_norm, and the unary activations whose gradient reads only their
+// layer_norm, rms_norm, group_norm, the unary activations whose gradient reads only their
 // input: gelu, silu, ..., recomputable_activation in rules/elementwise.cpp, where the unary node is
-// recorded) marks its output, as one op (the ops of its composite path do not): Storage::recipe
-// holds the op's inputs as SavedTensors and a function that reruns the op. The mark sits on the storage, not the tensor, because the
+// recorded; rotary_embedding and cat where worth_a_recipe says so) marks its output, as one op
+// (the ops of its composite path do not): Storage::recipe holds the op's inputs as SavedTensors
+// and a function that reruns the op. The mark sits on the storage, not the tensor, because the
 // consumer usually saves a view of the output it made itself (a reshape to [rows, in] under
 // no-grad). Only an output that requires grad is marked: then the op's own node saves the
 // inputs the recipe holds (x, and the weight of a norm), so the recipe costs no bytes beyond a
@@ -16,9 +17,12 @@
 //    would apply (not a tensor kept for its identity, as checkpoint's captures, and not a leaf
 //    that requires grad), keeps a RecomputedSaved instead of the tensor when the recipe still
 //    describes the bytes (neither the output nor an input written since the mark) and the saved
-//    tensor is a contiguous view of all of them (same offset 0 and element count); any other
-//    view is saved as usual. Then nothing keeps the output alive but its ordinary users, and it
-//    goes back to the pool when the forward no longer needs it.
+//    tensor is a view of all of them: offset 0, the element count, non-overlapping and dense (a
+//    reshape, or a permutation such as attention's [B, H, S, D] view of a [B, S, H, D] output);
+//    any other view (a slice) is saved as usual. The output itself may be any dense layout; the
+//    recomputed one is brought to it before the saved view is taken again. Then nothing keeps
+//    the output alive but its ordinary users, and it goes back to the pool when the forward no
+//    longer needs it.
 //  - Get: the output's storage, while still alive, must have the version the save saw (an
 //    in-place write after the save raises as for an ordinary saved tensor); the recipe inputs
 //    are version-checked by their own SavedTensor::get(). The recipe then runs with grad mode
@@ -83,6 +87,27 @@ MarkingOff::~MarkingOff() { t_recompute_cheap = previous_; }
 namespace {
 constexpr int kMaxRecipeDepth = 4;  // Note [Recompute cheap], "Chains"
 
+// The view (sizes, strides, offset 0) a node saved of a marked output, taken again of the
+// recomputed output y, which must have the output's shape, dtype and device (`op`: the node that
+// saved it, for the error). y is first brought to the output's own layout where the recipe returned
+// another (the same kernels give the same layout, so this copies nothing in practice).
+Tensor view_of_recomputed(const RecipeBody& r, Tensor y, const Shape& sizes, const Shape& strides, const char* op) {
+  FLAME_CHECK(y.defined() && y.sizes() == r.sizes && y.dtype() == r.dtype && y.device() == r.device,
+              "autograd::RecomputeCheap", "the recipe of ", r.op, " must return shape ", r.sizes, ", dtype ",
+              dtype_name(r.dtype), " and device ", r.device.str(), "; got ",
+              y.defined() ? shape_str(y.sizes()) + " " + dtype_name(y.dtype()) + " " + y.device().str()
+                          : std::string("an undefined tensor"),
+              " (saved for ", op, ")");
+  bool same = true;
+  for (std::size_t d = 0; d < r.sizes.size(); ++d) same = same && (r.sizes[d] == 1 || y.strides()[d] == r.strides[d]);
+  if (!same || !is_non_overlapping_and_dense(y)) {
+    Tensor laid = make_empty_strided(r.sizes, r.strides, y.dtype(), y.device(), "autograd::RecomputeCheap");
+    laid.copy_(y);
+    y = std::move(laid);
+  }
+  return make_view(y, sizes, strides, y.storage_offset(), "autograd::RecomputeCheap");
+}
+
 // The recipe of an input that is a marked output and can be folded into a new recipe, or null.
 std::shared_ptr<const RecipeBody> foldable_recipe(const Tensor& t) {
   if (!t.defined() || !t.impl()->storage || !t.impl()->storage->recipe) return nullptr;
@@ -92,19 +117,27 @@ std::shared_ptr<const RecipeBody> foldable_recipe(const Tensor& t) {
 }
 }  // namespace
 
+bool worth_a_recipe(const TensorList& inputs, std::size_t out_bytes) {
+  std::size_t held = 0;
+  for (const Tensor& t : inputs) {
+    if (t.defined() && !foldable_recipe(t)) held += static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
+  }
+  return 2 * held < out_bytes;
+}
+
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& given, RecipeFn given_fn) {
   // An output that needs no gradient had no node record its op, so nothing else holds the recipe's
   // inputs: keeping them instead of the output would gain nothing (or cost, for wider inputs).
   if (!out.defined() || out.numel() == 0 || !out.requires_grad()) return;
   const TensorImpl& impl = *out.impl();
-  if (!impl.storage || impl.offset != 0 || !out.is_contiguous() ||
+  if (!impl.storage || impl.offset != 0 || !is_non_overlapping_and_dense(out) ||
       impl.storage->nbytes != static_cast<std::size_t>(out.numel()) * dtype_size(out.dtype()))
     return;  // not the sole content of its storage: nothing to gain, keep it saved as is
   // Chains: inputs that are marked outputs are replaced by their recipes' inputs.
   struct Fold {
     std::size_t index = 0, count = 0;  // the input folded, and how many recipe inputs replace it
     std::shared_ptr<const RecipeBody> body;
-    Shape sizes;  // the input's shape (a contiguous view of the whole output of `body`)
+    Shape sizes, strides;  // the input's view of the whole output of `body`
   };
   std::vector<Fold> folds;
   TensorList inputs;
@@ -115,7 +148,7 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& give
       inputs.push_back(given[i]);
       continue;
     }
-    folds.push_back({i, inner->inputs.size(), inner, given[i].sizes()});
+    folds.push_back({i, inner->inputs.size(), inner, given[i].sizes(), given[i].strides()});
     for (const SavedTensor& t : inner->inputs) inputs.push_back(t.raw());
     depth = std::max(depth, inner->depth + 1);
   }
@@ -129,7 +162,9 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& give
         if (f < folds.size() && folds[f].index == i) {
           const TensorList sub(in.begin() + static_cast<std::ptrdiff_t>(k),
                                in.begin() + static_cast<std::ptrdiff_t>(k + folds[f].count));
-          args.push_back(folds[f].body->fn(sub).contiguous().view(folds[f].sizes));
+          const Fold& fold = folds[f];
+          args.push_back(
+              view_of_recomputed(*fold.body, fold.body->fn(sub), fold.sizes, fold.strides, "a chained recipe"));
           k += folds[f].count;
           ++f;
         } else {
@@ -148,6 +183,7 @@ void mark_recomputable(const Tensor& out, const char* op, const TensorList& give
   r->storage = impl.storage.get();
   r->version = impl.storage->version.load();
   r->sizes = out.sizes();
+  r->strides = out.strides();
   r->dtype = out.dtype();
   r->device = out.device();
   auto mark = std::make_shared<Recipe>();
@@ -164,8 +200,8 @@ Recipe::~Recipe() {
 std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
   const TensorImpl& impl = *t.impl();
   const std::shared_ptr<const RecipeBody>& r = impl.storage->recipe->body;
-  if (impl.storage->version.load() != r->version || impl.offset != 0 || !t.is_contiguous() ||
-      t.dtype() != r->dtype || t.numel() != shape_numel(r->sizes))
+  if (impl.storage->version.load() != r->version || impl.offset != 0 || t.dtype() != r->dtype ||
+      t.numel() != shape_numel(r->sizes) || !is_non_overlapping_and_dense(t))
     return nullptr;
   for (const SavedTensor& in : r->inputs) {  // an input written since the op ran: the recipe is stale
     if (in.defined() && in.raw().version() != in.saved_version()) return nullptr;
@@ -173,6 +209,7 @@ std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t) {
   auto s = std::make_shared<RecomputedSaved>();
   s->recipe = r;
   s->sizes = t.sizes();
+  s->strides = t.strides();
   return s;
 }
 
@@ -219,13 +256,7 @@ Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char*
     RecipeScope scope;
     y = r.fn(in);
   }
-  FLAME_CHECK(y.defined() && y.sizes() == r.sizes && y.dtype() == r.dtype && y.device() == r.device,
-              "autograd::RecomputeCheap", "the recipe of ", r.op, " must return shape ", r.sizes, ", dtype ",
-              dtype_name(r.dtype), " and device ", r.device.str(), "; got ",
-              y.defined() ? shape_str(y.sizes()) + " " + dtype_name(y.dtype()) + " " + y.device().str()
-                          : std::string("an undefined tensor"),
-              " (saved for ", op, ")");
-  return y.contiguous().view(s.sizes);
+  return view_of_recomputed(r, std::move(y), s.sizes, s.strides, op);
 }
 
 }  // namespace autograd_detail

@@ -22,7 +22,7 @@ struct RecipeBody {
   mutable std::mutex mutex;
   mutable const Storage* storage = nullptr;
   uint64_t version = 0;                  // the output's storage version when marked
-  Shape sizes;
+  Shape sizes, strides;  // the output's (non-overlapping and dense: it owns its storage whole)
   DType dtype = DType::f32;
   Device device;
   int depth = 1;  // recipes folded into this one, plus one (Note [Recompute cheap], "Chains")
@@ -40,11 +40,12 @@ struct Recipe {
 
 struct RecomputedSaved {
   std::shared_ptr<const RecipeBody> recipe;
-  Shape sizes;  // the saved tensor's shape (a contiguous view of the whole output)
+  Shape sizes, strides;  // the saved tensor's view of the whole output (offset 0, dense)
 };
 
 // The recipe of t's storage when it still describes t's bytes (not written since the mark) and t
-// is a contiguous view of all of them; null otherwise (t is then saved as usual).
+// is a dense view of all of them (offset 0: a reshape or a permutation); null otherwise (t is then
+// saved as usual).
 std::shared_ptr<const RecomputedSaved> recompute_saved(const Tensor& t);
 // Reruns the recipe for a saved tensor; raises when the output or an input was written in place.
 Tensor unpack_recomputed(const RecomputedSaved& r, uint64_t version, const char* op);

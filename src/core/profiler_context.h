@@ -85,17 +85,23 @@ class BackwardNodeScope {
 
 // An nn::Module call (Module::operator()): its path ("blocks.3.attn", interned) is the thread's
 // module path until the call returns; null pushes nothing (no session, no anomaly mode, a root).
+// push_module / pop_module are its two halves, for nn::Module::CallScope (a public header that
+// cannot name ThreadContext): push returns the context to pop, or null when it pushed nothing.
+inline ThreadContext* push_module(const char* path) {
+  if (path == nullptr) return nullptr;
+  ThreadContext* ctx = &thread_context();
+  if (ctx->depth < ThreadContext::kMaxDepth) ctx->modules[ctx->depth] = path;
+  ++ctx->depth;
+  return ctx;
+}
+inline void pop_module(ThreadContext* ctx) {
+  if (ctx && ctx->depth > 0) --ctx->depth;
+}
+
 class ModuleScope {
  public:
-  explicit ModuleScope(const char* path) {
-    if (path == nullptr) return;
-    ctx_ = &thread_context();
-    if (ctx_->depth < ThreadContext::kMaxDepth) ctx_->modules[ctx_->depth] = path;
-    ++ctx_->depth;
-  }
-  ~ModuleScope() {
-    if (ctx_ && ctx_->depth > 0) --ctx_->depth;
-  }
+  explicit ModuleScope(const char* path) : ctx_(push_module(path)) {}
+  ~ModuleScope() { pop_module(ctx_); }
   ModuleScope(const ModuleScope&) = delete;
   ModuleScope& operator=(const ModuleScope&) = delete;
 

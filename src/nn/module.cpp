@@ -100,11 +100,17 @@ std::string Module::path() const {
   return out;
 }
 
-Tensor Module::operator()(const Tensor& x) {
+Module::CallScope::CallScope(const Module& module) {
   // Note [Allocation context] in src/profiler/memory_profiler.cpp: the path is only made while
   // someone reads it (one load and one thread-local flag test otherwise).
   const bool wanted = profiler_detail::recording() || autograd_detail::t_state.anomaly;
-  profiler_detail::ModuleScope scope(wanted && parent_ != nullptr ? profiler_detail::intern(path()) : nullptr);
+  if (wanted && module.parent_ != nullptr) ctx_ = profiler_detail::push_module(profiler_detail::intern(module.path()));
+}
+
+Module::CallScope::~CallScope() { profiler_detail::pop_module(static_cast<profiler_detail::ThreadContext*>(ctx_)); }
+
+Tensor Module::operator()(const Tensor& x) {
+  const CallScope scope(*this);
   return forward(x);
 }
 

@@ -28,8 +28,9 @@
 //   7. recompute   under autograd::RecomputeCheap, a definition with `recomputable = true` marks
 //                  its output (Def::recipe_output) with a recipe: the op again over the tensors
 //                  its kernel read (Def::recipe_inputs), so a node that saves the output keeps the
-//                  recipe instead (Note [Recompute cheap]). The elementwise table ops are marked
-//                  by their table rows (Note [Op table]).
+//                  recipe instead (Note [Recompute cheap]); an empty recipe_inputs or an
+//                  undefined recipe_output marks nothing for that call. The elementwise table ops
+//                  are marked by their table rows (Note [Op table]).
 //   8. finish      Def::finish(result, args, prep): the public result (e.g. the batch dim of an
 //                  unbatched input dropped again, through view ops that have their own gradients).
 //
@@ -50,7 +51,7 @@
 //   static void record(Result&, const Args&, const Prep&);    defined in src/autograd/rules
 //   static Out finish(Result&&, const Args&, const Prep&);
 //   static constexpr bool recomputable;      optional (absent: false); when true also
-//   static TensorList recipe_inputs(const Prep&);  static const Tensor& recipe_output(const Result&);
+//   static TensorList recipe_inputs(const Args&, const Prep&);  static const Tensor& recipe_output(const Result&);
 //   static Out from_traced(Tensor);           only when Out is not Tensor: the traced result, and
 //   static Tensor to_traced(Out);             the tensor a trace step stands for
 // Host cost: no allocation or virtual call of its own; one thread-local test per concern when
@@ -181,7 +182,8 @@ typename Def::Out invoke(const typename Def::Args& args) {
   if constexpr (requires { requires Def::recomputable; }) {
     if (autograd_detail::should_mark_recomputable()) {
       // The recipe is the op again over the tensors its kernel read (the call's values kept).
-      const TensorList in = Def::recipe_inputs(prep);
+      const TensorList in = Def::recipe_inputs(args, prep);
+      if (in.empty()) return Def::finish(std::move(result), args, prep);
       const typename Def::Args values = Def::with_inputs(args, TensorList(in.size()));
       autograd_detail::mark_recomputable(Def::recipe_output(result), Def::name(args), in,
                                          [values](const TensorList& replay_in) {

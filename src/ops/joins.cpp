@@ -332,6 +332,17 @@ struct JoinDefBase : op_detail::OpDefaults<JoinCall> {
 };
 
 struct CatDef : JoinDefBase {
+  // Recomputable (Note [Recompute cheap]) where the inputs are mostly marked outputs (the join of
+  // attention's per-stream q and k after their norms): cat's node saves nothing, so a recipe
+  // holding plain inputs would keep them alive in place of the output.
+  static constexpr bool recomputable = true;
+  static TensorList recipe_inputs(const Args& a, const Prep&) {
+    const TensorList& in = a.tensors.get();
+    std::size_t bytes = 0;
+    for (const Tensor& t : in) bytes += static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
+    return autograd_detail::worth_a_recipe(in, bytes) ? in : TensorList{};
+  }
+  static const Tensor& recipe_output(const Result& r) { return r.out; }
   static const char* name(const Args&) { return "cat"; }
   static Prep prepare(const Args&) { return {}; }  // cat_into checks as it goes
   static Result run(const Args& a, Prep&) { return cat_into(a.tensors.get(), a.dim, "cat"); }

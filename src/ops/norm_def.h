@@ -35,7 +35,7 @@ struct NormDefBase : OpDefaults<A> {
     set_arg(a.bias, in[2]);
     return a;
   }
-  static TensorList recipe_inputs(const Prep& p) { return {p.x, p.weight, p.bias}; }
+  static TensorList recipe_inputs(const A&, const Prep& p) { return {p.x, p.weight, p.bias}; }
   static const Tensor& recipe_output(const Result& r) { return r.y; }
   static Out finish(Result&& r, const A&, const Prep&) { return std::move(r.y); }
 };

@@ -38,6 +38,20 @@ struct RotaryDef : OpDefaults<RotaryArgs> {
   static Prep prepare(const Args& a);
   static Result run(const Args& a, Prep& p);
   static void record(Result& r, const Args& a, const Prep& p);
+  // Recomputable (Note [Recompute cheap]): attention saves q and k, which are rotary outputs; the
+  // recipe is the kernel again over x, cos and sin. The backward saves cos and sin anyway but not
+  // x, so it marks only where x is (mostly) marked outputs to fold: q or k after their norm, or a
+  // join of them. The composite path marks nothing (its own ops record their graph).
+  static constexpr bool recomputable = true;
+  static TensorList recipe_inputs(const Args&, const Prep& p) {
+    const std::size_t bytes = p.x.defined() ? static_cast<std::size_t>(p.x.numel()) * dtype_size(p.x.dtype()) : 0;
+    if (p.composite || !autograd_detail::worth_a_recipe({p.x}, bytes)) return {};
+    return {p.x, p.cos, p.sin};
+  }
+  static const Tensor& recipe_output(const Result& r) {
+    static const Tensor none;
+    return r.fused ? r.out : none;
+  }
 };
 
 }  // namespace flame::op_detail

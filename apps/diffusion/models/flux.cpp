@@ -161,6 +161,7 @@ FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t heads, int64_t h
 
 std::pair<Tensor, Tensor> FluxTransformerBlock::forward(const Tensor& hidden, const Tensor& encoder, const Tensor& temb,
                                                         const RotaryEmbedding& rope) {
+  const nn::Module::CallScope scope(*this);
   const AdaLayerNormZeroOutput n = norm1->forward(hidden, temb);
   const AdaLayerNormZeroOutput c = norm1_context->forward(encoder, temb);
   const auto [a, ca] = attn->forward(n.x, c.x, rope);
@@ -181,6 +182,7 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t head
 }
 
 Tensor FluxSingleTransformerBlock::forward(const Tensor& x, const Tensor& temb, const RotaryEmbedding& rope) {
+  const nn::Module::CallScope scope(*this);
   const auto [nx, gate] = norm->forward(x, temb);
   const Tensor mlp = linear_gelu_tanh(*proj_mlp, nx);
   const Tensor a = attn->forward(nx, Tensor(), rope).first;

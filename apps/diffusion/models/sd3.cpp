@@ -202,6 +202,7 @@ SD35AdaLayerNormZeroX::SD35AdaLayerNormZeroX(int64_t embedding_dim, TensorOption
 }
 
 AdaLayerNormZeroXOutput SD35AdaLayerNormZeroX::forward(const Tensor& x, const Tensor& emb) {
+  const nn::Module::CallScope scope(*this);
   // shift, scale, gate (attention); shift, scale, gate (MLP); shift, scale, gate (attn2).
   const flame::TensorList m = linear->forward(emb.silu()).chunk(9, 1);
   return {{F::layer_norm_modulate(x, m[0], m[1], kNormEps), m[2], m[3], m[4], m[5]},
@@ -246,6 +247,7 @@ SD3JointTransformerBlock::SD3JointTransformerBlock(int64_t dim, int64_t heads, i
 
 std::pair<Tensor, Tensor> SD3JointTransformerBlock::forward(const Tensor& x, const Tensor& context,
                                                             const Tensor& temb) {
+  const nn::Module::CallScope scope(*this);
   AdaLayerNormZeroXOutput n;
   if (norm1_dual) {
     n = norm1_dual->forward(x, temb);

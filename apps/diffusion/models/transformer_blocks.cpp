@@ -34,6 +34,7 @@ CombinedTimestepTextProjEmbeddings::CombinedTimestepTextProjEmbeddings(int64_t e
 
 Tensor CombinedTimestepTextProjEmbeddings::forward(const Tensor& timestep, const Tensor& pooled,
                                                    const Tensor& guidance) {
+  const nn::Module::CallScope scope(*this);
   const char* op = "CombinedTimestepTextProjEmbeddings";
   FLAME_CHECK(pooled.dim() == 2 && pooled.size(1) == text_embedder->linear_1->in_features(), op,
               "pooled projections must be [B, ", text_embedder->linear_1->in_features(), "], got ",
@@ -56,6 +57,7 @@ AdaLayerNormZero::AdaLayerNormZero(int64_t embedding_dim, bool bias, TensorOptio
 }
 
 AdaLayerNormZeroOutput AdaLayerNormZero::forward(const Tensor& x, const Tensor& emb) {
+  const nn::Module::CallScope scope(*this);
   const flame::TensorList m = linear->forward(emb.silu()).chunk(6, 1);
   return {F::layer_norm_modulate(x, m[0], m[1], 1e-6), m[2], m[3], m[4], m[5]};
 }
@@ -66,6 +68,7 @@ AdaLayerNormZeroSingle::AdaLayerNormZeroSingle(int64_t embedding_dim, bool bias,
 }
 
 std::pair<Tensor, Tensor> AdaLayerNormZeroSingle::forward(const Tensor& x, const Tensor& emb) {
+  const nn::Module::CallScope scope(*this);
   const flame::TensorList m = linear->forward(emb.silu()).chunk(3, 1);
   return {F::layer_norm_modulate(x, m[0], m[1], 1e-6), m[2]};
 }
@@ -79,6 +82,7 @@ AdaLayerNormContinuous::AdaLayerNormContinuous(int64_t embedding_dim, int64_t co
 }
 
 Tensor AdaLayerNormContinuous::forward(const Tensor& x, const Tensor& cond) {
+  const nn::Module::CallScope scope(*this);
   // diffusers casts silu(cond) to x's dtype before the projection.
   const flame::TensorList m = linear->forward(cond.silu().to(x.dtype())).chunk(2, 1);  // scale, shift
   if (!affine_) return F::layer_norm_modulate(x, m[1], m[0], eps_);
@@ -160,6 +164,7 @@ JointAttention::JointAttention(const JointAttentionOptions& o, TensorOptions opt
 }
 
 std::pair<Tensor, Tensor> JointAttention::forward(const Tensor& x, const Tensor& context, const RotaryEmbedding& rope) {
+  const nn::Module::CallScope scope(*this);
   const JointAttentionOptions& o = options_;
   const char* op = "JointAttention";
   FLAME_CHECK(x.dim() == 3 && x.size(2) == o.query_dim, op, "expected x [B, L, ", o.query_dim, "], got ",
@@ -232,6 +237,7 @@ GeluTanhProjection::GeluTanhProjection(int64_t dim_in, int64_t dim_out, TensorOp
 }
 
 Tensor GeluTanhProjection::forward(const Tensor& x) {
+  const nn::Module::CallScope scope(*this);
   if (!proj->has_lora() || proj->merged()) return F::linear_gelu(x, proj->weight(), proj->bias());
   return proj->forward(x).gelu(true);
 }
@@ -245,6 +251,7 @@ GeluFeedForward::GeluFeedForward(int64_t dim, int64_t dim_out, int64_t mult, dou
 }
 
 Tensor GeluFeedForward::forward(const Tensor& x) {
+  const nn::Module::CallScope scope(*this);
   const auto& proj = std::static_pointer_cast<GeluTanhProjection>((*net)[0])->proj;
   const auto& out = std::static_pointer_cast<nn::Linear>((*net)[2]);
   const bool plain = (!proj->has_lora() || proj->merged()) && (!out->has_lora() || out->merged());

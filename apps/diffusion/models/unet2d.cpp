@@ -318,6 +318,7 @@ ResnetBlock2D::ResnetBlock2D(int64_t in_channels, int64_t out_channels, int64_t 
 }
 
 Tensor ResnetBlock2D::forward(const Tensor& x, const Tensor& temb) {
+  const nn::Module::CallScope scope(*this);
   // One statement per step: a temporary of a longer expression lives until the expression ends, a
   // full activation more at the peak of inference.
   Tensor h = norm1->forward(x);
@@ -347,6 +348,7 @@ Attention::Attention(int64_t query_dim, int64_t cross_attention_dim, int64_t hea
 }
 
 Tensor Attention::forward(const Tensor& x, const Tensor& context) {
+  const nn::Module::CallScope scope(*this);
   const Tensor& ctx = context.defined() ? context : x;
   FLAME_CHECK(x.dim() == 3 && ctx.dim() == 3 && ctx.size(0) == x.size(0) && ctx.size(2) == kv_dim_, "Attention",
               "expected x [B, L, ", to_q->in_features(), "] and context [B, S, ", kv_dim_, "], got x ",
@@ -396,6 +398,7 @@ BasicTransformerBlock::BasicTransformerBlock(int64_t dim, int64_t heads, int64_t
 }
 
 Tensor BasicTransformerBlock::forward(const Tensor& x, const Tensor& context) {
+  const nn::Module::CallScope scope(*this);
   Tensor h = x + attn1->forward(norm1->forward(x), Tensor());
   h = h + attn2->forward(norm2->forward(h), context);
   return h + ff->forward(norm3->forward(h));
@@ -425,6 +428,7 @@ Transformer2DModel::Transformer2DModel(int64_t heads, int64_t dim_head, int64_t 
 }
 
 Tensor Transformer2DModel::forward(const Tensor& x, const Tensor& context) {
+  const nn::Module::CallScope scope(*this);
   FLAME_CHECK(x.dim() == 4, "Transformer2DModel", "expected x [B, C, H, W], got ", x.dim(), "-d");
   const int64_t b = x.size(0), h = x.size(2), w = x.size(3);
   Tensor t = norm->forward(x);
@@ -512,6 +516,7 @@ UNetDownBlock::UNetDownBlock(const UNet2DConditionConfig& c, int64_t index, int6
 }
 
 Tensor UNetDownBlock::forward(const Tensor& x, const Tensor& temb, const Tensor& context, std::vector<Tensor>& skips) {
+  const nn::Module::CallScope scope(*this);
   Tensor h = x;
   for (std::size_t i = 0; i < resnets->size(); ++i) {
     h = run_resnet(checkpointing_, (*resnets)[i], h, temb);
@@ -541,6 +546,7 @@ UNetMidBlock2DCrossAttn::UNetMidBlock2DCrossAttn(const UNet2DConditionConfig& c,
 }
 
 Tensor UNetMidBlock2DCrossAttn::forward(const Tensor& x, const Tensor& temb, const Tensor& context) {
+  const nn::Module::CallScope scope(*this);
   Tensor h = run_resnet(checkpointing_, (*resnets)[0], x, temb);
   for (std::size_t i = 0; i < attentions->size(); ++i) {
     h = run_attention((*attentions)[i], h, context);
@@ -582,6 +588,7 @@ UNetUpBlock::UNetUpBlock(const UNet2DConditionConfig& c, int64_t index, TensorOp
 
 Tensor UNetUpBlock::forward(const Tensor& x, const Tensor& temb, const Tensor& context, std::vector<Tensor>& skips,
                             const Shape& upsample_size) {
+  const nn::Module::CallScope scope(*this);
   Tensor h = x;
   for (std::size_t i = 0; i < resnets->size(); ++i) {
     FLAME_CHECK(!skips.empty(), "UNetUpBlock", "no skip connection left for resnet ", i);

@@ -23,6 +23,7 @@
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
+//                     [--group op|module|op_and_module]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
 //       are those of the CUDA step): one JSON line per RecomputeCheap setting with
 //       autograd_saved_bytes of the loss, the memory live after the forward by the op that made it,
@@ -59,7 +60,8 @@ const char* kUsage =
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
     "                    [--recompute 0] [--device cuda]\n"
-    "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n";
+    "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
+    "                    [--group op|module|op_and_module]\n";
 
 using flame_diffusion::tools::flag_or;
 using flame_diffusion::tools::int_list;
@@ -67,7 +69,8 @@ using flame_diffusion::tools::parse_device;
 using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
-                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute"};
+                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
+                                         "group"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -293,6 +296,11 @@ int saved(const std::map<std::string, std::string>& f) {
   const int64_t text = int_list("text", flag_or(f, "text", "64")).at(0);
   const int64_t rank = int_list("rank", flag_or(f, "rank", "16")).at(0);
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
+  const std::string group = flag_or(f, "group", "op");
+  flame::profiler::GroupBy by = flame::profiler::GroupBy::op;
+  if (group == "module") by = flame::profiler::GroupBy::module;
+  else if (group == "op_and_module") by = flame::profiler::GroupBy::op_and_module;
+  else if (group != "op") throw std::runtime_error("--group must be op, module or op_and_module, not '" + group + "'");
   // The fused attention saves what the CUDA step saves (outputs and row statistics, no weights).
   flame::nn::functional::SdpaBackendGuard fused(flame::nn::functional::SdpaBackend::fused);
   for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0,1"))) {
@@ -307,23 +315,26 @@ int saved(const std::map<std::string, std::string>& f) {
       for (const auto& s : prof.summary()) {
         if (s.device == device) forward_bytes = s.end_bytes - s.start_bytes;
       }
-      groups = prof.live_groups(device, flame::profiler::GroupBy::op);
+      groups = prof.live_groups(device, by);
       (void)loss.backward();
     }
     for (const auto& s : prof.summary()) {
       if (s.device == device) peak = s.peak_bytes - s.start_bytes;
     }
-    std::string by_op;
+    std::string by_group;
     for (const auto& g : groups) {
       if (g.phase == "before") continue;  // held since before the forward (weights, inputs)
-      by_op += (by_op.empty() ? "" : ", ") + std::string("\"") + g.op + "\": " + std::to_string(g.bytes);
+      const std::string key = by == flame::profiler::GroupBy::op       ? g.op
+                              : by == flame::profiler::GroupBy::module ? g.module
+                                                                       : g.op + " @ " + g.module;
+      by_group += (by_group.empty() ? "" : ", ") + std::string("\"") + key + "\": " + std::to_string(g.bytes);
     }
     std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_saved\", \"latent\": %lld, \"text\": %lld, "
                 "\"recompute_cheap\": %s, \"saved_bytes\": %zu, \"forward_live_bytes\": %zu, "
-                "\"step_peak_above_start_bytes\": %zu, \"forward_live_by_op\": {%s}}\n",
+                "\"step_peak_above_start_bytes\": %zu, \"forward_live_by_%s\": {%s}}\n",
                 name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                 static_cast<long long>(text), recompute ? "true" : "false", saved_bytes, forward_bytes, peak,
-                by_op.c_str());
+                group.c_str(), by_group.c_str());
     std::fflush(stdout);
   }
   return 0;

@@ -74,6 +74,21 @@ class Module : public std::enable_shared_from_this<Module> {
   // forward(x). While a memory profiler records or anomaly mode is on, allocations and anomalies
   // inside are attributed to this module's path (docs/profiling.md).
   Tensor operator()(const Tensor& x);
+  // The attribution operator() gives, for a forward called directly (one taking several inputs):
+  // while a CallScope lives, allocations and anomalies are attributed to `module`'s path.
+  //   std::pair<Tensor, Tensor> Block::forward(const Tensor& x, const Tensor& c) {
+  //     const CallScope scope(*this);
+  //     ...
+  class CallScope {
+   public:
+    explicit CallScope(const Module& module);
+    ~CallScope();
+    CallScope(const CallScope&) = delete;
+    CallScope& operator=(const CallScope&) = delete;
+
+   private:
+    void* ctx_ = nullptr;  // the thread's profiler context it pushed onto, or null
+  };
   // The dotted name from the root this module was first registered under, e.g. "blocks.3.attn"
   // ("" for a root); follows the first parent of a shared module.
   std::string path() const;
