@@ -120,8 +120,10 @@ struct Conditioning {
 
 using Encode = std::function<PromptEmbeddings(const std::vector<std::string>&)>;
 
-Conditioning flux_conditioning(const Encode& encode, const GenerateOptions& o) {
-  const PromptEmbeddings e = encode(o.prompts);
+// The prompts' embeddings, or with negative: the negative prompt's, one row per image.
+Conditioning flux_conditioning(const Encode& encode, const GenerateOptions& o, bool negative = false) {
+  const PromptEmbeddings e =
+      encode(negative ? std::vector<std::string>(o.prompts.size(), *o.negative_prompt) : o.prompts);
   return {repeat_rows(e.states, o.images_per_prompt), repeat_rows(e.pooled, o.images_per_prompt), {}};
 }
 
@@ -265,8 +267,15 @@ GenerateOptions resolve_generate_options(const Pipeline& p, GenerateOptions o) {
   FLAME_CHECK(o.steps >= 1 && o.steps <= 1000, kGenerate, "steps is ", o.steps, "; give 1 to 1000");
   if (o.guidance == 0) o.guidance = fam == "flux" ? 3.5 : fam == "sd3" ? 7.0 : 5.0;
   FLAME_CHECK(o.guidance >= 0 && o.guidance <= 100, kGenerate, "guidance is ", o.guidance, "; give 0 to 100");
-  FLAME_CHECK(fam != "flux" || !o.negative_prompt, kGenerate,
-              "FLUX takes no negative prompt (its guidance is the distilled guidance embedding)");
+  FLAME_CHECK(o.true_cfg_scale >= 0 && o.true_cfg_scale <= 100, kGenerate, "true_cfg_scale is ", o.true_cfg_scale,
+              "; give 0 to 100 (1: no true CFG)");
+  FLAME_CHECK(fam == "flux" || o.true_cfg_scale == 1.0, kGenerate, "true_cfg_scale ", o.true_cfg_scale,
+              " is FLUX's; ", fam, "'s classifier-free guidance scale is `guidance`");
+  FLAME_CHECK(fam != "flux" || !o.negative_prompt || o.true_cfg_scale > 1.0, kGenerate,
+              "FLUX uses a negative prompt only for true classifier-free guidance: give true_cfg_scale > 1 "
+              "(e.g. 4; each step then runs the transformer twice), or no negative prompt");
+  FLAME_CHECK(fam != "flux" || o.true_cfg_scale <= 1.0 || o.negative_prompt, kGenerate, "true_cfg_scale ",
+              o.true_cfg_scale, " needs a negative prompt (\"\" is one), as FluxPipeline's true CFG does");
   if (fam == "sdxl") {
     if (o.sampler.empty()) o.sampler = "euler";
     const std::vector<std::string> names = discrete_sampler_names();
@@ -347,6 +356,11 @@ Tensor generate(Pipeline& p, const GenerateOptions& options) {
 
   if (p.family == "flux") {
     const Conditioning cond = flux_conditioning(encode, o);
+    const bool true_cfg = o.true_cfg_scale > 1.0;
+    const Conditioning neg = true_cfg ? flux_conditioning(encode, o, true) : Conditioning{};
+    FLAME_CHECK(!true_cfg || neg.states.sizes() == cond.states.sizes(), kGenerate,
+                "the negative prompt's embeddings ", neg.states.sizes(), " differ in shape from the prompts' ",
+                cond.states.sizes(), " (both are padded to max_sequence_length)");
     FlowMatchEulerDiscreteScheduler s(*p.flow_config);
     Tensor x = pack_latents(latents);
     s.set_flux_timesteps(o.steps, x.size(1));
@@ -356,7 +370,11 @@ Tensor generate(Pipeline& p, const GenerateOptions& options) {
                                 : Tensor();
     for (int64_t i = 0; i < s.num_steps(); ++i) {
       const Tensor t = Tensor::full({n}, s.timesteps()[i], {DType::f32, p.device}).to(x.dtype()) / 1000.0;
-      const Tensor v = p.flux->forward(x, cond.states, cond.pooled, t, img_ids, txt_ids, guidance);
+      Tensor v = p.flux->forward(x, cond.states, cond.pooled, t, img_ids, txt_ids, guidance);
+      if (true_cfg) {  // diffusers: a second pass on the negative prompt, then neg + scale * (cond - neg)
+        const Tensor vn = p.flux->forward(x, neg.states, neg.pooled, t, img_ids, txt_ids, guidance);
+        v = vn + (v - vn) * o.true_cfg_scale;
+      }
       x = s.step(v, x);
       if (o.on_step) o.on_step(i + 1, s.num_steps());
     }

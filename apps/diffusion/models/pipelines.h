@@ -10,9 +10,11 @@
 // Each family encodes the prompts as its diffusers pipeline does:
 //   FLUX   CLIP-L's pooled output (CLIPTextModel, tokenizer/) and T5's last hidden state (no
 //          attention mask, max_sequence_length tokens, tokenizer_2/); the guidance scale enters the
-//          transformer's guidance embedding (no CFG); latents [N, 16, H/8, W/8] are packed 2x2 into
-//          tokens; the flow-match Euler sigmas are linspace(1, 1/steps, steps) shifted by mu =
-//          flux_mu(token count).
+//          transformer's guidance embedding; latents [N, 16, H/8, W/8] are packed 2x2 into tokens;
+//          the flow-match Euler sigmas are linspace(1, 1/steps, steps) shifted by mu =
+//          flux_mu(token count). True CFG (diffusers' true_cfg_scale) with a negative prompt: a
+//          second transformer pass per step on the negative prompt's embeddings (same latents,
+//          timestep and guidance), out = neg + true_cfg_scale * (cond - neg).
 //   SD3    CLIP-L and bigG (with projection): penultimate hidden states concatenated on the feature
 //          axis and zero-padded to T5's width, then T5's states appended on the sequence axis; the
 //          two pooled projections concatenated. CFG with the negative prompt ("" when none): one
@@ -107,10 +109,14 @@ PromptEmbeddings encode_prompts(Pipeline& pipe, const std::vector<std::string>& 
 
 struct GenerateOptions {
   std::vector<std::string> prompts;
-  std::optional<std::string> negative_prompt;  // SD3 / SDXL (FLUX: rejected)
+  // SD3 / SDXL: CFG's negative prompt. FLUX: true CFG's, which needs true_cfg_scale > 1.
+  std::optional<std::string> negative_prompt;
   int64_t steps = 0;                            // 0: 28 (FLUX-dev, SD3), 4 (FLUX-schnell), 30 (SDXL)
   // FLUX: the guidance embedding's value (0: 3.5). SD3 / SDXL: the CFG scale (0: 7.0 / 5.0).
   double guidance = 0;
+  // FLUX only: true classifier-free guidance when > 1 (needs negative_prompt; twice the transformer
+  // passes), as FluxPipeline's true_cfg_scale; 1: none.
+  double true_cfg_scale = 1.0;
   // FLUX / SD3: "" or "euler" (flow-match Euler). SDXL: "" (euler), euler, euler-karras, euler-a,
   // dpm++2m, dpm++2m-karras.
   std::string sampler;

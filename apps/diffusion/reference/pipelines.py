@@ -18,8 +18,8 @@ Writes apps/diffusion/tests/data/models/pipelines-tiny/:
   reference.safetensors     per case: "<case>.latents" (the initial latents given to the pipeline:
                             packed for FLUX), "<case>.image" (the pipeline's output_type="pt" image, in
                             [0, 1]); metadata "cases": "<case>:<family>:<sampler>:<steps>:<guidance>:
-                            <negative prompt or '-' for none>:<LoRA file of lora/ or '-'>" and
-                            "prompts" (joined by '|').
+                            <negative prompt or '-' for none>:<LoRA file of lora/ or '-'>:<FLUX's
+                            true_cfg_scale>" and "prompts" (joined by '|').
   lora/flux.safetensors, lora/sdxl.safetensors
                             random rank-4 adapters written by the pipelines' save_lora_weights (the
                             diffusers layout), loaded with load_lora_weights for the LoRA cases.
@@ -57,17 +57,19 @@ PROMPTS = ["a red cat on a wooden table", "a photo of the moon over the sea at n
 HEIGHT, WIDTH = 16, 24
 CLIP_MAX = 16  # the tiny CLIPs' max_position_embeddings and their tokenizers' model_max_length
 T5_MAX = 20    # max_sequence_length given to the FLUX and SD3 pipelines
-# (case, family, sampler, steps, guidance, negative prompt or None, LoRA file or None). A LoRA case
-# gives the denoiser a rank-4 PEFT adapter with random A and B (seeded), writes it with the
-# pipeline's save_lora_weights (diffusers layout) into lora/, and runs a fresh pipeline after
-# load_lora_weights.
+# (case, family, sampler, steps, guidance, negative prompt or None, LoRA file or None, FLUX's
+# true_cfg_scale). A LoRA case gives the denoiser a rank-4 PEFT adapter with random A and B (seeded),
+# writes it with the pipeline's save_lora_weights (diffusers layout) into lora/, and runs a fresh
+# pipeline after load_lora_weights. New cases go last: each case's latents are the next draws of
+# one generator, so the earlier cases' stay the same.
 CASES = [
-    ("flux", "flux", "flow-euler", 3, 3.5, None, None),
-    ("sd3", "sd3", "flow-euler", 3, 4.5, "blurry, dark", None),
-    ("sdxl_euler", "sdxl", "euler", 3, 5.0, "blurry, dark", None),
-    ("sdxl_dpm_karras", "sdxl", "dpm++2m-karras", 4, 6.0, None, None),
-    ("flux_lora", "flux", "flow-euler", 3, 3.5, None, "flux.safetensors"),
-    ("sdxl_lora", "sdxl", "euler", 3, 5.0, None, "sdxl.safetensors"),
+    ("flux", "flux", "flow-euler", 3, 3.5, None, None, 1.0),
+    ("sd3", "sd3", "flow-euler", 3, 4.5, "blurry, dark", None, 1.0),
+    ("sdxl_euler", "sdxl", "euler", 3, 5.0, "blurry, dark", None, 1.0),
+    ("sdxl_dpm_karras", "sdxl", "dpm++2m-karras", 4, 6.0, None, None, 1.0),
+    ("flux_lora", "flux", "flow-euler", 3, 3.5, None, "flux.safetensors", 1.0),
+    ("sdxl_lora", "sdxl", "euler", 3, 5.0, None, "sdxl.safetensors", 1.0),
+    ("flux_true_cfg", "flux", "flow-euler", 3, 3.5, "blurry, dark", None, 4.0),
 ]
 PIPELINES = {"flux": FluxPipeline, "sd3": StableDiffusion3Pipeline, "sdxl": StableDiffusionXLPipeline}
 
@@ -284,7 +286,7 @@ def dedupe(out):
 def run(out):
     tensors, names = {}, []
     g = torch.Generator().manual_seed(31)
-    for case, family, sampler, steps, guidance, negative, lora in CASES:
+    for case, family, sampler, steps, guidance, negative, lora, true_cfg in CASES:
         path = os.path.join(out, family)
         if lora:
             write_lora(out, family, lora, 40 + len(names))
@@ -295,7 +297,7 @@ def run(out):
                 assert torch.equal(stored["text_model." + k.removeprefix("text_model.")].float(), v), k
             c, h, w = 16, HEIGHT // 2, WIDTH // 2
             latents = FluxPipeline._pack_latents(torch.randn(len(PROMPTS), c, h, w, generator=g), len(PROMPTS), c, h, w)
-            kw = dict(max_sequence_length=T5_MAX)
+            kw = dict(max_sequence_length=T5_MAX, negative_prompt=negative, true_cfg_scale=true_cfg)
         elif family == "sd3":
             pipe = StableDiffusion3Pipeline.from_pretrained(path, torch_dtype=torch.float32)
             latents = torch.randn(len(PROMPTS), 16, HEIGHT // 2, WIDTH // 2, generator=g)
@@ -315,7 +317,7 @@ def run(out):
         tensors[f"{case}.latents"] = latents.contiguous()
         tensors[f"{case}.image"] = image.float().contiguous()
         names.append(f"{case}:{family}:{sampler}:{steps}:{guidance}:{'-' if negative is None else negative}:"
-                     f"{lora or '-'}")
+                     f"{lora or '-'}:{true_cfg}")
         print(f"{case}: image {tuple(image.shape)} mean {image.mean().item():.4f} std {image.std().item():.4f}")
     path = os.path.join(out, "reference.safetensors")
     save_file(tensors, path, metadata={"cases": "|".join(names), "prompts": "|".join(PROMPTS),

@@ -278,8 +278,14 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     return fm::TextTensors{{"states", e.states}, {"pooled", e.pooled}};
   };
   std::vector<std::string> sample_texts = cfg.sample.prompts;
-  const bool negative = family != "flux" && !cfg.sample.prompts.empty() && cfg.sample.guidance > 1.0 &&
-                        (!cfg.sample.negative_prompt.empty() || family == "sd3");
+  if (family != "flux" && cfg.sample.true_cfg_scale != 1.0) {
+    throw std::runtime_error("sample.true_cfg_scale = " + std::to_string(cfg.sample.true_cfg_scale) +
+                             ": true CFG is FLUX's; " + family + " samples use sample.guidance as their CFG scale");
+  }
+  const bool flux_true_cfg = family == "flux" && cfg.sample.true_cfg_scale > 1.0;
+  const bool negative = !cfg.sample.prompts.empty() &&
+                        (flux_true_cfg || (family != "flux" && cfg.sample.guidance > 1.0 &&
+                                           (!cfg.sample.negative_prompt.empty() || family == "sd3")));
   if (negative) sample_texts.push_back(cfg.sample.negative_prompt);
   if (cfg.cache.text_embeddings) {
     if (cfg.dataset.shuffle_tags)
@@ -571,7 +577,10 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     model.eval();
     fm::GenerateOptions g;
     g.prompts = cfg.sample.prompts;
-    if (family != "flux" && !cfg.sample.negative_prompt.empty()) g.negative_prompt = cfg.sample.negative_prompt;
+    if ((family != "flux" && !cfg.sample.negative_prompt.empty()) || flux_true_cfg) {
+      g.negative_prompt = cfg.sample.negative_prompt;
+    }
+    if (flux_true_cfg) g.true_cfg_scale = cfg.sample.true_cfg_scale;
     g.steps = cfg.sample.steps;
     g.guidance = cfg.sample.guidance;
     g.seed = static_cast<uint64_t>(cfg.sample.seed);

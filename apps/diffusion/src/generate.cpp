@@ -116,10 +116,13 @@ void add_generate_flags(CLI::App* cmd, GenerateConfig& c) {
   cmd->add_option("--t5", c.t5, "T5-XXL single file replacing the folder's T5 (FLUX, SD3)");
   cmd->add_option("--lora", c.lora, "LoRA file of the transformer / UNet (PEFT, diffusers or kohya layout)");
   cmd->add_option("--prompt", c.prompts, "a prompt (repeat for more; each is one row of the grid)")->required();
-  cmd->add_option("--negative-prompt", c.negative_prompt, "what to steer away from (SD3, SDXL)");
+  cmd->add_option("--negative-prompt", c.negative_prompt,
+                  "what to steer away from (SD3, SDXL; FLUX: with --cfg above 1, true CFG)");
   cmd->add_option("--steps", c.steps, "denoising steps (default 28 FLUX / SD3, 30 SDXL)")
       ->check(int_in("--steps", 1, 1000, "an integer from 1 to 1000"));
-  cmd->add_option("--cfg", c.cfg, "classifier-free guidance scale of SD3 / SDXL (default 7 / 5; 1: none)")
+  cmd->add_option("--cfg", c.cfg,
+                  "classifier-free guidance scale of SD3 / SDXL (default 7 / 5; 1: none); FLUX: true CFG "
+                  "with --negative-prompt (diffusers' true_cfg_scale, e.g. 4; two passes per step)")
       ->check(real_in("--cfg", 0, 100, false, false, "a number from 0 to 100"));
   cmd->add_option("--guidance", c.guidance, "FLUX's guidance (default 3.5); for SD3 / SDXL the same as --cfg")
       ->check(real_in("--guidance", 0, 100, false, false, "a number from 0 to 100"));
@@ -153,10 +156,6 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
                                    {"--clip-g", &c.clip_g}, {"--t5", &c.t5}, {"--lora", &c.lora}}) {
     if (!path->empty() && !fs::exists(*path)) throw UsageError(std::string(flag) + " " + *path + ": no such file");
   }
-  if (cmd.count("--cfg") && cmd.count("--guidance") && c.cfg != c.guidance) {
-    throw UsageError("--cfg " + std::to_string(c.cfg) + " and --guidance " + std::to_string(c.guidance) +
-                     " disagree; give one");
-  }
   try {
     check_output_image_path(c.out, "--out");
   } catch (const std::exception& e) {
@@ -188,11 +187,18 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   const std::shared_ptr<fm::Pipeline> pipe = fm::load_pipeline(lo);
   if (unet_given && pipe->family != "sdxl") throw UsageError("--unet: the " + pipe->family + " pipeline has a transformer; use --transformer");
   if (transformer_given && pipe->family == "sdxl") throw UsageError("--transformer: SDXL has a UNet; use --unet");
-  if (pipe->family == "flux" && cmd.count("--cfg")) {
-    throw UsageError("--cfg: FLUX has no classifier-free guidance; --guidance sets its guidance embedding");
+  if (pipe->family != "flux" && cmd.count("--cfg") && cmd.count("--guidance") && c.cfg != c.guidance) {
+    throw UsageError("--cfg " + std::to_string(c.cfg) + " and --guidance " + std::to_string(c.guidance) +
+                     " disagree; give one (for " + pipe->family + " both are the CFG scale)");
   }
-  if (pipe->family == "flux" && c.has_negative_prompt) {
-    throw UsageError("--negative-prompt: FLUX takes no negative prompt");
+  // FLUX: --guidance is the guidance embedding; --cfg > 1 with a negative prompt is true CFG.
+  const bool flux_cfg = pipe->family == "flux" && cmd.count("--cfg") && c.cfg > 1.0;
+  if (pipe->family == "flux" && flux_cfg != c.has_negative_prompt) {
+    throw UsageError(flux_cfg ? "--cfg " + std::to_string(c.cfg) +
+                                    ": FLUX's true classifier-free guidance needs --negative-prompt (\"\" is one); "
+                                    "--guidance sets its guidance embedding"
+                              : std::string("--negative-prompt: FLUX uses a negative prompt only for true "
+                                            "classifier-free guidance; give --cfg above 1 (e.g. 4) as well"));
   }
   if (!pipe->lora_skipped.empty()) {
     std::fprintf(stderr, "generate: %zu key(s) of %s not loaded (text encoder adapters), e.g. %s\n",
@@ -204,7 +210,12 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   o.prompts = c.prompts;
   if (c.has_negative_prompt) o.negative_prompt = c.negative_prompt;
   o.steps = c.steps;
-  o.guidance = cmd.count("--cfg") ? c.cfg : c.guidance;
+  if (pipe->family == "flux") {
+    o.guidance = c.guidance;
+    if (flux_cfg) o.true_cfg_scale = c.cfg;
+  } else {
+    o.guidance = cmd.count("--cfg") ? c.cfg : c.guidance;
+  }
   o.sampler = c.sampler;
   o.seed = c.seed;
   o.width = c.width;

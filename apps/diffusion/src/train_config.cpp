@@ -188,11 +188,16 @@ std::vector<ConfigKey> build_table() {
              "a checkpoint folder to resume from (empty: a fresh run; \"latest\": the output folder's newest)"),
       // [sample]
       FD_KEY("sample.prompts", sample.prompts, Strings{}, "prompts of the sample images written while training"),
-      FD_KEY("sample.negative_prompt", sample.negative_prompt, "", "the negative prompt (SD3, SDXL)"),
+      FD_KEY("sample.negative_prompt", sample.negative_prompt, "",
+             "the negative prompt (SD3, SDXL; FLUX: with sample.true_cfg_scale above 1)"),
       FD_KEY("sample.every", sample.every, 0, "steps between sample images (0: none)", kNonNegative),
       FD_KEY("sample.steps", sample.steps, 28, "denoising steps of each sample", in_range(1, 1000)),
       FD_KEY("sample.guidance", sample.guidance, 3.5, "guidance scale (FLUX's guidance input, CFG for SD3 and SDXL)",
              kNonNegative),
+      FD_KEY("sample.true_cfg_scale", sample.true_cfg_scale, 1.0,
+             "FLUX: true classifier-free guidance with sample.negative_prompt when above 1 (diffusers' "
+             "true_cfg_scale; two passes per step); 1: none",
+             in_range(0.0, 100.0)),
       FD_KEY("sample.seed", sample.seed, 0, "the samples' noise seed", kNonNegative),
       FD_KEY("sample.width", sample.width, 0, "sample width (0: dataset.resolution)", in_range(0, 8192)),
       FD_KEY("sample.height", sample.height, 0, "sample height (0: dataset.resolution)", in_range(0, 8192)),

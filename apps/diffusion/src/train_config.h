@@ -91,6 +91,7 @@ struct FinetuneSampleConfig {
   int64_t every = 0;
   int64_t steps = 0;
   double guidance = 0.0;
+  double true_cfg_scale = 1.0;  // FLUX: true CFG with negative_prompt when > 1
   int64_t seed = 0;
   int64_t width = 0, height = 0;
 };

@@ -107,6 +107,38 @@ TEST(CliGenerate, WritesTheCaptionedGridOfTheLibraryImages) {
   fs::remove_all(dir);
 }
 
+// FLUX's true CFG: --cfg above 1 with --negative-prompt is GenerateOptions::true_cfg_scale, and
+// --guidance stays the guidance embedding.
+TEST(CliGenerate, FluxTrueCfgIsTheLibrarysTrueCfg) {
+  const fs::path dir = fd_test::fresh_temp_dir("cli_generate", "flux_true_cfg");
+  const std::string png = (dir / "grid.png").string();
+  const Result r = generate(dir, {"--model", (pipelines_dir() / "flux").string(), "--prompt", "a red cat",
+                                  "--negative-prompt", "dark", "--cfg", "4", "--guidance", "3", "--steps", "2",
+                                  "--width", "16", "--height", "16", "--max-sequence-length", "12", "--seed", "5",
+                                  "--out", png});
+  ASSERT_EQ(r.status, 0) << r.err;
+  auto pipe = fm::load_pipeline({.path = (pipelines_dir() / "flux").string()});
+  fm::GenerateOptions o;
+  o.prompts = {"a red cat"};
+  o.negative_prompt = "dark";
+  o.true_cfg_scale = 4;
+  o.guidance = 3;
+  o.steps = 2;
+  o.width = 16;
+  o.height = 16;
+  o.max_sequence_length = 12;
+  o.seed = 5;
+  const flame_diffusion::Image want = flame_diffusion::caption_grid(fm::generate(*pipe, o), {"a red cat"}, 1);
+  const flame_diffusion::Image got = flame_diffusion::decode_image(png);
+  ASSERT_EQ(got.width, want.width);
+  ASSERT_EQ(got.height, want.height);
+  EXPECT_EQ(got.pixels, want.pixels);
+  o.negative_prompt.reset();  // without true CFG the image is another
+  o.true_cfg_scale = 1;
+  EXPECT_NE(flame_diffusion::caption_grid(fm::generate(*pipe, o), {"a red cat"}, 1).pixels, got.pixels);
+  fs::remove_all(dir);
+}
+
 TEST(CliGenerate, FluxSD35AndSdxlLoraRun) {
   const fs::path dir = fd_test::fresh_temp_dir("cli_generate", "flux_sd3");
   for (const char* family : {"flux", "sd3"}) {
@@ -136,8 +168,9 @@ TEST(CliGenerate, MistakesNameTheFlag) {
     std::string wanted;
   };
   const std::vector<Case> cases = {
-      {{"--model", flux, "--prompt", "x", "--cfg", "3", "--out", out}, "--cfg: FLUX has no classifier-free guidance"},
-      {{"--model", flux, "--prompt", "x", "--negative-prompt", "y", "--out", out}, "--negative-prompt"},
+      {{"--model", flux, "--prompt", "x", "--cfg", "3", "--out", out}, "needs --negative-prompt"},
+      {{"--model", flux, "--prompt", "x", "--negative-prompt", "y", "--out", out}, "give --cfg above 1"},
+      {{"--model", flux, "--prompt", "x", "--negative-prompt", "y", "--cfg", "1", "--out", out}, "--negative-prompt"},
       {{"--model", (dir / "missing").string(), "--prompt", "x"}, "--model"},
       {{"--model", sdxl, "--prompt", "x", "--vae", (dir / "vae.safetensors").string()}, "--vae"},
       {{"--model", sdxl, "--prompt", "x", "--sampler", "ddim", "--out", out}, "dpm++2m-karras"},

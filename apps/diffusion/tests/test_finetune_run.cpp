@@ -158,8 +158,11 @@ TEST(FinetuneRun, FluxCachesCheckpointResumeSamplesAndLoraFiles) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "flux");
   const fs::path images = make_images(dir);
 
-  // One uninterrupted run: caches built, 4 steps, samples at the end, both LoRA layouts.
+  // One uninterrupted run: caches built, 4 steps, samples at the end (with true CFG: the negative
+  // prompt's embeddings come from the text cache too), both LoRA layouts.
   fd::FinetuneConfig c = tiny_config("flux", images, dir / "a");
+  c.sample.negative_prompt = "blurry";
+  c.sample.true_cfg_scale = 3.0;
   const fd::FinetuneRunResult a = run(c);
   ASSERT_EQ(a.losses.size(), 4u);
   for (double l : a.losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;

@@ -1,8 +1,9 @@
 // models/pipelines.h against diffusers 0.42 (issue #31, item 5): the tiny FLUX, SD3.5 and SDXL
 // pipeline folders of apps/diffusion/reference/pipelines.py (random components in the families'
 // layouts, bf16 weights run in f32 on the CPU) with the same prompts, initial latents, steps and
-// guidance give diffusers' output images (FLUX: guidance embedding; SD3.5: CFG with a negative
-// prompt; SDXL: Euler with a negative prompt, DPM++ 2M Karras with zeroed negative embeddings).
+// guidance give diffusers' output images (FLUX: guidance embedding, and true CFG with a negative
+// prompt; SD3.5: CFG with a negative prompt; SDXL: Euler with a negative prompt, DPM++ 2M Karras
+// with zeroed negative embeddings).
 // Suite Pipelines.
 #include <gtest/gtest.h>
 
@@ -60,15 +61,16 @@ std::shared_ptr<fm::Pipeline> load(const std::string& family, const std::string&
   return p;
 }
 
-// Runs one reference case ("<case>:<family>:<sampler>:<steps>:<guidance>:<negative>:<lora>")
+// Runs one reference case ("<case>:<family>:<sampler>:<steps>:<guidance>:<negative>:<lora>:<true_cfg>")
 // through FLAME; without_lora: the same run with no LoRA.
 Tensor run_case(const std::string& spec, std::string* name, bool without_lora = false) {
   const std::vector<std::string> f = split(spec, ':');
-  EXPECT_EQ(f.size(), 7u) << spec;
+  EXPECT_EQ(f.size(), 8u) << spec;
   const Reference& r = reference();
   *name = f[0];
   const std::string family = f[1];
-  std::shared_ptr<fm::Pipeline> pipe = load(family, f[6] == "-" || without_lora ? "" : f[6]);
+  const std::string lora = f[6];
+  std::shared_ptr<fm::Pipeline> pipe = load(family, lora == "-" || without_lora ? "" : lora);
   EXPECT_EQ(pipe->family, family);
   fm::GenerateOptions o;
   o.prompts = split(r.meta.at("prompts"), '|');
@@ -79,6 +81,7 @@ Tensor run_case(const std::string& spec, std::string* name, bool without_lora = 
   o.steps = std::stoll(f[3]);
   o.guidance = std::stod(f[4]);
   if (f[5] != "-") o.negative_prompt = f[5];
+  o.true_cfg_scale = std::stod(f[7]);
   Tensor latents = r.t.at(f[0] + ".latents");
   if (family == "flux") latents = fm::unpack_latents(latents, o.height / 2, o.width / 2);
   o.latents = latents;
@@ -91,9 +94,9 @@ TEST(Pipelines, TinyFluxSD35AndSdxlMatchDiffusers) {
   const fd_test::ConvTf32Off full_f32;  // SDXL's VAE and UNet convolutions on CUDA
   const Reference& r = reference();
   const std::vector<std::string> cases = split(r.meta.at("cases"), '|');
-  ASSERT_EQ(cases.size(), 6u);
+  ASSERT_EQ(cases.size(), 7u);
   for (const std::string& spec : cases) {
-    if (split(spec, ':').back() != "-") continue;  // the LoRA cases: their own test
+    if (split(spec, ':').at(6) != "-") continue;  // the LoRA cases: their own test
     std::string name;
     const Tensor image = run_case(spec, &name);
     const Tensor want = r.t.at(name + ".image");
@@ -114,7 +117,7 @@ TEST(Pipelines, DiffusersLoraFilesGiveDiffusersImages) {
   const Reference& r = reference();
   int n = 0;
   for (const std::string& spec : split(r.meta.at("cases"), '|')) {
-    if (split(spec, ':').back() == "-") continue;
+    if (split(spec, ':').at(6) == "-") continue;
     ++n;
     std::string name;
     const Tensor image = run_case(spec, &name);
@@ -125,6 +128,29 @@ TEST(Pipelines, DiffusersLoraFilesGiveDiffusersImages) {
     EXPECT_GT(fd_test::max_abs_diff(run_case(spec, &name, true), want), 1e-3) << name << ": the LoRA changed nothing";
   }
   EXPECT_EQ(n, 2);
+}
+
+// FLUX's true CFG (diffusers' true_cfg_scale with a negative prompt; its image is checked against
+// diffusers' above) moves the image away from the plain run on the same latents.
+TEST(Pipelines, FluxTrueCfgChangesTheImage) {
+  FD_SKIP_IF_NO_DEVICE();
+  std::string spec;
+  for (const std::string& c : split(reference().meta.at("cases"), '|')) {
+    if (c.rfind("flux_true_cfg:", 0) == 0) spec = c;
+  }
+  ASSERT_FALSE(spec.empty()) << "no flux_true_cfg case in the reference";
+  std::vector<std::string> f = split(spec, ':');
+  ASSERT_EQ(f.size(), 8u);
+  ASSERT_NE(f[5], "-");
+  ASSERT_GT(std::stod(f[7]), 1.0);
+  std::string name;
+  const Tensor guided = run_case(spec, &name);
+  f[5] = "-";
+  f[7] = "1";
+  std::string plain_spec = f[0];
+  for (std::size_t i = 1; i < f.size(); ++i) plain_spec += ":" + f[i];
+  const Tensor plain = run_case(plain_spec, &name);
+  EXPECT_GT(fd_test::max_abs_diff(guided, plain), 1e-3);
 }
 
 // The seed fixes the noise: the same seed gives the same images, another seed others; each
@@ -195,9 +221,12 @@ TEST(Pipelines, BadInputNamesTheSetting) {
   o.prompts = {"a cat"};
   o.width = 16;
   o.height = 16;
-  o.negative_prompt = "dark";
-  EXPECT_NE(fd_test::error_of([&] { fm::generate(*flux, o); }).find("negative prompt"), std::string::npos);
+  o.negative_prompt = "dark";  // FLUX: only with true CFG
+  EXPECT_NE(fd_test::error_of([&] { fm::generate(*flux, o); }).find("true_cfg_scale > 1"), std::string::npos);
   o.negative_prompt.reset();
+  o.true_cfg_scale = 4;
+  EXPECT_NE(fd_test::error_of([&] { fm::generate(*flux, o); }).find("needs a negative prompt"), std::string::npos);
+  o.true_cfg_scale = 1;
   o.width = 18;
   EXPECT_NE(fd_test::error_of([&] { fm::generate(*flux, o); }).find("multiples of 4"), std::string::npos);
   o.width = 16;

@@ -23,11 +23,12 @@
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
-//                     [--group op|module|op_and_module]
+//                     [--group op|module|op_and_module] [--json FILE]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
 //       are those of the CUDA step): one JSON line per RecomputeCheap setting with
-//       autograd_saved_bytes of the loss, the memory live after the forward by the op that made it,
-//       and the step's peak above the start.
+//       autograd_saved_bytes of the loss, the memory live after the forward by the op that made it
+//       (--group: and/or by module), and the step's peak above the start. --json FILE also writes
+//       the profiler's whole trace of the step to FILE.json (FILE.recompute.json for --recompute 1).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -61,7 +62,7 @@ const char* kUsage =
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
     "                    [--recompute 0] [--device cuda]\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
-    "                    [--group op|module|op_and_module]\n";
+    "                    [--group op|module|op_and_module] [--json FILE]\n";
 
 using flame_diffusion::tools::flag_or;
 using flame_diffusion::tools::int_list;
@@ -70,7 +71,7 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group"};
+                                         "group", "json"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -320,6 +321,11 @@ int saved(const std::map<std::string, std::string>& f) {
     }
     for (const auto& s : prof.summary()) {
       if (s.device == device) peak = s.peak_bytes - s.start_bytes;
+    }
+    if (f.count("json")) {  // the whole trace (docs/profiling.md), one file per --recompute value
+      const std::string path = f.at("json") + (recompute ? ".recompute.json" : ".json");
+      prof.save_json(path);
+      std::fprintf(stderr, "flux_parity saved: memory profile in %s\n", path.c_str());
     }
     std::string by_group;
     for (const auto& g : groups) {
