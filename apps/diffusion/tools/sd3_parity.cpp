@@ -10,7 +10,8 @@
 //       PASS or FAIL line. Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and
 //       1e-1. --checkpointing N checkpoints the first N blocks (-1: all) during the LoRA pass.
 //   sd3_parity time --config sd3.5-large [--latent 128] [--text 333] [--batch 1] [--checkpointing 0,-1]
-//                   [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]
+//                   [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--recompute 0]
+//                   [--device cuda]
 //       the LoRA training step as the issue measures it: bf16 weights, f32 adapters (rank r on
 //       to_q/k/v/out.0), bf16 autocast, mse loss, AdamW on the adapters; random weights; image
 //       (latent/2)^2 tokens + `text` tokens (SD3 pipelines: 77 CLIP + 256 T5 = 333, or 154).
@@ -20,6 +21,7 @@
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
+//       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -34,6 +36,7 @@
 #include <flame/nn.h>
 #include <flame/optim.h>
 #include <flame/profiler.h>
+#include <flame/recompute.h>
 
 #include "models/sd3.h"
 #include "parity_util.h"
@@ -54,10 +57,10 @@ const char* kUsage =
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
     "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
-    "[--device cuda]\n";
+    "[--recompute 0] [--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
-                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload"};
+                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute"};
 
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
   return flame_diffusion::tools::flag_or(f, k, fallback);
@@ -206,7 +209,11 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   const flame::TensorOptions o(DType::bf16, device);
+  std::vector<std::pair<int64_t, bool>> settings;  // (checkpointing, RecomputeCheap)
   for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1"))) {
+    for (int64_t r : int_list("recompute", get(f, "recompute", "0"))) settings.emplace_back(ckpt, r != 0);
+  }
+  for (const auto& [ckpt, recompute] : settings) {
     flame::cuda::empty_cache();
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
@@ -234,6 +241,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
       Tensor out;
       {
         flame::amp::AutocastGuard autocast(DType::bf16);
+        flame::autograd::RecomputeCheap cheap(recompute);  // Note [Recompute cheap]
         out = model->forward(x, ctx, pooled, t);
       }
       const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
@@ -245,11 +253,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf(
         "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"offloaded_gib\": %.3f, \"median_ms\": %.2f, "
+        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"offloaded_gib\": %.3f, "
+        "\"median_ms\": %.2f, "
         "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
         name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent), static_cast<long long>(text),
         static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
-        static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
+        recompute ? "true" : "false", static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
         rate / gemm);
     std::fflush(stdout);
     if (trace_steps > 0) print_kernel_trace(step, trace_steps);
