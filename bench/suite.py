@@ -551,6 +551,8 @@ def markdown(rows, info, runs, png_name):
               if r.get("status") and r["status"] != "rc 0"]
     if notes:
         out += ["Problems in this run:", ""] + notes + [""]
+    out += ["Model-scale training steps (FLUX-dev, SD3.5-Large) are measured by the trainer's tools: "
+            "bench/RESULTS-models.md.", ""]
     return "\n".join(out)
 
 
