@@ -1,8 +1,11 @@
 #include "models/checkpoint.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -77,10 +80,19 @@ const json& require(const JsonConfig::Impl& impl, const std::string& key) {
 }
 
 int64_t as_int(const JsonConfig::Impl& impl, const std::string& key, const json& v) {
+  if (v.is_number_unsigned()) {  // above int64's range it is no size or count any config means
+    if (v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+      wrong_type(impl, key, "an integer within int64's range", v);
+    return static_cast<int64_t>(v.get<uint64_t>());
+  }
   if (v.is_number_integer()) return v.get<int64_t>();
-  // 2.0 is accepted as 2 (some configs are written by float-happy tools); 2.5 is not.
-  if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v.get<double>())))
-    return static_cast<int64_t>(v.get<double>());
+  // 2.0 is accepted as 2 (some configs are written by float-happy tools); 2.5 is not, and neither is
+  // a value outside int64's range (converting it would be undefined).
+  if (v.is_number_float()) {
+    const double d = v.get<double>();
+    if (std::isfinite(d) && std::trunc(d) == d && d >= -9.2233720368547758e18 && d < 9.2233720368547758e18)
+      return static_cast<int64_t>(d);
+  }
   wrong_type(impl, key, "an integer", v);
 }
 double as_double(const JsonConfig::Impl& impl, const std::string& key, const json& v) {

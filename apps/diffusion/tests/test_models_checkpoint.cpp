@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <unistd.h>
 
@@ -70,6 +71,12 @@ TEST(ModelsJsonConfig, GettersDefaultsAndTypeErrors) {
   EXPECT_NE(e.find("missing"), std::string::npos) << e;
   e = error_of([&] { c.get_bool("s"); });
   EXPECT_NE(e.find("true or false"), std::string::npos) << e;
+  // Outside int64's range: an error naming the key, not an undefined conversion.
+  const auto big = m::JsonConfig::parse(R"({"huge": 1e300, "over": 18446744073709551615, "edge": -9.2233720368547758e18})",
+                                        "big.json");
+  EXPECT_NE(error_of([&] { big.get_int("huge"); }).find("\"huge\""), std::string::npos);
+  EXPECT_NE(error_of([&] { big.get_int("over"); }).find("int64"), std::string::npos);
+  EXPECT_EQ(big.get_int("edge"), std::numeric_limits<int64_t>::min());
   EXPECT_NE(error_of([] { m::JsonConfig::parse("{not json", "broken.json"); }).find("broken.json"), std::string::npos);
   EXPECT_NE(error_of([] { m::JsonConfig::parse("[1]", "list.json"); }).find("object"), std::string::npos);
 }
