@@ -13,6 +13,7 @@
 #include "flame/device.h"
 #include "flame/dtype.h"
 #include "flame/error.h"
+#include "flame/float8.h"
 #include "flame/ops.h"
 #include "flame/optim.h"
 #include "flame/profiler.h"

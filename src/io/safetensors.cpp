@@ -36,6 +36,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "flame/float8.h"
 #include "src/io/safetensors_format.h"
 
 namespace flame::io {
@@ -77,27 +78,14 @@ std::string errno_text() { return std::strerror(errno); }
 // FLAME has no 8-bit float dtype; a F8_E4M3 or F8_E5M2 tensor (fp8-stored checkpoints) is decoded
 // on the host to f32 through a 256-entry table and then converted to the dtype asked for (f32
 // without one). The formats are the OCP 8-bit floating point ones that PyTorch calls
-// float8_e4m3fn and float8_e5m2:
-//   E4M3: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN, so the
-//         largest finite value is 448 (S.1111.110); exponent 0 is subnormal: m/8 * 2^-6.
-//   E5M2: 1 sign, 5 exponent (bias 15), 2 mantissa bits, IEEE-like: exponent 31 is +-inf with
-//         mantissa 0 and NaN otherwise; exponent 0 is subnormal: m/4 * 2^-14.
-float decode_f8(uint8_t b, bool e4m3) {
-  const int mbits = e4m3 ? 3 : 2, ebits = e4m3 ? 4 : 5, bias = e4m3 ? 7 : 15;
-  const int m = b & ((1 << mbits) - 1), e = (b >> mbits) & ((1 << ebits) - 1);
-  const float sign = (b & 0x80) ? -1.0f : 1.0f;
-  const int emax = (1 << ebits) - 1;
-  if (e4m3 && e == emax && m == (1 << mbits) - 1) return std::numeric_limits<float>::quiet_NaN();
-  if (!e4m3 && e == emax) return m == 0 ? sign * std::numeric_limits<float>::infinity()
-                                        : std::numeric_limits<float>::quiet_NaN();
-  const float frac = static_cast<float>(m) / static_cast<float>(1 << mbits);
-  if (e == 0) return sign * std::ldexp(frac, 1 - bias);
-  return sign * std::ldexp(1.0f + frac, e - bias);
-}
-
+// float8_e4m3fn and float8_e5m2 (Note [Float8 formats] in flame/float8.h, whose decoders fill the
+// table).
 std::vector<float> make_f8_table(bool e4m3) {
   std::vector<float> t(256);
-  for (int i = 0; i < 256; ++i) t[i] = decode_f8(static_cast<uint8_t>(i), e4m3);
+  for (int i = 0; i < 256; ++i) {
+    const auto b = static_cast<uint8_t>(i);
+    t[i] = e4m3 ? static_cast<float>(float8_e4m3fn::from_bits(b)) : static_cast<float>(float8_e5m2::from_bits(b));
+  }
   return t;
 }
 
