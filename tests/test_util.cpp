@@ -3,7 +3,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 namespace flame::test {
@@ -28,6 +31,28 @@ const char* layout_name(Layout l) {
     case Layout::expanded: return "expanded";
   }
   return "?";
+}
+
+// The value of an 8-bit float pattern built as f32 bits: a normal number's exponent is rebiased
+// into the f32 field and its mantissa shifted to the top; a subnormal is m * 2^(1 - bias - mbits)
+// computed in double; the all-ones exponent follows the OCP rules (E4M3: only S.1111.111 is NaN;
+// E5M2: inf with mantissa 0, else NaN).
+float f8_reference(uint8_t b, int ebits, int mbits) {
+  const int bias = (1 << (ebits - 1)) - 1;
+  const uint32_t sign = b >> 7, e = (b >> mbits) & ((1u << ebits) - 1), m = b & ((1u << mbits) - 1);
+  const uint32_t emax = (1u << ebits) - 1;
+  if (e == emax && (ebits == 5 || m == (1u << mbits) - 1)) {
+    if (ebits == 5 && m == 0) return sign ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+    return std::numeric_limits<float>::quiet_NaN();
+  }
+  if (e == 0) {
+    const double v = static_cast<double>(m) * std::pow(2.0, 1 - bias - mbits);
+    return static_cast<float>(sign ? -v : v);
+  }
+  const uint32_t bits = (sign << 31) | ((e - bias + 127) << 23) | (m << (23 - mbits));
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 namespace {

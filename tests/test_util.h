@@ -13,6 +13,10 @@
 
 namespace flame::test {
 
+// The value of an 8-bit float pattern (OCP E4M3 with ebits 4, mbits 3; E5M2 with 5, 2), written
+// from the formats' definition: the reference of the safetensors F8 reader and of flame/float8.h.
+float f8_reference(uint8_t b, int ebits, int mbits);
+
 // FLAME_TEST_DEVICE=cuda runs the suite on GPU 0; the default is the CPU.
 Device test_device();
 // Skips the current test, with a message, when the device under test is not available.

@@ -88,31 +88,34 @@ FLAME_INLINE float e5m2_bits_to_float(uint8_t b) {
 
 }  // namespace detail
 
-struct float8_e4m3fn {
+// One storage type per format: Codec gives the format's float -> bits and bits -> float.
+template <class Codec>
+struct float8 {
   uint8_t bits = 0;
-  float8_e4m3fn() = default;
-  FLAME_HD explicit float8_e4m3fn(float f) : bits(detail::float_to_e4m3fn_bits(f)) {}
-  FLAME_HD explicit float8_e4m3fn(double d) : float8_e4m3fn(static_cast<float>(d)) {}
-  FLAME_HD operator float() const { return detail::e4m3fn_bits_to_float(bits); }
-  FLAME_HD static float8_e4m3fn from_bits(uint8_t b) {
-    float8_e4m3fn r;
+  float8() = default;
+  FLAME_HD explicit float8(float f) : bits(Codec::encode(f)) {}
+  FLAME_HD explicit float8(double d) : float8(static_cast<float>(d)) {}
+  FLAME_HD operator float() const { return Codec::decode(bits); }
+  FLAME_HD static float8 from_bits(uint8_t b) {
+    float8 r;
     r.bits = b;
     return r;
   }
 };
 
-struct float8_e5m2 {
-  uint8_t bits = 0;
-  float8_e5m2() = default;
-  FLAME_HD explicit float8_e5m2(float f) : bits(detail::float_to_e5m2_bits(f)) {}
-  FLAME_HD explicit float8_e5m2(double d) : float8_e5m2(static_cast<float>(d)) {}
-  FLAME_HD operator float() const { return detail::e5m2_bits_to_float(bits); }
-  FLAME_HD static float8_e5m2 from_bits(uint8_t b) {
-    float8_e5m2 r;
-    r.bits = b;
-    return r;
-  }
+namespace detail {
+struct E4m3fnCodec {
+  FLAME_INLINE static uint8_t encode(float f) { return float_to_e4m3fn_bits(f); }
+  FLAME_INLINE static float decode(uint8_t b) { return e4m3fn_bits_to_float(b); }
 };
+struct E5m2Codec {
+  FLAME_INLINE static uint8_t encode(float f) { return float_to_e5m2_bits(f); }
+  FLAME_INLINE static float decode(uint8_t b) { return e5m2_bits_to_float(b); }
+};
+}  // namespace detail
+
+using float8_e4m3fn = float8<detail::E4m3fnCodec>;
+using float8_e5m2 = float8<detail::E5m2Codec>;
 
 static_assert(sizeof(float8_e4m3fn) == 1 && sizeof(float8_e5m2) == 1, "float8 types must be 1 byte");
 }  // namespace flame

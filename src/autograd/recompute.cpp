@@ -117,12 +117,15 @@ std::shared_ptr<const RecipeBody> foldable_recipe(const Tensor& t) {
 }
 }  // namespace
 
-bool worth_a_recipe(const TensorList& inputs, std::size_t out_bytes) {
-  std::size_t held = 0;
+bool worth_a_recipe(const TensorList& inputs) {
+  std::size_t held = 0, all = 0;
   for (const Tensor& t : inputs) {
-    if (t.defined() && !foldable_recipe(t)) held += static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
+    if (!t.defined()) continue;
+    const std::size_t bytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
+    all += bytes;
+    if (!foldable_recipe(t)) held += bytes;
   }
-  return 2 * held < out_bytes;
+  return 2 * held < all;
 }
 
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& given, RecipeFn given_fn) {

@@ -338,9 +338,7 @@ struct CatDef : JoinDefBase {
   static constexpr bool recomputable = true;
   static TensorList recipe_inputs(const Args& a, const Prep&) {
     const TensorList& in = a.tensors.get();
-    std::size_t bytes = 0;
-    for (const Tensor& t : in) bytes += static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
-    return autograd_detail::worth_a_recipe(in, bytes) ? in : TensorList{};
+    return autograd_detail::worth_a_recipe(in) ? in : TensorList{};
   }
   static const Tensor& recipe_output(const Result& r) { return r.out; }
   static const char* name(const Args&) { return "cat"; }

@@ -20,11 +20,12 @@ bool should_mark_recomputable();
 // inputs are held as saved tensors (version-checked when the recipe runs). An input that is itself
 // a marked output is replaced by its own recipe's inputs (Note [Recompute cheap], "Chains").
 void mark_recomputable(const Tensor& out, const char* op, const TensorList& inputs, RecipeFn fn);
-// For an op whose node does not save `inputs` (cat, rotary's x): whether a recipe over them frees
-// more than it keeps. A recipe folds an input that is a marked output (taking that recipe's inputs,
-// which other nodes save anyway) and holds any other input as it is, which then lives until the
-// backward; worth it when those held inputs come to less than half of `out_bytes`.
-bool worth_a_recipe(const TensorList& inputs, std::size_t out_bytes);
+// For an op whose node does not save `inputs` and whose output has their bytes (cat, rotary's x):
+// whether a recipe over them frees more than it keeps. A recipe folds an input that is a marked
+// output (taking that recipe's inputs, which other nodes save anyway) and holds any other input as
+// it is, which then lives until the backward; worth it when those held inputs come to less than
+// half of all the inputs' bytes.
+bool worth_a_recipe(const TensorList& inputs);
 
 // Marking off for a scope (what `autograd::RecomputeCheap off(false)` does): an op that marks its
 // output as one keeps the ops of its composite path from marking theirs.

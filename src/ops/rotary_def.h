@@ -44,8 +44,7 @@ struct RotaryDef : OpDefaults<RotaryArgs> {
   // join of them. The composite path marks nothing (its own ops record their graph).
   static constexpr bool recomputable = true;
   static TensorList recipe_inputs(const Args&, const Prep& p) {
-    const std::size_t bytes = p.x.defined() ? static_cast<std::size_t>(p.x.numel()) * dtype_size(p.x.dtype()) : 0;
-    if (p.composite || !autograd_detail::worth_a_recipe({p.x}, bytes)) return {};
+    if (p.composite || !autograd_detail::worth_a_recipe({p.x})) return {};
     return {p.x, p.cos, p.sin};
   }
   static const Tensor& recipe_output(const Result& r) {

@@ -89,9 +89,8 @@ int64_t as_int(const JsonConfig::Impl& impl, const std::string& key, const json&
   // 2.0 is accepted as 2 (some configs are written by float-happy tools); 2.5 is not, and neither is
   // a value outside int64's range (converting it would be undefined).
   if (v.is_number_float()) {
-    const double d = v.get<double>();
-    if (std::isfinite(d) && std::trunc(d) == d && d >= -9.2233720368547758e18 && d < 9.2233720368547758e18)
-      return static_cast<int64_t>(d);
+    const double d = v.get<double>(), two63 = std::ldexp(1.0, 63);  // int64 holds [-2^63, 2^63)
+    if (std::isfinite(d) && std::trunc(d) == d && d >= -two63 && d < two63) return static_cast<int64_t>(d);
   }
   wrong_type(impl, key, "an integer", v);
 }
