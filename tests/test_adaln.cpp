@@ -3,9 +3,9 @@
 //  - AdalnOps.*: forward and every gradient on the device under test (FLAME_TEST_DEVICE) in
 //    f32 / bf16 / f16 and the autocast mix (f32 x, bf16 modulation) against a float64 CPU
 //    reference written here with plain ops (mean, square, sqrt: not the ops under test), from the
-//    same rounded inputs; shapes the CUDA kernels take (D % 4 == 0, D <= 1536; one block per batch
-//    and batches split in slices) and ones they decline (odd D, D > 1536); modulation given as
-//    strided chunks of one projection; 4-d inputs.
+//    same rounded inputs; shapes the CUDA kernels take (D % 4 == 0, D <= 6144 in rows of one, two
+//    and four warps; one block per batch and batches split in slices) and ones they decline (odd D,
+//    D > 6144); modulation given as strided chunks of one projection; 4-d inputs.
 //  - AdalnRule.*: which path ran (CUDA: one fused node each).
 //  - AdalnGradcheck.*: float64 finite differences on the CPU.
 //  - AdalnAutocast.*, AdalnErrors.*.
@@ -110,7 +110,11 @@ const Case kLnCases[] = {
     {{2, 5, 1152}, "DiT-XL width"},
     {{2, 3, 4, 96}, "4-d input"},
     {{2, 6, 30}, "D % 4 != 0 (composite)"},
-    {{2, 3, 1600}, "D > 1536 (composite)"},
+    {{2, 3, 1600}, "D > 1536 (two warps a row)"},
+    {{1, 70, 3072}, "FLUX width (two warps a row, slices)"},
+    {{2, 9, 2432}, "SD3.5-Large width"},
+    {{2, 5, 4100}, "four warps a row, a partial last chunk"},
+    {{1, 3, 6148}, "D > 6144 (composite)"},
     {{4, 40}, "2-d input (one row per sample)"},
 };
 
@@ -228,6 +232,7 @@ TEST(AdalnOps, GatedResidualModulate) {
     check_gated_modulate(c, {DType::f32, DType::bf16}, true, seed += 10);
     check_gated_modulate(c, {DType::f32, DType::bf16}, false, seed += 10);  // f32 out: composed
     check_gated_modulate(c, {DType::bf16, DType::bf16}, false, seed += 10);
+    check_gated_modulate(c, {DType::bf16, DType::bf16}, true, seed += 10);  // FLUX's bf16 stream
     check_gated_modulate(c, {DType::f16, DType::f16}, false, seed += 10);
   }
   const Device dev = test_device();
@@ -340,6 +345,41 @@ TEST(AdalnSaved, XhatInTheResultDtypeInsteadOfTheF32Input) {
   // Without autocast (f32 out) x and mean are saved as before.
   Tensor y32 = F::layer_norm_modulate(x * 1.0, m.narrow(1, 0, D).to(DType::f32), m.narrow(1, D, D).to(DType::f32));
   EXPECT_GE(autograd_saved_bytes(y32), static_cast<std::size_t>(B * T * D * 4 + 2 * B * T * 4));
+}
+
+// Note [adaLN ops], autocast: a bf16 x (FLUX's residual stream) is normalised in f32 from what it
+// holds, with no f32 copy: values and gradients as the float64 reference of the same rounded
+// inputs; on CUDA the node saves x itself (its storage), mean, rstd and the modulation's storage.
+TEST(AdalnAutocast, HalfInputIsReadAsItIs) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (const Shape& xs : {Shape{1, 40, 3072}, Shape{2, 9, 2432}, Shape{3, 7, 384}}) {
+    SCOPED_TRACE(shape_str(xs));
+    const int64_t B = xs[0], T = xs[1], D = xs[2];
+    const Tensor x64 = rnd(xs, 1001 + D, 0.5, 2.0).to(DType::bf16).to(DType::f64);
+    const Tensor m64 = rnd({B, 2 * D}, 1002 + D, 0.0, 0.5).to(DType::bf16).to(DType::f64);
+    const Tensor gy64 = rnd(xs, 1003 + D).to(DType::bf16).to(DType::f64);
+    Tensor x = x64.to(DType::bf16).to(dev).requires_grad_(true);
+    Tensor m = m64.to(DType::bf16).to(dev).requires_grad_(true);
+    Tensor y;
+    {
+      amp::AutocastGuard autocast(DType::bf16, dev.type);
+      y = F::layer_norm_modulate(x * 1.0, m.narrow(1, 0, D), m.narrow(1, D, D), 1e-6);  // x * 1: a non-leaf input
+    }
+    ASSERT_EQ(y.dtype(), DType::bf16);
+    if (dev.is_cuda()) {
+      EXPECT_EQ(y.grad_fn_name(), "LayerNormModulateBackward");
+      EXPECT_EQ(autograd_saved_bytes(y), static_cast<std::size_t>(B * T * D * 2 + 2 * B * T * 4 + B * 2 * D * 2));
+    }
+    Gradients g = (y * gy64.to(DType::bf16).to(dev)).sum().backward();
+    Tensor rx = x64.clone().requires_grad_(true), rm = m64.clone().requires_grad_(true);
+    Tensor ry = ref_ln_mod(rx, rm.narrow(1, 0, D), rm.narrow(1, D, D), 1e-6);
+    Gradients rg = (ry * gy64).sum().backward();
+    EXPECT_TRUE(close_scaled(y, ry.detach(), tol_for(DType::bf16)));
+    EXPECT_EQ(g.get(x).dtype(), DType::bf16);
+    EXPECT_TRUE(close_scaled(g.get(x), rg.get(rx), tol_for(DType::bf16)));
+    EXPECT_TRUE(close_scaled(g.get(m), rg.get(rm), tol_for(DType::bf16)));
+  }
 }
 
 // A chain of DiT-style stages under bf16 autocast (Note [Fused residual backward]): y0 =

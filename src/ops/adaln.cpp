@@ -22,7 +22,10 @@
 //    instead of dx and a separate add. A base the kernel declines is added here (the same sum).
 //  - Autocast: layer_norm_modulate normalises in f32 (as layer_norm) and returns the autocast dtype,
 //    fused or composed, so both paths give the same dtype; gated_residual has no policy (the
-//    promotion of its inputs, as the composite's add and multiply).
+//    promotion of its inputs, as the composite's add and multiply). An x already in the autocast
+//    dtype (a bf16 residual stream, as FLUX's and SD3's) goes to the kernel as it is: the kernel
+//    normalises in f32 whatever it reads, so the f32 copy the composite normalises would only add
+//    a pass and a buffer of twice x's bytes; the composite still makes that copy (f32_composite).
 #include "flame/nn/adaln.h"
 
 #include <cmath>
@@ -104,8 +107,9 @@ void check_modulate(const char* op, const Tensor& x, const Tensor& shift, const 
 }
 
 // xhat_out: receives the x-hat the node saved (Note [Saved x-hat]), when it saved one.
+// f32_composite: the composite normalises x cast to f32 (autocast with a half x, Note [adaLN ops]).
 Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
-                                Tensor* xhat_out = nullptr) {
+                                bool f32_composite, Tensor* xhat_out = nullptr) {
   const int64_t d = x.size(-1);
   if (x.numel() > 0 && !x.device().is_cpu()) {
     Tensor y, x3, mean, rstd;
@@ -130,13 +134,14 @@ Tensor layer_norm_modulate_impl(const Tensor& x, const Tensor& shift, const Tens
       return y;
     }
   }
-  Tensor y = layer_norm(x, {d}, {}, {}, eps) * (per_sample(scale, x) + 1.0) + per_sample(shift, x);
+  const Tensor xn = f32_composite ? amp::detail::cast_f32(x) : x;
+  Tensor y = layer_norm(xn, {d}, {}, {}, eps) * (per_sample(scale, xn) + 1.0) + per_sample(shift, xn);
   return y.dtype() == out ? y : y.to(out);
 }
 
 // xhat: what the node saved instead of x (Note [Saved x-hat]), undefined when it saved x.
 void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
-                       const Tensor& xhat) {
+                       bool f32_composite, const Tensor& xhat) {
   if (!autograd_detail::should_mark_recomputable()) return;
   if (xhat.defined()) {
     const Shape ys = y.sizes();
@@ -147,22 +152,24 @@ void mark_adaln_output(Tensor& y, const Tensor& x, const Tensor& shift, const Te
     });
     return;
   }
-  autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale}, [eps, out](const TensorList& in) {
-    return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out);
-  });
+  autograd_detail::mark_recomputable(y, "layer_norm_modulate", {x, shift, scale},
+                                     [eps, out, f32_composite](const TensorList& in) {
+                                       return layer_norm_modulate_impl(in[0], in[1], in[2], eps, out, f32_composite);
+                                     });
 }
 
 // Under autograd::RecomputeCheap the output carries a recipe (Note [Recompute cheap] in
 // src/autograd/recompute.cpp): the same impl on the same inputs, so a linear layer that saves it
 // for its weight gradient holds the recipe, whose inputs this op's node saves anyway.
 // The op is marked as one: the ops of its composite path do not mark their own outputs.
-Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out) {
+Tensor layer_norm_modulate_marked(const Tensor& x, const Tensor& shift, const Tensor& scale, double eps, DType out,
+                                  bool f32_composite = false) {
   Tensor y, xhat;
   {
     autograd_detail::MarkingOff whole_op;
-    y = layer_norm_modulate_impl(x, shift, scale, eps, out, &xhat);
+    y = layer_norm_modulate_impl(x, shift, scale, eps, out, f32_composite, &xhat);
   }
-  mark_adaln_output(y, x, shift, scale, eps, out, xhat);
+  mark_adaln_output(y, x, shift, scale, eps, out, f32_composite, xhat);
   return y;
 }
 
@@ -180,6 +187,7 @@ Tensor layer_norm_modulate(const Tensor& x, const Tensor& shift, const Tensor& s
   if (amp::detail::should_autocast(x)) {  // Note [adaLN ops]: f32 statistics, the autocast dtype out
     const DType low = amp::detail::low_dtype(x);
     amp::detail::AutocastOpScope scope;
+    if (x.dtype() == low) return layer_norm_modulate_marked(x, shift, scale, eps, low, /*f32_composite=*/true);
     return layer_norm_modulate_marked(amp::detail::cast_f32(x), shift, scale, eps, low);
   }
   return layer_norm_modulate_marked(x, shift, scale, eps,
@@ -225,9 +233,11 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   check_modulate(op, x, shift, scale, eps);
   const DType hdt = promote_types(promote_types(x.dtype(), gate.dtype()), branch.dtype());
   const bool autocast = amp::detail::should_autocast(x);
-  // The fused kernel covers h in x's dtype and, under autocast, an f32 h (layer_norm_modulate
-  // normalises in f32): otherwise the two ops run one after the other.
-  if (x.numel() == 0 || x.device().is_cpu() || hdt != x.dtype() || (autocast && x.dtype() != DType::f32))
+  // The fused kernel covers h in x's dtype and, under autocast, an f32 h or one in the autocast
+  // dtype (layer_norm_modulate normalises either in f32): otherwise the two ops run one after the
+  // other.
+  if (x.numel() == 0 || x.device().is_cpu() || hdt != x.dtype() ||
+      (autocast && x.dtype() != DType::f32 && x.dtype() != amp::detail::low_dtype(x)))
     return composed();
   const DType out = autocast ? amp::detail::low_dtype(x)
                              : promote_types(promote_types(x.dtype(), shift.dtype()), scale.dtype());
@@ -250,7 +260,7 @@ std::pair<Tensor, Tensor> gated_residual_modulate(const Tensor& x, const Tensor&
   // The graph of the two ops: h's node, then y's reading h.
   rules::gated_residual(h, x, gate, branch, b3, hdt);
   rules::layer_norm_modulate(y, h, shift, scale, h3, mean, rstd, xhat, out, /*residual=*/true);
-  mark_adaln_output(y, h, shift, scale, eps, out, xhat);
+  mark_adaln_output(y, h, shift, scale, eps, out, /*f32_composite=*/autocast && h.dtype() != DType::f32, xhat);
   return {h, y};
 }
 

@@ -2,9 +2,11 @@
 // modulate and the gated residual of DiT-style blocks, forward and backward.
 //
 // Note [adaLN kernels]
-// Rows of D elements (D % 4 == 0, D <= 1536) in vectors of 4; row r belongs to batch r / T, whose
+// Rows of D elements (D % 4 == 0, D <= 6144) in vectors of 4; row r belongs to batch r / T, whose
 // [D] modulation row (shift, scale, gate) every row of the batch reads (from L1/L2).
-//  - forward: a warp per row, the row held in registers (kC chunks of 128 columns per warp), mean
+//  - A row belongs to a group of kW warps (Note [Row groups]): one warp up to 1536 values, two
+//    up to 3072 (FLUX's 3072, SD3.5-Large's 2432), four up to 6144.
+//  - forward: a group per row, the row held in registers (kC chunks of 128 kW columns), mean
 //    and the centred variance from the registers (two exact passes, one read), one write of y in
 //    its own dtype (bf16 under autocast: the consumer is a linear layer), mean/rstd per row.
 //  - backward: a block per (batch, slice of its rows). A lane owns the same columns in every row
@@ -45,9 +47,20 @@ namespace {
 
 constexpr int kFwdWarps = 8;
 constexpr int kBwdWarps = 4;
-constexpr int kMaxCols = 1536;  // 12 chunks of 128 columns per warp
-// The backward's shared memory, kBwdWarps * 2 * kMaxCols floats, stays within the default 48 KiB.
-static_assert(kBwdWarps * 2 * kMaxCols * sizeof(float) <= 48 * 1024);
+constexpr int kMaxCols = 6144;  // 12 chunks of 128 columns per warp, 4 warps a row
+// Note [Row groups]
+// Rows wider than a warp's 12 chunks of 128 columns (1536 values) take kW = 2 or 4 warps each:
+// lane l of warp w of a group owns the vectors at (c * 32 kW + 32 (w % kW) + l) * 4, so each
+// thread holds at most 48 values as before, and a row's sums add each warp's total from shared
+// memory (group_sum; the same order for every lane, so the result does not depend on the lane).
+// The block's warps form kFwdWarps / kW (forward) or kBwdWarps / kW (backward) groups; a loop
+// over rows runs the same count in every warp of the block (a group without a row adds zeros),
+// because the sums meet at __syncthreads. The backward's shared accumulators are per group, not
+// per warp: kBwdWarps / kW groups * 2 rows * D floats stay within the default 48 KiB for every
+// width (1536 with one warp a row, 3072 with two, 6144 with four).
+static_assert((kBwdWarps / 1) * 2 * 1536 * sizeof(float) <= 48 * 1024);
+static_assert((kBwdWarps / 2) * 2 * 3072 * sizeof(float) <= 48 * 1024);
+static_assert((kBwdWarps / 4) * 2 * kMaxCols * sizeof(float) <= 48 * 1024);
 
 // 4 consecutive elements <-> 4 floats (16-byte f32 or 8-byte half vectors).
 template <class T>
@@ -110,25 +123,60 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The sum of v over the kW warps of the calling warp's group (Note [Row groups]); red holds one
+// float per warp of the block. Every thread of the block calls it (it meets at __syncthreads when
+// kW > 1); a caller reusing red for the next sum must pass another barrier first.
+template <int kW>
+__device__ __forceinline__ float group_sum(float v, float* red) {
+  v = warp_sum(v);
+  if constexpr (kW == 1) {
+    return v;
+  } else {
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int first = warp - warp % kW;
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) t += red[first + w];
+    return t;
+  }
+}
+
+// This thread's position in its group's row: the vector at chunk c is (c * 32 kW + gl) * 4.
+template <int kW>
+__device__ __forceinline__ int group_lane() {
+  return ((threadIdx.x >> 5) % kW) * 32 + (threadIdx.x & 31);
+}
+
 // ---- layer_norm + modulate ----
 // kRes: the row is h = x + gate * branch (written to h), the gated residual before this adaLN.
-template <class X, class M, class O, int kC, bool kRes = false>
+template <class X, class M, class O, int kC, int kW, bool kRes = false>
 __global__ void __launch_bounds__(kFwdWarps * 32)
     adaln_forward_kernel(const X* __restrict__ x, const M* __restrict__ shift, const M* __restrict__ scale,
                          int64_t ld, O* __restrict__ y, float* __restrict__ mean, float* __restrict__ rstd,
                          int64_t rows, int64_t T, int D, float eps, const M* __restrict__ gate, int64_t ld_gate,
                          const M* __restrict__ branch, X* __restrict__ h, O* __restrict__ xhat) {
-  const int lane = threadIdx.x & 31;
+  constexpr int kGroups = kFwdWarps / kW;
+  __shared__ float red[2][kFwdWarps];  // the row sums of each warp (kW > 1): mean, variance
+  const int gl = group_lane<kW>(), group = (threadIdx.x >> 5) / kW;
   const float inv_d = 1.f / static_cast<float>(D);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kFwdWarps + (threadIdx.x >> 5); row < rows;
-       row += static_cast<int64_t>(gridDim.x) * kFwdWarps) {
+  // The same trip count in every warp of the block (Note [Row groups]).
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * kGroups; first < rows;
+       first += static_cast<int64_t>(gridDim.x) * kGroups) {
+    const int64_t row = first + group;
+    const bool live = row < rows;
+    if constexpr (kW == 1) {
+      if (!live) break;
+    }
+    const int cols = live ? D : 0;  // a group without a row adds zeros to the sums
     const X* xr = x + row * D;
     float v[kC][4];
     float s = 0.f;
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int e = (c * 32 + lane) * 4;
-      if (e < D) {
+      const int e = (c * 32 * kW + gl) * 4;
+      if (e < cols) {
         ld4(xr + e, v[c]);
         if constexpr (kRes) {
           float gv[4], bv[4];
@@ -147,24 +195,25 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
         s += (v[c][0] + v[c][1]) + (v[c][2] + v[c][3]);
       }
     }
-    const float m = warp_sum(s) * inv_d;
+    const float m = group_sum<kW>(s, red[0]) * inv_d;
     float q = 0.f;
 #pragma unroll
     for (int c = 0; c < kC; ++c)
-      if ((c * 32 + lane) * 4 < D)
+      if ((c * 32 * kW + gl) * 4 < cols)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const float d = v[c][j] - m;
           q += d * d;
         }
-    const float rs = 1.f / sqrtf(warp_sum(q) * inv_d + eps);
+    const float rs = 1.f / sqrtf(group_sum<kW>(q, red[1]) * inv_d + eps);
+    if (!live) continue;
     const int64_t b = row / T;
     const M* sh = shift + b * ld;
     const M* sc = scale + b * ld;
     O* yr = y + row * D;
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int e = (c * 32 + lane) * 4;
+      const int e = (c * 32 * kW + gl) * 4;
       if (e < D) {
         float a[4], o[4], t[4], xh[4];
         ld4(sc + e, a);
@@ -178,7 +227,7 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
         if (xhat) st4(xhat + row * D + e, xh);
       }
     }
-    if (lane == 0) {
+    if (gl == 0) {
       mean[row] = m;
       rstd[row] = rs;
     }
@@ -221,7 +270,8 @@ struct ResBwd {
 // gives dbranch = gate * dh and a third accumulator, dgate = sum over T of dh * branch.
 // kBias (with kRes): a fourth, the block's column sums of gate * dh in f32 (before dbranch's
 // rounding), written as one row of res.bias_rows per block for a column sum over the rows.
-template <class X, class M, class O, int kC, bool kHat, bool kRes, bool kBias = false>
+// kW: warps a row (Note [Row groups]); the groups of a block take the slice's rows in turn.
+template <class X, class M, class O, int kC, int kW, bool kHat, bool kRes, bool kBias = false>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     adaln_backward_kernel(const O* __restrict__ dy, const std::conditional_t<kHat, O, X>* __restrict__ xin,
                           const float* __restrict__ mean, const float* __restrict__ rstd, const M* __restrict__ scale,
@@ -229,20 +279,23 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
                           M* __restrict__ dscale, int64_t T, int D, int64_t rows_per_slice, ResBwd<M> res) {
   using XI = std::conditional_t<kHat, O, X>;
   static_assert(kRes || !kBias);
+  static_assert(kW == 1 || !kRes, "the fused residual part is for rows of one warp");
   constexpr int K = kRes ? (kBias ? 4 : 3) : 2;
   constexpr int kGate = kRes ? 2 : 0;  // dgate's accumulator (the bias sums follow it)
-  extern __shared__ float acc[];  // [kBwdWarps][K][D]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int kGroups = kBwdWarps / kW;
+  extern __shared__ float acc[];  // [kGroups][K][D]
+  __shared__ float red[2][kBwdWarps][2];  // the row sums of each warp (kW > 1), by row parity
+  const int gl = group_lane<kW>(), group = (threadIdx.x >> 5) / kW;
   const int64_t b = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * rows_per_slice;
   const int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
-  float* mine = acc + static_cast<int64_t>(warp) * K * D;
+  float* mine = acc + static_cast<int64_t>(group) * K * D;
   const M* sc = scale + b * ld;
   float a1[kC][4];  // 1 + scale of this lane's columns
   float gv[kRes ? kC : 1][4];  // the gate of this lane's columns (kRes)
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
-    const int e = (c * 32 + lane) * 4;
+    const int e = (c * 32 * kW + gl) * 4;
     if (e < D) {
       ld4(sc + e, a1[c]);
       if constexpr (kRes) ld4(res.gate + b * res.ld_gate + e, gv[c]);
@@ -258,7 +311,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   // A pipeline of depth 2 (as Note [Row backward pipeline] in norm_kernels.cuh): the next row's
   // x, dy and base are in flight while this row is reduced and written. Rows of more than 512
   // values (kC 12) would not fit two stages in registers: they load each row at its start.
-  constexpr bool kPipe = kC <= 4;
+  constexpr bool kPipe = kC <= 4 && kW == 1;
   Raw4<XI> nx[kC] = {};
   Raw4<X> nb[kC] = {};
   Raw4<O> nd[kC] = {};
@@ -271,7 +324,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
     nrs = rstd[row];
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int e = (c * 32 + lane) * 4;
+      const int e = (c * 32 * kW + gl) * 4;
       if (e < D) {
         nx[c] = ldraw4(xin + row * D + e);
         nd[c] = ldraw4(dy + row * D + e);
@@ -288,8 +341,17 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       for (int j = 0; j < 4; ++j) xh[j] = (xh[j] - m) * rs;
     }
   };
-  if constexpr (kPipe) fetch(t0 + warp);
-  for (int64_t t = t0 + warp; t < t1; t += kBwdWarps) {
+  if constexpr (kPipe) fetch(t0 + group);
+  // The same trip count in every warp of the block (Note [Row groups]); one warp a row stops at
+  // the slice's end.
+  int parity = 0;
+  for (int64_t first = t0; first < t1; first += kGroups, parity ^= 1) {
+    const int64_t t = first + group;
+    const bool live = t < t1;
+    if constexpr (kW == 1) {
+      if (!live) break;
+    }
+    const int cols = live ? D : 0;  // a group without a row adds zeros to the sums
     const int64_t row = b * T + t;
     if constexpr (!kPipe) fetch(t);
     Raw4<XI> cx[kC];
@@ -304,12 +366,12 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       if constexpr (kRes) cr[c] = nr[c];
     }
     const float m = nm, rs = nrs;
-    if constexpr (kPipe) fetch(t + kBwdWarps);
+    if constexpr (kPipe) fetch(t + kGroups);
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int e = (c * 32 + lane) * 4;
-      if (e < D) {
+      const int e = (c * 32 * kW + gl) * 4;
+      if (e < cols) {
         float xh[4], dv[4];
         hat(cx[c], m, rs, xh);
         unpack4<O>(cd[c], dv);
@@ -330,11 +392,27 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
       }
     }
     if (dx) {
-      const float mg = warp_sum(s1) * inv_d, mgx = warp_sum(s2) * inv_d;
+      float mg, mgx;
+      if constexpr (kW == 1) {
+        mg = warp_sum(s1) * inv_d;
+        mgx = warp_sum(s2) * inv_d;
+      } else {  // both sums through one barrier; the parity keeps the next row's off these slots
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
+        const int warp = threadIdx.x >> 5;
+        if ((threadIdx.x & 31) == 0) red[parity][warp][0] = s1, red[parity][warp][1] = s2;
+        __syncthreads();
+        const int w0 = warp - warp % kW;
+        mg = 0.f, mgx = 0.f;
+#pragma unroll
+        for (int w = 0; w < kW; ++w) mg += red[parity][w0 + w][0], mgx += red[parity][w0 + w][1];
+        mg *= inv_d;
+        mgx *= inv_d;
+      }
 #pragma unroll
       for (int c = 0; c < kC; ++c) {
-        const int e = (c * 32 + lane) * 4;
-        if (e < D) {
+        const int e = (c * 32 * kW + gl) * 4;
+        if (e < cols) {
           float xh[4], dv[4], o[4];
           hat(cx[c], m, rs, xh);
           unpack4<O>(cd[c], dv);
@@ -383,7 +461,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float s[K] = {};
 #pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w)
+    for (int w = 0; w < kGroups; ++w)
 #pragma unroll
       for (int k = 0; k < K; ++k) s[k] += acc[(w * K + k) * D + d];
     if (!whole) {
@@ -417,33 +495,35 @@ __global__ void gated_residual_forward_kernel(const X* __restrict__ x, const M* 
   }
 }
 
-template <class X, class M, int kC>
+// kW: warps a row (Note [Row groups]; no row sums here, so each group runs its own rows).
+template <class X, class M, int kC, int kW>
 __global__ void __launch_bounds__(kBwdWarps * 32)
     gated_residual_backward_kernel(const X* __restrict__ dout, const M* __restrict__ y, const M* __restrict__ gate,
                                    int64_t ld, M* __restrict__ dy, float* __restrict__ part, M* __restrict__ dgate,
                                    int64_t T, int D, int64_t rows_per_slice) {
-  extern __shared__ float acc[];  // [kBwdWarps][D]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int kGroups = kBwdWarps / kW;
+  extern __shared__ float acc[];  // [kGroups][D]
+  const int gl = group_lane<kW>(), group = (threadIdx.x >> 5) / kW;
   const int64_t b = blockIdx.x;
   const int64_t t0 = static_cast<int64_t>(blockIdx.y) * rows_per_slice;
   const int64_t t1 = t0 + rows_per_slice < T ? t0 + rows_per_slice : T;
-  float* mine = acc + static_cast<int64_t>(warp) * D;
+  float* mine = acc + static_cast<int64_t>(group) * D;
   const M* gr = gate + b * ld;
   float gv[kC][4];
 #pragma unroll
   for (int c = 0; c < kC; ++c) {
-    const int e = (c * 32 + lane) * 4;
+    const int e = (c * 32 * kW + gl) * 4;
     if (e < D) {
       ld4(gr + e, gv[c]);
 #pragma unroll
       for (int j = 0; j < 4; ++j) mine[e + j] = 0.f;
     }
   }
-  for (int64_t t = t0 + warp; t < t1; t += kBwdWarps) {
+  for (int64_t t = t0 + group; t < t1; t += kGroups) {
     const int64_t off = (b * T + t) * D;
 #pragma unroll
     for (int c = 0; c < kC; ++c) {
-      const int e = (c * 32 + lane) * 4;
+      const int e = (c * 32 * kW + gl) * 4;
       if (e < D) {
         float dv[4], yv[4], o[4];
         ld4(dout + off + e, dv);
@@ -466,7 +546,7 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kBwdWarps; ++w) s += acc[w * D + d];
+    for (int w = 0; w < kGroups; ++w) s += acc[w * D + d];
     if (whole) dgate[b * D + d] = store_as<M>(s);
     else pp[d] = s;
   }
@@ -475,6 +555,9 @@ __global__ void __launch_bounds__(kBwdWarps * 32)
 // ---- launch helpers ----
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Warps a row for rows of D values (Note [Row groups]; with_chunks picks the same).
+int warps_per_row(int64_t D) { return D <= 1536 ? 1 : D <= 3072 ? 2 : 4; }
 
 // [B, D] with unit column stride, a row stride that keeps every row 4-element aligned.
 bool mod_ok(const Tensor& m, int64_t B, int64_t D) {
@@ -525,7 +608,7 @@ int64_t rows_per_slice(int device, int64_t B, int64_t T) {
 }
 
 // The grid of a backward kernel, dim3(B, count) blocks of kBwdWarps warps, with K accumulators
-// of D floats per warp in shared memory; with more than one slice per batch, the [B, count, K, D]
+// of D floats per group of warps (Note [Row groups]) in shared memory; with more than one slice per batch, the [B, count, K, D]
 // partial rows that slice_sum_kernel adds (stream-ordered: freed after the kernels queued while
 // this lives have run).
 struct BwdSlices {
@@ -538,7 +621,7 @@ struct BwdSlices {
   BwdSlices(CudaBackend& be, int64_t B, int64_t T, int64_t D, int K, int k_smem = 0)
       : per(rows_per_slice(be.device(), B, T)),
         count(static_cast<int>((T + per - 1) / per)),
-        smem(static_cast<std::size_t>(kBwdWarps) * std::max(K, k_smem) * D * sizeof(float)) {
+        smem(static_cast<std::size_t>(kBwdWarps / warps_per_row(D)) * std::max(K, k_smem) * D * sizeof(float)) {
     if (count > 1) part = be.allocate(static_cast<std::size_t>(B) * count * K * D * sizeof(float));
   }
   dim3 grid(int64_t B) const { return dim3(static_cast<unsigned>(B), static_cast<unsigned>(count)); }
@@ -554,12 +637,17 @@ void launch_slice_sum(cudaStream_t st, const BwdSlices& sl, M* out0, M* out1, M*
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
-// Calls f(std::integral_constant<int, kC>{}) with the chunks of 128 columns a lane holds: 4 for
-// rows of up to 512 values (the pipelined backward fits), else 12 (Note [adaLN kernels]).
+// Calls f(std::integral_constant<int, kC>{}, std::integral_constant<int, kW>{}) with the chunks of
+// 128 kW columns a lane holds and the warps a row (Note [Row groups]): 4 chunks for rows of up to
+// 512 values (the pipelined backward fits), else 12, with one warp a row up to 1536 values, two
+// up to 3072 and four up to kMaxCols.
 template <class F>
 void with_chunks(int64_t D, F&& f) {
-  if (D <= 512) f(std::integral_constant<int, 4>{});
-  else f(std::integral_constant<int, 12>{});
+  using std::integral_constant;
+  if (D <= 512) f(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+  else if (D <= 1536) f(integral_constant<int, 12>{}, integral_constant<int, 1>{});
+  else if (D <= 3072) f(integral_constant<int, 12>{}, integral_constant<int, 2>{});
+  else f(integral_constant<int, 12>{}, integral_constant<int, 4>{});
 }
 
 // The operands of adaln_residual_forward that adaln_forward lacks (all null there).
@@ -594,9 +682,9 @@ bool launch_forward(CudaBackend& be, const Tensor& y, const Tensor& mean, const 
   const int64_t ld = scale.stride(0);
   return dispatch_pair(x.dtype(), scale.dtype(), [&]<class X, class M>() {
     using O = std::conditional_t<std::is_same_v<X, float>, M, X>;
-    with_chunks(D, [&](auto chunks) {
-      constexpr int kC = decltype(chunks)::value;
-      adaln_forward_kernel<X, M, O, kC, kRes><<<grid_for(rows, kFwdWarps), kFwdWarps * 32, 0, st>>>(
+    with_chunks(D, [&](auto chunks, auto warps) {
+      constexpr int kC = decltype(chunks)::value, kW = decltype(warps)::value;
+      adaln_forward_kernel<X, M, O, kC, kW, kRes><<<grid_for(rows, kFwdWarps / kW), kFwdWarps * 32, 0, st>>>(
           static_cast<const X*>(x.data_ptr()), static_cast<const M*>(shift.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, static_cast<O*>(y.data_ptr()),
           static_cast<float*>(mean.data_ptr()), static_cast<float*>(rstd.data_ptr()), rows, T, static_cast<int>(D),
@@ -690,9 +778,9 @@ static bool adaln_backward_cuda(const Tensor& dx, const Tensor& dshift, const Te
       rb.dgate = static_cast<M*>(more.dgate.data_ptr());
       rb.bias_rows = static_cast<float*>(bias_rows.get());
     }
-    auto go = [&]<int kC, bool kHat, bool kRes, bool kBias = false>() {
+    auto go = [&]<int kC, int kW, bool kHat, bool kRes, bool kBias = false>() {
       using XI = std::conditional_t<kHat, O, X>;
-      adaln_backward_kernel<X, M, O, kC, kHat, kRes, kBias><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
+      adaln_backward_kernel<X, M, O, kC, kW, kHat, kRes, kBias><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const O*>(dy.data_ptr()), static_cast<const XI*>(x.data_ptr()),
           hat ? nullptr : static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
@@ -704,10 +792,12 @@ static bool adaln_backward_cuda(const Tensor& dx, const Tensor& dshift, const Te
     // (residual_more_ok); x-hat is saved only where it is narrower than x (f32 x, a half
     // modulation: no other pair reaches here with it).
     auto pick = [&]<bool kHat>() {
-      if (D > 512) go.template operator()<12, kHat, false>();
-      else if (bias) go.template operator()<4, kHat, true, true>();
-      else if (res) go.template operator()<4, kHat, true>();
-      else go.template operator()<4, kHat, false>();
+      if (D > 3072) go.template operator()<12, 4, kHat, false>();
+      else if (D > 1536) go.template operator()<12, 2, kHat, false>();
+      else if (D > 512) go.template operator()<12, 1, kHat, false>();
+      else if (bias) go.template operator()<4, 1, kHat, true, true>();
+      else if (res) go.template operator()<4, 1, kHat, true>();
+      else go.template operator()<4, 1, kHat, false>();
     };
     if (!hat) pick.template operator()<false>();
     else if constexpr (std::is_same_v<X, float> && !std::is_same_v<M, float>) pick.template operator()<true>();
@@ -752,8 +842,9 @@ static bool gated_residual_backward_cuda(const Tensor& dy, const Tensor& dgate, 
   const BwdSlices sl(be, B, T, D, 1);
   return dispatch_pair(dout.dtype(), gate.dtype(), [&]<class X, class M>() {
     M* dg = static_cast<M*>(dgate.data_ptr());
-    with_chunks(D, [&](auto chunks) {
-      gated_residual_backward_kernel<X, M, decltype(chunks)::value><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
+    with_chunks(D, [&](auto chunks, auto warps) {
+      constexpr int kC = decltype(chunks)::value, kW = decltype(warps)::value;
+      gated_residual_backward_kernel<X, M, kC, kW><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const X*>(dout.data_ptr()), static_cast<const M*>(y.data_ptr()),
           static_cast<const M*>(gate.data_ptr()), gate.stride(0), dy.defined() ? static_cast<M*>(dy.data_ptr()) : nullptr,
           sl.partial(), dg, T, static_cast<int>(D), sl.per);
