@@ -452,6 +452,33 @@ TEST(EpilogueRule, FusedBiasGemmOnlyWhereTheLayoutAllows) {
   EXPECT_NE(node_of({64, 32}, 32, 48, DType::f64, false, false), "AddmmBackward");
 }
 
+// A block of a wider weight's columns (w = W[:, c0:c0 + in], FLUX's single-block proj_out split)
+// is read in place by the fused GEMM when its rows stay 16-byte aligned (row stride % 8 == 0 and
+// an aligned start); x's gradient comes right through the same strided weight.
+TEST(EpilogueRule, ColumnBlockOfAWiderWeightIsReadInPlace) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  for (DType dt : {DType::bf16, DType::f32}) {
+    for (int64_t c0 : {16, 1}) {  // 1: a misaligned start, which composes
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " c0 " + std::to_string(c0));
+      const int64_t M = 40, in = 32, out = 48, wide = 56;
+      const Tensor full = randn_f64({out, wide}, 970).to(dt).to(dev);
+      const Tensor w = full.narrow(1, c0, in);
+      Tensor x = randn_f64({M, in}, 971).to(dt).to(dev).requires_grad_();
+      const Tensor b = randn_f64({out}, 972).to(dt).to(dev);
+      const Tensor y = F::linear(x, w, b);
+      if (c0 == 16) EXPECT_EQ(y.grad_fn_name(), "AddmmBackward");
+      else EXPECT_NE(y.grad_fn_name(), "AddmmBackward");
+      const Tensor gy = randn_f64({M, out}, 973).to(dt);
+      Gradients g = (y * gy.to(dev)).sum().backward();
+      const Tensor x64 = x.detach().to(Device::cpu()).to(DType::f64), w64 = w.to(Device::cpu()).to(DType::f64);
+      const Tensor want = ref_dense(x64, w64, b.to(Device::cpu()).to(DType::f64), false);
+      EXPECT_TRUE(close_scaled(y.detach().to(Device::cpu()), want, tol_for(dt)));
+      EXPECT_TRUE(close_scaled(g.get(x).to(Device::cpu()), gy.to(DType::f64).matmul(w64), tol_for(dt)));
+    }
+  }
+}
+
 TEST(EpilogueRule, CpuAlwaysComposes) {
   const Tensor x = randn_f64({4, 16}, 960), w = randn_f64({8, 16}, 961).requires_grad_(),
                b = randn_f64({8}, 962).requires_grad_();

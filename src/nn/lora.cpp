@@ -1,7 +1,7 @@
 // LoRA / DoRA / LoKr on Linear, and the tree-wide adapter helpers (include/flame/nn/lora.h).
 //
 // Note [LoRA forward]: with s = scaling, x' = dropout(x) (training only), and the frozen W, b:
-//   LoRA:  y = W x + b + s B A x'
+//   LoRA:  y = W x + b + (s B) A x'   (s scales B, not the output: Linear::lora_up)
 //   DoRA:  m = lora_magnitude_vector, n = ||W + s B A||_row (detached, as the DoRA paper and
 //          PEFT), g = m / n:
 //            y = g (W x + s B A x) + b                          (no active dropout)
@@ -76,6 +76,14 @@ Tensor Linear::lora_delta_weight() const {
   return lora_B_->weight().matmul(lora_A_->weight()) * scaling_;
 }
 
+// scaling * (h B^T) computed as h (scaling B)^T: the scale multiplies the [out, rank] weight instead
+// of the [rows, out] result (a pass over the layer's output forward and one backward); with
+// scaling 1 (alpha = rank) there is nothing to multiply.
+Tensor Linear::lora_up(const Tensor& h) const {
+  if (scaling_ == 1.0) return functional::linear(h, lora_B_->weight());
+  return functional::linear(h, lora_B_->weight() * scaling_);
+}
+
 Tensor Linear::dora_weight_norm(const Tensor& delta) const {
   NoGradGuard no_grad;
   return (weight_.detach() + delta.detach()).norm(2.0, {1});
@@ -86,7 +94,7 @@ Tensor Linear::forward(const Tensor& x) {
   if (has_lokr()) return functional::linear(x, weight_, bias_) + lokr_forward(x);
   const bool dropping = lora_options_.dropout > 0.0 && is_training();
   const Tensor xd = dropping ? lora_dropout_->forward(x) : x;
-  const Tensor adapter = lora_B_->forward(lora_A_->forward(xd)) * scaling_;
+  const Tensor adapter = lora_up(lora_A_->forward(xd));
   if (!lora_options_.use_dora) return functional::linear(x, weight_, bias_) + adapter;
   // Note [LoRA forward], DoRA rows.
   Tensor norm;

@@ -147,6 +147,17 @@ Tensor linear_gelu_tanh(const nn::Linear& l, const Tensor& x) {
   if (!l.has_lora() || l.merged()) return F::linear_gelu(x, l.weight(), l.bias());
   return const_cast<nn::Linear&>(l).forward(x).gelu(true);
 }
+
+// The single block's proj_out over cat(a, mlp) along the features, as two GEMMs over the weight's
+// column blocks (read in place): no [rows, 5 dim] copy forward, and backward each input's
+// gradient comes from its own GEMM instead of as a strided piece of one [rows, 5 dim] gradient
+// that the attention and the MLP would copy. A layer with an unmerged adapter takes the cat.
+Tensor proj_of_joined(nn::Linear& l, const Tensor& a, const Tensor& mlp) {
+  if (l.has_lora() && !l.merged()) return l.forward(flame::cat({a, mlp}, 2));
+  const int64_t d = a.size(-1);
+  const Tensor& w = l.weight();
+  return F::linear(mlp, w.narrow(1, d, w.size(1) - d), l.bias()) + F::linear(a, w.narrow(1, 0, d));
+}
 }  // namespace
 
 FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, TensorOptions opts) {
@@ -186,7 +197,7 @@ Tensor FluxSingleTransformerBlock::forward(const Tensor& x, const Tensor& temb, 
   const auto [nx, gate] = norm->forward(x, temb);
   const Tensor mlp = linear_gelu_tanh(*proj_mlp, nx);
   const Tensor a = attn->forward(nx, Tensor(), rope).first;
-  return F::gated_residual(x, gate, proj_out->forward(flame::cat({a, mlp}, 2)));
+  return F::gated_residual(x, gate, proj_of_joined(*proj_out, a, mlp));
 }
 
 // ---- model ----

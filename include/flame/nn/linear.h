@@ -68,6 +68,7 @@ class Linear : public Module, public LoraTarget {
  private:
   // DoRA's per-row norm of W + delta, detached (the DoRA paper's and PEFT's choice).
   Tensor dora_weight_norm(const Tensor& delta) const;
+  Tensor lora_up(const Tensor& h) const;  // scaling * (h B^T) (Note [LoRA forward])
   // scale * x kron(w1, w2)^T without forming the [out, in] product (Note [LoKr forward]).
   Tensor lokr_forward(const Tensor& x) const;
 

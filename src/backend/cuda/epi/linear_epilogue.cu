@@ -7,7 +7,7 @@
 // FLAME is row-major, cuBLAS column-major (Note [Row-major GEMM through cuBLASLt] in matmul.cu):
 // a contiguous row-major [R, C] matrix is the column-major [C, R] with leading dimension C.
 //  - forward  y [M, N] = x [M, K] @ w [N, K]^T is D [N, M] (ld N) = op(A) B with A = w, stored
-//    [K, N] (ld K, op T), and B = x, stored [K, M] (ld K, op N). The bias vector has D's row
+//    [K, N] (ld K, or w's row stride for a block of a wider weight's columns; op T), and B = x, stored [K, M] (ld K, op N). The bias vector has D's row
 //    count N (EPILOGUE_BIAS, GELU_BIAS, GELU_AUX_BIAS); aux (pre) is laid out like D (ld N).
 //  - wgrad    dw [N, K] = dy [M, N]^T @ x [M, K] is D [K, N] (ld K) = A op(B) with A = x, stored
 //    [K, M] (ld K, op N), and B = dy, stored [N, M] (ld N, op T). The bias gradient has D's
@@ -72,6 +72,16 @@ bool fits(const Tensor& t, DType dt) {
   if (!t.defined()) return true;
   return t.dtype() == dt && t.is_contiguous() && (reinterpret_cast<uintptr_t>(t.data_ptr()) & 15u) == 0;
 }
+// A weight [N, K] read in place with unit column stride and a row stride ld >= K (a block of
+// columns of a wider weight, e.g. FLUX's single-block proj_out split at the attention's width):
+// cuBLASLt takes ld as A's leading dimension; rows start 16-byte aligned when ld % 8 == 0.
+bool fits_rows(const Tensor& w, DType dt) {
+  if (w.dim() != 2 || w.dtype() != dt) return false;
+  if (w.is_contiguous()) return fits(w, dt);
+  const int64_t ld = w.stride(0);
+  return w.stride(1) == 1 && ld >= w.size(1) && ld % 8 == 0 && ld <= INT32_MAX &&
+         (reinterpret_cast<uintptr_t>(w.data_ptr()) & 15u) == 0;
+}
 bool epilogue_dtype(DType dt) { return dt == DType::bf16 || dt == DType::f16 || dt == DType::f32; }
 bool size_ok(int64_t v) { return v >= 1 && v <= INT32_MAX; }
 bool size8_ok(int64_t v) { return size_ok(v) && v % 8 == 0; }
@@ -95,7 +105,7 @@ static bool linear_bias_act_cuda(const Tensor& y, const Tensor& pre, const Tenso
   CudaBackend& be = cuda_backend(x.device().index);
   const DType dt = y.dtype();
   if (!epilogue_dtype(dt) || y.dim() != 2 || x.dim() != 2 || w.dim() != 2) return false;
-  if (!fits(y, dt) || !fits(pre, dt) || !fits(x, dt) || !fits(w, dt) || !fits(bias, dt)) return false;
+  if (!fits(y, dt) || !fits(pre, dt) || !fits(x, dt) || !fits_rows(w, dt) || !fits(bias, dt)) return false;
   const int64_t M = y.size(0), N = y.size(1), K = x.size(1);
   if (x.size(0) != M || w.size(0) != N || w.size(1) != K) return false;
   if (bias.defined() && (bias.dim() != 1 || bias.size(0) != N)) return false;
@@ -114,7 +124,7 @@ static bool linear_bias_act_cuda(const Tensor& y, const Tensor& pre, const Tenso
   key.m = static_cast<uint64_t>(N);
   key.n = static_cast<uint64_t>(M);
   key.k = static_cast<uint64_t>(K);
-  key.lda = K;
+  key.lda = w.is_contiguous() ? K : w.stride(0);
   key.ldb = K;
   key.ldc = N;
   key.ld_aux = pre.defined() ? N : 0;
