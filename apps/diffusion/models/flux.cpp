@@ -262,6 +262,23 @@ Tensor per_batch(const Tensor& t, int64_t b, const char* name) {
 }
 }  // namespace
 
+RotaryEmbedding FluxTransformer2DModel::rotary_for(const Tensor& txt_ids, const Tensor& img_ids,
+                                                   flame::Device device) {
+  RotaryCache& k = rotary_cache_;
+  if (k.rope.defined() && k.txt_ids.is_same(txt_ids) && k.img_ids.is_same(img_ids) &&
+      k.txt_version == txt_ids.version() && k.img_version == img_ids.version() && k.rope.cos.device() == device)
+    return k.rope;
+  const Tensor txt = ids_2d(txt_ids, "txt_ids"), img = ids_2d(img_ids, "img_ids");
+  k.rope = rotary_embedding_from_ids(
+      flame::cat({txt.to(flame::Device::cpu()).to(DType::f32), img.to(flame::Device::cpu()).to(DType::f32)}, 0),
+      config_.axes_dims_rope, config_.rope_theta, device);
+  k.txt_ids = txt_ids;
+  k.img_ids = img_ids;
+  k.txt_version = txt_ids.version();
+  k.img_version = img_ids.version();
+  return k.rope;
+}
+
 Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor& encoder_hidden_states,
                                        const Tensor& pooled_projections, const Tensor& timestep, const Tensor& img_ids,
                                        const Tensor& txt_ids, const Tensor& guidance) {
@@ -288,9 +305,7 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
   const Tensor g = guidance.defined() ? per_batch(guidance, b, "guidance").to(dt) * 1000.0 : Tensor();
   const Tensor temb = time_text_embed->forward(t, pooled_projections, g);
   Tensor e = context_embedder->forward(encoder_hidden_states);
-  const RotaryEmbedding rope = rotary_embedding_from_ids(
-      flame::cat({txt.to(flame::Device::cpu()).to(DType::f32), img.to(flame::Device::cpu()).to(DType::f32)}, 0),
-      c.axes_dims_rope, c.rope_theta, h.device());
+  const RotaryEmbedding rope = rotary_for(txt_ids, img_ids, h.device());
 
   // Over the checkpointed blocks (the first ones) only their inputs are saved: offload those.
   std::optional<flame::offload::OffloadActivations> offload;

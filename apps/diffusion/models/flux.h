@@ -164,10 +164,20 @@ class FluxTransformer2DModel : public flame::nn::Module {
   std::shared_ptr<AdaLayerNormContinuous> norm_out;
 
  private:
+  // The rotary tables of the last forward's ids: computed on the host (Note [DiT blocks]), which
+  // reads the ids back, so a step that repeats them (training at one resolution, a sampling loop,
+  // a step captured into a CUDA graph) reuses them while the ids are the same tensors, unwritten.
+  RotaryEmbedding rotary_for(const Tensor& txt_ids, const Tensor& img_ids, flame::Device device);
+
   FluxTransformerConfig config_;
   int64_t checkpoint_blocks_ = 0;
   bool offload_ = false;
   std::size_t offload_min_bytes_ = 0, offloaded_bytes_ = 0;
+  struct RotaryCache {
+    Tensor txt_ids, img_ids;  // held: the identity is the tensor, not a reused address
+    uint64_t txt_version = 0, img_version = 0;
+    RotaryEmbedding rope;
+  } rotary_cache_;
 };
 
 // ---- files (flux_checkpoint.cpp) ----

@@ -11,7 +11,8 @@
 //       blocks, A and B). Prints max abs and relative (max |err| / max |ref|) errors, then PASS or
 //       FAIL. Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
 //   flux_parity time --config flux-dev [--latent 128] [--text 512] [--batch 1] [--checkpointing 0,-1]
-//                    [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--device cuda]
+//                    [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] [--recompute 0] [--graph 0]
+//                    [--device cuda]
 //       the LoRA r16 training step as diffusers + peft run it (bf16 weights, f32 adapters on
 //       to_q/k/v/out.0, bf16 autocast, mse loss, AdamW on the adapters; random weights; latent 128 =
 //       1024² images: 4096 image tokens, plus 512 text tokens), timed with CUDA events: one JSON line
@@ -22,6 +23,7 @@
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory.
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
+//       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
 //                     [--group op|module|op_and_module] [--json FILE]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
@@ -40,6 +42,7 @@
 
 #include <flame/amp.h>
 #include <flame/cuda.h>
+#include <flame/cuda/graph_step.h>
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
@@ -60,7 +63,7 @@ const char* kUsage =
     "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
-    "                    [--recompute 0] [--device cuda]\n"
+    "                    [--recompute 0] [--graph 0] [--device cuda]\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -71,7 +74,7 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group", "json"};
+                                         "group", "json",  "graph"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -202,7 +205,7 @@ struct LoraStep {
   bool recompute = false;
 
   LoraStep(const fm::FluxTransformerConfig& c, flame::Device dev, int64_t batch, int64_t latent, int64_t text,
-           int64_t rank, int64_t checkpointing, bool offload, bool recompute_cheap)
+           int64_t rank, int64_t checkpointing, bool offload, bool recompute_cheap, bool capturable = false)
       : config(std::make_shared<fm::FluxTransformerConfig>(c)), device(dev), recompute(recompute_cheap) {
     const flame::TensorOptions o(DType::bf16, device);
     model = std::make_shared<fm::FluxTransformer2DModel>(c, o);
@@ -220,7 +223,8 @@ struct LoraStep {
     for (const Tensor& p : model->parameters()) {
       if (p.requires_grad()) params.push_back(p);
     }
-    opt = std::make_unique<flame::optim::AdamW>(params, flame::optim::AdamW::Options{.lr = 1e-4});
+    opt = std::make_unique<flame::optim::AdamW>(params,
+                                                flame::optim::AdamW::Options{.lr = 1e-4, .capturable = capturable});
     flame::Generator gen(0);
     const int64_t tokens = (latent / 2) * (latent / 2);
     x = Tensor::randn({batch, tokens, c.in_channels}, 0.0, 1.0, o, &gen);
@@ -263,24 +267,33 @@ int time_steps(const std::map<std::string, std::string>& f) {
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   for (int64_t ckpt : int_list("checkpointing", flag_or(f, "checkpointing", "0,-1"))) {
     for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0"))) {
+    for (int64_t graph : int_list("graph", flag_or(f, "graph", "0"))) {
       flame::cuda::empty_cache();
-      const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0);
-      auto step = [&] { ls.step(); };
+      const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0, graph != 0);
+      // --graph 1: the whole step (forward, backward, AdamW) as one CUDA graph after one eager step
+      // (flame::cuda::GraphedStep, docs/graph-step.md); the warm-up steps cover the capture.
+      flame::cuda::GraphedStep graphed([&] { ls.step(); },
+                                       {.warmup_steps = 1, .device = device.index, .enabled = graph != 0});
+      auto step = [&] { graphed(); };
       const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
       const double median = times.median_ms, peak = times.peak_gib;
       const double flops = step_flops(config, batch, latent, text);
       const double rate = flops / (median / 1e3) / 1e12;
       std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-                  "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"offloaded_gib\": %.3f, "
+                  "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
+                  "\"offloaded_gib\": %.3f, "
                   "\"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, "
                   "\"mfu_vs_gemm\": %.3f}\n",
                   name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                   static_cast<long long>(text), static_cast<long long>(batch),
                   static_cast<long long>(ls.model->gradient_checkpointing_blocks()), recompute ? "true" : "false",
+                  graphed.captured() ? "true" : "false",
+                  static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
                   static_cast<double>(ls.model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12,
                   rate / 989.0, rate / gemm);
       std::fflush(stdout);
       if (trace_steps > 0) print_kernel_trace(step, trace_steps);
+    }
     }
   }
   return 0;

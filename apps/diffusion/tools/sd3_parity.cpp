@@ -22,15 +22,18 @@
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
+//       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <flame/amp.h>
 #include <flame/cuda.h>
+#include <flame/cuda/graph_step.h>
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
@@ -57,10 +60,11 @@ const char* kUsage =
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
     "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
-    "[--recompute 0] [--device cuda]\n";
+    "[--recompute 0] [--graph 0] [--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
-                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute"};
+                                         "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
+                                         "graph"};
 
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
   return flame_diffusion::tools::flag_or(f, k, fallback);
@@ -209,11 +213,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   const flame::TensorOptions o(DType::bf16, device);
-  std::vector<std::pair<int64_t, bool>> settings;  // (checkpointing, RecomputeCheap)
+  std::vector<std::tuple<int64_t, bool, bool>> settings;  // (checkpointing, RecomputeCheap, CUDA graph)
   for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1"))) {
-    for (int64_t r : int_list("recompute", get(f, "recompute", "0"))) settings.emplace_back(ckpt, r != 0);
+    for (int64_t r : int_list("recompute", get(f, "recompute", "0")))
+      for (int64_t g : int_list("graph", get(f, "graph", "0"))) settings.emplace_back(ckpt, r != 0, g != 0);
   }
-  for (const auto& [ckpt, recompute] : settings) {
+  for (const auto& [ckpt, recompute, graph] : settings) {
     flame::cuda::empty_cache();
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
@@ -230,14 +235,14 @@ int time_steps(const std::map<std::string, std::string>& f) {
     for (const Tensor& p : model->parameters()) {
       if (p.requires_grad()) params.push_back(p);
     }
-    flame::optim::AdamW opt(params, {.lr = 1e-4});
+    flame::optim::AdamW opt(params, {.lr = 1e-4, .capturable = graph});
     flame::Generator gen(0);
     const Tensor x = Tensor::randn({batch, config.in_channels, latent, latent}, 0.0, 1.0, o, &gen);
     const Tensor target = Tensor::randn({batch, config.out_channels, latent, latent}, 0.0, 1.0, o, &gen);
     const Tensor ctx = Tensor::randn({batch, text, config.joint_attention_dim}, 0.0, 1.0, o, &gen);
     const Tensor pooled = Tensor::randn({batch, config.pooled_projection_dim}, 0.0, 1.0, o, &gen);
     const Tensor t = Tensor::full({batch}, 500.0, {DType::f32, device});
-    auto step = [&] {
+    auto eager_step = [&] {
       Tensor out;
       {
         flame::amp::AutocastGuard autocast(DType::bf16);
@@ -247,18 +252,24 @@ int time_steps(const std::map<std::string, std::string>& f) {
       const Tensor loss = flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
       opt.step(loss.backward());
     };
+    // --graph 1: the step as one CUDA graph after one eager step (docs/graph-step.md).
+    flame::cuda::GraphedStep graphed(eager_step, {.warmup_steps = 1, .device = device.index, .enabled = graph});
+    auto step = [&] { graphed(); };
     const flame_diffusion::tools::StepTimes timed = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
     const double median = timed.median_ms, peak = timed.peak_gib;
     const double flops = step_flops(config, batch, latent, text);
     const double rate = flops / (median / 1e3) / 1e12;
     std::printf(
         "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
-        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"offloaded_gib\": %.3f, "
+        "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
+        "\"offloaded_gib\": %.3f, "
         "\"median_ms\": %.2f, "
         "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
         name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent), static_cast<long long>(text),
         static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
-        recompute ? "true" : "false", static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
+        recompute ? "true" : "false", graphed.captured() ? "true" : "false",
+                  static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
+        static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
         rate / gemm);
     std::fflush(stdout);
     if (trace_steps > 0) print_kernel_trace(step, trace_steps);
