@@ -110,6 +110,7 @@ const Case kLnCases[] = {
     {{2, 5, 1152}, "DiT-XL width"},
     {{2, 3, 4, 96}, "4-d input"},
     {{2, 6, 30}, "D % 4 != 0 (composite)"},
+    {{2, 4, 1536}, "one warp a row, the widest (48 KiB of accumulators)"},
     {{2, 3, 1600}, "D > 1536 (two warps a row)"},
     {{1, 70, 3072}, "FLUX width (two warps a row, slices)"},
     {{2, 9, 2432}, "SD3.5-Large width"},

@@ -34,6 +34,9 @@
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
@@ -56,8 +59,9 @@ constexpr int kMaxCols = 6144;  // 12 chunks of 128 columns per warp, 4 warps a 
 // The block's warps form kFwdWarps / kW (forward) or kBwdWarps / kW (backward) groups; a loop
 // over rows runs the same count in every warp of the block (a group without a row adds zeros),
 // because the sums meet at __syncthreads. The backward's shared accumulators are per group, not
-// per warp: kBwdWarps / kW groups * 2 rows * D floats stay within the default 48 KiB for every
-// width (1536 with one warp a row, 3072 with two, 6144 with four).
+// per warp: kBwdWarps / kW groups * 2 rows * D floats are at most 48 KiB for every width (1536 with
+// one warp a row, 3072 with two, 6144 with four); with the row sums' static part, the widest rows
+// of one, two and four warps pass the default 48 KiB and opt in to more (allow_dynamic_smem).
 static_assert((kBwdWarps / 1) * 2 * 1536 * sizeof(float) <= 48 * 1024);
 static_assert((kBwdWarps / 2) * 2 * 3072 * sizeof(float) <= 48 * 1024);
 static_assert((kBwdWarps / 4) * 2 * kMaxCols * sizeof(float) <= 48 * 1024);
@@ -559,6 +563,19 @@ bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr
 // Warps a row for rows of D values (Note [Row groups]; with_chunks picks the same).
 int warps_per_row(int64_t D) { return D <= 1536 ? 1 : D <= 3072 ? 2 : 4; }
 
+// A kernel whose dynamic shared memory and static part together pass the default 48 KiB must opt
+// in, once per device (Note [Row groups]: the backward of rows of 3072 or 6144 values takes 48 KiB
+// of accumulators beside its row sums). The caller holds a DeviceGuard for `device`.
+void allow_dynamic_smem(const void* kernel, int device) {
+  constexpr int kCap = 64 * 1024;
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count({kernel, device})) return;
+  FLAME_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kCap));
+  done.insert({kernel, device});
+}
+
 // [B, D] with unit column stride, a row stride that keeps every row 4-element aligned.
 bool mod_ok(const Tensor& m, int64_t B, int64_t D) {
   return m.defined() && m.dim() == 2 && m.size(0) == B && m.size(1) == D && m.stride(1) == 1 &&
@@ -780,7 +797,9 @@ static bool adaln_backward_cuda(const Tensor& dx, const Tensor& dshift, const Te
     }
     auto go = [&]<int kC, int kW, bool kHat, bool kRes, bool kBias = false>() {
       using XI = std::conditional_t<kHat, O, X>;
-      adaln_backward_kernel<X, M, O, kC, kW, kHat, kRes, kBias><<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
+      const auto kernel = &adaln_backward_kernel<X, M, O, kC, kW, kHat, kRes, kBias>;
+      allow_dynamic_smem(reinterpret_cast<const void*>(kernel), be.device());  // 1536 values a warp: 48 KiB too
+      kernel<<<sl.grid(B), kBwdWarps * 32, sl.smem, st>>>(
           static_cast<const O*>(dy.data_ptr()), static_cast<const XI*>(x.data_ptr()),
           hat ? nullptr : static_cast<const float*>(mean.data_ptr()), static_cast<const float*>(rstd.data_ptr()),
           static_cast<const M*>(scale.data_ptr()), ld, dx.defined() ? static_cast<X*>(dx.data_ptr()) : nullptr,
