@@ -383,6 +383,45 @@ TEST(AdalnAutocast, HalfInputIsReadAsItIs) {
   }
 }
 
+// Note [Gated residual saves]: the fused node keeps the branch y only when the gate wants a gradient
+// (a frozen adaLN projection's gate: LoRA training); the gradients are those of the composite
+// either way (on the CPU the op is the composite).
+TEST(AdalnSaved, GatedResidualKeepsTheBranchOnlyForTheGateGradient) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t B = 2, T = 6, D = 64;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (bool gate_grad : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + (gate_grad ? " gate with a gradient" : " frozen gate"));
+      const Tensor x0 = rnd({B, T, D}, 1101).to(dt), y0 = rnd({B, T, D}, 1102).to(dt), m0 = rnd({B, D}, 1103).to(dt);
+      const Tensor go = rnd({B, T, D}, 1104).to(dt);
+      auto run = [&](bool fused) {
+        Tensor x = x0.to(dev).requires_grad_(true), y = y0.to(dev).requires_grad_(true);
+        Tensor gate = m0.to(dev).requires_grad_(gate_grad);
+        // Non-leaf inputs, as in a model; the composite is the reference.
+        const Tensor o = fused ? F::gated_residual(x * 1.0, gate, y * 1.0) : x * 1.0 + per_sample(gate, x) * (y * 1.0);
+        const std::size_t saved = autograd_saved_bytes(o);
+        Gradients g = (o * go.to(dev)).sum().backward();
+        return std::tuple<Tensor, std::size_t, TensorList>{o, saved,
+                                                           {g.get(x), g.get(y), gate_grad ? g.get(gate) : Tensor()}};
+      };
+      const auto [o, saved, grads] = run(true);
+      const auto [ro, rsaved, rgrads] = run(false);
+      if (dev.is_cuda()) {
+        ASSERT_EQ(o.grad_fn_name(), "GatedResidualBackward");
+        const std::size_t row = static_cast<std::size_t>(B * D) * dtype_size(dt), big = row * T;
+        EXPECT_EQ(saved, gate_grad ? row + big : row) << "gate, and y only for the gate's gradient";
+      }
+      const double tol = dt == DType::bf16 ? 1e-2 : 1e-6;
+      EXPECT_TRUE(close_scaled(o, ro, tol));
+      for (std::size_t i = 0; i < grads.size(); ++i) {
+        if (!grads[i].defined()) continue;
+        EXPECT_TRUE(close_scaled(grads[i], rgrads[i], tol)) << "gradient " << i;
+      }
+    }
+  }
+}
+
 // A chain of DiT-style stages under bf16 autocast (Note [Fused residual backward]): y0 =
 // layer_norm_modulate(x); stage k = 1..kStages: h = h + gate * branch(y, params[k]) and y =
 // layer_norm_modulate(h), as gated_residual_modulate (fused) or the two ops. hook_stage: the stage

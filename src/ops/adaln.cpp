@@ -12,7 +12,8 @@
 //    The CPU backend always declines, so the composite is the reference the CUDA kernels are tested
 //    against and f64 gradchecks run through it.
 //  - Fused, each op is one node: layer_norm_modulate saves x, its per-row mean/rstd and scale (not
-//    the output); gated_residual saves gate and y. Their backward is one kernel each that also
+//    the output); gated_residual saves gate, and y only when the gate wants a gradient (Note [Gated
+//    residual saves] in src/autograd/rules/adaln.cpp). Their backward is one kernel each that also
 //    sums the modulation gradients over the tokens (Note [adaLN kernels] in
 //    src/backend/cuda/adaln/adaln.cu).
 //  - autograd::RecomputeCheap: layer_norm_modulate marks its output recomputable (below).

@@ -47,7 +47,9 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
   Node* partner = nullptr;
   if (n.args().need[1] && e[0].meta && n.completes_input(0)) {
     Node* p = e[0].meta->grad_fn.get();
-    if (p && p->rule() == gated_residual_rule && !p->released() && (p->edges()[1].meta || p->edges()[2].meta))
+    // The partner saved its branch (its gate wants a gradient, Note [Gated residual saves]).
+    if (p && p->rule() == gated_residual_rule && !p->released() && p->args().need[0] &&
+        (p->edges()[1].meta || p->edges()[2].meta))
       partner = p;
   }
   backend::fused::AdalnBackwardMore more;
@@ -106,15 +108,32 @@ TensorList adaln_rule(const Tensor& grad, const Node& n) {
   return {dx, dshift, dscale};
 }
 
-// Saved: gate, y as [B, T, D]; args.op: the result dtype (x's); args.shape: x's shape.
+// Note [Gated residual saves]
+// out = x + gate * y: dgate needs y, dy needs gate. The node saves gate (a [B, D] row) always and
+// y (as big as x) only when gate wants a gradient: in LoRA training the adaLN projections that
+// make the gates are frozen, and the branches (the attention's and the MLP's outputs) are then not
+// kept for the backward at all (FLUX-dev: about 2 GiB of a step's saved tensors). Without y, dy is
+// dout * gate as ordinary ops (one pass, as the kernel's).
+// Saved: gate, then (args.need[0]) y as [B, T, D]; args.op: the result dtype (x's); args.shape:
+// x's shape.
 TensorList gated_residual_rule(const Tensor& grad, const Node& n) {
   const auto& e = n.edges();
   // Note [Fused residual backward]: computed by the adaLN backward that read this h.
   TensorList prepared = n.take_prepared(grad);
   if (!prepared.empty()) return {e[0].meta ? grad : Tensor(), std::move(prepared[0]), std::move(prepared[1])};
-  const Tensor gate = n.saved(0), y3 = n.saved(1);
+  const Tensor gate = n.saved(0);
   const Shape& xs = n.args().shape;
   const Tensor dout = grad.to(static_cast<DType>(n.args().op)).contiguous();
+  if (!n.args().need[0]) {  // gate wants no gradient: y was not saved
+    if (!e[2].meta) return {e[0].meta ? dout : Tensor(), Tensor(), Tensor()};
+    Shape per(xs.size(), 1);
+    per.front() = gate.size(0);
+    per.back() = gate.size(1);
+    Tensor dy = dout * gate.reshape(per);
+    if (dy.dtype() != e[2].dtype) dy = dy.to(e[2].dtype);
+    return {e[0].meta ? dout : Tensor(), Tensor(), dy};
+  }
+  const Tensor y3 = n.saved(1);
   Tensor dy = e[2].meta ? make_empty(xs, y3.dtype(), y3.device()) : Tensor();
   Tensor dgate;
   if (e[1].meta || e[2].meta) {
@@ -154,9 +173,11 @@ void gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const Tensor
   RuleArgs args;
   args.op = static_cast<int>(out);
   args.shape = x.sizes();
+  args.need[0] = needs_grad({gate});  // Note [Gated residual saves]
+  const bool save_y = args.need[0];
   Node& n = record(o, "GatedResidualBackward", {x, gate, y}, gated_residual_rule, std::move(args));
   n.save(gate);
-  n.save(y3);
+  if (save_y) n.save(y3);
 }
 
 }  // namespace flame::rules
