@@ -98,7 +98,9 @@ TEST(SafetensorsDType, NamesRoundTrip) {
   EXPECT_STREQ(io::safetensors_dtype(DType::boolean), "BOOL");
   EXPECT_STREQ(io::safetensors_dtype(DType::f64), "F64");
   EXPECT_STREQ(io::safetensors_dtype(DType::u8), "U8");
-  for (const char* foreign : {"I8", "I16", "U16", "U32", "U64", "F8_E4M3", "F8_E5M2", "C64"}) {
+  EXPECT_STREQ(io::safetensors_dtype(DType::f8_e4m3fn), "F8_E4M3");
+  EXPECT_EQ(io::dtype_from_safetensors("F8_E5M2"), DType::f8_e5m2);
+  for (const char* foreign : {"I8", "I16", "U16", "U32", "U64", "F8_E8M0", "C64"}) {
     EXPECT_FALSE(io::dtype_from_safetensors(foreign).has_value()) << foreign;
   }
   expect_error([] { (void)io::dtype_from_safetensors("F17"); }, {"safetensors", "unknown dtype", "F17"});
@@ -305,7 +307,7 @@ TEST(SafetensorsLoad, Float8EveryBitPatternDecodes) {
   write_file(path, file_of(header, all + all));
   const io::SafetensorsFile file(path);
   EXPECT_EQ(file.info("e4m3").dtype, "F8_E4M3");
-  EXPECT_FALSE(file.info("e4m3").flame_dtype.has_value());
+  EXPECT_EQ(file.info("e4m3").flame_dtype, DType::f8_e4m3fn);
   const Tensor a = file.load("e4m3", test_device()), b = file.load("e5m2", test_device());
   EXPECT_EQ(a.dtype(), DType::f32);
   EXPECT_EQ(a.sizes(), (Shape{16, 16}));
@@ -351,6 +353,28 @@ TEST(SafetensorsLoad, Float8EveryBitPatternDecodes) {
   EXPECT_EQ(sd.at("e5m2").dtype(), DType::f16);
   EXPECT_EQ(sd.at("e5m2").to(DType::f32).to_vec<float>()[0x3c], 1.0f);
   expect_error([&] { (void)file.load("e4m3", Device::cpu(), DType::i32); }, {"safetensors", path, "\"e4m3\"", "F8_E4M3"});
+  // Asked for as its own dtype, a F8 tensor keeps its codes (Note [Float8 dtypes]); saved again it
+  // writes the same bytes under the same dtype. The other 8-bit dtype converts through the values.
+  const Tensor k = file.load("e4m3", test_device(), DType::f8_e4m3fn);
+  EXPECT_EQ(k.dtype(), DType::f8_e4m3fn);
+  const std::vector<float> kv = k.to(DType::f32).to_vec<float>();
+  for (int i = 0; i < 256; ++i) {
+    if (std::isnan(av[i])) EXPECT_TRUE(std::isnan(kv[i])) << i;
+    else EXPECT_EQ(bytes_of_vec(std::vector<float>{kv[i]}), bytes_of_vec(std::vector<float>{av[i]})) << i;
+  }
+  const std::string again = temp_path("f8_again");
+  StateDict out;
+  out.insert("e4m3", k);
+  out.insert("e5m2", file.load("e5m2", test_device(), DType::f8_e5m2));
+  io::save_safetensors(again, out);
+  const io::SafetensorsFile back(again);
+  EXPECT_EQ(back.info("e4m3").dtype, "F8_E4M3");
+  EXPECT_EQ(back.info("e5m2").dtype, "F8_E5M2");
+  EXPECT_EQ(read_file(again).substr(back.info("e4m3").offset, 256), all);
+  EXPECT_EQ(read_file(again).substr(back.info("e5m2").offset, 256), all);
+  EXPECT_EQ(file.load("e4m3", test_device(), DType::f8_e5m2).dtype(), DType::f8_e5m2);
+  EXPECT_EQ(io::load_safetensors(path, test_device(), DType::f8_e5m2).at("e4m3").dtype(), DType::f8_e5m2);
+  std::remove(again.c_str());
   std::remove(path.c_str());
 }
 

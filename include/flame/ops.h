@@ -128,6 +128,23 @@ std::pair<Tensor, Tensor> topk(const Tensor& x, int64_t k, int64_t dim = -1, boo
 std::pair<Tensor, Tensor> sort(const Tensor& x, int64_t dim = -1, bool descending = false);
 Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false);
 
+// ---- 8-bit float casts with scales (Note [Float8 dtypes] in flame/dtype.h) ----
+// The largest finite value of an 8-bit float dtype: 448 (f8_e4m3fn), 57344 (f8_e5m2).
+double float8_max(DType f8);
+// The f32 scale that maps x's largest magnitude onto float8_max(f8): amax / max over the whole
+// tensor (0-d) or, with dim, over every other dim per index of dim (kept as size 1, so it
+// broadcasts against x: dim 0 of a weight [out, in] gives per-output-channel scales [out, 1]).
+// An all-zero slice gets scale 1; a NaN or an infinity in x gives a NaN or infinite scale. No
+// gradient.
+Tensor float8_scale(const Tensor& x, DType f8, std::optional<int64_t> dim = std::nullopt);
+// q = x / scale as f8, rounded to nearest even and clamped to +-float8_max(f8) in both formats
+// (a scaled cast saturates, as Transformer Engine's; a plain x.to(DType::f8_e5m2) overflows to
+// infinity as PyTorch's); NaN stays NaN. scale broadcasts against x (0-d, [out, 1], ...). No
+// gradient.
+Tensor to_float8(const Tensor& x, DType f8, const Tensor& scale);
+// q * scale in `out` (computed in f32). No gradient.
+Tensor from_float8(const Tensor& q, const Tensor& scale, DType out = DType::f32);
+
 // ---- losses ----
 enum class Reduction : uint8_t { none, mean, sum };
 Tensor mse_loss(const Tensor& input, const Tensor& target, Reduction r = Reduction::mean);

@@ -141,6 +141,7 @@ const char* element_type(DType dt) {
     case DType::i64: return "int64_t";
     case DType::u8: return "uint8_t";
     case DType::boolean: return "bool";
+    default: break;  // 8-bit floats are never traced: their ops raise first
   }
   return "?";
 }

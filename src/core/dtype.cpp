@@ -14,6 +14,8 @@ std::size_t dtype_size(DType t) {
     case DType::i64: return 8;
     case DType::u8: return 1;
     case DType::boolean: return 1;
+    case DType::f8_e4m3fn: return 1;
+    case DType::f8_e5m2: return 1;
   }
   return 0;
 }
@@ -28,6 +30,8 @@ const char* dtype_name(DType t) {
     case DType::i64: return "i64";
     case DType::u8: return "u8";
     case DType::boolean: return "bool";
+    case DType::f8_e4m3fn: return "f8_e4m3fn";
+    case DType::f8_e5m2: return "f8_e5m2";
   }
   return "?";
 }
@@ -57,6 +61,8 @@ int rank_within(DType t) {
 
 DType promote_types(DType a, DType b) {
   if (a == b) return a;
+  FLAME_CHECK(!is_float8(a) && !is_float8(b), "promote_types", "no promotion between ", dtype_name(a), " and ",
+              dtype_name(b), ": 8-bit float tensors are storage; cast them first (to(DType::f32) or to(DType::bf16))");
   const int ca = category(a), cb = category(b);
   if (ca != cb) return ca > cb ? a : b;
   // Same category, different types.

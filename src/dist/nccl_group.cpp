@@ -68,6 +68,7 @@ ncclDataType_t nccl_dtype(DType dt, const char* what) {
     case DType::i64: return ncclInt64;
     case DType::u8:
     case DType::boolean: return ncclUint8;
+    default: break;  // 8-bit floats: cast first (Note [Float8 dtypes])
   }
   FLAME_FAIL(what, "unsupported dtype ", dtype_name(dt));
 }

@@ -55,7 +55,8 @@ struct DTypePair {
 constexpr DTypePair kPairs[] = {
     {DType::f64, StDType::F64}, {DType::f32, StDType::F32}, {DType::f16, StDType::F16},
     {DType::bf16, StDType::BF16}, {DType::i64, StDType::I64}, {DType::i32, StDType::I32},
-    {DType::u8, StDType::U8},   {DType::boolean, StDType::BOOL},
+    {DType::u8, StDType::U8},   {DType::boolean, StDType::BOOL}, {DType::f8_e4m3fn, StDType::F8_E4M3},
+    {DType::f8_e5m2, StDType::F8_E5M2},
 };
 
 StDType to_st(DType t) {
@@ -75,9 +76,10 @@ std::optional<DType> to_flame(StDType t) {
 std::string errno_text() { return std::strerror(errno); }
 
 // Note [Float8 on load]
-// FLAME has no 8-bit float dtype; a F8_E4M3 or F8_E5M2 tensor (fp8-stored checkpoints) is decoded
-// on the host to f32 through a 256-entry table and then converted to the dtype asked for (f32
-// without one). The formats are the OCP 8-bit floating point ones that PyTorch calls
+// A F8_E4M3 or F8_E5M2 tensor (fp8-stored checkpoints) asked for as its own dtype (f8_e4m3fn,
+// f8_e5m2) keeps its codes. Otherwise (and by default, which the model loaders rely on) it is
+// decoded on the host to f32 through a 256-entry table and then converted to the dtype asked for
+// (f32 without one). The formats are the OCP 8-bit floating point ones that PyTorch calls
 // float8_e4m3fn and float8_e5m2 (Note [Float8 formats] in flame/float8.h, whose decoders fill the
 // table).
 std::vector<float> make_f8_table(bool e4m3) {
@@ -184,9 +186,11 @@ const TensorInfo& SafetensorsFile::info(std::string_view name) const {
 
 Tensor SafetensorsFile::load(std::string_view name, Device device, std::optional<DType> dtype) const {
   const TensorInfo& inf = info(name);
-  if (inf.dtype == "F8_E4M3" || inf.dtype == "F8_E5M2") {  // Note [Float8 on load]
-    FLAME_CHECK(!dtype || is_floating(*dtype), "safetensors", "'", impl_->path, "': tensor \"", name, "\" is ",
-                inf.dtype, " and loads as a floating dtype (f32, f64, bf16, f16), not ", *dtype);
+  const bool own_f8 = dtype && inf.flame_dtype && *dtype == *inf.flame_dtype;
+  if ((inf.dtype == "F8_E4M3" || inf.dtype == "F8_E5M2") && !own_f8) {  // Note [Float8 on load]
+    FLAME_CHECK(!dtype || is_floating(*dtype) || is_float8(*dtype), "safetensors", "'", impl_->path, "': tensor \"",
+                name, "\" is ", inf.dtype, " and loads as a floating dtype (f32, f64, bf16, f16, f8_e4m3fn, f8_e5m2), not ",
+                *dtype);
     const std::vector<float>& table = f8_table(inf.dtype == "F8_E4M3");
     const unsigned char* bytes = impl_->data + inf.offset;
     std::vector<float> values(inf.nbytes);
@@ -197,7 +201,7 @@ Tensor SafetensorsFile::load(std::string_view name, Device device, std::optional
   }
   FLAME_CHECK(inf.flame_dtype.has_value(), "safetensors", "'", impl_->path, "': tensor \"", name,
               "\" has dtype ", inf.dtype,
-              ", which FLAME does not have (FLAME reads F64 F32 F16 BF16 I64 I32 U8 BOOL, and F8_E4M3 F8_E5M2 as f32)");
+              ", which FLAME does not have (FLAME reads F64 F32 F16 BF16 I64 I32 U8 BOOL F8_E4M3 F8_E5M2)");
   const DType dt = *inf.flame_dtype;
   const std::size_t count = inf.nbytes / dtype_size(dt);
   const unsigned char* bytes = impl_->data + inf.offset;  // inside the mapping (parser)
@@ -218,7 +222,7 @@ StateDict SafetensorsFile::load_all(Device device, std::optional<DType> dtype) c
   for (const std::string& name : impl_->names) {
     const TensorInfo& inf = impl_->infos[impl_->index.at(name)];
     const bool f8 = inf.dtype == "F8_E4M3" || inf.dtype == "F8_E5M2";
-    const bool convert = dtype && ((inf.flame_dtype && is_floating(*inf.flame_dtype)) || (f8 && is_floating(*dtype)));
+    const bool convert = dtype && ((inf.flame_dtype && is_floating(*inf.flame_dtype)) || (f8 && (is_floating(*dtype) || is_float8(*dtype))));
     out.insert(name, load(name, device, convert ? dtype : std::nullopt));
   }
   return out;

@@ -21,6 +21,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "flame/float8.h"
 #include "flame/half.h"
 
 namespace flame {
@@ -30,17 +31,26 @@ template <> struct compute_type<float> { using type = float; };
 template <> struct compute_type<double> { using type = double; };
 template <> struct compute_type<bfloat16> { using type = float; };
 template <> struct compute_type<float16> { using type = float; };
+template <> struct compute_type<float8_e4m3fn> { using type = float; };
+template <> struct compute_type<float8_e5m2> { using type = float; };
 template <class T> using compute_t = typename compute_type<T>::type;
 
-// Converts between element and compute types (half types go through float; bool is v != 0;
-// floating -> integer saturates, Note [Defined integer math]).
+// The 16- and 8-bit float storage types: converted through float.
+template <class T>
+inline constexpr bool is_narrow_float_v = std::is_same_v<T, bfloat16> || std::is_same_v<T, float16> ||
+                                          std::is_same_v<T, float8_e4m3fn> || std::is_same_v<T, float8_e5m2>;
+
+// Converts between element and compute types (half and 8-bit float types go through float; bool
+// is v != 0; floating -> integer saturates, Note [Defined integer math]).
 template <class To, class From>
 FLAME_INLINE To convert(From v) {
-  if constexpr (std::is_same_v<From, bfloat16> || std::is_same_v<From, float16>) {
+  if constexpr (std::is_same_v<To, From>) {
+    return v;
+  } else if constexpr (is_narrow_float_v<From>) {
     return convert<To>(static_cast<float>(v));
   } else if constexpr (std::is_same_v<To, bool>) {
     return v != From(0);
-  } else if constexpr (std::is_same_v<To, bfloat16> || std::is_same_v<To, float16>) {
+  } else if constexpr (is_narrow_float_v<To>) {
     return To(static_cast<float>(v));
   } else if constexpr (std::is_integral_v<To> && std::is_floating_point_v<From>) {
     // Integer limits are exact powers of two in From (min) or round up to one (max), so the

@@ -306,7 +306,8 @@ Tensor Checkpoint::load(std::string_view key, flame::Device device, std::optiona
   FLAME_CHECK(it != impl_->file_index.end(), "checkpoint", description(), " has no tensor \"", key, "\"");
   const flame::io::SafetensorsFile& f = impl_->files[it->second];
   const auto& stored = f.info(key).flame_dtype;
-  if (dtype && stored && flame::is_floating(*dtype) && !flame::is_floating(*stored)) dtype.reset();
+  if (dtype && stored && flame::is_floating(*dtype) && !flame::is_floating(*stored) && !flame::is_float8(*stored))
+    dtype.reset();
   return f.load(key, device, dtype);
 }
 

@@ -10,11 +10,12 @@
 //
 // Dtypes: F64 F32 F16 BF16 I64 I32 U8 BOOL map to FLAME's f64 f32 f16 bf16 i64 i32 u8 boolean.
 // F8_E4M3 and F8_E5M2 (fp8-stored checkpoints; OCP formats, PyTorch's float8_e4m3fn and
-// float8_e5m2) load decoded to f32, or to the floating dtype asked for (Note [Float8 on load] in
-// src/io/safetensors.cpp: E4M3 has no infinities and NaN only at S.1111.111). A file may hold the
-// format's other dtypes (I8, I16, U16, U32, U64, F8_E8M0, C64): it opens and lists them
-// (TensorInfo::flame_dtype is nullopt, as for F8), and loading such a tensor raises an error naming
-// its dtype. Every problem with a
+// float8_e5m2; FLAME's f8_e4m3fn and f8_e5m2, Note [Float8 dtypes] in flame/dtype.h) load decoded
+// to f32 by default, or to the dtype asked for: their own 8-bit dtype keeps the stored codes
+// (Note [Float8 on load] in src/io/safetensors.cpp: E4M3 has no infinities and NaN only at
+// S.1111.111); f8 tensors save as F8_E4M3 / F8_E5M2. A file may hold the format's other dtypes
+// (I8, I16, U16, U32, U64, F8_E8M0, C64): it opens and lists them (TensorInfo::flame_dtype is
+// nullopt), and loading such a tensor raises an error naming its dtype. Every problem with a
 // file raises flame::Error naming the file and what is wrong with it.
 #include <cstdint>
 #include <map>

@@ -96,9 +96,10 @@ void binary_dispatch(const Tensor& dst, const Tensor& a, const Tensor& b) {
 }  // namespace
 
 void CpuBackend::copy(const Tensor& dst, const Tensor& src) {
-  dispatch_dtype(dst.dtype(), "copy", [&](auto dtag) {
+  dispatch_storage_dtype(dst.dtype(), "copy", [&](auto dtag) {
     using D = typename decltype(dtag)::type;
-    dispatch_dtype(src.dtype(), "copy", [&](auto stag) { copy_typed<D, typename decltype(stag)::type>(dst, src); });
+    dispatch_storage_dtype(src.dtype(), "copy",
+                           [&](auto stag) { copy_typed<D, typename decltype(stag)::type>(dst, src); });
   });
 }
 
@@ -106,7 +107,7 @@ void CpuBackend::copy_from_host(const Tensor& dst, const void* host) { std::memc
 void CpuBackend::copy_to_host(void* host, const Tensor& src) { std::memcpy(host, src.data_ptr(), src.nbytes()); }
 
 void CpuBackend::fill(const Tensor& dst, Scalar value) {
-  dispatch_dtype(dst.dtype(), "fill", [&](auto tag) {
+  dispatch_storage_dtype(dst.dtype(), "fill", [&](auto tag) {
     using T = typename decltype(tag)::type;
     T v;
     if constexpr (std::is_integral_v<T>) {

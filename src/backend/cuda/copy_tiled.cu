@@ -244,6 +244,8 @@ bool tiled_copy(CudaBackend& be, const Tensor& dst, const Tensor& src) {
     });
     return true;
   }
+  // Casts to or from 8-bit floats take the elementwise kernels (Note [Float8 dtypes]).
+  if (is_float8(dst.dtype()) || is_float8(src.dtype())) return false;
   dispatch_dtype(dst.dtype(), "cuda copy", [&](auto dtag) {
     using D = typename decltype(dtag)::type;
     dispatch_dtype(src.dtype(), "cuda copy", [&](auto stag) {

@@ -39,11 +39,21 @@ __device__ __forceinline__ H float_to_half(float f) {
   }
 }
 
-// As flame::convert: half types go through float, bool is v != 0, the rest static_cast.
+// The 8-bit float storage types (Note [Float8 dtypes]): through float, with the formats' own
+// rounding (flame/float8.h's encoder, the CPU reference's).
+template <class T>
+inline constexpr bool is_float8_v = std::is_same_v<T, float8_e4m3fn> || std::is_same_v<T, float8_e5m2>;
+
+// As flame::convert: half and 8-bit float types go through float, bool is v != 0, the rest
+// static_cast.
 template <class To, class From>
 __device__ __forceinline__ To dconvert(From v) {
   if constexpr (std::is_same_v<To, From>) {
     return v;
+  } else if constexpr (is_float8_v<From>) {
+    return dconvert<To>(static_cast<float>(v));
+  } else if constexpr (is_float8_v<To>) {
+    return To(dconvert<float>(v));
   } else if constexpr (is_half_v<From>) {
     return dconvert<To>(half_to_float(v));
   } else if constexpr (std::is_same_v<To, bool>) {
@@ -80,6 +90,7 @@ __device__ __forceinline__ void store_dyn(void* base, int64_t i, DType dt, V v) 
     case DType::i64: static_cast<int64_t*>(base)[i] = store_as<int64_t>(v); break;
     case DType::u8: static_cast<uint8_t*>(base)[i] = store_as<uint8_t>(v); break;
     case DType::boolean: static_cast<bool*>(base)[i] = store_as<bool>(v); break;
+    default: break;  // 8-bit floats: no kernel stores them through here (Note [Float8 dtypes])
   }
 }
 

@@ -72,9 +72,9 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
     });
     return;
   }
-  dispatch_dtype(dst.dtype(), "cuda copy", [&](auto dtag) {
+  dispatch_storage_dtype(dst.dtype(), "cuda copy", [&](auto dtag) {
     using D = typename decltype(dtag)::type;
-    dispatch_dtype(src.dtype(), "cuda copy", [&](auto stag) {
+    dispatch_storage_dtype(src.dtype(), "cuda copy", [&](auto stag) {
       using S = typename decltype(stag)::type;
       if constexpr (!std::is_same_v<D, S>) {
         launch_elementwise<1, D, S, NoArg, NoArg>(*this, dst, {&src}, CopyOp<D, S>{});
@@ -84,7 +84,7 @@ void CudaBackend::copy(const Tensor& dst, const Tensor& src) {
 }
 
 void CudaBackend::fill(const Tensor& dst, Scalar value) {
-  dispatch_dtype(dst.dtype(), "cuda fill", [&](auto tag) {
+  dispatch_storage_dtype(dst.dtype(), "cuda fill", [&](auto tag) {
     using T = typename decltype(tag)::type;
     using U = bits_t<T>;
     T v;

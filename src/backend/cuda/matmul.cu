@@ -42,6 +42,7 @@
 
 #include "flame/cuda.h"
 #include "src/backend/cuda/common.cuh"
+#include "src/core/dispatch.h"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/epi/lt_shared.h"
 #include "src/backend/cuda/memory_pool.h"
@@ -412,7 +413,9 @@ void CudaBackend::matmul(const Tensor& dst, const Tensor& a, const Tensor& b) {
     case DType::i64: return int_matmul<int64_t>(*this, dst, a, b);
     case DType::u8: return int_matmul<uint8_t>(*this, dst, a, b);
     case DType::boolean: return int_matmul<bool>(*this, dst, a, b);
+    default: break;
   }
+  FLAME_FAIL("matmul", "unsupported dtype ", dtype_name(dst.dtype()), FLAME_FLOAT8_HINT(dst.dtype()));
 }
 
 }  // namespace flame::backend::cuda
