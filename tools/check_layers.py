@@ -19,7 +19,7 @@ import sys
 # layer with a matching pattern owns the file.
 LAYERS = [
     # Values and storage: dtype, device, errors, the Tensor class and its impl, memory, RNG math.
-    ("core", ["include/flame/dtype.h", "include/flame/half.h", "include/flame/device.h",
+    ("core", ["include/flame/dtype.h", "include/flame/half.h", "include/flame/float8.h", "include/flame/device.h",
               "include/flame/error.h", "include/flame/scalar.h", "include/flame/macros.h",
               "include/flame/version.h", "include/flame/tensor.h", "include/flame/indexing.h", "include/flame/op_table.h",
               "include/flame/state_dict.h", "include/flame/stateful.h", "include/flame/cuda.h", "include/flame/grad_mode.h",
