@@ -37,7 +37,7 @@ LAYERS = [
     ("ops", ["include/flame/ops.h", "src/ops/*", "src/random/*",
              "include/flame/nn/args.h", "include/flame/nn/adaln.h", "include/flame/nn/attention.h",
              "include/flame/nn/conv.h", "include/flame/nn/norm.h", "include/flame/nn/pool.h",
-             "include/flame/nn/linear_gelu.h", "include/flame/nn/rotary.h"]),
+             "include/flame/nn/linear_gelu.h", "include/flame/nn/linear_float8.h", "include/flame/nn/rotary.h"]),
     # What consumes op definitions: autograd, compile, autocast, the profiler.
     ("transforms", ["include/flame/autograd.h", "include/flame/anomaly.h", "include/flame/recompute.h",
                     "include/flame/amp.h", "include/flame/compile.h", "include/flame/profiler.h",

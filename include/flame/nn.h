@@ -11,6 +11,7 @@
 #include "flame/nn/dropout.h"
 #include "flame/nn/embedding.h"
 #include "flame/nn/flatten.h"
+#include "flame/nn/float8.h"
 #include "flame/nn/functional.h"
 #include "flame/nn/init.h"
 #include "flame/nn/linear.h"

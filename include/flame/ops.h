@@ -144,6 +144,12 @@ Tensor float8_scale(const Tensor& x, DType f8, std::optional<int64_t> dim = std:
 Tensor to_float8(const Tensor& x, DType f8, const Tensor& scale);
 // q * scale in `out` (computed in f32). No gradient.
 Tensor from_float8(const Tensor& q, const Tensor& scale, DType out = DType::f32);
+// The per-row scaled cast in one pass (the FP8 Linear's activation and gradient cast): x [..., C]
+// as rows of C; returns q (x's shape, f8) and f32 scales (x's shape without the last dim):
+// scale = the row's amax of |x * col| / float8_max(f8) (1 for an all-zero row, NaN for a row with
+// a NaN), q = to_float8(x * col, f8, scale.unsqueeze(-1)). col: a per-column factor [C], or
+// undefined. No gradient.
+std::pair<Tensor, Tensor> float8_quantize_rows(const Tensor& x, DType f8, const Tensor& col = Tensor());
 
 // ---- losses ----
 enum class Reduction : uint8_t { none, mean, sum };

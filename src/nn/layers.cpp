@@ -90,8 +90,11 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, TensorOptio
 }
 
 std::string Linear::extra_repr() const {
-  return "in_features=" + std::to_string(in_features_) + ", out_features=" + std::to_string(out_features_) +
-         ", bias=" + py_bool(bias_.defined());
+  std::string s = "in_features=" + std::to_string(in_features_) + ", out_features=" + std::to_string(out_features_) +
+                  ", bias=" + py_bool(bias_.defined());
+  if (is_float8())
+    s += std::string(", weight=") + dtype_name(weight_.dtype()) + " (" + float8_compute_name(float8_.compute) + ")";
+  return s;
 }
 
 // ---- Embedding ----

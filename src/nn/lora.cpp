@@ -40,7 +40,7 @@ double lora_scaling(const LoraOptions& o, const char* op) {
 void Linear::add_lora(const LoraOptions& options) {
   FLAME_CHECK(!has_lora(), "add_lora", "this Linear (", extra_repr(), ") already has an adapter");
   scaling_ = nn::lora_scaling(options, "add_lora");
-  const TensorOptions o(weight_.dtype(), weight_.device());
+  const TensorOptions o = adapter_options();
   // PEFT's init: A as a Linear (kaiming_uniform a = sqrt(5)), B zeros, so the adapter starts at 0.
   lora_A_ = register_module("lora_A", std::make_shared<Linear>(in_features_, options.rank, false, o));
   lora_B_ = register_module("lora_B", std::make_shared<Linear>(options.rank, out_features_, false, o));
@@ -64,7 +64,7 @@ void Linear::add_lora(const LoraOptions& options) {
     Tensor m;
     {
       NoGradGuard no_grad;
-      m = weight_.detach().norm(2.0, {1}).clone();
+      m = dense_weight(adapter_options().dtype_or(DType::f32)).norm(2.0, {1}).clone();
     }
     magnitude_ = register_parameter("lora_magnitude_vector", m);
   }
@@ -86,16 +86,16 @@ Tensor Linear::lora_up(const Tensor& h) const {
 
 Tensor Linear::dora_weight_norm(const Tensor& delta) const {
   NoGradGuard no_grad;
-  return (weight_.detach() + delta.detach()).norm(2.0, {1});
+  return (dense_weight(delta.dtype()) + delta.detach()).norm(2.0, {1});
 }
 
 Tensor Linear::forward(const Tensor& x) {
-  if (!has_lora() || merged_) return functional::linear(x, weight_, bias_);
-  if (has_lokr()) return functional::linear(x, weight_, bias_) + lokr_forward(x);
+  if (!has_lora() || merged_) return base_forward(x, bias_);
+  if (has_lokr()) return base_forward(x, bias_) + lokr_forward(x);
   const bool dropping = lora_options_.dropout > 0.0 && is_training();
   const Tensor xd = dropping ? lora_dropout_->forward(x) : x;
   const Tensor adapter = lora_up(lora_A_->forward(xd));
-  if (!lora_options_.use_dora) return functional::linear(x, weight_, bias_) + adapter;
+  if (!lora_options_.use_dora) return base_forward(x, bias_) + adapter;
   // Note [LoRA forward], DoRA rows.
   Tensor norm;
   {
@@ -104,15 +104,17 @@ Tensor Linear::forward(const Tensor& x) {
   }
   const Tensor g = magnitude_ / norm;
   if (!dropping) {
-    Tensor y = (functional::linear(x, weight_) + adapter) * g;
+    Tensor y = (base_forward(x, Tensor()) + adapter) * g;
     return bias_.defined() ? y + bias_ : y;
   }
-  return functional::linear(x, weight_, bias_) + functional::linear(xd, weight_) * (g - 1.0) + adapter * g;
+  return base_forward(x, bias_) + base_forward(xd, Tensor()) * (g - 1.0) + adapter * g;
 }
 
 void Linear::merge() {
   FLAME_CHECK(has_lora(), "merge", "this Linear (", extra_repr(), ") has no adapter");
   FLAME_CHECK(!merged_, "merge", "the adapter is already merged");
+  FLAME_CHECK(!is_float8(), "merge", "this Linear (", extra_repr(), ") keeps its weight in 8 bits: merging would ",
+              "requantise it; merge into the full-precision base (load it without quantize_float8), then quantise");
   NoGradGuard no_grad;
   const Tensor delta = has_lokr() ? lokr_delta_weight().to(weight_.dtype()) : lora_delta_weight();
   Tensor w = weight_;
@@ -203,7 +205,7 @@ void Linear::add_lokr(const LokrLayout& l) {
   FLAME_CHECK(!(l.decompose_w1 || l.decompose_w2) || l.rank > 0, "add_lokr", "a decomposed factor needs rank > 0, got ",
               l.rank);
   FLAME_CHECK(std::isfinite(l.scale), "add_lokr", "scale must be finite, got ", l.scale);
-  const TensorOptions o(weight_.dtype(), weight_.device());
+  const TensorOptions o = adapter_options();
   const double a5 = std::sqrt(5.0);
   auto param = [&](const char* name, const Shape& shape, bool zero) {
     Tensor t = Tensor::empty(shape, o);
@@ -362,6 +364,25 @@ std::vector<std::string> apply_lokr(Module& root, const LokrOptions& options, co
                                      m ? m->name() : "layer", "; LoKr adapters are supported on Linear layers only "
                                      "(narrow the targets; nothing was changed)");
                        });
+}
+
+Float8Report quantize_float8(Module& root, const Float8Options& options,
+                             const std::function<bool(const std::string&, const Linear&)>& filter) {
+  std::vector<std::pair<std::string, Linear*>> chosen;  // collected first: conversion adds buffers
+  for (auto& [n, m] : root.named_modules()) {
+    auto* l = dynamic_cast<Linear*>(m.get());
+    if (!l || l->is_float8() || inside_adapter(n) || l->weight().requires_grad()) continue;
+    if (filter && !filter(n, *l)) continue;
+    chosen.emplace_back(n, l);
+  }
+  Float8Report report;
+  for (auto& [n, l] : chosen) {
+    report.bytes_before += static_cast<int64_t>(l->weight().nbytes());
+    l->to_float8(options);
+    report.bytes_after += static_cast<int64_t>(l->weight().nbytes() + l->weight_scale().nbytes());
+    ++report.layers;
+  }
+  return report;
 }
 
 StateDict lora_state_dict(Module& root) {

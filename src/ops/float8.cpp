@@ -5,6 +5,8 @@
 
 #include "flame/grad_mode.h"
 #include "flame/ops.h"
+#include "src/backend/fused/float8.h"
+#include "src/core/tensor_impl.h"
 
 namespace flame {
 namespace {
@@ -74,6 +76,14 @@ Tensor from_float8(const Tensor& q, const Tensor& scale, DType out) {
   FLAME_CHECK(is_floating(out), op, "out must be a floating dtype, got ", dtype_name(out));
   check_scale(op, scale, q);
   NoGradGuard no_grad;
+  // One scale, or one per row of a matrix: the fused pass (the same f32 math, one rounding to out).
+  const bool per_row = q.dim() == 2 && scale.dim() == 2 && scale.size(0) == q.size(0) && scale.size(1) == 1;
+  if (q.dim() >= 1 && (scale.numel() == 1 || per_row)) {
+    Tensor y = make_empty(q.sizes(), out, q.device(), op);
+    if (backend::fused::float8_dequantize_rows.try_run(q.device(), y, q.contiguous(),
+                                                       scale.detach().to(DType::f32).contiguous()))
+      return y;
+  }
   const Tensor y = q.to(DType::f32) * scale.to(DType::f32);
   return y.dtype() == out ? y : y.to(out);
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "flame/nn/args.h"
+#include "flame/nn/float8.h"
 #include "flame/nn/lora.h"
 #include "flame/nn/module.h"
 
@@ -65,7 +66,25 @@ class Linear : public Module, public LoraTarget {
   // scale * kron(w1, w2) [out, in] (recorded).
   Tensor lokr_delta_weight() const;
 
+  // ---- 8-bit float weight (flame/nn/float8.h, Note [Float8 Linear]) ----
+  // Quantises the weight, which must not require a gradient, to options.dtype with one f32 scale
+  // per output row: the parameter "weight" becomes the 8-bit tensor (the same handle) and a buffer
+  // "weight_scale" [out] (f32) joins the state dict. forward then runs functional::linear_float8;
+  // an adapter works as before (added before or after). On a layer already in 8 bits it only takes
+  // the new compute mode and gradient dtype (options.dtype must match the stored one). merge()
+  // raises on an 8-bit layer.
+  void to_float8(const Float8Options& options = {});
+  bool is_float8() const { return weight_scale_.defined(); }
+  const Tensor& weight_scale() const { return weight_scale_; }  // undefined unless is_float8()
+  const Float8Options& float8_options() const { return float8_; }
+  // The base weight in dtype without a graph: the weight cast, or the 8-bit one dequantised.
+  Tensor dense_weight(DType dtype) const;
+
  private:
+  // x W^T (+ bias): the ordinary linear, or the 8-bit one.
+  Tensor base_forward(const Tensor& x, const Tensor& bias) const;
+  // dtype and device of new adapter weights: the weight's (f32 in place of an 8-bit weight's).
+  TensorOptions adapter_options() const;
   // DoRA's per-row norm of W + delta, detached (the DoRA paper's and PEFT's choice).
   Tensor dora_weight_norm(const Tensor& delta) const;
   Tensor lora_up(const Tensor& h) const;  // scaling * (h B^T) (Note [LoRA forward])
@@ -83,6 +102,8 @@ class Linear : public Module, public LoraTarget {
   Tensor dora_factor_;  // magnitude / norm at merge time, to unmerge exactly
   LokrLayout lokr_layout_;
   LokrFactors lokr_;
+  Tensor weight_scale_;  // 8-bit weight only
+  Float8Options float8_;
 };
 
 }  // namespace flame::nn

@@ -108,8 +108,9 @@ void register_cpu_optim_kernels();
 void register_cpu_adamw8bit_kernels();  // cpu_adamw8bit.cpp
 void register_cpu_graph_kernels();
 void register_cpu_amp_kernels();
-// and the rotary embedding (cpu_rotary.cpp).
+// and the rotary embedding (cpu_rotary.cpp) and the 8-bit float row casts (cpu_float8.cpp).
 void register_cpu_rotary_kernels();
+void register_cpu_float8_kernels();
 
 class CpuBackend final : public Backend {
  public:
@@ -119,6 +120,7 @@ class CpuBackend final : public Backend {
     register_cpu_graph_kernels();
     register_cpu_amp_kernels();
     register_cpu_rotary_kernels();
+    register_cpu_float8_kernels();
   }
   std::shared_ptr<void> allocate(std::size_t nbytes) override;
   void copy(const Tensor& dst, const Tensor& src) override;

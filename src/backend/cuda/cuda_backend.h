@@ -162,7 +162,8 @@ void register_optim_kernels();
 void register_adamw8bit_kernels();  // optim/adamw8bit.cu
 void register_foreach_kernels();
 void register_amp_kernels();
-// and the rotary embedding: rotary/rotary.cu.
+// and the rotary embedding: rotary/rotary.cu; the 8-bit float Linear's kernels: float8/float8.cu.
 void register_rotary_kernels();
+void register_float8_kernels();
 
 }  // namespace flame::backend::cuda

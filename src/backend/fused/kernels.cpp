@@ -2,6 +2,7 @@
 // themselves from the backends' files.
 #include "src/backend/fused/adaln.h"
 #include "src/backend/fused/adamw8bit.h"
+#include "src/backend/fused/float8.h"
 #include "src/backend/fused/linear_epilogue.h"
 #include "src/backend/fused/multi_tensor.h"
 #include "src/backend/fused/rotary.h"
@@ -25,5 +26,9 @@ constinit decltype(foreach_norm_accumulate) foreach_norm_accumulate{"foreach_nor
 constinit decltype(foreach_clip_scale) foreach_clip_scale{"foreach_clip_scale"};
 constinit decltype(amp_unscale) amp_unscale{"amp_unscale"};
 constinit decltype(rotary_embedding) rotary_embedding{"rotary_embedding"};
+constinit decltype(float8_quantize_rows) float8_quantize_rows{"float8_quantize_rows"};
+constinit decltype(float8_dequantize_rows) float8_dequantize_rows{"float8_dequantize_rows"};
+constinit decltype(float8_gemm) float8_gemm{"float8_gemm"};
+constinit decltype(float8_gemm_path) float8_gemm_path{"float8_gemm_path"};
 
 }  // namespace flame::backend::fused
