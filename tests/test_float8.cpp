@@ -176,10 +176,12 @@ std::vector<float> probe_values(const Format& f) {
   return v;
 }
 
-// What a code decodes to, compared bit for bit (NaN: any NaN of the same sign).
-void expect_same_value(float got, float want, const std::string& what) {
+// What a code decodes to, compared bit for bit (NaN: any NaN of the same sign, or any NaN where a
+// CUDA conversion through f16 or bf16 took part: the GPU's half conversions give the canonical
+// NaN, as PyTorch's CUDA casts do; the 8-bit codecs themselves keep the sign on both devices).
+void expect_same_value(float got, float want, const std::string& what, bool nan_sign = true) {
   if (std::isnan(want)) {
-    EXPECT_TRUE(std::isnan(got) && std::signbit(got) == std::signbit(want)) << what << ": " << got;
+    EXPECT_TRUE(std::isnan(got) && (!nan_sign || std::signbit(got) == std::signbit(want))) << what << ": " << got;
   } else {
     EXPECT_EQ(detail::float_bits(got), detail::float_bits(want)) << what << ": " << got << " vs " << want;
   }
@@ -213,7 +215,8 @@ TEST(Float8Tensor, CastsGiveTheNearestCode) {
       EXPECT_EQ(q.nbytes(), v.size());
       const std::vector<float> got = q.to(DType::f32).to(Device::cpu()).to_vec<float>();
       for (std::size_t i = 0; i < v.size(); ++i)
-        expect_same_value(got[i], decode(f, reference_code(f, held[i])), "value " + std::to_string(v[i]));
+        expect_same_value(got[i], decode(f, reference_code(f, held[i])), "value " + std::to_string(v[i]),
+                          !(dev.is_cuda() && (src == DType::f16 || src == DType::bf16)));
     }
   }
 }
@@ -239,7 +242,7 @@ TEST(Float8Tensor, CastsFromEveryCode) {
       const float x = codes[c];
       SCOPED_TRACE(std::string(dtype_name(f8)) + " code " + std::to_string(c));
       expect_same_value(static_cast<float>(d[c]), x, "f64");
-      expect_same_value(h[c], static_cast<float>(bfloat16(x)), "bf16");
+      expect_same_value(h[c], static_cast<float>(bfloat16(x)), "bf16", !dev.is_cuda());
       expect_same_value(o[c], decode(format_of(other), reference_code(format_of(other), x)), "other 8-bit");
       EXPECT_EQ(b[c], x != 0.0f ? 1 : 0);  // NaN != 0
       if (std::isnan(x)) EXPECT_EQ(i[c], 0);
