@@ -142,18 +142,20 @@ JointAttentionOptions flux_attention(int64_t dim, int64_t heads, int64_t head_di
   return o;
 }
 
-// gelu_tanh(linear(x)) as one fused op unless the layer carries an unmerged adapter.
+// gelu_tanh(linear(x)) as one fused op unless the layer carries an unmerged adapter or an 8-bit
+// weight.
 Tensor linear_gelu_tanh(const nn::Linear& l, const Tensor& x) {
-  if (!l.has_lora() || l.merged()) return F::linear_gelu(x, l.weight(), l.bias());
+  if ((!l.has_lora() || l.merged()) && !l.is_float8()) return F::linear_gelu(x, l.weight(), l.bias());
   return const_cast<nn::Linear&>(l).forward(x).gelu(true);
 }
 
 // The single block's proj_out over cat(a, mlp) along the features, as two GEMMs over the weight's
 // column blocks (read in place): no [rows, 5 dim] copy forward, and backward each input's
 // gradient comes from its own GEMM instead of as a strided piece of one [rows, 5 dim] gradient
-// that the attention and the MLP would copy. A layer with an unmerged adapter takes the cat.
+// that the attention and the MLP would copy. A layer with an unmerged adapter or an 8-bit weight
+// takes the cat.
 Tensor proj_of_joined(nn::Linear& l, const Tensor& a, const Tensor& mlp) {
-  if (l.has_lora() && !l.merged()) return l.forward(flame::cat({a, mlp}, 2));
+  if ((l.has_lora() && !l.merged()) || l.is_float8()) return l.forward(flame::cat({a, mlp}, 2));
   const int64_t d = a.size(-1);
   const Tensor& w = l.weight();
   return F::linear(mlp, w.narrow(1, d, w.size(1) - d), l.bias()) + F::linear(a, w.narrow(1, 0, d));

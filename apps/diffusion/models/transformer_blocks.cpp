@@ -238,7 +238,8 @@ GeluTanhProjection::GeluTanhProjection(int64_t dim_in, int64_t dim_out, TensorOp
 
 Tensor GeluTanhProjection::forward(const Tensor& x) {
   const nn::Module::CallScope scope(*this);
-  if (!proj->has_lora() || proj->merged()) return F::linear_gelu(x, proj->weight(), proj->bias());
+  if ((!proj->has_lora() || proj->merged()) && !proj->is_float8())
+    return F::linear_gelu(x, proj->weight(), proj->bias());
   return proj->forward(x).gelu(true);
 }
 
@@ -254,7 +255,8 @@ Tensor GeluFeedForward::forward(const Tensor& x) {
   const nn::Module::CallScope scope(*this);
   const auto& proj = std::static_pointer_cast<GeluTanhProjection>((*net)[0])->proj;
   const auto& out = std::static_pointer_cast<nn::Linear>((*net)[2]);
-  const bool plain = (!proj->has_lora() || proj->merged()) && (!out->has_lora() || out->merged());
+  const bool plain = (!proj->has_lora() || proj->merged()) && (!out->has_lora() || out->merged()) &&
+                     !proj->is_float8() && !out->is_float8();
   const bool no_dropout = !is_training() || std::static_pointer_cast<nn::Dropout>((*net)[1])->p() == 0.0;
   if (plain && no_dropout) return F::mlp_gelu(x, proj->weight(), proj->bias(), out->weight(), out->bias());
   Tensor h = x;

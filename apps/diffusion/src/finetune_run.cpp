@@ -432,6 +432,13 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     nn::adapters_to(model, DType::f32);  // f32 adapters (LoRA, DoRA or LoKr) under bf16 weights
     say(std::to_string(adapted.size()) + " modules adapted (" + method + ", rank " + std::to_string(cfg.lora.rank) + ")");
   }
+  if (cfg.model.fp8_base != "none") {  // the frozen base in 8 bits (adapters attached and f32 already)
+    if (full) throw std::runtime_error("model.fp8_base = \"" + cfg.model.fp8_base +
+                                       "\" needs a frozen base; train.method = \"full\" trains every weight");
+    const nn::Float8Report r = nn::quantize_float8(model, {.compute = nn::parse_float8_compute(cfg.model.fp8_base)});
+    say(std::to_string(r.layers) + " base Linear layers in 8 bits (" + cfg.model.fp8_base + "): " +
+        std::to_string(r.bytes_before >> 20) + " MiB -> " + std::to_string(r.bytes_after >> 20) + " MiB");
+  }
   if (cfg.train.gradient_checkpointing) {
     if (den.flux) den.flux->set_gradient_checkpointing(fm::kAllFluxBlocks);
     if (den.sd3) den.sd3->set_gradient_checkpointing(true);

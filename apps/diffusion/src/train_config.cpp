@@ -84,6 +84,11 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("model.t5", model.t5, "", "a T5-XXL encoder file instead of the pipeline's (FLUX, SD3)"),
       FD_KEY("model.prediction", model.prediction, "epsilon",
              "SDXL's training target (FLUX and SD3 are trained by flow matching)", one_of({"epsilon", "v_prediction"})),
+      FD_KEY("model.fp8_base", model.fp8_base, "none",
+             "the frozen base's Linear weights in 8 bits (e4m3, one scale per output row): dequantize (half "
+             "of bf16's memory, the bf16 GEMMs) or fp8 (the same memory and FP8 GEMMs on GPUs of compute "
+             "capability 8.9+); adapters stay f32. Not with train.method = \"full\"",
+             one_of({"none", "dequantize", "fp8"})),
       // [dataset]
       FD_KEY("dataset.folders", dataset.folders, Strings{},
              "folders of images with same-name caption files; \"<N>_<name>\" folders repeat their images N times"),

@@ -36,6 +36,7 @@ struct FinetuneModelConfig {
   std::string pipeline;    // the pipeline folder when checkpoint is a single file
   std::string vae, clip_l, clip_g, t5;
   std::string prediction;  // SDXL: "epsilon" or "v_prediction"
+  std::string fp8_base;    // "none", "dequantize" or "fp8" (flame/nn/float8.h)
 };
 
 struct FinetuneLoraConfig {

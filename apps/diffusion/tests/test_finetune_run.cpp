@@ -274,6 +274,36 @@ TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
   }
 }
 
+// model.fp8_base: the frozen base in 8 bits (both modes) trains the adapters; the first loss (before
+// any update) is the bf16 base's within the weights' e4m3 rounding.
+TEST(FinetuneRun, Fp8BaseTrainsTheAdapters) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "fp8");
+  const fs::path images = make_images(dir);
+  std::vector<double> first;
+  for (const std::string mode : {"none", "dequantize", "fp8"}) {
+    SCOPED_TRACE(mode);
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / ("run_" + mode));
+    c.cache.latents = false;
+    c.cache.text_embeddings = false;
+    c.sample.every = 0;
+    c.sample.prompts = {};
+    c.train.steps = 2;
+    c.model.fp8_base = mode;
+    const fd::FinetuneRunResult r = run(c);
+    ASSERT_EQ(r.losses.size(), 2u);
+    for (double l : r.losses) EXPECT_TRUE(std::isfinite(l) && l > 0) << l;
+    EXPECT_EQ(r.lora_files.size(), 2u);
+    first.push_back(r.losses[0]);
+  }
+  EXPECT_NEAR(first[1], first[0], 0.05 * first[0]);
+  EXPECT_NEAR(first[2], first[0], 0.05 * first[0]);
+  EXPECT_NE(first[1], first[0]) << "an 8-bit base cannot give the bf16 base's loss exactly";
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "run_full");
+  c.train.method = "full";
+  c.model.fp8_base = "fp8";
+  EXPECT_NE(error_of([&] { run(c); }).find("model.fp8_base"), std::string::npos);
+}
+
 TEST(FinetuneRun, BadSettingsAreNamed) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "bad");
   const fs::path images = make_images(dir);

@@ -24,6 +24,14 @@
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
+//       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8):
+//       none keeps bf16; dequantize expands them into the bf16 GEMMs; fp8 runs FP8 GEMMs (docs/float8.md).
+//       The JSON line adds the base Linear weights' bytes.
+//   flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]
+//                      [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]
+//       the same step's loss at every one of --steps AdamW steps (same initial weights, adapters,
+//       data and noise in every mode), one JSON line per mode with the losses and, for the 8-bit
+//       modes, the largest relative difference from the none run's loss at the same step.
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
 //                     [--group op|module|op_and_module] [--json FILE]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
@@ -63,7 +71,9 @@ const char* kUsage =
     "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
-    "                    [--recompute 0] [--graph 0] [--device cuda]\n"
+    "                    [--recompute 0] [--graph 0] [--fp8 none] [--device cuda]\n"
+    "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
+    "                     [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -74,7 +84,21 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group", "json",  "graph"};
+                                         "group", "json",  "graph", "fp8", "lr"};
+
+// --fp8 values: "none" or a Float8Compute name.
+std::vector<std::string> fp8_modes(const std::map<std::string, std::string>& f, const char* fallback) {
+  std::vector<std::string> out;
+  std::string v = flag_or(f, "fp8", fallback);
+  for (std::size_t start = 0; start <= v.size();) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    const std::string m = v.substr(start, comma - start);
+    if (m != "none") (void)flame::nn::parse_float8_compute(m);  // raises naming the value
+    out.push_back(m);
+    start = comma + 1;
+  }
+  return out;
+}
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -247,6 +271,21 @@ struct LoraStep {
     return flame::mse_loss(out.to(DType::f32), target.to(DType::f32));
   }
   void step() const { opt->step(loss().backward()); }
+  // --fp8: every frozen Linear (the whole base; the adapters train) to 8 bits; returns the base
+  // Linear weights' bytes after.
+  int64_t quantize(const std::string& mode) const {
+    int64_t bytes = 0;
+    if (mode != "none") {
+      const flame::nn::Float8Report r =
+          flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(mode)});
+      bytes = r.bytes_after;
+    }
+    for (const auto& [n, m] : model->named_modules()) {
+      auto* lin = dynamic_cast<flame::nn::Linear*>(m.get());
+      if (lin && !lin->is_float8() && !lin->weight().requires_grad()) bytes += static_cast<int64_t>(lin->weight().nbytes());
+    }
+    return bytes;
+  }
 };
 
 int time_steps(const std::map<std::string, std::string>& f) {
@@ -265,11 +304,13 @@ int time_steps(const std::map<std::string, std::string>& f) {
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
+  for (const std::string& fp8 : fp8_modes(f, "none")) {
   for (int64_t ckpt : int_list("checkpointing", flag_or(f, "checkpointing", "0,-1"))) {
     for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0"))) {
     for (int64_t graph : int_list("graph", flag_or(f, "graph", "0"))) {
       flame::cuda::empty_cache();
       const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0, graph != 0);
+      const int64_t base_bytes = ls.quantize(fp8);
       // --graph 1: the whole step (forward, backward, AdamW) as one CUDA graph after one eager step
       // (flame::cuda::GraphedStep, docs/graph-step.md); the warm-up steps cover the capture.
       flame::cuda::GraphedStep graphed([&] { ls.step(); },
@@ -283,18 +324,60 @@ int time_steps(const std::map<std::string, std::string>& f) {
                   "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
                   "\"offloaded_gib\": %.3f, "
                   "\"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, "
-                  "\"mfu_vs_gemm\": %.3f}\n",
+                  "\"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", \"base_linear_gib\": %.3f}\n",
                   name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                   static_cast<long long>(text), static_cast<long long>(batch),
                   static_cast<long long>(ls.model->gradient_checkpointing_blocks()), recompute ? "true" : "false",
                   graphed.captured() ? "true" : "false",
                   static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
                   static_cast<double>(ls.model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12,
-                  rate / 989.0, rate / gemm);
+                  rate / 989.0, rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30));
       std::fflush(stdout);
       if (trace_steps > 0) print_kernel_trace(step, trace_steps);
     }
     }
+  }
+  }
+  return 0;
+}
+
+// The loss at every step of each --fp8 mode from the same start (seeded weights, adapters and data).
+int losses(const std::map<std::string, std::string>& f) {
+  const std::string name = flag_or(f, "config", "flux-dev");
+  const auto config = fm::flux_preset(name);
+  const flame::Device device = parse_device(flag_or(f, "device", "cuda"));
+  const int64_t latent = int_list("latent", flag_or(f, "latent", "128")).at(0);
+  const int64_t text = int_list("text", flag_or(f, "text", "512")).at(0);
+  const int64_t rank = int_list("rank", flag_or(f, "rank", "16")).at(0);
+  const int64_t steps = int_list("steps", flag_or(f, "steps", "50")).at(0);
+  const int64_t ckpt = int_list("checkpointing", flag_or(f, "checkpointing", "0")).at(0);
+  if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
+  if (steps < 1) throw std::runtime_error("--steps must be at least 1");
+  const double lr = std::stod(flag_or(f, "lr", "1e-3"));
+  std::vector<double> base;
+  for (const std::string& fp8 : fp8_modes(f, "none,dequantize,fp8")) {
+    if (device.is_cuda()) flame::cuda::empty_cache();
+    flame::manual_seed(1234);  // the same weights and adapters in every mode
+    const LoraStep ls(config, device, 1, latent, text, rank, ckpt, false, false);
+    (void)ls.quantize(fp8);
+    ls.opt->set_lr(lr);
+    std::vector<double> l;
+    for (int64_t i = 0; i < steps; ++i) {
+      const Tensor loss = ls.loss();
+      l.push_back(loss.item<double>());
+      ls.opt->step(loss.backward());
+    }
+    double worst = 0.0;
+    if (fp8 == "none") base = l;
+    else if (base.size() == l.size())
+      for (std::size_t i = 0; i < l.size(); ++i) worst = std::max(worst, std::abs(l[i] - base[i]) / std::abs(base[i]));
+    std::string list;
+    for (double v : l) list += (list.empty() ? "" : ", ") + std::to_string(v);
+    std::printf("{\"work\": \"%s_lora_r%lld_losses\", \"fp8\": \"%s\", \"steps\": %lld, \"max_rel_diff_vs_none\": %.5f, "
+                "\"first\": %.6f, \"last\": %.6f, \"losses\": [%s]}\n",
+                name.c_str(), static_cast<long long>(rank), fp8.c_str(), static_cast<long long>(steps), worst,
+                l.front(), l.back(), list.c_str());
+    std::fflush(stdout);
   }
   return 0;
 }
@@ -363,5 +446,5 @@ int saved(const std::map<std::string, std::string>& f) {
 
 int main(int argc, char** argv) {
   return flame_diffusion::tools::run_tool(argc, argv, "flux_parity", kUsage, kFlags,
-                                          {{"check", check}, {"time", time_steps}, {"saved", saved}});
+                                          {{"check", check}, {"time", time_steps}, {"saved", saved}, {"losses", losses}});
 }
