@@ -66,7 +66,7 @@ Tensor special_rows(int64_t rows, int64_t cols, DType dt, uint64_t seed) {
 TEST(Float8Rows, QuantizeMatchesTheComposite) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();
-  for (int64_t cols : {64, 37, 3072, 20000}) {  // CUDA: resident rows, scalar rows, two-pass long rows
+  for (int64_t cols : {64, 37, 3072, 20000}) {  // CUDA: vector and scalar row kernels, short and long rows
     for (DType dt : {DType::f32, DType::bf16, DType::f16, DType::f64}) {
       for (DType f8 : kFloat8DTypes) {
         for (bool with_col : {false, true}) {

@@ -94,61 +94,6 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(uint8_t* __rest
   }
 }
 
-// The same math with the row read once: one block of kRowThreads per row, each thread holding up to
-// kMaxPacks packs of V elements in registers between the amax and the cast (rows of up to
-// kRowThreads * kMaxPacks * V elements, cols % V == 0). The kernel above takes longer rows.
-constexpr int kRowThreads = 128, kMaxPacks = 16;
-
-__device__ float row_nan_max(float v, float* red) {
-  for (int o = 16; o > 0; o >>= 1) v = fm::nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float m = red[0];
-#pragma unroll
-  for (int w = 1; w < kRowThreads / 32; ++w) m = fm::nan_max(m, red[w]);
-  return m;
-}
-
-template <class T, bool kE4m3, int V>
-__global__ void __launch_bounds__(kRowThreads) quantize_row_resident_kernel(uint8_t* __restrict__ q,
-                                                                           float* __restrict__ scale,
-                                                                           const T* __restrict__ x,
-                                                                           const float* __restrict__ col,
-                                                                           int64_t cols) {
-  __shared__ float red[kRowThreads / 32];
-  const float fmax = kE4m3 ? fm::kE4m3Max : fm::kE5m2Max;
-  const int64_t r = blockIdx.x;
-  const T* xr = x + r * cols;
-  const int64_t packs = cols / V;
-  float v[kMaxPacks][V];
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < kMaxPacks; ++j) {
-    const int64_t pk = threadIdx.x + static_cast<int64_t>(j) * kRowThreads;
-    if (pk < packs) {
-      const Pack<T, V> p = reinterpret_cast<const Pack<T, V>*>(xr)[pk];
-#pragma unroll
-      for (int i = 0; i < V; ++i) {
-        v[j][i] = col ? load_as<float>(p.v[i]) * col[pk * V + i] : load_as<float>(p.v[i]);
-        amax = fm::nan_max(amax, fabsf(v[j][i]));
-      }
-    }
-  }
-  const float s = fm::row_scale(row_nan_max(amax, red), fmax);
-  if (threadIdx.x == 0) scale[r] = s;
-  uint8_t* qr = q + r * cols;
-#pragma unroll
-  for (int j = 0; j < kMaxPacks; ++j) {
-    const int64_t pk = threadIdx.x + static_cast<int64_t>(j) * kRowThreads;
-    if (pk < packs) {
-      Pack<uint8_t, V> o;
-#pragma unroll
-      for (int i = 0; i < V; ++i) o.v[i] = fm::encode_scaled<kE4m3>(v[j][i], s);
-      reinterpret_cast<Pack<uint8_t, V>*>(qr)[pk] = o;
-    }
-  }
-}
-
 // V consecutive elements of one row per thread (cols % V == 0), grid-stride.
 template <class T, bool kE4m3, int V>
 __global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
@@ -185,16 +130,7 @@ bool float8_quantize_rows_cuda(const Tensor& q, const Tensor& scale, const Tenso
           static_cast<const T*>(x.data_ptr()), colp, rows, cols);
       FLAME_CUDA_CHECK_LAUNCH();
     };
-    auto resident = [&]<bool kE>() {
-      quantize_row_resident_kernel<T, kE, kVec><<<static_cast<unsigned>(rows), kRowThreads, 0, be.stream()>>>(
-          static_cast<uint8_t*>(q.data_ptr()), static_cast<float*>(scale.data_ptr()),
-          static_cast<const T*>(x.data_ptr()), colp, cols);
-      FLAME_CUDA_CHECK_LAUNCH();
-    };
-    if (vec && cols <= static_cast<int64_t>(kRowThreads) * kMaxPacks * kVec && rows <= INT32_MAX) {
-      if (e4m3) resident.template operator()<true>();
-      else resident.template operator()<false>();
-    } else if (vec) {
+    if (vec) {
       if (e4m3) go.template operator()<true, kVec>();
       else go.template operator()<false, kVec>();
     } else {
