@@ -35,6 +35,33 @@ void Linear::to_float8(const Float8Options& options) {
   float8_ = options;
 }
 
+void Linear::set_float8_weight(const Tensor& q, const Tensor& scale, const Float8Options& options) {
+  const char* op = "Linear::set_float8_weight";
+  FLAME_CHECK(q.defined() && flame::is_float8(q.dtype()) && q.dim() == 2 && q.size(0) == out_features_ &&
+                  q.size(1) == in_features_,
+              op, "expected an 8-bit weight [", out_features_, ", ", in_features_, "] for this Linear (", extra_repr(),
+              "), got ", q.defined() ? dtype_name(q.dtype()) : "undefined", " ",
+              q.defined() ? shape_str(q.sizes()) : "");
+  FLAME_CHECK(scale.defined() && is_floating(scale.dtype()) && (scale.numel() == 1 || scale.numel() == out_features_),
+              op, "scale must be floating with ", out_features_, " values or one, got ",
+              scale.defined() ? shape_str(scale.sizes()) : "undefined");
+  FLAME_CHECK(flame::is_float8(options.grad_dtype), op, "grad_dtype must be f8_e4m3fn or f8_e5m2, got ",
+              dtype_name(options.grad_dtype));
+  FLAME_CHECK(!merged_, op, "this Linear (", extra_repr(), ") has its adapter merged; unmerge it first");
+  Tensor w = weight_;
+  w.requires_grad_(false);
+  NoGradGuard no_grad;
+  weight_.set_data(q.detach().to(weight_.device()).contiguous());
+  const Tensor s = scale.detach().to(DType::f32).to(weight_.device()).reshape({-1}).expand({out_features_}).contiguous();
+  if (is_float8()) {
+    weight_scale_.set_data(s);
+  } else {
+    weight_scale_ = register_buffer("weight_scale", s);
+  }
+  float8_ = options;
+  float8_.dtype = q.dtype();
+}
+
 Tensor Linear::dense_weight(DType dtype) const {
   NoGradGuard no_grad;
   if (!is_float8()) return weight_.detach().to(dtype);

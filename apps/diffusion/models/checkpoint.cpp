@@ -12,6 +12,7 @@
 #include <sstream>
 #include <unordered_map>
 
+#include <flame/nn/linear.h>
 #include <nlohmann/json.hpp>
 
 namespace flame_diffusion::models {
@@ -559,6 +560,45 @@ Tensor apply_entry(const Checkpoint& ck, const KeyPlanEntry& e, flame::Device de
   FLAME_FAIL("load_checkpoint", "unknown plan op");
 }
 
+// An entry that moves whole rows of one 8-bit stored weight (a copy, a row split of a fused
+// weight, a swap of row halves; with or without a one-element scale_weight): the codes as stored,
+// moved the same way, and the per-row scale. nullopt for anything else (then it loads dense).
+std::optional<std::pair<Tensor, Tensor>> float8_entry(const Checkpoint& ck, const KeyPlanEntry& e,
+                                                      flame::Device device) {
+  using Op = KeyPlanEntry::Op;
+  const flame::io::TensorInfo& info = ck.info(e.sources[0]);
+  if (!info.flame_dtype || !flame::is_float8(*info.flame_dtype) || info.shape.size() != 2) return std::nullopt;
+  const bool row_op =
+      e.op == Op::kCopy || e.op == Op::kScale || ((e.op == Op::kChunk || e.op == Op::kSwapHalves) && e.dim == 0);
+  if (!row_op || e.sources.size() > 2 || (e.op == Op::kScale && e.sources.size() != 2)) return std::nullopt;
+  const bool has_scale = e.sources.size() == 2;
+  if (has_scale) {  // one scale_weight for the whole stored tensor; a wider one loads dense
+    int64_t n = 1;
+    for (int64_t d : ck.info(e.sources[1]).shape) n *= d;
+    if (n != 1) return std::nullopt;
+  }
+  const Tensor all = ck.load(e.sources[0], device, *info.flame_dtype);
+  Tensor q;
+  switch (e.op) {
+    case Op::kChunk: {
+      const int64_t piece = all.size(0) / e.count;
+      q = all.narrow(0, e.index * piece, e.pieces * piece).contiguous();
+      break;
+    }
+    case Op::kSwapHalves: {
+      const int64_t h = all.size(0) / 2;
+      q = Tensor::empty(all.sizes(), flame::TensorOptions(all.dtype(), device));
+      q.narrow(0, 0, h).copy_(all.narrow(0, h, h));
+      q.narrow(0, h, h).copy_(all.narrow(0, 0, h));
+      break;
+    }
+    default: q = all;
+  }
+  const Tensor scale = has_scale ? ck.load(e.sources[1], device, DType::f32).reshape({1})
+                                 : Tensor::ones({1}, flame::TensorOptions(DType::f32, device));
+  return std::make_pair(q, scale);
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, Shape>> planned_shapes(const Checkpoint& ck, const KeyPlan& plan) {
@@ -641,10 +681,32 @@ void load_checkpoint(flame::nn::Module& module, const Checkpoint& ck, const KeyP
   }
   flame::NoGradGuard no_grad;
   const flame::StateDict sd = module.state_dict();
+  std::map<std::string, flame::nn::Linear*> linears;  // "<path>.weight" -> its Linear
+  if (options.float8) {
+    for (const auto& [name, m] : module.named_modules())
+      if (auto* l = dynamic_cast<flame::nn::Linear*>(m.get())) linears[name.empty() ? "weight" : name + ".weight"] = l;
+  }
   for (const KeyPlanEntry& e : plan.entries) {
+    if (options.float8) {
+      const auto it = linears.find(e.target);
+      if (it != linears.end()) {
+        if (auto q = float8_entry(ck, e, it->second->weight().device())) {
+          it->second->set_float8_weight(q->first, q->second, *options.float8);
+          continue;
+        }
+      }
+    }
     Tensor dst = sd.at(e.target);
     Tensor src = apply_entry(ck, e, dst.device(), dst.dtype());
     dst.copy_(src);
+  }
+  if (options.float8) {  // the Linears whose weights were not stored in 8 bits
+    for (auto& [key, l] : linears) {
+      if (l->is_float8()) continue;
+      Tensor w = l->weight();
+      w.requires_grad_(false);
+      l->to_float8(*options.float8);
+    }
   }
 }
 

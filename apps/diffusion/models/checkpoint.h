@@ -40,6 +40,7 @@
 
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
+#include <flame/nn/float8.h>
 #include <flame/nn/module.h>
 
 #include "models/key_plan.h"
@@ -165,6 +166,10 @@ struct LoadCheckpointOptions {
   std::string format;  // the layout name, for messages
   // Stored keys under the plan's prefix that no entry consumes are an error unless set.
   bool allow_unplaced = false;
+  // Every Linear of the module ends up with a frozen 8-bit weight (flame/nn/float8.h): a weight
+  // stored F8_E4M3 / F8_E5M2 keeps the file's codes (its scale_weight, or 1, per row; the plan's row
+  // splits and half swaps move rows of codes), any other is quantised after loading.
+  std::optional<flame::nn::Float8Options> float8;
 };
 // Every problem that load_checkpoint would raise, one line each (empty when the plan fits).
 std::vector<std::string> check_checkpoint(const flame::nn::Module& module, const Checkpoint& ck, const KeyPlan& plan,

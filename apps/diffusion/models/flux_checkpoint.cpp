@@ -297,7 +297,8 @@ std::shared_ptr<FluxTransformer2DModel> load_flux(const Checkpoint& ck, const Fl
   auto model =
       std::make_shared<FluxTransformer2DModel>(info.config, flame::TensorOptions{options.dtype, options.device});
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
-  load_checkpoint(*model, ck, plan, {info.family + "-transformer", info.format, options.allow_unplaced});
+  load_checkpoint(*model, ck, plan,
+                  {info.family + "-transformer", info.format, options.allow_unplaced, options.float8});
   return model;
 }
 

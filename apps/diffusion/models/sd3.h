@@ -223,6 +223,9 @@ struct SD3LoadOptions {
   std::string config_json;
   std::string variant;          // diffusers folders: "fp16" prefers the .fp16 weights
   bool allow_unplaced = false;  // tolerate stored transformer keys that map to no parameter
+  // Load every Linear as a frozen 8-bit weight (LoadCheckpointOptions::float8): fp8 files keep
+  // their codes, other files are quantised as they load. For LoRA training on an 8-bit base.
+  std::optional<flame::nn::Float8Options> float8;
 };
 
 struct SD3FileInfo {

@@ -310,7 +310,7 @@ std::shared_ptr<SD3Transformer2DModel> load_sd3(const Checkpoint& ck, const SD3L
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
   std::string layout = info.format;
   if (info.fp8) layout += ck.has_prefix(info.prefix + "scaled_fp8") ? " (fp8 scaled)" : " (fp8)";
-  load_checkpoint(*model, ck, plan, {info.family, layout, options.allow_unplaced});
+  load_checkpoint(*model, ck, plan, {info.family, layout, options.allow_unplaced, options.float8});
   return model;
 }
 

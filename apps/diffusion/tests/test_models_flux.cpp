@@ -249,6 +249,61 @@ TEST(ModelsFlux, MatchesDiffusersFromEveryFormat) {
   }
 }
 
+// FluxLoadOptions::float8: an fp8 file's weights keep their codes (rows split out of the fused qkv
+// and linear1, the final adaLN's halves swapped) with the file's scale; the model in 8 bits gives
+// the output diffusers gives on the dequantised weights. A bf16/f32 file is quantised as it loads.
+TEST(ModelsFlux, Fp8FilesLoadAsEightBitWeights) {
+  FD_SKIP_IF_NO_DEVICE();
+  const Reference r = load_reference();
+  const auto tiny = fm::flux_preset("tiny-flux");
+  struct Case {
+    std::string file, output;
+    fm::FluxLoadOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"flux_comfy_fp8.safetensors", "output.fp8_sample", {.family = "tiny-flux"}},
+      {"flux_fp8_scaled.safetensors", "output.fp8_scaled_sample", {.config = tiny}},
+  };
+  for (Case c : cases) {
+    SCOPED_TRACE(c.file);
+    c.options.float8 = flame::nn::Float8Options{};
+    auto m = load(c.file, c.options);
+    int64_t linears = 0;
+    for (const auto& [name, mod] : m->named_modules()) {
+      if (auto* l = dynamic_cast<nn::Linear*>(mod.get())) {
+        ++linears;
+        EXPECT_TRUE(l->is_float8()) << name;
+        EXPECT_FALSE(l->weight().requires_grad()) << name;
+      }
+    }
+    EXPECT_GT(linears, 20);
+    expect_close(run(*m, r), r[c.output], 2e-5, 1e-6, c.file + " output");
+    // The codes are the file's: to_q is the first third of the stored fused qkv's rows.
+    const fm::Checkpoint ck = fm::Checkpoint::open((tiny_dir() / c.file).string(), {});
+    std::string qkv;
+    for (const std::string& k : ck.keys())
+      if (k.ends_with("double_blocks.0.img_attn.qkv.weight")) qkv = k;
+    ASSERT_FALSE(qkv.empty());
+    const Tensor stored = ck.load(qkv, flame::Device::cpu(), DType::f32);
+    const auto& to_q = *std::dynamic_pointer_cast<nn::Linear>(m->submodule("transformer_blocks.0.attn.to_q"));
+    const int64_t d = to_q.out_features();
+    EXPECT_EQ(to_q.weight().dtype(), DType::f8_e4m3fn);
+    EXPECT_EQ(to_q.weight().to(DType::f32).to(flame::Device::cpu()).contiguous().to_vec<float>(),
+              stored.narrow(0, 0, d).contiguous().to_vec<float>());
+    // LoRA on the 8-bit base: adapters train, in f32.
+    m->add_lora({.rank = 2, .alpha = 2.0});
+    const Tensor y = run(*m, r);
+    const flame::Gradients g = y.pow(2.0).mean().backward();
+    EXPECT_TRUE(g.contains(std::dynamic_pointer_cast<nn::Linear>(m->submodule("transformer_blocks.0.attn.to_q"))
+                               ->lora_A()
+                               ->weight()));
+  }
+  // A full-precision file quantised as it loads: close to the f32 model's output.
+  auto m = load("flux_original.safetensors", {.config = tiny, .float8 = flame::nn::Float8Options{}});
+  const Tensor y = run(*m, r), ref = r["output.sample"];
+  EXPECT_LT(((y - ref).pow(2.0).sum() / ref.pow(2.0).sum()).sqrt().item<double>(), 0.08);
+}
+
 TEST(ModelsFlux, LoraTargetsArePefts) {
   fm::FluxTransformer2DModel m(fm::flux_preset("tiny-flux"));
   const auto adapted = m.add_lora({.rank = 2, .alpha = 2.0});

@@ -219,6 +219,34 @@ TEST(ModelsSD3, OutputsMatchDiffusersFromEveryLayout) {
   }
 }
 
+// SD3LoadOptions::float8: the fp8 files load into 8-bit Linears with their codes (the split qkv and
+// the swapped final adaLN move rows of codes) and give the same outputs as the decoded weights.
+TEST(ModelsSD3, Fp8FilesLoadAsEightBitWeights) {
+  FD_SKIP_IF_NO_DEVICE();
+  for (const std::string& name : kTiny) {
+    const auto dir = reference_dir(name);
+    if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " absent";
+    const Reference r = load_reference(name);
+    flame::NoGradGuard no_grad;
+    for (const auto& [file, key] : {std::pair<std::string, std::string>{"sd3_fp8.safetensors", "output.fp8_sample"},
+                                    {"sd3_fp8_scaled.safetensors", "output.fp8_scaled_sample"}}) {
+      fm::SD3LoadOptions o = on_device();
+      o.float8 = flame::nn::Float8Options{};
+      auto m = fm::load_sd3((dir / file).string(), o);
+      int64_t linears = 0, eight = 0;
+      for (const auto& [n, mod] : m->named_modules()) {
+        if (auto* l = dynamic_cast<flame::nn::Linear*>(mod.get())) {
+          ++linears;
+          eight += l->is_float8();
+        }
+      }
+      EXPECT_EQ(eight, linears) << name << " " << file;
+      const Tensor out = run(*m, r);
+      EXPECT_LT(fd_test::max_abs_diff(out, r[key]), 2e-5 * fd_test::max_abs(r[key])) << name << " " << file;
+    }
+  }
+}
+
 TEST(ModelsSD3, LoraOutputAndGradientsMatchPeft) {
   FD_SKIP_IF_NO_DEVICE();
   for (const std::string& name : kTiny) {

@@ -74,6 +74,10 @@ class Linear : public Module, public LoraTarget {
   // the new compute mode and gradient dtype (options.dtype must match the stored one). merge()
   // raises on an 8-bit layer.
   void to_float8(const Float8Options& options = {});
+  // Installs an 8-bit weight as it is (a file's F8 codes, no requantising): q [out, in] f8 and its
+  // scale (one value per output row, or one for all), on the weight's device. The weight is frozen
+  // (requires_grad false); options.dtype is ignored (q's dtype is kept).
+  void set_float8_weight(const Tensor& q, const Tensor& scale, const Float8Options& options = {});
   bool is_float8() const { return weight_scale_.defined(); }
   const Tensor& weight_scale() const { return weight_scale_; }  // undefined unless is_float8()
   const Float8Options& float8_options() const { return float8_; }
