@@ -342,18 +342,10 @@ void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b) {
   FLAME_CUBLAS_CHECK(cublasLtMatmul(lt_handle(be.device()), plan.op, alpha, b.data_ptr(), plan.la, a.data_ptr(), plan.lb,
                                     beta, dst.data_ptr(), plan.lc, dst.data_ptr(), plan.lc, &plan.algo, workspace,
                                     plan.workspace, stream));
-  if (launch_blocking()) {  // Note [Launch blocking]: name the GEMM if it faults
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status == cudaStreamCaptureStatusNone) {
-      const cudaError_t err = cudaStreamSynchronize(stream);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        FLAME_FAIL("matmul", "cuBLASLt GEMM m=", key.m, " n=", key.n, " k=", key.k, " batch=", key.batch,
-                   " failed on the GPU: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
-      }
-    }
-  }
+  if (launch_blocking())
+    lt_sync_if_blocking(stream, "matmul",
+                        "cuBLASLt GEMM m=" + std::to_string(key.m) + " n=" + std::to_string(key.n) +
+                            " k=" + std::to_string(key.k) + " batch=" + std::to_string(key.batch));
 }
 
 template <class T>
@@ -377,6 +369,17 @@ void int_matmul(CudaBackend& be, const Tensor& dst, const Tensor& a, const Tenso
 // (epi/linear_epilogue.cu) so that they need no second handle or workspace.
 static_assert(kMaxWorkspace == kLtWorkspaceBytes, "epi/lt_shared.h states the workspace size");
 cublasLtHandle_t shared_lt_handle(int device) { return lt_handle(device); }
+void lt_sync_if_blocking(cudaStream_t stream, const char* op, const std::string& what) {
+  if (!launch_blocking()) return;  // Note [Launch blocking]: name the GEMM if it faults
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  if (status != cudaStreamCaptureStatusNone) return;
+  const cudaError_t err = cudaStreamSynchronize(stream);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    FLAME_FAIL(op, what, " failed on the GPU: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
+  }
+}
 void* shared_lt_workspace(int device, cudaStream_t stream, std::size_t* nbytes) {
   *nbytes = kMaxWorkspace;
   return stream_workspace(device, stream);

@@ -336,19 +336,10 @@ bool run_epi(CudaBackend& be, const EpiKey& key, cudaDataType_t type, const EpiC
   const cublasStatus_t st = launch_choice(be, key, plan, plan.choice, c);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED) return false;  // refused before launching: compose instead
   FLAME_EPI_CHECK("linear", st);
-  if (launch_blocking()) {  // Note [Launch blocking]: name the GEMM if it faults
-    const cudaStream_t stream = be.stream();
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status == cudaStreamCaptureStatusNone) {
-      const cudaError_t err = cudaStreamSynchronize(stream);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        FLAME_FAIL("linear", "cuBLASLt epilogue GEMM (epilogue ", key.epilogue, ") m=", key.m, " n=", key.n,
-                   " k=", key.k, " failed on the GPU: ", cudaGetErrorName(err), ": ", cudaGetErrorString(err));
-      }
-    }
-  }
+  if (launch_blocking())
+    lt_sync_if_blocking(be.stream(), "linear",
+                        "cuBLASLt epilogue GEMM (epilogue " + std::to_string(key.epilogue) + ") m=" +
+                            std::to_string(key.m) + " n=" + std::to_string(key.n) + " k=" + std::to_string(key.k));
   return true;
 }
 

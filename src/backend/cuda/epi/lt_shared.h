@@ -11,12 +11,16 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace flame::backend::cuda {
 // The workspace's size (matmul.cu's kMaxWorkspace): the most an epilogue plan may ask for.
 constexpr std::size_t kLtWorkspaceBytes = 32u << 20;
 cublasLtHandle_t shared_lt_handle(int device);
 void* shared_lt_workspace(int device, cudaStream_t stream, std::size_t* nbytes);
+// Under FLAME_CUDA_LAUNCH_BLOCKING (Note [Launch blocking]) and outside a capture: waits for the
+// GEMM just queued on `stream` and raises in `op`'s name, with `what` (its shape), if it faulted.
+void lt_sync_if_blocking(cudaStream_t stream, const char* op, const std::string& what);
 
 // The plan caches' hash: FNV-1a over a key's bytes (keys are zero-initialised, padding included,
 // and compared with memcmp).

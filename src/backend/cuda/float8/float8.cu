@@ -112,6 +112,18 @@ __global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __res
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+// go.template operator()<kE4m3, V>() for the call's 8-bit format and width (kVec, or 1).
+template <int kVec, class Go>
+void pick_format_and_width(bool e4m3, bool vec, Go& go) {
+  if (vec) {
+    if (e4m3) go.template operator()<true, kVec>();
+    else go.template operator()<false, kVec>();
+  } else {
+    if (e4m3) go.template operator()<true, 1>();
+    else go.template operator()<false, 1>();
+  }
+}
+
 bool float8_quantize_rows_cuda(const Tensor& q, const Tensor& scale, const Tensor& x, const Tensor& col) {
   const int64_t cols = x.size(-1), rows = cols == 0 ? 0 : x.numel() / cols;
   if (rows == 0) return true;
@@ -130,13 +142,7 @@ bool float8_quantize_rows_cuda(const Tensor& q, const Tensor& scale, const Tenso
           static_cast<const T*>(x.data_ptr()), colp, rows, cols);
       FLAME_CUDA_CHECK_LAUNCH();
     };
-    if (vec) {
-      if (e4m3) go.template operator()<true, kVec>();
-      else go.template operator()<false, kVec>();
-    } else {
-      if (e4m3) go.template operator()<true, 1>();
-      else go.template operator()<false, 1>();
-    }
+    pick_format_and_width<kVec>(e4m3, vec, go);
   });
   return true;
 }
@@ -159,13 +165,7 @@ bool float8_dequantize_rows_cuda(const Tensor& out, const Tensor& q, const Tenso
           static_cast<const float*>(scale.data_ptr()), step, packs, cols / V);
       FLAME_CUDA_CHECK_LAUNCH();
     };
-    if (vec) {
-      if (e4m3) go.template operator()<true, kVec>();
-      else go.template operator()<false, kVec>();
-    } else {
-      if (e4m3) go.template operator()<true, 1>();
-      else go.template operator()<false, 1>();
-    }
+    pick_format_and_width<kVec>(e4m3, vec, go);
   });
   return true;
 }
@@ -400,18 +400,9 @@ bool float8_gemm_cuda(const Tensor& out, const Tensor& a, const Tensor& a_scale,
               " failed: ", cublasLtGetStatusName(st), " (", cublasLtGetStatusString(st), ")");
   if (!key.outer_vec) scale_rows_cols(be, out, a_scale, b_scale, bias);
   record_path(device, key.outer_vec ? 1 : 2);
-  if (launch_blocking()) {  // Note [Launch blocking]: name the GEMM if it faults
-    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-    FLAME_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-    if (status == cudaStreamCaptureStatusNone) {
-      const cudaError_t err = cudaStreamSynchronize(stream);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();
-        FLAME_FAIL("float8_gemm", "cuBLASLt FP8 GEMM m=", N, " n=", M, " k=", K, " failed on the GPU: ",
-                   cudaGetErrorName(err), ": ", cudaGetErrorString(err));
-      }
-    }
-  }
+  if (launch_blocking())
+    lt_sync_if_blocking(stream, "float8_gemm",
+                        "cuBLASLt FP8 GEMM m=" + std::to_string(N) + " n=" + std::to_string(M) + " k=" + std::to_string(K));
   return true;
 }
 
