@@ -702,6 +702,7 @@ void load_checkpoint(flame::nn::Module& module, const Checkpoint& ck, const KeyP
   }
   if (options.float8) {  // the Linears whose weights were not stored in 8 bits
     for (auto& [key, l] : linears) {
+      if (options.float8_device) l->to(*options.float8_device);
       if (l->is_float8()) continue;
       Tensor w = l->weight();
       w.requires_grad_(false);

@@ -170,6 +170,9 @@ struct LoadCheckpointOptions {
   // stored F8_E4M3 / F8_E5M2 keeps the file's codes (its scale_weight, or 1, per row; the plan's row
   // splits and half swaps move rows of codes), any other is quantised after loading.
   std::optional<flame::nn::Float8Options> float8;
+  // With float8: a device each Linear is moved to before it is quantised (a module staged in host
+  // memory then never holds more than one full-precision weight on that device at a time).
+  std::optional<flame::Device> float8_device;
 };
 // Every problem that load_checkpoint would raise, one line each (empty when the plan fits).
 std::vector<std::string> check_checkpoint(const flame::nn::Module& module, const Checkpoint& ck, const KeyPlan& plan,

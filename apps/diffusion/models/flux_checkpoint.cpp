@@ -294,11 +294,16 @@ FluxFileInfo inspect_flux(const Checkpoint& ck, const FluxLoadOptions& options) 
 
 std::shared_ptr<FluxTransformer2DModel> load_flux(const Checkpoint& ck, const FluxLoadOptions& options) {
   const FluxFileInfo info = inspect_flux(ck, options);
-  auto model =
-      std::make_shared<FluxTransformer2DModel>(info.config, flame::TensorOptions{options.dtype, options.device});
+  // An 8-bit load onto a GPU builds and reads the model in host memory, moving each Linear to the
+  // GPU as it is quantised: the GPU never holds the full-precision model.
+  const bool staged = options.float8 && !options.device.is_cpu();
+  auto model = std::make_shared<FluxTransformer2DModel>(
+      info.config, flame::TensorOptions{options.dtype, staged ? flame::Device::cpu() : options.device});
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
   load_checkpoint(*model, ck, plan,
-                  {info.family + "-transformer", info.format, options.allow_unplaced, options.float8});
+                  {info.family + "-transformer", info.format, options.allow_unplaced, options.float8,
+                   staged ? std::optional<flame::Device>(options.device) : std::nullopt});
+  if (staged) model->to(options.device);
   return model;
 }
 

@@ -218,13 +218,13 @@ std::shared_ptr<Pipeline> load_pipeline(const PipelineLoadOptions& o) {
   const std::string denoiser = o.denoiser;
   if (fam == "flux") {
     p->flux = load_flux(denoiser.empty() ? component(o, "transformer", fam, "--transformer") : denoiser,
-                        {.device = o.device, .dtype = o.dtype});
+                        {.device = o.device, .dtype = o.dtype, .float8 = o.denoiser_float8});
     p->clip_l = load_clip(o, o.text_encoder, "text_encoder", "clip-l");
     p->t5 = load_t5(o, "text_encoder_2", fam);
     p->tokenizer_t5 = T5Tokenizer::from_folder(component(o, "tokenizer_2", fam));
   } else if (fam == "sd3") {
     p->sd3 = load_sd3(denoiser.empty() ? component(o, "transformer", fam, "--transformer") : denoiser,
-                      {.device = o.device, .dtype = o.dtype});
+                      {.device = o.device, .dtype = o.dtype, .float8 = o.denoiser_float8});
     p->clip_l = load_clip(o, o.text_encoder, "text_encoder", "clip-l");
     p->clip_g = load_clip(o, o.text_encoder_2, "text_encoder_2", "clip-g");
     if (!o.text_encoder_3.empty() || fs::is_directory(fs::path(o.path) / "text_encoder_3")) {

@@ -70,6 +70,10 @@ struct PipelineLoadOptions {
   std::string lora;
   flame::Device device = flame::Device::cpu();
   flame::DType dtype = flame::DType::f32;
+  // FLUX and SD3: load the transformer's Linears as frozen 8-bit weights (FluxLoadOptions::float8;
+  // staged in host memory, so the GPU never holds the full-precision transformer). SDXL's UNet
+  // loads as usual (quantise it after loading).
+  std::optional<flame::nn::Float8Options> denoiser_float8;
 };
 
 // The loaded components of one family (the others null).

@@ -305,12 +305,18 @@ SD3FileInfo inspect_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
 
 std::shared_ptr<SD3Transformer2DModel> load_sd3(const Checkpoint& ck, const SD3LoadOptions& options) {
   const SD3FileInfo info = inspect_sd3(ck, options);
-  auto model =
-      std::make_shared<SD3Transformer2DModel>(info.config, flame::TensorOptions{options.dtype, options.device});
+  // An 8-bit load onto a GPU builds and reads the model in host memory, moving each Linear to the
+  // GPU as it is quantised: the GPU never holds the full-precision model.
+  const bool staged = options.float8 && !options.device.is_cpu();
+  auto model = std::make_shared<SD3Transformer2DModel>(
+      info.config, flame::TensorOptions{options.dtype, staged ? flame::Device::cpu() : options.device});
   const KeyPlan plan = checkpoint_format(info.format).plan(ck, info.prefix);
   std::string layout = info.format;
   if (info.fp8) layout += ck.has_prefix(info.prefix + "scaled_fp8") ? " (fp8 scaled)" : " (fp8)";
-  load_checkpoint(*model, ck, plan, {info.family, layout, options.allow_unplaced, options.float8});
+  load_checkpoint(*model, ck, plan,
+                  {info.family, layout, options.allow_unplaced, options.float8,
+                   staged ? std::optional<flame::Device>(options.device) : std::nullopt});
+  if (staged) model->to(options.device);
   return model;
 }
 

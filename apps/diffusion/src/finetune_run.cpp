@@ -233,6 +233,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   lo.text_encoder_3 = cfg.model.t5;
   lo.device = device;
   lo.dtype = dtype;
+  // model.fp8_base: FLUX's and SD3's transformer load straight into 8-bit Linears (an fp8 file's
+  // codes kept; the GPU never holds the full-precision transformer); SDXL's UNet is quantised after
+  // the adapters are attached (step 5).
+  if (cfg.model.fp8_base != "none" && !full && cfg.model.family != "sdxl")
+    lo.denoiser_float8 = nn::Float8Options{.compute = nn::parse_float8_compute(cfg.model.fp8_base)};
   say("loading " + cfg.model.family + " from " + lo.path + " on " + device.str());
   const std::shared_ptr<fm::Pipeline> pipe = fm::load_pipeline(lo);
   const std::string family = pipe->family;
@@ -435,9 +440,16 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (cfg.model.fp8_base != "none") {  // the frozen base in 8 bits (adapters attached and f32 already)
     if (full) throw std::runtime_error("model.fp8_base = \"" + cfg.model.fp8_base +
                                        "\" needs a frozen base; train.method = \"full\" trains every weight");
-    const nn::Float8Report r = nn::quantize_float8(model, {.compute = nn::parse_float8_compute(cfg.model.fp8_base)});
-    say(std::to_string(r.layers) + " base Linear layers in 8 bits (" + cfg.model.fp8_base + "): " +
-        std::to_string(r.bytes_before >> 20) + " MiB -> " + std::to_string(r.bytes_after >> 20) + " MiB");
+    (void)nn::quantize_float8(model, {.compute = nn::parse_float8_compute(cfg.model.fp8_base)});  // SDXL's UNet
+    int64_t layers = 0, bytes = 0;
+    for (const auto& [n, m] : model.named_modules()) {
+      const auto* l = dynamic_cast<const nn::Linear*>(m.get());
+      if (!l || !l->is_float8()) continue;
+      ++layers;
+      bytes += static_cast<int64_t>(l->weight().nbytes() + l->weight_scale().nbytes());
+    }
+    say(std::to_string(layers) + " base Linear layers in 8 bits (" + cfg.model.fp8_base + "), " +
+        std::to_string(bytes >> 20) + " MiB");
   }
   if (cfg.train.gradient_checkpointing) {
     if (den.flux) den.flux->set_gradient_checkpointing(fm::kAllFluxBlocks);
