@@ -43,6 +43,9 @@
 #              check compares); then the FLUX-dev LoRA r16 step (bf16 autocast, f32 adapters) beside
 #              diffusers eager and torch.compile, with and without checkpointing every block (and
 #              with the checkpointed inputs offloaded), and a kernel trace
+#   fp8        frozen base Linears in 8 bits (docs/float8.md): the FLUX-dev and SD3.5-Large LoRA r16
+#              steps with --fp8 none,dequantize,fp8 (same run), and FLUX-dev's loss at each of 50
+#              AdamW steps per mode from the same start (flux_parity losses)
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -254,6 +257,14 @@ EOF
     fi
     rm -rf $pipe $img $run_dir
   done
+fi
+if has fp8; then
+  run "fp8 flux-dev: LoRA r16 step, bf16 / dequantize / fp8" 240 "$BIN/flux_parity" time --config flux-dev \
+    --latent 128 --text 512 --checkpointing 0 --fp8 none,dequantize,fp8
+  run "fp8 sd3.5-large: LoRA r16 step, bf16 / dequantize / fp8" 200 "$BIN/sd3_parity" time --config sd3.5-large \
+    --checkpointing 0 --fp8 none,dequantize,fp8
+  run "fp8 flux-dev: loss of 50 steps per mode" 300 "$BIN/flux_parity" losses --config flux-dev --steps 50 \
+    --fp8 none,dequantize,fp8
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

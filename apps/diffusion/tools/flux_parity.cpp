@@ -78,6 +78,7 @@ const char* kUsage =
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
 using flame_diffusion::tools::flag_or;
+using flame_diffusion::tools::fp8_modes;
 using flame_diffusion::tools::int_list;
 using flame_diffusion::tools::parse_device;
 using flame_diffusion::tools::print_kernel_trace;
@@ -85,20 +86,6 @@ using flame_diffusion::tools::print_kernel_trace;
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr"};
-
-// --fp8 values: "none" or a Float8Compute name.
-std::vector<std::string> fp8_modes(const std::map<std::string, std::string>& f, const char* fallback) {
-  std::vector<std::string> out;
-  std::string v = flag_or(f, "fp8", fallback);
-  for (std::size_t start = 0; start <= v.size();) {
-    const std::size_t comma = std::min(v.find(',', start), v.size());
-    const std::string m = v.substr(start, comma - start);
-    if (m != "none") (void)flame::nn::parse_float8_compute(m);  // raises naming the value
-    out.push_back(m);
-    start = comma + 1;
-  }
-  return out;
-}
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <flame/flame.h>
+#include <flame/nn/linear_float8.h>
 #include <flame/profiler.h>
 
 namespace flame_diffusion::tools {
@@ -97,6 +98,21 @@ inline std::string flag_or(const std::map<std::string, std::string>& f, const st
                            const std::string& fallback) {
   auto it = f.find(k);
   return it == f.end() ? fallback : it->second;
+}
+
+// --fp8 values: "none" or a Float8Compute name (nn::parse_float8_compute raises naming a bad one),
+// comma-separated.
+inline std::vector<std::string> fp8_modes(const std::map<std::string, std::string>& f, const char* fallback) {
+  std::vector<std::string> out;
+  const std::string v = flag_or(f, "fp8", fallback);
+  for (std::size_t start = 0; start <= v.size();) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    const std::string m = v.substr(start, comma - start);
+    if (m != "none") (void)flame::nn::parse_float8_compute(m);
+    out.push_back(m);
+    start = comma + 1;
+  }
+  return out;
 }
 
 // "1,4" -> {1, 4}; an error names the flag.

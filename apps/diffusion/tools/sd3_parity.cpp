@@ -23,6 +23,8 @@
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
+//       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8,
+//       docs/float8.md); the JSON line adds the mode and the base Linear weights' bytes.
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -60,11 +62,11 @@ const char* kUsage =
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
     "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
-    "[--recompute 0] [--graph 0] [--device cuda]\n";
+    "[--recompute 0] [--graph 0] [--fp8 none] [--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "graph"};
+                                         "graph", "fp8"};
 
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
   return flame_diffusion::tools::flag_or(f, k, fallback);
@@ -210,18 +212,28 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
   const bool offload = int_list("offload", get(f, "offload", "0")).at(0) != 0;
+  const std::vector<std::string> fp8s = flame_diffusion::tools::fp8_modes(f, "none");  // checked before any work
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   const flame::TensorOptions o(DType::bf16, device);
-  std::vector<std::tuple<int64_t, bool, bool>> settings;  // (checkpointing, RecomputeCheap, CUDA graph)
-  for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1"))) {
-    for (int64_t r : int_list("recompute", get(f, "recompute", "0")))
-      for (int64_t g : int_list("graph", get(f, "graph", "0"))) settings.emplace_back(ckpt, r != 0, g != 0);
-  }
-  for (const auto& [ckpt, recompute, graph] : settings) {
+  // (checkpointing, RecomputeCheap, CUDA graph, --fp8 mode)
+  std::vector<std::tuple<int64_t, bool, bool, std::string>> settings;
+  for (const std::string& fp8 : fp8s)
+    for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1")))
+      for (int64_t r : int_list("recompute", get(f, "recompute", "0")))
+        for (int64_t g : int_list("graph", get(f, "graph", "0"))) settings.emplace_back(ckpt, r != 0, g != 0, fp8);
+  for (const auto& [ckpt, recompute, graph, fp8] : settings) {
     flame::cuda::empty_cache();
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+    if (fp8 != "none") (void)flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(fp8)});
+    int64_t base_bytes = 0;  // the frozen Linears' weights (and scales)
+    for (const auto& [n, m] : model->named_modules()) {
+      const auto* lin = dynamic_cast<const flame::nn::Linear*>(m.get());
+      if (!lin || lin->weight().requires_grad()) continue;
+      base_bytes += static_cast<int64_t>(lin->weight().nbytes());
+      if (lin->is_float8()) base_bytes += static_cast<int64_t>(lin->weight_scale().nbytes());
+    }
     model->set_gradient_checkpointing(ckpt != 0, ckpt);
     model->set_activation_offload(offload);
     model->train();
@@ -264,13 +276,14 @@ int time_steps(const std::map<std::string, std::string>& f) {
         "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
         "\"offloaded_gib\": %.3f, "
         "\"median_ms\": %.2f, "
-        "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f}\n",
+        "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", "
+        "\"base_linear_gib\": %.3f}\n",
         name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent), static_cast<long long>(text),
         static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
         recompute ? "true" : "false", graphed.captured() ? "true" : "false",
                   static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
         static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
-        rate / gemm);
+        rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30));
     std::fflush(stdout);
     if (trace_steps > 0) print_kernel_trace(step, trace_steps);
   }
