@@ -142,6 +142,10 @@ void add_generate_flags(CLI::App* cmd, GenerateConfig& c) {
   cmd->add_option("--out", c.out, "the grid: .png, or .jpg / .jpeg")->capture_default_str();
   cmd->add_option("--device", c.device, "auto, cpu, cuda or cuda:N")->capture_default_str();
   cmd->add_option("--dtype", c.dtype, "auto (bf16 on CUDA, f32 on the CPU), f32, bf16 or f16")->capture_default_str();
+  cmd->add_option("--fp8-base", c.fp8_base,
+                  "the denoiser's Linear weights in 8 bits (e4m3, a scale per row): dequantize (half of bf16's "
+                  "memory) or fp8 (also FP8 GEMMs on GPUs of compute capability 8.9+); none keeps them")
+      ->capture_default_str();
 }
 
 void run_generate(GenerateConfig c, const CLI::App& cmd) {
@@ -172,6 +176,11 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   lo.text_encoder_2 = c.clip_g;
   lo.text_encoder_3 = c.t5;
   lo.lora = c.lora;
+  if (c.fp8_base != "none") {
+    if (c.fp8_base != "dequantize" && c.fp8_base != "fp8")
+      throw UsageError("--fp8-base " + c.fp8_base + ": expected none, dequantize or fp8");
+    lo.denoiser_float8 = flame::nn::Float8Options{.compute = flame::nn::parse_float8_compute(c.fp8_base)};
+  }
   if (!c.family.empty()) {
     const auto fams = fm::pipeline_families();
     if (std::find(fams.begin(), fams.end(), c.family) == fams.end()) {
@@ -187,6 +196,10 @@ void run_generate(GenerateConfig c, const CLI::App& cmd) {
   const std::shared_ptr<fm::Pipeline> pipe = fm::load_pipeline(lo);
   if (unet_given && pipe->family != "sdxl") throw UsageError("--unet: the " + pipe->family + " pipeline has a transformer; use --transformer");
   if (transformer_given && pipe->family == "sdxl") throw UsageError("--transformer: SDXL has a UNet; use --unet");
+  if (lo.denoiser_float8 && pipe->unet) {  // FLUX and SD3 loaded in 8 bits; SDXL's UNet is quantised here
+    pipe->unet->requires_grad_(false);
+    (void)flame::nn::quantize_float8(*pipe->unet, *lo.denoiser_float8);
+  }
   if (pipe->family != "flux" && cmd.count("--cfg") && cmd.count("--guidance") && c.cfg != c.guidance) {
     throw UsageError("--cfg " + std::to_string(c.cfg) + " and --guidance " + std::to_string(c.guidance) +
                      " disagree; give one (for " + pipe->family + " both are the CFG scale)");

@@ -8,7 +8,7 @@
 // Each prompt is one row of --batch images (seeds drawn from --seed). The pipeline folder gives the
 // tokenizers and every component unless a single file replaces one (--transformer / --unet, --vae,
 // --clip-l, --clip-g, --t5); --lora applies a LoRA file of the transformer / UNet (PEFT, diffusers
-// or kohya layout).
+// or kohya layout); --fp8-base keeps the denoiser's Linear weights in 8 bits (docs/float8.md).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -38,6 +38,7 @@ struct GenerateConfig {
   std::string out = "grid.png";
   std::string device = "auto";  // auto, cpu, cuda, cuda:N
   std::string dtype = "auto";   // auto (bf16 on CUDA, f32 on the CPU), f32, bf16, f16
+  std::string fp8_base = "none";  // none, dequantize or fp8: the denoiser's Linears in 8 bits
 };
 
 void add_generate_flags(CLI::App* cmd, GenerateConfig& c);

@@ -150,6 +150,14 @@ TEST(CliGenerate, FluxSD35AndSdxlLoraRun) {
     const flame_diffusion::Image img = flame_diffusion::decode_image(out);
     EXPECT_EQ(img.width, 16 + 4 + 4) << family;
   }
+  // --fp8-base: the denoiser in 8 bits (FLUX loads so; SDXL's UNet is quantised after loading),
+  // with a LoRA on top for SDXL.
+  for (const char* family : {"flux", "sdxl"}) {
+    const Result r = generate(dir, {"--model", (pipelines_dir() / family).string(), "--prompt", "a cat", "--steps",
+                                    "2", "--width", "16", "--height", "16", "--fp8-base", "dequantize", "--out",
+                                    (dir / (std::string(family) + "_fp8.png")).string()});
+    EXPECT_EQ(r.status, 0) << family << ": " << r.err;
+  }
   // A LoRA file (diffusers' save_lora_weights) on SDXL's UNet.
   const Result r = generate(dir, {"--model", (pipelines_dir() / "sdxl").string(), "--lora",
                                   (pipelines_dir() / "lora" / "sdxl.safetensors").string(), "--prompt", "a cat",
@@ -180,6 +188,7 @@ TEST(CliGenerate, MistakesNameTheFlag) {
       {{"--model", sdxl, "--prompt", "x", "--lora", (dir / "none.safetensors").string()}, "--lora"},
       {{"--model", sdxl, "--prompt", "x", "--dtype", "f8", "--out", out}, "--dtype"},
       {{"--model", sdxl, "--prompt", "x", "--transformer", sdxl, "--out", out}, "--transformer"},
+      {{"--model", sdxl, "--prompt", "x", "--fp8-base", "int4", "--out", out}, "--fp8-base"},
   };
   for (const Case& c : cases) {
     const Result r = generate(dir, c.args);
