@@ -86,7 +86,8 @@ Tensor Linear::lora_up(const Tensor& h) const {
 
 Tensor Linear::dora_weight_norm(const Tensor& delta) const {
   NoGradGuard no_grad;
-  return (dense_weight(delta.dtype()) + delta.detach()).norm(2.0, {1});
+  const Tensor w = is_float8() ? dense_weight(delta.dtype()) : weight_.detach();
+  return (w + delta.detach()).norm(2.0, {1});
 }
 
 Tensor Linear::forward(const Tensor& x) {
