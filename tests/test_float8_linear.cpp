@@ -19,6 +19,7 @@
 
 #include "flame/amp.h"
 #include "flame/flame.h"
+#include "flame/io/safetensors.h"
 #include "flame/nn.h"
 #include "test_util.h"
 
@@ -373,6 +374,44 @@ TEST(Float8Linear, LinearModuleWithLoraTrainsTheAdapterOnly) {
     EXPECT_THROW(lin->to_float8({.dtype = DType::f8_e5m2}), Error);  // no requantising
     lin->to_float8({.compute = nn::Float8Compute::dequantize});       // a new compute mode is fine
     EXPECT_EQ(lin->float8_options().compute, nn::Float8Compute::dequantize);
+  }
+}
+
+// An 8-bit Linear's state dict through a safetensors file: the weight as F8_E4M3 and its scales,
+// read back into another quantised Linear (the codes read as their own dtype, by hand or through
+// nn::load_state_dict): the same codes and the same outputs.
+TEST(Float8Linear, StateDictThroughSafetensors) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const std::string path = testing::TempDir() + "/float8_linear.safetensors";
+  auto a = std::make_shared<nn::Linear>(32, 16, true, TensorOptions(DType::f32, dev));
+  a->requires_grad_(false);
+  a->to_float8();
+  io::save_safetensors(path, a->state_dict());
+  const StateDict loaded = io::load_safetensors(path, dev, DType::f8_e4m3fn);
+  EXPECT_EQ(loaded.at("weight").dtype(), DType::f8_e4m3fn);
+  auto b = std::make_shared<nn::Linear>(32, 16, true, TensorOptions(DType::f32, dev));
+  b->requires_grad_(false);
+  b->to_float8();
+  StateDict sd = io::load_safetensors(path, dev);  // scales and bias as f32
+  sd.set("weight", loaded.at("weight"));  // the codes read as their own dtype
+  b->load_state_dict(sd);
+  EXPECT_EQ(host(b->weight()), host(a->weight()));
+  EXPECT_EQ(host(b->weight_scale()), host(a->weight_scale()));
+  const Tensor x = make_input({{4, 32}, DType::f32}, dev, 12);
+  EXPECT_EQ(host(b->forward(x)), host(a->forward(x)));
+  auto c = std::make_shared<nn::Linear>(32, 16, true, TensorOptions(DType::f32, dev));
+  c->requires_grad_(false);
+  c->to_float8();
+  nn::load_state_dict(*c, path);  // the file helper keeps F8 codes for 8-bit weights
+  EXPECT_EQ(host(c->weight()), host(a->weight()));
+  EXPECT_EQ(host(c->forward(x)), host(a->forward(x)));
+  // Module::load_state_dict itself wants the module's dtype: a decoded (f32) weight is refused by name.
+  try {
+    c->load_state_dict(io::load_safetensors(path, dev));
+    ADD_FAILURE() << "an f32 weight loaded into the 8-bit one";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'weight'"), std::string::npos) << e.what();
   }
 }
 

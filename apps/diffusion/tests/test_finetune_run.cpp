@@ -302,6 +302,22 @@ TEST(FinetuneRun, Fp8BaseTrainsTheAdapters) {
   c.train.method = "full";
   c.model.fp8_base = "fp8";
   EXPECT_NE(error_of([&] { run(c); }).find("model.fp8_base"), std::string::npos);
+  // SD3 (its transformer loads into 8-bit Linears) and SDXL (its UNet is quantised after the adapters).
+  for (const std::string family : {"sd3", "sdxl"}) {
+    SCOPED_TRACE(family);
+    fd::FinetuneConfig f = tiny_config(family, images, dir / ("run_" + family));
+    f.cache.latents = false;
+    f.cache.text_embeddings = false;
+    f.dataset.bucketing = false;  // the tiny SD3.5's position table covers 64 x 64 pixels
+    f.dataset.max_upscale = 2.0;
+    f.sample.every = 0;
+    f.sample.prompts = {};
+    f.train.steps = 1;
+    f.model.fp8_base = "dequantize";
+    const fd::FinetuneRunResult r = run(f);
+    ASSERT_EQ(r.losses.size(), 1u);
+    EXPECT_TRUE(std::isfinite(r.losses[0]) && r.losses[0] > 0) << r.losses[0];
+  }
 }
 
 TEST(FinetuneRun, BadSettingsAreNamed) {

@@ -17,7 +17,8 @@ namespace flame::nn {
 void save_state_dict(const Module& module, const std::string& path, const io::Metadata& metadata = {});
 // Loads the file onto the device of the module's first parameter (or buffer; CPU for a module with
 // neither), then copies values into the existing tensors (identity kept). strict as
-// Module::load_state_dict.
+// Module::load_state_dict. An 8-bit weight of the module (Linear::to_float8) takes an F8-stored
+// tensor as its codes.
 LoadReport load_state_dict(Module& module, const std::string& path, bool strict = true);
 // LoRA adapters only, with PEFT's key names (lora_state_dict in lora.h), and back.
 void save_lora(Module& module, const std::string& path, const io::Metadata& metadata = {});
