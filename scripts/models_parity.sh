@@ -45,7 +45,8 @@
 #              with the checkpointed inputs offloaded), and a kernel trace
 #   fp8        frozen base Linears in 8 bits (docs/float8.md): the FLUX-dev and SD3.5-Large LoRA r16
 #              steps with --fp8 none,dequantize,fp8 (same run), and FLUX-dev's loss at each of 50
-#              AdamW steps per mode from the same start (flux_parity losses)
+#              AdamW steps per mode from the same start (flux_parity losses); the SDXL UNet step at
+#              1024² with checkpointing per mode (the "under 10 GiB" row)
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -265,6 +266,8 @@ if has fp8; then
     --checkpointing 0 --fp8 none,dequantize,fp8
   run "fp8 flux-dev: loss of 50 steps per mode" 300 "$BIN/flux_parity" losses --config flux-dev --steps 50 \
     --fp8 none,dequantize,fp8
+  run "fp8 sdxl: UNet LoRA r16 step at 1024², checkpointing, bf16 / fp8 (target: under 10 GiB)" 200 \
+    "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 1 --fp8 none,dequantize,fp8
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

@@ -15,6 +15,8 @@
 //       the peak allocated memory and MFU (step_flops: convolutions and linears 2x their forward,
 //       attention 3x; of 989 TFLOP/s dense bf16).
 //       --recompute 1 runs the forward under autograd::RecomputeCheap (set_recompute_cheap).
+//       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8,
+//       docs/float8.md; the convolutions stay bf16); the JSON line names the mode.
 //       --graph 1 captures the whole step (forward, backward, capturable AdamW) once as a CUDA graph
 //       (cuda::GraphedStep) and replays it; its peak counts the graph's private pool.
 //       --trace N records the kernels of N more steps (profiler::KernelTrace) and prints where the
@@ -58,13 +60,13 @@ const char* kUsage =
     "usage:\n"
     "  unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]\n"
     "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]\n"
-    "                    [--graph 0,1] [--trace N]\n"
+    "                    [--graph 0,1] [--trace N] [--fp8 none]\n"
     "                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]\n"
     "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
     "                    [--dtype bf16|f32] [--device cpu]\n";
 
 const std::vector<std::string> kFlags = {"dir",  "device", "checkpointing", "config", "latent", "batch", "rank",
-                                          "steps", "warmup", "recompute", "dtype", "graph", "trace"};
+                                          "steps", "warmup", "recompute", "dtype", "graph", "trace", "fp8"};
 
 using flame_diffusion::tools::int_list;
 using flame_diffusion::tools::parse_device;
@@ -269,6 +271,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const std::vector<int64_t> recomputes = int_list("recompute", get(f, "recompute", "0"));
   const std::vector<int64_t> graphs = int_list("graph", get(f, "graph", "0"));
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
+  for (const std::string& fp8 : flame_diffusion::tools::fp8_modes(f, "none")) {
   for (int64_t batch : int_list("batch", get(f, "batch", "1,4"))) {
     for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,1"))) {
       for (int64_t recompute : recomputes) {
@@ -276,6 +279,8 @@ int time_steps(const std::map<std::string, std::string>& f) {
           flame::cuda::empty_cache();
           auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
           unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+          if (fp8 != "none")  // the frozen Linears in 8 bits (docs/float8.md); convolutions stay bf16
+            (void)flame::nn::quantize_float8(*unet, {.compute = flame::nn::parse_float8_compute(fp8)});
           unet->set_gradient_checkpointing(ckpt != 0);
           unet->set_recompute_cheap(recompute != 0);
           unet->train();
@@ -325,15 +330,17 @@ int time_steps(const std::map<std::string, std::string>& f) {
           const double flops = step_flops(config, batch, latent, latent, seq);
           std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
                       "\"checkpointing\": %s, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"median_ms\": %.2f, "
-                      "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f}\n",
+                      "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"fp8\": \"%s\"}\n",
                       name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                       static_cast<long long>(batch), ckpt ? "true" : "false", recompute ? "true" : "false",
-                      graph ? "true" : "false", median, peak, flops / 1e12, flops / (median / 1e3) / 989e12);
+                      graph ? "true" : "false", median, peak, flops / 1e12, flops / (median / 1e3) / 989e12,
+                      fp8.c_str());
           std::fflush(stdout);
           if (trace_steps > 0) print_kernel_trace(step, trace_steps);
         }
       }
     }
+  }
   }
   return 0;
 }
