@@ -24,15 +24,9 @@ void Linear::to_float8(const Float8Options& options) {
               "an adapter with apply_lora)");
   FLAME_CHECK(!merged_, op, "this Linear (", extra_repr(), ") has its adapter merged; unmerge it first");
   FLAME_CHECK(is_floating(weight_.dtype()), op, "the weight must be floating, got ", dtype_name(weight_.dtype()));
-  Tensor q, s;
-  {
-    NoGradGuard no_grad;
-    s = float8_scale(weight_.detach(), options.dtype, 0);  // [out, 1]
-    q = flame::to_float8(weight_.detach(), options.dtype, s);
-  }
-  weight_.set_data(q);
-  weight_scale_ = register_buffer("weight_scale", s.reshape({out_features_}).contiguous());
-  float8_ = options;
+  NoGradGuard no_grad;
+  const Tensor s = float8_scale(weight_.detach(), options.dtype, 0);  // [out, 1]
+  set_float8_weight(flame::to_float8(weight_.detach(), options.dtype, s), s, options);
 }
 
 void Linear::set_float8_weight(const Tensor& q, const Tensor& scale, const Float8Options& options) {

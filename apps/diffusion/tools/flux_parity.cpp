@@ -261,17 +261,8 @@ struct LoraStep {
   // --fp8: every frozen Linear (the whole base; the adapters train) to 8 bits; returns the base
   // Linear weights' bytes after.
   int64_t quantize(const std::string& mode) const {
-    int64_t bytes = 0;
-    if (mode != "none") {
-      const flame::nn::Float8Report r =
-          flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(mode)});
-      bytes = r.bytes_after;
-    }
-    for (const auto& [n, m] : model->named_modules()) {
-      auto* lin = dynamic_cast<flame::nn::Linear*>(m.get());
-      if (lin && !lin->is_float8() && !lin->weight().requires_grad()) bytes += static_cast<int64_t>(lin->weight().nbytes());
-    }
-    return bytes;
+    if (mode != "none") (void)flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(mode)});
+    return flame_diffusion::tools::base_linear_bytes(*model);
   }
 };
 

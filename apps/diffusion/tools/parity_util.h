@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <flame/flame.h>
+#include <flame/nn/linear.h>
 #include <flame/nn/linear_float8.h>
 #include <flame/profiler.h>
 
@@ -98,6 +99,19 @@ inline std::string flag_or(const std::map<std::string, std::string>& f, const st
                            const std::string& fallback) {
   auto it = f.find(k);
   return it == f.end() ? fallback : it->second;
+}
+
+// Bytes of the frozen Linear weights under root (8-bit ones with their scales): the base a
+// --fp8 run stores.
+inline int64_t base_linear_bytes(flame::nn::Module& root) {
+  int64_t bytes = 0;
+  for (const auto& [n, m] : root.named_modules()) {
+    const auto* lin = dynamic_cast<const flame::nn::Linear*>(m.get());
+    if (!lin || lin->weight().requires_grad()) continue;
+    bytes += static_cast<int64_t>(lin->weight().nbytes());
+    if (lin->is_float8()) bytes += static_cast<int64_t>(lin->weight_scale().nbytes());
+  }
+  return bytes;
 }
 
 // --fp8 values: "none" or a Float8Compute name (nn::parse_float8_compute raises naming a bad one),

@@ -227,13 +227,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
     if (fp8 != "none") (void)flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(fp8)});
-    int64_t base_bytes = 0;  // the frozen Linears' weights (and scales)
-    for (const auto& [n, m] : model->named_modules()) {
-      const auto* lin = dynamic_cast<const flame::nn::Linear*>(m.get());
-      if (!lin || lin->weight().requires_grad()) continue;
-      base_bytes += static_cast<int64_t>(lin->weight().nbytes());
-      if (lin->is_float8()) base_bytes += static_cast<int64_t>(lin->weight_scale().nbytes());
-    }
+    const int64_t base_bytes = flame_diffusion::tools::base_linear_bytes(*model);
     model->set_gradient_checkpointing(ckpt != 0, ckpt);
     model->set_activation_offload(offload);
     model->train();
