@@ -4,6 +4,7 @@
 // streams, pinned copies and memory. CUDA-only cases skip without a GPU.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -398,6 +399,216 @@ TEST(OffloadWeights, AModelLargerThanTheMemoryCapTrainsAndMatchesTheCpu) {
   ASSERT_EQ(ps.size(), ps_ref.size());
   for (std::size_t k = 0; k < ps.size(); ++k) EXPECT_TRUE(all_close(ps[k], ps_ref[k], 1e-4, 1e-5)) << k;
   EXPECT_GT(streamed.prefetched_uploads(), 0);
+}
+
+// ---- block swapping ----
+
+// A block of a frozen base with adapters and two inputs, as a transformer block is used: x goes
+// through a LoRA Linear (optionally with an 8-bit base) gated by a projection of c, with dropout.
+struct SwapBlock : nn::Module {
+  std::shared_ptr<nn::Linear> fc, gate;
+  std::shared_ptr<nn::Dropout> drop;
+  SwapBlock(int64_t d, uint64_t seed, bool float8) {
+    Generator g(seed);
+    fc = register_module("fc", std::make_shared<nn::Linear>(d, d));
+    gate = register_module("gate", std::make_shared<nn::Linear>(d, d, false));
+    drop = register_module("drop", std::make_shared<nn::Dropout>(0.2));
+    NoGradGuard no_grad;
+    for (Tensor p : parameters()) p.copy_(Tensor::uniform(p.sizes(), -0.3, 0.3, DType::f32, &g));
+    fc->add_lora({.rank = 4, .alpha = 8.0});
+    for (const auto& m : {fc->lora_A(), fc->lora_B()}) {
+      Tensor w = m->weight();
+      w.copy_(Tensor::uniform(w.sizes(), -0.2, 0.2, DType::f32, &g));
+    }
+    for (Tensor frozen : {gate->weight(), fc->bias()}) frozen.requires_grad_(false);
+    if (float8) fc->to_float8();
+  }
+  std::string name() const override { return "SwapBlock"; }
+  Tensor run(const TensorList& in) { return in[0] + drop->forward(fc->forward(in[0]).tanh() * gate->forward(in[1]).sigmoid()); }
+};
+
+std::vector<nn::ModulePtr> swap_blocks(int n, int64_t d, Device dev, bool float8) {
+  std::vector<nn::ModulePtr> out;
+  for (int i = 0; i < n; ++i) {
+    auto b = std::make_shared<SwapBlock>(d, 500 + i, float8);
+    b->to(dev);
+    out.push_back(b);
+  }
+  return out;
+}
+
+// The stack's output for x and c, each block through `run` (a BlockSwap's or the plain call).
+Tensor run_swap_stack(const std::vector<nn::ModulePtr>& blocks, const Tensor& x, const Tensor& c,
+                      const std::function<Tensor(std::size_t, const std::function<Tensor(const TensorList&)>&,
+                                                 const TensorList&)>& run) {
+  Tensor h = x;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    auto b = std::static_pointer_cast<SwapBlock>(blocks[i]);
+    h = run(i, [b](const TensorList& in) { return b->run(in); }, {h, c});
+  }
+  return h;
+}
+
+TEST(OffloadBlockSwap, SwappedBlocksGiveTheGradientsOfTheResidentModel) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t d = 32;
+  for (bool float8 : {false, true}) {
+    SCOPED_TRACE(float8 ? "8-bit base" : "f32 base");
+    auto blocks = swap_blocks(5, d, dev, float8);
+    auto ref = swap_blocks(5, d, dev, float8);
+    offload::BlockSwap swap(blocks, dev);
+    ASSERT_EQ(swap.size(), 5u);
+    // Frozen: the base weight (or its codes), the base bias, the gate and the 8-bit scale buffer.
+    const std::size_t want_bytes = float8 ? d * d + d * 4 + d * d * 4 + d * 4 : (d * d + d + d * d) * 4;
+    EXPECT_EQ(swap.frozen_bytes(2), want_bytes);
+    swap.set_swapped({false, true, false, true, true});
+    for (std::size_t i = 0; i < 5; ++i) {
+      const auto b = std::static_pointer_cast<SwapBlock>(blocks[i]);
+      // Swapped frozen tensors live in pinned host memory; the adapters stay on the device.
+      EXPECT_EQ(b->gate->weight().device(), swap.swapped(i) ? (dev.is_cuda() ? Device::cpu() : dev) : dev) << i;
+      if (swap.swapped(i) && dev.is_cuda()) EXPECT_TRUE(b->gate->weight().is_pinned()) << i;
+      EXPECT_EQ(b->fc->lora_A()->weight().device(), dev) << i;
+    }
+    Tensor x = random_tensor({6, d}, 11, dev).requires_grad_();
+    Tensor c = random_tensor({6, d}, 12, dev).requires_grad_();
+    Generator& g = default_generator();
+    const Generator::State rng = g.get_state();
+    Tensor loss = run_swap_stack(blocks, x, c, [&](std::size_t i, const auto& fn, const TensorList& in) {
+      return swap.run(i, fn, in);
+    }).square().mean();
+    const Gradients gs = loss.backward();
+    g.set_state(rng);  // the same dropout masks
+    Tensor xr = x.detach().requires_grad_(), cr = c.detach().requires_grad_();
+    Tensor loss_ref = run_swap_stack(ref, xr, cr, [](std::size_t, const auto& fn, const TensorList& in) {
+      return fn(in);
+    }).square().mean();
+    const Gradients gr = loss_ref.backward();
+    EXPECT_NEAR(loss.item<double>(), loss_ref.item<double>(), 1e-6 * std::abs(loss_ref.item<double>()));
+    EXPECT_TRUE(all_close(gs.get(x), gr.get(xr), 1e-5, 1e-7));
+    EXPECT_TRUE(all_close(gs.get(c), gr.get(cr), 1e-5, 1e-7));
+    for (std::size_t i = 0; i < 5; ++i) {
+      const auto b = std::static_pointer_cast<SwapBlock>(blocks[i]);
+      const auto r = std::static_pointer_cast<SwapBlock>(ref[i]);
+      for (const auto& [k, a] : std::vector<std::pair<Tensor, Tensor>>{
+               {b->fc->lora_A()->weight(), r->fc->lora_A()->weight()},
+               {b->fc->lora_B()->weight(), r->fc->lora_B()->weight()}}) {
+        ASSERT_TRUE(gs.try_get(k).defined()) << "block " << i;
+        EXPECT_TRUE(all_close(gs.get(k), gr.get(a), 1e-5, 1e-7)) << "block " << i;
+      }
+      // After the step the swapped tensors are back in host memory, the same tensors as before.
+      EXPECT_EQ(b->gate->weight().device(), swap.swapped(i) ? (dev.is_cuda() ? Device::cpu() : dev) : dev) << i;
+    }
+    // Blocks 1, 3, 4 uploaded in forward and again in backward; on the way, ahead of their use.
+    const offload::BlockSwapReport rep = swap.report();
+    EXPECT_EQ(rep.swapped, 3u);
+    EXPECT_EQ(rep.swapped_bytes, 3 * want_bytes);
+    EXPECT_EQ(rep.resident_bytes, 2 * want_bytes);
+    EXPECT_EQ(rep.uploads, 6);
+    EXPECT_EQ(rep.prefetched_uploads, 6);
+    EXPECT_NE(rep.str().find("3 of 5 blocks swapped"), std::string::npos) << rep.str();
+  }
+}
+
+TEST(OffloadBlockSwap, ResidentCheckpointedAndInferenceRunsAgree) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t d = 24;
+  auto blocks = swap_blocks(4, d, dev, false);
+  offload::BlockSwap swap(blocks, dev);
+  Tensor x = random_tensor({5, d}, 21, dev), c = random_tensor({5, d}, 22, dev);
+  for (auto& b : blocks) b->eval();  // no dropout: the runs below must agree exactly
+  const auto run = [&](bool checkpoint) {
+    return run_swap_stack(blocks, x, c, [&](std::size_t i, const auto& fn, const TensorList& in) {
+      return swap.run(i, fn, in, checkpoint);
+    });
+  };
+  const Tensor plain = run(false);
+  Gradients g_plain = plain.square().sum().backward();
+  const Tensor ckpt = run(true);
+  Gradients g_ckpt = ckpt.square().sum().backward();
+  swap.set_swapped({true, true, true, true});
+  Tensor inference;
+  {
+    NoGradGuard no_grad;
+    inference = run(false);
+  }
+  const Tensor swapped = run(false);
+  Gradients g_swapped = swapped.square().sum().backward();
+  EXPECT_TRUE(all_close(ckpt, plain, 1e-6, 1e-7));
+  EXPECT_TRUE(all_close(inference, plain, 1e-6, 1e-7));
+  EXPECT_TRUE(all_close(swapped, plain, 1e-6, 1e-7));
+  for (const auto& b : blocks) {
+    const Tensor a = std::static_pointer_cast<SwapBlock>(b)->fc->lora_A()->weight();
+    EXPECT_TRUE(all_close(g_ckpt.get(a), g_plain.get(a), 1e-6, 1e-8));
+    EXPECT_TRUE(all_close(g_swapped.get(a), g_plain.get(a), 1e-6, 1e-8));
+  }
+  // Back to resident: the weights return to the device and runs need no upload.
+  swap.set_swapped({false, false, false, false});
+  const int64_t uploads = swap.report().uploads;
+  EXPECT_TRUE(all_close(run(false), plain, 1e-6, 1e-7));
+  EXPECT_EQ(swap.report().uploads, uploads);
+  EXPECT_EQ(std::static_pointer_cast<SwapBlock>(blocks[2])->gate->weight().device(), dev);
+  expect_error([&] { swap.set_swapped({true}); }, {"offload::BlockSwap::set_swapped", "1 flags for 4 blocks"});
+  expect_error([&] { swap.run(4, [](const TensorList& in) { return in[0]; }, {x}); },
+               {"offload::BlockSwap", "block 4 out of range (4 blocks)"});
+}
+
+TEST(OffloadBlockSwap, PlanKeepsTheMostBlocksThatFitAndSpreadsTheOthers) {
+  const std::vector<std::size_t> sizes(10, 100);
+  const auto swapped = [&](std::size_t capacity) {
+    const std::vector<bool> p = offload::plan_block_swap(sizes, capacity);
+    return std::count(p.begin(), p.end(), true);
+  };
+  EXPECT_EQ(swapped(1000), 0);  // everything fits
+  // k swapped blocks leave 1000 - 100 k resident plus 200 in flight (100 for k = 1).
+  EXPECT_EQ(offload::plan_block_swap(sizes, 700),
+            (std::vector<bool>{false, true, false, true, false, true, false, true, false, true}));
+  EXPECT_EQ(swapped(950), 3);  // 1 and 2 swapped blocks leave 1000 on the device
+  EXPECT_EQ(swapped(200), 10);  // all swapped: two blocks' room
+  expect_error([&] { offload::plan_block_swap(sizes, 150); },
+               {"offload::plan_block_swap", "even with all 10 swapped", "raise the budget"});
+  EXPECT_TRUE(offload::plan_block_swap({}, 0).empty());
+  // Unequal blocks [400, 100, 400, 100] and 900: one swapped (block 2) leaves 600 + 400, two (1, 3)
+  // 800 + 200, three (0, 2, 3) 100 + 800.
+  EXPECT_EQ(offload::plan_block_swap({400, 100, 400, 100}, 900), (std::vector<bool>{true, false, true, true}));
+}
+
+TEST(OffloadBlockSwap, ABudgetTooSmallFailsNamingItAndSwappingFitsUnderIt) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda(0);
+  const int64_t d = 1024;  // 8 MiB of frozen weights per block, 128 MiB in all
+  auto blocks = swap_blocks(16, d, dev, false);
+  offload::BlockSwap swap(blocks, dev);
+  swap.set_swapped(std::vector<bool>(16, true));
+  Tensor x = random_tensor({64, d}, 31, dev), c = random_tensor({64, d}, 32, dev);
+  cuda::synchronize();
+  cuda::empty_cache();
+  const std::size_t base = cuda::memory_stats().reserved_bytes;
+  // The driver pool reserves in chunks larger than a block: the budget leaves room for that.
+  const std::size_t budget = base + 96 * kMiB;
+  const auto step = [&] {
+    Tensor loss = run_swap_stack(blocks, x, c, [&](std::size_t i, const auto& fn, const TensorList& in) {
+      return swap.run(i, fn, in);
+    }).square().mean();
+    return loss.backward();
+  };
+  cuda::set_memory_limit(budget);
+  struct Reset {
+    ~Reset() { cuda::set_memory_limit(0); }
+  } reset;
+  // Every block resident: 128 MiB of weights do not fit.
+  expect_error([&] { swap.set_swapped(std::vector<bool>(16, false)); }, {"out of memory", "memory limit"});
+  swap.set_swapped(offload::plan_block_swap(swap.frozen_bytes(), 48 * kMiB));
+  const offload::BlockSwapReport rep = swap.report();
+  EXPECT_GT(rep.swapped, 0u);
+  EXPECT_LT(rep.swapped, 16u);
+  EXPECT_LE(rep.resident_bytes + 2 * rep.largest_swapped, 48 * kMiB);
+  for (int k = 0; k < 2; ++k) {
+    const Gradients g = step();
+    EXPECT_LE(cuda::memory_stats().reserved_bytes, budget);
+  }
+  EXPECT_GT(swap.report().prefetched_uploads, 0);
 }
 
 // ---- optimizer-state offload ----

@@ -6,13 +6,16 @@
 //  - a cap on the CUDA pool: cuda::set_memory_limit (include/flame/cuda.h);
 //  - activation offload: autograd::SavedTensorHooks (flame/saved_tensor_hooks.h),
 //    offload::OffloadActivations;
-//  - weight streaming: offload::StreamedBlocks;
+//  - weight streaming: offload::StreamedBlocks (every tensor of every block, for full training);
+//  - block swapping: offload::BlockSwap (the frozen tensors of some blocks, under a VRAM budget);
 //  - optimizer-state offload: offload::HostOptimizer.
 #include <any>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "flame/nn/containers.h"
 #include "flame/nn/module.h"
@@ -103,6 +106,76 @@ class StreamedBlocks : public nn::Module {
  private:
   std::shared_ptr<State> state_;
 };
+
+// ---- block swapping ----
+struct BlockSwapOptions {
+  // Upload the next swapped block (in backward: the previous one) on a side stream while the
+  // blocks before it compute.
+  bool prefetch = true;
+};
+
+// Where a BlockSwap keeps its blocks' frozen tensors (parameters that do not require grad, and
+// buffers), and what it uploaded so far.
+struct BlockSwapReport {
+  std::size_t blocks = 0;
+  std::size_t swapped = 0;          // blocks whose frozen tensors live in host memory
+  std::size_t resident_bytes = 0;   // frozen bytes of the resident blocks (on the device)
+  std::size_t swapped_bytes = 0;    // frozen bytes of the swapped blocks (pinned host memory)
+  std::size_t largest_swapped = 0;  // the largest swapped block (two are on the device at a time)
+  int64_t uploads = 0;              // swapped-block uploads so far (forward and backward)
+  int64_t prefetched_uploads = 0;   // of which were started ahead of their use
+  std::string str() const;          // one line, for logs and out-of-memory errors
+};
+
+// Block swapping (kohya's blocks_to_swap, docs/offload.md "Block swapping"): a model's blocks keep
+// their trainable parameters (adapters) on the device, and the frozen tensors of the blocks chosen
+// by set_swapped live in host memory (pinned for a CUDA device) and are uploaded on a side stream
+// just before each use, one swapped block ahead; a block's copies go back to the pool once the
+// compute stream is past it. With a frozen base model this is what lets a LoRA run fit a VRAM
+// budget (plan_block_swap picks the blocks; cuda::set_memory_limit enforces the budget).
+//  - The model calls run(i, fn, inputs) for each of its blocks in order (resident ones too: the
+//    upload of the next swapped block starts from the blocks before it) with fn computing block i.
+//  - A swapped block runs as flame::checkpoint does while grad mode is on: its forward keeps only
+//    its inputs, and its backward uploads the block again, recomputes it and backpropagates, with
+//    the copies bound for the whole of that (the recompute's nodes save them). A resident block
+//    runs fn directly, or under flame::checkpoint when `checkpoint` is true.
+//  - The frozen tensors keep their identity (set_data: state dicts and optimizers see the same
+//    tensors); while block i runs they hold the device copies. Module::to on the model moves the
+//    swapped tensors back to the device: call set_swapped again after it.
+//  - Frozen tensors must not change between a forward and its backward (the recompute reads them).
+//  - With a CPU device the host copies are the tensors themselves and the uploads are clones: the
+//    same logic, for tests. One thread drives a BlockSwap at a time.
+class BlockSwap {
+ public:
+  BlockSwap(std::vector<nn::ModulePtr> blocks, Device device, BlockSwapOptions options = {});
+  ~BlockSwap();
+  BlockSwap(const BlockSwap&) = delete;
+  BlockSwap& operator=(const BlockSwap&) = delete;
+
+  std::size_t size() const;
+  Device device() const;
+  // Bytes of block i's frozen tensors: what swapping it moves off the device.
+  std::size_t frozen_bytes(std::size_t i) const;
+  std::vector<std::size_t> frozen_bytes() const;
+  // One flag per block: true moves its frozen tensors to host memory, false to the device
+  // (synchronous copies). Pending uploads are dropped.
+  void set_swapped(const std::vector<bool>& swapped);
+  bool swapped(std::size_t i) const;
+  Tensor run(std::size_t i, const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs,
+             bool checkpoint = false);
+  BlockSwapReport report() const;
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Which blocks to swap so that the frozen bytes on the device, `block_bytes` of the resident blocks
+// plus two swapped blocks' copies in flight, fit `capacity`: the fewest swapped blocks, spread
+// evenly over the order (each upload then overlaps the resident blocks before it). Raises
+// flame::Error naming the capacity and the block sizes when swapping every block does not fit.
+std::vector<bool> plan_block_swap(const std::vector<std::size_t>& block_bytes, std::size_t capacity);
 
 // ---- optimizer-state offload ----
 // Optimizer state in host memory, updated on the CPU (like DeepSpeed's ZeRO-Offload CPU Adam):

@@ -14,6 +14,7 @@
 
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
+#include "src/autograd/checkpoint_scope.h"
 #include "src/autograd/record.h"
 
 namespace flame {
@@ -68,6 +69,13 @@ Tensor apply_custom(const CustomFunction& fn, const TensorList& inputs) {
 }
 
 Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs, Generator* gen) {
+  return autograd_detail::checkpoint_scoped(fn, inputs, gen, nullptr);
+}
+
+namespace autograd_detail {
+
+Tensor checkpoint_scoped(const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs, Generator* gen,
+                         const CheckpointScope& scope) {
   Generator* g = gen ? gen : &default_generator();
   const Generator::State rng_before = g->get_state();
   const amp::detail::AutocastState autocast_before = amp::detail::autocast_state();
@@ -76,6 +84,7 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   Tensor out;
   {
     NoGradGuard no_grad;
+    const std::shared_ptr<void> held = scope ? scope(false) : nullptr;
     t_state.collector = &reads;
     try {
       out = fn(inputs);
@@ -108,7 +117,9 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   // They are never packed by saved-tensor hooks (Note [Saved tensor hooks]): identity matters.
   for (const Tensor& t : reads.tensors) captured.emplace_back(t, "checkpoint", /*detach=*/false, /*allow_hooks=*/false);
   record(out, "CheckpointBackward", edges,
-         [fn, saved, wants_grad, captured, n_in, g, rng_before, autocast_before](const Tensor& grad) {
+         [fn, saved, wants_grad, captured, n_in, g, rng_before, autocast_before, scope](const Tensor& grad) {
+    // Held until the inner backward below has read what the recompute saved.
+    const std::shared_ptr<void> held = scope ? scope(true) : nullptr;
     // Recompute the forward with recording on and the generator where it was, then backprop.
     TensorList ins;
     TensorList stop_at;
@@ -158,5 +169,7 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
   });
   return out;
 }
+
+}  // namespace autograd_detail
 
 }  // namespace flame

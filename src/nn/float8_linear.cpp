@@ -46,7 +46,9 @@ void Linear::set_float8_weight(const Tensor& q, const Tensor& scale, const Float
   w.requires_grad_(false);
   NoGradGuard no_grad;
   weight_.set_data(q.detach().to(weight_.device()).contiguous());
-  const Tensor s = scale.detach().to(DType::f32).to(weight_.device()).reshape({-1}).expand({out_features_}).contiguous();
+  // An owning copy: the buffer must not alias the caller's tensor, and a view could not take new
+  // data (set_data: Module::to, block swapping).
+  const Tensor s = scale.detach().to(DType::f32).to(weight_.device()).reshape({-1}).expand({out_features_}).contiguous().clone();
   if (is_float8()) {
     weight_scale_.set_data(s);
   } else {

@@ -24,6 +24,20 @@
 //    a step, once per block). The node saves only the block input (a SavedTensor, so activation
 //    offload applies to it).
 // One thread drives a StreamedBlocks at a time.
+//
+// Note [Block swapping]
+// offload::BlockSwap moves only the frozen tensors of the swapped blocks (the trainable adapters
+// stay on the device, their gradients go to the store as usual), with the same Upload and Swap as
+// above. A swapped block runs through checkpoint_scoped (src/autograd/checkpoint_scope.h): the
+// scope acquires the block's upload and binds it for the first forward, and again for the
+// recompute and its inner backward, which flame::checkpoint's node runs; the checkpoint machinery
+// (captured adapters, generator and autocast state) is the ordinary one. Prefetch follows the
+// order of use: while block i runs in forward (resident or swapped) the next swapped block after
+// i is uploaded, after the last block the last swapped block is uploaded for backward, and the
+// backward of swapped block j uploads the swapped block before j. At most two swapped blocks'
+// copies are on the device at a time (the one running and the one prefetched).
+#include <algorithm>
+#include <cstdio>
 #include <optional>
 #include <sstream>
 #include <utility>
@@ -31,7 +45,9 @@
 #include "flame/cuda.h"
 #include "flame/offload.h"
 #include "flame/random.h"
+#include "src/autograd/checkpoint_scope.h"
 #include "src/autograd/record.h"
+#include "src/core/tensor_impl.h"
 
 namespace flame::offload {
 
@@ -289,6 +305,244 @@ Tensor StreamedBlocks::forward(const Tensor& x) {
   }
   if (grad_enabled() && h.requires_grad() && n > 0) s.prefetch(n - 1);  // backward starts there
   return h;
+}
+
+// ---- block swapping (Note [Block swapping]) ----
+
+struct BlockSwap::State {
+  struct Block {
+    nn::ModulePtr module;
+    TensorList frozen;  // parameters that do not require grad, then buffers
+    std::size_t bytes = 0;
+    bool swapped = false;
+  };
+  // A swapped block bound to its device copies for a scope.
+  struct Bound {
+    std::shared_ptr<Upload> upload;
+    Swap swap;
+    Bound(std::shared_ptr<Upload> u, const TensorList& handles) : upload(std::move(u)), swap(handles, upload->params) {}
+  };
+  std::vector<Block> blocks;
+  Device device;
+  BlockSwapOptions options;
+  std::optional<cuda::Stream> side;
+  std::vector<std::shared_ptr<Upload>> pending;
+  int64_t uploads = 0;
+  int64_t prefetched_uploads = 0;
+
+  std::shared_ptr<Upload> upload(std::size_t i) {
+    auto u = std::make_shared<Upload>();
+    NoGradGuard no_grad;
+    const Block& b = blocks[i];
+    if (device.is_cuda()) {
+      if (!side) side = cuda::Stream::create(device.index);
+      cuda::StreamGuard guard(*side);
+      for (const Tensor& t : b.frozen) u->params.push_back(t.detach().to(device, /*non_blocking=*/true));
+      u->ready.record(*side);
+    } else {
+      for (const Tensor& t : b.frozen) u->params.push_back(t.detach().clone());
+    }
+    ++uploads;
+    return u;
+  }
+  void prefetch(std::optional<std::size_t> i) {
+    if (!options.prefetch || !i || pending[*i]) return;
+    pending[*i] = upload(*i);
+    pending[*i]->prefetched = true;
+    ++prefetched_uploads;
+  }
+  std::shared_ptr<Upload> acquire(std::size_t i) {
+    std::shared_ptr<Upload> u = std::move(pending[i]);
+    pending[i] = nullptr;
+    if (!u) u = upload(i);
+    if (device.is_cuda()) {
+      const cuda::Stream compute = cuda::Stream::current(device.index);
+      compute.wait(u->ready);
+      for (const Tensor& t : u->params) cuda::record_stream(t, compute);
+    }
+    return u;
+  }
+  std::optional<std::size_t> next_swapped(std::size_t from) const {
+    for (std::size_t j = from; j < blocks.size(); ++j) {
+      if (blocks[j].swapped) return j;
+    }
+    return std::nullopt;
+  }
+  std::optional<std::size_t> previous_swapped(std::size_t before) const {
+    for (std::size_t j = before; j-- > 0;) {
+      if (blocks[j].swapped) return j;
+    }
+    return std::nullopt;
+  }
+  // Block i bound to its device copies; the next upload in the direction of use is started.
+  std::shared_ptr<void> enter(std::size_t i, bool backward) {
+    auto u = acquire(i);
+    prefetch(backward ? previous_swapped(i) : next_swapped(i + 1));
+    return std::make_shared<Bound>(std::move(u), blocks[i].frozen);
+  }
+  void check_index(std::size_t i) const {
+    FLAME_CHECK(i < blocks.size(), "offload::BlockSwap", "block ", i, " out of range (", blocks.size(), " blocks)");
+  }
+};
+
+BlockSwap::BlockSwap(std::vector<nn::ModulePtr> blocks, Device device, BlockSwapOptions options)
+    : state_(std::make_shared<State>()) {
+  state_->device = device;
+  state_->options = options;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    FLAME_CHECK(blocks[i] != nullptr, "offload::BlockSwap", "block ", i, " is null");
+    State::Block b;
+    b.module = blocks[i];
+    for (const Tensor& p : blocks[i]->parameters()) {
+      if (!p.requires_grad()) b.frozen.push_back(p);
+    }
+    for (const Tensor& t : blocks[i]->buffers()) b.frozen.push_back(t);
+    for (const Tensor& t : b.frozen) {
+      FLAME_CHECK(t.impl()->base == nullptr, "offload::BlockSwap", "block ", i, " has a frozen tensor (shape ",
+                  t.sizes(), ") that is a view of another tensor; swapping rebinds each tensor's data, so it must "
+                  "own its storage (register a contiguous copy)");
+      FLAME_CHECK(t.device() == device, "offload::BlockSwap", "block ", i, " has a frozen tensor (shape ",
+                  t.sizes(), ") on ", t.device().str(), "; move the blocks to ", device.str(), " first");
+      b.bytes += t.nbytes();
+    }
+    state_->blocks.push_back(std::move(b));
+  }
+  state_->pending.resize(blocks.size());
+}
+
+BlockSwap::~BlockSwap() = default;
+
+std::size_t BlockSwap::size() const { return state_->blocks.size(); }
+Device BlockSwap::device() const { return state_->device; }
+
+std::size_t BlockSwap::frozen_bytes(std::size_t i) const {
+  state_->check_index(i);
+  return state_->blocks[i].bytes;
+}
+
+std::vector<std::size_t> BlockSwap::frozen_bytes() const {
+  std::vector<std::size_t> out;
+  for (const auto& b : state_->blocks) out.push_back(b.bytes);
+  return out;
+}
+
+bool BlockSwap::swapped(std::size_t i) const {
+  state_->check_index(i);
+  return state_->blocks[i].swapped;
+}
+
+void BlockSwap::set_swapped(const std::vector<bool>& swapped) {
+  State& s = *state_;
+  FLAME_CHECK(swapped.size() == s.blocks.size(), "offload::BlockSwap::set_swapped", "got ", swapped.size(),
+              " flags for ", s.blocks.size(), " blocks");
+  for (auto& p : s.pending) p = nullptr;
+  NoGradGuard no_grad;
+  for (std::size_t i = 0; i < s.blocks.size(); ++i) {
+    State::Block& b = s.blocks[i];
+    if (s.device.is_cuda()) {  // on a CPU device the host copies are the tensors themselves
+      // All of a block's copies first: an allocation that fails (out of memory under a budget)
+      // leaves this block as it was and the ones before it moved, each consistent with its flag.
+      const Device to = swapped[i] ? Device::cpu() : s.device;
+      TensorList data;
+      for (const Tensor& t : b.frozen) {
+        if (t.device() == to) {
+          data.push_back(Tensor());
+        } else {
+          data.push_back(swapped[i] ? t.detach().to(Device::cpu()).pin_memory() : t.detach().to(s.device));
+        }
+      }
+      for (std::size_t k = 0; k < b.frozen.size(); ++k) {
+        if (data[k].defined()) b.frozen[k].set_data(data[k]);
+      }
+    }
+    b.swapped = swapped[i];
+  }
+}
+
+Tensor BlockSwap::run(std::size_t i, const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs,
+                      bool checkpoint) {
+  State& s = *state_;
+  s.check_index(i);
+  if (i == 0) {
+    for (auto& p : s.pending) p = nullptr;  // a new forward: drop uploads a forward without backward left
+  }
+  Tensor out;
+  if (!s.blocks[i].swapped) {
+    s.prefetch(s.next_swapped(i + 1));  // overlaps this block
+    out = checkpoint && grad_enabled() ? flame::checkpoint(fn, inputs) : fn(inputs);
+  } else if (!grad_enabled()) {
+    const std::shared_ptr<void> bound = s.enter(i, false);
+    out = fn(inputs);
+  } else {
+    std::shared_ptr<State> state = state_;
+    out = autograd_detail::checkpoint_scoped(fn, inputs, nullptr,
+                                             [state, i](bool backward) { return state->enter(i, backward); });
+  }
+  if (i + 1 == s.blocks.size() && grad_enabled()) s.prefetch(s.previous_swapped(s.blocks.size()));  // backward
+  return out;
+}
+
+BlockSwapReport BlockSwap::report() const {
+  BlockSwapReport r;
+  r.blocks = state_->blocks.size();
+  for (const auto& b : state_->blocks) {
+    if (b.swapped) {
+      ++r.swapped;
+      r.swapped_bytes += b.bytes;
+      r.largest_swapped = std::max(r.largest_swapped, b.bytes);
+    } else {
+      r.resident_bytes += b.bytes;
+    }
+  }
+  r.uploads = state_->uploads;
+  r.prefetched_uploads = state_->prefetched_uploads;
+  return r;
+}
+
+namespace {
+std::string mib(std::size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  return buf;
+}
+}  // namespace
+
+std::string BlockSwapReport::str() const {
+  std::ostringstream os;
+  os << swapped << " of " << blocks << " blocks swapped (" << mib(swapped_bytes) << " of frozen weights in host memory, "
+     << mib(resident_bytes) << " resident on the device";
+  if (swapped > 0) os << ", largest swapped block " << mib(largest_swapped);
+  os << ")";
+  if (uploads > 0) os << ", " << uploads << " uploads (" << prefetched_uploads << " prefetched)";
+  return os.str();
+}
+
+std::vector<bool> plan_block_swap(const std::vector<std::size_t>& block_bytes, std::size_t capacity) {
+  const std::size_t n = block_bytes.size();
+  std::size_t total = 0;
+  for (std::size_t b : block_bytes) total += b;
+  for (std::size_t k = 0; k <= n; ++k) {
+    // k blocks spread evenly: the one in the middle of each of k equal runs of the order.
+    std::vector<bool> swap(n, false);
+    std::size_t swapped = 0, largest = 0;
+    for (std::size_t j = 0; j < k; ++j) {
+      const std::size_t idx = std::min(n - 1, (2 * j + 1) * n / (2 * k));
+      swap[idx] = true;
+    }
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!swap[i]) continue;
+      swapped += block_bytes[i];
+      largest = std::max(largest, block_bytes[i]);
+    }
+    const std::size_t in_flight = largest * std::min<std::size_t>(k, 2);
+    if (total - swapped + in_flight <= capacity) return swap;
+  }
+  std::size_t largest = 0;
+  for (std::size_t b : block_bytes) largest = std::max(largest, b);
+  FLAME_FAIL("offload::plan_block_swap", "the blocks do not fit ", mib(capacity), " even with all ", n,
+             " swapped: two blocks' frozen tensors (the largest is ", mib(largest),
+             ") must be on the device at a time; raise the budget or make the blocks smaller (8-bit weights, "
+             "docs/float8.md)");
 }
 
 }  // namespace flame::offload
