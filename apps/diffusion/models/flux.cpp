@@ -243,6 +243,13 @@ void FluxTransformer2DModel::set_gradient_checkpointing(int64_t num_blocks) {
   checkpoint_blocks_ = num_blocks < 0 ? this->num_blocks() : std::min(num_blocks, this->num_blocks());
 }
 
+std::vector<flame::nn::ModulePtr> FluxTransformer2DModel::stack_blocks() const {
+  std::vector<flame::nn::ModulePtr> out;
+  for (const auto& m : *transformer_blocks) out.push_back(m);
+  for (const auto& m : *single_transformer_blocks) out.push_back(m);
+  return out;
+}
+
 std::vector<std::string> FluxTransformer2DModel::add_lora(const nn::LoraOptions& options,
                                                           const std::vector<std::string>& targets) {
   return nn::apply_lora(*this, options, targets);
@@ -323,24 +330,28 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
   for (const auto& m : *transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxTransformerBlock>(m);
     if (index == checkpoint_blocks_) end_offload();
-    if (index++ < checkpoint_blocks_ && flame::grad_enabled()) {
-      const Tensor both = maybe_checkpoint_blocks(true, {h, e, temb}, [block, rope](const flame::TensorList& in) {
-        const auto [e2, h2] = block->forward(in[0], in[1], in[2], rope);
-        return flame::cat({e2, h2}, 1);
-      });
+    const bool ckpt = index < checkpoint_blocks_ && flame::grad_enabled();
+    if (ckpt || block_swap()) {
+      // One output per block call: the two streams travel concatenated along the sequence.
+      const Tensor both = run_block(static_cast<std::size_t>(index), ckpt, {h, e, temb},
+                                    [block, rope](const flame::TensorList& in) {
+                                      const auto [e2, h2] = block->forward(in[0], in[1], in[2], rope);
+                                      return flame::cat({e2, h2}, 1);
+                                    });
       e = both.narrow(1, 0, t_len);
       h = both.narrow(1, t_len, n);
     } else {
       std::tie(e, h) = block->forward(h, e, temb, rope);
     }
+    ++index;
   }
   Tensor x = flame::cat({e, h}, 1);
   for (const auto& m : *single_transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxSingleTransformerBlock>(m);
     if (index == checkpoint_blocks_) end_offload();
-    x = maybe_checkpoint_blocks(index++ < checkpoint_blocks_, {x, temb}, [block, rope](const flame::TensorList& in) {
-      return block->forward(in[0], in[1], rope);
-    });
+    x = run_block(static_cast<std::size_t>(index), index < checkpoint_blocks_, {x, temb},
+                  [block, rope](const flame::TensorList& in) { return block->forward(in[0], in[1], rope); });
+    ++index;
   }
   end_offload();
   h = x.narrow(1, t_len, n);

@@ -36,6 +36,10 @@
 // kept and its forward runs again in the backward (set_activation_offload moves those inputs to
 // host memory). n = kAllFluxBlocks (or any n >= the block count)
 // checkpoints every block, as diffusers' enable_gradient_checkpointing; 0 turns it off.
+//
+// Block swapping and VRAM budgets: the model is a BlockStack (block_budget.h) over the 19 + 38
+// blocks in that order; enable_block_swap / fit_vram_budget keep the swapped blocks' frozen weights
+// in host memory.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -46,6 +50,7 @@
 #include <flame/flame.h>
 #include <flame/nn.h>
 
+#include "models/block_budget.h"
 #include "models/checkpoint.h"
 #include "models/transformer_blocks.h"
 
@@ -121,7 +126,7 @@ class FluxSingleTransformerBlock : public flame::nn::Module {
 
 inline constexpr int64_t kAllFluxBlocks = -1;
 
-class FluxTransformer2DModel : public flame::nn::Module {
+class FluxTransformer2DModel : public flame::nn::Module, public BlockStack {
  public:
   // Weights drawn as PyTorch's defaults for each layer, in opts' dtype and device. Validates the
   // config.
@@ -141,6 +146,10 @@ class FluxTransformer2DModel : public flame::nn::Module {
   void set_gradient_checkpointing(int64_t num_blocks);
   int64_t gradient_checkpointing_blocks() const { return checkpoint_blocks_; }
   int64_t num_blocks() const { return config_.num_layers + config_.num_single_layers; }
+  // BlockStack: the double blocks, then the single ones.
+  std::vector<flame::nn::ModulePtr> stack_blocks() const override;
+  void set_checkpointed_blocks(int64_t n) override { set_gradient_checkpointing(n); }
+  int64_t checkpointed_blocks() const override { return checkpoint_blocks_; }
   // Offload the checkpointed blocks' inputs (all they keep) to pinned host memory while the forward
   // runs (flame::offload::OffloadActivations over those blocks; saved tensors under min_bytes stay);
   // no effect without checkpointing. offloaded_bytes: what the last forward moved.

@@ -315,6 +315,12 @@ void SD3Transformer2DModel::set_gradient_checkpointing(bool on, int64_t blocks) 
   checkpointed_ = !on ? 0 : blocks < 0 ? n : std::min(blocks, n);
 }
 
+std::vector<flame::nn::ModulePtr> SD3Transformer2DModel::stack_blocks() const {
+  std::vector<flame::nn::ModulePtr> out;
+  for (const auto& m : *transformer_blocks) out.push_back(m);
+  return out;
+}
+
 std::vector<std::string> SD3Transformer2DModel::add_lora(const flame::nn::LoraOptions& options,
                                                          const std::vector<std::string>& targets) {
   return flame::nn::apply_lora(*this, options, targets);
@@ -363,9 +369,10 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
   for (int64_t i = 0; i < c.num_layers; ++i) {
     if (i == checkpointed_) end_offload();
     auto block = std::static_pointer_cast<SD3JointTransformerBlock>((*transformer_blocks)[static_cast<std::size_t>(i)]);
-    if (i < checkpointed_ && flame::grad_enabled()) {
-      // One output per checkpointed call: the streams travel concatenated along the sequence.
-      const Tensor out = maybe_checkpoint_blocks(true, {x, ctx, temb}, [block](const flame::TensorList& in) {
+    const bool ckpt = i < checkpointed_ && flame::grad_enabled();
+    if (ckpt || block_swap()) {
+      // One output per block call: the streams travel concatenated along the sequence.
+      const Tensor out = run_block(static_cast<std::size_t>(i), ckpt, {x, ctx, temb}, [block](const flame::TensorList& in) {
         auto [a, s] = block->forward(in[0], in[1], in[2]);
         return s.defined() ? flame::cat({a, s}, 1) : a;
       });

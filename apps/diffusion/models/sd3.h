@@ -45,6 +45,7 @@
 #include <flame/flame.h>
 #include <flame/nn.h>
 
+#include "models/block_budget.h"
 #include "models/checkpoint.h"
 #include "models/transformer_blocks.h"
 
@@ -140,7 +141,8 @@ class SD3JointTransformerBlock : public flame::nn::Module {
   bool context_pre_only_;
 };
 
-class SD3Transformer2DModel : public flame::nn::Module {
+// Block swapping and VRAM budgets: a BlockStack (block_budget.h) over transformer_blocks.
+class SD3Transformer2DModel : public flame::nn::Module, public BlockStack {
  public:
   // Weights drawn as PyTorch's defaults for each layer, the position table as diffusers computes
   // it, in opts' dtype and device. Validates the config.
@@ -158,7 +160,10 @@ class SD3Transformer2DModel : public flame::nn::Module {
   // Per-block gradient checkpointing of the first `blocks` blocks (-1: all, as diffusers'
   // enable_gradient_checkpointing; 0 or on = false: none).
   void set_gradient_checkpointing(bool on, int64_t blocks = -1);
-  int64_t checkpointed_blocks() const { return checkpointed_; }
+  int64_t checkpointed_blocks() const override { return checkpointed_; }
+  // BlockStack
+  std::vector<flame::nn::ModulePtr> stack_blocks() const override;
+  void set_checkpointed_blocks(int64_t n) override { set_gradient_checkpointing(n != 0, n); }
   // Offload the checkpointed blocks' inputs to host memory (no effect without checkpointing);
   // tensors under min_bytes stay on the device.
   void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20) {

@@ -264,10 +264,4 @@ Tensor GeluFeedForward::forward(const Tensor& x) {
   return h;
 }
 
-Tensor maybe_checkpoint_blocks(bool on, const flame::TensorList& inputs,
-                               const std::function<Tensor(const flame::TensorList&)>& fn) {
-  if (!on || !flame::grad_enabled()) return fn(inputs);
-  return flame::checkpoint(fn, inputs);
-}
-
 }  // namespace flame_diffusion::models

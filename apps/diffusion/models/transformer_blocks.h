@@ -193,9 +193,4 @@ class GeluFeedForward : public flame::nn::Module {
   std::shared_ptr<flame::nn::ModuleList> net;  // [GeluTanhProjection, Dropout, Linear]
 };
 
-// Runs fn(inputs) under flame::checkpoint when `on` and grad mode is on, else directly. fn must
-// capture what it reads by value (the backward runs it again after the forward returned).
-Tensor maybe_checkpoint_blocks(bool on, const flame::TensorList& inputs,
-                               const std::function<Tensor(const flame::TensorList&)>& fn);
-
 }  // namespace flame_diffusion::models

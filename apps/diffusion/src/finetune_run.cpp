@@ -517,13 +517,12 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   result.first_step = step;
 
   // ---- 7. the loop ----
-  ImageLoader loader(dataset,
-                     {.batch_size = cfg.train.batch_size,
-                      .seed = static_cast<uint64_t>(cfg.train.seed),
-                      .num_workers = static_cast<int>(cfg.train.dataloader_workers),
-                      .device = Device::cpu(),
-                      .decode = !latent_cache},
-                     start);
+  const ImageLoaderOptions loader_options{.batch_size = cfg.train.batch_size,
+                                          .seed = static_cast<uint64_t>(cfg.train.seed),
+                                          .num_workers = static_cast<int>(cfg.train.dataloader_workers),
+                                          .device = Device::cpu(),
+                                          .decode = !latent_cache};
+  ImageLoader loader(dataset, loader_options, start);
   fm::FlowMatchOptions flow;
   flow.density = cfg.train.timestep_sampling == "uniform" ? fm::TimestepDensity::uniform : fm::TimestepDensity::logit_normal;
   flow.logit_mean = cfg.train.logit_mean;
@@ -623,6 +622,40 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     model.train();
   };
 
+  // train.vram_budget_gib (models/block_budget.h): the pool capped, and which blocks are swapped and
+  // checkpointed chosen from trial steps on the first batch (forward and backward; the gradients
+  // dropped, the random state put back, so the run trains as it would without them).
+  std::optional<fm::BudgetPlan> budget_plan;
+  struct ResetLimit {
+    Device device;
+    ~ResetLimit() {
+      if (device.is_cuda()) flame::cuda::set_memory_limit(0, device.index);
+    }
+  } reset_limit{cfg.train.vram_budget_gib > 0 ? device : Device::cpu()};
+  if (cfg.train.vram_budget_gib > 0) {
+    if (!den.flux && !den.sd3)
+      throw std::runtime_error("train.vram_budget_gib: block swapping is for FLUX's and SD3's transformers, not the " +
+                               family + " UNet (model.fp8_base and train.gradient_checkpointing lower its memory)");
+    if (!device.is_cuda())
+      throw std::runtime_error("train.vram_budget_gib caps GPU memory and needs --device cuda, got " + device.str());
+    ImageLoader probe(dataset, loader_options, start);
+    const ImageBatch first = probe.next();
+    const flame::Generator::State gen_state = gen.get_state();
+    const flame::Generator::State default_state = flame::default_generator().get_state();
+    auto trial = [&] {
+      ImageBatch b = first;
+      (void)batch_loss(b).backward();
+      gen.set_state(gen_state);
+      flame::default_generator().set_state(default_state);
+    };
+    fm::BlockStack& stack = den.flux ? static_cast<fm::BlockStack&>(*den.flux) : static_cast<fm::BlockStack&>(*den.sd3);
+    budget_plan = fm::fit_vram_budget(stack, device,
+                                      static_cast<std::size_t>(cfg.train.vram_budget_gib * double(1ull << 30)),
+                                      cfg.train.gradient_checkpointing, trial);
+    result.memory_plan = budget_plan->str();
+    say(result.memory_plan);
+  }
+
   // loss.csv: a resumed run keeps the rows up to its checkpoint's step (later ones were trained again).
   std::string kept = "step,loss,lr,grad_norm\n";
   if (resume_file) {
@@ -657,15 +690,22 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     const auto t_step = std::chrono::steady_clock::now();
     flame::Gradients grads;
     Tensor loss_total;  // on the device; read with the gradient norm, one host sync per step
-    for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
-      ImageBatch b = loader.next();
-      Tensor loss = batch_loss(b);
-      if (cfg.train.grad_accum > 1) loss = loss * (1.0 / static_cast<double>(cfg.train.grad_accum));
-      flame::BackwardOptions bo;
-      bo.accumulate_into = &grads;
-      (void)loss.backward(bo);
-      const Tensor l = loss.detach().to(DType::f32);
-      loss_total = loss_total.defined() ? loss_total + l : l;
+    try {
+      for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
+        ImageBatch b = loader.next();
+        Tensor loss = batch_loss(b);
+        if (cfg.train.grad_accum > 1) loss = loss * (1.0 / static_cast<double>(cfg.train.grad_accum));
+        flame::BackwardOptions bo;
+        bo.accumulate_into = &grads;
+        (void)loss.backward(bo);
+        const Tensor l = loss.detach().to(DType::f32);
+        loss_total = loss_total.defined() ? loss_total + l : l;
+      }
+    } catch (const std::exception& e) {
+      if (!budget_plan || !fm::is_out_of_memory(e)) throw;
+      throw std::runtime_error(std::string(e.what()) + "\nat step " + std::to_string(step + 1) + " under " +
+                               budget_plan->str() + " (a batch larger than the first one's needs more: raise "
+                               "train.vram_budget_gib, turn on train.gradient_checkpointing or store the base in 8 bits)");
     }
     const Tensor norm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip) : flame::grad_norm(grads);
     const std::vector<float> read = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})})

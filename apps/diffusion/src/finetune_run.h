@@ -48,6 +48,7 @@ struct FinetuneRunResult {
   // allocated while training (the model, adapters, optimizer state and activations).
   double median_step_seconds = 0;
   std::size_t peak_memory_bytes = 0;
+  std::string memory_plan;  // train.vram_budget_gib: what was swapped and checkpointed (models::BudgetPlan)
   int64_t text_cache_hits = 0, text_encoded = 0, latents_cached = 0, latents_encoded = 0;
 };
 

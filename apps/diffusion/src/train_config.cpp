@@ -166,6 +166,11 @@ std::vector<ConfigKey> build_table() {
              "bf16 autocast with f32 adapter weights, or f32 throughout (no)", one_of({"bf16", "no"})),
       FD_KEY("train.gradient_checkpointing", train.gradient_checkpointing, false,
              "recompute block activations in the backward pass (less memory, more time)"),
+      FD_KEY("train.vram_budget_gib", train.vram_budget_gib, 0.0,
+             "FLUX and SD3 on a CUDA device: cap the GPU memory of the run at this many GiB; trial steps "
+             "then choose which blocks' frozen weights stay in host memory (block swapping) and which blocks "
+             "are checkpointed, and the choice is logged (0: no cap)",
+             lim(0, 1e6)),
       FD_KEY("train.timestep_sampling", train.timestep_sampling, "logit_normal",
              "flow matching's timestep density (FLUX, SD3)", one_of({"logit_normal", "uniform"})),
       FD_KEY("train.logit_mean", train.logit_mean, 0.0, "the logit-normal density's mean", in_range(-10, 10)),

@@ -67,6 +67,7 @@ struct FinetuneTrainSettings {
   int64_t seed = 0;
   std::string mixed_precision;  // "bf16", "no"
   bool gradient_checkpointing = false;
+  double vram_budget_gib = 0.0;  // 0: no budget (models/block_budget.h)
   std::string timestep_sampling;  // "logit_normal", "uniform"
   double logit_mean = 0.0;
   double logit_std = 0.0;

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include <flame/cuda.h>
+
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
 
@@ -318,6 +320,42 @@ TEST(FinetuneRun, Fp8BaseTrainsTheAdapters) {
     ASSERT_EQ(r.losses.size(), 1u);
     EXPECT_TRUE(std::isfinite(r.losses[0]) && r.losses[0] > 0) << r.losses[0];
   }
+}
+
+// train.vram_budget_gib (models/block_budget.h): the trial steps that choose what to swap and
+// checkpoint leave the run as it would be without them (the random state is put back); a budget too
+// small is an error naming it; the setting needs a CUDA device and a transformer.
+TEST(FinetuneRun, VramBudgetChoosesTheLayoutWithoutChangingTheRun) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "budget");
+  const fs::path images = make_images(dir);
+  auto config = [&](const std::string& family, const std::string& name, double budget) {
+    fd::FinetuneConfig c = tiny_config(family, images, dir / name);
+    c.cache.latents = false;
+    c.cache.text_embeddings = false;
+    c.sample.every = 0;
+    c.sample.prompts = {};
+    c.train.steps = 2;
+    c.train.vram_budget_gib = budget;
+    return c;
+  };
+  if (!fd_test::test_device().is_cuda()) {
+    const std::string e = error_of([&] { run(config("flux", "cpu", 4.0)); });
+    EXPECT_NE(e.find("train.vram_budget_gib"), std::string::npos) << e;
+    EXPECT_NE(e.find("--device cuda"), std::string::npos) << e;
+    return;
+  }
+  const fd::FinetuneRunResult plain = run(config("flux", "plain", 0.0));
+  EXPECT_TRUE(plain.memory_plan.empty());
+  const fd::FinetuneRunResult fitted = run(config("flux", "fitted", 4.0));
+  EXPECT_NE(fitted.memory_plan.find("VRAM budget 4.00 GiB"), std::string::npos) << fitted.memory_plan;
+  EXPECT_NE(fitted.memory_plan.find("0 of 4 blocks swapped"), std::string::npos) << fitted.memory_plan;
+  ASSERT_EQ(fitted.losses.size(), plain.losses.size());
+  for (std::size_t i = 0; i < plain.losses.size(); ++i) EXPECT_NEAR(fitted.losses[i], plain.losses[i], 1e-5 * plain.losses[i]) << i;
+  EXPECT_EQ(flame::cuda::memory_limit(fd_test::test_device().index), 0u);  // the cap ends with the run
+  const std::string small = error_of([&] { run(config("flux", "small", 0.1)); });
+  EXPECT_NE(small.find("the budget 0.10 GiB"), std::string::npos) << small;
+  const std::string unet = error_of([&] { run(config("sdxl", "unet", 4.0)); });
+  EXPECT_NE(unet.find("block swapping is for FLUX"), std::string::npos) << unet;
 }
 
 TEST(FinetuneRun, BadSettingsAreNamed) {

@@ -356,6 +356,56 @@ TEST(ModelsFlux, GradientCheckpointingAndOffloadGiveTheSameGradients) {
   EXPECT_FALSE(fd_test::error_of([&] { m->set_gradient_checkpointing(-2); }).empty());
 }
 
+// Block swapping (models/block_budget.h): swapped blocks run with their frozen weights uploaded from
+// host memory and recomputed in backward; the output and adapter gradients are those of the plain
+// model, with resident blocks checkpointed or not, with 8-bit weights, and without grad.
+TEST(ModelsFlux, BlockSwapGivesThePlainModelsOutputAndGradients) {
+  FD_SKIP_IF_NO_DEVICE();
+  const Reference r = load_reference();
+  auto m = load("transformer");
+  add_reference_lora(*m, r);
+  Tensor plain_loss;
+  const auto plain = lora_grads(*m, r, &plain_loss);
+  Tensor plain_out;
+  {
+    flame::NoGradGuard ng;
+    plain_out = run(*m, r);
+  }
+  ASSERT_EQ(m->stack_blocks().size(), 4u);  // 2 double + 2 single blocks
+  flame::offload::BlockSwap& swap = m->enable_block_swap(fd_test::test_device());
+  EXPECT_EQ(&swap, &m->enable_block_swap(fd_test::test_device()));
+  for (const auto& [swapped, ckpt] : std::vector<std::pair<std::vector<bool>, int64_t>>{
+           {{false, true, false, true}, 0}, {{true, true, true, true}, 0}, {{true, false, false, true}, 2}}) {
+    swap.set_swapped(swapped);
+    m->set_checkpointed_blocks(ckpt);
+    Tensor loss;
+    const auto g = lora_grads(*m, r, &loss);
+    EXPECT_LE(fd_test::max_abs_diff(loss, plain_loss), 1e-6 * fd_test::max_abs(plain_loss));
+    for (const auto& [name, want] : plain) {
+      EXPECT_LE(fd_test::max_abs_diff(g.at(name), want), 1e-6 * fd_test::max_abs(want) + 1e-12) << name;
+    }
+    flame::NoGradGuard ng;
+    EXPECT_LE(fd_test::max_abs_diff(run(*m, r), plain_out), 1e-6 * fd_test::max_abs(plain_out));
+  }
+  EXPECT_EQ(swap.report().swapped, 2u);
+  EXPECT_GT(swap.report().uploads, 0);
+  const std::size_t f32_bytes = swap.frozen_bytes(0);
+  // The 8-bit base swaps its codes and scales.
+  m->disable_block_swap();
+  EXPECT_EQ(m->block_swap(), nullptr);
+  (void)flame::nn::quantize_float8(*m);
+  Tensor q_loss;
+  const auto q_plain = lora_grads(*m, r, &q_loss);
+  m->enable_block_swap(fd_test::test_device()).set_swapped({true, false, true, false});
+  EXPECT_LT(m->block_swap()->frozen_bytes(0), f32_bytes / 2);
+  Tensor q_swapped_loss;
+  const auto q_swapped = lora_grads(*m, r, &q_swapped_loss);
+  EXPECT_LE(fd_test::max_abs_diff(q_swapped_loss, q_loss), 1e-6 * fd_test::max_abs(q_loss));
+  for (const auto& [name, want] : q_plain) {
+    EXPECT_LE(fd_test::max_abs_diff(q_swapped.at(name), want), 1e-6 * fd_test::max_abs(want) + 1e-12) << name;
+  }
+}
+
 TEST(ModelsFlux, Bf16ForwardFollowsF32) {
   FD_SKIP_IF_NO_DEVICE();
   const Reference r = load_reference();

@@ -309,6 +309,34 @@ TEST(ModelsSD3, GradientCheckpointingGivesTheSameGradients) {
   }
 }
 
+
+// Block swapping (models/block_budget.h): the same gradients with blocks swapped, the last one
+// (context_pre_only) among them.
+TEST(ModelsSD3, BlockSwapGivesTheSameGradients) {
+  FD_SKIP_IF_NO_DEVICE();
+  const std::string name = "sd3-tiny35m";
+  const auto dir = reference_dir(name);
+  if (!std::filesystem::exists(dir)) GTEST_SKIP() << dir << " absent";
+  const Reference r = load_reference(name);
+  auto m = fm::load_sd3(dir.string(), on_device());
+  add_reference_lora(*m, r);
+  const auto grads = [&] {
+    const flame::Gradients g = flame::mse_loss(run(*m, r), r["input.target"]).backward();
+    std::vector<Tensor> out;
+    for (const auto& p : m->parameters()) {
+      if (p.requires_grad()) out.push_back(g.get(p));
+    }
+    return out;
+  };
+  const std::vector<Tensor> plain = grads();
+  ASSERT_EQ(m->stack_blocks().size(), 3u);
+  m->enable_block_swap(fd_test::test_device()).set_swapped({true, false, true});
+  const std::vector<Tensor> swapped = grads();
+  ASSERT_EQ(swapped.size(), plain.size());
+  for (std::size_t i = 0; i < plain.size(); ++i)
+    EXPECT_LT(fd_test::max_abs_diff(swapped[i], plain[i]), 1e-6) << "tensor " << i;
+  EXPECT_EQ(m->block_swap()->report().uploads, 4);  // blocks 0 and 2, forward and backward
+}
 TEST(ModelsSD3, DetectsLayoutAndVariantFromKeys) {
   for (const std::string& name : kTiny) {
     const auto dir = reference_dir(name);

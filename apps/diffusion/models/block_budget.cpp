@@ -1,0 +1,181 @@
+// Block swapping and checkpointing under a VRAM budget (block_budget.h).
+#include "models/block_budget.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+
+namespace flame_diffusion::models {
+
+namespace {
+
+std::string gib(std::size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / double(1ull << 30));
+  return buf;
+}
+
+}  // namespace
+
+bool is_out_of_memory(const std::exception& e) {
+  return std::string(e.what()).find("out of memory") != std::string::npos;
+}
+
+flame::offload::BlockSwap& BlockStack::enable_block_swap(flame::Device device,
+                                                         flame::offload::BlockSwapOptions options) {
+  if (!swap_) swap_ = std::make_shared<flame::offload::BlockSwap>(stack_blocks(), device, options);
+  return *swap_;
+}
+
+void BlockStack::disable_block_swap() {
+  if (!swap_) return;
+  swap_->set_swapped(std::vector<bool>(swap_->size(), false));
+  swap_.reset();
+}
+
+flame::Tensor BlockStack::run_block(std::size_t i, bool checkpoint, const flame::TensorList& inputs,
+                                    const std::function<flame::Tensor(const flame::TensorList&)>& fn) {
+  if (swap_) return swap_->run(i, fn, inputs, checkpoint);
+  if (!checkpoint || !flame::grad_enabled()) return fn(inputs);
+  return flame::checkpoint(fn, inputs);
+}
+
+std::string BudgetPlan::str() const {
+  std::ostringstream os;
+  os << "VRAM budget " << gib(budget) << ": " << swap.str() << "; " << checkpointed << " of " << blocks
+     << " blocks checkpointed; measured: " << gib(resident_bytes) << " resident besides the blocks, "
+     << gib(activation_bytes) << " of activations with every block checkpointed, last trial step's peak "
+     << gib(peak_bytes) << " (" << trials << " trial steps)";
+  return os.str();
+}
+
+BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
+                           const std::function<void()>& trial_step) {
+  const char* op = "fit_vram_budget";
+  if (!device.is_cuda()) throw std::runtime_error(std::string(op) + ": a VRAM budget needs a CUDA device, got " + device.str());
+  const int dev = device.index;
+  BudgetPlan plan;
+  plan.budget = budget;
+  flame::offload::BlockSwap& swap = stack.enable_block_swap(device);
+  const std::size_t n = swap.size();
+  plan.blocks = static_cast<int64_t>(n);
+  const std::vector<std::size_t> sizes = swap.frozen_bytes();
+  const std::size_t largest = sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
+  // The cap limits reserved memory, the measurements are allocated bytes: keep a margin for the
+  // pool's rounding and fragmentation.
+  const std::size_t margin = std::max<std::size_t>(budget / 20, std::size_t{256} << 20);
+  FLAME_CHECK(budget > margin, op, "the budget ", gib(budget), " is too small to train in");
+  const std::size_t usable = budget - margin;
+  flame::cuda::set_memory_limit(budget, dev);
+
+  // One trial step: its peak, or nothing when it ran out of memory under the cap.
+  auto trial = [&]() -> std::optional<std::size_t> {
+    ++plan.trials;
+    flame::cuda::synchronize(dev);
+    flame::cuda::reset_peak_memory_stats(dev);
+    try {
+      trial_step();
+      flame::cuda::synchronize(dev);
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e)) throw;
+      flame::cuda::synchronize(dev);
+      flame::cuda::empty_cache(dev);
+      return std::nullopt;
+    }
+    const std::size_t peak = flame::cuda::memory_stats(dev).peak_allocated_bytes;
+    plan.peak_bytes = peak;
+    return peak;
+  };
+  auto fits = [&](const std::optional<std::size_t>& peak) { return peak && *peak <= usable; };
+
+  // 1. Everything swapped and checkpointed: what the step needs besides the resident weights.
+  stack.set_checkpointed_blocks(-1);
+  swap.set_swapped(std::vector<bool>(n, true));
+  flame::cuda::synchronize(dev);
+  flame::cuda::empty_cache(dev);
+  plan.resident_bytes = flame::cuda::memory_stats(dev).allocated_bytes;
+  const std::optional<std::size_t> p1 = trial();
+  auto too_small = [&](const std::string& why) {
+    std::ostringstream os;
+    os << op << ": the budget " << gib(budget) << " (" << gib(margin) << " kept for the pool's slack) does not fit "
+       << "this step: " << why << ". Resident besides the blocks: " << gib(plan.resident_bytes) << "; the largest of the "
+       << n << " blocks has " << gib(largest) << " of frozen weights. Raise the budget, store the base in 8 bits "
+       << "(model.fp8_base), or lower the resolution or batch";
+    return std::runtime_error(os.str());
+  };
+  if (!p1) throw too_small("the step ran out of memory with every block swapped and checkpointed");
+  const std::size_t in_flight = std::min<std::size_t>(n, 2) * largest;
+  plan.activation_bytes = *p1 > plan.resident_bytes + in_flight ? *p1 - plan.resident_bytes - in_flight : 0;
+  if (!fits(p1)) throw too_small("its peak with every block swapped and checkpointed is " + gib(*p1));
+
+  // 2. As many blocks resident as fit; verified by a trial, the capacity lowered by any excess.
+  //    Every block swapped was measured in step 1.
+  const std::size_t used = plan.resident_bytes + plan.activation_bytes;
+  std::size_t capacity = usable > used ? usable - used : 0;
+  std::optional<std::size_t> peak;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    std::vector<bool> swapped(n, true);
+    try {
+      swapped = flame::offload::plan_block_swap(sizes, capacity);
+    } catch (const flame::Error&) {  // not even two blocks' room: every block swapped
+    }
+    if (std::all_of(swapped.begin(), swapped.end(), [](bool b) { return b; })) break;
+    try {
+      swap.set_swapped(swapped);
+      peak = trial();
+    } catch (const std::exception& e) {
+      if (!is_out_of_memory(e)) throw;
+      peak = std::nullopt;
+    }
+    if (fits(peak)) break;
+    const std::size_t excess = peak ? *peak - usable : capacity / 8 + largest;
+    capacity = capacity > excess ? capacity - excess : 0;
+  }
+  if (!fits(peak)) {
+    swap.set_swapped(std::vector<bool>(n, true));
+    peak = p1;
+  }
+  plan.checkpointed = static_cast<int64_t>(n);
+
+  // 3. Nothing swapped and checkpointing not asked for: take blocks out of it from the end while
+  //    their activations fit.
+  const bool any_swapped = swap.report().swapped > 0;
+  if (!any_swapped && !keep_checkpointing && n > 1) {
+    const std::size_t p_all = *peak;
+    const std::size_t half = n / 2;
+    stack.set_checkpointed_blocks(static_cast<int64_t>(n - half));
+    const std::optional<std::size_t> p_half = trial();
+    int64_t best = static_cast<int64_t>(n);  // checkpointed blocks of the best setting that fit
+    std::size_t best_peak = p_all;
+    if (fits(p_half)) {
+      best = static_cast<int64_t>(n - half), best_peak = *p_half;
+    }
+    if (p_half && *p_half > p_all) {
+      const double per_block = static_cast<double>(*p_half - p_all) / static_cast<double>(half);
+      auto out = static_cast<int64_t>(static_cast<double>(usable - p_all) / per_block);
+      out = std::min<int64_t>(out, static_cast<int64_t>(n));
+      for (int attempt = 0; attempt < 3 && out > static_cast<int64_t>(n) - best; ++attempt) {
+        stack.set_checkpointed_blocks(static_cast<int64_t>(n) - out);
+        const std::optional<std::size_t> p = trial();
+        if (fits(p)) {
+          best = static_cast<int64_t>(n) - out, best_peak = *p;
+          break;
+        }
+        const double over = p ? static_cast<double>(*p - usable) : per_block * static_cast<double>(out) / 4;
+        out -= std::max<int64_t>(1, static_cast<int64_t>(over / per_block) + 1);
+      }
+    }
+    stack.set_checkpointed_blocks(best);
+    plan.checkpointed = best;
+    plan.peak_bytes = best_peak;
+  } else {
+    stack.set_checkpointed_blocks(-1);
+  }
+  plan.swap = swap.report();
+  if (!any_swapped) stack.disable_block_swap();  // nothing to swap: the plain path
+  return plan;
+}
+
+}  // namespace flame_diffusion::models

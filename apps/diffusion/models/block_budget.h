@@ -1,0 +1,83 @@
+#pragma once
+// Transformers under a VRAM budget: block swapping and gradient checkpointing chosen from
+// measurements (docs: apps/diffusion/README.md "Fitting a VRAM budget").
+//
+// BlockStack is the part of FLUX's and SD3's transformers that runs their stack of blocks: each
+// block runs plain, under flame::checkpoint (the first checkpointed_blocks() of them), or, once
+// enable_block_swap() made a flame::offload::BlockSwap over the stack, with its frozen weights
+// swapped to pinned host memory when the swap says so (swapped blocks are always recomputed in
+// backward).
+//
+// fit_vram_budget(stack, device, budget, ...) caps the device's pool at the budget
+// (flame::cuda::set_memory_limit) and chooses what to swap and what to checkpoint from trial steps
+// (forward and backward of the caller's step, no optimizer update):
+//  1. every block swapped and checkpointed: the step's peak above what stays resident is the room
+//     the activations need (the two swapped blocks' copies in flight counted apart);
+//  2. the blocks' frozen bytes that fit beside that stay resident (plan_block_swap: the fewest
+//     swapped blocks, spread over the stack);
+//  3. when nothing is swapped and checkpointing was not asked for, blocks are taken out of
+//     checkpointing from the last one while their measured activations fit (a trial with the last
+//     half out gives the bytes per block; a final trial checks the choice and backs off if over).
+// The trials run under the cap: one that runs out of memory counts as "does not fit". A budget too
+// small even with every block swapped raises an error naming the budget and the measured sizes.
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <flame/flame.h>
+#include <flame/nn.h>
+#include <flame/offload.h>
+
+namespace flame_diffusion::models {
+
+class BlockStack {
+ public:
+  virtual ~BlockStack() = default;
+  // The blocks in the order the forward runs them.
+  virtual std::vector<flame::nn::ModulePtr> stack_blocks() const = 0;
+  // Checkpoint the first n blocks (-1: all, 0: none) while grad mode is on.
+  virtual void set_checkpointed_blocks(int64_t n) = 0;
+  virtual int64_t checkpointed_blocks() const = 0;
+
+  // Creates the swap over stack_blocks() on `device` (every block resident) or returns the one
+  // there is. Call once adapters and 8-bit weights are in place and the model is on the device:
+  // the swap moves the frozen tensors it finds then.
+  flame::offload::BlockSwap& enable_block_swap(flame::Device device, flame::offload::BlockSwapOptions options = {});
+  // Every block back to the device, the swap dropped.
+  void disable_block_swap();
+  flame::offload::BlockSwap* block_swap() const { return swap_.get(); }
+
+ protected:
+  // Block i of the stack: through the swap when there is one, else checkpointed or plain.
+  flame::Tensor run_block(std::size_t i, bool checkpoint, const flame::TensorList& inputs,
+                          const std::function<flame::Tensor(const flame::TensorList&)>& fn);
+
+ private:
+  std::shared_ptr<flame::offload::BlockSwap> swap_;
+};
+
+struct BudgetPlan {
+  std::size_t budget = 0;            // bytes (the pool cap)
+  int64_t blocks = 0;
+  int64_t checkpointed = 0;          // blocks recomputed in backward (swapped ones included)
+  flame::offload::BlockSwapReport swap;
+  std::size_t resident_bytes = 0;    // allocated before the trial steps with every block swapped
+  std::size_t activation_bytes = 0;  // the all-checkpointed step's peak above that, copies in flight apart
+  std::size_t peak_bytes = 0;        // the last trial step's peak (allocated)
+  int trials = 0;
+  std::string str() const;           // one paragraph for the run log
+};
+
+// See the header comment. `trial_step` runs one forward and backward of the training step (its
+// gradients dropped; the caller restores random state it cares about). `keep_checkpointing`: the
+// user asked for checkpointing of every block, so step 3 is skipped. Leaves the cap set.
+BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
+                           const std::function<void()>& trial_step);
+
+// Whether e is the CUDA pool's out-of-memory error.
+bool is_out_of_memory(const std::exception& e);
+
+}  // namespace flame_diffusion::models
