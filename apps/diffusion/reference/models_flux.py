@@ -33,7 +33,7 @@ Reduced configs run on the CPU in f32; real ones on --device (cuda) in --dtype, 
 
 Timing (the FLUX LoRA r16 training step, as flux_parity time: bf16 autocast, bf16 weights, f32
 adapters, AdamW, mse loss; 1024² = 4096 image tokens, 512 text tokens):
-  python3 apps/diffusion/reference/models_flux.py --config flux-dev --time [--compile]
+  python3 apps/diffusion/reference/models_flux.py --config flux-dev --time [--compile] [--fp8-storage]
 prints one JSON line per checkpointing setting: median step ms (CUDA events) and peak GiB.
 """
 import argparse
@@ -290,6 +290,11 @@ def time_training(args):
     for ckpt in [c == "1" for c in args.checkpointing.split(",")]:
         torch.cuda.empty_cache()
         model = build(name, device, torch.bfloat16, args.seed)
+        if args.fp8_storage:
+            # The base's weights stored in float8_e4m3fn, cast to bf16 layer by layer as they run
+            # (diffusers' layerwise casting, the fp8_base users have in diffusers); before the
+            # adapters, so they stay f32.
+            model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
         add_lora(model, LORA_TARGETS, args.rank, float(args.rank), args.seed, 0.0, torch.float32)
         if ckpt:
             model.enable_gradient_checkpointing()
@@ -308,7 +313,8 @@ def time_training(args):
             opt.zero_grad(set_to_none=True)
 
         t = time_steps(step, args.warmup, args.steps)
-        print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""),
+        print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else "") +
+                          ("+fp8_storage" if args.fp8_storage else ""),
                           "work": f"{name}_lora_r{args.rank}_step", "latent": args.latent, "text": args.text,
                           "batch": args.batch, "checkpointing": ckpt, **t, "gpu": torch.cuda.get_device_name()}), flush=True)
         del model, opt, params, x, net
@@ -329,6 +335,8 @@ def main():
     ap.add_argument("--time", action="store_true", help="timing mode (bf16 autocast LoRA training step)")
     ap.add_argument("--checkpointing", default="0,1", help="timing: 0 and/or 1")
     ap.add_argument("--compile", action="store_true", help="timing: torch.compile the transformer (default mode)")
+    ap.add_argument("--fp8-storage", action="store_true",
+                    help="timing: the base stored in float8_e4m3fn, cast per layer (enable_layerwise_casting)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()

@@ -27,6 +27,10 @@
 //       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8):
 //       none keeps bf16; dequantize expands them into the bf16 GEMMs; fp8 runs FP8 GEMMs (docs/float8.md).
 //       The JSON line adds the base Linear weights' bytes.
+//       --budget 0,24,16 (GiB; 0: none) caps the pool and lets models::fit_vram_budget choose the
+//       swapped and checkpointed blocks from trial steps (with --checkpointing -1 every block stays
+//       checkpointed); the plan is printed before the JSON line, which adds budget_gib, swapped_blocks
+//       and the peak reserved memory.
 //   flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]
 //                      [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]
 //       the same step's loss at every one of --steps AdamW steps (same initial weights, adapters,
@@ -71,7 +75,7 @@ const char* kUsage =
     "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
-    "                    [--recompute 0] [--graph 0] [--fp8 none] [--device cuda]\n"
+    "                    [--recompute 0] [--graph 0] [--fp8 none] [--budget 0] [--device cuda]\n"
     "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
     "                     [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
@@ -85,7 +89,7 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group", "json",  "graph", "fp8", "lr"};
+                                         "group", "json",  "graph", "fp8", "lr", "budget"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -282,18 +286,33 @@ int time_steps(const std::map<std::string, std::string>& f) {
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
+  for (int64_t budget_gib : int_list("budget", flag_or(f, "budget", "0"))) {
   for (const std::string& fp8 : fp8_modes(f, "none")) {
   for (int64_t ckpt : int_list("checkpointing", flag_or(f, "checkpointing", "0,-1"))) {
     for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0"))) {
     for (int64_t graph : int_list("graph", flag_or(f, "graph", "0"))) {
+      flame::cuda::set_memory_limit(0, device.index);
       flame::cuda::empty_cache();
       const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0, graph != 0);
       const int64_t base_bytes = ls.quantize(fp8);
+      std::size_t swapped_blocks = 0;
+      if (budget_gib > 0) {
+        const fm::BudgetPlan plan = fm::fit_vram_budget(*ls.model, device, static_cast<std::size_t>(budget_gib) << 30,
+                                                        ckpt < 0, [&] { (void)ls.loss().backward(); });
+        std::printf("# %s\n", plan.str().c_str());
+        swapped_blocks = plan.swap.swapped;
+      }
+      flame::cuda::synchronize(device.index);
+      flame::cuda::empty_cache(device.index);
+      std::size_t reserved_peak = 0;
       // --graph 1: the whole step (forward, backward, AdamW) as one CUDA graph after one eager step
       // (flame::cuda::GraphedStep, docs/graph-step.md); the warm-up steps cover the capture.
       flame::cuda::GraphedStep graphed([&] { ls.step(); },
                                        {.warmup_steps = 1, .device = device.index, .enabled = graph != 0});
-      auto step = [&] { graphed(); };
+      auto step = [&] {
+        graphed();
+        reserved_peak = std::max(reserved_peak, flame::cuda::memory_stats(device.index).reserved_bytes);
+      };
       const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
       const double median = times.median_ms, peak = times.peak_gib;
       const double flops = step_flops(config, batch, latent, text);
@@ -302,20 +321,24 @@ int time_steps(const std::map<std::string, std::string>& f) {
                   "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
                   "\"offloaded_gib\": %.3f, "
                   "\"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, "
-                  "\"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", \"base_linear_gib\": %.3f}\n",
+                  "\"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", \"base_linear_gib\": %.3f, \"budget_gib\": %lld, "
+                  "\"swapped_blocks\": %zu, \"reserved_peak_gib\": %.3f}\n",
                   name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                   static_cast<long long>(text), static_cast<long long>(batch),
                   static_cast<long long>(ls.model->gradient_checkpointing_blocks()), recompute ? "true" : "false",
                   graphed.captured() ? "true" : "false",
                   static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
                   static_cast<double>(ls.model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12,
-                  rate / 989.0, rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30));
+                  rate / 989.0, rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30),
+                  static_cast<long long>(budget_gib), swapped_blocks, static_cast<double>(reserved_peak) / (1u << 30));
       std::fflush(stdout);
       if (trace_steps > 0) print_kernel_trace(step, trace_steps);
     }
     }
   }
   }
+  }
+  flame::cuda::set_memory_limit(0, device.index);
   return 0;
 }
 

@@ -94,6 +94,63 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(uint8_t* __rest
   }
 }
 
+// NaN-keeping max over a block of any multiple of 32 threads; red holds 32 floats.
+__device__ float block_nan_max_any(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fm::nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float m = red[0];
+  for (int w = 1; w < warps; ++w) m = fm::nan_max(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
+// Note [Register-resident row cast]: the row is read once. A block of blockDim.x threads (a
+// multiple of 32, at most 1024) takes one row at a time; thread t holds packs t, t + blockDim.x, ...
+// (K of them at most, consecutive threads on consecutive packs: coalesced) in registers for the
+// amax and then encodes them, so each element is loaded once instead of twice (the two-pass kernel
+// above, kept for rows longer than 1024 K packs and for unaligned rows).
+template <class T, bool kE4m3, int V, int K>
+__global__ void __launch_bounds__(1024) quantize_rows_reg_kernel(uint8_t* __restrict__ q, float* __restrict__ scale,
+                                                                 const T* __restrict__ x,
+                                                                 const float* __restrict__ col, int64_t rows,
+                                                                 int64_t cols) {
+  __shared__ float red[32];
+  const float fmax = kE4m3 ? fm::kE4m3Max : fm::kE5m2Max;
+  const int64_t packs = cols / V;
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const auto* xr = reinterpret_cast<const Pack<T, V>*>(x + r * cols);
+    float v[K][V];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t pi = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (pi < packs) {
+        const Pack<T, V> p = xr[pi];
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          v[k][i] = col ? load_as<float>(p.v[i]) * col[pi * V + i] : load_as<float>(p.v[i]);
+          amax = fm::nan_max(amax, fabsf(v[k][i]));
+        }
+      }
+    }
+    const float s = fm::row_scale(block_nan_max_any(amax, red), fmax);
+    if (threadIdx.x == 0) scale[r] = s;
+    auto* qr = reinterpret_cast<Pack<uint8_t, V>*>(q + r * cols);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int64_t pi = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (pi < packs) {
+        Pack<uint8_t, V> o;
+#pragma unroll
+        for (int i = 0; i < V; ++i) o.v[i] = fm::encode_scaled<kE4m3>(v[k][i], s);
+        qr[pi] = o;
+      }
+    }
+  }
+}
+
 // V consecutive elements of one row per thread (cols % V == 0), grid-stride.
 template <class T, bool kE4m3, int V>
 __global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
@@ -136,6 +193,23 @@ bool float8_quantize_rows_cuda(const Tensor& q, const Tensor& scale, const Tenso
     using T = typename decltype(tag)::type;
     constexpr int kVec = 16 / static_cast<int>(sizeof(T));
     const bool vec = cols % kVec == 0 && aligned(x.data_ptr(), 16) && aligned(q.data_ptr(), kVec);
+    // Note [Register-resident row cast]: rows of up to 1024 K packs read once.
+    constexpr int kPerThread = 4;
+    const int64_t packs = cols / kVec;
+    if (vec && packs <= 1024 * kPerThread) {
+      const int threads = static_cast<int>((packs + kPerThread - 1) / kPerThread + 31) / 32 * 32;
+      const unsigned grid = static_cast<unsigned>(
+          std::min<int64_t>(rows, static_cast<int64_t>(sm_count(be.device())) * std::max(1, 2048 / threads)));
+      auto reg = [&]<bool kE>() {
+        quantize_rows_reg_kernel<T, kE, kVec, kPerThread><<<grid, threads, 0, be.stream()>>>(
+            static_cast<uint8_t*>(q.data_ptr()), static_cast<float*>(scale.data_ptr()),
+            static_cast<const T*>(x.data_ptr()), colp, rows, cols);
+        FLAME_CUDA_CHECK_LAUNCH();
+      };
+      if (e4m3) reg.template operator()<true>();
+      else reg.template operator()<false>();
+      return;
+    }
     auto go = [&]<bool kE, int V>() {
       quantize_rows_kernel<T, kE, V><<<blocks, kThreads, 0, be.stream()>>>(
           static_cast<uint8_t*>(q.data_ptr()), static_cast<float*>(scale.data_ptr()),
