@@ -577,16 +577,17 @@ TEST(OffloadBlockSwap, PlanKeepsTheMostBlocksThatFitAndSpreadsTheOthers) {
 TEST(OffloadBlockSwap, ABudgetTooSmallFailsNamingItAndSwappingFitsUnderIt) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda(0);
-  const int64_t d = 1024;  // 8 MiB of frozen weights per block, 128 MiB in all
+  const int64_t d = 1536;  // 18 MiB of frozen weights per block, 288 MiB in all
   auto blocks = swap_blocks(16, d, dev, false);
   offload::BlockSwap swap(blocks, dev);
   swap.set_swapped(std::vector<bool>(16, true));
   Tensor x = random_tensor({64, d}, 31, dev), c = random_tensor({64, d}, 32, dev);
   cuda::synchronize();
   cuda::empty_cache();
-  const std::size_t base = cuda::memory_stats().reserved_bytes;
-  // The driver pool reserves in chunks larger than a block: the budget leaves room for that.
-  const std::size_t budget = base + 96 * kMiB;
+  const cuda::MemoryStats before = cuda::memory_stats();
+  // The driver pool reserves in chunks larger than a block, and memory other cases left reserved
+  // can serve allocations: the budget leaves room for both, and the whole model is far above it.
+  const std::size_t budget = before.reserved_bytes + 160 * kMiB;
   const auto step = [&] {
     Tensor loss = run_swap_stack(blocks, x, c, [&](std::size_t i, const auto& fn, const TensorList& in) {
       return swap.run(i, fn, in);
@@ -597,13 +598,14 @@ TEST(OffloadBlockSwap, ABudgetTooSmallFailsNamingItAndSwappingFitsUnderIt) {
   struct Reset {
     ~Reset() { cuda::set_memory_limit(0); }
   } reset;
-  // Every block resident: 128 MiB of weights do not fit.
+  // Every block resident: 288 MiB of weights do not fit; the blocks moved before the failure stay
+  // consistent with their flags.
   expect_error([&] { swap.set_swapped(std::vector<bool>(16, false)); }, {"out of memory", "memory limit"});
-  swap.set_swapped(offload::plan_block_swap(swap.frozen_bytes(), 48 * kMiB));
+  swap.set_swapped(offload::plan_block_swap(swap.frozen_bytes(), 80 * kMiB));
   const offload::BlockSwapReport rep = swap.report();
   EXPECT_GT(rep.swapped, 0u);
   EXPECT_LT(rep.swapped, 16u);
-  EXPECT_LE(rep.resident_bytes + 2 * rep.largest_swapped, 48 * kMiB);
+  EXPECT_LE(rep.resident_bytes + 2 * rep.largest_swapped, 80 * kMiB);
   for (int k = 0; k < 2; ++k) {
     const Gradients g = step();
     EXPECT_LE(cuda::memory_stats().reserved_bytes, budget);

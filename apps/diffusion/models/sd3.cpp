@@ -174,7 +174,8 @@ SD3PatchEmbed::SD3PatchEmbed(const SD3TransformerConfig& c, TensorOptions opts)
   proj = register_module(
       "proj", std::make_shared<nn::Conv2d>(c.in_channels, d, c.patch_size, c.patch_size, 0, 1, 1, true, opts));
   const Tensor table = sd3_sincos_pos_embed(d, c.pos_embed_max_size, c.sample_size / c.patch_size);
-  pos_embed = register_buffer("pos_embed", table.unsqueeze(0).to(opts.dtype_or(DType::f32), opts.device));
+  // Owning (clone): a view could not be moved by Module::to (set_data), as the staged 8-bit load does.
+  pos_embed = register_buffer("pos_embed", table.unsqueeze(0).to(opts.dtype_or(DType::f32), opts.device).clone());
 }
 
 Tensor SD3PatchEmbed::forward(const Tensor& latent) {

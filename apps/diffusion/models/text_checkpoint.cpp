@@ -67,6 +67,9 @@ std::optional<std::string> first_prefix(const Checkpoint& ck, const std::vector<
 
 const std::vector<std::string> kClipProbe = {"text_model.embeddings.token_embedding.weight",
                                              "text_model.encoder.layers.0.self_attn.q_proj.weight"};
+// transformers 5 saves CLIPTextModel(WithProjection) without the "text_model." level.
+const std::vector<std::string> kClipFlatProbe = {"embeddings.token_embedding.weight",
+                                                 "encoder.layers.0.self_attn.q_proj.weight"};
 const std::vector<std::string> kOpenClipProbe = {"token_embedding.weight", "positional_embedding",
                                                  "transformer.resblocks.0.attn.in_proj_weight"};
 const std::vector<std::string> kT5Probe = {"encoder.block.0.layer.0.SelfAttention.q.weight",
@@ -86,6 +89,24 @@ KeyPlan clip_transformers_plan(const Checkpoint& ck, const std::string& prefix) 
                      plan.entries.end());
   ignore_if_present(ck, plan, prefix + "text_model.embeddings.position_ids");
   ignore_if_present(ck, plan, prefix + "logit_scale");
+  return plan;
+}
+
+KeyPlan clip_flat_plan(const Checkpoint& ck, const std::string& prefix) {
+  KeyPlan plan;
+  plan.source_prefix = prefix;
+  for (const std::string& k : ck.keys()) {
+    if (k.rfind(prefix, 0) != 0) continue;
+    const std::string name = k.substr(prefix.size());
+    if (name == "embeddings.position_ids" || name == "logit_scale") {
+      ignore_if_present(ck, plan, k);
+    } else if (name.rfind("embeddings.", 0) == 0 || name.rfind("encoder.", 0) == 0 ||
+               name.rfind("final_layer_norm.", 0) == 0) {
+      add(plan, "text_model." + name, k);
+    } else if (name == "text_projection.weight") {
+      add(plan, name, k);
+    }
+  }
   return plan;
 }
 
@@ -164,6 +185,9 @@ void register_text_formats() {
       {"clip-transformers", "clip",
        [](const Checkpoint& ck) { return first_prefix(ck, kClipTransformersPrefixes, kClipProbe); },
        clip_transformers_plan, 10});
+  register_checkpoint_format({"clip-transformers-flat", "clip",
+                              [](const Checkpoint& ck) { return first_prefix(ck, {""}, kClipFlatProbe); },
+                              clip_flat_plan, 8});
   register_checkpoint_format({"clip-openclip", "clip",
                               [](const Checkpoint& ck) { return first_prefix(ck, kOpenClipPrefixes, kOpenClipProbe); },
                               clip_openclip_plan, 5});
@@ -201,6 +225,9 @@ std::vector<TextEncoderEntry> find_text_encoders(const Checkpoint& ck) {
     if (!ck.contains(p + kClipProbe[0]) || !ck.contains(p + kClipProbe[1])) continue;
     out.push_back({"clip-transformers", p, clip_family_of("clip-transformers", p, width(p + kClipProbe[0])), "clip"});
   }
+  if (first_prefix(ck, {""}, kClipFlatProbe))
+    out.push_back({"clip-transformers-flat", "", clip_family_of("clip-transformers-flat", "", width(kClipFlatProbe[0])),
+                   "clip"});
   for (const std::string& p : kOpenClipPrefixes) {
     bool all = true;
     for (const std::string& k : kOpenClipProbe) all = all && ck.contains(p + k);
@@ -230,7 +257,7 @@ TextEncoderEntry pick_entry(const Checkpoint& ck, const std::string& kind, const
     std::string other;
     for (const auto& e : all) other += (other.empty() ? "" : ", ") + e.family + " (" + e.format + ", prefix \"" + e.prefix + "\")";
     FLAME_FAIL("checkpoint", ck.description(), " holds no ", what, " in a layout FLAME knows (tried: ",
-               kind == "clip" ? "clip-transformers, clip-openclip" : "t5-transformers", "); its first keys: ",
+               kind == "clip" ? "clip-transformers, clip-transformers-flat, clip-openclip" : "t5-transformers", "); its first keys: ",
                first.empty() ? std::string("(none: the file is empty)") : join(first),
                other.empty() ? std::string(". Is it a checkpoint of another model?")
                              : ". It holds " + other + ": load that with " +

@@ -95,6 +95,8 @@ std::shared_ptr<T5EncoderModel> load_t5_encoder(const Checkpoint& ck, const Text
 // The plans of the layouts (transformers' names <- stored keys under `prefix`).
 KeyPlan clip_openclip_plan(const Checkpoint& ck, const std::string& prefix);
 KeyPlan clip_transformers_plan(const Checkpoint& ck, const std::string& prefix);
+// transformers 5's files of CLIPTextModel(WithProjection): no "text_model." level in the keys.
+KeyPlan clip_flat_plan(const Checkpoint& ck, const std::string& prefix);
 KeyPlan t5_transformers_plan(const Checkpoint& ck, const std::string& prefix);
 // Makes sure the text encoder formats are registered (the loaders call it).
 void register_text_formats();

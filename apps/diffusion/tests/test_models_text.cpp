@@ -198,6 +198,19 @@ TEST(ModelsText, ClipMatchesTransformersFromEveryLayout) {
     // bf16 (the reference ran transformers in bf16 on the CPU).
     auto bf16 = m::load_clip_text((dir / "transformers").string(), options_for(dir, family, DType::bf16));
     check_clip(*bf16, ref, "bf16_", 3e-2);
+    // transformers 5 saves the model without the "text_model." level: the same folder so renamed.
+    const fs::path flat = fd_test::fresh_temp_dir("flame_text", std::string("flat_") + name);
+    fs::copy(dir / "transformers" / "config.json", flat / "config.json");
+    flame::StateDict renamed;
+    for (const auto& [key, t] : flame::io::load_safetensors((dir / "transformers" / "model.safetensors").string()))
+      renamed.insert(key.rfind("text_model.", 0) == 0 ? key.substr(11) : key, t);
+    ASSERT_TRUE(renamed.find("embeddings.token_embedding.weight") != nullptr);
+    flame::io::save_safetensors((flat / "model.safetensors").string(), renamed);
+    auto flat_clip = m::load_clip_text(flat.string(), options_for(dir, family));
+    expect_same_parameters(*flat_clip, *base);
+    EXPECT_EQ(m::find_text_encoders(m::open_text_encoder_checkpoint(flat.string(), "clip", {})).at(0).format,
+              "clip-transformers-flat");
+    fs::remove_all(flat);
   }
 }
 
