@@ -140,33 +140,33 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
   plan.checkpointed = static_cast<int64_t>(n);
 
   // 3. Nothing swapped and checkpointing not asked for: take blocks out of it from the end while
-  //    their activations fit.
+  //    their activations fit. The blocks out of checkpointing that fit (lo) and that do not (hi)
+  //    close in: the estimate from the last half's bytes per block first, then halving.
   const bool any_swapped = swap.report().swapped > 0;
   if (!any_swapped && !keep_checkpointing && n > 1) {
+    const auto N = static_cast<int64_t>(n);
     const std::size_t p_all = *peak;
-    const std::size_t half = n / 2;
-    stack.set_checkpointed_blocks(static_cast<int64_t>(n - half));
-    const std::optional<std::size_t> p_half = trial();
-    int64_t best = static_cast<int64_t>(n);  // checkpointed blocks of the best setting that fit
     std::size_t best_peak = p_all;
-    if (fits(p_half)) {
-      best = static_cast<int64_t>(n - half), best_peak = *p_half;
-    }
-    if (p_half && *p_half > p_all) {
-      const double per_block = static_cast<double>(*p_half - p_all) / static_cast<double>(half);
-      auto out = static_cast<int64_t>(static_cast<double>(usable - p_all) / per_block);
-      out = std::min<int64_t>(out, static_cast<int64_t>(n));
-      for (int attempt = 0; attempt < 3 && out > static_cast<int64_t>(n) - best; ++attempt) {
-        stack.set_checkpointed_blocks(static_cast<int64_t>(n) - out);
-        const std::optional<std::size_t> p = trial();
-        if (fits(p)) {
-          best = static_cast<int64_t>(n) - out, best_peak = *p;
-          break;
-        }
-        const double over = p ? static_cast<double>(*p - usable) : per_block * static_cast<double>(out) / 4;
-        out -= std::max<int64_t>(1, static_cast<int64_t>(over / per_block) + 1);
+    int64_t lo = 0, hi = N + 1;  // blocks out: lo fits, hi does not (N + 1: not known)
+    auto try_out = [&](int64_t out) {
+      stack.set_checkpointed_blocks(N - out);
+      const std::optional<std::size_t> p = trial();
+      if (fits(p)) {
+        lo = out, best_peak = *p;
+      } else {
+        hi = out;
       }
+      return p;
+    };
+    const int64_t half = N / 2;
+    const std::optional<std::size_t> p_half = try_out(half);
+    if (p_half && lo == half && *p_half > p_all) {
+      const double per_block = static_cast<double>(*p_half - p_all) / static_cast<double>(half);
+      const auto est = static_cast<int64_t>(static_cast<double>(usable - p_all) / per_block);
+      if (est > lo) (void)try_out(std::min(est, N));
     }
+    while (hi - lo > 1 && plan.trials < 10) (void)try_out(hi > N ? N : (lo + hi) / 2);
+    const int64_t best = N - lo;
     stack.set_checkpointed_blocks(best);
     plan.checkpointed = best;
     plan.peak_bytes = best_peak;
