@@ -17,7 +17,8 @@
 //     swapped blocks, spread over the stack);
 //  3. when nothing is swapped and checkpointing was not asked for, blocks are taken out of
 //     checkpointing from the last one while their measured activations fit (a trial with the last
-//     half out gives the bytes per block; a final trial checks the choice and backs off if over).
+//     half out gives the bytes per block, a trial checks that estimate, then halving between what
+//     fits and what does not; at most 10 trial steps in all).
 // The trials run under the cap: one that runs out of memory counts as "does not fit". A budget too
 // small even with every block swapped raises an error naming the budget and the measured sizes.
 #include <cstddef>
