@@ -45,8 +45,10 @@
 #              with the checkpointed inputs offloaded), and a kernel trace
 #   fp8        frozen base Linears in 8 bits (docs/float8.md): the FLUX-dev and SD3.5-Large LoRA r16
 #              steps with --fp8 none,dequantize,fp8 (same run), and FLUX-dev's loss at each of 50
-#              AdamW steps per mode from the same start (flux_parity losses); the SDXL UNet step at
-#              1024² with checkpointing per mode (the issue's "under 10 GiB" row)
+#              steps per mode from the same start (flux_parity losses: the 8-bit modes, 20 blocks
+#              swapped, 8-bit AdamW); FLUX-dev under VRAM budgets (fit_vram_budget) and diffusers'
+#              fp8 storage beside it; the SDXL UNet step at 1024² with checkpointing per mode (the
+#              "under 10 GiB" row)
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -280,6 +282,14 @@ if has fp8; then
     --checkpointing 0 --fp8 none,dequantize,fp8
   run "fp8 flux-dev: loss of 50 steps per mode" 300 "$BIN/flux_parity" losses --config flux-dev --steps 50 \
     --fp8 none,dequantize,fp8
+  run "fp8 flux-dev: loss of 50 steps, 20 blocks swapped and 8-bit AdamW" 300 "$BIN/flux_parity" losses \
+    --config flux-dev --steps 50 --fp8 none --swap 0,20 --optimizer adamw,adamw8bit
+  run "fp8 flux-dev: LoRA r16 step under VRAM budgets (fp8 24 and 16 GiB, bf16 24 GiB)" 300 "$BIN/flux_parity" time \
+    --config flux-dev --checkpointing 0 --fp8 fp8 --budget 24,16 --steps 6 --warmup 2
+  run "fp8 flux-dev: bf16 base under 24 GiB (block swapping)" 200 "$BIN/flux_parity" time --config flux-dev \
+    --checkpointing -1 --fp8 none --budget 24 --steps 4 --warmup 1
+  run "fp8 flux-dev: diffusers + peft with fp8 storage (layerwise casting)" 300 python3 \
+    apps/diffusion/reference/models_flux.py --config flux-dev --time --fp8-storage --checkpointing 0,1 --steps 5 --warmup 2
   run "fp8 sdxl: UNet LoRA r16 step at 1024², checkpointing, bf16 / fp8 (target: under 10 GiB)" 200 \
     "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 1 --fp8 none,dequantize,fp8
 fi

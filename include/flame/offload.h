@@ -176,6 +176,9 @@ class BlockSwap {
 // evenly over the order (each upload then overlaps the resident blocks before it). Raises
 // flame::Error naming the capacity and the block sizes when swapping every block does not fit.
 std::vector<bool> plan_block_swap(const std::vector<std::size_t>& block_bytes, std::size_t capacity);
+// k of n blocks spread evenly (the middle one of each of k equal runs of the order): the choice
+// plan_block_swap makes for k, for a swap of a chosen size.
+std::vector<bool> spread_blocks(std::size_t n, std::size_t k);
 
 // ---- optimizer-state offload ----
 // Optimizer state in host memory, updated on the CPU (like DeepSpeed's ZeRO-Offload CPU Adam):

@@ -517,18 +517,20 @@ std::string BlockSwapReport::str() const {
   return os.str();
 }
 
+std::vector<bool> spread_blocks(std::size_t n, std::size_t k) {
+  FLAME_CHECK(k <= n, "offload::spread_blocks", "cannot choose ", k, " of ", n, " blocks");
+  std::vector<bool> out(n, false);
+  for (std::size_t j = 0; j < k; ++j) out[std::min(n - 1, (2 * j + 1) * n / (2 * k))] = true;
+  return out;
+}
+
 std::vector<bool> plan_block_swap(const std::vector<std::size_t>& block_bytes, std::size_t capacity) {
   const std::size_t n = block_bytes.size();
   std::size_t total = 0;
   for (std::size_t b : block_bytes) total += b;
   for (std::size_t k = 0; k <= n; ++k) {
-    // k blocks spread evenly: the one in the middle of each of k equal runs of the order.
-    std::vector<bool> swap(n, false);
+    const std::vector<bool> swap = spread_blocks(n, k);
     std::size_t swapped = 0, largest = 0;
-    for (std::size_t j = 0; j < k; ++j) {
-      const std::size_t idx = std::min(n - 1, (2 * j + 1) * n / (2 * k));
-      swap[idx] = true;
-    }
     for (std::size_t i = 0; i < n; ++i) {
       if (!swap[i]) continue;
       swapped += block_bytes[i];

@@ -32,10 +32,14 @@
 //       checkpointed); the plan is printed before the JSON line, which adds budget_gib, swapped_blocks
 //       and the peak reserved memory.
 //   flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]
-//                      [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]
-//       the same step's loss at every one of --steps AdamW steps (same initial weights, adapters,
-//       data and noise in every mode), one JSON line per mode with the losses and, for the 8-bit
-//       modes, the largest relative difference from the none run's loss at the same step.
+//                      [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0]
+//                      [--lr 1e-3] [--device cuda]
+//       the same step's loss at every one of --steps optimizer steps (same initial weights, adapters,
+//       data and noise in every run), one JSON line per run (each --fp8 mode x --swap count x
+//       --optimizer) with the losses and the largest relative difference from the first run's loss
+//       at the same step. --swap N keeps N blocks' frozen weights in host memory (offload::BlockSwap,
+//       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
+//       steps with optim::AdamW8bit instead of AdamW.
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
 //                     [--group op|module|op_and_module] [--json FILE]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
@@ -77,7 +81,8 @@ const char* kUsage =
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
     "                    [--recompute 0] [--graph 0] [--fp8 none] [--budget 0] [--device cuda]\n"
     "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
-    "                     [--fp8 none,dequantize,fp8] [--checkpointing 0] [--lr 1e-3] [--device cuda]\n"
+    "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
+    "                     [--device cuda]\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -89,7 +94,7 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group", "json",  "graph", "fp8", "lr", "budget"};
+                                         "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -214,7 +219,7 @@ double gemm_tflops(flame::Device device) {
 struct LoraStep {
   std::shared_ptr<fm::FluxTransformerConfig> config;
   std::shared_ptr<fm::FluxTransformer2DModel> model;
-  std::unique_ptr<flame::optim::AdamW> opt;
+  std::unique_ptr<flame::optim::Optimizer> opt;
   Tensor x, target, ctx, pooled, t, g, img_ids, txt_ids;
   flame::Device device;
   bool recompute = false;
@@ -355,12 +360,30 @@ int losses(const std::map<std::string, std::string>& f) {
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   if (steps < 1) throw std::runtime_error("--steps must be at least 1");
   const double lr = std::stod(flag_or(f, "lr", "1e-3"));
+  std::vector<std::string> optimizers;
+  for (const std::string& o : flame_diffusion::tools::split_list(flag_or(f, "optimizer", "adamw"))) {
+    if (o != "adamw" && o != "adamw8bit") throw std::runtime_error("--optimizer: adamw or adamw8bit, got " + o);
+    optimizers.push_back(o);
+  }
   std::vector<double> base;
   for (const std::string& fp8 : fp8_modes(f, "none,dequantize,fp8")) {
+  for (int64_t swapped : int_list("swap", flag_or(f, "swap", "0"))) {
+  for (const std::string& optimizer : optimizers) {
     if (device.is_cuda()) flame::cuda::empty_cache();
     flame::manual_seed(1234);  // the same weights and adapters in every mode
-    const LoraStep ls(config, device, 1, latent, text, rank, ckpt, false, false);
+    LoraStep ls(config, device, 1, latent, text, rank, ckpt, false, false);
     (void)ls.quantize(fp8);
+    if (swapped > 0) {  // --swap N: N blocks' frozen weights in host memory, spread over the stack
+      auto& sw = ls.model->enable_block_swap(device);
+      sw.set_swapped(flame::offload::spread_blocks(sw.size(), static_cast<std::size_t>(swapped)));
+    }
+    if (optimizer == "adamw8bit") {
+      flame::TensorList params;
+      for (const Tensor& p : ls.model->parameters()) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+      ls.opt = std::make_unique<flame::optim::AdamW8bit>(params);
+    }
     ls.opt->set_lr(lr);
     std::vector<double> l;
     for (int64_t i = 0; i < steps; ++i) {
@@ -369,16 +392,18 @@ int losses(const std::map<std::string, std::string>& f) {
       ls.opt->step(loss.backward());
     }
     double worst = 0.0;
-    if (fp8 == "none") base = l;
+    if (base.empty()) base = l;  // the first run is the baseline
     else if (base.size() == l.size())
       for (std::size_t i = 0; i < l.size(); ++i) worst = std::max(worst, std::abs(l[i] - base[i]) / std::abs(base[i]));
     std::string list;
     for (double v : l) list += (list.empty() ? "" : ", ") + std::to_string(v);
-    std::printf("{\"work\": \"%s_lora_r%lld_losses\", \"fp8\": \"%s\", \"steps\": %lld, \"max_rel_diff_vs_none\": %.5f, "
-                "\"first\": %.6f, \"last\": %.6f, \"losses\": [%s]}\n",
-                name.c_str(), static_cast<long long>(rank), fp8.c_str(), static_cast<long long>(steps), worst,
-                l.front(), l.back(), list.c_str());
+    std::printf("{\"work\": \"%s_lora_r%lld_losses\", \"fp8\": \"%s\", \"swapped_blocks\": %lld, \"optimizer\": \"%s\", "
+                "\"steps\": %lld, \"max_rel_diff_vs_first\": %.5f, \"first\": %.6f, \"last\": %.6f, \"losses\": [%s]}\n",
+                name.c_str(), static_cast<long long>(rank), fp8.c_str(), static_cast<long long>(swapped),
+                optimizer.c_str(), static_cast<long long>(steps), worst, l.front(), l.back(), list.c_str());
     std::fflush(stdout);
+  }
+  }
   }
   return 0;
 }

@@ -114,17 +114,23 @@ inline int64_t base_linear_bytes(flame::nn::Module& root) {
   return bytes;
 }
 
+// The items of a comma-separated list ("a,b" -> {"a", "b"}; "" -> {""}).
+inline std::vector<std::string> split_list(const std::string& v) {
+  std::vector<std::string> out;
+  for (std::size_t start = 0; start <= v.size();) {
+    const std::size_t comma = std::min(v.find(',', start), v.size());
+    out.push_back(v.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return out;
+}
+
 // --fp8 values: "none" or a Float8Compute name (nn::parse_float8_compute raises naming a bad one),
 // comma-separated.
 inline std::vector<std::string> fp8_modes(const std::map<std::string, std::string>& f, const char* fallback) {
-  std::vector<std::string> out;
-  const std::string v = flag_or(f, "fp8", fallback);
-  for (std::size_t start = 0; start <= v.size();) {
-    const std::size_t comma = std::min(v.find(',', start), v.size());
-    const std::string m = v.substr(start, comma - start);
+  std::vector<std::string> out = split_list(flag_or(f, "fp8", fallback));
+  for (const std::string& m : out) {
     if (m != "none") (void)flame::nn::parse_float8_compute(m);
-    out.push_back(m);
-    start = comma + 1;
   }
   return out;
 }
