@@ -57,10 +57,19 @@
 #include "flame/ops.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/anomaly.h"
+#include "src/autograd/grad_release.h"
 #include "src/autograd/record.h"
 #include "src/core/profiler_context.h"
 
 namespace flame {
+
+namespace autograd_detail {
+namespace {
+thread_local bool t_release_leaf = false;  // Note [Gradient release]
+}  // namespace
+void release_leaf_gradient() { t_release_leaf = true; }
+}  // namespace autograd_detail
+using autograd_detail::t_release_leaf;
 
 namespace {
 
@@ -258,8 +267,14 @@ Gradients Tensor::backward(const BackwardOptions& options) const {
     // when it already is and nothing else holds it, copied otherwise.
     store.accumulate(l.handle, std::move(g));
     if (!l.meta->post_accumulate_hooks.empty()) {
-      const Tensor accumulated = store.get(l.handle);
-      for (const auto& hook : l.meta->post_accumulate_hooks) hook(accumulated);
+      t_release_leaf = false;
+      {
+        const Tensor accumulated = store.get(l.handle);
+        for (const auto& hook : l.meta->post_accumulate_hooks) hook(accumulated);
+      }
+      // Note [Gradient release] (grad_release.h): a hook took the gradient.
+      if (t_release_leaf) store.erase(l.handle);
+      t_release_leaf = false;
     }
   };
 

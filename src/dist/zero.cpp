@@ -15,14 +15,35 @@
 // state_dict() all-gathers every elementwise state slot (numel S) and cuts it back into the
 // parameters' shapes under the plain optimizer's keys ("state.<i>.<slot>", "param_groups.<g>.*"),
 // so the state does not depend on the world size; load_state_dict() does the reverse.
+//
+// Note [ZeRO-2 buckets]
+// With stage 2 a group is cut into buckets (runs of consecutive parameters of about
+// bucket_cap_mb) and each bucket is a layout of its own as above: its flat buffer padded to W*S_b,
+// rank r owning [r*S_b, (r+1)*S_b), one shard parameter per bucket in the inner optimizer (so the
+// inner optimizer's parameter b is bucket b, and its group g holds g's buckets). Each parameter
+// gets a post-accumulate hook: the gradient the backward has for it is added into the bucket's
+// flat gradient (zeros when the round starts) and released from the store
+// (autograd_detail::release_leaf_gradient). Buckets are reduce-scattered (avg) in a fixed order,
+// the last bucket first (backward produces the last parameters first), each as soon as it and the
+// ones before it in that order are complete, so every rank issues the same collectives in the same
+// order; the output is added into the bucket's shard gradient, which lives until step(). A round
+// ends when every bucket has been reduced. A gradient arriving for a bucket already reduced in this
+// round starts the next round, finishing the current one first (the buckets not complete on this
+// rank count zeros for their missing parameters): so a second backward before the step
+// (accumulation) needs nothing else, and since the reduction is linear the shard gradient is the
+// average of the sums either way. step() finishes the round the same way. A flat gradient is
+// dropped once its reduction completed (polled at each arrival, waited at the end of a round).
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 #include "flame/dist.h"
+#include "src/autograd/grad_release.h"
 
 namespace flame::dist {
 
 struct ZeroRedundancyOptimizer::Layout {
+  std::size_t group = 0;  // the parameter group it belongs to
   std::vector<Tensor> params;
   std::vector<int64_t> offsets;
   std::size_t first_index = 0;  // global parameter index of params[0]
@@ -53,12 +74,95 @@ void for_each_overlap(const ZeroRedundancyOptimizer::Layout& l, int64_t lo, int6
 
 }  // namespace
 
+// Note [ZeRO-2 buckets]: the reduction state of stage 2.
+struct ZeroRedundancyOptimizer::Reducer {
+  struct Bucket {
+    Tensor flat_grad;   // this round's gradients (W*S); undefined until the first arrives
+    std::vector<bool> arrived;
+    bool reduced = false;  // launched in this round
+    bool retired = true;   // its last launch's output is in shard_grad
+    Work work;
+    Tensor out;         // S: the launched reduction's output
+    Tensor shard_grad;  // S: the sum of this step's reductions; undefined when none
+  };
+  ProcessGroup* pg = nullptr;
+  std::vector<Layout>* layouts = nullptr;
+  std::vector<Bucket> buckets;
+  std::vector<std::size_t> order;  // launch order: the last bucket first
+  std::size_t next = 0;            // position in `order` of the next launch
+  bool active = false;             // a gradient arrived in this round
+
+  Bucket& fresh(std::size_t b) {
+    Bucket& bk = buckets[b];
+    if (!bk.flat_grad.defined()) {
+      const Tensor& fp = (*layouts)[b].flat_param;
+      bk.flat_grad = Tensor::zeros({fp.numel()}, TensorOptions(fp.dtype(), fp.device()));
+    }
+    return bk;
+  }
+  bool complete(std::size_t b) const {
+    const Bucket& bk = buckets[b];
+    return std::all_of(bk.arrived.begin(), bk.arrived.end(), [](bool a) { return a; });
+  }
+  void launch(std::size_t b) {
+    Bucket& bk = fresh(b);
+    const Layout& l = (*layouts)[b];
+    bk.out = Tensor::empty({l.shard}, TensorOptions(l.flat_param.dtype(), l.flat_param.device()));
+    bk.work = pg->reduce_scatter(bk.out, bk.flat_grad, ReduceOp::avg, /*async=*/true);
+    bk.reduced = true;
+    bk.retired = false;
+  }
+  void retire(std::size_t b) {
+    Bucket& bk = buckets[b];
+    if (bk.retired) return;
+    bk.work.wait();
+    bk.shard_grad = bk.shard_grad.defined() ? bk.shard_grad + bk.out : bk.out;
+    bk.out = Tensor();
+    bk.flat_grad = Tensor();
+    bk.work = Work();
+    bk.retired = true;
+  }
+  void launch_ready() {
+    while (next < order.size() && complete(order[next])) launch(order[next++]);
+  }
+  // Ends the round: the rest launched in order (missing gradients count zeros), all retired.
+  void finish_round() {
+    if (!active) return;
+    while (next < order.size()) launch(order[next++]);
+    for (std::size_t b : order) retire(b);
+    for (Bucket& bk : buckets) {
+      std::fill(bk.arrived.begin(), bk.arrived.end(), false);
+      bk.reduced = false;
+    }
+    next = 0;
+    active = false;
+  }
+  void on_grad(std::size_t b, std::size_t k, const Tensor& grad) {
+    if (buckets[b].reduced || buckets[b].arrived[k]) finish_round();  // the next round starts
+    NoGradGuard no_grad;
+    active = true;
+    Bucket& bk = fresh(b);
+    const Layout& l = (*layouts)[b];
+    Tensor slot = bk.flat_grad.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes());
+    slot.add_(grad.dtype() == slot.dtype() ? grad : grad.to(slot.dtype()));
+    bk.arrived[k] = true;
+    launch_ready();
+    for (std::size_t j = 0; j < next; ++j) {  // drop the flat gradients of finished reductions
+      Bucket& done = buckets[order[j]];
+      if (!done.retired && done.work.is_completed()) retire(order[j]);
+    }
+  }
+};
+
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, OptimizerFactory factory,
-                                                 std::shared_ptr<ProcessGroup> group)
-    : group_(group ? std::move(group) : default_group_ptr()) {
+                                                 std::shared_ptr<ProcessGroup> group, ZeroOptions options)
+    : group_(group ? std::move(group) : default_group_ptr()), options_(options) {
   const char* op = "ZeroRedundancyOptimizer";
   FLAME_CHECK(factory != nullptr, op, "no optimizer factory");
   FLAME_CHECK(!groups.empty(), op, "no parameter groups");
+  FLAME_CHECK(options.stage == 1 || options.stage == 2, op, "stage must be 1 or 2, got ", options.stage,
+              " (stage 3, parameters sharded too, is not available)");
+  FLAME_CHECK(options.bucket_cap_mb > 0, op, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
   ProcessGroup& pg = *group_;
   const int64_t W = pg.size();
   const Device dev = pg.device();
@@ -68,8 +172,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   for (std::size_t g = 0; g < groups.size(); ++g) {
     const optim::ParamGroup& grp = groups[g];
     FLAME_CHECK(!grp.params.empty(), op, "parameter group ", g, " is empty");
-    Layout l;
-    l.first_index = index;
     const DType dt = grp.params.front().dtype();
     for (const Tensor& p : grp.params) {
       FLAME_CHECK(p.defined() && p.requires_grad() && p.is_leaf(), op, "group ", g,
@@ -82,39 +184,86 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
       Tensor c = p.is_contiguous() ? p.detach() : p.contiguous();
       if (c.numel() > 0) pg.broadcast(c, 0);
       if (!p.is_contiguous()) Tensor(p.detach()).copy_(c);
-      l.params.push_back(p);
-      l.offsets.push_back(l.numel);
-      l.numel += p.numel();
-      ++index;
     }
-    l.shard = std::max<int64_t>(1, (l.numel + W - 1) / W);
-    const TensorOptions o(dt, dev);
-    l.flat_param = Tensor::zeros({W * l.shard}, o);
-    for (std::size_t k = 0; k < l.params.size(); ++k) {
-      Tensor& p = l.params[k];
-      Tensor slot = l.flat_param.narrow(0, l.offsets[k], p.numel()).view(p.sizes());
-      slot.copy_(p);
-      // A dense parameter moves into the flat buffer (identity kept): the all-gather then writes
-      // the parameters themselves. Others (channels-last, ...) keep their layout and are copied.
-      if (p.is_contiguous()) p.set_data(slot);
+    // The group's buckets (stage 1: the whole group): runs of consecutive parameters.
+    const double cap = options.stage == 2 ? options.bucket_cap_mb * 1024.0 * 1024.0 : 0.0;
+    std::vector<std::vector<std::size_t>> runs(1);
+    double bytes = 0;
+    for (std::size_t k = 0; k < grp.params.size(); ++k) {
+      const double b = static_cast<double>(grp.params[k].nbytes());
+      if (cap > 0 && !runs.back().empty() && bytes + b > cap) {
+        runs.emplace_back();
+        bytes = 0;
+      }
+      runs.back().push_back(k);
+      bytes += b;
     }
-    l.shard_param = Tensor::zeros({1}, o);
-    l.shard_param.set_data(l.flat_param.narrow(0, pg.rank() * l.shard, l.shard));
-    l.shard_param.requires_grad_(true);
     optim::ParamGroup ig = grp;
-    ig.params = {l.shard_param};
+    ig.params.clear();
+    for (const auto& run : runs) {
+      Layout l;
+      l.group = g;
+      l.first_index = index + run.front();
+      for (std::size_t k : run) {
+        l.params.push_back(grp.params[k]);
+        l.offsets.push_back(l.numel);
+        l.numel += grp.params[k].numel();
+      }
+      l.shard = std::max<int64_t>(1, (l.numel + W - 1) / W);
+      const TensorOptions o(dt, dev);
+      l.flat_param = Tensor::zeros({W * l.shard}, o);
+      for (std::size_t k = 0; k < l.params.size(); ++k) {
+        Tensor& p = l.params[k];
+        Tensor slot = l.flat_param.narrow(0, l.offsets[k], p.numel()).view(p.sizes());
+        slot.copy_(p);
+        // A dense parameter moves into the flat buffer (identity kept): the all-gather then writes
+        // the parameters themselves. Others (channels-last, ...) keep their layout and are copied.
+        if (p.is_contiguous()) p.set_data(slot);
+      }
+      l.shard_param = Tensor::zeros({1}, o);
+      l.shard_param.set_data(l.flat_param.narrow(0, pg.rank() * l.shard, l.shard));
+      l.shard_param.requires_grad_(true);
+      ig.params.push_back(l.shard_param);
+      layouts_.push_back(std::move(l));
+    }
+    index += grp.params.size();
     inner_groups.push_back(ig);
-    layouts_.push_back(std::move(l));
   }
   groups_ = std::move(groups);
   inner_ = factory(std::move(inner_groups));
   FLAME_CHECK(inner_ != nullptr && inner_->num_param_groups() == groups_.size(), op,
               "the factory must return an optimizer over the groups it was given");
+  if (options.stage == 2) {
+    reducer_ = std::make_shared<Reducer>();
+    reducer_->pg = group_.get();
+    reducer_->layouts = &layouts_;
+    reducer_->buckets.resize(layouts_.size());
+    for (std::size_t b = layouts_.size(); b-- > 0;) reducer_->order.push_back(b);
+    std::weak_ptr<Reducer> weak = reducer_;
+    for (std::size_t b = 0; b < layouts_.size(); ++b) {
+      reducer_->buckets[b].arrived.assign(layouts_[b].params.size(), false);
+      for (std::size_t k = 0; k < layouts_[b].params.size(); ++k) {
+        Tensor p = layouts_[b].params[k];
+        p.register_post_accumulate_grad_hook([weak, b, k](const Tensor& grad) {
+          auto r = weak.lock();
+          if (!r) return;  // the optimizer is gone: the gradient stays in the store
+          r->on_grad(b, k, grad);
+          autograd_detail::release_leaf_gradient();
+        });
+      }
+    }
+  }
 }
 
 ZeroRedundancyOptimizer::~ZeroRedundancyOptimizer() = default;
 
 std::string ZeroRedundancyOptimizer::name() const { return "ZeroRedundancyOptimizer(" + inner_->name() + ")"; }
+
+std::size_t ZeroRedundancyOptimizer::num_buckets() const { return layouts_.size(); }
+
+void ZeroRedundancyOptimizer::finish_reductions() {
+  if (reducer_) reducer_->finish_round();
+}
 
 void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   ProcessGroup& pg = *group_;
@@ -125,6 +274,20 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     inner_->param_groups()[g] = hyper;
   }
   std::vector<Work> works;
+  if (reducer_) {  // stage 2: the shard gradients are already there (Note [ZeRO-2 buckets])
+    finish_reductions();
+    Gradients local;
+    for (std::size_t b = 0; b < layouts_.size(); ++b) {
+      Layout& l = layouts_[b];
+      Tensor& sg = reducer_->buckets[b].shard_grad;
+      local.set(l.shard_param, sg.defined() ? std::move(sg) : Tensor::zeros({l.shard}, TensorOptions(l.flat_param.dtype(), l.flat_param.device())));
+      sg = Tensor();
+      for (std::size_t k = 0; k < l.params.size(); ++k)
+        if (!l.aliased(k))
+          l.flat_param.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()).copy_(l.params[k]);
+    }
+    inner_->step(local);
+  } else {
   std::vector<Tensor> shard_grads;
   for (Layout& l : layouts_) {
     // The flat gradient lives for this step only (the pool reuses it for the next forward).
@@ -150,6 +313,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     local.set(layouts_[i].shard_param, std::move(shard_grads[i]));
   }
   inner_->step(local);
+  }
   works.clear();
   for (Layout& l : layouts_) works.push_back(pg.all_gather(l.flat_param, l.shard_param.detach(), /*async=*/true));
   for (std::size_t i = 0; i < layouts_.size(); ++i) {
@@ -191,14 +355,16 @@ StateDict ZeroRedundancyOptimizer::state_dict() const {
         out.insert(state_key(i, slot), flat.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()).clone());
     }
   }
-  for (std::size_t g = 0; g < layouts_.size(); ++g) {
-    const Layout& l = layouts_[g];
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
     for (const auto& [k, t] : inner) {
       if (k.rfind(prefix, 0) != 0) continue;
       if (k == prefix + "params") {
         std::vector<int64_t> idx;
-        for (std::size_t i = 0; i < l.params.size(); ++i) idx.push_back(static_cast<int64_t>(l.first_index + i));
+        for (const Layout& l : layouts_) {
+          if (l.group != g) continue;
+          for (std::size_t i = 0; i < l.params.size(); ++i) idx.push_back(static_cast<int64_t>(l.first_index + i));
+        }
         out.insert(k, Tensor::from_vec(idx, {static_cast<int64_t>(idx.size())}));
       } else {
         out.insert(k, t.clone());
@@ -245,13 +411,16 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
       inner.insert(state_key(g, slot), mine);
     }
   }
-  for (std::size_t g = 0; g < layouts_.size(); ++g) {
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
+    std::vector<int64_t> buckets;  // the inner optimizer's parameters of group g
+    for (std::size_t b = 0; b < layouts_.size(); ++b)
+      if (layouts_[b].group == g) buckets.push_back(static_cast<int64_t>(b));
     bool any = false;
     for (const auto& [k, t] : state) {
       if (k.rfind(prefix, 0) != 0) continue;
       any = true;
-      if (k == prefix + "params") inner.insert(k, Tensor::from_vec(std::vector<int64_t>{static_cast<int64_t>(g)}, {1}));
+      if (k == prefix + "params") inner.insert(k, Tensor::from_vec(buckets, {static_cast<int64_t>(buckets.size())}));
       else inner.insert(k, t);
     }
     FLAME_CHECK(any, op, "the state has no keys for parameter group ", g);
@@ -264,8 +433,37 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
   }
 }
 
+double ZeroRedundancyOptimizer::grad_norm() {
+  const char* op = "ZeroRedundancyOptimizer.grad_norm";
+  FLAME_CHECK(reducer_ != nullptr, op, "the gradients are sharded only with stage 2; with stage 1 take the norm "
+              "of the local gradients' average (flame::clip_grad_norm_ after DistributedDataParallel)");
+  finish_reductions();
+  NoGradGuard no_grad;
+  Tensor sq = Tensor::zeros({1}, TensorOptions(DType::f32, group_->device()));
+  for (const auto& bk : reducer_->buckets) {
+    if (bk.shard_grad.defined()) sq = sq + bk.shard_grad.to(DType::f32).pow(2.0).sum().reshape({1});
+  }
+  group_->all_reduce(sq, ReduceOp::sum);  // the padding is zero: the shards add up to the whole
+  return std::sqrt(sq.to(Device::cpu()).item<double>());
+}
+
+double ZeroRedundancyOptimizer::clip_grad_norm(double max_norm) {
+  const double norm = grad_norm();
+  const double scale = max_norm / (norm + 1e-6);
+  if (scale < 1.0) {
+    NoGradGuard no_grad;
+    for (auto& bk : reducer_->buckets) {
+      if (bk.shard_grad.defined()) bk.shard_grad.mul_(scale);
+    }
+  }
+  return norm;
+}
+
 ZeroRedundancyOptimizer::MemoryReport ZeroRedundancyOptimizer::memory_report() const {
   MemoryReport r;
+  if (reducer_) {
+    for (const auto& bk : reducer_->buckets) r.gradient_bytes += bk.shard_grad.defined() ? bk.shard_grad.nbytes() : 0;
+  }
   const StateDict inner = inner_->state_dict();
   for (std::size_t g = 0; g < layouts_.size(); ++g) {
     r.param_numel += layouts_[g].numel;

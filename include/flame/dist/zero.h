@@ -1,5 +1,6 @@
 #pragma once
-// ZeRO stage 1: optimizer state sharded across the ranks (docs/distributed.md).
+// ZeRO stages 1 and 2: optimizer state, and with stage 2 the gradients, sharded across the ranks
+// (docs/distributed.md).
 //
 //   dist::ZeroRedundancyOptimizer opt(
 //       {optim::AdamWOptions{.lr = 1e-4}.group(model->parameters())},
@@ -13,7 +14,18 @@
 // factored state is not. A parameter without a gradient on a rank contributes zeros.
 // state_dict() is collective (every rank calls it) and returns the state the inner optimizer
 // would have on the full parameters ("state.<i>.<slot>" in parameter shapes), so a checkpoint
-// loads on any number of ranks, or into the plain optimizer.
+// loads on any number of ranks or stages, or into the plain optimizer.
+//
+// Stage 2 (ZeroOptions::stage = 2; Note [ZeRO-2 buckets] in src/dist/zero.cpp): each group is cut
+// into buckets of about bucket_cap_mb, each laid out and sharded as above. A parameter's gradient
+// is copied into its bucket the moment the backward has it and dropped from the Gradients store;
+// a complete bucket is reduce-scattered while the backward goes on (in bucket order, the same on
+// every rank), so a rank holds the full gradient of a few buckets at a time and its shard of the
+// rest. Several backward passes before one step accumulate (gradient accumulation needs nothing
+// else). step(grads) finishes the reductions (buckets whose parameters got no gradient on this
+// rank count zeros for them) and ignores `grads` for these parameters. The gradient norm over the
+// shards: grad_norm() / clip_grad_norm() (collective). Each parameter must receive its gradient
+// once per backward (a parameter used again after its bucket was reduced raises).
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -28,14 +40,26 @@ class ProcessGroup;
 
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
+struct ZeroOptions {
+  int stage = 1;                // 1: optimizer state sharded; 2: gradients too
+  double bucket_cap_mb = 25.0;  // stage 2: the size of a gradient bucket
+};
+
 class ZeroRedundancyOptimizer : public optim::Optimizer {
  public:
   // Broadcasts rank 0's parameter values first, so that all ranks start equal.
   ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> groups, OptimizerFactory factory,
-                          std::shared_ptr<ProcessGroup> group = nullptr);
+                          std::shared_ptr<ProcessGroup> group = nullptr, ZeroOptions options = {});
   ~ZeroRedundancyOptimizer() override;
 
   void step(const Gradients& grads) override;
+  int stage() const { return options_.stage; }
+  std::size_t num_buckets() const;  // stage 1: one per parameter group
+  // Stage 2 (collective): the L2 norm of the whole averaged gradient, from the shards; and
+  // clip_grad_norm scales the shards so that it is at most max_norm (returns the norm before),
+  // as flame::clip_grad_norm_ does on full gradients. Finishes the pending reductions.
+  double grad_norm();
+  double clip_grad_norm(double max_norm);
   std::string name() const override;
   StateDict state_dict() const override;             // collective
   void load_state_dict(const StateDict& state) override;  // any world size's consolidated state
@@ -45,16 +69,21 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     int64_t shard_numel = 0;        // this rank's slice (padded)
     std::size_t state_bytes = 0;    // optimizer state held by this rank
     std::size_t full_state_bytes_estimate = 0;  // what an unsharded optimizer would hold
+    std::size_t gradient_bytes = 0;  // stage 2: the gradient shards held between backward and step
   };
   MemoryReport memory_report() const;
   optim::Optimizer& local_optimizer() { return *inner_; }
 
   struct Layout;
+  struct Reducer;
 
  private:
+  void finish_reductions();
   std::shared_ptr<ProcessGroup> group_;
+  ZeroOptions options_;
   std::unique_ptr<optim::Optimizer> inner_;
-  std::vector<Layout> layouts_;  // one per group
+  std::vector<Layout> layouts_;  // one per bucket (stage 1: one per group), in group order
+  std::shared_ptr<Reducer> reducer_;  // stage 2
 };
 
 }  // namespace flame::dist
