@@ -293,8 +293,12 @@ TEST(DistZero, StageTwoShardsGradientsDuringTheBackwardAndMatchesOneProcess) {
   DIST_SKIP_UNLESS_RANKS(2);
   for (int world : {2, 3}) {
     if (world > max_ranks()) continue;
-    const auto r = run_ranks("zero2", world, {});
-    EXPECT_TRUE(r.all_ok()) << r.report();
+    for (bool ckpt : {false, true}) {  // with gradient checkpointing the gradients come from the recompute
+      SCOPED_TRACE(ckpt ? "checkpointed" : "plain");
+      const auto r = run_ranks("zero2", world, ckpt ? std::map<std::string, std::string>{{"FLAME_DIST_TEST_CKPT", "1"}}
+                                                    : std::map<std::string, std::string>{});
+      EXPECT_TRUE(r.all_ok()) << r.report();
+    }
   }
 }
 

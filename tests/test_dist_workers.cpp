@@ -390,12 +390,19 @@ int zero2() {
   WCHECK(opt.num_buckets() == 3);
   auto ref0 = make_model(11, dev);  // the one-process gradient norm at the start
   const double ref_norm = global_grad_norm(mse_loss(ref0->forward(batch_x(0, dev)), batch_y(0, dev)).backward());
+  // FLAME_DIST_TEST_CKPT=1: the model runs under flame::checkpoint, so its gradients arrive from
+  // the recompute's inner backward (the parameters are the checkpoint's captured tensors).
+  const bool ckpt = std::getenv("FLAME_DIST_TEST_CKPT") != nullptr;
+  auto forward = [&](const Tensor& in) {
+    if (!ckpt) return model->forward(in);
+    return flame::checkpoint([&](const TensorList& xs) { return model->forward(xs[0]); }, {in});
+  };
   for (int s = 0; s < 3; ++s) {
     const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
     const int64_t h = x.size(0) / 2;
     Gradients g;
     for (int m = 0; m < 2; ++m) {
-      const Tensor loss = mse_loss(model->forward(x.narrow(0, m * h, h)), y.narrow(0, m * h, h)) * 0.5;
+      const Tensor loss = mse_loss(forward(x.narrow(0, m * h, h)), y.narrow(0, m * h, h)) * 0.5;
       BackwardOptions bo;
       bo.accumulate_into = &g;
       (void)loss.backward(bo);
