@@ -93,6 +93,62 @@ class Swap {
   const TensorList& handles_;
   TensorList host_;
 };
+
+// The uploads of a stack of blocks (Note [Weight streaming]): per block, at most one upload
+// started ahead of its use. A block's tensors are its params and buffers lists (BlockSwap: its
+// frozen tensors as params, no buffers).
+struct Uploader {
+  Device device;
+  bool prefetch_on = true;
+  std::optional<cuda::Stream> side;
+  std::vector<std::shared_ptr<Upload>> pending;
+  int64_t uploads = 0;
+  int64_t prefetched_uploads = 0;
+
+  void init(Device d, bool prefetch, std::size_t blocks) {
+    device = d;
+    prefetch_on = prefetch;
+    pending.assign(blocks, nullptr);
+  }
+  // Starts copying the tensors to the device (on the side stream for CUDA; clones on the CPU).
+  std::shared_ptr<Upload> upload(const TensorList& params, const TensorList& buffers) {
+    auto u = std::make_shared<Upload>();
+    NoGradGuard no_grad;
+    auto copy = [&](const Tensor& t) { return device.is_cpu() ? t.detach().clone() : t.detach().to(device, true); };
+    std::optional<cuda::StreamGuard> guard;
+    if (device.is_cuda()) {
+      if (!side) side = cuda::Stream::create(device.index);
+      guard.emplace(*side);
+    }
+    for (const Tensor& p : params) u->params.push_back(copy(p));
+    for (const Tensor& t : buffers) u->buffers.push_back(copy(t));
+    if (device.is_cuda()) u->ready.record(*side);
+    ++uploads;
+    return u;
+  }
+  void prefetch(std::size_t i, const TensorList& params, const TensorList& buffers) {
+    if (!prefetch_on || pending[i]) return;
+    pending[i] = upload(params, buffers);
+    pending[i]->prefetched = true;
+    ++prefetched_uploads;
+  }
+  // Block i's device copies, ready for work queued on the current stream from now on.
+  std::shared_ptr<Upload> acquire(std::size_t i, const TensorList& params, const TensorList& buffers) {
+    std::shared_ptr<Upload> u = std::move(pending[i]);
+    pending[i] = nullptr;
+    if (!u) u = upload(params, buffers);
+    if (device.is_cuda()) {
+      const cuda::Stream compute = cuda::Stream::current(device.index);
+      compute.wait(u->ready);
+      for (const Tensor& t : u->params) cuda::record_stream(t, compute);
+      for (const Tensor& t : u->buffers) cuda::record_stream(t, compute);
+    }
+    return u;
+  }
+  void drop() {
+    for (auto& p : pending) p = nullptr;
+  }
+};
 }  // namespace
 
 struct StreamedBlocks::State {
@@ -104,51 +160,12 @@ struct StreamedBlocks::State {
   std::vector<Block> blocks;
   Device device;
   StreamedBlocksOptions options;
-  std::optional<cuda::Stream> side;
-  std::vector<std::shared_ptr<Upload>> pending;  // per block: an upload started ahead of its use
-  int64_t uploads = 0;
-  int64_t prefetched_uploads = 0;
-
-  // Starts copying block i's tensors to the device (on the side stream for CUDA).
-  std::shared_ptr<Upload> upload(std::size_t i) {
-    auto u = std::make_shared<Upload>();
-    const Block& b = blocks[i];
-    NoGradGuard no_grad;
-    auto copy = [&](const Tensor& t) { return device.is_cpu() ? t.detach().clone() : t.detach().to(device, true); };
-    if (device.is_cuda()) {
-      if (!side) side = cuda::Stream::create(device.index);
-      cuda::StreamGuard guard(*side);
-      for (const Tensor& p : b.params) u->params.push_back(copy(p));
-      for (const Tensor& t : b.buffers) u->buffers.push_back(copy(t));
-      u->ready.record(*side);
-    } else {
-      for (const Tensor& p : b.params) u->params.push_back(copy(p));
-      for (const Tensor& t : b.buffers) u->buffers.push_back(copy(t));
-    }
-    ++uploads;
-    return u;
-  }
+  Uploader up;
 
   void prefetch(std::size_t i) {
-    if (!options.prefetch || i >= blocks.size() || pending[i]) return;
-    pending[i] = upload(i);
-    pending[i]->prefetched = true;
-    ++prefetched_uploads;
+    if (i < blocks.size()) up.prefetch(i, blocks[i].params, blocks[i].buffers);
   }
-
-  // Block i's device copies, ready for work queued on the current stream from now on.
-  std::shared_ptr<Upload> acquire(std::size_t i) {
-    std::shared_ptr<Upload> u = std::move(pending[i]);
-    pending[i] = nullptr;
-    if (!u) u = upload(i);
-    if (device.is_cuda()) {
-      const cuda::Stream compute = cuda::Stream::current(device.index);
-      compute.wait(u->ready);
-      for (const Tensor& t : u->params) cuda::record_stream(t, compute);
-      for (const Tensor& t : u->buffers) cuda::record_stream(t, compute);
-    }
-    return u;
-  }
+  std::shared_ptr<Upload> acquire(std::size_t i) { return up.acquire(i, blocks[i].params, blocks[i].buffers); }
 
   Tensor run(std::size_t i, const Upload& u, const Tensor& x) {
     const Block& b = blocks[i];
@@ -218,6 +235,7 @@ StreamedBlocks::StreamedBlocks(std::vector<nn::ModulePtr> blocks, Device device,
     : state_(std::make_shared<State>()) {
   state_->device = device;
   state_->options = options;
+  state_->up.init(device, options.prefetch, blocks.size());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     FLAME_CHECK(blocks[i] != nullptr, "offload::StreamedBlocks", "block ", i, " is null");
     register_module(std::to_string(i), blocks[i]);
@@ -234,7 +252,6 @@ StreamedBlocks::StreamedBlocks(std::vector<nn::ModulePtr> blocks, Device device,
     }
     state_->blocks.push_back(std::move(b));
   }
-  state_->pending.resize(blocks.size());
 }
 
 namespace {
@@ -264,15 +281,15 @@ nn::ModulePtr StreamedBlocks::block(std::size_t i) const {
   return state_->blocks[i].module;
 }
 Device StreamedBlocks::device() const { return state_->device; }
-int64_t StreamedBlocks::uploads() const { return state_->uploads; }
-int64_t StreamedBlocks::prefetched_uploads() const { return state_->prefetched_uploads; }
+int64_t StreamedBlocks::uploads() const { return state_->up.uploads; }
+int64_t StreamedBlocks::prefetched_uploads() const { return state_->up.prefetched_uploads; }
 
 Tensor StreamedBlocks::forward(const Tensor& x) {
   FLAME_CHECK(x.defined(), "offload::StreamedBlocks", "undefined input");
   State& s = *state_;
   FLAME_CHECK(x.device() == s.device, "offload::StreamedBlocks", "the input is on ", x.device().str(),
               " but the blocks run on ", s.device.str());
-  for (auto& p : s.pending) p = nullptr;  // drop stale uploads: the host weights may have changed
+  s.up.drop();  // drop stale uploads: the host weights may have changed
   Tensor h = x;
   const std::size_t n = s.blocks.size();
   for (std::size_t i = 0; i < n; ++i) {
@@ -325,43 +342,12 @@ struct BlockSwap::State {
   std::vector<Block> blocks;
   Device device;
   BlockSwapOptions options;
-  std::optional<cuda::Stream> side;
-  std::vector<std::shared_ptr<Upload>> pending;
-  int64_t uploads = 0;
-  int64_t prefetched_uploads = 0;
+  Uploader up;
 
-  std::shared_ptr<Upload> upload(std::size_t i) {
-    auto u = std::make_shared<Upload>();
-    NoGradGuard no_grad;
-    const Block& b = blocks[i];
-    if (device.is_cuda()) {
-      if (!side) side = cuda::Stream::create(device.index);
-      cuda::StreamGuard guard(*side);
-      for (const Tensor& t : b.frozen) u->params.push_back(t.detach().to(device, /*non_blocking=*/true));
-      u->ready.record(*side);
-    } else {
-      for (const Tensor& t : b.frozen) u->params.push_back(t.detach().clone());
-    }
-    ++uploads;
-    return u;
-  }
   void prefetch(std::optional<std::size_t> i) {
-    if (!options.prefetch || !i || pending[*i]) return;
-    pending[*i] = upload(*i);
-    pending[*i]->prefetched = true;
-    ++prefetched_uploads;
+    if (i) up.prefetch(*i, blocks[*i].frozen, {});
   }
-  std::shared_ptr<Upload> acquire(std::size_t i) {
-    std::shared_ptr<Upload> u = std::move(pending[i]);
-    pending[i] = nullptr;
-    if (!u) u = upload(i);
-    if (device.is_cuda()) {
-      const cuda::Stream compute = cuda::Stream::current(device.index);
-      compute.wait(u->ready);
-      for (const Tensor& t : u->params) cuda::record_stream(t, compute);
-    }
-    return u;
-  }
+  std::shared_ptr<Upload> acquire(std::size_t i) { return up.acquire(i, blocks[i].frozen, {}); }
   std::optional<std::size_t> next_swapped(std::size_t from) const {
     for (std::size_t j = from; j < blocks.size(); ++j) {
       if (blocks[j].swapped) return j;
@@ -389,6 +375,7 @@ BlockSwap::BlockSwap(std::vector<nn::ModulePtr> blocks, Device device, BlockSwap
     : state_(std::make_shared<State>()) {
   state_->device = device;
   state_->options = options;
+  state_->up.init(device, options.prefetch, blocks.size());
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     FLAME_CHECK(blocks[i] != nullptr, "offload::BlockSwap", "block ", i, " is null");
     State::Block b;
@@ -407,7 +394,6 @@ BlockSwap::BlockSwap(std::vector<nn::ModulePtr> blocks, Device device, BlockSwap
     }
     state_->blocks.push_back(std::move(b));
   }
-  state_->pending.resize(blocks.size());
 }
 
 BlockSwap::~BlockSwap() = default;
@@ -435,7 +421,7 @@ void BlockSwap::set_swapped(const std::vector<bool>& swapped) {
   State& s = *state_;
   FLAME_CHECK(swapped.size() == s.blocks.size(), "offload::BlockSwap::set_swapped", "got ", swapped.size(),
               " flags for ", s.blocks.size(), " blocks");
-  for (auto& p : s.pending) p = nullptr;
+  s.up.drop();
   NoGradGuard no_grad;
   for (std::size_t i = 0; i < s.blocks.size(); ++i) {
     State::Block& b = s.blocks[i];
@@ -464,7 +450,7 @@ Tensor BlockSwap::run(std::size_t i, const std::function<Tensor(const TensorList
   State& s = *state_;
   s.check_index(i);
   if (i == 0) {
-    for (auto& p : s.pending) p = nullptr;  // a new forward: drop uploads a forward without backward left
+    s.up.drop();  // a new forward: drop uploads a forward without backward left
   }
   Tensor out;
   if (!s.blocks[i].swapped) {
@@ -494,8 +480,8 @@ BlockSwapReport BlockSwap::report() const {
       r.resident_bytes += b.bytes;
     }
   }
-  r.uploads = state_->uploads;
-  r.prefetched_uploads = state_->prefetched_uploads;
+  r.uploads = state_->up.uploads;
+  r.prefetched_uploads = state_->up.prefetched_uploads;
   return r;
 }
 

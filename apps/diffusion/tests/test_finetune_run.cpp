@@ -278,18 +278,24 @@ TEST(FinetuneRun, SD3AndSDXLWithoutCaches) {
 
 // model.fp8_base: the frozen base in 8 bits (both modes) trains the adapters; the first loss (before
 // any update) is the bf16 base's within the weights' e4m3 rounding.
+// A tiny run without caches or samples, of `steps` steps.
+fd::FinetuneConfig uncached_config(const std::string& family, const fs::path& images, const fs::path& out, int64_t steps) {
+  fd::FinetuneConfig c = tiny_config(family, images, out);
+  c.cache.latents = false;
+  c.cache.text_embeddings = false;
+  c.sample.every = 0;
+  c.sample.prompts = {};
+  c.train.steps = steps;
+  return c;
+}
+
 TEST(FinetuneRun, Fp8BaseTrainsTheAdapters) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "fp8");
   const fs::path images = make_images(dir);
   std::vector<double> first;
   for (const std::string mode : {"none", "dequantize", "fp8"}) {
     SCOPED_TRACE(mode);
-    fd::FinetuneConfig c = tiny_config("flux", images, dir / ("run_" + mode));
-    c.cache.latents = false;
-    c.cache.text_embeddings = false;
-    c.sample.every = 0;
-    c.sample.prompts = {};
-    c.train.steps = 2;
+    fd::FinetuneConfig c = uncached_config("flux", images, dir / ("run_" + mode), 2);
     c.model.fp8_base = mode;
     const fd::FinetuneRunResult r = run(c);
     ASSERT_EQ(r.losses.size(), 2u);
@@ -329,12 +335,7 @@ TEST(FinetuneRun, VramBudgetChoosesTheLayoutWithoutChangingTheRun) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "budget");
   const fs::path images = make_images(dir);
   auto config = [&](const std::string& family, const std::string& name, double budget) {
-    fd::FinetuneConfig c = tiny_config(family, images, dir / name);
-    c.cache.latents = false;
-    c.cache.text_embeddings = false;
-    c.sample.every = 0;
-    c.sample.prompts = {};
-    c.train.steps = 2;
+    fd::FinetuneConfig c = uncached_config(family, images, dir / name, 2);
     c.train.vram_budget_gib = budget;
     return c;
   };
