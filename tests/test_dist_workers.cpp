@@ -456,13 +456,26 @@ StateDict to_cpu(const StateDict& sd) {
   return out;
 }
 
+// FLAME_DIST_TEST_SHARDED=1: ZeRO-2 with per-rank shard files (save_sharded / load_sharded) instead
+// of the consolidated state.
+bool sharded_test() { return std::getenv("FLAME_DIST_TEST_SHARDED") != nullptr; }
+dist::ZeroOptions test_zero_options() {
+  return sharded_test() ? dist::ZeroOptions{.stage = 2, .bucket_cap_mb = 100.0 / (1 << 20)} : dist::ZeroOptions{};
+}
+
 int ckpt_save() {
   auto pg = init();
   const int W = pg->size(), R = pg->rank();
   const Device dev = pg->device();
   auto model = make_model(R == 0 ? 11 : 3, dev);
-  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory());
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory(), nullptr, test_zero_options());
   zero_steps(*model, opt, 0, 2, R, W, dev);
+  if (sharded_test()) {
+    opt.save_sharded(test_dir() + "/optim");
+    if (R == 0) io::save_safetensors(test_dir() + "/model.safetensors", to_cpu(model->state_dict()));
+    pg->barrier();
+    return 0;
+  }
   const StateDict osd = opt.state_dict();  // collective: every rank calls it
   pg->barrier();
   if (R == 0) {
@@ -483,8 +496,33 @@ int ckpt_resume() {
   const Device dev = pg->device();
   auto model = make_model(99, dev);  // overwritten by the checkpoint
   model->load_state_dict(io::load_safetensors(test_dir() + "/model.safetensors", dev));
-  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory());
-  opt.load_state_dict(io::load_safetensors(test_dir() + "/optim.safetensors", dev));
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory(), nullptr, test_zero_options());
+  if (sharded_test()) {
+    const std::string dir = test_dir() + "/optim", broken = test_dir() + "/broken";
+    if (R == 0) {  // the same set without its last shard file, and one without its index
+      std::filesystem::create_directories(broken + "/no_index");
+      for (const auto& e : std::filesystem::directory_iterator(dir)) {
+        const std::string name = e.path().filename().string();
+        if (name.find("-of-") != std::string::npos) std::filesystem::copy_file(e.path(), broken + "/no_index/" + name);
+        if (name.find("rank0-of-") != std::string::npos || name.find("shards") != std::string::npos)
+          std::filesystem::copy_file(e.path(), broken + "/" + name);
+      }
+    }
+    pg->barrier();
+    auto error_of = [&](const std::string& d) {
+      try {
+        opt.load_sharded(d);
+      } catch (const Error& e) {
+        return std::string(e.what());
+      }
+      return std::string();
+    };
+    WCHECK(error_of(broken).find("is missing") != std::string::npos);
+    WCHECK(error_of(broken + "/no_index").find("did not finish") != std::string::npos);
+    opt.load_sharded(dir);
+  } else {
+    opt.load_state_dict(io::load_safetensors(test_dir() + "/optim.safetensors", dev));
+  }
   zero_steps(*model, opt, 2, 4, R, W, dev);
   auto ref = reference_adamw(4, dev);
   WCHECK(same_params(*model, *ref, 1e-4, "resumed on fewer ranks vs one process"));

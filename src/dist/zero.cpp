@@ -35,9 +35,12 @@
 // dropped once its reduction completed (polled at each arrival, waited at the end of a round).
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
+#include <random>
 
 #include "flame/dist.h"
+#include "flame/io/safetensors.h"
 #include "src/autograd/grad_release.h"
 
 namespace flame::dist {
@@ -424,6 +427,149 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
       else inner.insert(k, t);
     }
     FLAME_CHECK(any, op, "the state has no keys for parameter group ", g);
+  }
+  inner_->load_state_dict(inner);
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    TensorList keep = groups_[g].params;
+    groups_[g] = inner_->param_groups()[g];
+    groups_[g].params = std::move(keep);
+  }
+}
+
+// Note [ZeRO shard files]
+// A rank's file holds, per bucket b, the inner optimizer's state of the flat elements it owns
+// without the padding ("bucket.<b>.<slot>", elements [lo, hi) of the bucket, lo = r*S, hi =
+// min(lo + S, numel), in the metadata), the bucket's step ("bucket.<b>.step") and the
+// hyperparameters ("param_groups.<g>.*" except the parameter list). The buckets depend on the
+// parameter groups and bucket_cap_mb, not on the world size, so a set saved by W ranks is read by
+// any other number: each rank copies from every file the overlap of that file's range with its own.
+// Every file and the index carry one save id, drawn by rank 0 and broadcast: a file left from
+// another save (one that did not finish) is refused by name.
+namespace {
+constexpr const char* kShardFormat = "flame.zero_shards.v1";
+std::string shard_file(const std::string& dir, int64_t r, int64_t w) {
+  return dir + "/optimizer-rank" + std::to_string(r) + "-of-" + std::to_string(w) + ".safetensors";
+}
+std::string shard_index(const std::string& dir) { return dir + "/optimizer-shards.safetensors"; }
+int64_t meta_int(const io::Metadata& m, const std::string& key, const std::string& file) {
+  const auto it = m.find(key);
+  FLAME_CHECK(it != m.end(), "ZeroRedundancyOptimizer.load_sharded", file, " has no '", key,
+              "' in its metadata: not a ZeRO shard file");
+  return std::stoll(it->second);
+}
+}  // namespace
+
+void ZeroRedundancyOptimizer::save_sharded(const std::string& dir) const {
+  ProcessGroup& pg = *group_;
+  const int64_t W = pg.size(), R = pg.rank();
+  NoGradGuard no_grad;
+  Tensor id = Tensor::zeros({1}, TensorOptions(DType::i64, pg.device()));
+  if (R == 0) id.fill_(static_cast<double>(std::random_device{}() & 0x3fffffffu));
+  pg.broadcast(id, 0);
+  const std::string save_id = std::to_string(id.to(Device::cpu()).item<int64_t>());
+  if (R == 0) std::filesystem::create_directories(dir);
+  pg.barrier();
+  const StateDict inner = inner_->state_dict();
+  StateDict out;
+  io::Metadata meta{{"format", kShardFormat}, {"save_id", save_id}, {"world", std::to_string(W)},
+                    {"rank", std::to_string(R)}, {"buckets", std::to_string(layouts_.size())}};
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    const Layout& l = layouts_[b];
+    const int64_t lo = std::min(R * l.shard, l.numel), hi = std::min(lo + l.shard, l.numel);
+    const std::string key = "bucket." + std::to_string(b) + ".";
+    meta[key + "numel"] = std::to_string(l.numel);
+    meta[key + "lo"] = std::to_string(lo);
+    meta[key + "hi"] = std::to_string(hi);
+    const std::string prefix = "state." + std::to_string(b) + ".";
+    for (const auto& [k, t] : inner) {
+      if (k.rfind(prefix, 0) != 0) continue;
+      const std::string slot = k.substr(prefix.size());
+      if (slot == "step") {
+        out.insert(key + "step", t.to(Device::cpu()).clone());
+        continue;
+      }
+      FLAME_CHECK(t.numel() == l.shard, "ZeroRedundancyOptimizer.save_sharded", "state '", slot, "' of shape ",
+                  t.sizes(), " is not elementwise (", inner_->name(), ")");
+      out.insert(key + slot, t.narrow(0, 0, hi - lo).to(Device::cpu()).contiguous());
+    }
+  }
+  for (const auto& [k, t] : inner) {
+    if (k.rfind("param_groups.", 0) == 0 && k.size() > 7 && k.substr(k.size() - 7) != ".params")
+      out.insert(k, t.to(Device::cpu()).clone());
+  }
+  io::save_safetensors(shard_file(dir, R, W), out, meta);
+  pg.barrier();  // every shard is in place before the index says so
+  if (R == 0)
+    io::save_safetensors(shard_index(dir), StateDict{},
+                         {{"format", kShardFormat}, {"save_id", save_id}, {"world", std::to_string(W)}});
+  pg.barrier();
+}
+
+void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
+  const char* op = "ZeroRedundancyOptimizer.load_sharded";
+  ProcessGroup& pg = *group_;
+  const int64_t R = pg.rank();
+  const std::string index = shard_index(dir);
+  FLAME_CHECK(std::filesystem::exists(index), op, dir, " has no optimizer-shards.safetensors: the sharded save did ",
+              "not finish, or the directory holds no sharded save (save_sharded writes the index last)");
+  const io::Metadata im = io::load_safetensors_metadata(index);
+  FLAME_CHECK(im.count("format") && im.at("format") == kShardFormat, op, index, " is not a ZeRO shard index");
+  const std::string save_id = im.count("save_id") ? im.at("save_id") : "";
+  const int64_t saved_world = meta_int(im, "world", index);
+  NoGradGuard no_grad;
+  // Per bucket and slot, the elements this rank owns now, filled from every file's overlap.
+  std::map<std::string, Tensor> mine;
+  StateDict first;
+  for (int64_t f = 0; f < saved_world; ++f) {
+    const std::string file = shard_file(dir, f, saved_world);
+    FLAME_CHECK(std::filesystem::exists(file), op, file, " is missing: the save by ", saved_world,
+                " ranks is incomplete");
+    const io::Metadata m = io::load_safetensors_metadata(file);
+    FLAME_CHECK(m.count("save_id") && m.at("save_id") == save_id, op, file, " is from another save than ", index,
+                " (a save that did not finish wrote it): use a complete checkpoint directory");
+    FLAME_CHECK(meta_int(m, "buckets", file) == static_cast<int64_t>(layouts_.size()), op, file, " holds ",
+                m.at("buckets"), " buckets, this optimizer has ", layouts_.size(),
+                " (other parameter groups or another bucket_cap_mb)");
+    const StateDict sd = io::load_safetensors(file, Device::cpu());
+    if (f == 0) first = sd;
+    for (std::size_t b = 0; b < layouts_.size(); ++b) {
+      const Layout& l = layouts_[b];
+      const std::string key = "bucket." + std::to_string(b) + ".";
+      FLAME_CHECK(meta_int(m, key + "numel", file) == l.numel, op, file, ": bucket ", b, " has ",
+                  m.at(key + "numel"), " elements, here ", l.numel, " (another model or parameter order)");
+      const int64_t flo = meta_int(m, key + "lo", file), fhi = meta_int(m, key + "hi", file);
+      const int64_t lo = std::min(R * l.shard, l.numel), hi = std::min(lo + l.shard, l.numel);
+      const int64_t s = std::max(lo, flo), e = std::min(hi, fhi);
+      for (const auto& [k, t] : sd) {
+        if (k.rfind(key, 0) != 0 || k == key + "step") continue;
+        Tensor& dst = mine[k];
+        if (!dst.defined()) dst = Tensor::zeros({l.shard}, TensorOptions(t.dtype(), Device::cpu()));
+        if (s < e) dst.narrow(0, s - lo, e - s).copy_(t.narrow(0, s - flo, e - s));
+      }
+    }
+  }
+  StateDict inner;
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    const std::string key = "bucket." + std::to_string(b) + ".";
+    const Tensor* step = first.find(key + "step");
+    if (!step) continue;  // no state yet for this bucket
+    inner.insert(state_key(b, "step"), step->to(pg.device()));
+    for (const auto& [k, t] : mine)
+      if (k.rfind(key, 0) == 0) inner.insert(state_key(b, k.substr(key.size())), t.to(pg.device()));
+  }
+  for (std::size_t g = 0; g < groups_.size(); ++g) {
+    const std::string prefix = group_prefix(g);
+    std::vector<int64_t> buckets;
+    for (std::size_t b = 0; b < layouts_.size(); ++b)
+      if (layouts_[b].group == g) buckets.push_back(static_cast<int64_t>(b));
+    bool any = false;
+    for (const auto& [k, t] : first) {
+      if (k.rfind(prefix, 0) != 0) continue;
+      any = true;
+      inner.insert(k, t.to(pg.device()));
+    }
+    FLAME_CHECK(any, op, shard_file(dir, 0, saved_world), " has no hyperparameters of parameter group ", g);
+    inner.insert(prefix + "params", Tensor::from_vec(buckets, {static_cast<int64_t>(buckets.size())}));
   }
   inner_->load_state_dict(inner);
   for (std::size_t g = 0; g < groups_.size(); ++g) {

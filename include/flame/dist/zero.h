@@ -64,6 +64,16 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   StateDict state_dict() const override;             // collective
   void load_state_dict(const StateDict& state) override;  // any world size's consolidated state
 
+  // Sharded checkpoints (collective; Note [ZeRO shard files] in src/dist/zero.cpp): every rank
+  // writes the state of the elements it owns to dir/optimizer-rank<r>-of-<W>.safetensors, then,
+  // after a barrier, rank 0 writes dir/optimizer-shards.safetensors, which makes the set complete.
+  // Each file is written aside and renamed. Use a fresh directory per checkpoint.
+  void save_sharded(const std::string& dir) const;
+  // Loads a set saved by any number of ranks (the same parameter groups and buckets): each rank
+  // reads, from every file, the elements it owns now. Raises naming the directory or file when the
+  // set is incomplete, from another save, or of another layout.
+  void load_sharded(const std::string& dir);
+
   struct MemoryReport {
     int64_t param_numel = 0;        // over all groups
     int64_t shard_numel = 0;        // this rank's slice (padded)
