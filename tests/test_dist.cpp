@@ -304,6 +304,15 @@ TEST(DistZero, StageTwoShardsGradientsDuringTheBackwardAndMatchesOneProcess) {
   }
 }
 
+TEST(DistZero, StageThreeShardsParametersPerBlockAndMatchesOneProcess) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  for (int world : {2, 3}) {
+    if (world > max_ranks()) continue;
+    const auto r = run_ranks("zero3", world, {});
+    EXPECT_TRUE(r.all_ok()) << r.report();
+  }
+}
+
 TEST(DistCheckpoint, FourRankCheckpointResumesOnTwoRanks) {
   DIST_SKIP_UNLESS_RANKS(2);
   // 4 ranks -> 2 (tcp, or nccl with 4 GPUs); 2 GPUs: 2 -> 1. Either way another world size.

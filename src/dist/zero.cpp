@@ -41,12 +41,16 @@
 
 #include "flame/dist.h"
 #include "flame/io/safetensors.h"
+#include "src/amp/autocast.h"
 #include "src/autograd/grad_release.h"
+#include "src/autograd/record.h"
 
 namespace flame::dist {
 
 struct ZeroRedundancyOptimizer::Layout {
   std::size_t group = 0;  // the parameter group it belongs to
+  int64_t block = -1;     // stage 3: the block whose parameters are sharded here (Note [ZeRO-3 blocks])
+  TensorList placeholders;  // stage 3: what the parameters hold outside run_block
   std::vector<Tensor> params;
   std::vector<int64_t> offsets;
   std::size_t first_index = 0;  // global parameter index of params[0]
@@ -54,9 +58,9 @@ struct ZeroRedundancyOptimizer::Layout {
   int64_t shard = 0;  // S
   Tensor shard_param;  // a view of flat_param: this rank's slice
   Tensor flat_param;   // W*S; the parameters' storage (Note [ZeRO layout])
-  bool aliased(std::size_t k) const {  // params[k] still lives in flat_param
-    return params[k].data_ptr() == flat_param.narrow(0, offsets[k], params[k].numel()).data_ptr() &&
-           params[k].is_contiguous();
+  bool aliased(std::size_t k) const {  // params[k] still lives in flat_param (never for stage-3 buckets)
+    return block >= 0 || (params[k].data_ptr() == flat_param.narrow(0, offsets[k], params[k].numel()).data_ptr() &&
+                          params[k].is_contiguous());
   }
 };
 
@@ -98,8 +102,8 @@ struct ZeroRedundancyOptimizer::Reducer {
   Bucket& fresh(std::size_t b) {
     Bucket& bk = buckets[b];
     if (!bk.flat_grad.defined()) {
-      const Tensor& fp = (*layouts)[b].flat_param;
-      bk.flat_grad = Tensor::zeros({fp.numel()}, TensorOptions(fp.dtype(), fp.device()));
+      const Layout& l = (*layouts)[b];
+      bk.flat_grad = Tensor::zeros({pg->size() * l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
     }
     return bk;
   }
@@ -110,7 +114,7 @@ struct ZeroRedundancyOptimizer::Reducer {
   void launch(std::size_t b) {
     Bucket& bk = fresh(b);
     const Layout& l = (*layouts)[b];
-    bk.out = Tensor::empty({l.shard}, TensorOptions(l.flat_param.dtype(), l.flat_param.device()));
+    bk.out = Tensor::empty({l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
     bk.work = pg->reduce_scatter(bk.out, bk.flat_grad, ReduceOp::avg, /*async=*/true);
     bk.reduced = true;
     bk.retired = false;
@@ -163,8 +167,22 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   const char* op = "ZeroRedundancyOptimizer";
   FLAME_CHECK(factory != nullptr, op, "no optimizer factory");
   FLAME_CHECK(!groups.empty(), op, "no parameter groups");
-  FLAME_CHECK(options.stage == 1 || options.stage == 2, op, "stage must be 1 or 2, got ", options.stage,
-              " (stage 3, parameters sharded too, is not available)");
+  FLAME_CHECK(options.stage >= 1 && options.stage <= 3, op, "stage must be 1, 2 or 3, got ", options.stage);
+  FLAME_CHECK(options.stage == 3 || options.blocks.empty(), op, "ZeroOptions::blocks are for stage 3, the stage is ",
+              options.stage);
+  FLAME_CHECK(options.stage != 3 || !options.blocks.empty(), op,
+              "stage 3 shards the parameters of ZeroOptions::blocks: give the model's blocks");
+  // Stage 3: which block each parameter belongs to.
+  std::map<const void*, int64_t> block_of;
+  for (std::size_t i = 0; i < options.blocks.size(); ++i) {
+    FLAME_CHECK(options.blocks[i] != nullptr, op, "block ", i, " is null");
+    for (const Tensor& p : options.blocks[i]->parameters()) {
+      const auto [it, fresh] = block_of.emplace(p.impl(), static_cast<int64_t>(i));
+      FLAME_CHECK(fresh || it->second == static_cast<int64_t>(i), op, "a parameter (shape ", p.sizes(),
+                  ") is in blocks ", it->second, " and ", i, ": a sharded parameter belongs to one block");
+    }
+  }
+  block_layouts_.resize(options.blocks.size());
   FLAME_CHECK(options.bucket_cap_mb > 0, op, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
   ProcessGroup& pg = *group_;
   const int64_t W = pg.size();
@@ -188,13 +206,19 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
       if (c.numel() > 0) pg.broadcast(c, 0);
       if (!p.is_contiguous()) Tensor(p.detach()).copy_(c);
     }
-    // The group's buckets (stage 1: the whole group): runs of consecutive parameters.
-    const double cap = options.stage == 2 ? options.bucket_cap_mb * 1024.0 * 1024.0 : 0.0;
+    // The group's buckets (stage 1: the whole group): runs of consecutive parameters, cut at
+    // blocks' edges in stage 3.
+    const double cap = options.stage >= 2 ? options.bucket_cap_mb * 1024.0 * 1024.0 : 0.0;
+    auto block_id = [&](const Tensor& p) {
+      const auto it = block_of.find(p.impl());
+      return it == block_of.end() ? int64_t{-1} : it->second;
+    };
     std::vector<std::vector<std::size_t>> runs(1);
     double bytes = 0;
     for (std::size_t k = 0; k < grp.params.size(); ++k) {
       const double b = static_cast<double>(grp.params[k].nbytes());
-      if (cap > 0 && !runs.back().empty() && bytes + b > cap) {
+      const bool new_block = !runs.back().empty() && block_id(grp.params[k]) != block_id(grp.params[runs.back().back()]);
+      if (!runs.back().empty() && (new_block || (cap > 0 && bytes + b > cap))) {
         runs.emplace_back();
         bytes = 0;
       }
@@ -226,6 +250,16 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
       l.shard_param = Tensor::zeros({1}, o);
       l.shard_param.set_data(l.flat_param.narrow(0, pg.rank() * l.shard, l.shard));
       l.shard_param.requires_grad_(true);
+      l.block = block_id(l.params.front());
+      if (l.block >= 0) {  // Note [ZeRO-3 blocks]: only the shard stays; the parameters hold placeholders
+        l.shard_param.set_data(l.flat_param.narrow(0, pg.rank() * l.shard, l.shard).clone());
+        for (Tensor& p : l.params) {
+          l.placeholders.push_back(Tensor::zeros({1}, o).expand(p.sizes()));
+          p.set_data(l.placeholders.back());
+        }
+        l.flat_param = Tensor();
+        block_layouts_[static_cast<std::size_t>(l.block)].push_back(layouts_.size());
+      }
       ig.params.push_back(l.shard_param);
       layouts_.push_back(std::move(l));
     }
@@ -236,7 +270,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   inner_ = factory(std::move(inner_groups));
   FLAME_CHECK(inner_ != nullptr && inner_->num_param_groups() == groups_.size(), op,
               "the factory must return an optimizer over the groups it was given");
-  if (options.stage == 2) {
+  if (options.stage >= 2) {
     reducer_ = std::make_shared<Reducer>();
     reducer_->pg = group_.get();
     reducer_->layouts = &layouts_;
@@ -283,7 +317,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     for (std::size_t b = 0; b < layouts_.size(); ++b) {
       Layout& l = layouts_[b];
       Tensor& sg = reducer_->buckets[b].shard_grad;
-      local.set(l.shard_param, sg.defined() ? std::move(sg) : Tensor::zeros({l.shard}, TensorOptions(l.flat_param.dtype(), l.flat_param.device())));
+      local.set(l.shard_param, sg.defined() ? std::move(sg) : Tensor::zeros({l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device())));
       sg = Tensor();
       for (std::size_t k = 0; k < l.params.size(); ++k)
         if (!l.aliased(k))
@@ -318,8 +352,11 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   inner_->step(local);
   }
   works.clear();
-  for (Layout& l : layouts_) works.push_back(pg.all_gather(l.flat_param, l.shard_param.detach(), /*async=*/true));
+  for (Layout& l : layouts_) {  // stage-3 buckets stay sharded: run_block gathers them
+    works.push_back(l.block >= 0 ? Work() : pg.all_gather(l.flat_param, l.shard_param.detach(), /*async=*/true));
+  }
   for (std::size_t i = 0; i < layouts_.size(); ++i) {
+    if (!works[i].defined()) continue;
     works[i].wait();
     Layout& l = layouts_[i];
     for (std::size_t k = 0; k < l.params.size(); ++k)
@@ -579,6 +616,147 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
   }
 }
 
+// Note [ZeRO-3 blocks]
+// With stage 3 the buckets of a block's parameters keep only this rank's shard (its own storage,
+// what the inner optimizer steps); the parameters hold a placeholder of their shape (a stride-0
+// view of one zero) outside run_block, so the block costs 1/W of its bytes at rest. gather_block
+// all-gathers each of the block's buckets into a fresh flat buffer and binds the parameters to
+// views of it (set_data, identity kept), and rebinds the placeholders when the returned scope ends.
+// run_block runs fn with the block gathered and grad off, and records one node whose edges are the
+// inputs that require grad and the block's parameters. Its backward gathers the block again,
+// recomputes fn with grad on (the generator and autocast state of the forward) and runs an inner
+// backward to the inputs and the parameters; the parameters' gradients go through the ZeRO-2
+// hooks (Note [ZeRO-2 buckets]) into their buckets and are released there, so the node returns
+// gradients for the inputs only. No saved tensor holds a parameter (their versions change with
+// every rebinding). Parameters outside the blocks are treated as in stage 2.
+namespace {
+struct GatheredBlock {
+  std::vector<Tensor> fulls;
+  std::vector<std::pair<Tensor, Tensor>> rebind;  // (parameter, placeholder) to restore
+  ~GatheredBlock() {
+    for (auto& [p, ph] : rebind) {
+      try {
+        p.set_data(ph);
+      } catch (...) {  // set_data on a tensor it accepted before cannot fail
+      }
+    }
+  }
+};
+}  // namespace
+
+std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i) {
+  FLAME_CHECK(i < block_layouts_.size(), "ZeroRedundancyOptimizer.run_block", "block ", i, " out of range (",
+              block_layouts_.size(), " blocks with sharded parameters; stage ", options_.stage, ")");
+  ProcessGroup& pg = *group_;
+  NoGradGuard no_grad;
+  auto held = std::make_shared<GatheredBlock>();
+  for (std::size_t b : block_layouts_[i]) {
+    Layout& l = layouts_[b];
+    Tensor full = Tensor::empty({pg.size() * l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
+    pg.all_gather(full, l.shard_param.detach());
+    for (std::size_t k = 0; k < l.params.size(); ++k) {
+      Tensor p = l.params[k];
+      p.set_data(full.narrow(0, l.offsets[k], p.numel()).view(p.sizes()));
+      held->rebind.emplace_back(p, l.placeholders[k]);
+    }
+    held->fulls.push_back(std::move(full));
+  }
+  return held;
+}
+
+Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Tensor(const TensorList&)>& fn,
+                                          const TensorList& inputs) {
+  const char* op = "ZeroRedundancyOptimizer.run_block";
+  FLAME_CHECK(options_.stage == 3, op, "blocks are sharded only with stage 3 (this optimizer has stage ",
+              options_.stage, ")");
+  if (!grad_enabled()) {
+    const std::shared_ptr<void> g = gather_block(i);
+    return fn(inputs);
+  }
+  Generator& gen = default_generator();
+  const Generator::State rng_before = gen.get_state();
+  const amp::detail::AutocastState autocast_before = amp::detail::autocast_state();
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    const std::shared_ptr<void> g = gather_block(i);
+    out = fn(inputs);
+  }
+  FLAME_CHECK(out.defined(), op, "block ", i, " returned an undefined tensor");
+  out = out.detach();
+  TensorList edges;
+  std::vector<SavedTensor> saved;
+  std::vector<bool> wants;
+  for (const Tensor& t : inputs) {
+    saved.emplace_back(t, "ZeroBlock");
+    wants.push_back(t.defined() && t.requires_grad());
+    if (wants.back()) edges.push_back(t);
+  }
+  TensorList params;
+  for (std::size_t b : block_layouts_[i])
+    for (const Tensor& p : layouts_[b].params) params.push_back(p);
+  edges.insert(edges.end(), params.begin(), params.end());
+  const std::size_t n_params = params.size();
+  record(out, "ZeroBlockBackward", edges,
+         [this, i, fn, saved, wants, n_params, rng_before, autocast_before](const Tensor& grad) {
+           const std::shared_ptr<void> g = gather_block(i);
+           TensorList ins, stop_at;
+           for (std::size_t k = 0; k < saved.size(); ++k) {
+             Tensor d = saved[k].get();
+             if (d.defined() && wants[k]) {
+               d = d.detach().requires_grad_(true);
+               stop_at.push_back(d);
+             }
+             ins.push_back(d);
+           }
+           TensorList block_params;
+           for (std::size_t b : block_layouts_[i])
+             for (const Tensor& p : layouts_[b].params) block_params.push_back(p);
+           Generator& gn = default_generator();
+           const Generator::State rng_now = gn.get_state();
+           gn.set_state(rng_before);
+           Tensor y;
+           {
+             const int depth = autograd_detail::t_state.backward_depth;
+             autograd_detail::t_state.backward_depth = 0;  // the recompute is a forward pass
+             struct Restore {
+               int depth;
+               Generator& g;
+               Generator::State s;
+               ~Restore() {
+                 autograd_detail::t_state.backward_depth = depth;
+                 g.set_state(s);
+               }
+             } restore{depth, gn, rng_now};
+             EnableGradGuard enable;
+             amp::detail::AutocastStateGuard autocast(autocast_before);
+             y = fn(ins);
+           }
+           TensorList grads;
+           Gradients gs;
+           if (y.requires_grad()) {
+             BackwardOptions opts;
+             opts.grad_output = grad;
+             opts.inputs = stop_at;
+             opts.inputs.insert(opts.inputs.end(), block_params.begin(), block_params.end());
+             gs = y.backward(opts);  // the parameters' gradients leave through their hooks
+           }
+           for (const Tensor& d : stop_at) grads.push_back(gs.try_get(d));
+           grads.resize(grads.size() + n_params);
+           return grads;
+         });
+  return out;
+}
+
+ZeroRedundancyOptimizer::Gathered::~Gathered() = default;
+ZeroRedundancyOptimizer::Gathered::Gathered(Gathered&&) noexcept = default;
+
+ZeroRedundancyOptimizer::Gathered ZeroRedundancyOptimizer::gather_parameters() {
+  Gathered g;
+  for (std::size_t i = 0; i < block_layouts_.size(); ++i) g.held_.push_back(gather_block(i));
+  return g;
+}
+
 double ZeroRedundancyOptimizer::grad_norm() {
   const char* op = "ZeroRedundancyOptimizer.grad_norm";
   FLAME_CHECK(reducer_ != nullptr, op, "the gradients are sharded only with stage 2; with stage 1 take the norm "
@@ -610,6 +788,7 @@ ZeroRedundancyOptimizer::MemoryReport ZeroRedundancyOptimizer::memory_report() c
   if (reducer_) {
     for (const auto& bk : reducer_->buckets) r.gradient_bytes += bk.shard_grad.defined() ? bk.shard_grad.nbytes() : 0;
   }
+  for (const Layout& l : layouts_) r.parameter_bytes += l.block >= 0 ? l.shard_param.nbytes() : l.flat_param.nbytes();
   const StateDict inner = inner_->state_dict();
   for (std::size_t g = 0; g < layouts_.size(); ++g) {
     r.param_numel += layouts_[g].numel;

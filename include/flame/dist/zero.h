@@ -1,6 +1,6 @@
 #pragma once
-// ZeRO stages 1 and 2: optimizer state, and with stage 2 the gradients, sharded across the ranks
-// (docs/distributed.md).
+// ZeRO stages 1, 2 and 3: optimizer state, with stage 2 the gradients, with stage 3 the parameters
+// of the given blocks, sharded across the ranks (docs/distributed.md).
 //
 //   dist::ZeroRedundancyOptimizer opt(
 //       {optim::AdamWOptions{.lr = 1e-4}.group(model->parameters())},
@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "flame/nn/module.h"
 #include "flame/optim/optimizer.h"
 
 namespace flame::dist {
@@ -41,8 +42,11 @@ class ProcessGroup;
 using OptimizerFactory = std::function<std::unique_ptr<optim::Optimizer>(std::vector<optim::ParamGroup>)>;
 
 struct ZeroOptions {
-  int stage = 1;                // 1: optimizer state sharded; 2: gradients too
-  double bucket_cap_mb = 25.0;  // stage 2: the size of a gradient bucket
+  int stage = 1;                // 1: optimizer state sharded; 2: gradients too; 3: parameters too
+  double bucket_cap_mb = 25.0;  // stages 2 and 3: the size of a gradient bucket
+  // Stage 3: the blocks whose parameters are sharded (run through run_block); parameters outside
+  // them are treated as in stage 2. A block's parameters form buckets of their own.
+  std::vector<std::shared_ptr<nn::Module>> blocks;
 };
 
 class ZeroRedundancyOptimizer : public optim::Optimizer {
@@ -60,6 +64,30 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // as flame::clip_grad_norm_ does on full gradients. Finishes the pending reductions.
   double grad_norm();
   double clip_grad_norm(double max_norm);
+
+  // Stage 3 (Note [ZeRO-3 blocks] in src/dist/zero.cpp): block i of ZeroOptions::blocks, as
+  // fn(inputs). Its parameters are all-gathered just before and dropped after; while grad mode
+  // is on only the inputs are kept, and the backward gathers them again, recomputes the block and
+  // reduce-scatters its gradients (as flame::checkpoint, the random state restored). Every rank
+  // runs the same blocks in the same order. Outside run_block a sharded parameter holds a
+  // placeholder (zeros of its shape, one element of storage).
+  Tensor run_block(std::size_t i, const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs);
+  // Stage 3: every sharded parameter gathered while the object lives (to save or read the model's
+  // weights; collective).
+  class Gathered {
+   public:
+    ~Gathered();
+    Gathered(Gathered&&) noexcept;
+    Gathered(const Gathered&) = delete;
+    Gathered& operator=(const Gathered&) = delete;
+    Gathered& operator=(Gathered&&) = delete;
+
+   private:
+    friend class ZeroRedundancyOptimizer;
+    Gathered() = default;
+    std::vector<std::shared_ptr<void>> held_;
+  };
+  [[nodiscard]] Gathered gather_parameters();
   std::string name() const override;
   StateDict state_dict() const override;             // collective
   void load_state_dict(const StateDict& state) override;  // any world size's consolidated state
@@ -80,6 +108,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     std::size_t state_bytes = 0;    // optimizer state held by this rank
     std::size_t full_state_bytes_estimate = 0;  // what an unsharded optimizer would hold
     std::size_t gradient_bytes = 0;  // stage 2: the gradient shards held between backward and step
+    std::size_t parameter_bytes = 0;  // the trained parameters held by this rank (stage 3: shards)
   };
   MemoryReport memory_report() const;
   optim::Optimizer& local_optimizer() { return *inner_; }
@@ -89,11 +118,13 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
  private:
   void finish_reductions();
+  std::shared_ptr<void> gather_block(std::size_t i);
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions options_;
   std::unique_ptr<optim::Optimizer> inner_;
   std::vector<Layout> layouts_;  // one per bucket (stage 1: one per group), in group order
-  std::shared_ptr<Reducer> reducer_;  // stage 2
+  std::shared_ptr<Reducer> reducer_;  // stages 2 and 3
+  std::vector<std::vector<std::size_t>> block_layouts_;  // stage 3: block i's buckets
 };
 
 }  // namespace flame::dist
