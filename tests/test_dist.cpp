@@ -308,8 +308,12 @@ TEST(DistZero, StageThreeShardsParametersPerBlockAndMatchesOneProcess) {
   DIST_SKIP_UNLESS_RANKS(2);
   for (int world : {2, 3}) {
     if (world > max_ranks()) continue;
-    const auto r = run_ranks("zero3", world, {});
-    EXPECT_TRUE(r.all_ok()) << r.report();
+    for (bool bf16 : {false, true}) {  // bf16: compute_dtype over f32 shards, under autocast
+      SCOPED_TRACE(bf16 ? "bf16 compute" : "f32");
+      const auto r = run_ranks("zero3", world, bf16 ? std::map<std::string, std::string>{{"FLAME_DIST_TEST_BF16", "1"}}
+                                                    : std::map<std::string, std::string>{});
+      EXPECT_TRUE(r.all_ok()) << r.report();
+    }
   }
 }
 

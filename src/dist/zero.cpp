@@ -172,6 +172,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
               options.stage);
   FLAME_CHECK(options.stage != 3 || !options.blocks.empty(), op,
               "stage 3 shards the parameters of ZeroOptions::blocks: give the model's blocks");
+  FLAME_CHECK(!options.compute_dtype || (options.stage == 3 && is_floating(*options.compute_dtype)), op,
+              "compute_dtype is stage 3's (a floating dtype), got ",
+              options.compute_dtype ? dtype_name(*options.compute_dtype) : "", " with stage ", options.stage);
   // Stage 3: which block each parameter belongs to.
   std::map<const void*, int64_t> block_of;
   for (std::size_t i = 0; i < options.blocks.size(); ++i) {
@@ -628,7 +631,9 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
 // backward to the inputs and the parameters; the parameters' gradients go through the ZeRO-2
 // hooks (Note [ZeRO-2 buckets]) into their buckets and are released there, so the node returns
 // gradients for the inputs only. No saved tensor holds a parameter (their versions change with
-// every rebinding). Parameters outside the blocks are treated as in stage 2.
+// every rebinding). Parameters outside the blocks are treated as in stage 2. With compute_dtype the
+// shard is cast before the all-gather and the parameters are bound to views in that dtype; their
+// gradients are cast into the buckets, which stay in the shards' dtype.
 namespace {
 struct GatheredBlock {
   std::vector<Tensor> fulls;
@@ -644,7 +649,7 @@ struct GatheredBlock {
 };
 }  // namespace
 
-std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i) {
+std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool own_dtype) {
   FLAME_CHECK(i < block_layouts_.size(), "ZeroRedundancyOptimizer.run_block", "block ", i, " out of range (",
               block_layouts_.size(), " blocks with sharded parameters; stage ", options_.stage, ")");
   ProcessGroup& pg = *group_;
@@ -652,8 +657,10 @@ std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i) {
   auto held = std::make_shared<GatheredBlock>();
   for (std::size_t b : block_layouts_[i]) {
     Layout& l = layouts_[b];
-    Tensor full = Tensor::empty({pg.size() * l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
-    pg.all_gather(full, l.shard_param.detach());
+    // compute_dtype: the shard cast before the gather (half the bytes on the wire for bf16 over f32).
+    const DType dt = !own_dtype && options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
+    Tensor full = Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device()));
+    pg.all_gather(full, l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
     for (std::size_t k = 0; k < l.params.size(); ++k) {
       Tensor p = l.params[k];
       p.set_data(full.narrow(0, l.offsets[k], p.numel()).view(p.sizes()));
@@ -753,7 +760,7 @@ ZeroRedundancyOptimizer::Gathered::Gathered(Gathered&&) noexcept = default;
 
 ZeroRedundancyOptimizer::Gathered ZeroRedundancyOptimizer::gather_parameters() {
   Gathered g;
-  for (std::size_t i = 0; i < block_layouts_.size(); ++i) g.held_.push_back(gather_block(i));
+  for (std::size_t i = 0; i < block_layouts_.size(); ++i) g.held_.push_back(gather_block(i, /*own_dtype=*/true));
   return g;
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,10 @@ struct ZeroOptions {
   // Stage 3: the blocks whose parameters are sharded (run through run_block); parameters outside
   // them are treated as in stage 2. A block's parameters form buckets of their own.
   std::vector<std::shared_ptr<nn::Module>> blocks;
+  // Stage 3: the dtype the blocks' parameters are gathered and computed in (bf16 over f32 shards,
+  // as FSDP's MixedPrecision(param_dtype=bf16)); the shards, the optimizer and the gradient
+  // reduction stay in the parameters' dtype. Unset: the parameters' own dtype.
+  std::optional<DType> compute_dtype;
 };
 
 class ZeroRedundancyOptimizer : public optim::Optimizer {
@@ -72,8 +77,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // runs the same blocks in the same order. Outside run_block a sharded parameter holds a
   // placeholder (zeros of its shape, one element of storage).
   Tensor run_block(std::size_t i, const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs);
-  // Stage 3: every sharded parameter gathered while the object lives (to save or read the model's
-  // weights; collective).
+  // Stage 3: every sharded parameter gathered, in its own dtype, while the object lives (to save or
+  // read the model's weights; collective).
   class Gathered {
    public:
     ~Gathered();
@@ -118,7 +123,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
  private:
   void finish_reductions();
-  std::shared_ptr<void> gather_block(std::size_t i);
+  std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false);
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions options_;
   std::unique_ptr<optim::Optimizer> inner_;
