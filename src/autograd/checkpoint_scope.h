@@ -11,8 +11,29 @@
 #include <memory>
 
 #include "flame/autograd.h"
+#include "flame/grad_mode.h"
+#include "flame/random.h"
 
 namespace flame::autograd_detail {
+
+// The recompute of a checkpointed forward inside a backward (flame::checkpoint, weight streaming,
+// ZeRO-3 blocks): while alive, grad mode is on, the thread's backward depth is 0 (the recompute is
+// a forward pass: its nodes are real) and `gen` is at `state`, the state of the first forward (so
+// dropout masks match); on exit, also by an exception, the depth and the generator's state are put
+// back where they were.
+class RecomputeScope {
+ public:
+  RecomputeScope(Generator& gen, const Generator::State& state);
+  ~RecomputeScope();
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+ private:
+  Generator& gen_;
+  Generator::State previous_;
+  int depth_;
+  EnableGradGuard enable_;
+};
 
 using CheckpointScope = std::function<std::shared_ptr<void>(bool recompute)>;
 

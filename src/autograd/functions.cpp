@@ -74,6 +74,17 @@ Tensor checkpoint(const std::function<Tensor(const TensorList&)>& fn, const Tens
 
 namespace autograd_detail {
 
+RecomputeScope::RecomputeScope(Generator& gen, const Generator::State& state)
+    : gen_(gen), previous_(gen.get_state()), depth_(t_state.backward_depth) {
+  gen_.set_state(state);
+  t_state.backward_depth = 0;
+}
+
+RecomputeScope::~RecomputeScope() {
+  t_state.backward_depth = depth_;
+  gen_.set_state(previous_);
+}
+
 Tensor checkpoint_scoped(const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs, Generator* gen,
                          const CheckpointScope& scope) {
   Generator* g = gen ? gen : &default_generator();
@@ -136,25 +147,12 @@ Tensor checkpoint_scoped(const std::function<Tensor(const TensorList&)>& fn, con
       caps.push_back(c.get());
       stop_at.push_back(caps.back());
     }
-    const Generator::State rng_now = g->get_state();
-    g->set_state(rng_before);
     Tensor y;
     {
-      // This recompute is a forward pass, not a gradient rule: its nodes are real.
-      const int depth = t_state.backward_depth;
-      t_state.backward_depth = 0;
-      EnableGradGuard enable;
+      autograd_detail::RecomputeScope recompute(*g, rng_before);
       amp::detail::AutocastStateGuard autocast(autocast_before);  // same dtypes as the first forward
-      try {
-        y = fn(ins);
-      } catch (...) {
-        t_state.backward_depth = depth;
-        g->set_state(rng_now);
-        throw;
-      }
-      t_state.backward_depth = depth;
+      y = fn(ins);
     }
-    g->set_state(rng_now);
     TensorList grads(n_in + caps.size());
     if (!y.requires_grad() || stop_at.empty()) return grads;
     BackwardOptions opts;

@@ -42,6 +42,7 @@
 #include "flame/dist.h"
 #include "flame/io/safetensors.h"
 #include "src/amp/autocast.h"
+#include "src/autograd/checkpoint_scope.h"
 #include "src/autograd/grad_release.h"
 #include "src/autograd/record.h"
 
@@ -456,9 +457,7 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
   }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
-    std::vector<int64_t> buckets;  // the inner optimizer's parameters of group g
-    for (std::size_t b = 0; b < layouts_.size(); ++b)
-      if (layouts_[b].group == g) buckets.push_back(static_cast<int64_t>(b));
+    const std::vector<int64_t> buckets = buckets_of(g);  // the inner optimizer's parameters of group g
     bool any = false;
     for (const auto& [k, t] : state) {
       if (k.rfind(prefix, 0) != 0) continue;
@@ -468,12 +467,23 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
     }
     FLAME_CHECK(any, op, "the state has no keys for parameter group ", g);
   }
+  load_inner_state(inner);
+}
+
+void ZeroRedundancyOptimizer::load_inner_state(const StateDict& inner) {
   inner_->load_state_dict(inner);
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
+  for (std::size_t g = 0; g < groups_.size(); ++g) {  // the hyperparameters loaded, the parameters kept
     TensorList keep = groups_[g].params;
     groups_[g] = inner_->param_groups()[g];
     groups_[g].params = std::move(keep);
   }
+}
+
+std::vector<int64_t> ZeroRedundancyOptimizer::buckets_of(std::size_t group) const {
+  std::vector<int64_t> out;
+  for (std::size_t b = 0; b < layouts_.size(); ++b)
+    if (layouts_[b].group == group) out.push_back(static_cast<int64_t>(b));
+  return out;
 }
 
 // Note [ZeRO shard files]
@@ -599,9 +609,7 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
   }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
-    std::vector<int64_t> buckets;
-    for (std::size_t b = 0; b < layouts_.size(); ++b)
-      if (layouts_[b].group == g) buckets.push_back(static_cast<int64_t>(b));
+    const std::vector<int64_t> buckets = buckets_of(g);
     bool any = false;
     for (const auto& [k, t] : first) {
       if (k.rfind(prefix, 0) != 0) continue;
@@ -611,12 +619,7 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
     FLAME_CHECK(any, op, shard_file(dir, 0, saved_world), " has no hyperparameters of parameter group ", g);
     inner.insert(prefix + "params", Tensor::from_vec(buckets, {static_cast<int64_t>(buckets.size())}));
   }
-  inner_->load_state_dict(inner);
-  for (std::size_t g = 0; g < groups_.size(); ++g) {
-    TensorList keep = groups_[g].params;
-    groups_[g] = inner_->param_groups()[g];
-    groups_[g].params = std::move(keep);
-  }
+  load_inner_state(inner);
 }
 
 // Note [ZeRO-3 blocks]
@@ -719,23 +722,9 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
            TensorList block_params;
            for (std::size_t b : block_layouts_[i])
              for (const Tensor& p : layouts_[b].params) block_params.push_back(p);
-           Generator& gn = default_generator();
-           const Generator::State rng_now = gn.get_state();
-           gn.set_state(rng_before);
            Tensor y;
            {
-             const int depth = autograd_detail::t_state.backward_depth;
-             autograd_detail::t_state.backward_depth = 0;  // the recompute is a forward pass
-             struct Restore {
-               int depth;
-               Generator& g;
-               Generator::State s;
-               ~Restore() {
-                 autograd_detail::t_state.backward_depth = depth;
-                 g.set_state(s);
-               }
-             } restore{depth, gn, rng_now};
-             EnableGradGuard enable;
+             autograd_detail::RecomputeScope recompute(default_generator(), rng_before);
              amp::detail::AutocastStateGuard autocast(autocast_before);
              y = fn(ins);
            }

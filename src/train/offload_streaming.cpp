@@ -181,25 +181,11 @@ struct StreamedBlocks::State {
     std::shared_ptr<Upload> u = acquire(i);
     if (i > 0) prefetch(i - 1);
     const Block& b = blocks[i];
-    Generator& g = default_generator();
-    const Generator::State rng_now = g.get_state();
-    g.set_state(rng);
     TensorList grads;
     TensorList device_grads;
     Tensor xin;
     {
-      const int depth = autograd_detail::t_state.backward_depth;
-      autograd_detail::t_state.backward_depth = 0;  // the recompute is a forward pass
-      struct Restore {
-        int depth;
-        Generator& g;
-        Generator::State s;
-        ~Restore() {
-          autograd_detail::t_state.backward_depth = depth;
-          g.set_state(s);
-        }
-      } restore{depth, g, rng_now};
-      EnableGradGuard enable;
+      autograd_detail::RecomputeScope recompute(default_generator(), rng);
       Swap sp(b.params, u->params);
       Swap sb(b.buffers, u->buffers);
       xin = x_grad ? x.detach().requires_grad_(true) : x.detach();

@@ -124,6 +124,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
  private:
   void finish_reductions();
   std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false);
+  void load_inner_state(const StateDict& inner);
+  std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions options_;
   std::unique_ptr<optim::Optimizer> inner_;
