@@ -1,5 +1,6 @@
 #pragma once
-// flame::checkpoint with a scope around each run of the function (internal; offload::BlockSwap).
+// Internal pieces of flame::checkpoint that block swapping (offload::BlockSwap), weight streaming
+// and ZeRO-3's blocks reuse: the recompute scope, and checkpoint with a scope around each run.
 //
 // checkpoint_scoped(fn, inputs, gen, scope) is checkpoint(fn, inputs, gen), except that scope(false)
 // is called before the first (no-grad) run of fn and the object it returns is released right after

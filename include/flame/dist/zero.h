@@ -24,8 +24,9 @@
 // rest. Several backward passes before one step accumulate (gradient accumulation needs nothing
 // else). step(grads) finishes the reductions (buckets whose parameters got no gradient on this
 // rank count zeros for them) and ignores `grads` for these parameters. The gradient norm over the
-// shards: grad_norm() / clip_grad_norm() (collective). Each parameter must receive its gradient
-// once per backward (a parameter used again after its bucket was reduced raises).
+// shards: grad_norm() / clip_grad_norm() (collective). A gradient arriving again for a bucket
+// already reduced (a parameter used twice in one backward) starts the next round of reductions:
+// still the right average, as long as every rank does the same.
 #include <cstdint>
 #include <functional>
 #include <memory>
