@@ -187,6 +187,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
     }
   }
   block_layouts_.resize(options.blocks.size());
+  prefetched_.resize(options.blocks.size());
   FLAME_CHECK(options.bucket_cap_mb > 0, op, "bucket_cap_mb must be positive, got ", options.bucket_cap_mb);
   ProcessGroup& pg = *group_;
   const int64_t W = pg.size();
@@ -317,6 +318,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   std::vector<Work> works;
   if (reducer_) {  // stage 2: the shard gradients are already there (Note [ZeRO-2 buckets])
     finish_reductions();
+    drop_prefetched();  // gathered before this step: stale after it
     Gradients local;
     for (std::size_t b = 0; b < layouts_.size(); ++b) {
       Layout& l = layouts_[b];
@@ -634,7 +636,10 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
 // backward to the inputs and the parameters; the parameters' gradients go through the ZeRO-2
 // hooks (Note [ZeRO-2 buckets]) into their buckets and are released there, so the node returns
 // gradients for the inputs only. No saved tensor holds a parameter (their versions change with
-// every rebinding). Parameters outside the blocks are treated as in stage 2. With compute_dtype the
+// every rebinding). With prefetch, run_block starts block i+1's all-gathers (async) once block i is
+// bound, and block i's backward starts block i-1's; gather_block then waits on them instead of
+// gathering. step() finishes and drops any gather still pending (it was of the shards before the
+// update). Parameters outside the blocks are treated as in stage 2. With compute_dtype the
 // shard is cast before the all-gather and the parameters are bound to views in that dtype; their
 // gradients are cast into the buckets, which stay in the shards' dtype.
 namespace {
@@ -650,7 +655,40 @@ struct GatheredBlock {
     }
   }
 };
+
+// A block's all-gathers started ahead of its use (ZeroOptions::prefetch).
+struct PrefetchedBlock {
+  std::vector<Tensor> fulls, sources;  // the outputs, and the inputs kept alive while in flight
+  std::vector<Work> works;
+  void wait() {
+    for (Work& w : works) w.wait();
+    works.clear();
+    sources.clear();
+  }
+};
 }  // namespace
+
+void ZeroRedundancyOptimizer::prefetch_block(std::size_t i) {
+  if (!options_.prefetch || i >= block_layouts_.size() || prefetched_[i]) return;
+  ProcessGroup& pg = *group_;
+  NoGradGuard no_grad;
+  auto pf = std::make_shared<PrefetchedBlock>();
+  for (std::size_t b : block_layouts_[i]) {
+    const Layout& l = layouts_[b];
+    const DType dt = options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
+    pf->sources.push_back(l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
+    pf->fulls.push_back(Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device())));
+    pf->works.push_back(pg.all_gather(pf->fulls.back(), pf->sources.back(), /*async=*/true));
+  }
+  prefetched_[i] = pf;
+}
+
+void ZeroRedundancyOptimizer::drop_prefetched() {
+  for (auto& p : prefetched_) {
+    if (p) std::static_pointer_cast<PrefetchedBlock>(p)->wait();  // every rank launched it: finish it
+    p = nullptr;
+  }
+}
 
 std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool own_dtype) {
   FLAME_CHECK(i < block_layouts_.size(), "ZeroRedundancyOptimizer.run_block", "block ", i, " out of range (",
@@ -658,12 +696,23 @@ std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool 
   ProcessGroup& pg = *group_;
   NoGradGuard no_grad;
   auto held = std::make_shared<GatheredBlock>();
-  for (std::size_t b : block_layouts_[i]) {
-    Layout& l = layouts_[b];
-    // compute_dtype: the shard cast before the gather (half the bytes on the wire for bf16 over f32).
-    const DType dt = !own_dtype && options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
-    Tensor full = Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device()));
-    pg.all_gather(full, l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
+  std::shared_ptr<PrefetchedBlock> pf;
+  if (!own_dtype && prefetched_[i]) {
+    pf = std::static_pointer_cast<PrefetchedBlock>(prefetched_[i]);
+    prefetched_[i] = nullptr;
+    pf->wait();
+  }
+  for (std::size_t j = 0; j < block_layouts_[i].size(); ++j) {
+    Layout& l = layouts_[block_layouts_[i][j]];
+    Tensor full;
+    if (pf) {
+      full = pf->fulls[j];
+    } else {
+      // compute_dtype: the shard cast before the gather (half the bytes on the wire for bf16 over f32).
+      const DType dt = !own_dtype && options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
+      full = Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device()));
+      pg.all_gather(full, l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
+    }
     for (std::size_t k = 0; k < l.params.size(); ++k) {
       Tensor p = l.params[k];
       p.set_data(full.narrow(0, l.offsets[k], p.numel()).view(p.sizes()));
@@ -681,6 +730,7 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
               options_.stage, ")");
   if (!grad_enabled()) {
     const std::shared_ptr<void> g = gather_block(i);
+    prefetch_block(i + 1);
     return fn(inputs);
   }
   Generator& gen = default_generator();
@@ -690,6 +740,7 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
   {
     NoGradGuard no_grad;
     const std::shared_ptr<void> g = gather_block(i);
+    prefetch_block(i + 1);  // the next block's gather runs while this one computes
     out = fn(inputs);
   }
   FLAME_CHECK(out.defined(), op, "block ", i, " returned an undefined tensor");
@@ -710,6 +761,7 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
   record(out, "ZeroBlockBackward", edges,
          [this, i, fn, saved, wants, n_params, rng_before, autocast_before](const Tensor& grad) {
            const std::shared_ptr<void> g = gather_block(i);
+           if (i > 0) prefetch_block(i - 1);  // backward walks the blocks in reverse
            TensorList ins, stop_at;
            for (std::size_t k = 0; k < saved.size(); ++k) {
              Tensor d = saved[k].get();

@@ -53,6 +53,9 @@ struct ZeroOptions {
   // as FSDP's MixedPrecision(param_dtype=bf16)); the shards, the optimizer and the gradient
   // reduction stay in the parameters' dtype. Unset: the parameters' own dtype.
   std::optional<DType> compute_dtype;
+  // Stage 3: start the all-gather of the next block (in backward, the previous one) while this
+  // one computes, asynchronously on the group's communication; two blocks are gathered at a time.
+  bool prefetch = true;
 };
 
 class ZeroRedundancyOptimizer : public optim::Optimizer {
@@ -125,6 +128,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
  private:
   void finish_reductions();
   std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false);
+  void prefetch_block(std::size_t i);
+  void drop_prefetched();
   void load_inner_state(const StateDict& inner);
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
@@ -133,6 +138,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::vector<Layout> layouts_;  // one per bucket (stage 1: one per group), in group order
   std::shared_ptr<Reducer> reducer_;  // stages 2 and 3
   std::vector<std::vector<std::size_t>> block_layouts_;  // stage 3: block i's buckets
+  std::vector<std::shared_ptr<void>> prefetched_;         // stage 3: block i's gather in flight
 };
 
 }  // namespace flame::dist
