@@ -98,15 +98,25 @@ struct ZeroRedundancyOptimizer::Reducer {
   std::vector<Bucket> buckets;
   std::vector<std::size_t> order;  // launch order: the last bucket first
   std::size_t next = 0;            // position in `order` of the next launch
+  std::size_t retired_upto = 0;    // positions in `order` before this are retired
   bool active = false;             // a gradient arrived in this round
 
+  // The bucket's flat gradient for this round: each arrival copies into its slot (one per
+  // parameter and round), so only the padding is zeroed here, and launch() zeroes the slots of
+  // parameters that got no gradient.
   Bucket& fresh(std::size_t b) {
     Bucket& bk = buckets[b];
     if (!bk.flat_grad.defined()) {
       const Layout& l = (*layouts)[b];
-      bk.flat_grad = Tensor::zeros({pg->size() * l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
+      const int64_t total = pg->size() * l.shard;
+      bk.flat_grad = Tensor::empty({total}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
+      if (total > l.numel) bk.flat_grad.narrow(0, l.numel, total - l.numel).zero_();
     }
     return bk;
+  }
+  Tensor slot(std::size_t b, std::size_t k) {
+    const Layout& l = (*layouts)[b];
+    return buckets[b].flat_grad.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes());
   }
   bool complete(std::size_t b) const {
     const Bucket& bk = buckets[b];
@@ -114,6 +124,9 @@ struct ZeroRedundancyOptimizer::Reducer {
   }
   void launch(std::size_t b) {
     Bucket& bk = fresh(b);
+    for (std::size_t k = 0; k < bk.arrived.size(); ++k) {
+      if (!bk.arrived[k]) slot(b, k).zero_();  // no gradient on this rank: zeros in the average
+    }
     const Layout& l = (*layouts)[b];
     bk.out = Tensor::empty({l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
     bk.work = pg->reduce_scatter(bk.out, bk.flat_grad, ReduceOp::avg, /*async=*/true);
@@ -143,22 +156,19 @@ struct ZeroRedundancyOptimizer::Reducer {
       bk.reduced = false;
     }
     next = 0;
+    retired_upto = 0;
     active = false;
   }
   void on_grad(std::size_t b, std::size_t k, const Tensor& grad) {
     if (buckets[b].reduced || buckets[b].arrived[k]) finish_round();  // the next round starts
     NoGradGuard no_grad;
     active = true;
-    Bucket& bk = fresh(b);
-    const Layout& l = (*layouts)[b];
-    Tensor slot = bk.flat_grad.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes());
-    slot.add_(grad.dtype() == slot.dtype() ? grad : grad.to(slot.dtype()));
-    bk.arrived[k] = true;
+    fresh(b);
+    slot(b, k).copy_(grad);  // converts to the bucket's dtype (stage 3's compute_dtype)
+    buckets[b].arrived[k] = true;
     launch_ready();
-    for (std::size_t j = 0; j < next; ++j) {  // drop the flat gradients of finished reductions
-      Bucket& done = buckets[order[j]];
-      if (!done.retired && done.work.is_completed()) retire(order[j]);
-    }
+    // Drop the flat gradients of finished reductions, oldest first (they finish in launch order).
+    while (retired_upto < next && buckets[order[retired_upto]].work.is_completed()) retire(order[retired_upto++]);
   }
 };
 
@@ -656,8 +666,10 @@ struct GatheredBlock {
   }
 };
 
-// A block's all-gathers started ahead of its use (ZeroOptions::prefetch).
-struct PrefetchedBlock {
+}  // namespace
+
+// A block's all-gathers, started ahead of their use (ZeroOptions::prefetch) or just before.
+struct ZeroRedundancyOptimizer::Prefetch {
   std::vector<Tensor> fulls, sources;  // the outputs, and the inputs kept alive while in flight
   std::vector<Work> works;
   void wait() {
@@ -666,26 +678,31 @@ struct PrefetchedBlock {
     sources.clear();
   }
 };
-}  // namespace
 
-void ZeroRedundancyOptimizer::prefetch_block(std::size_t i) {
-  if (!options_.prefetch || i >= block_layouts_.size() || prefetched_[i]) return;
+// Starts block i's all-gathers (async): in compute_dtype, or in the shards' own dtype.
+std::shared_ptr<ZeroRedundancyOptimizer::Prefetch> ZeroRedundancyOptimizer::start_gather(std::size_t i, bool own_dtype) {
   ProcessGroup& pg = *group_;
   NoGradGuard no_grad;
-  auto pf = std::make_shared<PrefetchedBlock>();
+  auto pf = std::make_shared<Prefetch>();
   for (std::size_t b : block_layouts_[i]) {
     const Layout& l = layouts_[b];
-    const DType dt = options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
+    // compute_dtype: the shard cast before the gather (half the bytes on the wire for bf16 over f32).
+    const DType dt = !own_dtype && options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
     pf->sources.push_back(l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
     pf->fulls.push_back(Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device())));
     pf->works.push_back(pg.all_gather(pf->fulls.back(), pf->sources.back(), /*async=*/true));
   }
-  prefetched_[i] = pf;
+  return pf;
+}
+
+void ZeroRedundancyOptimizer::prefetch_block(std::size_t i) {
+  if (!options_.prefetch || i >= block_layouts_.size() || prefetched_[i]) return;
+  prefetched_[i] = start_gather(i, /*own_dtype=*/false);
 }
 
 void ZeroRedundancyOptimizer::drop_prefetched() {
   for (auto& p : prefetched_) {
-    if (p) std::static_pointer_cast<PrefetchedBlock>(p)->wait();  // every rank launched it: finish it
+    if (p) p->wait();  // every rank launched it: finish it
     p = nullptr;
   }
 }
@@ -693,32 +710,25 @@ void ZeroRedundancyOptimizer::drop_prefetched() {
 std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool own_dtype) {
   FLAME_CHECK(i < block_layouts_.size(), "ZeroRedundancyOptimizer.run_block", "block ", i, " out of range (",
               block_layouts_.size(), " blocks with sharded parameters; stage ", options_.stage, ")");
-  ProcessGroup& pg = *group_;
+  std::shared_ptr<Prefetch> pf;
+  if (!own_dtype && prefetched_[i]) {
+    pf = std::move(prefetched_[i]);
+    prefetched_[i] = nullptr;
+  } else {
+    pf = start_gather(i, own_dtype);
+  }
+  pf->wait();
   NoGradGuard no_grad;
   auto held = std::make_shared<GatheredBlock>();
-  std::shared_ptr<PrefetchedBlock> pf;
-  if (!own_dtype && prefetched_[i]) {
-    pf = std::static_pointer_cast<PrefetchedBlock>(prefetched_[i]);
-    prefetched_[i] = nullptr;
-    pf->wait();
-  }
   for (std::size_t j = 0; j < block_layouts_[i].size(); ++j) {
     Layout& l = layouts_[block_layouts_[i][j]];
-    Tensor full;
-    if (pf) {
-      full = pf->fulls[j];
-    } else {
-      // compute_dtype: the shard cast before the gather (half the bytes on the wire for bf16 over f32).
-      const DType dt = !own_dtype && options_.compute_dtype ? *options_.compute_dtype : l.shard_param.dtype();
-      full = Tensor::empty({pg.size() * l.shard}, TensorOptions(dt, l.shard_param.device()));
-      pg.all_gather(full, l.shard_param.dtype() == dt ? l.shard_param.detach() : l.shard_param.detach().to(dt));
-    }
+    const Tensor& full = pf->fulls[j];
     for (std::size_t k = 0; k < l.params.size(); ++k) {
       Tensor p = l.params[k];
       p.set_data(full.narrow(0, l.offsets[k], p.numel()).view(p.sizes()));
       held->rebind.emplace_back(p, l.placeholders[k]);
     }
-    held->fulls.push_back(std::move(full));
+    held->fulls.push_back(full);
   }
   return held;
 }

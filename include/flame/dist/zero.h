@@ -124,11 +124,13 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
   struct Layout;
   struct Reducer;
+  struct Prefetch;  // stage 3: a block's all-gathers in flight
 
  private:
   void finish_reductions();
   std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false);
   void prefetch_block(std::size_t i);
+  std::shared_ptr<Prefetch> start_gather(std::size_t i, bool own_dtype);
   void drop_prefetched();
   void load_inner_state(const StateDict& inner);
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
@@ -138,7 +140,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::vector<Layout> layouts_;  // one per bucket (stage 1: one per group), in group order
   std::shared_ptr<Reducer> reducer_;  // stages 2 and 3
   std::vector<std::vector<std::size_t>> block_layouts_;  // stage 3: block i's buckets
-  std::vector<std::shared_ptr<void>> prefetched_;         // stage 3: block i's gather in flight
+  std::vector<std::shared_ptr<Prefetch>> prefetched_;     // stage 3: block i's gather in flight
 };
 
 }  // namespace flame::dist
