@@ -43,6 +43,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <optional>
@@ -163,6 +165,54 @@ std::string fmt(const char* f, double v) {
   std::snprintf(b, sizeof b, f, v);
   return b;
 }
+
+// One batch as the step takes it: the loader's batch and, from the caches, its text embeddings and
+// latent distributions in host memory (pinned when training on a GPU, so the upload does not wait).
+struct StepBatch {
+  flame::data::LoaderState position;  // the loader's position before this batch (where a resume starts)
+  ImageBatch batch;
+  fm::TextTensors text, latents;  // empty without the cache
+};
+
+// Note [Step pipelining]: the next batch is drawn and read from the caches on a helper thread while
+// the GPU runs the current step, so neither the loader nor the cache files (read and checksummed)
+// show up in the step time. `count` batches are drawn in all; the loader is used by one thread at a
+// time (the helper while a batch is in flight, the caller otherwise).
+class BatchPrefetcher {
+ public:
+  using Prepare = std::function<StepBatch(flame::data::LoaderState, ImageBatch)>;
+  BatchPrefetcher(ImageLoader& loader, Prepare prepare, int64_t count)
+      : loader_(loader), prepare_(std::move(prepare)), left_(count) {
+    launch();
+  }
+  BatchPrefetcher(const BatchPrefetcher&) = delete;
+  BatchPrefetcher& operator=(const BatchPrefetcher&) = delete;
+  ~BatchPrefetcher() {
+    if (next_.valid()) next_.wait();
+  }
+  // The batch in flight (its errors are raised here), and the next one started.
+  StepBatch take() {
+    if (!next_.valid()) throw std::logic_error("finetune: more batches taken than the run draws");
+    StepBatch b = next_.get();
+    launch();
+    return b;
+  }
+  // Where the loader stands for the next batch the step will take (a checkpoint's resume point).
+  flame::data::LoaderState position() const { return next_.valid() ? in_flight_ : loader_.position(); }
+
+ private:
+  void launch() {
+    if (left_ <= 0) return;
+    --left_;
+    in_flight_ = loader_.position();
+    next_ = std::async(std::launch::async, [this, at = in_flight_] { return prepare_(at, loader_.next()); });
+  }
+  ImageLoader& loader_;
+  Prepare prepare_;
+  int64_t left_;
+  flame::data::LoaderState in_flight_;
+  std::future<StepBatch> next_;
+};
 
 }  // namespace
 
@@ -531,31 +581,51 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   ddpm.prediction = cfg.model.prediction == "v_prediction" ? fm::Prediction::v_prediction : fm::Prediction::epsilon;
   ddpm.snr_gamma = cfg.train.min_snr_gamma;
 
-  auto batch_text = [&](const std::vector<ImageItem>& items) {
+  // The caches' tensors of a batch, read on the prefetcher's thread (pinned for an asynchronous upload).
+  const bool pin = device.is_cuda();
+  auto prepare = [&](flame::data::LoaderState at, ImageBatch b) {
+    StepBatch s{.position = at, .batch = std::move(b), .text = {}, .latents = {}};
+    auto host = [&](fm::TextTensors t) {
+      if (pin)
+        for (auto& [name, v] : t) v = v.pin_memory();
+      return t;
+    };
+    if (text_cache) {
+      std::vector<std::string> caps;
+      for (const auto& it : s.batch.items) caps.push_back(it.caption);
+      s.text = host(text_cache->get_batch(caps, Device::cpu()));
+    }
+    if (latent_cache) {
+      std::vector<std::string> keys;
+      for (const auto& it : s.batch.items) keys.push_back(latent_key(it, it.flipped));
+      s.latents = host(latent_cache->get_batch(keys, Device::cpu()));
+    }
+    return s;
+  };
+  auto upload = [&](const Tensor& t) { return t.to(device, /*non_blocking=*/true); };
+  auto batch_text = [&](const StepBatch& s) {
+    if (text_cache) return fm::TextTensors{{"states", upload(s.text.at("states"))}, {"pooled", upload(s.text.at("pooled"))}};
     std::vector<std::string> caps;
-    for (const auto& it : items) caps.push_back(it.caption);
-    if (text_cache) return text_cache->get_batch(caps, device);
+    for (const auto& it : s.batch.items) caps.push_back(it.caption);
     flame::NoGradGuard ng;
     return encode_text(caps);
   };
-  auto batch_latents = [&](ImageBatch& b) {
+  auto batch_latents = [&](const StepBatch& s) {
     flame::NoGradGuard ng;
     fm::LatentDistribution d;
     if (latent_cache) {
-      std::vector<std::string> keys;
-      for (const auto& it : b.items) keys.push_back(latent_key(it, it.flipped));
-      const fm::TextTensors t = latent_cache->get_batch(keys, device);
-      d = {t.at("mean"), t.at("logvar")};
+      d = {upload(s.latents.at("mean")), upload(s.latents.at("logvar"))};
     } else {
-      d = pipe->vae->encode(b.images.to(device));  // kept: no latent cache
+      d = pipe->vae->encode(s.batch.images.to(device));  // kept: no latent cache
     }
     const Tensor z = d.mean + d.std() * Tensor::randn(d.mean.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(d.mean.dtype());
 
     return fm::vae_to_latent(vae_config, z).to(dtype);
   };
-  auto batch_loss = [&](ImageBatch& b) {
-    const Tensor x0 = batch_latents(b);
-    const fm::TextTensors text = batch_text(b.items);
+  auto batch_loss = [&](const StepBatch& s) {
+    const ImageBatch& b = s.batch;
+    const Tensor x0 = batch_latents(s);
+    const fm::TextTensors text = batch_text(s);
     const Tensor states = text.at("states").to(dtype), pooled = text.at("pooled").to(dtype);
 
     const int64_t n = x0.size(0);
@@ -639,12 +709,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (!device.is_cuda())
       throw std::runtime_error("train.vram_budget_gib caps GPU memory and needs --device cuda, got " + device.str());
     ImageLoader probe(dataset, loader_options, start);
-    const ImageBatch first = probe.next();
+    const StepBatch first = prepare(probe.position(), probe.next());
     const flame::Generator::State gen_state = gen.get_state();
     const flame::Generator::State default_state = flame::default_generator().get_state();
     auto trial = [&] {
-      ImageBatch b = first;
-      (void)batch_loss(b).backward();
+      (void)batch_loss(first).backward();
       gen.set_state(gen_state);
       flame::default_generator().set_state(default_state);
     };
@@ -670,8 +739,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   std::ofstream csv(run / "loss.csv", std::ios::trunc);
   csv << kept;
   const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
+  BatchPrefetcher batches(loader, prepare, (total - step) * cfg.train.grad_accum);
   auto save_checkpoint = [&] {
-    const flame::data::LoaderState pos = loader.position();
+    const flame::data::LoaderState pos = batches.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch;
     result.last_checkpoint = ckpt.save_rotating(ckpt_dir.string(), keep);
@@ -685,14 +755,52 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     flame::cuda::synchronize(device.index);
     flame::cuda::reset_peak_memory_stats(device.index);
   }
-  std::vector<double> step_seconds;
+  std::size_t warmup_peak = 0;  // the peak of the first two steps (kept apart, like their time)
+  // Note [Step pipelining]: a step's loss and gradient norm come back to the host while the next step
+  // runs (an asynchronous copy, read after the next step's backward is queued), so the GPU never
+  // waits for the host between steps. The loss is checked when read: a non-finite one stops the run
+  // one update late, and every checkpoint and sample waits for its step's read first, so no
+  // checkpoint holds weights that followed a non-finite loss.
+  struct Pending {
+    int64_t step = 0;
+    double lr = 0;
+    Tensor values;  // [loss, grad norm], f32, on the host once `copied` completes
+    std::optional<flame::cuda::Event> copied;
+  };
+  std::optional<Pending> pending;
+  auto finish_pending = [&] {
+    if (!pending) return;
+    const Pending p = std::move(*pending);
+    pending.reset();
+    if (p.copied) p.copied->synchronize();
+    const std::vector<float> read = p.values.to_vec<float>();
+    const double loss_sum = read[0], gnorm = read[1];
+    if (!std::isfinite(loss_sum))
+      throw std::runtime_error("the loss is " + fmt("%g", loss_sum) + " at step " + std::to_string(p.step) +
+                               "; lower optimizer.lr or check the data (the last checkpoint is intact)");
+    result.losses.push_back(loss_sum);
+    csv << p.step << ',' << loss_sum << ',' << p.lr << ',' << gnorm << '\n';
+    if (p.step % cfg.train.log_every == 0 || p.step == total) {
+      const auto now = std::chrono::steady_clock::now();
+      const double secs = std::chrono::duration<double>(now - t_last).count();
+      t_last = now;
+      csv.flush();
+      say("step " + std::to_string(p.step) + "/" + std::to_string(total) + " loss " + fmt("%.5f", loss_sum) + " lr " +
+          fmt("%.3g", p.lr) + " grad norm " + fmt("%.3g", gnorm) + " " +
+          fmt("%.2f", secs / static_cast<double>(std::min(cfg.train.log_every, ran))) + " s/step");
+    }
+  };
+  std::vector<double> step_seconds, wait_seconds;
   while (step < total) {
     const auto t_step = std::chrono::steady_clock::now();
     flame::Gradients grads;
-    Tensor loss_total;  // on the device; read with the gradient norm, one host sync per step
+    Tensor loss_total;  // on the device
+    double waited = 0;
     try {
       for (int64_t m = 0; m < cfg.train.grad_accum; ++m) {
-        ImageBatch b = loader.next();
+        const auto t_wait = std::chrono::steady_clock::now();
+        const StepBatch b = batches.take();
+        waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
         Tensor loss = batch_loss(b);
         if (cfg.train.grad_accum > 1) loss = loss * (1.0 / static_cast<double>(cfg.train.grad_accum));
         flame::BackwardOptions bo;
@@ -708,34 +816,33 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                "train.vram_budget_gib, turn on train.gradient_checkpointing or store the base in 8 bits)");
     }
     const Tensor norm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip) : flame::grad_norm(grads);
-    const std::vector<float> read = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})})
-                                        .to(Device::cpu())
-                                        .to_vec<float>();
-    const double loss_sum = read[0], gnorm = read[1];
-    if (!std::isfinite(loss_sum))
-      throw std::runtime_error("the loss is " + fmt("%g", loss_sum) + " at step " + std::to_string(step + 1) +
-                               "; lower optimizer.lr or check the data (the last checkpoint is intact)");
-    const double lr = opt->lr();
+    Pending now;
+    now.values = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})}).to(Device::cpu(), true);
+    if (device.is_cuda()) {
+      now.copied.emplace();
+      now.copied->record();
+    }
+    finish_pending();  // the previous step's, copied while this one ran
+    now.lr = opt->lr();
     opt->step(grads);
     sched->step();
     if (ema) ema->update(step);
     ++step;
     ++ran;
+    now.step = step;
+    pending = std::move(now);
     step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count());
-    result.losses.push_back(loss_sum);
-    csv << step << ',' << loss_sum << ',' << lr << ',' << gnorm << '\n';
-    if (step % cfg.train.log_every == 0 || step == total) {
-      const auto now = std::chrono::steady_clock::now();
-      const double secs = std::chrono::duration<double>(now - t_last).count();
-      t_last = now;
-      csv.flush();
-      say("step " + std::to_string(step) + "/" + std::to_string(total) + " loss " + fmt("%.5f", loss_sum) + " lr " +
-          fmt("%.3g", lr) + " grad norm " + fmt("%.3g", gnorm) + " " +
-          fmt("%.2f", secs / static_cast<double>(std::min(cfg.train.log_every, ran))) + " s/step");
+    wait_seconds.push_back(waited);
+    if (ran == 2 && device.is_cuda()) {
+      warmup_peak = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
+      flame::cuda::reset_peak_memory_stats(device.index);
     }
     const bool stopping = stop_signal() != 0 || (options.stop_after > 0 && ran >= options.stop_after);
-    if ((cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == total || stopping) save_checkpoint();
-    if (sampling && step % cfg.sample.every == 0 && step < total) write_samples(step);
+    const bool saving = (cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == total || stopping;
+    const bool sample_now = sampling && step % cfg.sample.every == 0 && step < total;
+    if (saving || sample_now || step == total) finish_pending();
+    if (saving) save_checkpoint();
+    if (sample_now) write_samples(step);
     if (stopping && step < total) {
       result.steps_done = step;
       if (stop_signal() != 0) throw_if_stopped("training", "resume with checkpoint.resume = \"latest\"");
@@ -743,16 +850,32 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       return result;
     }
   }
+  finish_pending();
   result.steps_done = step;
-  // The steps' wall time (each ends with the loss and gradient norm read back, so it is the GPU's
-  // time too), the first two left out as warm-up when there are more.
+  // The steps' wall time (with the loss read one step late, the GPU's time once the queue is full),
+  // the first two left out as warm-up when there are more; on a GPU the peak memory of the steps
+  // after those two, and the peak of all of them when the first two went higher (the first
+  // convolutions of a shape choose their algorithms then).
   if (!step_seconds.empty()) {
-    std::vector<double> t(step_seconds.begin() + (step_seconds.size() > 4 ? 2 : 0), step_seconds.end());
-    std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
-    result.median_step_seconds = t[t.size() / 2];
-    if (device.is_cuda()) result.peak_memory_bytes = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
-    say("median step " + fmt("%.1f", result.median_step_seconds * 1e3) + " ms over " + std::to_string(t.size()) +
-        " steps" + (device.is_cuda() ? ", peak memory " + fmt("%.2f", result.peak_memory_bytes / 1073741824.0) + " GiB" : ""));
+    const auto median = [&](const std::vector<double>& all) {
+      std::vector<double> t(all.begin() + (all.size() > 4 ? 2 : 0), all.end());
+      std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+      return t[t.size() / 2];
+    };
+    result.median_step_seconds = median(step_seconds);
+    result.median_data_wait_seconds = median(wait_seconds);
+    std::string mem;
+    if (device.is_cuda()) {
+      const std::size_t after = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
+      result.peak_memory_bytes = ran > 2 ? after : std::max(after, warmup_peak);
+      result.peak_memory_all_bytes = std::max(after, warmup_peak);
+      mem = ", peak memory " + fmt("%.2f", result.peak_memory_bytes / 1073741824.0) + " GiB";
+      if (result.peak_memory_all_bytes > result.peak_memory_bytes)
+        mem += " (" + fmt("%.2f", result.peak_memory_all_bytes / 1073741824.0) + " GiB in the first two steps)";
+    }
+    say("median step " + fmt("%.1f", result.median_step_seconds * 1e3) + " ms over " +
+        std::to_string(step_seconds.size() > 4 ? step_seconds.size() - 2 : step_seconds.size()) + " steps" + mem +
+        ", waiting for data " + fmt("%.2f", result.median_data_wait_seconds * 1e3) + " ms");
   }
   if (sampling) write_samples(step);
 

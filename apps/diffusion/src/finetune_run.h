@@ -44,10 +44,13 @@ struct FinetuneRunResult {
   std::vector<std::string> lora_files;  // written at the end (empty when stopped early)
   std::vector<std::string> sample_files;
   std::string last_checkpoint;
-  // The median wall time of an optimizer step (warm-up steps left out) and, on a GPU, the peak memory
-  // allocated while training (the model, adapters, optimizer state and activations).
+  // The median wall time of an optimizer step and of its wait for the prefetched batch (warm-up
+  // steps left out) and, on a GPU, the peak memory allocated while training (the model, adapters,
+  // optimizer state and activations): after the first two steps, and over all steps.
   double median_step_seconds = 0;
+  double median_data_wait_seconds = 0;
   std::size_t peak_memory_bytes = 0;
+  std::size_t peak_memory_all_bytes = 0;
   std::string memory_plan;  // train.vram_budget_gib: what was swapped and checkpointed (models::BudgetPlan)
   int64_t text_cache_hits = 0, text_encoded = 0, latents_cached = 0, latents_encoded = 0;
 };

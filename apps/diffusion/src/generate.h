@@ -2,8 +2,8 @@
 // `flame-diffusion generate`: text-to-image with FLUX.1, SD3 / SD3.5 or SDXL (models/pipelines.h)
 // into one PNG / JPEG grid with each image's prompt under it.
 //
-//   flame-diffusion generate --model /models/FLUX.1-dev --prompt "a red cat" --steps 28 --guidance 3.5 \
-//       --width 1024 --height 1024 --seed 7 --batch 2 --out cats.png
+//   flame-diffusion generate --model /models/FLUX.1-dev --prompt "a red cat" --steps 28 --guidance 3.5
+//       --width 1024 --height 1024 --seed 7 --batch 2 --out cats.png         (one command)
 //
 // Each prompt is one row of --batch images (seeds drawn from --seed). The pipeline folder gives the
 // tokenizers and every component unless a single file replaces one (--transformer / --unet, --vae,
