@@ -127,5 +127,20 @@ TEST(CpuBlockCache, ThreadsShareItSafely) {
   EXPECT_LE(after.cached_bytes, std::size_t{8} << 20);
 }
 
+// A request no host can serve (1 PiB is beyond a 47-bit address space) raises OutOfMemoryError,
+// naming the op, shape and bytes, and the process goes on.
+TEST(CpuBlockCache, OutOfMemoryRaisesItsOwnType) {
+  const int64_t one_pib = int64_t{1} << 50;
+  try {
+    (void)Tensor::empty({one_pib}, {DType::u8, Device::cpu()});
+    FAIL() << "a 1 PiB tensor was allocated";
+  } catch (const OutOfMemoryError& e) {
+    const std::string what = e.what();
+    for (const char* part : {"empty", "1125899906842624", "out of host memory"})
+      EXPECT_NE(what.find(part), std::string::npos) << part << " not in: " << what;
+  }
+  EXPECT_EQ(Tensor::ones({4}, {DType::f32, Device::cpu()}).sum().item<float>(), 4.0f);
+}
+
 }  // namespace
 }  // namespace flame::test

@@ -53,8 +53,10 @@ TEST(CudaMemory, OutOfMemoryRaisesAndTheProcessGoesOn) {
   const cuda::MemoryStats before = cuda::memory_stats();
   const int64_t one_pib = int64_t{1} << 50;
   expect_error([&] { cuda_empty({one_pib}, DType::u8); }, {"out of memory", "1125899906842624 bytes", "cuda:0", "reserved"});
+  // Its own type, through the tensor's allocation (which adds the op and shape to the message).
+  EXPECT_THROW(cuda_empty({one_pib}, DType::u8), OutOfMemoryError);
   const cuda::MemoryStats after = cuda::memory_stats();
-  EXPECT_EQ(after.num_ooms, before.num_ooms + 1);
+  EXPECT_EQ(after.num_ooms, before.num_ooms + 2);
   EXPECT_EQ(after.cached_bytes, 0u);  // the block cache was handed back before the retry
   EXPECT_EQ(after.allocated_bytes, before.allocated_bytes);
   // Allocation and kernels still work afterwards.

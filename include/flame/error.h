@@ -16,6 +16,15 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& what) : std::runtime_error(what) {}
 };
 
+// An allocation the device (or host) could not serve, also under a memory limit
+// (cuda::set_memory_limit), raised after the caches were released and the allocation retried
+// (torch.OutOfMemoryError). The message names the request, what the pool holds and the limit; a
+// caller can catch it to try a smaller layout (fewer resident blocks, more checkpointing).
+class OutOfMemoryError : public Error {
+ public:
+  explicit OutOfMemoryError(const std::string& what) : Error(what) {}
+};
+
 std::string shape_str(const std::vector<int64_t>& shape);
 
 namespace detail {

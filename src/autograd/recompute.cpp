@@ -250,8 +250,10 @@ Tensor unpack_recomputed(const RecomputedSaved& s, uint64_t version, const char*
     } catch (const Error& e) {  // say which saved tensor needed it: the user never saved this input
       std::string what = e.what();
       if (what.rfind("backward: ", 0) == 0) what.erase(0, 10);
-      FLAME_FAIL("backward", what, " (an input of the recipe that recomputes the output of ", r.op, ", saved for ", op,
-                 " under autograd::RecomputeCheap)");
+      what = "backward: " + what + " (an input of the recipe that recomputes the output of " + r.op + ", saved for " +
+             op + " under autograd::RecomputeCheap)";
+      if (dynamic_cast<const OutOfMemoryError*>(&e) != nullptr) throw OutOfMemoryError(what);
+      throw Error(what);
     }
   }
   Tensor y;

@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <sstream>
 #include <utility>
 #include <vector>
 
@@ -175,8 +177,14 @@ std::shared_ptr<Storage> new_storage(const Shape& sizes, DType dtype, Device dev
     if (auto* tr = compile_detail::active_tracer()) compile_detail::trace_new_storage(*tr, s.get(), op);
     return s;
   } catch (const std::exception& e) {  // flame::Error or std::bad_alloc: say which op and shape
-    FLAME_FAIL(op, "cannot allocate a ", dtype_name(dtype), " tensor of shape ", sizes, " (", nbytes,
-               " bytes) on ", device.str(), ": ", e.what());
+    std::ostringstream os;
+    os << op << ": ";
+    detail::append(os, "cannot allocate a ", dtype_name(dtype), " tensor of shape ", sizes, " (", nbytes, " bytes) on ",
+                   device.str(), ": ", e.what());
+    // Out of memory stays itself (a caller may catch it to try a smaller layout).
+    if (dynamic_cast<const OutOfMemoryError*>(&e) != nullptr || dynamic_cast<const std::bad_alloc*>(&e) != nullptr)
+      throw OutOfMemoryError(os.str());
+    throw Error(os.str());
   }
 }
 }  // namespace

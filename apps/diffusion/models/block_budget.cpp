@@ -19,9 +19,7 @@ std::string gib(std::size_t bytes) {
 
 }  // namespace
 
-bool is_out_of_memory(const std::exception& e) {
-  return std::string(e.what()).find("out of memory") != std::string::npos;
-}
+bool is_out_of_memory(const std::exception& e) { return dynamic_cast<const flame::OutOfMemoryError*>(&e) != nullptr; }
 
 flame::offload::BlockSwap& BlockStack::enable_block_swap(flame::Device device,
                                                          flame::offload::BlockSwapOptions options) {

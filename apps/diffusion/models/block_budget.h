@@ -78,7 +78,7 @@ struct BudgetPlan {
 BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
                            const std::function<void()>& trial_step);
 
-// Whether e is the CUDA pool's out-of-memory error.
+// Whether e is an out-of-memory error (flame::OutOfMemoryError: the CUDA pool's, also under its limit).
 bool is_out_of_memory(const std::exception& e);
 
 }  // namespace flame_diffusion::models

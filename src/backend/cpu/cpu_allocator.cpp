@@ -95,7 +95,7 @@ class BlockCache {
         std::lock_guard<std::mutex> lock(mutex_);
         stats_.allocated_bytes -= cls;
         --stats_.num_allocs;
-        FLAME_CHECK(false, "allocate", "out of host memory allocating ", nbytes, " bytes");
+        throw OutOfMemoryError("allocate: out of host memory allocating " + std::to_string(nbytes) + " bytes");
       }
     }
     // Tests set FLAME_POISON_ALLOC=1 so that output elements a kernel forgets to write read as NaN.

@@ -617,6 +617,7 @@ void MemoryPool::raise_out_of_memory(std::size_t nbytes, cudaError_t err) {
     os << "; the device has " << format_bytes(free_bytes) << " free of " << format_bytes(total_bytes);
   }
   (void)cudaGetLastError();
+  if (err == cudaErrorMemoryAllocation) throw OutOfMemoryError("cuda allocate: " + os.str());
   FLAME_FAIL("cuda allocate", os.str());
 }
 

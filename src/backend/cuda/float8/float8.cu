@@ -47,15 +47,16 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
-// NaN-keeping max over the block; every thread gets the result. red holds kThreads / 32 floats.
+// NaN-keeping max over a block of any multiple of 32 threads (at most 1024); every thread gets the
+// result. red holds 32 floats and may be reused once this returns.
 __device__ float block_nan_max(float v, float* red) {
   for (int o = 16; o > 0; o >>= 1) v = fm::nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   if (lane == 0) red[warp] = v;
   __syncthreads();
   float m = red[0];
-  for (int w = 1; w < kThreads / 32; ++w) m = fm::nan_max(m, red[w]);
-  __syncthreads();  // red is reused by the next row
+  for (int w = 1; w < warps; ++w) m = fm::nan_max(m, red[w]);
+  __syncthreads();
   return m;
 }
 
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(uint8_t* __rest
                                                                  const T* __restrict__ x,
                                                                  const float* __restrict__ col, int64_t rows,
                                                                  int64_t cols) {
-  __shared__ float red[kThreads / 32];
+  __shared__ float red[32];
   const float fmax = kE4m3 ? fm::kE4m3Max : fm::kE5m2Max;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * cols;
@@ -92,18 +93,6 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(uint8_t* __rest
       *reinterpret_cast<Pack<uint8_t, V>*>(qr + c0) = o;
     }
   }
-}
-
-// NaN-keeping max over a block of any multiple of 32 threads; red holds 32 floats.
-__device__ float block_nan_max_any(float v, float* red) {
-  for (int o = 16; o > 0; o >>= 1) v = fm::nan_max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  float m = red[0];
-  for (int w = 1; w < warps; ++w) m = fm::nan_max(m, red[w]);
-  __syncthreads();
-  return m;
 }
 
 // Note [Register-resident row cast]: the row is read once. A block of blockDim.x threads (a
@@ -135,7 +124,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_reg_kernel(uint8_t* __rest
         }
       }
     }
-    const float s = fm::row_scale(block_nan_max_any(amax, red), fmax);
+    const float s = fm::row_scale(block_nan_max(amax, red), fmax);
     if (threadIdx.x == 0) scale[r] = s;
     auto* qr = reinterpret_cast<Pack<uint8_t, V>*>(q + r * cols);
 #pragma unroll

@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -83,8 +84,11 @@ class PinnedCache {
         err = cudaHostAlloc(&ptr, cls, cudaHostAllocPortable);
         if (err != cudaSuccess) {
           (void)cudaGetLastError();
-          FLAME_FAIL(op, "cannot allocate ", nbytes, " bytes of pinned host memory: ", cudaGetErrorName(err), ": ",
-                     cudaGetErrorString(err), " (", reserved_, " bytes of pinned memory held)");
+          std::ostringstream os;
+          os << op << ": cannot allocate " << nbytes << " bytes of pinned host memory: " << cudaGetErrorName(err)
+             << ": " << cudaGetErrorString(err) << " (" << reserved_ << " bytes of pinned memory held)";
+          if (err == cudaErrorMemoryAllocation) throw OutOfMemoryError(os.str());
+          throw Error(os.str());
         }
       }
       std::lock_guard<std::mutex> lock(mutex_);
