@@ -25,7 +25,8 @@
 #              pipeline folder of random weights at the real configuration and 8 captioned 1024-class
 #              images (reference/make_pipeline.py), then 20 LoRA r16 steps from the text and latent
 #              caches (the targets of the per-step timings), its median step and peak memory, beside
-#              diffusers + peft's step on the same model (models_flux.py / models_unet.py --time)
+#              diffusers + peft's step on the same model (models_flux.py / models_unet.py --time;
+#              E2E_REFERENCE=0 leaves that out)
 #   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
 #              transformers makes each with random weights and saves every layout FLAME loads
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
@@ -265,7 +266,9 @@ dir = "$run_dir"
 EOF
     run "finetune_e2e $f: flame-diffusion finetune (caches, 20 steps)" 600 "$BIN/flame-diffusion" finetune \
       --config /tmp/e2e_$f.toml --device cuda --overwrite
-    if [ "$f" = flux ]; then
+    if [ "${E2E_REFERENCE:-1}" = 0 ]; then
+      note "finetune_e2e $f: diffusers + peft step not run (E2E_REFERENCE=0)"
+    elif [ "$f" = flux ]; then
       run "finetune_e2e flux: diffusers + peft step" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev \
         --time --latent 128 --text 512 --checkpointing 0
     else

@@ -99,6 +99,13 @@ Tensor flow_loss_weighting(FlowLossWeighting weighting, const Tensor& sigmas) {
   FLAME_FAIL("flow_loss_weighting", "unknown weighting");
 }
 
+namespace {
+// The schedule's values (made where u is: a host u costs no device read) moved to the latents' device.
+FlowMatchTimesteps on_device(FlowMatchTimesteps t, flame::Device dev) {
+  return {t.sigmas.to(dev), t.timesteps.to(dev)};
+}
+}  // namespace
+
 Tensor flux_flow_loss(FluxTransformer2DModel& model, const FlowMatchOptions& o, const FlowBatch& batch,
                       double guidance) {
   const char* op = "flux_flow_loss";
@@ -109,12 +116,14 @@ Tensor flux_flow_loss(FluxTransformer2DModel& model, const FlowMatchOptions& o, 
               "text must be [", b, ", T, D] (T5 states), got ",
               batch.text.defined() ? flame::shape_str(batch.text.sizes()) : std::string("an undefined tensor"));
   const flame::Device dev = batch.latents.device();
-  const FlowMatchTimesteps t = flow_match_timesteps(o, batch.u.to(dev));
+  const FlowMatchTimesteps t = on_device(flow_match_timesteps(o, batch.u), dev);
   const Tensor noisy = flow_noisy(batch.latents, batch.noise, t.sigmas);
   const Tensor g =
       model.config().guidance_embeds ? Tensor::full({b}, guidance, flame::TensorOptions(DType::f32, dev)) : Tensor();
+  // Host ids: the rotary table is made on the host, so device ids would be read back (a sync).
+  const flame::Device cpu = flame::Device::cpu();
   const Tensor packed = model.forward(pack_latents(noisy), batch.text, batch.pooled, t.timesteps / 1000.0,
-                                      flux_img_ids(h, w, dev), flux_txt_ids(batch.text.size(1), dev), g);
+                                      flux_img_ids(h, w, cpu), flux_txt_ids(batch.text.size(1), cpu), g);
   const Tensor pred = unpack_latents(packed, h, w);
   const Tensor wgt = o.weighting == FlowLossWeighting::none ? Tensor() : flow_loss_weighting(o.weighting, t.sigmas);
   return weighted_mse(pred, batch.noise - batch.latents, wgt);
@@ -125,7 +134,7 @@ Tensor sd3_flow_loss(SD3Transformer2DModel& model, const FlowMatchOptions& o, co
   check_latents(op, batch.latents, batch.noise);
   const int64_t b = batch.latents.size(0);
   check_per_sample(op, "u", batch.u, b);
-  const FlowMatchTimesteps t = flow_match_timesteps(o, batch.u.to(batch.latents.device()));
+  const FlowMatchTimesteps t = on_device(flow_match_timesteps(o, batch.u), batch.latents.device());
   const Tensor noisy = flow_noisy(batch.latents, batch.noise, t.sigmas);
   const Tensor pred = model.forward(noisy, batch.text, batch.pooled, t.timesteps);
   const Tensor wgt = o.weighting == FlowLossWeighting::none ? Tensor() : flow_loss_weighting(o.weighting, t.sigmas);

@@ -66,7 +66,8 @@ FlowMatchTimesteps flow_match_timesteps(const FlowMatchOptions& options, const T
 Tensor flow_loss_weighting(FlowLossWeighting weighting, const Tensor& sigmas);
 
 // One batch: latents and noise [B, C, H, W] (C = 16 for FLUX and SD3), text states [B, T, D],
-// pooled text [B, P], u [B] (sample_timestep_density).
+// pooled text [B, P], u [B] (sample_timestep_density; keep it on the host: its values are read there,
+// so a device u costs a wait for the device).
 struct FlowBatch {
   Tensor latents, noise, text, pooled, u;
 };
@@ -92,7 +93,8 @@ struct DdpmOptions {
 Tensor ddpm_alphas_cumprod(const DdpmOptions& options);
 
 // One batch: latents and noise [B, 4, H, W], text states [B, T, D], SDXL's added conditions (pooled
-// text and the 6 time ids; empty for SD 1.x), timesteps [B] (integers 0..N-1, any dtype).
+// text and the 6 time ids; empty for SD 1.x), timesteps [B] (integers 0..N-1, any dtype; read on the
+// host, so keep them there).
 struct DdpmBatch {
   Tensor latents, noise, text, timesteps;
   UNet2DAddedConditions added;

@@ -185,6 +185,7 @@ class FluxTransformer2DModel : public flame::nn::Module, public BlockStack {
   struct RotaryCache {
     Tensor txt_ids, img_ids;  // held: the identity is the tensor, not a reused address
     uint64_t txt_version = 0, img_version = 0;
+    Tensor host_ids;  // the [T + N, 3] f32 ids the table was made from (new tensors of equal ids reuse it)
     RotaryEmbedding rope;
   } rotary_cache_;
 };

@@ -27,7 +27,9 @@
 //    flow matching for FLUX / SD3 (logit-normal or uniform u; FLUX's resolution-dependent shift
 //    exp(flux_mu(tokens)) when train.shift is 0, SD3's 3.0; FLUX-dev's guidance input), DDPM for
 //    SDXL (epsilon / v, min-SNR-gamma; time ids from each item's original size, crop and bucket).
-//    bf16 autocast when mixed_precision is bf16.
+//    bf16 autocast when mixed_precision is bf16. Batches are drawn and read from the caches one
+//    ahead on a helper thread, and each step's loss comes back while the next one runs (Note [Step
+//    pipelining]), so the GPU does not wait for the host between steps.
 // 8. Every checkpoint.every steps a flame::Checkpoint (atomic; the newest checkpoint.keep kept);
 //    every sample.every steps a grid of the sample prompts (captions under the images); a stop
 //    signal or stop_after ends the run after a checkpoint. checkpoint.resume ("latest" or a file)
@@ -43,8 +45,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <condition_variable>
+#include <exception>
 #include <functional>
-#include <future>
+#include <mutex>
+#include <thread>
 #include <map>
 #include <memory>
 #include <optional>
@@ -174,44 +179,84 @@ struct StepBatch {
   fm::TextTensors text, latents;  // empty without the cache
 };
 
-// Note [Step pipelining]: the next batch is drawn and read from the caches on a helper thread while
+// Note [Step pipelining]: the next batch is drawn and read from the caches on a worker thread while
 // the GPU runs the current step, so neither the loader nor the cache files (read and checksummed)
-// show up in the step time. `count` batches are drawn in all; the loader is used by one thread at a
-// time (the helper while a batch is in flight, the caller otherwise).
+// show up in the step time. `count` batches are drawn in all, one ahead of the step; only the worker
+// uses the loader once it runs.
 class BatchPrefetcher {
  public:
   using Prepare = std::function<StepBatch(flame::data::LoaderState, ImageBatch)>;
   BatchPrefetcher(ImageLoader& loader, Prepare prepare, int64_t count)
-      : loader_(loader), prepare_(std::move(prepare)), left_(count) {
-    launch();
+      : loader_(loader), prepare_(std::move(prepare)), count_(count), after_taken_(loader.position()) {
+    worker_ = std::thread([this] { run(); });
   }
   BatchPrefetcher(const BatchPrefetcher&) = delete;
   BatchPrefetcher& operator=(const BatchPrefetcher&) = delete;
   ~BatchPrefetcher() {
-    if (next_.valid()) next_.wait();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
   }
-  // The batch in flight (its errors are raised here), and the next one started.
+  // The next batch (waiting for the worker; its errors are raised here).
   StepBatch take() {
-    if (!next_.valid()) throw std::logic_error("finetune: more batches taken than the run draws");
-    StepBatch b = next_.get();
-    launch();
+    std::unique_lock<std::mutex> lock(mu_);
+    if (taken_ >= count_) throw std::logic_error("finetune: more batches taken than the run draws");
+    cv_.wait(lock, [&] { return ready_.has_value() || error_ != nullptr; });
+    if (!ready_) std::rethrow_exception(error_);
+    StepBatch b = std::move(ready_->batch);
+    after_taken_ = ready_->after;
+    ready_.reset();
+    ++taken_;
+    lock.unlock();
+    cv_.notify_all();
     return b;
   }
   // Where the loader stands for the next batch the step will take (a checkpoint's resume point).
-  flame::data::LoaderState position() const { return next_.valid() ? in_flight_ : loader_.position(); }
+  flame::data::LoaderState position() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ready_ ? ready_->batch.position : after_taken_;
+  }
 
  private:
-  void launch() {
-    if (left_ <= 0) return;
-    --left_;
-    in_flight_ = loader_.position();
-    next_ = std::async(std::launch::async, [this, at = in_flight_] { return prepare_(at, loader_.next()); });
+  struct Slot {
+    StepBatch batch;
+    flame::data::LoaderState after;  // the loader's position after this batch
+  };
+  void run() {
+    for (int64_t i = 0; i < count_; ++i) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || !ready_.has_value(); });
+        if (stop_) return;
+      }
+      try {
+        const flame::data::LoaderState at = loader_.position();
+        StepBatch b = prepare_(at, loader_.next());
+        const flame::data::LoaderState after = loader_.position();
+        std::lock_guard<std::mutex> lock(mu_);
+        ready_ = Slot{std::move(b), after};
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu_);
+        error_ = std::current_exception();
+      }
+      cv_.notify_all();
+      if (error_ != nullptr) return;  // written by this thread only
+    }
   }
   ImageLoader& loader_;
   Prepare prepare_;
-  int64_t left_;
-  flame::data::LoaderState in_flight_;
-  std::future<StepBatch> next_;
+  const int64_t count_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::optional<Slot> ready_;
+  std::exception_ptr error_;
+  flame::data::LoaderState after_taken_;
+  int64_t taken_ = 0;
+  bool stop_ = false;
+  std::thread worker_;
 };
 
 }  // namespace
@@ -644,7 +689,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                 {.latents = x0,
                                  .noise = noise,
                                  .text = states,
-                                 .timesteps = t.to(device),
+                                 .timesteps = t,  // on the host (read there)
                                  .added = {.text_embeds = pooled, .time_ids = Tensor::from_vec(ids, {n, 6}).to(device).to(dtype)}});
     }
     fm::FlowMatchOptions o = flow;
@@ -653,7 +698,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (cfg.train.shift == 0 && den.flux)
       o.shift = std::exp(fm::flux_mu(x0.size(2) / 2 * (x0.size(3) / 2), *pipe->flow_config));
     const fm::FlowBatch fb{.latents = x0, .noise = noise, .text = states, .pooled = pooled,
-                           .u = fm::sample_timestep_density(o, n, gen).to(device)};
+                           .u = fm::sample_timestep_density(o, n, gen)};  // on the host (read there)
     return den.flux ? fm::flux_flow_loss(*den.flux, o, fb, cfg.train.guidance) : fm::sd3_flow_loss(*den.sd3, o, fb);
   };
 
@@ -790,7 +835,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
           fmt("%.2f", secs / static_cast<double>(std::min(cfg.train.log_every, ran))) + " s/step");
     }
   };
-  std::vector<double> step_seconds, wait_seconds;
+  // Host time per step by phase (for the summary: where a step's wall time goes on the host).
+  std::vector<double> step_seconds, wait_seconds, launch_seconds, gpu_wait_seconds, opt_seconds;
+  const auto since = [](std::chrono::steady_clock::time_point t0) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
   while (step < total) {
     const auto t_step = std::chrono::steady_clock::now();
     flame::Gradients grads;
@@ -822,16 +871,21 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       now.copied.emplace();
       now.copied->record();
     }
+    launch_seconds.push_back(since(t_step) - waited);
+    const auto t_read = std::chrono::steady_clock::now();
     finish_pending();  // the previous step's, copied while this one ran
+    gpu_wait_seconds.push_back(since(t_read));
+    const auto t_opt = std::chrono::steady_clock::now();
     now.lr = opt->lr();
     opt->step(grads);
     sched->step();
     if (ema) ema->update(step);
+    opt_seconds.push_back(since(t_opt));
     ++step;
     ++ran;
     now.step = step;
     pending = std::move(now);
-    step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t_step).count());
+    step_seconds.push_back(since(t_step));
     wait_seconds.push_back(waited);
     if (ran == 2 && device.is_cuda()) {
       warmup_peak = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
@@ -875,7 +929,10 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     }
     say("median step " + fmt("%.1f", result.median_step_seconds * 1e3) + " ms over " +
         std::to_string(step_seconds.size() > 4 ? step_seconds.size() - 2 : step_seconds.size()) + " steps" + mem +
-        ", waiting for data " + fmt("%.2f", result.median_data_wait_seconds * 1e3) + " ms");
+        "; on the host (medians): waiting for data " + fmt("%.2f", result.median_data_wait_seconds * 1e3) +
+        " ms, forward and backward queued in " + fmt("%.1f", median(launch_seconds) * 1e3) +
+        " ms, waiting for the previous step " + fmt("%.1f", median(gpu_wait_seconds) * 1e3) + " ms, optimizer " +
+        fmt("%.1f", median(opt_seconds) * 1e3) + " ms");
   }
   if (sampling) write_samples(step);
 

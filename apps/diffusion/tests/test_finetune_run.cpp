@@ -404,6 +404,30 @@ namespace {
 
 // A write that fails (here: the file-size limit, as a full disk fails it) while saving a checkpoint
 // is an error naming the file; the previous checkpoint stays whole and the run resumes from it.
+// A loss that stops being finite ends the run with an error naming its step, and no checkpoint holds
+// weights that followed it (Note [Step pipelining]: the loss is read one step late, but every
+// checkpoint waits for its step's read). An enormous LoRA alpha and learning rate without clipping
+// make the first update's output overflow, so step 2's loss is not finite.
+TEST(FinetuneRun, ANonFiniteLossStopsTheRunBeforeItsCheckpoint) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "nonfinite");
+  const fs::path images = make_images(dir);
+  for (int64_t every : {1, 0}) {
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / ("run" + std::to_string(every)));
+    c.sample.prompts.clear();
+    c.lora.alpha = 4e20;  // scale 1e20: gradients stay finite (their squares too), the update does not
+    c.optimizer.lr = 1;
+    c.optimizer.grad_clip = 0;
+    c.checkpoint.every = every;
+    const std::string err = error_of([&] { run(c); });
+    EXPECT_NE(err.find("the loss is"), std::string::npos) << err;
+    EXPECT_NE(err.find("at step 2;"), std::string::npos) << err;
+    const fs::path ckpts = c.output.dir + "/checkpoints";
+    EXPECT_EQ(fs::exists(fs::path(ckpts) / "ckpt-0000000001.safetensors"), every == 1) << every;
+    EXPECT_FALSE(fs::exists(fs::path(ckpts) / "ckpt-0000000002.safetensors")) << every;
+    EXPECT_FALSE(fs::exists(fs::path(ckpts) / "ckpt-0000000003.safetensors")) << every;
+  }
+}
+
 TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "full");
   fd::FinetuneConfig c = tiny_config("flux", make_images(dir), dir / "run");
