@@ -282,6 +282,40 @@ TEST(DistDDP, CapturedInACudaGraphMatchesOneProcessOnTwoRanks) {
   EXPECT_TRUE(r.all_ok()) << r.report();
 }
 
+// Options that do not fit the stage raise at construction, naming the option and the stage.
+TEST(DistZero, RejectsOptionsOfAnotherStage) {
+  auto store = std::make_shared<dist::TCPStore>("127.0.0.1", 0, 0, 1, true, std::chrono::milliseconds(2000));
+  auto pg = dist::new_group("tcp", store, 0, 1, 0, std::chrono::milliseconds(2000));
+  auto model = std::make_shared<nn::Linear>(4, 3);
+  const auto make = [&](dist::ZeroOptions o) {
+    dist::ZeroRedundancyOptimizer opt({optim::AdamWOptions{.lr = 1e-3}.group(model->parameters())},
+                                      [](std::vector<optim::ParamGroup> g) {
+                                        return std::make_unique<optim::AdamW>(std::move(g), optim::AdamWOptions{});
+                                      },
+                                      pg, std::move(o));
+  };
+  const auto expect = [&](dist::ZeroOptions o, const std::string& part) {
+    try {
+      make(std::move(o));
+      ADD_FAILURE() << "accepted; expected an error with: " << part;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  dist::ZeroOptions one;
+  one.reduce_dtype = DType::bf16;
+  expect(one, "reduce_dtype is for stages 2 and 3 (a floating dtype), got bf16 with stage 1");
+  dist::ZeroOptions two;
+  two.stage = 2;
+  two.reduce_dtype = DType::i32;
+  expect(two, "got i32 with stage 2");
+  two.reduce_dtype = DType::bf16;
+  EXPECT_NO_THROW(make(two));
+  dist::ZeroOptions three;
+  three.stage = 3;
+  expect(three, "give the model's blocks");
+}
+
 TEST(DistZero, MatchesOneProcessAdamWAndConsolidatesItsState) {
   DIST_SKIP_UNLESS_RANKS(2);
   for (int world : {2, 3}) {
@@ -308,10 +342,13 @@ TEST(DistZero, StageThreeShardsParametersPerBlockAndMatchesOneProcess) {
   DIST_SKIP_UNLESS_RANKS(2);
   for (int world : {2, 3}) {
     if (world > max_ranks()) continue;
-    for (bool bf16 : {false, true}) {  // bf16: compute_dtype over f32 shards, under autocast
-      SCOPED_TRACE(bf16 ? "bf16 compute" : "f32");
-      const auto r = run_ranks("zero3", world, bf16 ? std::map<std::string, std::string>{{"FLAME_DIST_TEST_BF16", "1"}}
-                                                    : std::map<std::string, std::string>{});
+    // bf16: compute_dtype over f32 shards, under autocast; then also the gradients reduced in bf16.
+    for (int mode : {0, 1, 2}) {
+      SCOPED_TRACE(mode == 0 ? "f32" : mode == 1 ? "bf16 compute" : "bf16 compute and reduction");
+      std::map<std::string, std::string> env;
+      if (mode >= 1) env["FLAME_DIST_TEST_BF16"] = "1";
+      if (mode == 2) env["FLAME_DIST_TEST_BF16_REDUCE"] = "1";
+      const auto r = run_ranks("zero3", world, env);
       EXPECT_TRUE(r.all_ok()) << r.report();
     }
   }

@@ -455,9 +455,11 @@ int zero3() {
   const int W = pg->size(), R = pg->rank();
   const Device dev = pg->device();
   const bool bf16 = std::getenv("FLAME_DIST_TEST_BF16") != nullptr;
+  const bool bf16_reduce = std::getenv("FLAME_DIST_TEST_BF16_REDUCE") != nullptr;
   auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
   dist::ZeroOptions zopt{.stage = 3, .blocks = {model->fc1, model->fc2}};
   if (bf16) zopt.compute_dtype = DType::bf16;
+  if (bf16_reduce) zopt.reduce_dtype = DType::bf16;  // FSDP's MixedPrecisionPolicy(bf16, reduce_dtype=bf16)
   dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory(), nullptr, zopt);
   std::optional<amp::AutocastGuard> autocast;
   if (bf16) autocast.emplace(DType::bf16, dev.type);

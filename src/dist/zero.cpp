@@ -33,6 +33,9 @@
 // (accumulation) needs nothing else, and since the reduction is linear the shard gradient is the
 // average of the sums either way. step() finishes the round the same way. A flat gradient is
 // dropped once its reduction completed (polled at each arrival, waited at the end of a round).
+// With ZeroOptions::reduce_dtype the flat gradients and the reductions' outputs are in that dtype
+// (the arrivals are cast on their copy in), and each output is cast to the shards' dtype as it is
+// added to the shard gradient, so the sum over accumulated rounds stays in the shards' precision.
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -95,6 +98,7 @@ struct ZeroRedundancyOptimizer::Reducer {
   };
   ProcessGroup* pg = nullptr;
   std::vector<Layout>* layouts = nullptr;
+  std::optional<DType> reduce_dtype;  // ZeroOptions::reduce_dtype: the flat gradients' dtype
   std::vector<Bucket> buckets;
   std::vector<std::size_t> order;  // launch order: the last bucket first
   std::size_t next = 0;            // position in `order` of the next launch
@@ -109,11 +113,12 @@ struct ZeroRedundancyOptimizer::Reducer {
     if (!bk.flat_grad.defined()) {
       const Layout& l = (*layouts)[b];
       const int64_t total = pg->size() * l.shard;
-      bk.flat_grad = Tensor::empty({total}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
+      bk.flat_grad = Tensor::empty({total}, TensorOptions(wire_dtype(l), l.shard_param.device()));
       if (total > l.numel) bk.flat_grad.narrow(0, l.numel, total - l.numel).zero_();
     }
     return bk;
   }
+  DType wire_dtype(const Layout& l) const { return reduce_dtype.value_or(l.shard_param.dtype()); }
   Tensor slot(std::size_t b, std::size_t k) {
     const Layout& l = (*layouts)[b];
     return buckets[b].flat_grad.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes());
@@ -128,7 +133,7 @@ struct ZeroRedundancyOptimizer::Reducer {
       if (!bk.arrived[k]) slot(b, k).zero_();  // no gradient on this rank: zeros in the average
     }
     const Layout& l = (*layouts)[b];
-    bk.out = Tensor::empty({l.shard}, TensorOptions(l.shard_param.dtype(), l.shard_param.device()));
+    bk.out = Tensor::empty({l.shard}, TensorOptions(wire_dtype(l), l.shard_param.device()));
     bk.work = pg->reduce_scatter(bk.out, bk.flat_grad, ReduceOp::avg, /*async=*/true);
     bk.reduced = true;
     bk.retired = false;
@@ -137,7 +142,9 @@ struct ZeroRedundancyOptimizer::Reducer {
     Bucket& bk = buckets[b];
     if (bk.retired) return;
     bk.work.wait();
-    bk.shard_grad = bk.shard_grad.defined() ? bk.shard_grad + bk.out : bk.out;
+    NoGradGuard no_grad;
+    const Tensor out = bk.out.to((*layouts)[b].shard_param.dtype());  // from reduce_dtype
+    bk.shard_grad = bk.shard_grad.defined() ? bk.shard_grad + out : out;
     bk.out = Tensor();
     bk.flat_grad = Tensor();
     bk.work = Work();
@@ -164,7 +171,7 @@ struct ZeroRedundancyOptimizer::Reducer {
     NoGradGuard no_grad;
     active = true;
     fresh(b);
-    slot(b, k).copy_(grad);  // converts to the bucket's dtype (stage 3's compute_dtype)
+    slot(b, k).copy_(grad);  // converts to the bucket's dtype (reduce_dtype, or the shards')
     buckets[b].arrived[k] = true;
     launch_ready();
     // Drop the flat gradients of finished reductions, oldest first (they finish in launch order).
@@ -186,6 +193,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   FLAME_CHECK(!options.compute_dtype || (options.stage == 3 && is_floating(*options.compute_dtype)), op,
               "compute_dtype is stage 3's (a floating dtype), got ",
               options.compute_dtype ? dtype_name(*options.compute_dtype) : "", " with stage ", options.stage);
+  FLAME_CHECK(!options.reduce_dtype || (options.stage >= 2 && is_floating(*options.reduce_dtype)), op,
+              "reduce_dtype is for stages 2 and 3 (a floating dtype), got ",
+              options.reduce_dtype ? dtype_name(*options.reduce_dtype) : "", " with stage ", options.stage,
+              "; stage 1 reduces in the gradients' own dtype");
   // Stage 3: which block each parameter belongs to.
   std::map<const void*, int64_t> block_of;
   for (std::size_t i = 0; i < options.blocks.size(); ++i) {
@@ -289,6 +300,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
     reducer_ = std::make_shared<Reducer>();
     reducer_->pg = group_.get();
     reducer_->layouts = &layouts_;
+    reducer_->reduce_dtype = options_.reduce_dtype;
     reducer_->buckets.resize(layouts_.size());
     for (std::size_t b = layouts_.size(); b-- > 0;) reducer_->order.push_back(b);
     std::weak_ptr<Reducer> weak = reducer_;

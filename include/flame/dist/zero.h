@@ -53,6 +53,10 @@ struct ZeroOptions {
   // as FSDP's MixedPrecision(param_dtype=bf16)); the shards, the optimizer and the gradient
   // reduction stay in the parameters' dtype. Unset: the parameters' own dtype.
   std::optional<DType> compute_dtype;
+  // Stages 2 and 3: the dtype gradients are reduce-scattered in (bf16 over f32 shards: half the
+  // bytes on the wire, as FSDP's MixedPrecisionPolicy(reduce_dtype=bf16)); each reduction's result
+  // is added to the shard gradient in the shards' dtype. Unset: the shards' dtype.
+  std::optional<DType> reduce_dtype;
   // Stage 3: start the all-gather of the next block (in backward, the previous one) while this
   // one computes, asynchronously on the group's communication; two blocks are gathered at a time.
   bool prefetch = true;
