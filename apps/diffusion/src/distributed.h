@@ -4,6 +4,8 @@
 // every epoch (DistributedSampler) with a per-rank micro-batch of --batch / (--accum * world), the
 // model wrapped in DistributedDataParallel, and rank 0 alone logs, samples and writes checkpoints
 // (after a barrier). Without a launcher nothing changes.
+#include <chrono>
+
 #include <flame/dist.h>
 #include <flame/flame.h>
 
@@ -13,7 +15,9 @@ namespace flame_diffusion {
 bool launched_distributed();
 // Initialises the default process group once when launched_distributed(); returns the device
 // this rank trains on: cuda:LOCAL_RANK (modulo the visible GPUs) when `dev` is a CUDA device.
-flame::Device init_distributed(flame::Device dev);
+// timeout: how long a collective (or a barrier) waits for the slowest rank before the group fails
+// naming it (the process group's default, 300 s, when zero).
+flame::Device init_distributed(flame::Device dev, std::chrono::seconds timeout = std::chrono::seconds(0));
 int dist_rank();   // 0 without a group
 int dist_world();  // 1 without a group
 void dist_barrier();  // no-op without a group

@@ -37,6 +37,27 @@
 // 9. At the end: the LoRA file(s) (kohya and / or diffusers layout, models/lora_file.h; the EMA
 //    weights when train.ema is on) with metadata (base model, family, rank, alpha, resolution, steps,
 //    images), or for method full a diffusers model folder <output.name>/ (weights and config.json).
+//
+// Note [Distributed fine-tuning]
+// Under flame-run (or torchrun / srun: WORLD_SIZE > 1) every rank runs run_finetune on its GPU
+// (cuda:LOCAL_RANK; the tcp backend on the CPU):
+//  - rank 0 alone checks and writes the run folder (config.toml, loss.csv, checkpoints, samples, the
+//    LoRA files) and logs; the others wait for its checks at a barrier;
+//  - the caches are filled together: each rank encodes every world-th key, then all check the whole
+//    set;
+//  - each rank trains on its share of every epoch (BucketBatchSampler: batches rank, rank + world,
+//    ... of the epoch's list, with its own augmentation draws) and draws its noise and timesteps
+//    from a generator seeded by (seed, rank, step), so train.batch_size is per rank and a resumed
+//    run draws what the stopped one would have;
+//  - optim::AdamW runs inside dist::ZeroRedundancyOptimizer stage 2: gradients are averaged over
+//    the ranks (reduce-scattered while the backward runs) and they and the optimizer state are
+//    sharded; rank 0's initial adapters are broadcast; clipping takes the norm over the shards;
+//  - each step all-reduces the loss (logged as the ranks' mean) with a stop flag, so a signal to any
+//    rank stops all of them after the same step with a checkpoint;
+//  - a checkpoint gathers the optimizer state on every rank (collective) and rank 0 writes it, so a
+//    run resumes on any number of ranks.
+// Not yet: the 8-bit optimizer's state sharded (refused with several ranks), ZeRO-3 parameter
+// sharding of the denoiser's blocks (full fine-tuning keeps a whole model per rank).
 #include "finetune_run.h"
 
 #include <algorithm>
@@ -59,11 +80,13 @@
 #include <flame/amp.h>
 #include <flame/checkpoint.h>
 #include <flame/cuda.h>
+#include <flame/dist.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
 #include <flame/optim.h>
 
 #include "cli_checks.h"
+#include "distributed.h"
 #include "generate.h"
 #include "image_dataset.h"
 #include "models/finetune.h"
@@ -263,10 +286,17 @@ class BatchPrefetcher {
 
 FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const FinetuneConfig& cfg = options.config;
-  const Device device = options.device;
-  auto log = options.log ? options.log : [](const std::string& m) { std::fprintf(stderr, "%s\n", m.c_str()); };
-  const auto say = [&](const std::string& m) { log("finetune: " + m); };
   validate_finetune_config(cfg);
+  // Note [Distributed fine-tuning]: under flame-run (WORLD_SIZE > 1) every rank runs this; the
+  // group's timeout covers the slowest rank's share of the caches.
+  const bool distributed = launched_distributed();
+  const Device device = distributed ? init_distributed(options.device, std::chrono::seconds(1800)) : options.device;
+  const int rank = dist_rank(), world = dist_world();
+  const bool lead = rank == 0;
+  auto log = options.log ? options.log : [](const std::string& m) { std::fprintf(stderr, "%s\n", m.c_str()); };
+  const auto say = [&](const std::string& m) {
+    if (lead) log("finetune: " + m);
+  };
   FinetuneRunResult result;
 
   // ---- 1. the run folder ----
@@ -298,7 +328,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
         throw std::runtime_error("checkpoint.resume = \"" + cfg.checkpoint.resume +
                                  "\": no such checkpoint file (give a ckpt-<step>.safetensors or \"latest\")");
     }
-  } else if (const auto existing = run_outputs(run, cfg.output.name); !existing.empty()) {
+  } else if (const auto existing = lead ? run_outputs(run, cfg.output.name) : std::vector<fs::path>{};
+             !existing.empty()) {
     if (!options.overwrite) {
       throw std::runtime_error("output.dir " + run.string() + " already holds a run (" + existing.front().string() +
                                "); set checkpoint.resume = \"latest\" to continue it, pass --overwrite to replace "
@@ -308,8 +339,15 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     fs::remove(run / "config.toml");
     say("--overwrite: removed the previous run's files in " + run.string() + " (the cache is kept)");
   }
-  fs::create_directories(run);
-  save_finetune_config(cfg, run.string());
+  if (lead) {
+    fs::create_directories(run);
+    save_finetune_config(cfg, run.string());
+  }
+  if (distributed) {
+    // The lead's refusal reaches the others as its failure (flame-run stops them); they wait here.
+    dist_barrier();
+    say(std::to_string(world) + " ranks, rank 0 on " + device.str() + "; each trains on its share of every epoch");
+  }
 
   // ---- 2. the pipeline ----
   const DType dtype = cfg.train.mixed_precision == "bf16" ? DType::bf16 : DType::f32;
@@ -373,6 +411,18 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const std::string dt = dtype == DType::bf16 ? "bf16" : "f32";
   std::optional<fm::TextEmbeddingCache> text_cache;
   std::optional<fm::TextEmbeddingCache> latent_cache;
+  // Several ranks fill a cache together: each encodes its share of the keys, and once all have
+  // written, the whole set is checked (all hits). The stats are this rank's share.
+  auto build_cache = [&](fm::TextEmbeddingCache& cache, const std::vector<std::string>& keys,
+                         const fm::TextEncodeFn& encode, int64_t batch) {
+    if (!distributed) return cache.build(keys, encode, batch);
+    std::vector<std::string> mine;
+    for (size_t i = static_cast<size_t>(rank); i < keys.size(); i += static_cast<size_t>(world)) mine.push_back(keys[i]);
+    const fm::TextCacheStats own = cache.build(mine, encode, batch);
+    dist_barrier();
+    (void)cache.build(keys, encode, batch);
+    return own;
+  };
   auto encode_text = [&](const std::vector<std::string>& texts) {
     fm::PromptEmbeddings e = fm::encode_prompts(*pipe, texts, max_seq);
     return fm::TextTensors{{"states", e.states}, {"pooled", e.pooled}};
@@ -400,7 +450,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     for (const auto& r : records) captions.insert(transform_caption(r.caption, kept, 0));
     if (cfg.dataset.caption_dropout > 0) captions.insert("");
     const std::vector<std::string> all(captions.begin(), captions.end());
-    const fm::TextCacheStats st = text_cache->build(all, encode_text, std::max<int64_t>(cfg.train.batch_size, 8));
+    const fm::TextCacheStats st = build_cache(*text_cache, all, encode_text, std::max<int64_t>(cfg.train.batch_size, 8));
     result.text_cache_hits = st.hits;
     result.text_encoded = st.encoded;
     say("text cache " + text_cache->dir() + ": " + std::to_string(st.hits) + " cached, " +
@@ -447,7 +497,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       return fm::TextTensors{{"mean", flame::cat(means, 0)}, {"logvar", flame::cat(logvars, 0)}};
     };
     // One encoder call per image (the cache's batches mix buckets).
-    const fm::TextCacheStats st = latent_cache->build(keys, encode_images, 1);
+    const fm::TextCacheStats st = build_cache(*latent_cache, keys, encode_images, 1);
     result.latents_cached = st.hits;
     result.latents_encoded = st.encoded;
     say("latent cache " + latent_cache->dir() + ": " + std::to_string(st.hits) + " cached, " +
@@ -563,15 +613,31 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
 
   // ---- 6. optimizer, schedule, EMA ----
   const auto& oc = cfg.optimizer;
+  const optim::AdamWOptions adamw{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
+                                  .weight_decay = oc.weight_decay};
+  const optim::AdamW8bitOptions adamw8{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
+                                       .weight_decay = oc.weight_decay};
+  const bool eight_bit = oc.type == "adamw8bit";  // 8-bit block-wise moments (bitsandbytes' AdamW8bit)
+  const auto make_optimizer = [&](std::vector<optim::ParamGroup> groups) -> std::unique_ptr<optim::Optimizer> {
+    if (eight_bit) return std::make_unique<optim::AdamW8bit>(std::move(groups), adamw8);
+    return std::make_unique<optim::AdamW>(std::move(groups), adamw);
+  };
+  std::vector<optim::ParamGroup> groups{eight_bit ? adamw8.group(params) : adamw.group(params)};
   std::unique_ptr<optim::Optimizer> opt;
-  if (oc.type == "adamw8bit") {  // 8-bit block-wise moments (bitsandbytes' AdamW8bit)
-    opt = std::make_unique<optim::AdamW8bit>(
-        params, optim::AdamW8bitOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
-                                        .weight_decay = oc.weight_decay});
+  flame::dist::ZeroRedundancyOptimizer* zero = nullptr;
+  if (distributed) {
+    // Note [Distributed fine-tuning]: ZeRO-2 averages the gradients over the ranks while the
+    // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
+    if (eight_bit)
+      throw std::runtime_error("optimizer.type = \"adamw8bit\" on " + std::to_string(world) + " ranks: the 8-bit "
+                               "state is not sharded yet; use \"adamw\" (its state is sharded over the ranks)");
+    flame::dist::ZeroOptions zo;
+    zo.stage = 2;
+    auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(std::move(groups), make_optimizer, nullptr, zo);
+    zero = z.get();
+    opt = std::move(z);
   } else {
-    opt = std::make_unique<optim::AdamW>(
-        params, optim::AdamWOptions{.lr = oc.lr, .betas = {oc.betas.at(0), oc.betas.at(1)}, .eps = oc.eps,
-                                    .weight_decay = oc.weight_decay});
+    opt = make_optimizer(std::move(groups));
   }
   const int64_t total = cfg.train.steps, warm = oc.warmup_steps;
   const std::string sched_kind = oc.scheduler;
@@ -616,6 +682,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                           .seed = static_cast<uint64_t>(cfg.train.seed),
                                           .num_workers = static_cast<int>(cfg.train.dataloader_workers),
                                           .device = Device::cpu(),
+                                          .num_replicas = world,
+                                          .rank = rank,
                                           .decode = !latent_cache};
   ImageLoader loader(dataset, loader_options, start);
   fm::FlowMatchOptions flow;
@@ -789,6 +857,14 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     const flame::data::LoaderState pos = batches.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch;
+    if (!lead) {
+      // The optimizer's state_dict gathers the shards (a collective the lead's save runs too); the
+      // adapters are the same on every rank, and so is the data position (every rank has drawn as
+      // many batches). Only the lead writes.
+      (void)opt->state_dict();
+      result.last_checkpoint = flame::checkpoint_path(ckpt_dir.string(), step);
+      return;
+    }
     result.last_checkpoint = ckpt.save_rotating(ckpt_dir.string(), keep);
     say("checkpoint " + result.last_checkpoint);
   };
@@ -840,8 +916,12 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const auto since = [](std::chrono::steady_clock::time_point t0) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
+  const uint64_t rank_seed = flame::HostRng::mix(static_cast<uint64_t>(cfg.train.seed) * 7919 + 23, 0x72616e6bull + rank);
   while (step < total) {
     const auto t_step = std::chrono::steady_clock::now();
+    // Several ranks: each draws its own noise and timesteps, seeded by (seed, rank, step), so a
+    // resumed run draws what the stopped one would have on any rank.
+    if (distributed) gen.manual_seed(flame::HostRng::mix(rank_seed, static_cast<uint64_t>(step)));
     flame::Gradients grads;
     Tensor loss_total;  // on the device
     double waited = 0;
@@ -864,12 +944,26 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                budget_plan->str() + " (a batch larger than the first one's needs more: raise "
                                "train.vram_budget_gib, turn on train.gradient_checkpointing or store the base in 8 bits)");
     }
-    const Tensor norm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip) : flame::grad_norm(grads);
     Pending now;
-    now.values = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})}).to(Device::cpu(), true);
-    if (device.is_cuda()) {
-      now.copied.emplace();
-      now.copied->record();
+    bool stop_everywhere = false;
+    if (zero != nullptr) {
+      // The norm of the averaged gradient from the shards (collective, read on the host), then the
+      // ranks' mean loss and whether any rank was asked to stop (one all-reduce): every rank logs
+      // the same values and stops after the same step.
+      const double gnorm = oc.grad_clip > 0 ? zero->clip_grad_norm(oc.grad_clip) : zero->grad_norm();
+      Tensor red = flame::stack({loss_total.reshape({}), Tensor::full({}, stop_signal() != 0 ? 1.0 : 0.0,
+                                                                      flame::TensorOptions(DType::f32, device))});
+      (void)flame::dist::default_group().all_reduce(red, flame::dist::ReduceOp::sum);
+      const std::vector<float> r = red.to_vec<float>();
+      now.values = Tensor::from_vec(std::vector<float>{r[0] / static_cast<float>(world), static_cast<float>(gnorm)}, {2});
+      stop_everywhere = r[1] > 0;
+    } else {
+      const Tensor norm = oc.grad_clip > 0 ? flame::clip_grad_norm(grads, oc.grad_clip) : flame::grad_norm(grads);
+      now.values = flame::stack({loss_total.reshape({}), norm.to(DType::f32).reshape({})}).to(Device::cpu(), true);
+      if (device.is_cuda()) {
+        now.copied.emplace();
+        now.copied->record();
+      }
     }
     launch_seconds.push_back(since(t_step) - waited);
     const auto t_read = std::chrono::steady_clock::now();
@@ -891,12 +985,13 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       warmup_peak = flame::cuda::memory_stats(device.index).peak_allocated_bytes;
       flame::cuda::reset_peak_memory_stats(device.index);
     }
-    const bool stopping = stop_signal() != 0 || (options.stop_after > 0 && ran >= options.stop_after);
+    const bool stopping =
+        (distributed ? stop_everywhere : stop_signal() != 0) || (options.stop_after > 0 && ran >= options.stop_after);
     const bool saving = (cfg.checkpoint.every > 0 && step % cfg.checkpoint.every == 0) || step == total || stopping;
     const bool sample_now = sampling && step % cfg.sample.every == 0 && step < total;
     if (saving || sample_now || step == total) finish_pending();
     if (saving) save_checkpoint();
-    if (sample_now) write_samples(step);
+    if (sample_now && lead) write_samples(step);
     if (stopping && step < total) {
       result.steps_done = step;
       if (stop_signal() != 0) throw_if_stopped("training", "resume with checkpoint.resume = \"latest\"");
@@ -934,7 +1029,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
         " ms, waiting for the previous step " + fmt("%.1f", median(gpu_wait_seconds) * 1e3) + " ms, optimizer " +
         fmt("%.1f", median(opt_seconds) * 1e3) + " ms");
   }
-  if (sampling) write_samples(step);
+  if (sampling && lead) write_samples(step);
 
   // ---- 9. the result ----
   if (ema) {
@@ -947,7 +1042,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                           {"ss_steps", std::to_string(step)},
                                           {"ss_num_train_images", std::to_string(records.size())},
                                           {"flame_method", method}};
-  if (full) {
+  if (!lead) {
+    // the lead writes the files (the weights are the same on every rank)
+  } else if (full) {
     // A diffusers model folder (what from_pretrained and the loaders read): the weights under
     // diffusers' names and the base model's config.json when the pipeline folder has one.
     const fs::path folder = run / cfg.output.name;
@@ -974,6 +1071,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   }
   if (ema) ema->restore();
   for (const auto& p : result.lora_files) say("wrote " + p);
+  if (distributed) finish_distributed();  // the others wait until the lead has written the files
   return result;
 }
 

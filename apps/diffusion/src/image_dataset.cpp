@@ -453,17 +453,28 @@ ImageItem ImageDataset::item(int64_t index, uint64_t seed, std::optional<bool> f
 
 // ---- batches ----
 
-BucketBatchSampler::BucketBatchSampler(const ImageDataset& dataset, int64_t batch_size, uint64_t seed, bool shuffle)
-    : per_bucket_(dataset.buckets().size()), batch_size_(batch_size), seed_(seed), shuffle_(shuffle) {
+BucketBatchSampler::BucketBatchSampler(const ImageDataset& dataset, int64_t batch_size, uint64_t seed, bool shuffle,
+                                       int num_replicas, int rank)
+    : per_bucket_(dataset.buckets().size()),
+      batch_size_(batch_size),
+      seed_(seed),
+      shuffle_(shuffle),
+      num_replicas_(num_replicas),
+      rank_(rank) {
   if (batch_size < 1) throw std::runtime_error("BucketBatchSampler: batch size " + std::to_string(batch_size) + " must be >= 1");
+  if (num_replicas < 1 || rank < 0 || rank >= num_replicas)
+    throw std::runtime_error("BucketBatchSampler: rank " + std::to_string(rank) + " of " + std::to_string(num_replicas) +
+                             " replicas is out of range");
   const auto& recs = dataset.records();
   for (size_t i = 0; i < recs.size(); ++i) {
     for (int64_t r = 0; r < recs[i].repeats; ++r) per_bucket_[recs[i].bucket].push_back(static_cast<int64_t>(i));
   }
+  int64_t batches = 0;
   for (const auto& list : per_bucket_) {
     const int64_t n = static_cast<int64_t>(list.size());
-    num_samples_ += (n + batch_size - 1) / batch_size * batch_size;
+    batches += (n + batch_size - 1) / batch_size;
   }
+  num_samples_ = (batches + num_replicas - 1) / num_replicas * batch_size;
 }
 
 std::vector<int64_t> BucketBatchSampler::indices(int64_t epoch) const {
@@ -487,7 +498,13 @@ std::vector<int64_t> BucketBatchSampler::indices(int64_t epoch) const {
   }
   std::vector<int64_t> out;
   out.reserve(num_samples_);
-  for (const auto& batch : batches) out.insert(out.end(), batch.begin(), batch.end());
+  if (batches.empty()) return out;
+  // This rank's share: batches rank, rank + W, ... of the list padded with its head to a multiple of W.
+  const size_t per_rank = (batches.size() + num_replicas_ - 1) / num_replicas_;
+  for (size_t k = 0; k < per_rank; ++k) {
+    const auto& batch = batches[(k * num_replicas_ + rank_) % batches.size()];
+    out.insert(out.end(), batch.begin(), batch.end());
+  }
   return out;
 }
 
@@ -515,7 +532,9 @@ ImageLoader::ImageLoader(std::shared_ptr<const ImageDataset> dataset, const Imag
   opts.batch_size = o.batch_size;
   opts.seed = o.seed;
   opts.drop_last = false;  // the sampler's lists are whole batches
-  opts.sampler = std::make_shared<BucketBatchSampler>(*dataset_, o.batch_size, o.seed, o.shuffle);
+  // Several ranks: each draws its own augmentation (flips, crops, caption dropout) for its batches.
+  if (o.num_replicas > 1) opts.seed = flame::HostRng::mix(o.seed, 0x72616e6b0000ull + static_cast<uint64_t>(o.rank));
+  opts.sampler = std::make_shared<BucketBatchSampler>(*dataset_, o.batch_size, o.seed, o.shuffle, o.num_replicas, o.rank);
   opts.num_workers = o.num_workers;
   opts.prefetch_factor = o.prefetch_factor;
   opts.device = o.device;
@@ -543,7 +562,7 @@ ImageLoader::ImageLoader(std::shared_ptr<const ImageDataset> dataset, const Imag
   };
   auto indices = std::make_shared<RecordIndices>(static_cast<int64_t>(dataset_->records().size()));
   loader_ = std::make_unique<flame::data::DataLoader<int64_t, ImageBatch>>(indices, opts, collate, transform);
-  if (start.epoch != 0 || start.batch != 0) loader_->load_state({start.epoch, start.batch, o.seed});
+  if (start.epoch != 0 || start.batch != 0) loader_->load_state({start.epoch, start.batch, opts.seed});
 }
 
 ImageBatch ImageLoader::next() {

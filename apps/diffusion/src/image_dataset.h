@@ -186,9 +186,13 @@ std::string transform_caption(const std::string& caption, const DatasetConfig& c
 int64_t repeats_from_folder_name(const std::string& name);
 
 // Note [Bucketed batches]: batch-aligned epoch lists of record indices.
+// With num_replicas > 1 (several ranks) every rank builds the same epoch list of batches, padded by
+// repeating its first batches to a multiple of num_replicas, and takes batches rank, rank +
+// num_replicas, ...: each rank's share of every epoch, the same number of batches on each.
 class BucketBatchSampler : public flame::data::Sampler {
  public:
-  BucketBatchSampler(const ImageDataset& dataset, int64_t batch_size, uint64_t seed, bool shuffle = true);
+  BucketBatchSampler(const ImageDataset& dataset, int64_t batch_size, uint64_t seed, bool shuffle = true,
+                     int num_replicas = 1, int rank = 0);
   int64_t num_samples() const override { return num_samples_; }
   std::vector<int64_t> indices(int64_t epoch) const override;
 
@@ -197,7 +201,8 @@ class BucketBatchSampler : public flame::data::Sampler {
   int64_t batch_size_;
   uint64_t seed_;
   bool shuffle_;
-  int64_t num_samples_ = 0;
+  int num_replicas_ = 1, rank_ = 0;
+  int64_t num_samples_ = 0;  // this rank's
 };
 
 struct ImageBatch {
@@ -215,6 +220,9 @@ struct ImageLoaderOptions {
   int num_workers = 2;  // threads decoding and resizing batches ahead (Note [Loader workers])
   int prefetch_factor = 2;
   flame::Device device = flame::Device::cpu();
+  // Several ranks: this rank's share of every epoch (BucketBatchSampler), with its own augmentation draws.
+  int num_replicas = 1;
+  int rank = 0;
   // false: the items are described (ImageDataset::describe), not decoded, and `images` is
   // undefined: a trainer whose latents are cached needs only the captions, flips and crops.
   bool decode = true;

@@ -12,6 +12,7 @@
 #include <map>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -473,6 +474,57 @@ TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
 }  // namespace
 
 namespace {
+
+#if defined(FLAME_RUN_BIN) && defined(FLAME_DIFFUSION_BIN)
+// Two ranks under flame-run (the tcp backend, on the CPU; Note [Distributed fine-tuning]): each
+// trains on its share of every epoch with ZeRO-2, rank 0 alone writes the run's files, and a run
+// stopped after 2 steps and resumed on 2 ranks ends with the adapters of the uninterrupted one.
+TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "ranks");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "a");
+  c.sample.prompts.clear();
+  c.train.batch_size = 1;
+  c.optimizer.scheduler = "constant";  // the same rate whatever train.steps says
+  c.optimizer.warmup_steps = 0;
+  c.checkpoint.lora_format = "peft";
+  const std::string cfg_dir = (dir / "cfg").string();
+  fs::create_directories(cfg_dir);
+  const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
+  const auto launch = [&](const std::string& sets, const std::string& log) {
+    const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node 2 " + FLAME_DIFFUSION_BIN +
+                            " finetune --config " + cfg_file + " --device cpu " + sets + " > " + log + " 2>&1";
+    const int rc = std::system(cmd.c_str());
+    std::ifstream f(log);
+    std::stringstream text;
+    text << f.rdbuf();
+    EXPECT_EQ(rc, 0) << cmd << "\n" << text.str();
+    return text.str();
+  };
+  const std::string a = launch("--set train.steps=4", (dir / "a.log").string());
+  EXPECT_NE(a.find("2 ranks"), std::string::npos) << a;
+  const std::string b_out = "--set output.dir=" + (dir / "b").string();
+  (void)launch(b_out + " --set train.steps=2", (dir / "b1.log").string());
+  const std::string b = launch(b_out + " --set train.steps=4 --set checkpoint.resume=latest", (dir / "b2.log").string());
+  EXPECT_NE(b.find("resumed from"), std::string::npos) << b;
+  const auto losses = [](const fs::path& csv) {
+    std::ifstream f(csv);
+    std::string line;
+    std::vector<std::string> rows;
+    while (std::getline(f, line)) rows.push_back(line);
+    return rows;
+  };
+  const auto la = losses(dir / "a" / "loss.csv"), lb = losses(dir / "b" / "loss.csv");
+  ASSERT_EQ(la.size(), 5u);  // the header and one row per step, written by rank 0 alone
+  EXPECT_EQ(la, lb);
+  const flame::StateDict wa = flame::io::load_safetensors((dir / "a" / "shapes.safetensors").string());
+  const flame::StateDict wb = flame::io::load_safetensors((dir / "b" / "shapes.safetensors").string());
+  ASSERT_EQ(wa.keys(), wb.keys());
+  ASSERT_FALSE(wa.keys().empty());
+  for (const std::string& k : wa.keys())
+    EXPECT_EQ(wa.at(k).to_vec<float>(), wb.at(k).to_vec<float>()) << k;
+}
+#endif
 
 // train.method full (a diffusers model folder that the pipeline loads in place of its UNet), LoKr and
 // DoRA adapters, and the EMA of the trained weights written at the end.

@@ -695,6 +695,22 @@ TEST(ImageDatasetLoader, BatchesComeFromOneBucketDeterministically) {
   }
   EXPECT_NE(sampler.indices(0), sampler.indices(1));
   EXPECT_EQ(sampler.indices(1), fd::BucketBatchSampler(*ds, 4, 11).indices(1));
+  // Two ranks: 5 batches padded to 6, rank r takes batches r, r + 2, r + 4 of the same epoch list.
+  const fd::BucketBatchSampler r0(*ds, 4, 11, true, 2, 0), r1(*ds, 4, 11, true, 2, 1);
+  EXPECT_EQ(r0.num_samples(), 12);
+  EXPECT_EQ(r1.num_samples(), 12);
+  for (int64_t e = 0; e < 2; ++e) {
+    const auto all = sampler.indices(e), a0 = r0.indices(e), a1 = r1.indices(e);
+    ASSERT_EQ(a0.size(), 12u);
+    ASSERT_EQ(a1.size(), 12u);
+    for (size_t k = 0; k < 3; ++k) {
+      for (size_t j = 0; j < 4; ++j) {
+        EXPECT_EQ(a0[k * 4 + j], all[(2 * k) * 4 + j]) << "epoch " << e;
+        EXPECT_EQ(a1[k * 4 + j], all[((2 * k + 1) % 5) * 4 + j]) << "epoch " << e;  // the last one wraps
+      }
+    }
+  }
+  EXPECT_THROW(fd::BucketBatchSampler(*ds, 4, 11, true, 2, 2), std::runtime_error);
 
   fd::ImageLoader a(ds, {.batch_size = 4, .seed = 11, .num_workers = 0});
   fd::ImageLoader b(ds, {.batch_size = 4, .seed = 11, .num_workers = 2});
