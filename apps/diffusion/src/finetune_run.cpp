@@ -670,8 +670,16 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   start.seed = static_cast<uint64_t>(cfg.train.seed);
   if (resume_file) {
     ckpt.load(*resume_file, {.map_location = device});
+    // The checkpoint counts the epoch's batches over all ranks (batch k of each of W ranks: k * W of
+    // the epoch's list); this run's ranks go on from there, each at its share of it.
     start.epoch = ckpt.progress().counters["epoch"];
-    start.batch = ckpt.progress().counters["batch"];
+    start.batch = ckpt.progress().counters["batch"] / world;
+    const int64_t per_rank = BucketBatchSampler(*dataset, cfg.train.batch_size, start.seed, true, world, rank).num_samples() /
+                             cfg.train.batch_size;
+    if (start.batch >= per_rank) {  // the epoch's list was used up: the next one
+      ++start.epoch;
+      start.batch = 0;
+    }
     say("resumed from " + *resume_file + " at step " + std::to_string(ckpt.progress().step));
   }
   int64_t& step = ckpt.progress().step;
@@ -856,7 +864,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   auto save_checkpoint = [&] {
     const flame::data::LoaderState pos = batches.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
-    ckpt.progress().counters["batch"] = pos.batch;
+    ckpt.progress().counters["batch"] = pos.batch * world;  // over all ranks (read back per rank on resume)
     if (!lead) {
       // The optimizer's state_dict gathers the shards (a collective the lead's save runs too); the
       // adapters are the same on every rank, and so is the data position (every rank has drawn as

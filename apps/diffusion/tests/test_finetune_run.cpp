@@ -523,6 +523,21 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   ASSERT_FALSE(wa.keys().empty());
   for (const std::string& k : wa.keys())
     EXPECT_EQ(wa.at(k).to_vec<float>(), wb.at(k).to_vec<float>()) << k;
+  // The two-rank checkpoint of step 2 goes on in one process (its optimizer state gathered whole,
+  // the data position read per rank).
+  fs::create_directories(dir / "c" / "checkpoints");
+  fs::copy_file(dir / "b" / "checkpoints" / "ckpt-0000000002.safetensors",
+                dir / "c" / "checkpoints" / "ckpt-0000000002.safetensors");
+  fd::FinetuneConfig one = c;
+  one.output.dir = (dir / "c").string();
+  one.train.steps = 4;
+  one.checkpoint.resume = "latest";
+  const fd::FinetuneRunResult r = fd::run_finetune({.config = one, .device = flame::Device::cpu(), .overwrite = false,
+                                                    .stop_after = 0, .log = [](const std::string&) {}});
+  EXPECT_EQ(r.first_step, 2);
+  EXPECT_EQ(r.steps_done, 4);
+  ASSERT_EQ(r.losses.size(), 2u);
+  for (double l : r.losses) EXPECT_TRUE(std::isfinite(l)) << l;
 }
 #endif
 
