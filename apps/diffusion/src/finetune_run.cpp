@@ -56,26 +56,27 @@
 //    rank stops all of them after the same step with a checkpoint;
 //  - a checkpoint gathers the optimizer state on every rank (collective) and rank 0 writes it, so a
 //    run resumes on any number of ranks.
-// Not yet: the 8-bit optimizer's state sharded (refused with several ranks), ZeRO-3 parameter
-// sharding of the denoiser's blocks (full fine-tuning keeps a whole model per rank).
+// Not yet: the 8-bit optimizer's state sharded and train.vram_budget_gib's search (both refused
+// with several ranks), ZeRO-3 parameter sharding of the denoiser's blocks (full fine-tuning keeps
+// a whole model per rank).
 #include "finetune_run.h"
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
-#include <condition_variable>
-#include <exception>
 #include <functional>
-#include <mutex>
-#include <thread>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include <flame/amp.h>
 #include <flame/checkpoint.h>
@@ -829,6 +830,10 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                family + " UNet (model.fp8_base and train.gradient_checkpointing lower its memory)");
     if (!device.is_cuda())
       throw std::runtime_error("train.vram_budget_gib caps GPU memory and needs --device cuda, got " + device.str());
+    if (distributed)  // its trial steps would run ZeRO's gradient reductions a different number of times per rank
+      throw std::runtime_error("train.vram_budget_gib on " + std::to_string(world) + " ranks: the budget search runs "
+                               "on one GPU only for now; set the layout with train.gradient_checkpointing and "
+                               "model.fp8_base instead");
     ImageLoader probe(dataset, loader_options, start);
     const StepBatch first = prepare(probe.position(), probe.next());
     const flame::Generator::State gen_state = gen.get_state();
@@ -857,7 +862,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       if (at && *at <= step) kept += line + "\n";  // a malformed line is dropped
     }
   }
-  std::ofstream csv(run / "loss.csv", std::ios::trunc);
+  std::ofstream csv;  // rank 0's (the others' writes go nowhere)
+  if (lead) csv.open(run / "loss.csv", std::ios::trunc);
   csv << kept;
   const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
   BatchPrefetcher batches(loader, prepare, (total - step) * cfg.train.grad_accum);

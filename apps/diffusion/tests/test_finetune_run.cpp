@@ -491,14 +491,16 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   const std::string cfg_dir = (dir / "cfg").string();
   fs::create_directories(cfg_dir);
   const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
-  const auto launch = [&](const std::string& sets, const std::string& log) {
+  // Two ranks of `flame-diffusion finetune` with these --set options: their log, and whether they
+  // succeeded as `ok` says.
+  const auto launch = [&](const std::string& sets, const std::string& log, bool ok = true) {
     const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node 2 " + FLAME_DIFFUSION_BIN +
                             " finetune --config " + cfg_file + " --device cpu " + sets + " > " + log + " 2>&1";
     const int rc = std::system(cmd.c_str());
     std::ifstream f(log);
     std::stringstream text;
     text << f.rdbuf();
-    EXPECT_EQ(rc, 0) << cmd << "\n" << text.str();
+    EXPECT_EQ(rc == 0, ok) << cmd << "\n" << text.str();
     return text.str();
   };
   const std::string a = launch("--set train.steps=4", (dir / "a.log").string());
@@ -523,6 +525,10 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   ASSERT_FALSE(wa.keys().empty());
   for (const std::string& k : wa.keys())
     EXPECT_EQ(wa.at(k).to_vec<float>(), wb.at(k).to_vec<float>()) << k;
+  // Not yet with several ranks: refused, naming the setting.
+  const std::string refused = launch("--set optimizer.type=adamw8bit --set output.dir=" + (dir / "refused").string(),
+                                     (dir / "refused.log").string(), false);
+  EXPECT_NE(refused.find("optimizer.type = \"adamw8bit\" on 2 ranks"), std::string::npos) << refused;
   // The two-rank checkpoint of step 2 goes on in one process (its optimizer state gathered whole,
   // the data position read per rank).
   fs::create_directories(dir / "c" / "checkpoints");
