@@ -504,6 +504,17 @@ int zero3() {
     NoGradGuard ng;
     WCHECK(close(forward(batch_x(5, dev)), ref->forward(batch_x(5, dev)), tol, "ZeRO-3 inference"));
   }
+  {  // weights loaded through gathered parameters go into the shards (a resumed checkpoint)
+    auto twin = make_model(23, dev);
+    {
+      const auto gathered = opt.gather_parameters(/*write_back=*/true);
+      NoGradGuard ng;
+      (void)model->load_state_dict(twin->state_dict());
+    }
+    WCHECK(model->fc1->weight().abs().sum().item<float>() == 0.0f);  // placeholders again
+    const auto gathered = opt.gather_parameters();
+    WCHECK(same_params(*model, *twin, 1e-7, "ZeRO-3 write-back"));
+  }
   if (R == 0)
     std::printf("ZeRO-3 on %d ranks: %zu of %zu parameter bytes per rank\n", W, mem.parameter_bytes,
                 static_cast<std::size_t>(mem.param_numel) * sizeof(float));

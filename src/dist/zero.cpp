@@ -821,9 +821,29 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
 ZeroRedundancyOptimizer::Gathered::~Gathered() = default;
 ZeroRedundancyOptimizer::Gathered::Gathered(Gathered&&) noexcept = default;
 
-ZeroRedundancyOptimizer::Gathered ZeroRedundancyOptimizer::gather_parameters() {
+ZeroRedundancyOptimizer::Gathered ZeroRedundancyOptimizer::gather_parameters(bool write_back) {
   Gathered g;
-  for (std::size_t i = 0; i < block_layouts_.size(); ++i) g.held_.push_back(gather_block(i, /*own_dtype=*/true));
+  std::vector<std::shared_ptr<void>> blocks;
+  for (std::size_t i = 0; i < block_layouts_.size(); ++i) blocks.push_back(gather_block(i, /*own_dtype=*/true));
+  if (write_back) {
+    // Released first (it holds the blocks until it is done): each shard takes its slice of the
+    // gathered buffer, which the writes went into through the parameters' views.
+    g.held_.push_back(std::shared_ptr<void>(nullptr, [this, blocks](void*) {
+      try {
+        NoGradGuard no_grad;
+        const int64_t r = group_->rank();
+        for (std::size_t i = 0; i < blocks.size(); ++i) {
+          const auto* gb = static_cast<const GatheredBlock*>(blocks[i].get());
+          for (std::size_t j = 0; j < block_layouts_[i].size(); ++j) {
+            Layout& l = layouts_[block_layouts_[i][j]];
+            l.shard_param.copy_(gb->fulls[j].narrow(0, r * l.shard, l.shard));
+          }
+        }
+      } catch (...) {  // a copy between tensors of one shape and dtype on one device does not fail
+      }
+    }));
+  }
+  for (auto& b : blocks) g.held_.push_back(std::move(b));
   return g;
 }
 

@@ -35,6 +35,7 @@ void BlockStack::disable_block_swap() {
 
 flame::Tensor BlockStack::run_block(std::size_t i, bool checkpoint, const flame::TensorList& inputs,
                                     const std::function<flame::Tensor(const flame::TensorList&)>& fn) {
+  if (runner_) return runner_(i, fn, inputs);
   if (swap_) return swap_->run(i, fn, inputs, checkpoint);
   if (!checkpoint || !flame::grad_enabled()) return fn(inputs);
   return flame::checkpoint(fn, inputs);

@@ -50,14 +50,22 @@ class BlockStack {
   // Every block back to the device, the swap dropped.
   void disable_block_swap();
   flame::offload::BlockSwap* block_swap() const { return swap_.get(); }
+  // A function every block runs through instead of the swap or checkpointing (ZeRO-3's run_block:
+  // the block's sharded parameters gathered for it, and recomputed in backward); null: none.
+  using BlockRunner = std::function<flame::Tensor(std::size_t, const std::function<flame::Tensor(const flame::TensorList&)>&,
+                                                  const flame::TensorList&)>;
+  void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
 
  protected:
-  // Block i of the stack: through the swap when there is one, else checkpointed or plain.
+  // Whether blocks must go through run_block even when not checkpointed (a swap or a runner).
+  bool blocks_routed() const { return swap_ != nullptr || runner_ != nullptr; }
+  // Block i of the stack: through the runner or the swap when there is one, else checkpointed or plain.
   flame::Tensor run_block(std::size_t i, bool checkpoint, const flame::TensorList& inputs,
                           const std::function<flame::Tensor(const flame::TensorList&)>& fn);
 
  private:
   std::shared_ptr<flame::offload::BlockSwap> swap_;
+  BlockRunner runner_;
 };
 
 struct BudgetPlan {

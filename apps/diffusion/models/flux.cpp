@@ -339,7 +339,7 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
     const auto block = std::static_pointer_cast<FluxTransformerBlock>(m);
     if (index == checkpoint_blocks_) end_offload();
     const bool ckpt = index < checkpoint_blocks_ && flame::grad_enabled();
-    if (ckpt || block_swap()) {
+    if (ckpt || blocks_routed()) {
       // One output per block call: the two streams travel concatenated along the sequence.
       const Tensor both = run_block(static_cast<std::size_t>(index), ckpt, {h, e, temb},
                                     [block, rope](const flame::TensorList& in) {

@@ -371,7 +371,7 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
     if (i == checkpointed_) end_offload();
     auto block = std::static_pointer_cast<SD3JointTransformerBlock>((*transformer_blocks)[static_cast<std::size_t>(i)]);
     const bool ckpt = i < checkpointed_ && flame::grad_enabled();
-    if (ckpt || block_swap()) {
+    if (ckpt || blocks_routed()) {
       // One output per block call: the streams travel concatenated along the sequence.
       const Tensor out = run_block(static_cast<std::size_t>(i), ckpt, {x, ctx, temb}, [block](const flame::TensorList& in) {
         auto [a, s] = block->forward(in[0], in[1], in[2]);

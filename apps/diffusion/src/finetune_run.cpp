@@ -51,14 +51,19 @@
 //    run draws what the stopped one would have;
 //  - optim::AdamW runs inside dist::ZeroRedundancyOptimizer stage 2: gradients are averaged over
 //    the ranks (reduce-scattered while the backward runs) and they and the optimizer state are
-//    sharded; rank 0's initial adapters are broadcast; clipping takes the norm over the shards;
+//    sharded; rank 0's initial weights are broadcast; clipping takes the norm over the shards.
+//    train.zero_stage 3 (chosen for full fine-tuning of FLUX and SD3) shards the transformer's
+//    blocks too: each block runs through ZeRO's run_block (BlockStack::set_block_runner), gathered
+//    for its forward and again for its recomputed backward; checkpoints, samples and the final
+//    model gather the weights on every rank (collective), and a resumed checkpoint loads through
+//    gathered parameters written back into the shards;
 //  - each step all-reduces the loss (logged as the ranks' mean) with a stop flag, so a signal to any
 //    rank stops all of them after the same step with a checkpoint;
 //  - a checkpoint gathers the optimizer state on every rank (collective) and rank 0 writes it, so a
 //    run resumes on any number of ranks.
 // Not yet: the 8-bit optimizer's state sharded and train.vram_budget_gib's search (both refused
-// with several ranks), ZeRO-3 parameter sharding of the denoiser's blocks (full fine-tuning keeps
-// a whole model per rank).
+// with several ranks), the EMA with stage 3 (refused), f32 master shards under bf16 weights (the
+// shards are in the model's dtype), SDXL's UNet with stage 3.
 #include "finetune_run.h"
 
 #include <algorithm>
@@ -626,6 +631,19 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   std::vector<optim::ParamGroup> groups{eight_bit ? adamw8.group(params) : adamw.group(params)};
   std::unique_ptr<optim::Optimizer> opt;
   flame::dist::ZeroRedundancyOptimizer* zero = nullptr;
+  fm::BlockStack* block_stack = den.flux ? static_cast<fm::BlockStack*>(den.flux.get())
+                                         : den.sd3 ? static_cast<fm::BlockStack*>(den.sd3.get()) : nullptr;
+  // train.zero_stage: 3 shards the transformer's blocks too (full fine-tuning of FLUX / SD3).
+  const int64_t zero_stage = !distributed               ? 0
+                             : cfg.train.zero_stage != 0 ? cfg.train.zero_stage
+                             : (full && block_stack)     ? 3
+                                                         : 2;
+  if (zero_stage == 3 && !block_stack)
+    throw std::runtime_error("train.zero_stage = 3 shards FLUX's and SD3's transformer blocks; the " + family +
+                             " UNet trains with train.zero_stage = 2");
+  if (zero_stage == 3 && cfg.train.ema)
+    throw std::runtime_error("train.ema with train.zero_stage = 3: the EMA of sharded weights is not kept yet; turn "
+                             "train.ema off or use train.zero_stage = 2");
   if (distributed) {
     // Note [Distributed fine-tuning]: ZeRO-2 averages the gradients over the ranks while the
     // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
@@ -633,10 +651,16 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       throw std::runtime_error("optimizer.type = \"adamw8bit\" on " + std::to_string(world) + " ranks: the 8-bit "
                                "state is not sharded yet; use \"adamw\" (its state is sharded over the ranks)");
     flame::dist::ZeroOptions zo;
-    zo.stage = 2;
+    zo.stage = static_cast<int>(zero_stage);
+    if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();
     auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(std::move(groups), make_optimizer, nullptr, zo);
     zero = z.get();
     opt = std::move(z);
+    if (zero_stage == 3) {  // every block runs gathered (and is recomputed in backward)
+      block_stack->set_block_runner([zero](std::size_t i, const std::function<Tensor(const flame::TensorList&)>& fn,
+                                           const flame::TensorList& in) { return zero->run_block(i, fn, in); });
+    }
+    say("ZeRO stage " + std::to_string(zero_stage) + " over " + std::to_string(world) + " ranks");
   } else {
     opt = make_optimizer(std::move(groups));
   }
@@ -670,7 +694,12 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   flame::data::LoaderState start;
   start.seed = static_cast<uint64_t>(cfg.train.seed);
   if (resume_file) {
-    ckpt.load(*resume_file, {.map_location = device});
+    {
+      // Stage 3: the weights load into the gathered parameters and go back into the shards.
+      std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;
+      if (zero_stage == 3) whole.emplace(zero->gather_parameters(/*write_back=*/true));
+      ckpt.load(*resume_file, {.map_location = device});
+    }
     // The checkpoint counts the epoch's batches over all ranks (batch k of each of W ranks: k * W of
     // the epoch's list); this run's ranks go on from there, each at its share of it.
     start.epoch = ckpt.progress().counters["epoch"];
@@ -803,7 +832,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
         return fm::PromptEmbeddings{t.at("states").to(dtype), t.at("pooled").to(dtype)};
       };
     }
-    const Tensor images = fm::generate(*pipe, g);
+    const Tensor images = fm::generate(*pipe, g);  // stage 3: on every rank (its blocks gather)
+    if (!lead) {
+      model.train();
+      return;
+    }
     fs::create_directories(samples_dir);
     char name[64];
     std::snprintf(name, sizeof name, "step-%07lld.png", static_cast<long long>(at));
@@ -868,6 +901,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
   BatchPrefetcher batches(loader, prepare, (total - step) * cfg.train.grad_accum);
   auto save_checkpoint = [&] {
+    std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;  // stage 3: the weights (collective)
+    if (zero_stage == 3) whole.emplace(zero->gather_parameters());
     const flame::data::LoaderState pos = batches.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch * world;  // over all ranks (read back per rank on resume)
@@ -1005,7 +1040,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     const bool sample_now = sampling && step % cfg.sample.every == 0 && step < total;
     if (saving || sample_now || step == total) finish_pending();
     if (saving) save_checkpoint();
-    if (sample_now && lead) write_samples(step);
+    if (sample_now && (lead || zero_stage == 3)) write_samples(step);
     if (stopping && step < total) {
       result.steps_done = step;
       if (stop_signal() != 0) throw_if_stopped("training", "resume with checkpoint.resume = \"latest\"");
@@ -1043,7 +1078,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
         " ms, waiting for the previous step " + fmt("%.1f", median(gpu_wait_seconds) * 1e3) + " ms, optimizer " +
         fmt("%.1f", median(opt_seconds) * 1e3) + " ms");
   }
-  if (sampling && lead) write_samples(step);
+  if (sampling && (lead || zero_stage == 3)) write_samples(step);
 
   // ---- 9. the result ----
   if (ema) {
@@ -1056,6 +1091,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                           {"ss_steps", std::to_string(step)},
                                           {"ss_num_train_images", std::to_string(records.size())},
                                           {"flame_method", method}};
+  std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;  // stage 3: the weights (collective)
+  if (zero_stage == 3) whole.emplace(zero->gather_parameters());
   if (!lead) {
     // the lead writes the files (the weights are the same on every rank)
   } else if (full) {
@@ -1085,6 +1122,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   }
   if (ema) ema->restore();
   for (const auto& p : result.lora_files) say("wrote " + p);
+  whole.reset();
   if (distributed) finish_distributed();  // the others wait until the lead has written the files
   return result;
 }

@@ -187,6 +187,11 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("train.dataloader_workers", train.dataloader_workers, 2, "threads decoding and resizing images",
              in_range(0, 64)),
       FD_KEY("train.log_every", train.log_every, 10, "steps between loss log lines", at_least(1)),
+      FD_KEY("train.zero_stage", train.zero_stage, 0,
+             "on several ranks (flame-run): 2 shards the gradients and the optimizer state over the ranks, 3 the "
+             "transformer's blocks too (train.method full, FLUX and SD3); 0 chooses 3 for full fine-tuning of "
+             "FLUX and SD3, else 2",
+             in_range(0, 3)),
       // [checkpoint]
       FD_KEY("checkpoint.every", checkpoint.every, 500, "steps between checkpoints (0: only at the end)",
              kNonNegative),
@@ -575,6 +580,12 @@ void validate_finetune_config(const FinetuneConfig& c) {
                           ", e.g. \"to_q=" + (integer ? "32" : "16") + "\"");
     }
   }
+  if (c.train.zero_stage == 1)
+    throw ConfigError("configuration: train.zero_stage = 1: use 2 (gradients and optimizer state sharded), 3 "
+                      "(the blocks too) or 0 (chosen)");
+  if (c.train.zero_stage == 3 && c.train.method != "full")
+    throw ConfigError("configuration: train.zero_stage = 3 shards the model's weights, which train.method = \"" +
+                      c.train.method + "\" does not train; use 2 or 0");
   if (c.optimizer.betas.size() != 2)
     throw ConfigError("configuration: optimizer.betas = " + value_to_toml(c.optimizer.betas) +
                       ": expected two numbers, [beta1, beta2]");

@@ -78,6 +78,7 @@ struct FinetuneTrainSettings {
   double ema_decay = 0.0;
   int64_t dataloader_workers = 0;
   int64_t log_every = 0;
+  int64_t zero_stage = 0;  // several ranks: 0 chooses (3 for full FLUX / SD3, else 2), or 2 or 3
 };
 
 struct FinetuneCheckpointConfig {

@@ -476,6 +476,26 @@ TEST(FinetuneRun, AFailedCheckpointWriteKeepsThePreviousOne) {
 namespace {
 
 #if defined(FLAME_RUN_BIN) && defined(FLAME_DIFFUSION_BIN)
+// Two ranks of `flame-diffusion finetune --config cfg_file` on the CPU with these --set options:
+// their log, and whether they succeeded as `ok` says.
+std::string launch_two_ranks(const std::string& cfg_file, const std::string& sets, const std::string& log, bool ok) {
+  const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node 2 " + FLAME_DIFFUSION_BIN +
+                          " finetune --config " + cfg_file + " --device cpu " + sets + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  std::ifstream f(log);
+  std::stringstream text;
+  text << f.rdbuf();
+  EXPECT_EQ(rc == 0, ok) << cmd << "\n" << text.str();
+  return text.str();
+}
+
+std::vector<std::string> csv_rows(const fs::path& csv) {
+  std::ifstream f(csv);
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(f, line);) rows.push_back(line);
+  return rows;
+}
+
 // Two ranks under flame-run (the tcp backend, on the CPU; Note [Distributed fine-tuning]): each
 // trains on its share of every epoch with ZeRO-2, rank 0 alone writes the run's files, and a run
 // stopped after 2 steps and resumed on 2 ranks ends with the adapters of the uninterrupted one.
@@ -491,17 +511,8 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   const std::string cfg_dir = (dir / "cfg").string();
   fs::create_directories(cfg_dir);
   const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
-  // Two ranks of `flame-diffusion finetune` with these --set options: their log, and whether they
-  // succeeded as `ok` says.
   const auto launch = [&](const std::string& sets, const std::string& log, bool ok = true) {
-    const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node 2 " + FLAME_DIFFUSION_BIN +
-                            " finetune --config " + cfg_file + " --device cpu " + sets + " > " + log + " 2>&1";
-    const int rc = std::system(cmd.c_str());
-    std::ifstream f(log);
-    std::stringstream text;
-    text << f.rdbuf();
-    EXPECT_EQ(rc == 0, ok) << cmd << "\n" << text.str();
-    return text.str();
+    return launch_two_ranks(cfg_file, sets, log, ok);
   };
   const std::string a = launch("--set train.steps=4", (dir / "a.log").string());
   EXPECT_NE(a.find("2 ranks"), std::string::npos) << a;
@@ -509,14 +520,7 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   (void)launch(b_out + " --set train.steps=2", (dir / "b1.log").string());
   const std::string b = launch(b_out + " --set train.steps=4 --set checkpoint.resume=latest", (dir / "b2.log").string());
   EXPECT_NE(b.find("resumed from"), std::string::npos) << b;
-  const auto losses = [](const fs::path& csv) {
-    std::ifstream f(csv);
-    std::string line;
-    std::vector<std::string> rows;
-    while (std::getline(f, line)) rows.push_back(line);
-    return rows;
-  };
-  const auto la = losses(dir / "a" / "loss.csv"), lb = losses(dir / "b" / "loss.csv");
+  const auto la = csv_rows(dir / "a" / "loss.csv"), lb = csv_rows(dir / "b" / "loss.csv");
   ASSERT_EQ(la.size(), 5u);  // the header and one row per step, written by rank 0 alone
   EXPECT_EQ(la, lb);
   const flame::StateDict wa = flame::io::load_safetensors((dir / "a" / "shapes.safetensors").string());
@@ -544,6 +548,57 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   EXPECT_EQ(r.steps_done, 4);
   ASSERT_EQ(r.losses.size(), 2u);
   for (double l : r.losses) EXPECT_TRUE(std::isfinite(l)) << l;
+}
+
+// Full fine-tuning of FLUX on two ranks: train.zero_stage 3 (the default there) shards the
+// transformer's blocks and gathers each for its forward and recomputed backward; it trains as
+// stage 2 does (same losses and weights), its checkpoint gathers the weights and a resumed run ends
+// where the uninterrupted one did.
+TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "zero3");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
+  c.sample.prompts.clear();
+  c.train.batch_size = 1;
+  c.train.method = "full";
+  c.optimizer.lr = 1e-3;
+  c.optimizer.scheduler = "constant";
+  c.optimizer.warmup_steps = 0;
+  const std::string cfg_dir = (dir / "cfg").string();
+  fs::create_directories(cfg_dir);
+  const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
+  const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
+  EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
+  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
+                         (dir / "s2.log").string(), true);
+  const std::string out = "--set output.dir=" + (dir / "r3").string();
+  (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
+  (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
+                         (dir / "r3b.log").string(), true);
+  const auto rows3 = csv_rows(dir / "s3" / "loss.csv");
+  ASSERT_EQ(rows3.size(), 5u);
+  EXPECT_EQ(rows3, csv_rows(dir / "r3" / "loss.csv"));
+  const auto weights = [&](const std::string& run) {
+    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
+  };
+  const flame::StateDict w3 = weights("s3"), w2 = weights("s2"), wr = weights("r3");
+  ASSERT_EQ(w3.keys(), w2.keys());
+  ASSERT_EQ(w3.keys(), wr.keys());
+  const auto rows2 = csv_rows(dir / "s2" / "loss.csv");
+  ASSERT_EQ(rows2.size(), rows3.size());
+  for (std::size_t i = 1; i < rows3.size(); ++i) {  // step, loss, lr, grad norm
+    const double l3 = std::stod(rows3[i].substr(rows3[i].find(',') + 1));
+    const double l2 = std::stod(rows2[i].substr(rows2[i].find(',') + 1));
+    EXPECT_NEAR(l3, l2, 1e-5 * std::abs(l2)) << rows3[i] << " vs " << rows2[i];
+  }
+  for (const std::string& k : w3.keys()) {
+    const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), b = w2.at(k).to(flame::DType::f32).to_vec<float>();
+    const auto r = wr.at(k).to(flame::DType::f32).to_vec<float>();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      ASSERT_NEAR(a[i], b[i], 1e-5 + 1e-5 * std::abs(b[i])) << k << "[" << i << "]: stage 3 vs stage 2";
+      ASSERT_EQ(a[i], r[i]) << k << "[" << i << "]: resumed";
+    }
+  }
 }
 #endif
 

@@ -86,7 +86,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // placeholder (zeros of its shape, one element of storage).
   Tensor run_block(std::size_t i, const std::function<Tensor(const TensorList&)>& fn, const TensorList& inputs);
   // Stage 3: every sharded parameter gathered, in its own dtype, while the object lives (to save or
-  // read the model's weights; collective).
+  // read the model's weights; collective). write_back: what is written into the gathered
+  // parameters meanwhile (a loaded state dict, the same on every rank) goes into this rank's shards
+  // when it ends.
   class Gathered {
    public:
     ~Gathered();
@@ -100,7 +102,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     Gathered() = default;
     std::vector<std::shared_ptr<void>> held_;
   };
-  [[nodiscard]] Gathered gather_parameters();
+  [[nodiscard]] Gathered gather_parameters(bool write_back = false);
   std::string name() const override;
   StateDict state_dict() const override;             // collective
   void load_state_dict(const StateDict& state) override;  // any world size's consolidated state
