@@ -489,6 +489,17 @@ std::string launch_two_ranks(const std::string& cfg_file, const std::string& set
   return text.str();
 }
 
+// The settings of the two-rank runs (one image per rank and step, a constant rate whatever
+// train.steps says, no samples) applied to `c`, which is written to dir/cfg/config.toml; its path.
+std::string two_rank_config(fd::FinetuneConfig& c, const fs::path& dir) {
+  c.sample.prompts.clear();
+  c.train.batch_size = 1;
+  c.optimizer.scheduler = "constant";
+  c.optimizer.warmup_steps = 0;
+  fs::create_directories(dir / "cfg");
+  return fd::save_finetune_config(c, (dir / "cfg").string());
+}
+
 std::vector<std::string> csv_rows(const fs::path& csv) {
   std::ifstream f(csv);
   std::vector<std::string> rows;
@@ -503,14 +514,8 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "ranks");
   const fs::path images = make_images(dir);
   fd::FinetuneConfig c = tiny_config("flux", images, dir / "a");
-  c.sample.prompts.clear();
-  c.train.batch_size = 1;
-  c.optimizer.scheduler = "constant";  // the same rate whatever train.steps says
-  c.optimizer.warmup_steps = 0;
   c.checkpoint.lora_format = "peft";
-  const std::string cfg_dir = (dir / "cfg").string();
-  fs::create_directories(cfg_dir);
-  const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
+  const std::string cfg_file = two_rank_config(c, dir);
   const auto launch = [&](const std::string& sets, const std::string& log, bool ok = true) {
     return launch_two_ranks(cfg_file, sets, log, ok);
   };
@@ -558,15 +563,9 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "zero3");
   const fs::path images = make_images(dir);
   fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
-  c.sample.prompts.clear();
-  c.train.batch_size = 1;
   c.train.method = "full";
   c.optimizer.lr = 1e-3;
-  c.optimizer.scheduler = "constant";
-  c.optimizer.warmup_steps = 0;
-  const std::string cfg_dir = (dir / "cfg").string();
-  fs::create_directories(cfg_dir);
-  const std::string cfg_file = fd::save_finetune_config(c, cfg_dir);
+  const std::string cfg_file = two_rank_config(c, dir);
   const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
   EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
   (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
