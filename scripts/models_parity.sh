@@ -272,8 +272,8 @@ EOF
       run "finetune_e2e flux: diffusers + peft step" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev \
         --time --latent 128 --text 512 --checkpointing 0
     else
-      run "finetune_e2e sdxl: diffusers + peft step" 400 python3 apps/diffusion/reference/models_unet.py --config sdxl \
-        --time --batch-list 1 --checkpointing 0
+      run "finetune_e2e sdxl: diffusers + peft step (f32 adapters under bf16 autocast, as the trainer)" 400 python3 \
+        apps/diffusion/reference/models_unet.py --config sdxl --time --batch-list 1 --checkpointing 0 --adapters f32
     fi
     rm -rf $pipe $img $run_dir
   done

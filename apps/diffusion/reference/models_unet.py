@@ -228,7 +228,11 @@ def time_training(args):
         for ckpt in [c == "1" for c in args.checkpointing.split(",")]:
             torch.cuda.empty_cache()
             unet = build(name, device, torch.bfloat16, args.seed)
-            add_lora(unet, args.rank, float(args.rank), args.seed, 0.0, torch.bfloat16)
+            adapters = add_lora(unet, args.rank, float(args.rank), args.seed, 0.0, torch.bfloat16)
+            f32 = args.adapters == "f32"
+            if f32:  # the precision of diffusers' LoRA scripts and of flame-diffusion finetune
+                for p in adapters.values():
+                    p.data = p.data.float()
             if ckpt:
                 unet.enable_gradient_checkpointing()
             unet.train()
@@ -238,14 +242,15 @@ def time_training(args):
             model = torch.compile(unet) if args.compile else unet
 
             def step():
-                loss = F.mse_loss(run(model, x).float(), x["target"].float())
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=f32):
+                    loss = F.mse_loss(run(model, x).float(), x["target"].float())
                 loss.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
             t = time_steps(step, args.warmup, args.steps)
             print(json.dumps({"impl": "diffusers+peft" + ("+torch.compile" if args.compile else ""), "work": f"{name}_unet_lora_r{args.rank}_step", "latent": args.latent,
-                              "batch": batch, "checkpointing": ckpt, **t,
+                              "batch": batch, "checkpointing": ckpt, "adapters": args.adapters, **t,
                               "gpu": torch.cuda.get_device_name()}), flush=True)
             del unet, opt, params, x
 
@@ -264,6 +269,9 @@ def main():
     ap.add_argument("--batch-list", default="1,4", help="timing: batches")
     ap.add_argument("--checkpointing", default="0,1", help="timing: 0 and/or 1")
     ap.add_argument("--compile", action="store_true", help="timing: torch.compile the UNet (default mode)")
+    ap.add_argument("--adapters", choices=["bf16", "f32"], default="bf16",
+                    help="timing: bf16 adapters in a bf16 step, or f32 adapters under bf16 autocast (the precision "
+                         "of diffusers' LoRA scripts and of flame-diffusion finetune)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
