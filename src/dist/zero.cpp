@@ -822,6 +822,9 @@ ZeroRedundancyOptimizer::Gathered::~Gathered() = default;
 ZeroRedundancyOptimizer::Gathered::Gathered(Gathered&&) noexcept = default;
 
 ZeroRedundancyOptimizer::Gathered ZeroRedundancyOptimizer::gather_parameters(bool write_back) {
+  // A gather prefetched for the next run_block holds the shards as they were: after a write-back it
+  // would bind stale values (every rank has the same ones pending).
+  if (write_back) drop_prefetched();
   Gathered g;
   std::vector<std::shared_ptr<void>> blocks;
   for (std::size_t i = 0; i < block_layouts_.size(); ++i) blocks.push_back(gather_block(i, /*own_dtype=*/true));
