@@ -150,6 +150,44 @@ TEST(Rotary, BackwardMatchesCompositeAndFiniteDifferences) {
   }
 }
 
+// Head dims and dtypes the vectorised CUDA kernel takes (16-byte vectors: D a multiple of 8 bf16 or
+// 4 f32 values, twice that for the half layout), several heads in the heads-inner layout as FLUX's
+// q and k, forward and backward (the inverse pass), against the loop; and the same rows at an
+// address off the 16-byte alignment, which the per-pair kernel takes. On the CPU: the reference.
+TEST(Rotary, VectorWidthRowsAndUnalignedRowsMatchTheLoop) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t b = 1, s = 37, h = 3;
+  for (int64_t d : {int64_t{16}, int64_t{128}}) {
+    for (RotaryLayout layout : {RotaryLayout::interleaved, RotaryLayout::half}) {
+      // One angle per pair (the pair's two places hold it), so the inverse is the rotation by -theta.
+      const Tensor theta =
+          make_input({{s, d / 2}, DType::f64, Layout::contiguous, -3.0, 3.0}, Device::cpu(), 51 + static_cast<uint64_t>(d));
+      const Tensor angles = layout == RotaryLayout::half ? cat({theta, theta}, 1)
+                                                         : theta.unsqueeze(-1).expand({s, d / 2, 2}).reshape({s, d});
+      const Tables t{angles.cos().to(DType::f32).to(dev), angles.sin().to(DType::f32).to(dev)};
+      const Tables inv{t.cos, t.sin.neg()};
+      for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+        for (bool unaligned : {false, true}) {
+          SCOPED_TRACE(std::string(layout == RotaryLayout::half ? "half " : "interleaved ") + dtype_name(dt) +
+                       " D=" + std::to_string(d) + (unaligned ? " unaligned" : ""));
+          const int64_t n = b * s * h * d;
+          const Tensor flat = make_input({{n + 1}, dt, Layout::contiguous}, dev, 60 + static_cast<uint64_t>(d));
+          const Tensor mem = (unaligned ? flat.narrow(0, 1, n) : flat.narrow(0, 0, n)).view({b, s, h, d});
+          const Tensor x = mem.transpose(1, 2).requires_grad_(true);  // [B, H, S, D] over [B, S, H, D]
+          const Tensor y = F::rotary_embedding(x, t.cos, t.sin, layout);
+          EXPECT_TRUE(all_close(y.to(DType::f64), reference(x.detach(), t.cos, t.sin, layout), default_rtol(dt),
+                                default_atol(dt)));
+          const Tensor seed = make_input({{b, h, s, d}, dt, Layout::contiguous}, dev, 70);
+          const Gradients g = y.backward(BackwardOptions{seed});
+          EXPECT_TRUE(all_close(g.get(x).to(DType::f64), reference(seed, inv.cos, inv.sin, layout), default_rtol(dt),
+                                default_atol(dt)));
+        }
+      }
+    }
+  }
+}
+
 // The node keeps cos and sin only, not x.
 TEST(Rotary, SavesOnlyTheTables) {
   FLAME_SKIP_IF_NO_DEVICE();

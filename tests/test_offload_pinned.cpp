@@ -193,6 +193,11 @@ TEST(OffloadMemoryLimit, RaisesAboveTheCapAndAFreedCacheLetsTheNextAllocationSuc
   // such memory can serve requests or leave the reserve while this case runs. So the case does not
   // predict which request the cap refuses; it asserts that reserved memory never passes the cap,
   // and that a refusal comes before the requests could exceed the cap: at most cap / 40 MiB + 1.
+  // Small requests (fill_'s scalar below) come from the driver pool's chunks: a live small tensor
+  // keeps one reserved before the cap is set, so they never need a new chunk under it.
+  Tensor scalars = Tensor::empty({64}, {DType::i64, Device::cuda(0)});
+  scalars.fill_(1);
+  cuda::synchronize();
   const cuda::MemoryStats before = cuda::memory_stats();
   const std::size_t base = before.reserved_bytes;
   const std::size_t cap = base + 100 * kMiB;

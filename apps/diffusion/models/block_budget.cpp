@@ -6,6 +6,7 @@
 #include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 
 namespace flame_diffusion::models {
 
@@ -39,6 +40,42 @@ flame::Tensor BlockStack::run_block(std::size_t i, bool checkpoint, const flame:
   if (swap_) return swap_->run(i, fn, inputs, checkpoint);
   if (!checkpoint || !flame::grad_enabled()) return fn(inputs);
   return flame::checkpoint(fn, inputs);
+}
+
+// Note [Block activation offload]
+// What a block saves for its backward is mostly a few large tensors (FLUX-dev at 1024², per block:
+// the MLP's pre-activation 96-108 MiB; q, k, v, the attention output and the block's input 24-27
+// MiB each). Offloading them as the forward produces them (one copy per tensor on a side stream,
+// PCIe at about 55 GB/s each way on an H200 host) keeps up with the forward when the bytes per
+// block are about what the link moves in one block's compute: the MLP pre-activations alone
+// (min_bytes 64 MiB) for FLUX-dev and SD3.5-Large. The backward brings each back on the side
+// stream while the one after it is used (OffloadActivations' prefetch); the first blocks' tensors
+// are the last ones the backward needs, so the stack's first blocks are the ones offloaded. The
+// last offloaded tensor is used right after the forward: leave the last blocks on the device.
+// Under autograd::RecomputeCheap a recipe holds its inputs on the device (not packed), so the
+// tensors recipes stand for are not offloaded anyway.
+void BlockStack::set_activation_offload(bool on, std::size_t min_bytes, int64_t blocks) {
+  FLAME_CHECK(blocks >= kOffloadCheckpointed, "set_activation_offload",
+              "blocks must be >= 0, -1 (all) or kOffloadCheckpointed (-2), got ", blocks);
+  offload_ = on;
+  offload_min_bytes_ = min_bytes;
+  offload_blocks_ = blocks;
+}
+
+BlockStack::OffloadScope::OffloadScope(BlockStack& stack) : stack_(stack) {
+  stack_.offloaded_tensors_ = 0;
+  stack_.offloaded_bytes_ = 0;
+  const int64_t n = stack_.offload_blocks_;
+  end_ = n == kOffloadCheckpointed ? stack_.checkpointed_blocks() : n;
+  if (!stack_.offload_ || end_ == 0 || !flame::grad_enabled()) return;
+  offload_.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = stack_.offload_min_bytes_});
+}
+
+void BlockStack::OffloadScope::finish() {
+  if (!offload_) return;
+  stack_.offloaded_tensors_ = offload_->packed_count();
+  stack_.offloaded_bytes_ = offload_->packed_bytes();
+  offload_.reset();
 }
 
 std::string BudgetPlan::str() const {

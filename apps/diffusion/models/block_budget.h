@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,24 @@ class BlockStack {
                                                   const flame::TensorList&)>;
   void set_block_runner(BlockRunner runner) { runner_ = std::move(runner); }
 
+  // Activation offload (flame::offload::OffloadActivations, Note [Block activation offload] in
+  // block_budget.cpp): while grad mode is on, the tensors that the first `blocks` blocks save for
+  // their backward move to pinned host memory as the forward runs and come back, prefetched one
+  // ahead, in the backward; saved tensors under min_bytes stay on the device.
+  //  - kOffloadCheckpointed (the default): the checkpointed blocks, whose inputs are all they keep.
+  //  - n >= 0: the first n blocks, checkpointed or not; -1: all. Over blocks that are not
+  //    checkpointed, a min_bytes that only their largest saved tensors pass (FLUX-dev's and SD3's
+  //    MLP pre-activations: 76-108 MiB per block at 1024²) moves the most bytes for the fewest
+  //    copies, and leaves what autograd::RecomputeCheap's recipes hold alone.
+  static constexpr int64_t kOffloadCheckpointed = -2;
+  void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20,
+                              int64_t blocks = kOffloadCheckpointed);
+  bool activation_offload() const { return offload_; }
+  int64_t activation_offload_blocks() const { return offload_blocks_; }
+  // What the last forward offloaded: saved tensors and their bytes.
+  int64_t offloaded_tensors() const { return offloaded_tensors_; }
+  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
+
  protected:
   // Whether blocks must go through run_block even when not checkpointed (a swap or a runner).
   bool blocks_routed() const { return swap_ != nullptr || runner_ != nullptr; }
@@ -63,9 +82,34 @@ class BlockStack {
   flame::Tensor run_block(std::size_t i, bool checkpoint, const flame::TensorList& inputs,
                           const std::function<flame::Tensor(const flame::TensorList&)>& fn);
 
+  // The forward's activation offload: made before block 0 (it starts when the settings ask for
+  // it and grad mode is on), at(i) before block i (it ends at the last offloaded block), and
+  // finish() after the stack (the destructor too); the counts go to offloaded_tensors/bytes.
+  class OffloadScope {
+   public:
+    explicit OffloadScope(BlockStack& stack);
+    ~OffloadScope() { finish(); }
+    OffloadScope(const OffloadScope&) = delete;
+    OffloadScope& operator=(const OffloadScope&) = delete;
+    void at(int64_t index) {
+      if (index == end_) finish();
+    }
+    void finish();
+
+   private:
+    BlockStack& stack_;
+    std::optional<flame::offload::OffloadActivations> offload_;
+    int64_t end_ = 0;
+  };
+
  private:
   std::shared_ptr<flame::offload::BlockSwap> swap_;
   BlockRunner runner_;
+  bool offload_ = false;
+  std::size_t offload_min_bytes_ = std::size_t{1} << 20;
+  int64_t offload_blocks_ = kOffloadCheckpointed;
+  int64_t offloaded_tensors_ = 0;
+  std::size_t offloaded_bytes_ = 0;
 };
 
 struct BudgetPlan {

@@ -324,20 +324,11 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
   Tensor e = context_embedder->forward(encoder_hidden_states);
   const RotaryEmbedding rope = rotary_for(txt_ids, img_ids, h.device());
 
-  // Over the checkpointed blocks (the first ones) only their inputs are saved: offload those.
-  std::optional<flame::offload::OffloadActivations> offload;
-  offloaded_bytes_ = 0;
-  auto end_offload = [&] {
-    if (!offload) return;
-    offloaded_bytes_ = offload->packed_bytes();
-    offload.reset();
-  };
-  if (offload_ && checkpoint_blocks_ > 0 && flame::grad_enabled())
-    offload.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = offload_min_bytes_});
+  OffloadScope offload(*this);  // the first blocks' saved tensors, when set_activation_offload asks
   int64_t index = 0;
   for (const auto& m : *transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxTransformerBlock>(m);
-    if (index == checkpoint_blocks_) end_offload();
+    offload.at(index);
     const bool ckpt = index < checkpoint_blocks_ && flame::grad_enabled();
     if (ckpt || blocks_routed()) {
       // One output per block call: the two streams travel concatenated along the sequence.
@@ -356,12 +347,12 @@ Tensor FluxTransformer2DModel::forward(const Tensor& hidden_states, const Tensor
   Tensor x = flame::cat({e, h}, 1);
   for (const auto& m : *single_transformer_blocks) {
     const auto block = std::static_pointer_cast<FluxSingleTransformerBlock>(m);
-    if (index == checkpoint_blocks_) end_offload();
+    offload.at(index);
     x = run_block(static_cast<std::size_t>(index), index < checkpoint_blocks_, {x, temb},
                   [block, rope](const flame::TensorList& in) { return block->forward(in[0], in[1], rope); });
     ++index;
   }
-  end_offload();
+  offload.finish();
   h = x.narrow(1, t_len, n);
   return proj_out->forward(norm_out->forward(h, temb));
 }

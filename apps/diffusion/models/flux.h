@@ -33,8 +33,8 @@
 //
 // Gradient checkpointing: set_gradient_checkpointing(n) runs the first n blocks (double blocks
 // first, then single) under flame::checkpoint while grad mode is on: only each block's inputs are
-// kept and its forward runs again in the backward (set_activation_offload moves those inputs to
-// host memory). n = kAllFluxBlocks (or any n >= the block count)
+// kept and its forward runs again in the backward (BlockStack::set_activation_offload moves those
+// inputs to host memory, or what the first blocks save whether checkpointed or not). n = kAllFluxBlocks (or any n >= the block count)
 // checkpoints every block, as diffusers' enable_gradient_checkpointing; 0 turns it off.
 //
 // Block swapping and VRAM budgets: the model is a BlockStack (block_budget.h) over the 19 + 38
@@ -150,14 +150,7 @@ class FluxTransformer2DModel : public flame::nn::Module, public BlockStack {
   std::vector<flame::nn::ModulePtr> stack_blocks() const override;
   void set_checkpointed_blocks(int64_t n) override { set_gradient_checkpointing(n); }
   int64_t checkpointed_blocks() const override { return checkpoint_blocks_; }
-  // Offload the checkpointed blocks' inputs (all they keep) to pinned host memory while the forward
-  // runs (flame::offload::OffloadActivations over those blocks; saved tensors under min_bytes stay);
-  // no effect without checkpointing. offloaded_bytes: what the last forward moved.
-  void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20) {
-    offload_ = on;
-    offload_min_bytes_ = min_bytes;
-  }
-  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
+  // Activation offload: BlockStack::set_activation_offload (over the stack's first blocks).
 
   // Rank-r LoRA on every module named in `targets` (PEFT's matching, diffusers' names):
   // nn::apply_lora, which freezes everything else. Returns the modules adapted.
@@ -180,8 +173,6 @@ class FluxTransformer2DModel : public flame::nn::Module, public BlockStack {
 
   FluxTransformerConfig config_;
   int64_t checkpoint_blocks_ = 0;
-  bool offload_ = false;
-  std::size_t offload_min_bytes_ = 0, offloaded_bytes_ = 0;
   struct RotaryCache {
     Tensor txt_ids, img_ids;  // held: the identity is the tensor, not a reused address
     uint64_t txt_version = 0, img_version = 0;

@@ -355,20 +355,9 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
   const Tensor temb = time_text_embed->forward(t.to(hidden_states.device()), pooled_projections);
   Tensor ctx = context_embedder->forward(encoder_hidden_states);
   const int64_t l = x.size(1);
-  // Over the checkpointed blocks (the first ones) only their inputs are saved: offload those.
-  std::optional<flame::offload::OffloadActivations> offload;
-  offloaded_tensors_ = 0;
-  offloaded_bytes_ = 0;
-  auto end_offload = [&] {
-    if (!offload) return;
-    offloaded_tensors_ = offload->packed_count();
-    offloaded_bytes_ = offload->packed_bytes();
-    offload.reset();
-  };
-  if (offload_ && checkpointed_ > 0 && flame::grad_enabled())
-    offload.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = offload_min_bytes_});
+  OffloadScope offload(*this);  // the first blocks' saved tensors, when set_activation_offload asks
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    if (i == checkpointed_) end_offload();
+    offload.at(i);
     auto block = std::static_pointer_cast<SD3JointTransformerBlock>((*transformer_blocks)[static_cast<std::size_t>(i)]);
     const bool ckpt = i < checkpointed_ && flame::grad_enabled();
     if (ckpt || blocks_routed()) {
@@ -383,7 +372,7 @@ Tensor SD3Transformer2DModel::forward(const Tensor& hidden_states, const Tensor&
       std::tie(x, ctx) = block->forward(x, ctx, temb);
     }
   }
-  end_offload();
+  offload.finish();
   x = proj_out->forward(norm_out->forward(x, temb));
   const int64_t p = c.patch_size, h = hh / p, w = ww / p;
   x = x.reshape({b, h, w, p, p, c.out_channels}).permute({0, 5, 1, 3, 2, 4});

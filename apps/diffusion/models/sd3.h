@@ -33,9 +33,10 @@
 // Gradient checkpointing (set_gradient_checkpointing): the chosen number of blocks, from the first,
 // run under flame::checkpoint while grad mode is on (diffusers checkpoints every block), so only
 // their inputs are kept and each one's forward runs again in the backward. With activation offload
-// (set_activation_offload) those kept inputs go to pinned host memory while the forward runs
-// (flame::offload::OffloadActivations over the checkpointed blocks: nothing else is saved there)
-// and come back, prefetched one block ahead, in the backward.
+// (BlockStack::set_activation_offload) those kept inputs go to pinned host memory while the forward
+// runs (flame::offload::OffloadActivations over the checkpointed blocks: nothing else is saved
+// there), or what the first blocks save whether checkpointed or not, and come back, prefetched one
+// ahead, in the backward.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -164,16 +165,7 @@ class SD3Transformer2DModel : public flame::nn::Module, public BlockStack {
   // BlockStack
   std::vector<flame::nn::ModulePtr> stack_blocks() const override;
   void set_checkpointed_blocks(int64_t n) override { set_gradient_checkpointing(n != 0, n); }
-  // Offload the checkpointed blocks' inputs to host memory (no effect without checkpointing);
-  // tensors under min_bytes stay on the device.
-  void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20) {
-    offload_ = on;
-    offload_min_bytes_ = min_bytes;
-  }
-  bool activation_offload() const { return offload_; }
-  // What the last forward offloaded: saved tensors and their bytes.
-  int64_t offloaded_tensors() const { return offloaded_tensors_; }
-  std::size_t offloaded_bytes() const { return offloaded_bytes_; }
+  // Activation offload: BlockStack::set_activation_offload (over the stack's first blocks).
 
   // Rank-r LoRA on every attention projection named in `targets` (PEFT's target_modules matching
   // on diffusers' names: to_q, to_k, to_v, to_out.0 of attn and of SD3.5's attn2, not the text
@@ -194,10 +186,6 @@ class SD3Transformer2DModel : public flame::nn::Module, public BlockStack {
  private:
   SD3TransformerConfig config_;
   int64_t checkpointed_ = 0;
-  bool offload_ = false;
-  std::size_t offload_min_bytes_ = std::size_t{1} << 20;
-  int64_t offloaded_tensors_ = 0;
-  std::size_t offloaded_bytes_ = 0;
 };
 
 // ---- files (sd3_checkpoint.cpp) ----

@@ -350,8 +350,26 @@ TEST(ModelsFlux, GradientCheckpointingAndOffloadGiveTheSameGradients) {
   for (const auto& [name, g] : plain) {
     EXPECT_LE(fd_test::max_abs_diff(off.at(name), g), 1e-6 * fd_test::max_abs(g) + 1e-12) << "offload " << name;
   }
-  m->set_activation_offload(false);
+  // What the first blocks save, not checkpointed (BlockStack::set_activation_offload's block count):
+  // the same gradients; more blocks move more bytes, and a min_bytes above every saved tensor none.
   m->set_gradient_checkpointing(0);
+  std::size_t offloaded_two = 0;
+  for (int64_t blocks : {int64_t{2}, int64_t{-1}}) {
+    m->set_activation_offload(true, 0, blocks);
+    const auto eager_off = lora_grads(*m, r);
+    for (const auto& [name, g] : plain) {
+      EXPECT_LE(fd_test::max_abs_diff(eager_off.at(name), g), 1e-6 * fd_test::max_abs(g) + 1e-12)
+          << "offload of " << blocks << " blocks " << name;
+    }
+    EXPECT_GT(m->offloaded_bytes(), offloaded_two) << blocks;
+    offloaded_two = m->offloaded_bytes();
+  }
+  m->set_activation_offload(true, std::size_t{1} << 40, -1);
+  (void)lora_grads(*m, r);
+  EXPECT_EQ(m->offloaded_tensors(), 0);
+  EXPECT_NE(fd_test::error_of([&] { m->set_activation_offload(true, 0, -3); }).find("set_activation_offload"),
+            std::string::npos);
+  m->set_activation_offload(false);
   EXPECT_EQ(m->gradient_checkpointing_blocks(), 0);
   EXPECT_FALSE(fd_test::error_of([&] { m->set_gradient_checkpointing(-2); }).empty());
 }

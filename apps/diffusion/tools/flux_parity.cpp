@@ -20,7 +20,11 @@
 //       peak allocated memory and MFU (step_flops: linears 2x their forward, the frozen weights get
 //       no weight gradients; attention 3x) against 989 TFLOP/s and against a bf16 GEMM (8192^3)
 //       measured in the same run.
-//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory.
+//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory; with
+//       --offload-blocks N,... (-1: all; -2, the default: the checkpointed ones) what the first N
+//       blocks save, checkpointed or not, and --offload-min-mib M (default 1) leaves saved tensors
+//       under M MiB on the device (BlockStack::set_activation_offload). The JSON line adds
+//       offload_blocks and offloaded_gib (what the last forward moved).
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
@@ -79,7 +83,8 @@ const char* kUsage =
     "  flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]\n"
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
-    "                    [--recompute 0] [--graph 0] [--fp8 none] [--budget 0] [--device cuda]\n"
+    "                    [--recompute 0] [--graph 0] [--fp8 none] [--budget 0] [--offload-blocks -2]\n"
+    "                    [--offload-min-mib 1] [--device cuda]\n"
     "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
@@ -94,7 +99,8 @@ using flame_diffusion::tools::print_kernel_trace;
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer"};
+                                         "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
+                                         "offload-blocks", "offload-min-mib"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -288,6 +294,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t warmup = int_list("warmup", flag_or(f, "warmup", "3")).at(0);
   const int64_t trace_steps = int_list("trace", flag_or(f, "trace", "0")).at(0);
   const bool offload = int_list("offload", flag_or(f, "offload", "0")).at(0) != 0;
+  const int64_t offload_min_mib = int_list("offload-min-mib", flag_or(f, "offload-min-mib", "1")).at(0);
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
@@ -295,10 +302,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
   for (const std::string& fp8 : fp8_modes(f, "none")) {
   for (int64_t ckpt : int_list("checkpointing", flag_or(f, "checkpointing", "0,-1"))) {
     for (int64_t recompute : int_list("recompute", flag_or(f, "recompute", "0"))) {
+    for (int64_t offload_blocks : int_list("offload-blocks", flag_or(f, "offload-blocks", "-2"))) {
     for (int64_t graph : int_list("graph", flag_or(f, "graph", "0"))) {
       flame::cuda::set_memory_limit(0, device.index);
       flame::cuda::empty_cache();
-      const LoraStep ls(config, device, batch, latent, text, rank, ckpt, offload, recompute != 0, graph != 0);
+      const LoraStep ls(config, device, batch, latent, text, rank, ckpt, false, recompute != 0, graph != 0);
+      ls.model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks);
       const int64_t base_bytes = ls.quantize(fp8);
       std::size_t swapped_blocks = 0;
       if (budget_gib > 0) {
@@ -324,7 +333,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
       const double rate = flops / (median / 1e3) / 1e12;
       std::printf("{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
                   "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
-                  "\"offloaded_gib\": %.3f, "
+                  "\"offload_blocks\": %lld, \"offloaded_gib\": %.3f, "
                   "\"median_ms\": %.2f, \"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, "
                   "\"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", \"base_linear_gib\": %.3f, \"budget_gib\": %lld, "
                   "\"swapped_blocks\": %zu, \"reserved_peak_gib\": %.3f}\n",
@@ -333,11 +342,13 @@ int time_steps(const std::map<std::string, std::string>& f) {
                   static_cast<long long>(ls.model->gradient_checkpointing_blocks()), recompute ? "true" : "false",
                   graphed.captured() ? "true" : "false",
                   static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
+                  static_cast<long long>(offload ? offload_blocks : 0),
                   static_cast<double>(ls.model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12,
                   rate / 989.0, rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30),
                   static_cast<long long>(budget_gib), swapped_blocks, static_cast<double>(reserved_peak) / (1u << 30));
       std::fflush(stdout);
       if (trace_steps > 0) print_kernel_trace(step, trace_steps);
+    }
     }
     }
   }

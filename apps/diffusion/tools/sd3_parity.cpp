@@ -19,7 +19,9 @@
 //       median step time (CUDA events), the peak allocated memory, the step's FLOPs (step_flops:
 //       linears 2x their forward, the frozen weights get no weight gradients; attention 3x)
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
-//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload).
+//       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload);
+//       --offload-blocks N,... and --offload-min-mib M as flux_parity's (what the first N blocks save,
+//       checkpointed or not; saved tensors under M MiB stay).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
@@ -62,11 +64,12 @@ const char* kUsage =
     "  sd3_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|-1|N]\n"
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
     "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
-    "[--recompute 0] [--graph 0] [--fp8 none] [--device cuda]\n";
+    "[--recompute 0] [--graph 0] [--fp8 none]\n"
+    "                   [--offload-blocks -2] [--offload-min-mib 1] [--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "graph", "fp8"};
+                                         "graph", "fp8", "offload-blocks", "offload-min-mib"};
 
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
   return flame_diffusion::tools::flag_or(f, k, fallback);
@@ -212,24 +215,26 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t warmup = int_list("warmup", get(f, "warmup", "3")).at(0);
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
   const bool offload = int_list("offload", get(f, "offload", "0")).at(0) != 0;
+  const int64_t offload_min_mib = int_list("offload-min-mib", get(f, "offload-min-mib", "1")).at(0);
   const std::vector<std::string> fp8s = flame_diffusion::tools::fp8_modes(f, "none");  // checked before any work
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
   const flame::TensorOptions o(DType::bf16, device);
-  // (checkpointing, RecomputeCheap, CUDA graph, --fp8 mode)
-  std::vector<std::tuple<int64_t, bool, bool, std::string>> settings;
+  // (checkpointing, RecomputeCheap, CUDA graph, --fp8 mode, offloaded blocks)
+  std::vector<std::tuple<int64_t, bool, bool, std::string, int64_t>> settings;
   for (const std::string& fp8 : fp8s)
     for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,-1")))
       for (int64_t r : int_list("recompute", get(f, "recompute", "0")))
-        for (int64_t g : int_list("graph", get(f, "graph", "0"))) settings.emplace_back(ckpt, r != 0, g != 0, fp8);
-  for (const auto& [ckpt, recompute, graph, fp8] : settings) {
+        for (int64_t ob : int_list("offload-blocks", get(f, "offload-blocks", "-2")))
+          for (int64_t g : int_list("graph", get(f, "graph", "0"))) settings.emplace_back(ckpt, r != 0, g != 0, fp8, ob);
+  for (const auto& [ckpt, recompute, graph, fp8, offload_blocks] : settings) {
     flame::cuda::empty_cache();
     auto model = std::make_shared<fm::SD3Transformer2DModel>(config, o);
     model->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
     if (fp8 != "none") (void)flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(fp8)});
     const int64_t base_bytes = flame_diffusion::tools::base_linear_bytes(*model);
     model->set_gradient_checkpointing(ckpt != 0, ckpt);
-    model->set_activation_offload(offload);
+    model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks);
     model->train();
     flame::TensorList params;
     for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft
@@ -268,7 +273,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
     std::printf(
         "{\"impl\": \"flame\", \"work\": \"%s_lora_r%lld_step\", \"latent\": %lld, \"text\": %lld, "
         "\"batch\": %lld, \"checkpointed_blocks\": %lld, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"graph_pool_gib\": %.3f, "
-        "\"offloaded_gib\": %.3f, "
+        "\"offload_blocks\": %lld, \"offloaded_gib\": %.3f, "
         "\"median_ms\": %.2f, "
         "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"mfu_vs_gemm\": %.3f, \"fp8\": \"%s\", "
         "\"base_linear_gib\": %.3f}\n",
@@ -276,6 +281,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
         static_cast<long long>(batch), static_cast<long long>(model->checkpointed_blocks()),
         recompute ? "true" : "false", graphed.captured() ? "true" : "false",
                   static_cast<double>(flame::cuda::memory_stats().graph_pool_bytes) / (1u << 30),
+        static_cast<long long>(offload ? offload_blocks : 0),
         static_cast<double>(model->offloaded_bytes()) / (1u << 30), median, peak, flops / 1e12, rate / 989.0,
         rate / gemm, fp8.c_str(), static_cast<double>(base_bytes) / (1u << 30));
     std::fflush(stdout);
