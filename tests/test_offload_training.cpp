@@ -207,6 +207,27 @@ TEST(OffloadActivations, GivesTheSameGradientsAsWithoutOffload) {
   for (const Tensor& w : mlp.weights) EXPECT_TRUE(all_close(ck.get(w), plain.get(w), 1e-6, 1e-7));
 }
 
+// A frozen weight that a matmul saves (for its input's gradient) and anything sharing its storage
+// (a transposed view) stays on the device with `keep`; the activations still move.
+TEST(OffloadActivations, KeepLeavesAModulesTensorsWhereTheyAre) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const Tensor w = random_tensor({32, 32}, 4, dev);  // frozen: no gradient
+  const Tensor x = random_tensor({8, 32}, 5, dev).requires_grad_();
+  auto run = [&](TensorList keep, int64_t* packed) {
+    offload::OffloadActivations guard({.keep = std::move(keep)});
+    const Tensor loss = (x.matmul(w.t()).tanh()).matmul(w).square().sum();
+    *packed = guard.packed_count();
+    return loss.backward().get(x);
+  };
+  int64_t all = 0, kept = 0;
+  const Tensor g_all = run({}, &all), g_kept = run({w}, &kept);
+  EXPECT_EQ(kept, all - 2) << "both saves of w (one through its transposed view) stay";
+  EXPECT_GE(kept, 1) << "the tanh output still moves";
+  // (A clone of the transposed view is contiguous: another GEMM layout, within rounding.)
+  EXPECT_TRUE(all_close(g_kept, g_all, 1e-5, 1e-5));
+}
+
 TEST(OffloadActivations, LowersTheGpuPeak) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda(0);

@@ -36,6 +36,10 @@ struct OffloadActivationsOptions {
   std::size_t min_bytes = 0;
   // During backward, start copying the previously saved tensor back while the current node runs.
   bool prefetch = true;
+  // Saved tensors that share storage with one of these stay where they are: a module's parameters
+  // and buffers (a frozen weight saved for its input's gradient), which the module holds anyway,
+  // so a copy would move bytes and free nothing.
+  TensorList keep;
 };
 
 // Activation offload for saved tensors (like torch.autograd.graph.save_on_cpu(pin_memory=True)):

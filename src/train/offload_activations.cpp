@@ -20,7 +20,10 @@
 //    pinned block returns to its cache when the record dies, once its copies have run
 //    (Note [Pinned host cache]).
 //  - CPU tensors (tests without a GPU): cloned at pack and handed back at unpack.
+//  - Kept as they are: tensors under min_bytes, and those whose storage is one of options.keep's
+//    (by the storage's base address: a frozen weight, or a view of one, that a matmul saved).
 #include <mutex>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -58,10 +61,17 @@ struct OffloadActivations::State {
     return side.back().second;
   }
 
+  // Storage base addresses of options.keep.
+  std::unordered_set<const void*> keep;
+
+  static const void* storage_base(const Tensor& t) {
+    return static_cast<const char*>(t.data_ptr()) - t.storage_offset() * static_cast<int64_t>(dtype_size(t.dtype()));
+  }
+
   std::shared_ptr<Record> pack(const Tensor& t) {
     auto r = std::make_shared<Record>();
     r->device = t.device();
-    if (t.nbytes() < options.min_bytes || t.numel() == 0) {
+    if (t.nbytes() < options.min_bytes || t.numel() == 0 || keep.count(storage_base(t)) != 0) {
       r->kept = t;
       return r;
     }
@@ -133,6 +143,10 @@ struct OffloadActivations::State {
 
 OffloadActivations::OffloadActivations(OffloadActivationsOptions options) : state_(std::make_shared<State>()) {
   state_->options = options;
+  for (const Tensor& t : state_->options.keep) {
+    if (t.defined() && t.numel() > 0) state_->keep.insert(State::storage_base(t));
+  }
+  state_->options.keep.clear();  // the set is enough: holding them here would only extend their lives
   // The hooks hold the state: packed records outlive the guard and still unpack (and prefetch)
   // through it after the scope ended.
   std::shared_ptr<State> state = state_;

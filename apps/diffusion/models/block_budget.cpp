@@ -68,7 +68,14 @@ BlockStack::OffloadScope::OffloadScope(BlockStack& stack) : stack_(stack) {
   const int64_t n = stack_.offload_blocks_;
   end_ = n == kOffloadCheckpointed ? stack_.checkpointed_blocks() : n;
   if (!stack_.offload_ || end_ == 0 || !flame::grad_enabled()) return;
-  offload_.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = stack_.offload_min_bytes_});
+  // The blocks' weights stay: the model holds them anyway (a frozen Linear's backward saves its weight).
+  flame::TensorList keep;
+  for (const flame::nn::ModulePtr& block : stack_.stack_blocks()) {
+    for (const flame::Tensor& p : block->parameters()) keep.push_back(p);
+    for (const flame::Tensor& b : block->buffers()) keep.push_back(b);
+  }
+  offload_.emplace(
+      flame::offload::OffloadActivationsOptions{.min_bytes = stack_.offload_min_bytes_, .keep = std::move(keep)});
 }
 
 void BlockStack::OffloadScope::finish() {
