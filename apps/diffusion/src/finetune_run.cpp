@@ -61,9 +61,11 @@
 //    rank stops all of them after the same step with a checkpoint;
 //  - a checkpoint gathers the optimizer state on every rank (collective) and rank 0 writes it, so a
 //    run resumes on any number of ranks.
+//  - with a bf16 model the shards are bf16 and AdamW keeps f32 master weights of them (optim's
+//    master_weights), sharded with its moments: bf16 compute over f32 master shards, as FSDP's
+//    MixedPrecisionPolicy(param_dtype=bf16); checkpoints gather the masters too.
 // Not yet: the 8-bit optimizer's state sharded and train.vram_budget_gib's search (both refused
-// with several ranks), the EMA with stage 3 (refused), f32 master shards under bf16 weights (the
-// shards are in the model's dtype), SDXL's UNet with stage 3.
+// with several ranks), the EMA with stage 3 (refused), SDXL's UNet with stage 3.
 #include "finetune_run.h"
 
 #include <algorithm>

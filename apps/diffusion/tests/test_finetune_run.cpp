@@ -599,6 +599,56 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
     }
   }
 }
+
+// Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
+// its bf16 shards (optim's master_weights), sharded with its moments, and the checkpoint gathers
+// them. Each weight is its master rounded to bf16, and updates under half a bf16 step accumulate in
+// the master instead of being lost.
+TEST(FinetuneRun, TwoRanksFullFineTuningOfBf16KeepsF32MasterShards) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "master");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "run");
+  c.train.method = "full";
+  c.train.mixed_precision = "bf16";
+  c.optimizer.lr = 1e-4;
+  c.optimizer.grad_clip = 0;
+  c.checkpoint.every = 3;
+  const std::string cfg_file = two_rank_config(c, dir);
+  const std::string log = launch_two_ranks(cfg_file, "--set train.steps=3", (dir / "run.log").string(), true);
+  EXPECT_NE(log.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << log;
+  const flame::StateDict base =
+      flame::io::load_safetensors((pipelines_dir() / "flux" / "transformer" / "diffusion_pytorch_model.safetensors").string());
+  const flame::StateDict ck =
+      flame::io::load_safetensors((dir / "run" / "checkpoints" / "ckpt-0000000003.safetensors").string());
+  const flame::StateDict written =
+      flame::io::load_safetensors((dir / "run" / "shapes" / "diffusion_pytorch_model.safetensors").string());
+  // The optimizer's parameters are the model's, in order (state i: the i-th of model.parameters()).
+  std::vector<std::string> names;
+  for (const std::string& k : ck.keys()) {
+    if (k.rfind("model.", 0) == 0) names.push_back(k.substr(6));
+  }
+  ASSERT_EQ(names.size(), written.keys().size());
+  int64_t kept_in_master = 0, masters = 0;
+  for (std::size_t p = 0; p < names.size(); ++p) {
+    const std::string m = "optimizer.state." + std::to_string(p) + ".master_param";
+    if (!ck.contains(m)) continue;  // a parameter with no gradient yet has no state
+    ++masters;
+    const Tensor weight = ck.at("model." + names[p]);
+    ASSERT_EQ(weight.dtype(), flame::DType::bf16) << names[p];
+    ASSERT_EQ(ck.at(m).dtype(), flame::DType::f32) << m;
+    ASSERT_EQ(ck.at(m).sizes(), weight.sizes()) << m << ": gathered whole";
+    const auto master = ck.at(m).to_vec<float>();
+    const auto w = weight.to(flame::DType::f32).to_vec<float>();
+    const auto rounded = ck.at(m).to(flame::DType::bf16).to(flame::DType::f32).to_vec<float>();
+    const auto b = base.at(names[p]).to(flame::DType::bf16).to(flame::DType::f32).to_vec<float>();
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      ASSERT_EQ(w[i], rounded[i]) << names[p] << "[" << i << "]: the weight is its master rounded";
+      kept_in_master += w[i] == b[i] && master[i] != b[i];
+    }
+  }
+  EXPECT_GT(masters, static_cast<int64_t>(names.size()) / 2);
+  EXPECT_GT(kept_in_master, 0) << "no update under half a bf16 step was kept in the master weights";
+}
 #endif
 
 // train.method full (a diffusers model folder that the pipeline loads in place of its UNet), LoKr and
