@@ -296,6 +296,11 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   inner_ = factory(std::move(inner_groups));
   FLAME_CHECK(inner_ != nullptr && inner_->num_param_groups() == groups_.size(), op,
               "the factory must return an optimizer over the groups it was given");
+  if (options.ema) {  // Note [ZeRO EMA]: shadow b is bucket b's shard
+    TensorList shards;
+    for (const Layout& l : layouts_) shards.push_back(l.shard_param);
+    ema_ = std::make_unique<optim::EMA>(std::move(shards), *options.ema);
+  }
   if (options.stage >= 2) {
     reducer_ = std::make_shared<Reducer>();
     reducer_->pg = group_.get();
@@ -379,7 +384,14 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   }
   inner_->step(local);
   }
-  works.clear();
+  if (ema_) ema_->update();
+  publish_replicas();
+}
+
+void ZeroRedundancyOptimizer::publish_replicas() {
+  ProcessGroup& pg = *group_;
+  NoGradGuard no_grad;
+  std::vector<Work> works;
   for (Layout& l : layouts_) {  // stage-3 buckets stay sharded: run_block gathers them
     works.push_back(l.block >= 0 ? Work() : pg.all_gather(l.flat_param, l.shard_param.detach(), /*async=*/true));
   }
@@ -393,12 +405,40 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
   }
 }
 
+// Note [ZeRO EMA]
+// ZeroOptions::ema keeps the average where the optimizer keeps its state: an optim::EMA over the
+// shards (shadow b for bucket b), updated after each step, so a rank holds 1/W of it and nothing
+// of a block's parameters is ever needed whole. state_dict() gathers each bucket's shadow as the
+// slot "ema" of its parameters, beside the inner optimizer's slots ("state.<i>.ema" in parameter
+// shape), and load_state_dict() cuts it back into this rank's range the same way, so a checkpoint
+// of W ranks resumes on any other number. swap_in_ema() stores the shards, writes the shadows
+// into them and republishes the replicated buckets; stage 3's blocks read the shards at their
+// next gather (prefetched gathers are dropped). The guard's end restores both.
+ZeroRedundancyOptimizer::EmaSwap ZeroRedundancyOptimizer::swap_in_ema() {
+  FLAME_CHECK(ema_ != nullptr, "ZeroRedundancyOptimizer.swap_in_ema", "no EMA is kept: set ZeroOptions::ema");
+  finish_reductions();
+  drop_prefetched();
+  ema_->store();
+  ema_->copy_to();
+  publish_replicas();
+  return EmaSwap(this);
+}
+
+ZeroRedundancyOptimizer::EmaSwap::~EmaSwap() {
+  if (!zero_) return;
+  zero_->drop_prefetched();
+  zero_->ema_->restore();
+  zero_->publish_replicas();
+}
+
 StateDict ZeroRedundancyOptimizer::state_dict() const {
   const char* op = "ZeroRedundancyOptimizer.state_dict";
   ProcessGroup& pg = *group_;
   const StateDict inner = inner_->state_dict();
+  const StateDict ema_state = ema_ ? ema_->state_dict() : StateDict();
   StateDict out;
   NoGradGuard no_grad;
+  if (ema_) out.insert("ema.num_updates", ema_state.at("num_updates"));
   for (std::size_t g = 0; g < layouts_.size(); ++g) {
     const Layout& l = layouts_[g];
     const Tensor* step = inner.find(state_key(g, "step"));
@@ -415,6 +455,12 @@ StateDict ZeroRedundancyOptimizer::state_dict() const {
       Tensor gathered = Tensor::empty({l.shard * pg.size()}, TensorOptions(t.dtype(), pg.device()));
       pg.all_gather(gathered, t.to(pg.device()).contiguous());
       full.emplace_back(slot, gathered);
+    }
+    if (ema_) {  // Note [ZeRO EMA]: the bucket's shadow, as one more slot
+      const Tensor shadow = ema_state.at("shadow." + std::to_string(g));
+      Tensor gathered = Tensor::empty({l.shard * pg.size()}, TensorOptions(shadow.dtype(), pg.device()));
+      pg.all_gather(gathered, shadow.to(pg.device()).contiguous());
+      full.emplace_back("ema", gathered);
     }
     for (std::size_t k = 0; k < l.params.size(); ++k) {
       const std::size_t i = l.first_index + k;
@@ -445,7 +491,7 @@ StateDict ZeroRedundancyOptimizer::state_dict() const {
 void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
   const char* op = "ZeroRedundancyOptimizer.load_state_dict";
   ProcessGroup& pg = *group_;
-  StateDict inner;
+  StateDict inner, ema_state;
   NoGradGuard no_grad;
   for (std::size_t g = 0; g < layouts_.size(); ++g) {
     const Layout& l = layouts_[g];
@@ -476,8 +522,22 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
         const Tensor* t = state.find(state_key(l.first_index + k, slot));
         if (t) mine.narrow(0, foff - lo, n).copy_(t->reshape({-1}).narrow(0, poff, n));
       });
+      if (slot == "ema") {  // Note [ZeRO EMA]: not the inner optimizer's
+        if (ema_) ema_state.insert("shadow." + std::to_string(g), mine);
+        continue;
+      }
       inner.insert(state_key(g, slot), mine);
     }
+  }
+  if (ema_) {
+    const Tensor* n = state.find("ema.num_updates");
+    FLAME_CHECK(n != nullptr, op, "the state has no EMA (\"ema.num_updates\") but ZeroOptions::ema is set: it was saved "
+                "without one");
+    ema_state.insert("num_updates", *n);
+    const StateDict mine = ema_->state_dict();  // buckets without state yet keep their shadows
+    for (const std::string& k : mine.keys())
+      if (!ema_state.contains(k)) ema_state.insert(k, mine.at(k));
+    ema_->load_state_dict(ema_state);
   }
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);

@@ -64,8 +64,10 @@
 //  - with a bf16 model the shards are bf16 and AdamW keeps f32 master weights of them (optim's
 //    master_weights), sharded with its moments: bf16 compute over f32 master shards, as FSDP's
 //    MixedPrecisionPolicy(param_dtype=bf16); checkpoints gather the masters too.
+//  - train.ema with stage 3: the EMA of the shards (ZeroOptions::ema, Note [ZeRO EMA] in
+//    src/dist/zero.cpp), checkpointed with the optimizer state; the written model is the average.
 // Not yet: the 8-bit optimizer's state sharded and train.vram_budget_gib's search (both refused
-// with several ranks), the EMA with stage 3 (refused), SDXL's UNet with stage 3.
+// with several ranks), SDXL's UNet with stage 3.
 #include "finetune_run.h"
 
 #include <algorithm>
@@ -643,9 +645,6 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (zero_stage == 3 && !block_stack)
     throw std::runtime_error("train.zero_stage = 3 shards FLUX's and SD3's transformer blocks; the " + family +
                              " UNet trains with train.zero_stage = 2");
-  if (zero_stage == 3 && cfg.train.ema)
-    throw std::runtime_error("train.ema with train.zero_stage = 3: the EMA of sharded weights is not kept yet; turn "
-                             "train.ema off or use train.zero_stage = 2");
   if (distributed) {
     // Note [Distributed fine-tuning]: ZeRO-2 averages the gradients over the ranks while the
     // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
@@ -655,6 +654,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(zero_stage);
     if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();
+    // Stage 3: the EMA of the shards, kept and checkpointed with the optimizer state.
+    if (zero_stage == 3 && cfg.train.ema) zo.ema = optim::EMAOptions{.decay = cfg.train.ema_decay};
     auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(std::move(groups), make_optimizer, nullptr, zo);
     zero = z.get();
     opt = std::move(z);
@@ -676,7 +677,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     return 1.0;
   });
   std::optional<optim::EMA> ema;
-  if (cfg.train.ema) ema.emplace(params, optim::EMAOptions{.decay = cfg.train.ema_decay});
+  if (cfg.train.ema && zero_stage != 3) ema.emplace(params, optim::EMAOptions{.decay = cfg.train.ema_decay});
   flame::Generator gen(static_cast<uint64_t>(cfg.train.seed) * 7919 + 23);
 
   AdapterState adapters(model);
@@ -1093,6 +1094,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
                                           {"ss_steps", std::to_string(step)},
                                           {"ss_num_train_images", std::to_string(records.size())},
                                           {"flame_method", method}};
+  // Stage 3 with train.ema: the averaged shards (collective) before the gather.
+  std::optional<flame::dist::ZeroRedundancyOptimizer::EmaSwap> ema_of_shards;
+  if (zero_stage == 3 && cfg.train.ema) ema_of_shards.emplace(zero->swap_in_ema());
   std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;  // stage 3: the weights (collective)
   if (zero_stage == 3) whole.emplace(zero->gather_parameters());
   if (!lead) {
@@ -1125,6 +1129,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (ema) ema->restore();
   for (const auto& p : result.lora_files) say("wrote " + p);
   whole.reset();
+  ema_of_shards.reset();
   if (distributed) finish_distributed();  // the others wait until the lead has written the files
   return result;
 }

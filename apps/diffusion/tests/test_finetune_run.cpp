@@ -600,6 +600,51 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
   }
 }
 
+// train.ema with ZeRO-3 on two ranks: the EMA of the shards (ZeroOptions::ema) gives the written model
+// stage 2's EMA of the whole weights gives, and it is checkpointed with the optimizer state: a run
+// stopped after 2 steps and resumed ends with the uninterrupted run's averaged weights.
+TEST(FinetuneRun, TwoRanksFullFineTuningKeepsTheEmaOfTheShards) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "zero3ema");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
+  c.train.method = "full";
+  c.train.ema = true;
+  c.train.ema_decay = 0.5;
+  c.optimizer.lr = 1e-3;
+  const std::string cfg_file = two_rank_config(c, dir);
+  const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
+  EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
+  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
+                         (dir / "s2.log").string(), true);
+  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.ema=false --set output.dir=" + (dir / "plain").string(),
+                         (dir / "plain.log").string(), true);
+  const std::string out = "--set output.dir=" + (dir / "r3").string();
+  (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
+  (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
+                         (dir / "r3b.log").string(), true);
+  const auto weights = [&](const std::string& run) {
+    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
+  };
+  const flame::StateDict w3 = weights("s3"), w2 = weights("s2"), wr = weights("r3"), wp = weights("plain");
+  ASSERT_EQ(w3.keys(), w2.keys());
+  ASSERT_EQ(w3.keys(), wr.keys());
+  double from_plain = 0;
+  for (const std::string& k : w3.keys()) {
+    const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), b = w2.at(k).to(flame::DType::f32).to_vec<float>();
+    const auto r = wr.at(k).to(flame::DType::f32).to_vec<float>(), p = wp.at(k).to(flame::DType::f32).to_vec<float>();
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      ASSERT_NEAR(a[i], b[i], 1e-5 + 1e-5 * std::abs(b[i])) << k << "[" << i << "]: stage 3 vs stage 2";
+      ASSERT_EQ(a[i], r[i]) << k << "[" << i << "]: resumed";
+      from_plain = std::max(from_plain, static_cast<double>(std::abs(a[i] - p[i])));
+    }
+  }
+  EXPECT_GT(from_plain, 1e-4) << "the written model is not the average";
+  // The checkpoint carries the average with the optimizer state, whole.
+  const flame::StateDict ck = flame::io::load_safetensors((dir / "s3" / "checkpoints" / "ckpt-0000000004.safetensors").string());
+  EXPECT_TRUE(ck.contains("optimizer.ema.num_updates"));
+  EXPECT_TRUE(ck.contains("optimizer.state.0.ema"));
+}
+
 // Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
 // its bf16 shards (optim's master_weights), sharded with its moments, and the checkpoint gathers
 // them. Each weight is its master rounded to bf16, and updates under half a bf16 step accumulate in

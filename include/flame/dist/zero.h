@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "flame/nn/module.h"
+#include "flame/optim/ema.h"
 #include "flame/optim/optimizer.h"
 
 namespace flame::dist {
@@ -60,6 +61,12 @@ struct ZeroOptions {
   // Stage 3: start the all-gather of the next block (in backward, the previous one) while this
   // one computes, asynchronously on the group's communication; two blocks are gathered at a time.
   bool prefetch = true;
+  // An exponential moving average of the trained parameters, kept as the optimizer state is: an
+  // optim::EMA over this rank's shards, updated after each step (Note [ZeRO EMA] in
+  // src/dist/zero.cpp). state_dict() / load_state_dict() carry it as the slot "ema" of every
+  // parameter (consolidated, so it resumes on any number of ranks) and "ema.num_updates";
+  // swap_in_ema() puts it into the parameters. Not in save_sharded's files.
+  std::optional<optim::EMAOptions> ema;
 };
 
 class ZeroRedundancyOptimizer : public optim::Optimizer {
@@ -103,6 +110,24 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     std::vector<std::shared_ptr<void>> held_;
   };
   [[nodiscard]] Gathered gather_parameters(bool write_back = false);
+  // With ZeroOptions::ema (collective): while the guard lives the parameters hold the averaged
+  // weights (stage 3: the shards, for gather_parameters or run_block), then the trained ones again.
+  class EmaSwap {
+   public:
+    ~EmaSwap();
+    EmaSwap(EmaSwap&& o) noexcept : zero_(o.zero_) { o.zero_ = nullptr; }
+    EmaSwap(const EmaSwap&) = delete;
+    EmaSwap& operator=(const EmaSwap&) = delete;
+    EmaSwap& operator=(EmaSwap&&) = delete;
+
+   private:
+    friend class ZeroRedundancyOptimizer;
+    explicit EmaSwap(ZeroRedundancyOptimizer* zero) : zero_(zero) {}
+    ZeroRedundancyOptimizer* zero_;
+  };
+  [[nodiscard]] EmaSwap swap_in_ema();
+  // The EMA over this rank's shards (null without ZeroOptions::ema).
+  const optim::EMA* ema() const { return ema_.get(); }
   std::string name() const override;
   StateDict state_dict() const override;             // collective
   void load_state_dict(const StateDict& state) override;  // any world size's consolidated state
@@ -138,6 +163,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   void prefetch_block(std::size_t i);
   std::shared_ptr<Prefetch> start_gather(std::size_t i, bool own_dtype);
   void drop_prefetched();
+  // All-gathers the shards of the buckets outside stage 3's blocks into their parameters (after a
+  // step, or after the shards were written).
+  void publish_replicas();
   void load_inner_state(const StateDict& inner);
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
@@ -147,6 +175,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::shared_ptr<Reducer> reducer_;  // stages 2 and 3
   std::vector<std::vector<std::size_t>> block_layouts_;  // stage 3: block i's buckets
   std::vector<std::shared_ptr<Prefetch>> prefetched_;     // stage 3: block i's gather in flight
+  std::unique_ptr<optim::EMA> ema_;                       // ZeroOptions::ema: over the shards, by bucket
 };
 
 }  // namespace flame::dist
