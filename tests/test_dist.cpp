@@ -354,6 +354,20 @@ TEST(DistZero, StageThreeShardsParametersPerBlockAndMatchesOneProcess) {
   }
 }
 
+// ZeroOptions::ema: the average kept over the shards equals one process's EMA, swaps in and out,
+// and travels in the consolidated state (tests/test_dist_workers.cpp zero_ema).
+TEST(DistZero, KeepsAnEmaOfTheShardsAndConsolidatesIt) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  for (int world : {2, 3}) {
+    if (world > max_ranks()) continue;
+    for (const char* stage : {"2", "3"}) {
+      SCOPED_TRACE(std::string("stage ") + stage);
+      const auto r = run_ranks("zero_ema", world, {{"FLAME_DIST_TEST_STAGE", stage}});
+      EXPECT_TRUE(r.all_ok()) << r.report();
+    }
+  }
+}
+
 TEST(DistCheckpoint, FourRankCheckpointResumesOnTwoRanks) {
   DIST_SKIP_UNLESS_RANKS(2);
   // 4 ranks -> 2 (tcp, or nccl with 4 GPUs); 2 GPUs: 2 -> 1. Either way another world size.

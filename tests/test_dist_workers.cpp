@@ -522,6 +522,83 @@ int zero3() {
   return 0;
 }
 
+// ZeroOptions::ema (Note [ZeRO EMA]) on stage 2 or 3 (FLAME_DIST_TEST_STAGE, default 3): after 3
+// steps, swap_in_ema() gives one process's optim::EMA of the same AdamW trajectory, its end gives the
+// trained weights back, state_dict() carries the average as "state.<i>.ema" in parameter shapes, and
+// a fresh optimizer loading that state swaps in the same average.
+int zero_ema() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  const char* st = std::getenv("FLAME_DIST_TEST_STAGE");
+  const int stage = st ? std::atoi(st) : 3;
+  const optim::EMAOptions ema_options{.decay = 0.7};
+  auto make_zero = [&](Mlp& m) {
+    dist::ZeroOptions z{.stage = stage, .ema = ema_options};
+    if (stage == 3) z.blocks = {m.fc1, m.fc2};
+    return std::make_unique<dist::ZeroRedundancyOptimizer>(adamw_groups(m), adamw_factory(), nullptr, z);
+  };
+  auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
+  auto opt = make_zero(*model);
+  WCHECK(opt->ema() != nullptr);
+  auto forward = [&](Mlp& m, dist::ZeroRedundancyOptimizer& o, const Tensor& x) {
+    if (stage != 3) return m.forward(x);
+    const Tensor h = o.run_block(0, [&](const TensorList& in) { return m.fc1->forward(in[0]); }, {x}).relu();
+    return o.run_block(1, [&](const TensorList& in) { return m.fc2->forward(in[0]); }, {h});
+  };
+  for (int s = 0; s < 3; ++s) {
+    const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
+    opt->step(mse_loss(forward(*model, *opt, x), y).backward());
+  }
+  // One process: AdamW and an EMA over the parameters in the optimizer's order.
+  auto ref = make_model(11, dev);
+  auto groups = adamw_groups(*ref);
+  TensorList ordered;
+  for (const auto& g : groups) ordered.insert(ordered.end(), g.params.begin(), g.params.end());
+  optim::AdamW ref_opt(groups, optim::AdamWOptions{.lr = 0.05, .weight_decay = 0.1});
+  optim::EMA ref_ema(ordered, ema_options);
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.step(mse_loss(ref->forward(batch_x(s, dev)), batch_y(s, dev)).backward());
+    ref_ema.update();
+  }
+  auto averaged = make_model(11, dev);  // the reference's average, as weights
+  {
+    auto swap = ref_ema.swap_in();
+    NoGradGuard ng;
+    (void)averaged->load_state_dict(ref->state_dict());
+  }
+  {
+    auto swap = opt->swap_in_ema();
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt->gather_parameters());
+    WCHECK(same_params(*model, *averaged, 1e-4, "the EMA of the shards vs one process's EMA"));
+  }
+  {
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt->gather_parameters());
+    WCHECK(same_params(*model, *ref, 1e-4, "the trained weights back after the swap"));
+  }
+  const StateDict full = opt->state_dict();
+  const StateDict ref_state = ref_ema.state_dict();
+  WCHECK(full.contains("ema.num_updates") && full.at("ema.num_updates").item<int64_t>() == 3);
+  for (std::size_t i = 0; i < ordered.size(); ++i) {
+    const Tensor* got = full.find("state." + std::to_string(i) + ".ema");
+    WCHECK(got != nullptr && close(*got, ref_state.at("shadow." + std::to_string(i)), 1e-4, "state." + std::to_string(i) + ".ema"));
+  }
+  // A fresh optimizer (another model's weights, no steps) loading the state swaps in the same average.
+  auto other = make_model(23, dev);
+  auto opt2 = make_zero(*other);
+  opt2->load_state_dict(full);
+  {
+    auto swap = opt2->swap_in_ema();
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt2->gather_parameters());
+    WCHECK(same_params(*other, *averaged, 1e-4, "the EMA loaded from the consolidated state"));
+  }
+  pg->barrier();
+  return 0;
+}
+
 // ---- checkpoint on N ranks, resume on N/2 ----
 
 std::string test_dir() {
@@ -671,6 +748,7 @@ int run_worker(const std::string& name) {
     else if (name == "zero") rc = zero();
     else if (name == "zero2") rc = zero2();
     else if (name == "zero3") rc = zero3();
+    else if (name == "zero_ema") rc = zero_ema();
     else if (name == "ckpt_save") rc = ckpt_save();
     else if (name == "ckpt_resume") rc = ckpt_resume();
     else if (name == "die") rc = die();
