@@ -368,6 +368,20 @@ TEST(DistZero, KeepsAnEmaOfTheShardsAndConsolidatesIt) {
   }
 }
 
+// ZeroOptions::offload_state: the optimizer state on the host, one process's trajectory and state,
+// and weights loaded between steps reach the host masters (tests/test_dist_workers.cpp zero_offload).
+TEST(DistZero, OffloadedStateOnTheHostMatchesOneProcess) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  for (int world : {2, 3}) {
+    if (world > max_ranks()) continue;
+    for (const char* stage : {"1", "2", "3"}) {
+      SCOPED_TRACE(std::string("stage ") + stage);
+      const auto r = run_ranks("zero_offload", world, {{"FLAME_DIST_TEST_STAGE", stage}});
+      EXPECT_TRUE(r.all_ok()) << r.report();
+    }
+  }
+}
+
 TEST(DistCheckpoint, FourRankCheckpointResumesOnTwoRanks) {
   DIST_SKIP_UNLESS_RANKS(2);
   // 4 ranks -> 2 (tcp, or nccl with 4 GPUs); 2 GPUs: 2 -> 1. Either way another world size.

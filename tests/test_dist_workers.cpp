@@ -599,6 +599,73 @@ int zero_ema() {
   return 0;
 }
 
+// ZeroOptions::offload_state (Note [ZeRO state offload]) on stage FLAME_DIST_TEST_STAGE (1, 2 or 3):
+// the inner AdamW steps host masters, with one process's trajectory and consolidated state, and no
+// optimizer state on the device; weights loaded into the parameters between steps (a resumed
+// checkpoint) reach the masters, so the next step goes on from them as one process does.
+int zero_offload() {
+  auto pg = init();
+  const int W = pg->size(), R = pg->rank();
+  const Device dev = pg->device();
+  const char* st = std::getenv("FLAME_DIST_TEST_STAGE");
+  const int stage = st ? std::atoi(st) : 2;
+  auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
+  dist::ZeroOptions z{.stage = stage, .offload_state = true};
+  if (stage == 3) z.blocks = {model->fc1, model->fc2};
+  dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory(), nullptr, z);
+  auto forward = [&](const Tensor& x) {
+    if (stage != 3) return model->forward(x);
+    const Tensor h = opt.run_block(0, [&](const TensorList& in) { return model->fc1->forward(in[0]); }, {x}).relu();
+    return opt.run_block(1, [&](const TensorList& in) { return model->fc2->forward(in[0]); }, {h});
+  };
+  auto train = [&](int from, int to) {
+    for (int s = from; s < to; ++s) {
+      const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
+      opt.step(mse_loss(forward(x), y).backward());
+    }
+  };
+  train(0, 3);
+  std::unique_ptr<optim::AdamW> ref_opt;
+  auto ref = reference_adamw(3, dev, &ref_opt);
+  {
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt.gather_parameters());
+    WCHECK(same_params(*model, *ref, 1e-4, "offloaded ZeRO vs one process"));
+  }
+  const StateDict full = opt.state_dict();
+  for (const auto& [k, t] : ref_opt->state_dict()) {
+    const Tensor* got = full.find(k);
+    WCHECK(got != nullptr && close(*got, t, 1e-4, "state " + k));
+  }
+  const auto mem = opt.memory_report();
+  WCHECK(mem.state_bytes == 0);
+  WCHECK(mem.host_bytes >= 3 * static_cast<std::size_t>(mem.shard_numel) * sizeof(float));  // master, two moments
+  // Other weights loaded into the parameters (the same on every rank), then one more step.
+  auto twin = make_model(23, dev);
+  {
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt.gather_parameters(/*write_back=*/true));
+    NoGradGuard ng;
+    (void)model->load_state_dict(twin->state_dict());
+  }
+  {
+    NoGradGuard ng;
+    (void)ref->load_state_dict(twin->state_dict());
+  }
+  train(3, 4);
+  ref_opt->step(mse_loss(ref->forward(batch_x(3, dev)), batch_y(3, dev)).backward());
+  {
+    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
+    if (stage == 3) whole.emplace(opt.gather_parameters());
+    WCHECK(same_params(*model, *ref, 1e-4, "a step after weights were loaded into the parameters"));
+  }
+  if (R == 0)
+    std::printf("ZeRO-%d with the state offloaded on %d ranks: %zu host bytes, %zu device state bytes per rank\n", stage,
+                W, mem.host_bytes, mem.state_bytes);
+  pg->barrier();
+  return 0;
+}
+
 // ---- checkpoint on N ranks, resume on N/2 ----
 
 std::string test_dir() {
@@ -749,6 +816,7 @@ int run_worker(const std::string& name) {
     else if (name == "zero2") rc = zero2();
     else if (name == "zero3") rc = zero3();
     else if (name == "zero_ema") rc = zero_ema();
+    else if (name == "zero_offload") rc = zero_offload();
     else if (name == "ckpt_save") rc = ckpt_save();
     else if (name == "ckpt_resume") rc = ckpt_resume();
     else if (name == "die") rc = die();

@@ -43,7 +43,9 @@
 #include <random>
 
 #include "flame/dist.h"
+#include "flame/cuda.h"
 #include "flame/io/safetensors.h"
+#include "flame/offload.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/checkpoint_scope.h"
 #include "src/autograd/grad_release.h"
@@ -62,6 +64,10 @@ struct ZeroRedundancyOptimizer::Layout {
   int64_t shard = 0;  // S
   Tensor shard_param;  // a view of flat_param: this rank's slice
   Tensor flat_param;   // W*S; the parameters' storage (Note [ZeRO layout])
+  // ZeroOptions::offload_state (Note [ZeRO state offload]): the host master the inner optimizer
+  // steps, and shard_param's version when the master was last copied into it.
+  Tensor host_master;
+  uint64_t synced_version = 0;
   bool aliased(std::size_t k) const {  // params[k] still lives in flat_param (never for stage-3 buckets)
     return block >= 0 || (params[k].data_ptr() == flat_param.narrow(0, offsets[k], params[k].numel()).data_ptr() &&
                           params[k].is_contiguous());
@@ -286,7 +292,17 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
         l.flat_param = Tensor();
         block_layouts_[static_cast<std::size_t>(l.block)].push_back(layouts_.size());
       }
-      ig.params.push_back(l.shard_param);
+      if (options.offload_state) {  // Note [ZeRO state offload]
+        const DType mdt = (dt == DType::bf16 || dt == DType::f16) ? DType::f32 : dt;
+        const Tensor src = l.shard_param.detach().to(mdt);
+        l.host_master = dev.is_cuda() ? offload::empty_pinned(src.sizes(), mdt) : Tensor::empty(src.sizes(), {mdt});
+        l.host_master.copy_(src);
+        l.host_master.requires_grad_(true);
+        l.synced_version = l.shard_param.version();
+        ig.params.push_back(l.host_master);
+      } else {
+        ig.params.push_back(l.shard_param);
+      }
       layouts_.push_back(std::move(l));
     }
     index += grp.params.size();
@@ -356,7 +372,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
         if (!l.aliased(k))
           l.flat_param.narrow(0, l.offsets[k], l.params[k].numel()).view(l.params[k].sizes()).copy_(l.params[k]);
     }
-    inner_->step(local);
+    step_inner(local);
   } else {
   std::vector<Tensor> shard_grads;
   for (Layout& l : layouts_) {
@@ -382,10 +398,54 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
     works[i].wait();
     local.set(layouts_[i].shard_param, std::move(shard_grads[i]));
   }
-  inner_->step(local);
+  step_inner(local);
   }
   if (ema_) ema_->update();
   publish_replicas();
+  if (options_.offload_state) {
+    for (Layout& l : layouts_) l.synced_version = l.shard_param.version();
+  }
+}
+
+// Note [ZeRO state offload]
+// With ZeroOptions::offload_state the inner optimizer was built over host masters of the shards
+// (Layout::host_master: pinned on a CUDA device, f32 for half shards), so its state lives on the
+// host (DeepSpeed's ZeRO-Offload with a CPU Adam). step_inner copies each shard gradient down
+// (cast to the master's dtype on the device first, then one non-blocking copy into a pinned
+// buffer), waits for the copies (the step's one host wait), steps the masters on the CPU and copies
+// them back into the shards (non-blocking; rounded to half shards on the device), before the
+// replicated buckets are all-gathered. A master is the truth between steps, but a shard written
+// from outside (a loaded state dict into the parameters, gather_parameters' write-back) bumps the
+// shard's storage version: step_inner then takes the shard into the master first. The versions
+// are recorded after the step's own writes (the copy back and the all-gather).
+void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
+  if (!options_.offload_state) {
+    inner_->step(shard_grads);
+    return;
+  }
+  NoGradGuard no_grad;
+  Gradients host;
+  std::vector<Tensor> staged;
+  for (Layout& l : layouts_) {
+    if (l.shard_param.version() != l.synced_version) l.host_master.detach().copy_(l.shard_param.detach().to(Device::cpu()));
+    Tensor g = shard_grads.try_get(l.shard_param);
+    if (!g.defined()) continue;
+    g = g.to(l.host_master.dtype());
+    Tensor h = l.shard_param.device().is_cuda() ? offload::empty_pinned(g.sizes(), g.dtype()) : Tensor::empty(g.sizes(), {g.dtype()});
+    h.copy_(g, /*non_blocking=*/true);
+    staged.push_back(g);  // alive until the copies ran
+    host.set(l.host_master, h);
+  }
+  if (group_->device().is_cuda()) cuda::synchronize(group_->device().index);
+  staged.clear();
+  inner_->step(host);
+  for (Layout& l : layouts_) {
+    if (l.shard_param.device().is_cuda() && l.shard_param.dtype() == l.host_master.dtype()) {
+      l.shard_param.detach().copy_(l.host_master.detach(), /*non_blocking=*/true);
+    } else {
+      l.shard_param.detach().copy_(l.host_master.detach().to(l.shard_param.device()).to(l.shard_param.dtype()));
+    }
+  }
 }
 
 void ZeroRedundancyOptimizer::publish_replicas() {
@@ -526,7 +586,7 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
         if (ema_) ema_state.insert("shadow." + std::to_string(g), mine);
         continue;
       }
-      inner.insert(state_key(g, slot), mine);
+      inner.insert(state_key(g, slot), options_.offload_state ? mine.to(Device::cpu()) : mine);
     }
   }
   if (ema_) {
@@ -947,8 +1007,13 @@ ZeroRedundancyOptimizer::MemoryReport ZeroRedundancyOptimizer::memory_report() c
     r.param_numel += layouts_[g].numel;
     r.shard_numel += layouts_[g].shard;
   }
+  for (const Layout& l : layouts_) r.host_bytes += l.host_master.defined() ? l.host_master.nbytes() : 0;
   for (const auto& [k, t] : inner) {
     if (k.rfind("state.", 0) != 0) continue;
+    if (t.device().is_cpu() && options_.offload_state) {
+      r.host_bytes += t.nbytes();
+      continue;
+    }
     r.state_bytes += t.nbytes();
     bool sharded = false;
     for (const Layout& l : layouts_) sharded = sharded || t.numel() == l.shard;

@@ -93,6 +93,7 @@
 #include <flame/dist.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
+#include <flame/offload.h>
 #include <flame/optim.h>
 
 #include "cli_checks.h"
@@ -656,6 +657,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();
     // Stage 3: the EMA of the shards, kept and checkpointed with the optimizer state.
     if (zero_stage == 3 && cfg.train.ema) zo.ema = optim::EMAOptions{.decay = cfg.train.ema_decay};
+    zo.offload_state = oc.offload;  // the shards' state and masters on the host
     auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(std::move(groups), make_optimizer, nullptr, zo);
     zero = z.get();
     opt = std::move(z);
@@ -663,7 +665,14 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       block_stack->set_block_runner([zero](std::size_t i, const std::function<Tensor(const flame::TensorList&)>& fn,
                                            const flame::TensorList& in) { return zero->run_block(i, fn, in); });
     }
-    say("ZeRO stage " + std::to_string(zero_stage) + " over " + std::to_string(world) + " ranks");
+    say("ZeRO stage " + std::to_string(zero_stage) + " over " + std::to_string(world) + " ranks" +
+        (oc.offload ? ", the optimizer state in host memory" : ""));
+  } else if (oc.offload) {
+    // optimizer.offload: masters and state in (pinned) host memory, stepped on the CPU.
+    opt = std::make_unique<flame::offload::HostOptimizer>(params, [&](const flame::TensorList& masters) {
+      return make_optimizer({eight_bit ? adamw8.group(masters) : adamw.group(masters)});
+    });
+    say("the optimizer's state and master weights in host memory, stepped on the CPU");
   } else {
     opt = make_optimizer(std::move(groups));
   }

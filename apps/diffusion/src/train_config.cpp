@@ -153,6 +153,10 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("optimizer.scheduler", optimizer.scheduler, "constant", "the learning rate after the warmup",
              one_of({"constant", "linear", "cosine"})),
       FD_KEY("optimizer.warmup_steps", optimizer.warmup_steps, 0, "steps of linear warmup from 0", kNonNegative),
+      FD_KEY("optimizer.offload", optimizer.offload, false,
+             "keep the optimizer's state and f32 master weights in host memory and step them on the CPU "
+             "(DeepSpeed's ZeRO-Offload): no optimizer memory on the GPU, a slower step. On several ranks "
+             "each rank's shard; a checkpoint resumes with the same setting"),
       // [train]
       FD_KEY("train.method", train.method, "lora",
              "what is trained: LoRA, LoKr or DoRA adapters, or every weight (full)",

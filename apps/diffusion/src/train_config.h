@@ -57,6 +57,7 @@ struct FinetuneOptimizerConfig {
   double grad_clip = 0.0;
   std::string scheduler;  // "constant", "linear", "cosine"
   int64_t warmup_steps = 0;
+  bool offload = false;  // the state (and masters) in host memory, stepped on the CPU
 };
 
 struct FinetuneTrainSettings {

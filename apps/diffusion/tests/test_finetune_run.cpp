@@ -645,6 +645,53 @@ TEST(FinetuneRun, TwoRanksFullFineTuningKeepsTheEmaOfTheShards) {
   EXPECT_TRUE(ck.contains("optimizer.state.0.ema"));
 }
 
+// optimizer.offload: the optimizer's state in host memory (one process: offload::HostOptimizer; two
+// ranks: ZeRO's offload_state) trains as the state on the device does: the same losses and weights,
+// and a run resumed with the setting ends where the uninterrupted one did.
+TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "optoff");
+  const fs::path images = make_images(dir);
+  const auto losses = [](const fs::path& run) {
+    std::vector<double> out;
+    const auto rows = csv_rows(run / "loss.csv");
+    for (std::size_t i = 1; i < rows.size(); ++i) out.push_back(std::stod(rows[i].substr(rows[i].find(',') + 1)));
+    return out;
+  };
+  {  // one process, LoRA
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / "dev");
+    c.sample.prompts.clear();
+    (void)run(c);
+    c.optimizer.offload = true;
+    c.output.dir = (dir / "host").string();
+    (void)run(c, 2);
+    c.checkpoint.resume = "latest";
+    (void)run(c);
+    const auto a = losses(dir / "dev"), b = losses(dir / "host");
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << "step " << i + 1;
+  }
+  {  // two ranks, full fine-tuning under ZeRO-3
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / "z3dev");
+    c.train.method = "full";
+    c.optimizer.lr = 1e-3;
+    const std::string cfg_file = two_rank_config(c, dir);
+    (void)launch_two_ranks(cfg_file, "--set train.steps=3", (dir / "z3dev.log").string(), true);
+    const std::string log = launch_two_ranks(
+        cfg_file, "--set train.steps=3 --set optimizer.offload=true --set output.dir=" + (dir / "z3host").string(),
+        (dir / "z3host.log").string(), true);
+    EXPECT_NE(log.find("the optimizer state in host memory"), std::string::npos) << log;
+    const auto a = losses(dir / "z3dev"), b = losses(dir / "z3host");
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << "step " << i + 1;
+    const flame::StateDict wa = flame::io::load_safetensors((dir / "z3dev" / "shapes" / "diffusion_pytorch_model.safetensors").string());
+    const flame::StateDict wb = flame::io::load_safetensors((dir / "z3host" / "shapes" / "diffusion_pytorch_model.safetensors").string());
+    ASSERT_EQ(wa.keys(), wb.keys());
+    for (const std::string& k : wa.keys()) EXPECT_LE(max_diff(wa.at(k), wb.at(k)), 1e-6) << k;
+  }
+}
+
 // Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
 // its bf16 shards (optim's master_weights), sharded with its moments, and the checkpoint gathers
 // them. Each weight is its master rounded to bf16, and updates under half a bf16 step accumulate in

@@ -67,6 +67,13 @@ struct ZeroOptions {
   // parameter (consolidated, so it resumes on any number of ranks) and "ema.num_updates";
   // swap_in_ema() puts it into the parameters. Not in save_sharded's files.
   std::optional<optim::EMAOptions> ema;
+  // The optimizer's state on the host (ZeRO-Offload; Note [ZeRO state offload] in
+  // src/dist/zero.cpp): the inner optimizer steps, on the CPU, host masters of this rank's shards
+  // (pinned on a CUDA device; f32 for bf16/f16 shards), so its moments never take device memory.
+  // Each step copies the shard gradients down and the updated masters back up (one host wait). A
+  // shard written from outside (a loaded state dict, gather_parameters' write-back) refreshes its
+  // master at the next step.
+  bool offload_state = false;
 };
 
 class ZeroRedundancyOptimizer : public optim::Optimizer {
@@ -149,6 +156,7 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     std::size_t full_state_bytes_estimate = 0;  // what an unsharded optimizer would hold
     std::size_t gradient_bytes = 0;  // stage 2: the gradient shards held between backward and step
     std::size_t parameter_bytes = 0;  // the trained parameters held by this rank (stage 3: shards)
+    std::size_t host_bytes = 0;       // offload_state: the host masters and the state on the host
   };
   MemoryReport memory_report() const;
   optim::Optimizer& local_optimizer() { return *inner_; }
@@ -166,6 +174,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // All-gathers the shards of the buckets outside stage 3's blocks into their parameters (after a
   // step, or after the shards were written).
   void publish_replicas();
+  // The inner optimizer's step on the shard gradients (keyed by the shards), through the host
+  // masters with ZeroOptions::offload_state.
+  void step_inner(const Gradients& shard_grads);
   void load_inner_state(const StateDict& inner);
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
