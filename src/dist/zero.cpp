@@ -46,6 +46,7 @@
 #include "flame/cuda.h"
 #include "flame/io/safetensors.h"
 #include "flame/offload.h"
+#include "flame/ops.h"
 #include "src/amp/autocast.h"
 #include "src/autograd/checkpoint_scope.h"
 #include "src/autograd/grad_release.h"
@@ -416,8 +417,12 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
 // them back into the shards (non-blocking; rounded to half shards on the device), before the
 // replicated buckets are all-gathered. A master is the truth between steps, but a shard written
 // from outside (a loaded state dict into the parameters, gather_parameters' write-back) bumps the
-// shard's storage version: step_inner then takes the shard into the master first. The versions
-// are recorded after the step's own writes (the copy back and the all-gather).
+// shard's storage version: step_inner then takes into the master the shard's elements that differ
+// from the master's rounding (so the weights of a checkpoint, its masters rounded, leave the loaded
+// masters exact). The versions are recorded after the step's own writes (the copy back and the
+// all-gather). state_dict() gives a half shard's master as the slot "master_param", as the inner
+// optimizer's master weights are without offload, and load_state_dict() reads it back into the
+// host master: the consolidated state is the same either way.
 void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
   if (!options_.offload_state) {
     inner_->step(shard_grads);
@@ -427,7 +432,15 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
   Gradients host;
   std::vector<Tensor> staged;
   for (Layout& l : layouts_) {
-    if (l.shard_param.version() != l.synced_version) l.host_master.detach().copy_(l.shard_param.detach().to(Device::cpu()));
+    if (l.shard_param.version() != l.synced_version) {
+      // Written from outside: the elements that differ from the master's rounding take the shard's
+      // value; the others keep the master (a resumed checkpoint's weights are its masters rounded).
+      const Tensor shard = l.shard_param.detach().to(Device::cpu());
+      Tensor master = l.host_master.detach();
+      const Tensor outside = master.to(shard.dtype()).ne(shard);
+      master.copy_(flame::where(outside, shard.to(master.dtype()), master));
+      l.synced_version = l.shard_param.version();
+    }
     Tensor g = shard_grads.try_get(l.shard_param);
     if (!g.defined()) continue;
     g = g.to(l.host_master.dtype());
@@ -516,6 +529,13 @@ StateDict ZeroRedundancyOptimizer::state_dict() const {
       pg.all_gather(gathered, t.to(pg.device()).contiguous());
       full.emplace_back(slot, gathered);
     }
+    if (options_.offload_state && l.host_master.dtype() != l.shard_param.dtype()) {
+      // Note [ZeRO state offload]: the f32 master of a half shard, as the inner optimizer's own
+      // master weights would be on the device (the same consolidated state with or without offload).
+      Tensor gathered = Tensor::empty({l.shard * pg.size()}, TensorOptions(l.host_master.dtype(), pg.device()));
+      pg.all_gather(gathered, l.host_master.detach().to(pg.device()).contiguous());
+      full.emplace_back("master_param", gathered);
+    }
     if (ema_) {  // Note [ZeRO EMA]: the bucket's shadow, as one more slot
       const Tensor shadow = ema_state.at("shadow." + std::to_string(g));
       Tensor gathered = Tensor::empty({l.shard * pg.size()}, TensorOptions(shadow.dtype(), pg.device()));
@@ -584,6 +604,10 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
       });
       if (slot == "ema") {  // Note [ZeRO EMA]: not the inner optimizer's
         if (ema_) ema_state.insert("shadow." + std::to_string(g), mine);
+        continue;
+      }
+      if (slot == "master_param" && options_.offload_state) {  // Note [ZeRO state offload]: the host master
+        layouts_[g].host_master.detach().copy_(mine.to(Device::cpu()).to(layouts_[g].host_master.dtype()));
         continue;
       }
       inner.insert(state_key(g, slot), options_.offload_state ? mine.to(Device::cpu()) : mine);

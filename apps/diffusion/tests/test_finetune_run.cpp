@@ -690,6 +690,30 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
     ASSERT_EQ(wa.keys(), wb.keys());
     for (const std::string& k : wa.keys()) EXPECT_LE(max_diff(wa.at(k), wb.at(k)), 1e-6) << k;
   }
+  {  // two ranks, a bf16 model: the host masters are the f32 masters the device state would hold, and a
+     // checkpoint of a run with the state on the device resumes with it offloaded and ends the same
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / "b16dev");
+    c.train.method = "full";
+    c.train.mixed_precision = "bf16";
+    c.optimizer.lr = 1e-3;
+    const std::string cfg_file = two_rank_config(c, dir);
+    (void)launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "b16dev.log").string(), true);
+    const std::string out = "--set output.dir=" + (dir / "b16mix").string();
+    (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "b16mix_a.log").string(), true);
+    (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set optimizer.offload=true --set checkpoint.resume=latest",
+                           (dir / "b16mix_b.log").string(), true);
+    const auto a = losses(dir / "b16dev"), b = losses(dir / "b16mix");
+    ASSERT_EQ(a.size(), 4u);
+    ASSERT_EQ(b.size(), a.size());
+    for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
+    const flame::StateDict ca = flame::io::load_safetensors((dir / "b16dev" / "checkpoints" / "ckpt-0000000004.safetensors").string());
+    const flame::StateDict cb = flame::io::load_safetensors((dir / "b16mix" / "checkpoints" / "ckpt-0000000004.safetensors").string());
+    ASSERT_EQ(ca.keys(), cb.keys()) << "the same consolidated state with the optimizer state offloaded";
+    for (const std::string& k : ca.keys()) {
+      if (k.find("master_param") != std::string::npos || k.rfind("model.", 0) == 0)
+        EXPECT_LE(max_diff(ca.at(k).to(flame::DType::f32), cb.at(k).to(flame::DType::f32)), 1e-6) << k;
+    }
+  }
 }
 
 // Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
