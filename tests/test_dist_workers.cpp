@@ -522,6 +522,25 @@ int zero3() {
   return 0;
 }
 
+// The stage under test (FLAME_DIST_TEST_STAGE), the Mlp's forward through a ZeRO optimizer (stage
+// 3: fc1 and fc2 as its blocks, gathered by run_block), and its whole weights for a check (stage 3:
+// gathered while the returned object lives).
+int test_stage(int fallback) {
+  const char* st = std::getenv("FLAME_DIST_TEST_STAGE");
+  return st ? std::atoi(st) : fallback;
+}
+Tensor zero_forward(Mlp& m, dist::ZeroRedundancyOptimizer& o, int stage, const Tensor& x) {
+  if (stage != 3) return m.forward(x);
+  const Tensor h = o.run_block(0, [&](const TensorList& in) { return m.fc1->forward(in[0]); }, {x}).relu();
+  return o.run_block(1, [&](const TensorList& in) { return m.fc2->forward(in[0]); }, {h});
+}
+std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole_weights(dist::ZeroRedundancyOptimizer& o, int stage,
+                                                                     bool write_back = false) {
+  std::optional<dist::ZeroRedundancyOptimizer::Gathered> g;
+  if (stage == 3) g.emplace(o.gather_parameters(write_back));
+  return g;
+}
+
 // ZeroOptions::ema (Note [ZeRO EMA]) on stage 2 or 3 (FLAME_DIST_TEST_STAGE, default 3): after 3
 // steps, swap_in_ema() gives one process's optim::EMA of the same AdamW trajectory, its end gives the
 // trained weights back, state_dict() carries the average as "state.<i>.ema" in parameter shapes, and
@@ -530,8 +549,7 @@ int zero_ema() {
   auto pg = init();
   const int W = pg->size(), R = pg->rank();
   const Device dev = pg->device();
-  const char* st = std::getenv("FLAME_DIST_TEST_STAGE");
-  const int stage = st ? std::atoi(st) : 3;
+  const int stage = test_stage(3);
   const optim::EMAOptions ema_options{.decay = 0.7};
   auto make_zero = [&](Mlp& m) {
     dist::ZeroOptions z{.stage = stage, .ema = ema_options};
@@ -541,14 +559,9 @@ int zero_ema() {
   auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
   auto opt = make_zero(*model);
   WCHECK(opt->ema() != nullptr);
-  auto forward = [&](Mlp& m, dist::ZeroRedundancyOptimizer& o, const Tensor& x) {
-    if (stage != 3) return m.forward(x);
-    const Tensor h = o.run_block(0, [&](const TensorList& in) { return m.fc1->forward(in[0]); }, {x}).relu();
-    return o.run_block(1, [&](const TensorList& in) { return m.fc2->forward(in[0]); }, {h});
-  };
   for (int s = 0; s < 3; ++s) {
     const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
-    opt->step(mse_loss(forward(*model, *opt, x), y).backward());
+    opt->step(mse_loss(zero_forward(*model, *opt, stage, x), y).backward());
   }
   // One process: AdamW and an EMA over the parameters in the optimizer's order.
   auto ref = make_model(11, dev);
@@ -569,13 +582,11 @@ int zero_ema() {
   }
   {
     auto swap = opt->swap_in_ema();
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt->gather_parameters());
+    const auto whole = whole_weights(*opt, stage);
     WCHECK(same_params(*model, *averaged, 1e-4, "the EMA of the shards vs one process's EMA"));
   }
   {
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt->gather_parameters());
+    const auto whole = whole_weights(*opt, stage);
     WCHECK(same_params(*model, *ref, 1e-4, "the trained weights back after the swap"));
   }
   const StateDict full = opt->state_dict();
@@ -591,8 +602,7 @@ int zero_ema() {
   opt2->load_state_dict(full);
   {
     auto swap = opt2->swap_in_ema();
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt2->gather_parameters());
+    const auto whole = whole_weights(*opt2, stage);
     WCHECK(same_params(*other, *averaged, 1e-4, "the EMA loaded from the consolidated state"));
   }
   pg->barrier();
@@ -607,29 +617,22 @@ int zero_offload() {
   auto pg = init();
   const int W = pg->size(), R = pg->rank();
   const Device dev = pg->device();
-  const char* st = std::getenv("FLAME_DIST_TEST_STAGE");
-  const int stage = st ? std::atoi(st) : 2;
+  const int stage = test_stage(2);
   auto model = make_model(R == 0 ? 11 : 5 + static_cast<uint64_t>(R), dev);
   dist::ZeroOptions z{.stage = stage, .offload_state = true};
   if (stage == 3) z.blocks = {model->fc1, model->fc2};
   dist::ZeroRedundancyOptimizer opt(adamw_groups(*model), adamw_factory(), nullptr, z);
-  auto forward = [&](const Tensor& x) {
-    if (stage != 3) return model->forward(x);
-    const Tensor h = opt.run_block(0, [&](const TensorList& in) { return model->fc1->forward(in[0]); }, {x}).relu();
-    return opt.run_block(1, [&](const TensorList& in) { return model->fc2->forward(in[0]); }, {h});
-  };
   auto train = [&](int from, int to) {
     for (int s = from; s < to; ++s) {
       const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
-      opt.step(mse_loss(forward(x), y).backward());
+      opt.step(mse_loss(zero_forward(*model, opt, stage, x), y).backward());
     }
   };
   train(0, 3);
   std::unique_ptr<optim::AdamW> ref_opt;
   auto ref = reference_adamw(3, dev, &ref_opt);
   {
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt.gather_parameters());
+    const auto whole = whole_weights(opt, stage);
     WCHECK(same_params(*model, *ref, 1e-4, "offloaded ZeRO vs one process"));
   }
   const StateDict full = opt.state_dict();
@@ -643,8 +646,7 @@ int zero_offload() {
   // Other weights loaded into the parameters (the same on every rank), then one more step.
   auto twin = make_model(23, dev);
   {
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt.gather_parameters(/*write_back=*/true));
+    const auto whole = whole_weights(opt, stage, /*write_back=*/true);
     NoGradGuard ng;
     (void)model->load_state_dict(twin->state_dict());
   }
@@ -655,8 +657,7 @@ int zero_offload() {
   train(3, 4);
   ref_opt->step(mse_loss(ref->forward(batch_x(3, dev)), batch_y(3, dev)).backward());
   {
-    std::optional<dist::ZeroRedundancyOptimizer::Gathered> whole;
-    if (stage == 3) whole.emplace(opt.gather_parameters());
+    const auto whole = whole_weights(opt, stage);
     WCHECK(same_params(*model, *ref, 1e-4, "a step after weights were loaded into the parameters"));
   }
   if (R == 0)

@@ -558,91 +558,67 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
 // Full fine-tuning of FLUX on two ranks: train.zero_stage 3 (the default there) shards the
 // transformer's blocks and gathers each for its forward and recomputed backward; it trains as
 // stage 2 does (same losses and weights), its checkpoint gathers the weights and a resumed run ends
-// where the uninterrupted one did.
+// where the uninterrupted one did. With train.ema the EMA of the shards (ZeroOptions::ema) gives the
+// written model stage 2's EMA of the whole weights gives, checkpointed with the optimizer state.
 TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
-  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "zero3");
-  const fs::path images = make_images(dir);
-  fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
-  c.train.method = "full";
-  c.optimizer.lr = 1e-3;
-  const std::string cfg_file = two_rank_config(c, dir);
-  const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
-  EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
-  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
-                         (dir / "s2.log").string(), true);
-  const std::string out = "--set output.dir=" + (dir / "r3").string();
-  (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
-  (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
-                         (dir / "r3b.log").string(), true);
-  const auto rows3 = csv_rows(dir / "s3" / "loss.csv");
-  ASSERT_EQ(rows3.size(), 5u);
-  EXPECT_EQ(rows3, csv_rows(dir / "r3" / "loss.csv"));
-  const auto weights = [&](const std::string& run) {
-    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
-  };
-  const flame::StateDict w3 = weights("s3"), w2 = weights("s2"), wr = weights("r3");
-  ASSERT_EQ(w3.keys(), w2.keys());
-  ASSERT_EQ(w3.keys(), wr.keys());
-  const auto rows2 = csv_rows(dir / "s2" / "loss.csv");
-  ASSERT_EQ(rows2.size(), rows3.size());
-  for (std::size_t i = 1; i < rows3.size(); ++i) {  // step, loss, lr, grad norm
-    const double l3 = std::stod(rows3[i].substr(rows3[i].find(',') + 1));
-    const double l2 = std::stod(rows2[i].substr(rows2[i].find(',') + 1));
-    EXPECT_NEAR(l3, l2, 1e-5 * std::abs(l2)) << rows3[i] << " vs " << rows2[i];
-  }
-  for (const std::string& k : w3.keys()) {
-    const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), b = w2.at(k).to(flame::DType::f32).to_vec<float>();
-    const auto r = wr.at(k).to(flame::DType::f32).to_vec<float>();
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      ASSERT_NEAR(a[i], b[i], 1e-5 + 1e-5 * std::abs(b[i])) << k << "[" << i << "]: stage 3 vs stage 2";
-      ASSERT_EQ(a[i], r[i]) << k << "[" << i << "]: resumed";
+  for (bool ema : {false, true}) {
+    SCOPED_TRACE(ema ? "train.ema" : "no EMA");
+    const fs::path dir = fd_test::fresh_temp_dir("finetune_run", ema ? "zero3ema" : "zero3");
+    const fs::path images = make_images(dir);
+    fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
+    c.train.method = "full";
+    c.train.ema = ema;
+    c.train.ema_decay = 0.5;
+    c.optimizer.lr = 1e-3;
+    const std::string cfg_file = two_rank_config(c, dir);
+    const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
+    EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
+    (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
+                           (dir / "s2.log").string(), true);
+    const std::string out = "--set output.dir=" + (dir / "r3").string();
+    (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
+    (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
+                           (dir / "r3b.log").string(), true);
+    if (ema) {  // the same run without the average, to tell them apart
+      (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.ema=false --set output.dir=" + (dir / "plain").string(),
+                             (dir / "plain.log").string(), true);
+    }
+    const auto rows3 = csv_rows(dir / "s3" / "loss.csv");
+    ASSERT_EQ(rows3.size(), 5u);
+    EXPECT_EQ(rows3, csv_rows(dir / "r3" / "loss.csv"));
+    const auto weights = [&](const std::string& run) {
+      return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
+    };
+    const flame::StateDict w3 = weights("s3"), w2 = weights("s2"), wr = weights("r3");
+    const flame::StateDict wp = ema ? weights("plain") : w3;
+    ASSERT_EQ(w3.keys(), w2.keys());
+    ASSERT_EQ(w3.keys(), wr.keys());
+    const auto rows2 = csv_rows(dir / "s2" / "loss.csv");
+    ASSERT_EQ(rows2.size(), rows3.size());
+    for (std::size_t i = 1; i < rows3.size(); ++i) {  // step, loss, lr, grad norm
+      const double l3 = std::stod(rows3[i].substr(rows3[i].find(',') + 1));
+      const double l2 = std::stod(rows2[i].substr(rows2[i].find(',') + 1));
+      EXPECT_NEAR(l3, l2, 1e-5 * std::abs(l2)) << rows3[i] << " vs " << rows2[i];
+    }
+    double from_plain = 0;
+    for (const std::string& k : w3.keys()) {
+      const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), b = w2.at(k).to(flame::DType::f32).to_vec<float>();
+      const auto r = wr.at(k).to(flame::DType::f32).to_vec<float>(), p = wp.at(k).to(flame::DType::f32).to_vec<float>();
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        ASSERT_NEAR(a[i], b[i], 1e-5 + 1e-5 * std::abs(b[i])) << k << "[" << i << "]: stage 3 vs stage 2";
+        ASSERT_EQ(a[i], r[i]) << k << "[" << i << "]: resumed";
+        from_plain = std::max(from_plain, static_cast<double>(std::abs(a[i] - p[i])));
+      }
+    }
+    if (ema) {
+      EXPECT_GT(from_plain, 1e-4) << "the written model is not the average";
+      // The checkpoint carries the average with the optimizer state, whole.
+      const flame::StateDict ck =
+          flame::io::load_safetensors((dir / "s3" / "checkpoints" / "ckpt-0000000004.safetensors").string());
+      EXPECT_TRUE(ck.contains("optimizer.ema.num_updates"));
+      EXPECT_TRUE(ck.contains("optimizer.state.0.ema"));
     }
   }
-}
-
-// train.ema with ZeRO-3 on two ranks: the EMA of the shards (ZeroOptions::ema) gives the written model
-// stage 2's EMA of the whole weights gives, and it is checkpointed with the optimizer state: a run
-// stopped after 2 steps and resumed ends with the uninterrupted run's averaged weights.
-TEST(FinetuneRun, TwoRanksFullFineTuningKeepsTheEmaOfTheShards) {
-  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "zero3ema");
-  const fs::path images = make_images(dir);
-  fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
-  c.train.method = "full";
-  c.train.ema = true;
-  c.train.ema_decay = 0.5;
-  c.optimizer.lr = 1e-3;
-  const std::string cfg_file = two_rank_config(c, dir);
-  const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
-  EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
-  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
-                         (dir / "s2.log").string(), true);
-  (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.ema=false --set output.dir=" + (dir / "plain").string(),
-                         (dir / "plain.log").string(), true);
-  const std::string out = "--set output.dir=" + (dir / "r3").string();
-  (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
-  (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
-                         (dir / "r3b.log").string(), true);
-  const auto weights = [&](const std::string& run) {
-    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
-  };
-  const flame::StateDict w3 = weights("s3"), w2 = weights("s2"), wr = weights("r3"), wp = weights("plain");
-  ASSERT_EQ(w3.keys(), w2.keys());
-  ASSERT_EQ(w3.keys(), wr.keys());
-  double from_plain = 0;
-  for (const std::string& k : w3.keys()) {
-    const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), b = w2.at(k).to(flame::DType::f32).to_vec<float>();
-    const auto r = wr.at(k).to(flame::DType::f32).to_vec<float>(), p = wp.at(k).to(flame::DType::f32).to_vec<float>();
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      ASSERT_NEAR(a[i], b[i], 1e-5 + 1e-5 * std::abs(b[i])) << k << "[" << i << "]: stage 3 vs stage 2";
-      ASSERT_EQ(a[i], r[i]) << k << "[" << i << "]: resumed";
-      from_plain = std::max(from_plain, static_cast<double>(std::abs(a[i] - p[i])));
-    }
-  }
-  EXPECT_GT(from_plain, 1e-4) << "the written model is not the average";
-  // The checkpoint carries the average with the optimizer state, whole.
-  const flame::StateDict ck = flame::io::load_safetensors((dir / "s3" / "checkpoints" / "ckpt-0000000004.safetensors").string());
-  EXPECT_TRUE(ck.contains("optimizer.ema.num_updates"));
-  EXPECT_TRUE(ck.contains("optimizer.state.0.ema"));
 }
 
 // optimizer.offload: the optimizer's state in host memory (one process: offload::HostOptimizer; two
