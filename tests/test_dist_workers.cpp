@@ -522,6 +522,8 @@ int zero3() {
   return 0;
 }
 
+std::string test_dir();  // below, with the checkpoint workers
+
 // The stage under test (FLAME_DIST_TEST_STAGE), the Mlp's forward through a ZeRO optimizer (stage
 // 3: fc1 and fc2 as its blocks, gathered by run_block), and its whole weights for a check (stage 3:
 // gathered while the returned object lives).
@@ -604,6 +606,19 @@ int zero_ema() {
     auto swap = opt2->swap_in_ema();
     const auto whole = whole_weights(*opt2, stage);
     WCHECK(same_params(*other, *averaged, 1e-4, "the EMA loaded from the consolidated state"));
+  }
+  // And through save_sharded's per-rank files.
+  const std::string dir = test_dir() + "/zero_ema_shards_w" + std::to_string(W) + "_s" + std::to_string(stage);
+  if (R == 0) std::filesystem::remove_all(dir);
+  pg->barrier();
+  opt->save_sharded(dir);
+  auto third = make_model(29, dev);
+  auto opt3 = make_zero(*third);
+  opt3->load_sharded(dir);
+  {
+    auto swap = opt3->swap_in_ema();
+    const auto whole = whole_weights(*opt3, stage);
+    WCHECK(same_params(*third, *averaged, 1e-4, "the EMA loaded from the shard files"));
   }
   pg->barrier();
   return 0;

@@ -256,6 +256,31 @@ TEST(OffloadActivations, LowersTheGpuPeak) {
   EXPECT_LT(peak_off, peak_plain * 6 / 10) << "plain " << peak_plain << " offload " << peak_off;
 }
 
+// prefetch_bytes: the first unpack of the backward starts the copies of the older tensors up to the
+// window, so every later unpack finds its tensor prefetched (one tensor ahead finds all but the
+// first too, but each starts only at the unpack before it); the same gradients.
+TEST(OffloadActivations, PrefetchBytesBringsOlderTensorsBackAhead) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda(0);
+  Mlp mlp(256, 4, dev, 310);
+  const Tensor x = random_tensor({512, 256}, 4, dev);
+  auto run = [&](std::size_t window, int64_t* packed, int64_t* hits) {
+    offload::OffloadActivations guard({.prefetch_bytes = window});
+    const Tensor loss = mlp.forward(x).square().mean();
+    *packed = guard.packed_count();
+    Gradients g = loss.backward();
+    *hits = guard.prefetched_count();
+    return g;
+  };
+  int64_t packed1 = 0, hits1 = 0, packed_w = 0, hits_w = 0;
+  const Gradients one = run(0, &packed1, &hits1);
+  const Gradients wide = run(std::size_t{1} << 30, &packed_w, &hits_w);
+  EXPECT_EQ(packed_w, packed1);
+  EXPECT_GE(packed_w, 8);
+  EXPECT_EQ(hits_w, packed_w - 1) << "every unpack but the first was prefetched";
+  for (const Tensor& w : mlp.weights) EXPECT_TRUE(all_close(wide.get(w), one.get(w), 0, 0));
+}
+
 // ---- weight streaming ----
 
 struct Block : nn::Module {

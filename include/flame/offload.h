@@ -36,6 +36,10 @@ struct OffloadActivationsOptions {
   std::size_t min_bytes = 0;
   // During backward, start copying the previously saved tensor back while the current node runs.
   bool prefetch = true;
+  // With prefetch: keep up to this many bytes of the tensors saved before the one being unpacked on
+  // their way back (at least one tensor), so copies run further ahead of their use; 0: one tensor
+  // ahead. Each prefetched tensor holds device memory from its prefetch to its use.
+  std::size_t prefetch_bytes = 0;
   // Saved tensors that share storage with one of these stay where they are: a module's parameters
   // and buffers (a frozen weight saved for its input's gradient), which the module holds anyway,
   // so a copy would move bytes and free nothing.

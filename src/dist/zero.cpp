@@ -602,27 +602,11 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
         const Tensor* t = state.find(state_key(l.first_index + k, slot));
         if (t) mine.narrow(0, foff - lo, n).copy_(t->reshape({-1}).narrow(0, poff, n));
       });
-      if (slot == "ema") {  // Note [ZeRO EMA]: not the inner optimizer's
-        if (ema_) ema_state.insert("shadow." + std::to_string(g), mine);
-        continue;
-      }
-      if (slot == "master_param" && options_.offload_state) {  // Note [ZeRO state offload]: the host master
-        layouts_[g].host_master.detach().copy_(mine.to(Device::cpu()).to(layouts_[g].host_master.dtype()));
-        continue;
-      }
+      if (take_own_slot(g, slot, mine, ema_state)) continue;
       inner.insert(state_key(g, slot), options_.offload_state ? mine.to(Device::cpu()) : mine);
     }
   }
-  if (ema_) {
-    const Tensor* n = state.find("ema.num_updates");
-    FLAME_CHECK(n != nullptr, op, "the state has no EMA (\"ema.num_updates\") but ZeroOptions::ema is set: it was saved "
-                "without one");
-    ema_state.insert("num_updates", *n);
-    const StateDict mine = ema_->state_dict();  // buckets without state yet keep their shadows
-    for (const std::string& k : mine.keys())
-      if (!ema_state.contains(k)) ema_state.insert(k, mine.at(k));
-    ema_->load_state_dict(ema_state);
-  }
+  load_ema(ema_state, state.find("ema.num_updates"), op);
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
     const std::vector<int64_t> buckets = buckets_of(g);  // the inner optimizer's parameters of group g
@@ -636,6 +620,33 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& state) {
     FLAME_CHECK(any, op, "the state has no keys for parameter group ", g);
   }
   load_inner_state(inner);
+}
+
+// The slots that are not the inner optimizer's: the EMA's shadow (Note [ZeRO EMA]) and, with
+// offload_state, a half shard's host master (Note [ZeRO state offload]). `mine`: bucket b's
+// elements of this rank. Returns whether the slot was one of them.
+bool ZeroRedundancyOptimizer::take_own_slot(std::size_t b, const std::string& slot, const Tensor& mine,
+                                            StateDict& ema_state) {
+  if (slot == "ema") {
+    if (ema_) ema_state.insert("shadow." + std::to_string(b), mine);
+    return true;
+  }
+  if (slot == "master_param" && options_.offload_state) {
+    layouts_[b].host_master.detach().copy_(mine.to(Device::cpu()).to(layouts_[b].host_master.dtype()));
+    return true;
+  }
+  return false;
+}
+
+void ZeroRedundancyOptimizer::load_ema(StateDict shadows, const Tensor* num_updates, const char* op) {
+  if (!ema_) return;
+  FLAME_CHECK(num_updates != nullptr, op, "the state has no EMA (\"ema.num_updates\") but ZeroOptions::ema is set: it "
+              "was saved without one");
+  shadows.insert("num_updates", *num_updates);
+  const StateDict current = ema_->state_dict();  // buckets without state yet keep their shadows
+  for (const std::string& k : current.keys())
+    if (!shadows.contains(k)) shadows.insert(k, current.at(k));
+  ema_->load_state_dict(shadows);
 }
 
 void ZeroRedundancyOptimizer::load_inner_state(const StateDict& inner) {
@@ -688,6 +699,7 @@ void ZeroRedundancyOptimizer::save_sharded(const std::string& dir) const {
   if (R == 0) std::filesystem::create_directories(dir);
   pg.barrier();
   const StateDict inner = inner_->state_dict();
+  const StateDict ema_state = ema_ ? ema_->state_dict() : StateDict();
   StateDict out;
   io::Metadata meta{{"format", kShardFormat}, {"save_id", save_id}, {"world", std::to_string(W)},
                     {"rank", std::to_string(R)}, {"buckets", std::to_string(layouts_.size())}};
@@ -710,7 +722,12 @@ void ZeroRedundancyOptimizer::save_sharded(const std::string& dir) const {
                   t.sizes(), " is not elementwise (", inner_->name(), ")");
       out.insert(key + slot, t.narrow(0, 0, hi - lo).to(Device::cpu()).contiguous());
     }
+    // The slots of this optimizer's own (take_own_slot): the EMA's shadow, a half shard's host master.
+    if (ema_) out.insert(key + "ema", ema_state.at("shadow." + std::to_string(b)).narrow(0, 0, hi - lo).to(Device::cpu()).contiguous());
+    if (options_.offload_state && l.host_master.dtype() != l.shard_param.dtype())
+      out.insert(key + "master_param", l.host_master.detach().narrow(0, 0, hi - lo).contiguous().clone());
   }
+  if (ema_) out.insert("ema.num_updates", ema_state.at("num_updates").to(Device::cpu()).clone());
   for (const auto& [k, t] : inner) {
     if (k.rfind("param_groups.", 0) == 0 && k.size() > 7 && k.substr(k.size() - 7) != ".params")
       out.insert(k, t.to(Device::cpu()).clone());
@@ -766,15 +783,20 @@ void ZeroRedundancyOptimizer::load_sharded(const std::string& dir) {
       }
     }
   }
-  StateDict inner;
+  StateDict inner, ema_state;
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     const std::string key = "bucket." + std::to_string(b) + ".";
     const Tensor* step = first.find(key + "step");
     if (!step) continue;  // no state yet for this bucket
     inner.insert(state_key(b, "step"), step->to(pg.device()));
-    for (const auto& [k, t] : mine)
-      if (k.rfind(key, 0) == 0) inner.insert(state_key(b, k.substr(key.size())), t.to(pg.device()));
+    for (const auto& [k, t] : mine) {
+      if (k.rfind(key, 0) != 0) continue;
+      const std::string slot = k.substr(key.size());
+      if (take_own_slot(b, slot, t.to(pg.device()), ema_state)) continue;
+      inner.insert(state_key(b, slot), options_.offload_state ? t : t.to(pg.device()));
+    }
   }
+  load_ema(ema_state, first.find("ema.num_updates"), op);
   for (std::size_t g = 0; g < groups_.size(); ++g) {
     const std::string prefix = group_prefix(g);
     const std::vector<int64_t> buckets = buckets_of(g);

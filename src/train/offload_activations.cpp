@@ -13,7 +13,8 @@
 //    (recorded on the side stream after the upload) and takes the device copy (record_stream on
 //    compute); else the compute stream waits for `offloaded` and uploads it itself. Then, with
 //    prefetch on, the newest record saved before this one that is alive and not fetched yet is
-//    uploaded on the side stream (the next node backward is most likely to need). A record keeps
+//    uploaded on the side stream (the next node backward is most likely to need); with
+//    prefetch_bytes, older ones too until that many bytes are on their way back. A record keeps
 //    no device copy once unpacked, so each prefetched tensor is held on the device from its
 //    prefetch to its use only.
 //  - Writes to the pinned copy never happen after the pack's copy, so no host/device race; the
@@ -22,6 +23,7 @@
 //  - CPU tensors (tests without a GPU): cloned at pack and handed back at unpack.
 //  - Kept as they are: tensors under min_bytes, and those whose storage is one of options.keep's
 //    (by the storage's base address: a frozen weight, or a view of one, that a matmul saved).
+#include <algorithm>
 #include <mutex>
 #include <unordered_set>
 #include <utility>
@@ -52,6 +54,7 @@ struct OffloadActivations::State {
   int64_t packed = 0;
   std::size_t bytes = 0;
   int64_t prefetch_hits = 0;
+  std::size_t ahead = 0;  // bytes prefetched and not unpacked yet
 
   cuda::Stream side_stream(int device) {
     for (auto& [d, s] : side) {
@@ -110,6 +113,7 @@ struct OffloadActivations::State {
     }
     r.fetched.record(copy);
     r.fetch_started = true;
+    ahead += r.prefetched.nbytes();
   }
 
   Tensor unpack(Record& r) {
@@ -120,6 +124,7 @@ struct OffloadActivations::State {
     Tensor out;
     if (r.prefetched.defined()) {
       compute.wait(r.fetched);
+      ahead -= std::min(ahead, r.prefetched.nbytes());
       out = std::move(r.prefetched);
       r.prefetched = Tensor();
       cuda::record_stream(out, compute);
@@ -130,11 +135,15 @@ struct OffloadActivations::State {
     }
     r.fetch_started = true;
     if (options.prefetch) {
+      // The records saved before this one, newest first, until one tensor (or prefetch_bytes) is on
+      // its way back.
+      bool one = false;
       for (std::size_t i = r.index; i-- > 0;) {
+        if (one && ahead >= options.prefetch_bytes) break;
         std::shared_ptr<Record> prev = records[i].lock();
         if (!prev || prev->kept.defined() || prev->device.is_cpu()) continue;
         if (!prev->fetch_started) prefetch(*prev);
-        break;
+        one = true;
       }
     }
     return out;

@@ -54,12 +54,13 @@ flame::Tensor BlockStack::run_block(std::size_t i, bool checkpoint, const flame:
 // last offloaded tensor is used right after the forward: leave the last blocks on the device.
 // Under autograd::RecomputeCheap a recipe holds its inputs on the device (not packed), so the
 // tensors recipes stand for are not offloaded anyway.
-void BlockStack::set_activation_offload(bool on, std::size_t min_bytes, int64_t blocks) {
+void BlockStack::set_activation_offload(bool on, std::size_t min_bytes, int64_t blocks, std::size_t prefetch_bytes) {
   FLAME_CHECK(blocks >= kOffloadCheckpointed, "set_activation_offload",
               "blocks must be >= 0, -1 (all) or kOffloadCheckpointed (-2), got ", blocks);
   offload_ = on;
   offload_min_bytes_ = min_bytes;
   offload_blocks_ = blocks;
+  offload_prefetch_bytes_ = prefetch_bytes;
 }
 
 BlockStack::OffloadScope::OffloadScope(BlockStack& stack) : stack_(stack) {
@@ -74,8 +75,9 @@ BlockStack::OffloadScope::OffloadScope(BlockStack& stack) : stack_(stack) {
     for (const flame::Tensor& p : block->parameters()) keep.push_back(p);
     for (const flame::Tensor& b : block->buffers()) keep.push_back(b);
   }
-  offload_.emplace(
-      flame::offload::OffloadActivationsOptions{.min_bytes = stack_.offload_min_bytes_, .keep = std::move(keep)});
+  offload_.emplace(flame::offload::OffloadActivationsOptions{.min_bytes = stack_.offload_min_bytes_,
+                                                             .prefetch_bytes = stack_.offload_prefetch_bytes_,
+                                                             .keep = std::move(keep)});
 }
 
 void BlockStack::OffloadScope::finish() {

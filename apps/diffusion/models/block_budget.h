@@ -66,9 +66,11 @@ class BlockStack {
   //    checkpointed, a min_bytes that only their largest saved tensors pass (FLUX-dev's and SD3's
   //    MLP pre-activations: 76-108 MiB per block at 1024²) moves the most bytes for the fewest
   //    copies, and leaves what autograd::RecomputeCheap's recipes hold alone.
+  // prefetch_bytes: OffloadActivationsOptions::prefetch_bytes (how far ahead the backward brings
+  // the offloaded tensors back; 0: one tensor).
   static constexpr int64_t kOffloadCheckpointed = -2;
   void set_activation_offload(bool on, std::size_t min_bytes = std::size_t{1} << 20,
-                              int64_t blocks = kOffloadCheckpointed);
+                              int64_t blocks = kOffloadCheckpointed, std::size_t prefetch_bytes = 0);
   bool activation_offload() const { return offload_; }
   int64_t activation_offload_blocks() const { return offload_blocks_; }
   // What the last forward offloaded: saved tensors and their bytes.
@@ -108,6 +110,7 @@ class BlockStack {
   bool offload_ = false;
   std::size_t offload_min_bytes_ = std::size_t{1} << 20;
   int64_t offload_blocks_ = kOffloadCheckpointed;
+  std::size_t offload_prefetch_bytes_ = 0;
   int64_t offloaded_tensors_ = 0;
   std::size_t offloaded_bytes_ = 0;
 };

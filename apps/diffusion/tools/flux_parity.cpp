@@ -23,7 +23,8 @@
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory; with
 //       --offload-blocks N,... (-1: all; -2, the default: the checkpointed ones) what the first N
 //       blocks save, checkpointed or not, and --offload-min-mib M (default 1) leaves saved tensors
-//       under M MiB on the device (BlockStack::set_activation_offload). The JSON line adds
+//       under M MiB on the device, --offload-prefetch-mib P brings P MiB back ahead in the backward
+//       (default 0: one tensor) (BlockStack::set_activation_offload). The JSON line adds
 //       offload_blocks and offloaded_gib (what the last forward moved).
 //       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
@@ -84,7 +85,7 @@ const char* kUsage =
     "  flux_parity time  --config flux-dev|flux-schnell|flux-dev-d2 [--latent 128] [--text 512] [--batch 1]\n"
     "                    [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0]\n"
     "                    [--recompute 0] [--graph 0] [--fp8 none] [--budget 0] [--offload-blocks -2]\n"
-    "                    [--offload-min-mib 1] [--device cuda]\n"
+    "                    [--offload-min-mib 1] [--offload-prefetch-mib 0] [--device cuda]\n"
     "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
@@ -100,7 +101,7 @@ using flame_diffusion::tools::print_kernel_trace;
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
-                                         "offload-blocks", "offload-min-mib"};
+                                         "offload-blocks", "offload-min-mib", "offload-prefetch-mib"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -295,6 +296,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t trace_steps = int_list("trace", flag_or(f, "trace", "0")).at(0);
   const bool offload = int_list("offload", flag_or(f, "offload", "0")).at(0) != 0;
   const int64_t offload_min_mib = int_list("offload-min-mib", flag_or(f, "offload-min-mib", "1")).at(0);
+  const int64_t offload_prefetch_mib = int_list("offload-prefetch-mib", flag_or(f, "offload-prefetch-mib", "0")).at(0);
   if (latent % 2 != 0) throw std::runtime_error("--latent must be even");
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
@@ -307,7 +309,8 @@ int time_steps(const std::map<std::string, std::string>& f) {
       flame::cuda::set_memory_limit(0, device.index);
       flame::cuda::empty_cache();
       const LoraStep ls(config, device, batch, latent, text, rank, ckpt, false, recompute != 0, graph != 0);
-      ls.model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks);
+      ls.model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks,
+                                         static_cast<std::size_t>(offload_prefetch_mib) << 20);
       const int64_t base_bytes = ls.quantize(fp8);
       std::size_t swapped_blocks = 0;
       if (budget_gib > 0) {

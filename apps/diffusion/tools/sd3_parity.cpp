@@ -20,8 +20,8 @@
 //       linears 2x their forward, the frozen weights get no weight gradients; attention 3x)
 //       and MFU against 989 TFLOP/s and against a bf16 GEMM (8192^3) measured in the same run.
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload);
-//       --offload-blocks N,... and --offload-min-mib M as flux_parity's (what the first N blocks save,
-//       checkpointed or not; saved tensors under M MiB stay).
+//       --offload-blocks N,..., --offload-min-mib M and --offload-prefetch-mib P as flux_parity's (what
+//       the first N blocks save, checkpointed or not; saved tensors under M MiB stay; P MiB ahead).
 //       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
@@ -65,11 +65,11 @@ const char* kUsage =
     "  sd3_parity time  --config sd3-medium|sd3.5-medium|sd3.5-large [--latent 128] [--text 333] [--batch 1]\n"
     "                   [--checkpointing 0,-1] [--offload 0] [--rank 16] [--steps 10] [--warmup 3] [--trace 0] "
     "[--recompute 0] [--graph 0] [--fp8 none]\n"
-    "                   [--offload-blocks -2] [--offload-min-mib 1] [--device cuda]\n";
+    "                   [--offload-blocks -2] [--offload-min-mib 1] [--offload-prefetch-mib 0] [--device cuda]\n";
 
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
-                                         "graph", "fp8", "offload-blocks", "offload-min-mib"};
+                                         "graph", "fp8", "offload-blocks", "offload-min-mib", "offload-prefetch-mib"};
 
 std::string get(const std::map<std::string, std::string>& f, const std::string& k, const std::string& fallback) {
   return flame_diffusion::tools::flag_or(f, k, fallback);
@@ -216,6 +216,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
   const bool offload = int_list("offload", get(f, "offload", "0")).at(0) != 0;
   const int64_t offload_min_mib = int_list("offload-min-mib", get(f, "offload-min-mib", "1")).at(0);
+  const int64_t offload_prefetch_mib = int_list("offload-prefetch-mib", get(f, "offload-prefetch-mib", "0")).at(0);
   const std::vector<std::string> fp8s = flame_diffusion::tools::fp8_modes(f, "none");  // checked before any work
   const double gemm = gemm_tflops(device);
   std::printf("# bf16 GEMM 8192^3 on this GPU: %.1f TFLOP/s\n", gemm);
@@ -234,7 +235,8 @@ int time_steps(const std::map<std::string, std::string>& f) {
     if (fp8 != "none") (void)flame::nn::quantize_float8(*model, {.compute = flame::nn::parse_float8_compute(fp8)});
     const int64_t base_bytes = flame_diffusion::tools::base_linear_bytes(*model);
     model->set_gradient_checkpointing(ckpt != 0, ckpt);
-    model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks);
+    model->set_activation_offload(offload, static_cast<std::size_t>(offload_min_mib) << 20, offload_blocks,
+                                         static_cast<std::size_t>(offload_prefetch_mib) << 20);
     model->train();
     flame::TensorList params;
     for (const auto& m : model->modules()) {  // f32 adapters on bf16 weights, as diffusers + peft

@@ -65,7 +65,7 @@ struct ZeroOptions {
   // optim::EMA over this rank's shards, updated after each step (Note [ZeRO EMA] in
   // src/dist/zero.cpp). state_dict() / load_state_dict() carry it as the slot "ema" of every
   // parameter (consolidated, so it resumes on any number of ranks) and "ema.num_updates";
-  // swap_in_ema() puts it into the parameters. Not in save_sharded's files.
+  // swap_in_ema() puts it into the parameters. save_sharded's files carry it too ("bucket.<b>.ema").
   std::optional<optim::EMAOptions> ema;
   // The optimizer's state on the host (ZeRO-Offload; Note [ZeRO state offload] in
   // src/dist/zero.cpp): the inner optimizer steps, on the CPU, host masters of this rank's shards
@@ -177,6 +177,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // The inner optimizer's step on the shard gradients (keyed by the shards), through the host
   // masters with ZeroOptions::offload_state.
   void step_inner(const Gradients& shard_grads);
+  bool take_own_slot(std::size_t bucket, const std::string& slot, const Tensor& mine, StateDict& ema_state);
+  void load_ema(StateDict shadows, const Tensor* num_updates, const char* op);
   void load_inner_state(const StateDict& inner);
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
