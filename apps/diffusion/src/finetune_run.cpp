@@ -612,6 +612,17 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (den.sd3) den.sd3->set_gradient_checkpointing(true);
     if (den.unet) den.unet->set_gradient_checkpointing(true);
   }
+  if (cfg.train.activation_offload_blocks != 0) {  // FLUX / SD3 (the config refuses SDXL)
+    const double mib = cfg.train.activation_offload_min_mib > 0 ? cfg.train.activation_offload_min_mib
+                       : cfg.train.gradient_checkpointing    ? 1.0
+                                                              : 64.0;
+    const auto min_bytes = static_cast<std::size_t>(mib * 1024 * 1024);
+    fm::BlockStack* stack = den.flux ? static_cast<fm::BlockStack*>(den.flux.get()) : den.sd3.get();
+    stack->set_activation_offload(true, min_bytes, cfg.train.activation_offload_blocks);
+    say("activations of " + (cfg.train.activation_offload_blocks < 0 ? std::string("every block") :
+        "the first " + std::to_string(cfg.train.activation_offload_blocks) + " blocks") +
+        " offloaded to host memory (saved tensors of " + std::to_string(static_cast<int64_t>(mib)) + " MiB and more)");
+  }
   model.train();
   flame::TensorList params;
   for (Tensor p : model.parameters()) {
@@ -795,6 +806,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     const Tensor noise = Tensor::randn(x0.sizes(), 0.0, 1.0, {DType::f32, device}, &gen).to(dtype);
     std::optional<flame::amp::AutocastGuard> ac;
     if (dtype == DType::bf16) ac.emplace(DType::bf16, device.type);
+    // train.recompute_cheap: norms', activations' and casts' outputs redone in the backward
+    // (Note [Recompute cheap] in src/autograd/recompute.cpp); the loss's backward runs after this scope.
+    const flame::autograd::RecomputeCheap cheap(cfg.train.recompute_cheap);
     if (den.unet) {
       std::vector<float> ids;
       for (const auto& it : b.items) {
@@ -1083,6 +1097,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       if (result.peak_memory_all_bytes > result.peak_memory_bytes)
         mem += " (" + fmt("%.2f", result.peak_memory_all_bytes / 1073741824.0) + " GiB in the first two steps)";
     }
+    if (cfg.train.activation_offload_blocks != 0 && block_stack)
+      mem += ", " + fmt("%.3f", static_cast<double>(block_stack->offloaded_bytes()) / 1048576.0) +
+             " MiB of activations offloaded per step";
     say("median step " + fmt("%.1f", result.median_step_seconds * 1e3) + " ms over " +
         std::to_string(step_seconds.size() > 4 ? step_seconds.size() - 2 : step_seconds.size()) + " steps" + mem +
         "; on the host (medians): waiting for data " + fmt("%.2f", result.median_data_wait_seconds * 1e3) +

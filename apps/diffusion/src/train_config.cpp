@@ -170,6 +170,18 @@ std::vector<ConfigKey> build_table() {
              "bf16 autocast with f32 adapter weights, or f32 throughout (no)", one_of({"bf16", "no"})),
       FD_KEY("train.gradient_checkpointing", train.gradient_checkpointing, false,
              "recompute block activations in the backward pass (less memory, more time)"),
+      FD_KEY("train.recompute_cheap", train.recompute_cheap, false,
+             "keep recipes instead of the outputs of norms, activations and casts, and redo them in the backward "
+             "(autograd::RecomputeCheap; FLUX-dev LoRA at 1024²: 4.4 GiB less for 2% more time)"),
+      FD_KEY("train.activation_offload_blocks", train.activation_offload_blocks, 0,
+             "FLUX and SD3: move what the first N blocks save for the backward to pinned host memory during the "
+             "forward and bring it back in the backward (-1: every block; 0: off); with gradient checkpointing "
+             "those blocks' inputs",
+             in_range(-1, 1e6)),
+      FD_KEY("train.activation_offload_min_mib", train.activation_offload_min_mib, 0.0,
+             "saved tensors smaller than this stay on the GPU when activations are offloaded (0: 64 MiB without "
+             "gradient checkpointing, where only the MLP pre-activations pass, else 1 MiB)",
+             lim(0, 1e6)),
       FD_KEY("train.vram_budget_gib", train.vram_budget_gib, 0.0,
              "FLUX and SD3 on a CUDA device: cap the GPU memory of the run at this many GiB; trial steps "
              "then choose which blocks' frozen weights stay in host memory (block swapping) and which blocks "
@@ -584,6 +596,9 @@ void validate_finetune_config(const FinetuneConfig& c) {
                           ", e.g. \"to_q=" + (integer ? "32" : "16") + "\"");
     }
   }
+  if (c.train.activation_offload_blocks != 0 && c.model.family == "sdxl")
+    throw ConfigError("configuration: train.activation_offload_blocks is for FLUX's and SD3's transformer blocks, not "
+                      "SDXL's UNet; use train.gradient_checkpointing or train.recompute_cheap there");
   if (c.train.zero_stage == 1)
     throw ConfigError("configuration: train.zero_stage = 1: use 2 (gradients and optimizer state sharded), 3 "
                       "(the blocks too) or 0 (chosen)");

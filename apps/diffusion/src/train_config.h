@@ -68,6 +68,9 @@ struct FinetuneTrainSettings {
   int64_t seed = 0;
   std::string mixed_precision;  // "bf16", "no"
   bool gradient_checkpointing = false;
+  bool recompute_cheap = false;               // autograd::RecomputeCheap over the forward
+  int64_t activation_offload_blocks = 0;      // FLUX / SD3: the first N blocks' saved tensors to the host (-1: all)
+  double activation_offload_min_mib = 0.0;    // 0: 64 without gradient checkpointing, else 1
   double vram_budget_gib = 0.0;  // 0: no budget (models/block_budget.h)
   std::string timestep_sampling;  // "logit_normal", "uniform"
   double logit_mean = 0.0;

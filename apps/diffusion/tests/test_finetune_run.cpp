@@ -621,6 +621,51 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
   }
 }
 
+// train.recompute_cheap and train.activation_offload_blocks (FLUX; on the CPU the offloaded tensors
+// are clones): the same losses as without them; SDXL refuses the offload, naming the key.
+TEST(FinetuneRun, MemoryControlsTrainAsWithout) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "memctl");
+  const fs::path images = make_images(dir);
+  const auto losses = [](const fs::path& run) {
+    std::vector<double> out;
+    const auto rows = csv_rows(run / "loss.csv");
+    for (std::size_t i = 1; i < rows.size(); ++i) out.push_back(std::stod(rows[i].substr(rows[i].find(',') + 1)));
+    return out;
+  };
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "plain");
+  c.sample.prompts.clear();
+  c.train.steps = 3;
+  (void)run(c);
+  const std::vector<double> plain = losses(dir / "plain");
+  ASSERT_EQ(plain.size(), 3u);
+  for (int mode : {0, 1, 2}) {
+    fd::FinetuneConfig m = c;
+    m.output.dir = (dir / ("m" + std::to_string(mode))).string();
+    m.train.recompute_cheap = mode != 1;
+    if (mode >= 1) {
+      m.train.activation_offload_blocks = mode == 1 ? 2 : -1;
+      m.train.activation_offload_min_mib = 1e-3;  // the tiny model's tensors are small
+    }
+    std::vector<std::string> log;
+    (void)fd::run_finetune({.config = m, .device = fd_test::test_device(), .log = [&](const std::string& l) { log.push_back(l); }});
+    bool said = mode == 0;
+    double moved_mib = 0;
+    for (const std::string& l : log) {
+      said |= l.find("offloaded to host memory") != std::string::npos;
+      const auto at = l.find(" MiB of activations offloaded per step");
+      if (at != std::string::npos) moved_mib = std::stod(l.substr(l.rfind(", ", at) + 2));
+    }
+    EXPECT_TRUE(said) << mode;
+    EXPECT_EQ(moved_mib > 0, mode != 0) << "mode " << mode << ": " << moved_mib << " MiB offloaded per step";
+    const std::vector<double> got = losses(m.output.dir);
+    ASSERT_EQ(got.size(), plain.size()) << mode;
+    for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], plain[i]) << "mode " << mode << " step " << i + 1;
+  }
+  fd::FinetuneConfig x = tiny_config("sdxl", images, dir / "sdxl");
+  x.train.activation_offload_blocks = 2;
+  EXPECT_NE(error_of([&] { fd::validate_finetune_config(x); }).find("train.activation_offload_blocks"), std::string::npos);
+}
+
 // optimizer.offload: the optimizer's state in host memory (one process: offload::HostOptimizer; two
 // ranks: ZeRO's offload_state) trains as the state on the device does: the same losses and weights,
 // and a run resumed with the setting ends where the uninterrupted one did.
