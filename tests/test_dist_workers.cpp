@@ -675,6 +675,56 @@ int zero_offload() {
     const auto whole = whole_weights(opt, stage);
     WCHECK(same_params(*model, *ref, 1e-4, "a step after weights were loaded into the parameters"));
   }
+  // A bf16 model: the host masters are f32. The consolidated state and save_sharded's files carry
+  // them as "master_param", so optimizers that load the files, with the state offloaded or on the
+  // device, take the next step to the weights the saving one reaches.
+  {
+    auto make_bf16 = [&](uint64_t seed) {
+      auto m = make_model(seed, dev);
+      m->to(DType::bf16);
+      return m;
+    };
+    auto make_opt = [&](Mlp& m, bool off) {
+      dist::ZeroOptions o{.stage = stage, .offload_state = off};
+      if (stage == 3) o.blocks = {m.fc1, m.fc2};
+      return std::make_unique<dist::ZeroRedundancyOptimizer>(adamw_groups(m), adamw_factory(), nullptr, o);
+    };
+    auto steps = [&](Mlp& m, dist::ZeroRedundancyOptimizer& o, int from, int to) {
+      for (int s = from; s < to; ++s) {
+        const Tensor x = shard(batch_x(s, dev), R, W).to(DType::bf16), y = shard(batch_y(s, dev), R, W).to(DType::bf16);
+        o.step(mse_loss(zero_forward(m, o, stage, x), y).backward());
+      }
+    };
+    auto b1 = make_bf16(11);
+    auto o1 = make_opt(*b1, true);
+    steps(*b1, *o1, 0, 2);
+    WCHECK(o1->state_dict().contains("state.0.master_param"));
+    StateDict at_save;
+    {
+      const auto whole = whole_weights(*o1, stage);
+      for (const auto& [k, t] : b1->state_dict()) at_save.insert(k, t.clone());
+    }
+    const std::string dir = test_dir() + "/zero_offload_shards_w" + std::to_string(W) + "_s" + std::to_string(stage);
+    if (R == 0) std::filesystem::remove_all(dir);
+    pg->barrier();
+    o1->save_sharded(dir);
+    steps(*b1, *o1, 2, 3);
+    for (bool off : {true, false}) {
+      auto b2 = make_bf16(23);
+      auto o2 = make_opt(*b2, off);
+      {
+        const auto whole = whole_weights(*o2, stage, /*write_back=*/true);
+        NoGradGuard ng;
+        (void)b2->load_state_dict(at_save);
+      }
+      o2->load_sharded(dir);
+      steps(*b2, *o2, 2, 3);
+      const auto w1 = whole_weights(*o1, stage);
+      const auto w2 = whole_weights(*o2, stage);
+      WCHECK(same_params(*b2, *b1, off ? 1e-6 : 1e-2,
+                         off ? "bf16: a step after load_sharded, offloaded" : "bf16: a step after load_sharded, on the device"));
+    }
+  }
   if (R == 0)
     std::printf("ZeRO-%d with the state offloaded on %d ranks: %zu host bytes, %zu device state bytes per rank\n", stage,
                 W, mem.host_bytes, mem.state_bytes);

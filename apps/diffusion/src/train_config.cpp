@@ -156,7 +156,8 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("optimizer.offload", optimizer.offload, false,
              "keep the optimizer's state and f32 master weights in host memory and step them on the CPU "
              "(DeepSpeed's ZeRO-Offload): no optimizer memory on the GPU, a slower step. On several ranks "
-             "each rank's shard; a checkpoint resumes with the same setting"),
+             "each rank's shard, whose checkpoints resume with either setting; a one-process checkpoint "
+             "resumes with the same setting"),
       // [train]
       FD_KEY("train.method", train.method, "lora",
              "what is trained: LoRA, LoKr or DoRA adapters, or every weight (full)",
@@ -238,7 +239,8 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("cache.dir", cache.dir, "", "where the caches live (empty: <output.dir>/cache)"),
       // [output]
       FD_KEY("output.dir", output.dir, "runs/finetune", "the run folder: checkpoints, samples, config.toml, logs"),
-      FD_KEY("output.name", output.name, "lora", "the stem of the LoRA files written"),
+      FD_KEY("output.name", output.name, "lora",
+             "the stem of the LoRA files written, or the model folder's name with train.method full"),
   };
 }
 
