@@ -507,6 +507,14 @@ std::vector<std::string> csv_rows(const fs::path& csv) {
   return rows;
 }
 
+// The loss of every step in a run folder's loss.csv (step, loss, ...).
+std::vector<double> run_losses(const fs::path& run) {
+  std::vector<double> out;
+  const auto rows = csv_rows(run / "loss.csv");
+  for (std::size_t i = 1; i < rows.size(); ++i) out.push_back(std::stod(rows[i].substr(rows[i].find(',') + 1)));
+  return out;
+}
+
 // Two ranks under flame-run (the tcp backend, on the CPU; Note [Distributed fine-tuning]): each
 // trains on its share of every epoch with ZeRO-2, rank 0 alone writes the run's files, and a run
 // stopped after 2 steps and resumed on 2 ranks ends with the adapters of the uninterrupted one.
@@ -626,17 +634,11 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
 TEST(FinetuneRun, MemoryControlsTrainAsWithout) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "memctl");
   const fs::path images = make_images(dir);
-  const auto losses = [](const fs::path& run) {
-    std::vector<double> out;
-    const auto rows = csv_rows(run / "loss.csv");
-    for (std::size_t i = 1; i < rows.size(); ++i) out.push_back(std::stod(rows[i].substr(rows[i].find(',') + 1)));
-    return out;
-  };
   fd::FinetuneConfig c = tiny_config("flux", images, dir / "plain");
   c.sample.prompts.clear();
   c.train.steps = 3;
   (void)run(c);
-  const std::vector<double> plain = losses(dir / "plain");
+  const std::vector<double> plain = run_losses(dir / "plain");
   ASSERT_EQ(plain.size(), 3u);
   for (int mode : {0, 1, 2}) {
     fd::FinetuneConfig m = c;
@@ -657,7 +659,7 @@ TEST(FinetuneRun, MemoryControlsTrainAsWithout) {
     }
     EXPECT_TRUE(said) << mode;
     EXPECT_EQ(moved_mib > 0, mode != 0) << "mode " << mode << ": " << moved_mib << " MiB offloaded per step";
-    const std::vector<double> got = losses(m.output.dir);
+    const std::vector<double> got = run_losses(m.output.dir);
     ASSERT_EQ(got.size(), plain.size()) << mode;
     for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(got[i], plain[i]) << "mode " << mode << " step " << i + 1;
   }
@@ -672,12 +674,6 @@ TEST(FinetuneRun, MemoryControlsTrainAsWithout) {
 TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
   const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "optoff");
   const fs::path images = make_images(dir);
-  const auto losses = [](const fs::path& run) {
-    std::vector<double> out;
-    const auto rows = csv_rows(run / "loss.csv");
-    for (std::size_t i = 1; i < rows.size(); ++i) out.push_back(std::stod(rows[i].substr(rows[i].find(',') + 1)));
-    return out;
-  };
   {  // one process, LoRA
     fd::FinetuneConfig c = tiny_config("flux", images, dir / "dev");
     c.sample.prompts.clear();
@@ -687,7 +683,7 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
     (void)run(c, 2);
     c.checkpoint.resume = "latest";
     (void)run(c);
-    const auto a = losses(dir / "dev"), b = losses(dir / "host");
+    const auto a = run_losses(dir / "dev"), b = run_losses(dir / "host");
     ASSERT_EQ(a.size(), 4u);
     ASSERT_EQ(b.size(), a.size());
     for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << "step " << i + 1;
@@ -702,7 +698,7 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
         cfg_file, "--set train.steps=3 --set optimizer.offload=true --set output.dir=" + (dir / "z3host").string(),
         (dir / "z3host.log").string(), true);
     EXPECT_NE(log.find("the optimizer state in host memory"), std::string::npos) << log;
-    const auto a = losses(dir / "z3dev"), b = losses(dir / "z3host");
+    const auto a = run_losses(dir / "z3dev"), b = run_losses(dir / "z3host");
     ASSERT_EQ(a.size(), 3u);
     ASSERT_EQ(b.size(), a.size());
     for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-6 * std::abs(a[i])) << "step " << i + 1;
@@ -723,7 +719,7 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
     (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "b16mix_a.log").string(), true);
     (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set optimizer.offload=true --set checkpoint.resume=latest",
                            (dir / "b16mix_b.log").string(), true);
-    const auto a = losses(dir / "b16dev"), b = losses(dir / "b16mix");
+    const auto a = run_losses(dir / "b16dev"), b = run_losses(dir / "b16mix");
     ASSERT_EQ(a.size(), 4u);
     ASSERT_EQ(b.size(), a.size());
     for (std::size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(b[i], a[i], 1e-5 * std::abs(a[i])) << "step " << i + 1;
