@@ -452,12 +452,8 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
   if (group_->device().is_cuda()) cuda::synchronize(group_->device().index);
   staged.clear();
   inner_->step(host);
-  for (Layout& l : layouts_) {
-    if (l.shard_param.device().is_cuda() && l.shard_param.dtype() == l.host_master.dtype()) {
-      l.shard_param.detach().copy_(l.host_master.detach(), /*non_blocking=*/true);
-    } else {
-      l.shard_param.detach().copy_(l.host_master.detach().to(l.shard_param.device()).to(l.shard_param.dtype()));
-    }
+  for (Layout& l : layouts_) {  // the copy from pinned memory is asynchronous; a half shard rounds on the device
+    l.shard_param.detach().copy_(l.host_master.detach().to(l.shard_param.device(), /*non_blocking=*/true));
   }
 }
 

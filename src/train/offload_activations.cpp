@@ -22,7 +22,7 @@
 //    (Note [Pinned host cache]).
 //  - CPU tensors (tests without a GPU): cloned at pack and handed back at unpack.
 //  - Kept as they are: tensors under min_bytes, and those whose storage is one of options.keep's
-//    (by the storage's base address: a frozen weight, or a view of one, that a matmul saved).
+//    (Tensor::shares_storage's identity: a frozen weight, or a view of one, that a matmul saved).
 #include <algorithm>
 #include <mutex>
 #include <unordered_set>
@@ -31,6 +31,7 @@
 
 #include "flame/cuda.h"
 #include "flame/offload.h"
+#include "src/core/tensor_impl.h"
 
 namespace flame::offload {
 
@@ -64,17 +65,15 @@ struct OffloadActivations::State {
     return side.back().second;
   }
 
-  // Storage base addresses of options.keep.
-  std::unordered_set<const void*> keep;
+  // The storages of options.keep (what Tensor::shares_storage compares).
+  std::unordered_set<const Storage*> keep;
 
-  static const void* storage_base(const Tensor& t) {
-    return static_cast<const char*>(t.data_ptr()) - t.storage_offset() * static_cast<int64_t>(dtype_size(t.dtype()));
-  }
+  static const Storage* storage_of(const Tensor& t) { return t.impl()->storage.get(); }
 
   std::shared_ptr<Record> pack(const Tensor& t) {
     auto r = std::make_shared<Record>();
     r->device = t.device();
-    if (t.nbytes() < options.min_bytes || t.numel() == 0 || keep.count(storage_base(t)) != 0) {
+    if (t.nbytes() < options.min_bytes || t.numel() == 0 || keep.count(storage_of(t)) != 0) {
       r->kept = t;
       return r;
     }
@@ -153,7 +152,7 @@ struct OffloadActivations::State {
 OffloadActivations::OffloadActivations(OffloadActivationsOptions options) : state_(std::make_shared<State>()) {
   state_->options = options;
   for (const Tensor& t : state_->options.keep) {
-    if (t.defined() && t.numel() > 0) state_->keep.insert(State::storage_base(t));
+    if (t.defined()) state_->keep.insert(State::storage_of(t));
   }
   state_->options.keep.clear();  // the set is enough: holding them here would only extend their lives
   // The hooks hold the state: packed records outlive the guard and still unpack (and prefetch)

@@ -612,13 +612,14 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (den.sd3) den.sd3->set_gradient_checkpointing(true);
     if (den.unet) den.unet->set_gradient_checkpointing(true);
   }
-  if (cfg.train.activation_offload_blocks != 0) {  // FLUX / SD3 (the config refuses SDXL)
+  fm::BlockStack* block_stack = den.flux ? static_cast<fm::BlockStack*>(den.flux.get())
+                                         : den.sd3 ? static_cast<fm::BlockStack*>(den.sd3.get()) : nullptr;
+  if (cfg.train.activation_offload_blocks != 0 && block_stack) {  // FLUX / SD3 (the config refuses SDXL)
     const double mib = cfg.train.activation_offload_min_mib > 0 ? cfg.train.activation_offload_min_mib
                        : cfg.train.gradient_checkpointing    ? 1.0
                                                               : 64.0;
     const auto min_bytes = static_cast<std::size_t>(mib * 1024 * 1024);
-    fm::BlockStack* stack = den.flux ? static_cast<fm::BlockStack*>(den.flux.get()) : den.sd3.get();
-    stack->set_activation_offload(true, min_bytes, cfg.train.activation_offload_blocks);
+    block_stack->set_activation_offload(true, min_bytes, cfg.train.activation_offload_blocks);
     say("activations of " + (cfg.train.activation_offload_blocks < 0 ? std::string("every block") :
         "the first " + std::to_string(cfg.train.activation_offload_blocks) + " blocks") +
         " offloaded to host memory (saved tensors of " + std::to_string(static_cast<int64_t>(mib)) + " MiB and more)");
@@ -647,8 +648,6 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   std::vector<optim::ParamGroup> groups{eight_bit ? adamw8.group(params) : adamw.group(params)};
   std::unique_ptr<optim::Optimizer> opt;
   flame::dist::ZeroRedundancyOptimizer* zero = nullptr;
-  fm::BlockStack* block_stack = den.flux ? static_cast<fm::BlockStack*>(den.flux.get())
-                                         : den.sd3 ? static_cast<fm::BlockStack*>(den.sd3.get()) : nullptr;
   // train.zero_stage: 3 shards the transformer's blocks too (full fine-tuning of FLUX / SD3).
   const int64_t zero_stage = !distributed               ? 0
                              : cfg.train.zero_stage != 0 ? cfg.train.zero_stage
