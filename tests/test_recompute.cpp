@@ -794,6 +794,44 @@ TEST(RecomputeCheap, RotaryOfNormedJoinedHeads) {
   }
 }
 
+// The same q and k through F::rms_norm_rotary (Note [RMS norm rotary]): its node saves the
+// projections, and under RecomputeCheap its output is a recipe over them, so the saved bytes drop
+// by exactly the rotated q and k (whether the text projections train or not: the node keeps them
+// either way), with the default's gradients.
+TEST(RecomputeCheap, FusedNormRotaryOutputIsARecipe) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  F::SdpaBackendGuard fused(F::SdpaBackend::fused);
+  const int64_t b = 2, h = 2, d = 16, e = h * d, l = 6, t = 3, s = l + t;
+  const std::vector<DType> dtypes =
+      dev.is_cpu() ? std::vector<DType>{DType::f64, DType::f32} : std::vector<DType>{DType::bf16, DType::f16};
+  for (DType dt : dtypes) {
+    for (bool text_trains : {true, false}) {
+      const TensorList leaves =
+          make_leaves({randn_f64({b, l, e}, 960), randn_f64({e, e}, 961, 0.3), randn_f64({e, e}, 962, 0.3),
+                       randn_f64({e, e}, 963, 0.3), randn_f64({e, e}, 964, 0.3), randn_f64({e, e}, 965, 0.3)},
+                      dt, dev, {true, false, false, false, !text_trains, !text_trains});
+      const Tensor ctx = randn_f64({b, t, e}, 966).to(dt).to(dev);
+      const Tensor wn = randn_f64({d}, 967).to(dt).to(dev);
+      const Tensor ang = randn_f64({s, d}, 968);
+      const Tensor cos = ang.cos().to(DType::f32).to(dev), sin = ang.sin().to(DType::f32).to(dev);
+      Tensor q_rot;
+      auto fn = [&](const TensorList& p) {
+        auto proj = [&](const Tensor& x, const Tensor& w, int64_t len) { return F::linear(x, w).view({b, len, h, d}); };
+        const Tensor q = F::rms_norm_rotary({proj(ctx, p[4], t), proj(p[0], p[1], l)}, {wn, wn}, 1e-6, cos, sin);
+        const Tensor k = F::rms_norm_rotary({proj(ctx, p[5], t), proj(p[0], p[2], l)}, {wn, wn}, 1e-6, cos, sin);
+        const Tensor v = cat({proj(ctx, p[3], t), proj(p[0], p[3], l)}, 1).transpose(1, 2);
+        q_rot = q;
+        return F::scaled_dot_product_attention(q, k, v);
+      };
+      const auto [rec, base] = run_with_and_without(fn, leaves, randn_f64({b, h, s, d}, 969));
+      const std::string what = std::string(dtype_name(dt)) + (text_trains ? " text trains" : " text frozen");
+      expect_same_grads(rec, base, dev.is_cpu() ? 0.0 : rerun_tol(dt), what);
+      EXPECT_EQ(base.saved_bytes - rec.saved_bytes, 2 * bytes_of(q_rot)) << what;
+    }
+  }
+}
+
 TEST(RecomputeCheap, GraphedStepCuda) {
   FLAME_SKIP_IF_NO_CUDA();
   const Device dev = Device::cuda(0);

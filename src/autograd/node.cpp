@@ -64,6 +64,12 @@ Node::Node(const char* name, std::initializer_list<std::reference_wrapper<const 
   for (const Tensor& t : inputs) add_edge(t);
 }
 
+Node::Node(const char* name, const TensorList& inputs, RuleFn rule, RuleArgs args)
+    : seq(g_next_seq.fetch_add(1, std::memory_order_relaxed)), name_(name), rule_(rule), args_(std::move(args)) {
+  edges_.reserve(inputs.size());
+  for (const Tensor& t : inputs) add_edge(t);
+}
+
 // Note [Graph release]: unlink the chain iteratively instead of one destructor frame per op.
 Node::~Node() {
   std::vector<std::shared_ptr<AutogradMeta>> stack;
@@ -269,6 +275,13 @@ Node& attach(Tensor& out, std::shared_ptr<Node> node) {
 
 Node& record(Tensor& out, const char* name, std::initializer_list<std::reference_wrapper<const Tensor>> inputs,
              Node::RuleFn rule, RuleArgs args) {
+  if (t_state.backward_depth > 0) {
+    return attach(out, std::make_shared<Node>(name, inputs, &no_higher_order, RuleArgs{}));
+  }
+  return attach(out, std::make_shared<Node>(name, inputs, rule, std::move(args)));
+}
+
+Node& record(Tensor& out, const char* name, const TensorList& inputs, Node::RuleFn rule, RuleArgs args) {
   if (t_state.backward_depth > 0) {
     return attach(out, std::make_shared<Node>(name, inputs, &no_higher_order, RuleArgs{}));
   }

@@ -214,6 +214,7 @@ class Node {
   Node(const char* name, const TensorList& inputs, BackwardFn fn);
   Node(const char* name, std::initializer_list<std::reference_wrapper<const Tensor>> inputs, RuleFn rule,
        RuleArgs args);
+  Node(const char* name, const TensorList& inputs, RuleFn rule, RuleArgs args);
   ~Node();
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;

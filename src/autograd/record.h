@@ -63,6 +63,8 @@ RowSumCounts row_sum_counts();  // so far in the process (tests)
 // it, so that the caller can save the tensors its rule reads. `name` must be a static string.
 Node& record(Tensor& out, const char* name, std::initializer_list<std::reference_wrapper<const Tensor>> inputs,
              Node::RuleFn rule, RuleArgs args);
+// The same over a list of inputs whose length varies by call (one gradient per entry).
+Node& record(Tensor& out, const char* name, const TensorList& inputs, Node::RuleFn rule, RuleArgs args);
 // The std::function form; `op` may be a plain op name ("index_select"): the node is named
 // "IndexSelectBackward".
 Node& record(Tensor& out, const char* op, const TensorList& inputs, Node::BackwardFn fn);

@@ -175,46 +175,51 @@ std::pair<Tensor, Tensor> JointAttention::forward(const Tensor& x, const Tensor&
               op, "expected context [", x.size(0), ", T, ", o.added_kv_proj_dim, "], got ",
               flame::shape_str(context.sizes()));
   const int64_t b = x.size(0), l = x.size(1), t = joint ? context.size(1) : 0;
-  // [B, len, H*D] -> [B, len, H, D], RMS-normalised per head when `norm` is set. The streams are
-  // joined along the sequence in this layout (contiguous copies) and attention sees its
-  // [B, H, S, D] view: the rotary kernel and SDPA take that layout as it is, SDPA's output comes in
-  // q's layout, so merging the heads back is a view, and the backward copies nothing either.
-  auto heads = [&](const Tensor& p, int64_t len, const std::shared_ptr<nn::RMSNorm>& norm) {
-    Tensor h = p.view({b, len, o.heads, o.dim_head});
-    if (!norm) return h;
-    // diffusers' RMSNorm gives its weight's dtype when that is half (a bf16 model): q and k stay
-    // bf16 under autocast rather than the f32 of the norm op's autocast policy, which would make
-    // the joins and the rotary pass twice the bytes and add a cast before attention. The kernel
-    // still computes in f32.
-    const DType w = norm->weight().defined() ? norm->weight().dtype() : DType::f32;
-    const flame::DeviceType dev = h.device().type;
-    if ((w == DType::bf16 || w == DType::f16) && h.dtype() == w && flame::amp::is_autocast_enabled(dev)) {
-      flame::amp::AutocastGuard off(false, dev);
-      return norm->forward(h);
-    }
-    return norm->forward(h);
-  };
-  Tensor q = heads(to_q->forward(x), l, norm_q);
-  Tensor k = heads(to_k->forward(x), l, norm_k);
-  Tensor v = heads(to_v->forward(x), l, nullptr);
+  // Each stream's projections as [B, len, H, D] views, joined along the sequence (text first for
+  // FLUX, after the image for SD3) for attention's [B, H, S, D] view: the rotary kernel and SDPA take
+  // that layout as it is, SDPA's output comes in q's layout, so merging the heads back is a view.
+  auto split = [&](const Tensor& p, int64_t len) { return p.view({b, len, o.heads, o.dim_head}); };
+  const Tensor pq = split(to_q->forward(x), l), pk = split(to_k->forward(x), l), pv = split(to_v->forward(x), l);
+  Tensor cq, ck, cv;
   if (joint) {
-    const Tensor cq = heads(add_q_proj->forward(context), t, norm_added_q);
-    const Tensor ck = heads(add_k_proj->forward(context), t, norm_added_k);
-    const Tensor cv = heads(add_v_proj->forward(context), t, nullptr);
-    auto join = [&](const Tensor& img, const Tensor& ctx) {
-      return o.context_first ? flame::cat({ctx, img}, 1) : flame::cat({img, ctx}, 1);
+    cq = split(add_q_proj->forward(context), t);
+    ck = split(add_k_proj->forward(context), t);
+    cv = split(add_v_proj->forward(context), t);
+  }
+  auto streams = [&](const Tensor& img, const Tensor& ctx) -> flame::TensorList {
+    if (!joint) return {img};
+    return o.context_first ? flame::TensorList{ctx, img} : flame::TensorList{img, ctx};
+  };
+  auto weight = [](const std::shared_ptr<nn::RMSNorm>& n) { return n ? n->weight() : Tensor(); };
+  const flame::TensorList wq = streams(weight(norm_q), weight(norm_added_q)), wk = streams(weight(norm_k), weight(norm_added_k));
+  // RMS QK-norm, join and rotation as one op (Note [RMS norm rotary]) where the norms' weights have
+  // the projections' dtype: diffusers' RMSNorm then gives that dtype, and so does the fused op (q
+  // and k stay bf16 in a bf16 model under autocast, the kernel computing in f32). Otherwise (an f32
+  // model under autocast: the norm computes and returns f32, as diffusers' does) the ops one by one.
+  bool fuse = o.qk_norm;
+  for (const Tensor& w : wq) fuse = fuse && (!w.defined() || w.dtype() == pq.dtype());
+  for (const Tensor& w : wk) fuse = fuse && (!w.defined() || w.dtype() == pk.dtype());
+  auto join = [&](const Tensor& img, const Tensor& ctx) {
+    const flame::TensorList s = streams(img, ctx);
+    return (s.size() == 1 ? s[0] : flame::cat(s, 1)).transpose(1, 2);
+  };
+  Tensor q, k;
+  if (fuse) {
+    q = F::rms_norm_rotary(streams(pq, cq), wq, o.eps, rope.cos, rope.sin, F::RotaryLayout::interleaved);
+    k = F::rms_norm_rotary(streams(pk, ck), wk, o.eps, rope.cos, rope.sin, F::RotaryLayout::interleaved);
+  } else {
+    auto normed = [&](const Tensor& h, const std::shared_ptr<nn::RMSNorm>& norm) {
+      if (!h.defined() || !norm) return h;
+      return norm->forward(h);
     };
-    q = join(q, cq);
-    k = join(k, ck);
-    v = join(v, cv);
+    q = join(normed(pq, norm_q), normed(cq, norm_added_q));
+    k = join(normed(pk, norm_k), normed(ck, norm_added_k));
+    if (rope.defined()) {
+      q = apply_rotary_emb(q, rope);
+      k = apply_rotary_emb(k, rope);
+    }
   }
-  q = q.transpose(1, 2);
-  k = k.transpose(1, 2);
-  v = v.transpose(1, 2);
-  if (rope.defined()) {
-    q = apply_rotary_emb(q, rope);
-    k = apply_rotary_emb(k, rope);
-  }
+  const Tensor v = join(pv, cv);
   Tensor a = F::scaled_dot_product_attention(q, k, v);  // [B, H, S, D]
   a = a.transpose(1, 2).reshape({b, t + l, o.heads * o.dim_head});
   Tensor img = a, ctx;

@@ -177,6 +177,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   register_foreach_kernels();
   register_amp_kernels();
   register_rotary_kernels();
+  register_rms_norm_rotary_kernels();
   register_float8_kernels();
 }
 

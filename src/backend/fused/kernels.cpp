@@ -5,6 +5,7 @@
 #include "src/backend/fused/float8.h"
 #include "src/backend/fused/linear_epilogue.h"
 #include "src/backend/fused/multi_tensor.h"
+#include "src/backend/fused/rms_norm_rotary.h"
 #include "src/backend/fused/rotary.h"
 
 namespace flame::backend::fused {
@@ -26,6 +27,8 @@ constinit decltype(foreach_norm_accumulate) foreach_norm_accumulate{"foreach_nor
 constinit decltype(foreach_clip_scale) foreach_clip_scale{"foreach_clip_scale"};
 constinit decltype(amp_unscale) amp_unscale{"amp_unscale"};
 constinit decltype(rotary_embedding) rotary_embedding{"rotary_embedding"};
+constinit decltype(rms_norm_rotary_forward) rms_norm_rotary_forward{"rms_norm_rotary_forward"};
+constinit decltype(rms_norm_rotary_backward) rms_norm_rotary_backward{"rms_norm_rotary_backward"};
 constinit decltype(float8_quantize_rows) float8_quantize_rows{"float8_quantize_rows"};
 constinit decltype(float8_dequantize_rows) float8_dequantize_rows{"float8_dequantize_rows"};
 constinit decltype(float8_gemm) float8_gemm{"float8_gemm"};
