@@ -7,7 +7,8 @@
 // row statistic as rms_norm's (f32 sum of squares, 1 / sqrt(mean + eps)), the normalised value
 // rounded to T, the rotation in f32 from it (the rotary kernel's products), rounded again; the
 // backward rounds the rotation's inverse to T before rms_norm's backward, as the separate
-// backward kernels' outputs are. Calls it does not take (f64, D not 4..32 vectors, more than
+// backward kernels' outputs are. Calls it does not take (f64, D not 1..32 vectors (a power of two;
+// the half layout at least 2), more than
 // kMaxParts parts, unaligned memory, more than 2^31 elements) return false: the op composes.
 #include <algorithm>
 #include <cstdint>
@@ -187,7 +188,8 @@ bool norm_rotary_cuda(const Tensor& out, const Tensor& g, const TensorList& dpar
   const int64_t v = 16 / static_cast<int64_t>(dtype_size(dt));
   const int64_t b_len = shape_of.size(0), s_len = shape_of.size(1), h_len = shape_of.size(2), d = shape_of.size(3);
   const int64_t lanes = d / v;
-  if (d % v != 0 || (lanes != 4 && lanes != 8 && lanes != 16 && lanes != 32)) return false;
+  if (d % v != 0 || lanes < 1 || lanes > 32 || (lanes & (lanes - 1)) != 0) return false;
+  if (cos.defined() && layout == 1 && lanes < 2) return false;  // the half layout's partners sit in another lane
   const bool rope = cos.defined();
   if (rope && (cos.dtype() != DType::f32 || sin.dtype() != DType::f32 || !aligned16(cos.data_ptr()) ||
                !aligned16(sin.data_ptr())))
