@@ -10,8 +10,14 @@
 //    x -> gated_residual) in f32, bf16, the autocast mix, three consumers (the kernel writing the
 //    sum in place) and a non-contiguous pending sum, against the float64 CPU reference.
 //  - AccumIntoTrace.*: CUDA only: the backward of the DiT pattern runs no add kernel (CUPTI).
+//  - AccumIntoLinear.*: the input gradients of Linears that share their input (q, k, v, each with a
+//    LoRA adapter's A beside its frozen base; Note [Accumulated input gradients] in
+//    src/autograd/rules/input_grad.h): the same gradients with and without the fusion, in f32, bf16
+//    under autocast with f32 adapters, and through plain 2-d matmul; on CUDA the sums ride the
+//    GEMMs' epilogues and no add kernel runs for them.
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -573,6 +579,111 @@ TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
   EXPECT_EQ(fused.adds, 0) << "no add kernel for x's gradient";
   EXPECT_EQ(plain.adds, 1) << "without the fusion the engine adds the two contributions";
   EXPECT_TRUE(same_grads(fused.r, plain.r, 1e-6));
+}
+
+// q, k and v of one normalised x, each a frozen base Linear plus a LoRA adapter (A, then B), and
+// a plain matmul reading x too: seven contributions to x's gradient, six of them summed by the
+// rules. Leaves: x0, then per projection W, b, A, B, then the matmul's M.
+Tensor shared_input_linears(const TensorList& l, bool autocast) {
+  // A non-leaf vertex, in bf16 under autocast (as a bf16 model's normalised activations are).
+  const Tensor x = (l[0] * 1.5).to(autocast ? DType::bf16 : l[0].dtype());
+  std::optional<amp::AutocastGuard> ac;
+  if (autocast) ac.emplace(DType::bf16, l[0].device().type);
+  Tensor out;
+  for (int p = 0; p < 3; ++p) {
+    const TensorList& w = l;
+    const std::size_t o = 1 + 4 * static_cast<std::size_t>(p);
+    const Tensor adapter = F::linear(F::linear(x, w[o + 2]), w[o + 3]);
+    const Tensor y = (F::linear(x, w[o], w[o + 1]) + adapter).to(DType::f32) * (1.0 + p);
+    out = out.defined() ? out + y : y;
+  }
+  const Tensor m = x.to(autocast ? DType::bf16 : x.dtype()).matmul(l[13].to(autocast ? DType::bf16 : l[13].dtype()));
+  return out + m.to(DType::f32).sum({-1}, true);
+}
+
+TensorList shared_input_values(DType base, Device dev) {
+  const int64_t d = 48, r = 8;
+  TensorList v = {rnd({2, 9, d}, 700, DType::f32, dev)};
+  for (int p = 0; p < 3; ++p) {
+    const uint64_t s = 710 + 10 * static_cast<uint64_t>(p);
+    v.push_back(rnd({d, d}, s, base, dev, 0.0, 0.2));
+    v.push_back(rnd({d}, s + 1, base, dev));
+    v.push_back(rnd({r, d}, s + 2, DType::f32, dev, 0.0, 0.2));  // f32 adapters (master weights)
+    v.push_back(rnd({d, r}, s + 3, DType::f32, dev, 0.0, 0.2));
+  }
+  v.push_back(rnd({d, 5}, 760, base, dev, 0.0, 0.2));
+  return v;
+}
+
+TEST(AccumIntoLinear, SharedInputGradientsMatchUnfused) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  for (bool autocast : {false, true}) {
+    if (autocast && dev.is_cpu()) continue;  // bf16 GEMMs: the CUDA case
+    SCOPED_TRACE(autocast ? "bf16 autocast, f32 adapters" : "f32");
+    TensorList v = shared_input_values(autocast ? DType::bf16 : DType::f32, dev);
+    const Tensor gout = rnd({2, 9, 48}, 790, DType::f32, dev);
+    const Build b = [autocast](const TensorList& l) { return shared_input_linears(l, autocast); };
+    const Result fused = run(true, v, b, gout), plain = run(false, v, b, gout);
+    // Under autocast every GEMM reads x itself (the base layers' fused bias epilogue, the f32
+    // adapters' master-weight GEMMs, the matmul): each contribution after the first is handed the
+    // pending sum. A Linear without a bias that runs as reshape + matmul reads a view of x, whose
+    // own rule passes its gradient on: that sum stays the engine's.
+    if (autocast) EXPECT_EQ(fused.handed, 6u);
+    EXPECT_EQ(plain.handed, 0u);
+    EXPECT_TRUE(same_grads(fused, plain, autocast ? 3e-2 : 1e-5));
+  }
+}
+
+// On CUDA, under bf16 autocast with f32 adapters (the LoRA step's precision), the six sums of x's
+// gradient are GEMM epilogues: the backward runs no binary add kernel (CUPTI); without the fusion
+// the engine's six adds run.
+TEST(AccumIntoLinear, SumsRideTheGemmsOnCuda) {
+  FLAME_SKIP_IF_NO_CUDA();
+  const Device dev = Device::cuda();
+  const TensorList v = shared_input_values(DType::bf16, dev);
+  const Tensor gout = rnd({2, 9, 48}, 791, DType::f32, dev);
+  auto count_adds = [](const profiler::KernelTrace& trace) {
+    int n = 0;
+    for (const profiler::KernelRecord& r : trace.records()) {
+      if (r.kind != profiler::KernelRecord::Kind::kernel) continue;
+      for (std::size_t p = r.name.find("::Add"); p != std::string::npos; p = r.name.find("::Add", p + 1)) {
+        const char next = p + 5 < r.name.size() ? r.name[p + 5] : ' ';
+        if (!std::isalnum(static_cast<unsigned char>(next)) && next != '_') {
+          ++n;
+          break;
+        }
+      }
+    }
+    return n;
+  };
+  auto traced = [&](bool fused, int& adds, Result& res) -> std::string {
+    const Build b = [](const TensorList& l) { return shared_input_linears(l, true); };
+    (void)run(fused, v, b, gout);  // warm: plans and pool
+    FusionScope scope(fused);
+    TensorList l;
+    for (const Tensor& x : v) l.push_back(x.clone().requires_grad_());
+    const Tensor out = b(l);
+    BackwardOptions opt;
+    opt.grad_output = gout;
+    cuda::synchronize();
+    profiler::KernelTrace trace;
+    if (std::string why = start_trace(trace); !why.empty()) return why;
+    const Gradients g = out.backward(opt);
+    cuda::synchronize();
+    trace.stop();
+    adds = count_adds(trace);
+    for (const Tensor& x : l) res.grads.push_back(g.get(x));
+    return std::string();
+  };
+  int fused_adds = -1, plain_adds = -1;
+  Result fused, plain;
+  const std::string why = traced(true, fused_adds, fused);
+  if (!why.empty()) GTEST_SKIP() << "no kernel trace in this build: " << why;
+  (void)traced(false, plain_adds, plain);
+  EXPECT_EQ(plain_adds - fused_adds, 6) << "the six sums of x's gradient";
+  EXPECT_EQ(fused_adds, 0);
+  EXPECT_TRUE(same_grads(fused, plain, 3e-2));
 }
 
 }  // namespace

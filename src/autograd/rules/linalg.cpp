@@ -3,6 +3,7 @@
 // Saved: B only when A needs a gradient, A only when B does.
 #include "flame/ops.h"
 #include "src/autograd/record.h"
+#include "src/autograd/rules/input_grad.h"
 #include "src/ops/linalg_def.h"
 
 namespace flame::rules {
@@ -21,7 +22,13 @@ TensorList matmul_backward(const Tensor& g, const Node& n) {
   else if (a_vec) g2 = g.unsqueeze(-2);
   else if (b_vec) g2 = g.unsqueeze(-1);
   Tensor ga, gb;
-  if (need_a) {
+  if (need_a && !a_vec && bs.size() == 2) {
+    // A [..., M, K] @ B [K, N]: one GEMM over the rows, with A's other gradient contributions added
+    // in its epilogue (Note [Accumulated input gradients]).
+    int64_t rows = 1;
+    for (std::size_t i = 0; i + 1 < as.size(); ++i) rows *= as[i];
+    ga = accumulated_input_grad(n, 0, g2.reshape({rows, bs[1]}), sb.transpose(0, 1), as);
+  } else if (need_a) {
     Tensor b2 = b_vec ? sb.unsqueeze(-1) : sb;
     Shape a2s = as;
     if (a_vec) a2s.insert(a2s.begin(), 1);
@@ -53,6 +60,7 @@ void MatmulDef::record(Result& r, const Args& x, const Prep&) {
   Node& n = flame::record(out, name, {a, b}, &rules::matmul_backward, args);
   if (args.need[1]) n.save(a);
   if (args.need[0]) n.save(b);
+  if (args.need[0] && a.dim() >= 2 && b.dim() == 2) n.accept_accumulate_base(0);  // Note [Accumulated input gradients]
 }
 
 }  // namespace flame::op_detail

@@ -16,6 +16,7 @@
 #include "src/core/tensor_impl.h"
 #include "src/ops/elementwise.h"
 #include "src/backend/fused/linear_epilogue.h"
+#include "src/autograd/rules/input_grad.h"
 
 namespace flame::rules {
 namespace {
@@ -77,7 +78,8 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   // Note [Gradient row sums]: the bias gradient of a plain linear may come with g.
   const Tensor sums = !pre.defined() && e[2].meta ? autograd_detail::take_row_sums(g) : Tensor();
   Tensor dx, dw, db;
-  if (need_x) dx = d.matmul(w).reshape(e[0].shape.vec());
+  // Note [Accumulated input gradients]: x's other contributions summed in the GEMM's epilogue.
+  if (need_x) dx = accumulated_input_grad(n, 0, d, w, e[0].shape.vec());
   weight_and_bias_grads(d, x2, e[1], e[2], dw, db, sums);
   return {dx, dw, db};
 }
@@ -138,6 +140,7 @@ void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& 
   if (w.requires_grad()) n.save(x2);
   if (x.requires_grad()) n.save(w_run);
   if (pre.defined()) n.save(pre);
+  if (x.requires_grad()) n.accept_accumulate_base(0);  // Note [Accumulated input gradients]
 }
 
 void mlp_gelu(Tensor& y, const Tensor& x, const Tensor& w1, const Tensor& b1, const Tensor& w2, const Tensor& b2,

@@ -178,6 +178,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
   register_amp_kernels();
   register_rotary_kernels();
   register_rms_norm_rotary_kernels();
+  register_matmul_add_kernel();
   register_float8_kernels();
 }
 

@@ -165,6 +165,7 @@ void register_amp_kernels();
 // and the rotary embedding: rotary/rotary.cu; the 8-bit float Linear's kernels: float8/float8.cu.
 void register_rotary_kernels();
 void register_rms_norm_rotary_kernels();  // rotary/rms_norm_rotary.cu
+void register_matmul_add_kernel();        // matmul.cu
 void register_float8_kernels();
 
 }  // namespace flame::backend::cuda

@@ -45,6 +45,7 @@
 #include "src/core/dispatch.h"
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/epi/lt_shared.h"
+#include "src/backend/fused/matmul_add.h"
 #include "src/backend/cuda/memory_pool.h"
 #include "src/core/dispatch.h"
 #include "src/opdef/scalar_math.h"
@@ -264,7 +265,8 @@ Tensor contiguous_copy(CudaBackend& be, const Tensor& t) {
   return c;
 }
 
-void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b) {
+// dst = a @ b, or c + a @ b when c is defined (beta = 1; c contiguous like dst, possibly dst).
+void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b, const Tensor& c = Tensor()) {
   const int64_t B = dst.sizes()[0], M = dst.sizes()[1], N = dst.sizes()[2], K = a.sizes()[2];
   std::optional<Operand> ob = describe(K, N, b.strides()[1], b.strides()[2]);
   if (!ob) {
@@ -321,6 +323,7 @@ void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b) {
   key.align_a = alignment_of(b.data_ptr(), key.stride_a * es);
   key.align_b = alignment_of(a.data_ptr(), key.stride_b * es);
   key.align_c = alignment_of(dst.data_ptr(), key.stride_c * es);
+  if (c.defined()) key.align_c = std::min(key.align_c, alignment_of(c.data_ptr(), key.stride_c * es));
   const Plan& plan = get_plan(key, type, compute, scale);
 
   // Note [Matmul workspace]
@@ -338,10 +341,11 @@ void lt_matmul(CudaBackend& be, const Tensor& dst, Tensor a, Tensor b) {
   const float one_f = 1.0f, zero_f = 0.0f;
   const double one_d = 1.0, zero_d = 0.0;
   const void* alpha = dt == DType::f64 ? static_cast<const void*>(&one_d) : static_cast<const void*>(&one_f);
-  const void* beta = dt == DType::f64 ? static_cast<const void*>(&zero_d) : static_cast<const void*>(&zero_f);
+  const void* beta = dt == DType::f64 ? static_cast<const void*>(c.defined() ? &one_d : &zero_d)
+                                      : static_cast<const void*>(c.defined() ? &one_f : &zero_f);
   FLAME_CUBLAS_CHECK(cublasLtMatmul(lt_handle(be.device()), plan.op, alpha, b.data_ptr(), plan.la, a.data_ptr(), plan.lb,
-                                    beta, dst.data_ptr(), plan.lc, dst.data_ptr(), plan.lc, &plan.algo, workspace,
-                                    plan.workspace, stream));
+                                    beta, c.defined() ? c.data_ptr() : dst.data_ptr(), plan.lc, dst.data_ptr(), plan.lc,
+                                    &plan.algo, workspace, plan.workspace, stream));
   if (launch_blocking())
     lt_sync_if_blocking(stream, "matmul",
                         "cuBLASLt GEMM m=" + std::to_string(key.m) + " n=" + std::to_string(key.n) +
@@ -363,7 +367,29 @@ void int_matmul(CudaBackend& be, const Tensor& dst, const Tensor& a, const Tenso
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
+// The fused kernel matmul_add (src/backend/fused/matmul_add.h): the cuBLASLt GEMM with beta = 1.
+bool matmul_add_cuda(const Tensor& dst, const Tensor& a, const Tensor& b, const Tensor& c) {
+  const DType dt = dst.dtype();
+  if (dt != DType::bf16 && dt != DType::f16 && dt != DType::f32 && dt != DType::f64) return false;
+  if (dst.dim() != 2 || a.dim() != 2 || b.dim() != 2 || c.sizes() != dst.sizes() || !dst.is_contiguous() ||
+      !c.is_contiguous() || a.dtype() != dt || b.dtype() != dt || c.dtype() != dt || a.size(0) != dst.size(0) ||
+      b.size(1) != dst.size(1) || a.size(1) != b.size(0))
+    return false;
+  CudaBackend& be = cuda_backend(dst.device().index);
+  const int64_t M = dst.size(0), N = dst.size(1), K = a.size(1);
+  if (M == 0 || N == 0) return true;
+  DeviceGuard guard(be.device());
+  if (K == 0) {  // the empty product: dst = c
+    if (c.data_ptr() != dst.data_ptr()) be.copy(dst, c);
+    return true;
+  }
+  lt_matmul(be, dst.unsqueeze(0), a.unsqueeze(0), b.unsqueeze(0), c.unsqueeze(0));
+  return true;
+}
+
 }  // namespace
+
+void register_matmul_add_kernel() { fused::matmul_add.define(DeviceType::cuda, &matmul_add_cuda); }
 
 // The handle and the per-stream workspace above, shared with the epilogue GEMMs
 // (epi/linear_epilogue.cu) so that they need no second handle or workspace.

@@ -4,6 +4,7 @@
 #include "src/backend/fused/adamw8bit.h"
 #include "src/backend/fused/float8.h"
 #include "src/backend/fused/linear_epilogue.h"
+#include "src/backend/fused/matmul_add.h"
 #include "src/backend/fused/multi_tensor.h"
 #include "src/backend/fused/rms_norm_rotary.h"
 #include "src/backend/fused/rotary.h"
@@ -14,6 +15,7 @@ constinit decltype(linear_bias_act) linear_bias_act{"linear_bias_act"};
 constinit decltype(linear_wgrad_bgrad) linear_wgrad_bgrad{"linear_wgrad_bgrad"};
 constinit decltype(linear_dgelu_bgrad) linear_dgelu_bgrad{"linear_dgelu_bgrad"};
 constinit decltype(gelu_tanh_backward) gelu_tanh_backward{"gelu_tanh_backward"};
+constinit decltype(matmul_add) matmul_add{"matmul_add"};
 constinit decltype(adaln_forward) adaln_forward{"adaln_forward"};
 constinit decltype(adaln_backward) adaln_backward{"adaln_backward"};
 constinit decltype(adaln_residual_forward) adaln_residual_forward{"adaln_residual_forward"};
