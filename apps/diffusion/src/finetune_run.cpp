@@ -662,6 +662,11 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     if (eight_bit)
       throw std::runtime_error("optimizer.type = \"adamw8bit\" on " + std::to_string(world) + " ranks: the 8-bit "
                                "state is not sharded yet; use \"adamw\" (its state is sharded over the ranks)");
+    if (oc.offload && device.is_cuda())
+      throw std::runtime_error("optimizer.offload = true on " + std::to_string(world) + " ranks on " + device.str() +
+                               ": the sharded state's offload is refused on CUDA devices for now (its steps on NCCL do "
+                               "not yet match one process's, docs/distributed.md); set optimizer.offload = false (the "
+                               "state is sharded over the ranks) or train in one process");
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(zero_stage);
     if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();
