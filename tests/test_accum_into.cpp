@@ -516,6 +516,24 @@ TEST(AccumIntoAdaln, HookAndRetainGraph) {
   }
 }
 
+// Kernels of a trace whose name holds the binary add functor (not AddScalar, ...); adaln (when
+// given) counts the adaLN backward kernels.
+int add_kernels(const profiler::KernelTrace& trace, int* adaln = nullptr) {
+  int n = 0;
+  for (const profiler::KernelRecord& r : trace.records()) {
+    if (r.kind != profiler::KernelRecord::Kind::kernel) continue;
+    if (adaln && r.name.find("adaln_backward") != std::string::npos) ++*adaln;
+    for (std::size_t p = r.name.find("::Add"); p != std::string::npos; p = r.name.find("::Add", p + 1)) {
+      const char next = p + 5 < r.name.size() ? r.name[p + 5] : ' ';
+      if (!std::isalnum(static_cast<unsigned char>(next)) && next != '_') {
+        ++n;
+        break;
+      }
+    }
+  }
+  return n;
+}
+
 // The point of the fusion: x's gradient in the DiT pattern takes no add kernel (traced through
 // CUPTI); without it, the engine's add runs.
 TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
@@ -531,22 +549,6 @@ TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
     const Tensor x = l[0] * 1.25;
     const Tensor y = F::layer_norm_modulate(x, l[1], l[2], 1e-6);
     return F::gated_residual(x, l[3], y * l[4]);
-  };
-  // Kernels whose name holds the binary add functor (not AddScalar, ...).
-  auto adds = [](const profiler::KernelTrace& trace, int& adaln) {
-    int n = 0;
-    for (const profiler::KernelRecord& r : trace.records()) {
-      if (r.kind != profiler::KernelRecord::Kind::kernel) continue;
-      if (r.name.find("adaln_backward") != std::string::npos) ++adaln;
-      for (std::size_t p = r.name.find("::Add"); p != std::string::npos; p = r.name.find("::Add", p + 1)) {
-        const char next = p + 5 < r.name.size() ? r.name[p + 5] : ' ';
-        if (!std::isalnum(static_cast<unsigned char>(next)) && next != '_') {
-          ++n;
-          break;
-        }
-      }
-    }
-    return n;
   };
   struct Count {
     int adds = 0, adaln = 0;
@@ -566,7 +568,7 @@ TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
     const Gradients g = out.backward(opt);
     cuda::synchronize();
     trace.stop();
-    c.adds = adds(trace, c.adaln);
+    c.adds = add_kernels(trace, &c.adaln);
     for (const Tensor& x : l) c.r.grads.push_back(g.get(x));
     return std::string();
   };
@@ -643,20 +645,6 @@ TEST(AccumIntoLinear, SumsRideTheGemmsOnCuda) {
   const Device dev = Device::cuda();
   const TensorList v = shared_input_values(DType::bf16, dev);
   const Tensor gout = rnd({2, 9, 48}, 791, DType::f32, dev);
-  auto count_adds = [](const profiler::KernelTrace& trace) {
-    int n = 0;
-    for (const profiler::KernelRecord& r : trace.records()) {
-      if (r.kind != profiler::KernelRecord::Kind::kernel) continue;
-      for (std::size_t p = r.name.find("::Add"); p != std::string::npos; p = r.name.find("::Add", p + 1)) {
-        const char next = p + 5 < r.name.size() ? r.name[p + 5] : ' ';
-        if (!std::isalnum(static_cast<unsigned char>(next)) && next != '_') {
-          ++n;
-          break;
-        }
-      }
-    }
-    return n;
-  };
   auto traced = [&](bool fused, int& adds, Result& res) -> std::string {
     const Build b = [](const TensorList& l) { return shared_input_linears(l, true); };
     (void)run(fused, v, b, gout);  // warm: plans and pool
@@ -672,7 +660,7 @@ TEST(AccumIntoLinear, SumsRideTheGemmsOnCuda) {
     const Gradients g = out.backward(opt);
     cuda::synchronize();
     trace.stop();
-    adds = count_adds(trace);
+    adds = add_kernels(trace);
     for (const Tensor& x : l) res.grads.push_back(g.get(x));
     return std::string();
   };

@@ -17,6 +17,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/backend/cuda/rotary/vectors.cuh"
 #include "src/backend/fused/rms_norm_rotary.h"
 
 namespace flame::backend::cuda {
@@ -35,38 +36,6 @@ struct Parts {
 };
 
 enum class Rope { none, interleaved, half };
-
-template <class T, int N>
-__device__ __forceinline__ void load_row(float (&v)[N], const T* __restrict__ p) {
-  static_assert(N * sizeof(T) == 16);
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = load_as<float>(vec_elem<T>(raw, i));
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_row(T* __restrict__ p, const float (&v)[N]) {
-  static_assert(N * sizeof(T) == 16);
-  uint4 raw;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const T t = store_as<T>(v[i]);
-    memcpy(reinterpret_cast<char*>(&raw) + i * sizeof(T), &t, sizeof(T));
-  }
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
-template <int N>
-__device__ __forceinline__ void load_table(float (&v)[N], const float* __restrict__ p) {
-#pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const float4 q = *reinterpret_cast<const float4*>(p + i);
-    v[i] = q.x;
-    v[i + 1] = q.y;
-    v[i + 2] = q.z;
-    v[i + 3] = q.w;
-  }
-}
 
 // Value rounded through T (what a separate kernel's output holds).
 template <class T>
@@ -104,8 +73,8 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t start = p == 0 ? 0u : parts.end[p - 1], len = parts.end[p] - start;
     const uint32_t at = ((b * len + (s - start)) * h_len + h) * d + col;
     float x[V], w[V];
-    load_row<T>(x, parts.x[p] + at);
-    if (parts.w[p] != nullptr) load_row<T>(w, parts.w[p] + col);
+    rotary_vec::load_vec<T>(x, parts.x[p] + at);
+    if (parts.w[p] != nullptr) rotary_vec::load_vec<T>(w, parts.w[p] + col);
     else
 #pragma unroll
       for (int j = 0; j < V; ++j) w[j] = 1.0f;
@@ -115,8 +84,8 @@ __global__ void __launch_bounds__(kThreads)
     const float rs = 1.0f / sqrtf(row_sum(ss, lanes) * inv_d + eps);
     float c[V], sn[V];
     if constexpr (kRope != Rope::none) {
-      load_table(c, cos + s * d + col);
-      load_table(sn, sin + s * d + col);
+      rotary_vec::load_f32(c, cos + s * d + col);
+      rotary_vec::load_f32(sn, sin + s * d + col);
     }
     if constexpr (!kBackward) {
       float n[V], o[V];
@@ -139,10 +108,10 @@ __global__ void __launch_bounds__(kThreads)
           o[j] = first ? n[j] * c[j] - q * sn[j] : n[j] * c[j] + q * sn[j];
         }
       }
-      if (valid) store_row<T>(out + static_cast<uint64_t>(rr) * d + col, o);
+      if (valid) rotary_vec::store_vec<T>(out + static_cast<uint64_t>(rr) * d + col, o);
     } else {
       float gr[V], gn[V];
-      load_row<T>(gr, g + b * g_sb + s * g_ss + h * g_sh + col);
+      rotary_vec::load_vec<T>(gr, g + b * g_sb + s * g_ss + h * g_sh + col);
       if constexpr (kRope == Rope::none) {
 #pragma unroll
         for (int j = 0; j < V; ++j) gn[j] = gr[j];
@@ -155,7 +124,7 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         const bool first = sub < lanes / 2;
         float sp[V];  // the partners' sin
-        load_table(sp, sin + s * d + static_cast<uint32_t>(sub ^ (lanes / 2)) * V);
+        rotary_vec::load_f32(sp, sin + s * d + static_cast<uint32_t>(sub ^ (lanes / 2)) * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const float q = __shfl_xor_sync(0xffffffffu, gr[j], lanes / 2);
@@ -169,7 +138,7 @@ __global__ void __launch_bounds__(kThreads)
       float dx[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) dx[j] = rs * (gn[j] * w[j] - (x[j] * rs) * mgx);
-      if (valid) store_row<T>(parts.dx[p] + at, dx);
+      if (valid) rotary_vec::store_vec<T>(parts.dx[p] + at, dx);
     }
   }
 }

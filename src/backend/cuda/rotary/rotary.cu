@@ -14,6 +14,7 @@
 #include "src/backend/cuda/cuda_backend.h"
 #include "src/backend/cuda/device_utils.cuh"
 #include "src/backend/cuda/launch_geometry.cuh"
+#include "src/backend/cuda/rotary/vectors.cuh"
 #include "src/backend/fused/rotary.h"
 
 namespace flame::backend::cuda {
@@ -21,39 +22,9 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// n f32 values from p (16-byte aligned, n a multiple of 4) into v.
-template <int N>
-__device__ __forceinline__ void load_f32(float (&v)[N], const float* __restrict__ p) {
-  static_assert(N % 4 == 0);
-#pragma unroll
-  for (int i = 0; i < N; i += 4) {
-    const float4 q = *reinterpret_cast<const float4*>(p + i);
-    v[i] = q.x;
-    v[i + 1] = q.y;
-    v[i + 2] = q.z;
-    v[i + 3] = q.w;
-  }
-}
-
-template <class T, int N>
-__device__ __forceinline__ void load_vec(float (&v)[N], const T* __restrict__ p) {
-  static_assert(N * sizeof(T) == 16);
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = load_as<float>(vec_elem<T>(raw, i));
-}
-
-template <class T, int N>
-__device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&v)[N]) {
-  static_assert(N * sizeof(T) == 16);
-  uint4 raw;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const T t = store_as<T>(v[i]);
-    memcpy(reinterpret_cast<char*>(&raw) + i * sizeof(T), &t, sizeof(T));
-  }
-  *reinterpret_cast<uint4*>(p) = raw;
-}
+using rotary_vec::load_f32;
+using rotary_vec::load_vec;
+using rotary_vec::store_vec;
 
 // One thread per unit: interleaved, kV consecutive elements (kV / 2 pairs); half, the kV elements
 // from col in the first half and their partners from col + D/2. I: the index type.
