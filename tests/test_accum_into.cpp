@@ -534,6 +534,28 @@ int add_kernels(const profiler::KernelTrace& trace, int* adaln = nullptr) {
   return n;
 }
 
+// One backward of build over copies of v, traced (after a warm-up run): the add kernels (and the
+// adaLN backward kernels) it ran, and the leaves' gradients. A non-empty result: why no trace.
+std::string traced_backward(bool fused, const TensorList& v, const Build& build, const Tensor& gout, int& adds,
+                            int& adaln, Result& res) {
+  (void)run(fused, v, build, gout);  // warm: plans and pool
+  FusionScope scope(fused);
+  TensorList l;
+  for (const Tensor& x : v) l.push_back(x.clone().requires_grad_());
+  const Tensor out = build(l);
+  BackwardOptions opt;
+  opt.grad_output = gout;
+  cuda::synchronize();
+  profiler::KernelTrace trace;
+  if (std::string why = start_trace(trace); !why.empty()) return why;
+  const Gradients g = out.backward(opt);
+  cuda::synchronize();
+  trace.stop();
+  adds = add_kernels(trace, &adaln);
+  for (const Tensor& x : l) res.grads.push_back(g.get(x));
+  return std::string();
+}
+
 // The point of the fusion: x's gradient in the DiT pattern takes no add kernel (traced through
 // CUPTI); without it, the engine's add runs.
 TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
@@ -554,24 +576,7 @@ TEST(AccumIntoTrace, DitPatternRunsNoAddKernel) {
     int adds = 0, adaln = 0;
     Result r;
   };
-  auto traced = [&](bool fused, Count& c) {
-    (void)run(fused, v, build, gout);  // warm: plans and pool
-    FusionScope scope(fused);
-    TensorList l;
-    for (const Tensor& x : v) l.push_back(x.clone().requires_grad_());
-    const Tensor out = build(l);
-    BackwardOptions opt;
-    opt.grad_output = gout;
-    cuda::synchronize();
-    profiler::KernelTrace trace;
-    if (std::string why = start_trace(trace); !why.empty()) return why;
-    const Gradients g = out.backward(opt);
-    cuda::synchronize();
-    trace.stop();
-    c.adds = add_kernels(trace, &c.adaln);
-    for (const Tensor& x : l) c.r.grads.push_back(g.get(x));
-    return std::string();
-  };
+  auto traced = [&](bool fused, Count& c) { return traced_backward(fused, v, build, gout, c.adds, c.adaln, c.r); };
   Count fused, plain;
   const std::string why = traced(true, fused);
   if (!why.empty()) GTEST_SKIP() << "no kernel trace in this build: " << why;
@@ -645,24 +650,10 @@ TEST(AccumIntoLinear, SumsRideTheGemmsOnCuda) {
   const Device dev = Device::cuda();
   const TensorList v = shared_input_values(DType::bf16, dev);
   const Tensor gout = rnd({2, 9, 48}, 791, DType::f32, dev);
-  auto traced = [&](bool fused, int& adds, Result& res) -> std::string {
-    const Build b = [](const TensorList& l) { return shared_input_linears(l, true); };
-    (void)run(fused, v, b, gout);  // warm: plans and pool
-    FusionScope scope(fused);
-    TensorList l;
-    for (const Tensor& x : v) l.push_back(x.clone().requires_grad_());
-    const Tensor out = b(l);
-    BackwardOptions opt;
-    opt.grad_output = gout;
-    cuda::synchronize();
-    profiler::KernelTrace trace;
-    if (std::string why = start_trace(trace); !why.empty()) return why;
-    const Gradients g = out.backward(opt);
-    cuda::synchronize();
-    trace.stop();
-    adds = add_kernels(trace);
-    for (const Tensor& x : l) res.grads.push_back(g.get(x));
-    return std::string();
+  const Build b = [](const TensorList& l) { return shared_input_linears(l, true); };
+  auto traced = [&](bool fused, int& adds, Result& res) {
+    int adaln = 0;
+    return traced_backward(fused, v, b, gout, adds, adaln, res);
   };
   int fused_adds = -1, plain_adds = -1;
   Result fused, plain;
