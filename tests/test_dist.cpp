@@ -382,6 +382,21 @@ TEST(DistZero, OffloadedStateOnTheHostMatchesOneProcess) {
   }
 }
 
+// ZeRO over AdamW8bit: one process's trajectory within the quantisation's reach, AdamW8bit's own
+// consolidated format, and resumes from the consolidated state and the shard files
+// (tests/test_dist_workers.cpp zero_8bit).
+TEST(DistZero, EightBitStateShardsAndConsolidatesInAdamW8bitsFormat) {
+  DIST_SKIP_UNLESS_RANKS(2);
+  for (int world : {2, 3}) {
+    if (world > max_ranks()) continue;
+    for (const char* stage : {"1", "2", "3"}) {
+      SCOPED_TRACE(std::string("stage ") + stage + ", " + std::to_string(world) + " ranks");
+      const auto r = run_ranks("zero_8bit", world, {{"FLAME_DIST_TEST_STAGE", stage}});
+      EXPECT_TRUE(r.all_ok()) << r.report();
+    }
+  }
+}
+
 TEST(DistCheckpoint, FourRankCheckpointResumesOnTwoRanks) {
   DIST_SKIP_UNLESS_RANKS(2);
   // 4 ranks -> 2 (tcp, or nccl with 4 GPUs); 2 GPUs: 2 -> 1. Either way another world size.

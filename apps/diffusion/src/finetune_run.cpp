@@ -66,8 +66,9 @@
 //    MixedPrecisionPolicy(param_dtype=bf16); checkpoints gather the masters too.
 //  - train.ema with stage 3: the EMA of the shards (ZeroOptions::ema, Note [ZeRO EMA] in
 //    src/dist/zero.cpp), checkpointed with the optimizer state; the written model is the average.
-// Not yet: the 8-bit optimizer's state sharded and train.vram_budget_gib's search (both refused
-// with several ranks), SDXL's UNet with stage 3.
+//  - optimizer.type = "adamw8bit": each rank's shards keep 8-bit moments; checkpoints hold them
+//    per parameter, as one process's AdamW8bit (Note [ZeRO 8-bit state] in src/dist/zero.cpp).
+// Not yet: train.vram_budget_gib's search (refused with several ranks), SDXL's UNet with stage 3.
 #include "finetune_run.h"
 
 #include <algorithm>
@@ -659,9 +660,6 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (distributed) {
     // Note [Distributed fine-tuning]: ZeRO-2 averages the gradients over the ranks while the
     // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
-    if (eight_bit)
-      throw std::runtime_error("optimizer.type = \"adamw8bit\" on " + std::to_string(world) + " ranks: the 8-bit "
-                               "state is not sharded yet; use \"adamw\" (its state is sharded over the ranks)");
     if (oc.offload && device.is_cuda())
       throw std::runtime_error("optimizer.offload = true on " + std::to_string(world) + " ranks on " + device.str() +
                                ": the sharded state's offload is refused on CUDA devices for now (its steps on NCCL do "

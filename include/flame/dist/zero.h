@@ -10,8 +10,9 @@
 //
 // Each parameter group is laid out flat (one dtype per group) and padded to a multiple of the
 // world size; rank r owns elements [r*S, (r+1)*S) and its inner optimizer holds state only for
-// that slice. The inner optimizer must be elementwise (SGD, Adam, AdamW, Lion); Adafactor's
-// factored state is not. A parameter without a gradient on a rank contributes zeros.
+// that slice. The inner optimizer must be elementwise (SGD, Adam, AdamW, Lion) or AdamW8bit (its
+// block-wise state moves in f32 at checkpoints, Note [ZeRO 8-bit state] in src/dist/zero.cpp);
+// Adafactor's factored state is not. A parameter without a gradient on a rank contributes zeros.
 // state_dict() is collective (every rank calls it) and returns the state the inner optimizer
 // would have on the full parameters ("state.<i>.<slot>" in parameter shapes), so a checkpoint
 // loads on any number of ranks or stages, or into the plain optimizer.
@@ -180,6 +181,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   bool take_own_slot(std::size_t bucket, const std::string& slot, const Tensor& mine, StateDict& ema_state);
   void load_ema(StateDict shadows, const Tensor* num_updates, const char* op);
   void load_inner_state(const StateDict& inner);
+  // The inner optimizer's state with an 8-bit optimizer's f32 moments quantised in the shards'
+  // blocks (Note [ZeRO 8-bit state] in src/dist/zero.cpp); unchanged for any other optimizer.
+  StateDict quantized_for_inner(const StateDict& inner) const;
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions options_;
