@@ -189,6 +189,82 @@ class AdapterState final : public flame::Stateful {
   nn::Module& model_;
 };
 
+// Note [EMA across modes]
+// train.ema keeps its average in one of two places: an optim::EMA over the trained tensors (one
+// process, or ZeRO-2), saved as the checkpoint's "ema" component; or, under ZeRO-3, the EMA of the
+// shards inside the optimizer (ZeroOptions::ema), saved as the slots "state.<i>.ema" and
+// "ema.num_updates" of the consolidated optimizer state. A checkpoint resumes in either mode: the
+// optimizer's component moves the average between the two forms as it loads. Under ZeRO-3 the
+// "ema" component is registered before the optimizer (empty when saved) so that an optim::EMA's
+// state reaches the optimizer's slots; with an optim::EMA, the optimizer's slots are taken into it
+// and the file's empty "ema" component is skipped. Both EMAs are over the optimizer's parameters
+// in the same order (shadow i = the optimizer's parameter i).
+class EmaSection final : public flame::Stateful {
+ public:
+  explicit EmaSection(optim::EMA* ema) : ema_(ema) {}
+  flame::StateDict state_dict() const override { return ema_ ? ema_->state_dict() : flame::StateDict(); }
+  void load_state_dict(const flame::StateDict& state) override {
+    if (!ema_) {
+      captured_ = state;  // ZeRO-3: for the optimizer's slots
+      return;
+    }
+    if (state.empty() && taken_from_optimizer_) return;  // a ZeRO-3 checkpoint held it in the optimizer
+    ema_->load_state_dict(state);
+  }
+  optim::EMA* ema() const { return ema_; }
+  const flame::StateDict& captured() const { return captured_; }
+  void set_taken_from_optimizer() { taken_from_optimizer_ = true; }
+  bool taken_from_optimizer() const { return taken_from_optimizer_; }
+
+ private:
+  optim::EMA* ema_;
+  flame::StateDict captured_;
+  bool taken_from_optimizer_ = false;
+};
+
+class OptimizerSection final : public flame::Stateful {
+ public:
+  OptimizerSection(optim::Optimizer& opt, EmaSection& ema, bool shard_ema, std::size_t params)
+      : opt_(opt), ema_(ema), shard_ema_(shard_ema), params_(params) {}
+  flame::StateDict state_dict() const override { return opt_.state_dict(); }
+  void load_state_dict(const flame::StateDict& given) override {
+    auto slot = [](std::size_t i) { return "state." + std::to_string(i) + ".ema"; };
+    flame::StateDict state;
+    const Tensor* zero_updates = given.find("ema.num_updates");
+    if (ema_.ema() && zero_updates) {  // the shards' EMA of a ZeRO-3 checkpoint -> optim::EMA
+      flame::StateDict e;
+      for (std::size_t i = 0; i < params_; ++i) {
+        const Tensor* t = given.find(slot(i));
+        if (!t) throw std::runtime_error("the checkpoint's optimizer state has ema.num_updates but no " + slot(i));
+        e.insert("shadow." + std::to_string(i), *t);
+      }
+      e.insert("num_updates", *zero_updates);
+      ema_.ema()->load_state_dict(e);
+      ema_.set_taken_from_optimizer();
+      for (const auto& [k, t] : given)
+        if (k != "ema.num_updates" && !(k.size() > 4 && k.compare(k.size() - 4, 4, ".ema") == 0)) state.insert(k, t);
+    } else if (shard_ema_ && !zero_updates && !ema_.captured().empty()) {  // optim::EMA -> the shards' slots
+      state = given;
+      const flame::StateDict& e = ema_.captured();
+      for (std::size_t i = 0; i < params_; ++i) {
+        const Tensor* t = e.find("shadow." + std::to_string(i));
+        if (!t) throw std::runtime_error("the checkpoint's ema component has no shadow." + std::to_string(i));
+        state.insert(slot(i), *t);
+      }
+      state.insert("ema.num_updates", e.at("num_updates"));
+    } else {
+      state = given;
+    }
+    opt_.load_state_dict(state);
+  }
+
+ private:
+  optim::Optimizer& opt_;
+  EmaSection& ema_;
+  bool shard_ema_;
+  std::size_t params_;
+};
+
 struct Denoiser {
   std::shared_ptr<fm::FluxTransformer2DModel> flux;
   std::shared_ptr<fm::SD3Transformer2DModel> sd3;
@@ -709,9 +785,14 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   } else {
     ckpt.add("adapters", adapters);
   }
-  ckpt.add("optimizer", *opt);
+  // Note [EMA across modes]
+  const bool shard_ema = zero_stage == 3 && cfg.train.ema;
+  EmaSection ema_section(ema ? &*ema : nullptr);
+  OptimizerSection optimizer_section(*opt, ema_section, shard_ema, params.size());
+  if (shard_ema) ckpt.add("ema", ema_section);
+  ckpt.add("optimizer", optimizer_section);
   ckpt.add("scheduler", *sched);
-  if (ema) ckpt.add("ema", *ema);
+  if (ema) ckpt.add("ema", ema_section);
   ckpt.add_generator("train", gen);
   ckpt.set_metadata("family", family);
   ckpt.set_metadata("base_model", cfg.model.checkpoint);
@@ -723,7 +804,15 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       // Stage 3: the weights load into the gathered parameters and go back into the shards.
       std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;
       if (zero_stage == 3) whole.emplace(zero->gather_parameters(/*write_back=*/true));
-      ckpt.load(*resume_file, {.map_location = device});
+      // Note [EMA across modes]: a checkpoint of the other mode has no "ema" component, or an empty one.
+      const flame::CheckpointInfo info =
+          ckpt.load(*resume_file, {.strict = !cfg.train.ema, .map_location = device});
+      std::string odd;
+      for (const std::string& n : info.missing_components)
+        if (n != "ema" || !(shard_ema || ema_section.taken_from_optimizer())) odd += " missing: " + n + ";";
+      for (const std::string& n : info.unexpected_components) odd += " not registered: " + n + ";";
+      if (!odd.empty())
+        throw std::runtime_error("checkpoint " + *resume_file + " does not hold this run's components:" + odd);
     }
     // The checkpoint counts the epoch's batches over all ranks (batch k of each of W ranks: k * W of
     // the epoch's list); this run's ranks go on from there, each at its share of it.

@@ -632,6 +632,35 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
           flame::io::load_safetensors((dir / "s3" / "checkpoints" / "ckpt-0000000004.safetensors").string());
       EXPECT_TRUE(ck.contains("optimizer.ema.num_updates"));
       EXPECT_TRUE(ck.contains("optimizer.state.0.ema"));
+      // Note [EMA across modes]: a ZeRO-2 run's checkpoint of step 2 (an optim::EMA's "ema"
+      // component) goes on under ZeRO-3 and ends at the uninterrupted run's average; the ZeRO-3
+      // checkpoint of step 2 (the average in the optimizer's slots) resumes in one process, whose
+      // optim::EMA takes it: with no step left, the model it writes is the ZeRO-2 run's average of
+      // step 2. (One process trains on other batches than two ranks, so its later steps differ.)
+      const std::string xdir = "--set train.zero_stage=2 --set output.dir=" + (dir / "x").string();
+      (void)launch_two_ranks(cfg_file, xdir + " --set train.steps=2", (dir / "xa.log").string(), true);
+      const flame::StateDict wx2 = weights("x");
+      (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set checkpoint.resume=latest --set output.dir=" + (dir / "x").string(),
+                             (dir / "xb.log").string(), true);
+      fs::create_directories(dir / "one" / "checkpoints");
+      fs::copy_file(dir / "r3" / "checkpoints" / "ckpt-0000000002.safetensors",
+                    dir / "one" / "checkpoints" / "ckpt-0000000002.safetensors");
+      fd::FinetuneConfig one = c;
+      one.output.dir = (dir / "one").string();
+      one.train.steps = 2;
+      one.checkpoint.resume = "latest";
+      const fd::FinetuneRunResult r1 = fd::run_finetune(
+          {.config = one, .device = flame::Device::cpu(), .overwrite = false, .stop_after = 0, .log = [](const std::string&) {}});
+      EXPECT_EQ(r1.first_step, 2);
+      const flame::StateDict w1 = weights("one"), wx = weights("x");
+      for (const std::string& k : w3.keys()) {
+        const auto a = w3.at(k).to(flame::DType::f32).to_vec<float>(), x = wx.at(k).to(flame::DType::f32).to_vec<float>();
+        const auto o = w1.at(k).to(flame::DType::f32).to_vec<float>(), o2 = wx2.at(k).to(flame::DType::f32).to_vec<float>();
+        for (std::size_t i = 0; i < a.size(); ++i) {
+          ASSERT_NEAR(x[i], a[i], 1e-5 + 1e-5 * std::abs(a[i])) << k << "[" << i << "]: ZeRO-2 checkpoint under ZeRO-3";
+          ASSERT_NEAR(o[i], o2[i], 1e-5 + 1e-5 * std::abs(o2[i])) << k << "[" << i << "]: ZeRO-3 checkpoint in one process";
+        }
+      }
     }
   }
 }
