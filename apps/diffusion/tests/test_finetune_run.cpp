@@ -500,6 +500,20 @@ std::string two_rank_config(fd::FinetuneConfig& c, const fs::path& dir) {
   return fd::save_finetune_config(c, (dir / "cfg").string());
 }
 
+// The checkpoint of step 2 of run folder `from` resumed in one process (on the CPU) into run folder
+// `to`, up to step `steps`.
+fd::FinetuneRunResult resume_in_one_process(const fd::FinetuneConfig& c, const fs::path& from, const fs::path& to,
+                                            int64_t steps) {
+  fs::create_directories(to / "checkpoints");
+  fs::copy_file(from / "checkpoints" / "ckpt-0000000002.safetensors", to / "checkpoints" / "ckpt-0000000002.safetensors");
+  fd::FinetuneConfig one = c;
+  one.output.dir = to.string();
+  one.train.steps = steps;
+  one.checkpoint.resume = "latest";
+  return fd::run_finetune({.config = one, .device = flame::Device::cpu(), .overwrite = false, .stop_after = 0,
+                           .log = [](const std::string&) {}});
+}
+
 std::vector<std::string> csv_rows(const fs::path& csv) {
   std::ifstream f(csv);
   std::vector<std::string> rows;
@@ -555,15 +569,7 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
   EXPECT_EQ(csv_rows(dir / "e" / "loss.csv").size(), 5u);
   // The two-rank checkpoint of step 2 goes on in one process (its optimizer state gathered whole,
   // the data position read per rank).
-  fs::create_directories(dir / "c" / "checkpoints");
-  fs::copy_file(dir / "b" / "checkpoints" / "ckpt-0000000002.safetensors",
-                dir / "c" / "checkpoints" / "ckpt-0000000002.safetensors");
-  fd::FinetuneConfig one = c;
-  one.output.dir = (dir / "c").string();
-  one.train.steps = 4;
-  one.checkpoint.resume = "latest";
-  const fd::FinetuneRunResult r = fd::run_finetune({.config = one, .device = flame::Device::cpu(), .overwrite = false,
-                                                    .stop_after = 0, .log = [](const std::string&) {}});
+  const fd::FinetuneRunResult r = resume_in_one_process(c, dir / "b", dir / "c", 4);
   EXPECT_EQ(r.first_step, 2);
   EXPECT_EQ(r.steps_done, 4);
   ASSERT_EQ(r.losses.size(), 2u);
@@ -642,15 +648,7 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
       const flame::StateDict wx2 = weights("x");
       (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set checkpoint.resume=latest --set output.dir=" + (dir / "x").string(),
                              (dir / "xb.log").string(), true);
-      fs::create_directories(dir / "one" / "checkpoints");
-      fs::copy_file(dir / "r3" / "checkpoints" / "ckpt-0000000002.safetensors",
-                    dir / "one" / "checkpoints" / "ckpt-0000000002.safetensors");
-      fd::FinetuneConfig one = c;
-      one.output.dir = (dir / "one").string();
-      one.train.steps = 2;
-      one.checkpoint.resume = "latest";
-      const fd::FinetuneRunResult r1 = fd::run_finetune(
-          {.config = one, .device = flame::Device::cpu(), .overwrite = false, .stop_after = 0, .log = [](const std::string&) {}});
+      const fd::FinetuneRunResult r1 = resume_in_one_process(c, dir / "r3", dir / "one", 2);
       EXPECT_EQ(r1.first_step, 2);
       const flame::StateDict w1 = weights("one"), wx = weights("x");
       for (const std::string& k : w3.keys()) {
