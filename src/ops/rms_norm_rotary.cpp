@@ -21,7 +21,6 @@
 // weight or a table needs a gradient (full fine-tuning of the norms), or the device declines the
 // call, the composite runs: rms_norm per part, cat, rotary_embedding, with autocast off, which is
 // also the reference the tests hold the kernels to.
-#include "flame/amp.h"
 #include "flame/grad_mode.h"
 #include "flame/nn/norm.h"
 #include "flame/nn/rotary.h"
@@ -38,7 +37,7 @@ constexpr const char* kOp = "rms_norm_rotary";
 // The same math as ordinary ops (Note [RMS norm rotary]).
 Tensor composite(const RmsNormRotaryArgs& a) {
   const Tensor& x0 = a.parts.front();
-  const amp::AutocastGuard no_autocast(false, x0.device().type);
+  const amp::detail::AutocastOffGuard no_autocast;  // the parts in their own dtype
   const int64_t d = x0.size(3);
   TensorList normed;
   normed.reserve(a.parts.size());
