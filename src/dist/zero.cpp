@@ -107,10 +107,6 @@ constexpr const char* kMomentAbsmax[2] = {"exp_avg_absmax", "exp_avg_sq_absmax"}
 constexpr const char* kBlockSizeKey = "options.block_size";
 constexpr const char* kMin8bitKey = "options.min_8bit_size";
 
-bool ends_with(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 // `sd` with each 8-bit moment ("state.<i>.exp_avg_codes" and its absmax, ...) replaced by its f32
 // values ("state.<i>.exp_avg", the codes' shape); the options keys dropped.
 StateDict dequantized_moments(const StateDict& sd, int64_t block_size, const char* op) {
@@ -120,9 +116,9 @@ StateDict dequantized_moments(const StateDict& sd, int64_t block_size, const cha
     bool moment = false;
     for (int s = 0; s < 2 && !moment; ++s) {
       const std::string codes = std::string(".") + kMomentCodes[s];
-      if (ends_with(k, std::string(".") + kMomentAbsmax[s])) {
+      if (k.ends_with(std::string(".") + kMomentAbsmax[s])) {
         moment = true;  // read with its codes
-      } else if (ends_with(k, codes)) {
+      } else if (k.ends_with(codes)) {
         moment = true;
         const std::string base = k.substr(0, k.size() - codes.size());
         const Tensor* absmax = sd.find(base + "." + kMomentAbsmax[s]);
@@ -144,7 +140,7 @@ StateDict quantized_moments(const StateDict& sd, int64_t block_size, int64_t min
   for (const auto& [k, t] : sd) {
     int moment = -1;
     for (int s = 0; s < 2; ++s)
-      if (k.rfind("state.", 0) == 0 && ends_with(k, std::string(".") + kMoments[s])) moment = s;
+      if (k.rfind("state.", 0) == 0 && k.ends_with(std::string(".") + kMoments[s])) moment = s;
     if (moment < 0) {
       out.insert(k, t);
       continue;

@@ -242,7 +242,7 @@ class OptimizerSection final : public flame::Stateful {
       ema_.ema()->load_state_dict(e);
       ema_.set_taken_from_optimizer();
       for (const auto& [k, t] : given)
-        if (k != "ema.num_updates" && !(k.size() > 4 && k.compare(k.size() - 4, 4, ".ema") == 0)) state.insert(k, t);
+        if (k != "ema.num_updates" && !k.ends_with(".ema")) state.insert(k, t);
     } else if (shard_ema_ && !zero_updates && !ema_.captured().empty()) {  // optim::EMA -> the shards' slots
       state = given;
       const flame::StateDict& e = ema_.captured();
