@@ -485,6 +485,97 @@ TEST(EpilogueRule, CpuAlwaysComposes) {
   EXPECT_NE(F::linear(x, w, b).grad_fn_name(), "AddmmBackward");
 }
 
+// linear_add (Note [Residual epilogue]): x W^T + c against the f64 reference, over the aligned
+// shapes the fused GEMM takes on CUDA and the odd ones; strided inputs and residuals (a transposed
+// view: the GEMM's C must be contiguous, so it is copied), frozen operands, and one node always.
+TEST(EpilogueLinearAdd, MatchesReference) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  uint64_t seed = 1300;
+  for (DType dt : dtypes()) {
+    for (const Case& c : cases()) {
+      for (XLayout layout : {XLayout::contiguous, XLayout::sliced, XLayout::transposed}) {
+        if (layout == XLayout::transposed && c.lead.size() < 2) continue;
+        if (layout != XLayout::contiguous && dt != DType::bf16 && dt != DType::f32) continue;
+        seed += 10;
+        Shape ys = c.lead;
+        ys.push_back(c.out);
+        // The residual's leaf is stored like x's: swapped leading dims for the transposed layout.
+        Shape cs = ys;
+        if (layout == XLayout::transposed) std::swap(cs[0], cs[1]);
+        const TensorList leaves{randn_f64(leaf_shape(c.lead, layout, c.in), seed),
+                                randn_f64({c.out, c.in}, seed + 1, 1.0 / std::sqrt(static_cast<double>(c.in))),
+                                randn_f64(cs, seed + 2)};
+        const Tensor v = randn_f64(ys, seed + 3);
+        const int64_t in = c.in;
+        const bool swap = layout == XLayout::transposed;
+        auto residual = [swap](const Tensor& t) { return swap ? t.transpose(0, 1) : t; };
+        auto op = [&](const TensorList& t) {
+          const Tensor y = F::linear_add(shape_input(t[0], layout, in), t[1], residual(t[2]));
+          EXPECT_EQ(y.grad_fn_name(), "AddmmBackward");
+          return y;
+        };
+        auto ref = [&](const TensorList& t) {
+          return ref_dense(shape_input(t[0], layout, in), t[1], Tensor(), false) + residual(t[2]);
+        };
+        const std::string what = "linear_add lead " + ::testing::PrintToString(c.lead) + " in " + std::to_string(c.in) +
+                                 " out " + std::to_string(c.out) + " layout " + std::to_string(static_cast<int>(layout));
+        expect_matches(what.c_str(), op, ref, leaves, v, dt);
+        if (layout == XLayout::contiguous && dt == DType::bf16) {
+          expect_matches((what + " frozen W").c_str(), op, ref, leaves, v, dt, {false, true, false});
+          expect_matches((what + " W only").c_str(), op, ref, leaves, v, dt, {true, false, true});
+        }
+      }
+    }
+  }
+}
+
+TEST(EpilogueGradcheck, LinearAddF64) {
+  const GradcheckResult r = gradcheck([](const TensorList& t) { return F::linear_add(t[0], t[1], t[2]); },
+                                      {randn_f64({2, 5, 8}, 830), randn_f64({6, 8}, 831), randn_f64({2, 5, 6}, 832)});
+  EXPECT_TRUE(r.ok) << r.message;
+  const GradcheckResult v = gradcheck([](const TensorList& t) { return F::linear_add(t[0], t[1], t[2]); },
+                                      {randn_f64({8}, 833), randn_f64({3, 8}, 834), randn_f64({3}, 835)});
+  EXPECT_TRUE(v.ok) << v.message;
+}
+
+// Under autocast, an f32 weight that wants a gradient is a master weight (Note [Master-weight
+// epilogues]): its gradient comes out f32 from one node, the residual (cast to bf16 as addmm's
+// policy does) gets the output's gradient, and the values follow the f64 reference of the same
+// bf16 operands. The residual's gradient then sums with its producer's other uses as usual.
+TEST(EpilogueAutocast, LinearAddMasterWeight) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t M = 40, K = 16, N = 32;
+  auto leaf = [&](Shape s, uint64_t seed, double scale) {
+    return rounded(randn_f64(s, seed, scale), DType::bf16).to(DType::f32).to(dev).requires_grad_();
+  };
+  const Tensor h = leaf({2, M / 2, K}, 1400, 1.0), w = leaf({N, K}, 1401, 0.25), x = leaf({2, M / 2, N}, 1402, 1.0);
+  const Tensor base_w = rounded(randn_f64({N, N}, 1403, 0.2), DType::bf16).to(DType::f32).to(dev);
+  const Tensor v = rounded(randn_f64({2, M / 2, N}, 1404), DType::bf16).to(DType::f32).to(dev);
+  Tensor y;
+  {
+    amp::AutocastGuard autocast(DType::bf16, dev.type);
+    y = F::linear_add(h, w, F::linear(x, base_w));  // LoRA's shape: B's GEMM adds the frozen base output
+  }
+  ASSERT_EQ(y.dtype(), DType::bf16);
+  EXPECT_EQ(y.grad_fn_name(), "AddmmBackward");
+  BackwardOptions o;
+  o.grad_output = v.to(DType::bf16);
+  Gradients g = y.backward(o);
+  EXPECT_EQ(g.get(w).dtype(), DType::f32);
+  auto cpu64 = [](const Tensor& t) { return t.detach().to(Device::cpu()).to(DType::f64); };
+  const Tensor h64 = cpu64(h), w64 = cpu64(w), x64 = cpu64(x), bw64 = cpu64(base_w), v64 = cpu64(v);
+  const Tensor base64 = rounded(ref_dense(x64, bw64, Tensor(), false), DType::bf16);  // the bf16 output added
+  EXPECT_TRUE(close_scaled(y.detach().to(Device::cpu()), ref_dense(h64, w64, Tensor(), false) + base64, 1e-2));
+  const Tensor v2 = v64.reshape({M, N});
+  // w's gradient is made of bf16 operands only (h and the upstream gradient): f32-accurate from the
+  // fused GEMM; the CPU's composite makes it in bf16 and casts up, as the unfused autocast does.
+  const double wtol = dev.is_cuda() ? 1e-5 : 1e-2;
+  EXPECT_TRUE(close_scaled(g.get(w).to(Device::cpu()), v2.t().matmul(h64.reshape({M, K})).to(DType::f32), wtol));
+  EXPECT_TRUE(close_scaled(g.get(h).to(Device::cpu()), v64.matmul(w64).to(DType::f32), 1e-2));
+  EXPECT_TRUE(close_scaled(g.get(x).to(Device::cpu()), v64.matmul(bw64).to(DType::f32), 1e-2));
+}
+
 TEST(EpilogueErrors, NameOpShapesAndDtypes) {
   const Tensor x = randn_f64({4, 16}, 970), w = randn_f64({8, 16}, 971), b = randn_f64({8}, 972);
   expect_error([&] { (void)F::linear_gelu(x, randn_f64({8, 15}, 1), b); }, {"linear_gelu", "in_features = 15"});
@@ -494,6 +585,11 @@ TEST(EpilogueErrors, NameOpShapesAndDtypes) {
                {"linear_gelu", "floating", "i64"});
   expect_error([&] { (void)F::mlp_gelu(x, w, b, randn_f64({4, 7}, 1), Tensor()); }, {"mlp_gelu", "w2", "[4, 7]"});
   expect_error([&] { (void)F::mlp_gelu(x, w, b, randn_f64({4, 8}, 1), randn_f64({5}, 2)); }, {"mlp_gelu", "b2", "[4]"});
+  expect_error([&] { (void)F::linear_add(x, w, randn_f64({4, 7}, 1)); }, {"linear_add", "residual", "[4, 8]", "[4, 7]"});
+  expect_error([&] { (void)F::linear_add(x, w, randn_f64({8}, 1)); }, {"linear_add", "residual", "[4, 8]", "[8]"});
+  expect_error([&] { (void)F::linear_add(x, w, randn_f64({4, 8}, 1).to(DType::f32)); }, {"linear_add", "residual", "f32", "f64"});
+  expect_error([&] { (void)F::linear_add(x, w, Tensor()); }, {"linear_add", "undefined residual"});
+  expect_error([&] { (void)F::linear_add(x, randn_f64({8, 15}, 1), randn_f64({4, 8}, 2)); }, {"linear_add", "in_features = 15"});
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "flame/nn/init.h"
 #include "flame/nn/linear.h"
 #include "flame/ops.h"
+#include "src/amp/autocast.h"
 
 namespace flame::nn {
 
@@ -79,9 +80,13 @@ Tensor Linear::lora_delta_weight() const {
 // scaling * (h B^T) computed as h (scaling B)^T: the scale multiplies the [out, rank] weight instead
 // of the [rows, out] result (a pass over the layer's output forward and one backward); with
 // scaling 1 (alpha = rank) there is nothing to multiply.
-Tensor Linear::lora_up(const Tensor& h) const {
-  if (scaling_ == 1.0) return functional::linear(h, lora_B_->weight());
-  return functional::linear(h, lora_B_->weight() * scaling_);
+// With a residual (the base layer's output) the sum is the GEMM's epilogue (functional::linear_add),
+// where the two agree on a dtype (autocast casts both to the low one); otherwise linear + add.
+Tensor Linear::lora_up(const Tensor& h, const Tensor& residual) const {
+  const Tensor b = scaling_ == 1.0 ? lora_B_->weight() : lora_B_->weight() * scaling_;
+  if (!residual.defined()) return functional::linear(h, b);
+  if (residual.dtype() == h.dtype() || amp::detail::should_autocast(h)) return functional::linear_add(h, b, residual);
+  return residual + functional::linear(h, b);
 }
 
 Tensor Linear::dora_weight_norm(const Tensor& delta) const {
@@ -95,8 +100,11 @@ Tensor Linear::forward(const Tensor& x) {
   if (has_lokr()) return base_forward(x, bias_) + lokr_forward(x);
   const bool dropping = lora_options_.dropout > 0.0 && is_training();
   const Tensor xd = dropping ? lora_dropout_->forward(x) : x;
+  if (!lora_options_.use_dora) {
+    const Tensor base = base_forward(x, bias_);
+    return lora_up(lora_A_->forward(xd), base);  // Note [Residual epilogue]: the add in the GEMM
+  }
   const Tensor adapter = lora_up(lora_A_->forward(xd));
-  if (!lora_options_.use_dora) return base_forward(x, bias_) + adapter;
   // Note [LoRA forward], DoRA rows.
   Tensor norm;
   {

@@ -105,6 +105,10 @@ void gated_residual(Tensor& o, const Tensor& x, const Tensor& gate, const Tensor
 // [Master-weight epilogues]; w's and b's gradients then come out f32).
 void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& b, const Tensor& x2,
                      const Tensor& pre, const Tensor& w_run);
+// y [..., out] = x @ w^T + c (linear_add, Note [Residual epilogue]): one node with inputs {x, w, c};
+// x2 and w_run as linear_epilogue's.
+void linear_residual(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& c, const Tensor& x2,
+                     const Tensor& w_run);
 // y [..., out] = linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (mlp_gelu): x2 as above, pre the
 // first layer's pre-activation and h = gelu_tanh(pre), both [rows, hidden] contiguous.
 // recompute_hidden: save pre but not h; the backward recomputes h for w2's gradient. w1_run and

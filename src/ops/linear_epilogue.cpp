@@ -44,6 +44,15 @@
 // Hooks on the weight see the same f32 gradient as before; the low-precision copy is internal and
 // saved for the data gradient as the cast used to be. A weight that is frozen (no gradient) or
 // not f32 takes the ordinary casts.
+//
+// Note [Residual epilogue]
+// linear_add(x, W, c) = x W^T + c (torch.addmm with beta = alpha = 1, any leading dims): the GEMM
+// adds c as its C matrix (fused::matmul_add, cuBLASLt's beta = 1), so the sum is rounded once and
+// costs no pass of its own. LoRA's output y = base(x) + (s B) A x' is one: the adapter's second
+// GEMM adds the base layer's output. c has the output's shape (no broadcasting) and, without
+// autocast, the GEMM's dtype; autocast casts it to the low dtype as addmm's policy does. One node
+// with inputs {x, W, c}: dx and dW as linear (the master-weight path included), dc = dy. The CPU
+// backend declines, and the node then computes x W^T + c with ordinary ops (the reference).
 #include <optional>
 
 #include "flame/grad_mode.h"
@@ -54,6 +63,7 @@
 #include "src/ops/grad_hooks.h"
 #include "src/backend/backend.h"
 #include "src/backend/fused/linear_epilogue.h"
+#include "src/backend/fused/matmul_add.h"
 #include "src/core/tensor_impl.h"
 #include "src/ops/linear_epilogue.h"
 
@@ -160,6 +170,31 @@ std::optional<Tensor> master_act(const char* op, const Tensor& xl, const Tensor&
   return linear_act(op, xl, w, b, gelu, run_copy(w, xl.dtype()));
 }
 
+// linear_add's residual: the output's shape, x's dtype and device.
+void check_residual(const Tensor& x, const Tensor& w, const Tensor& c) {
+  const Shape want = with_last(x, w.size(0));
+  FLAME_CHECK(c.sizes() == want, "linear_add", "residual must have the output's shape ", want, " (input ", x.sizes(),
+              ", weight ", w.sizes(), "), got ", c.sizes());
+  FLAME_CHECK(c.dtype() == x.dtype() && c.device() == x.device(), "linear_add", "residual is ", dtype_name(c.dtype()),
+              " on ", c.device().str(), ", input is ", dtype_name(x.dtype()), " on ", x.device().str());
+}
+
+// linear_add after its checks (Note [Residual epilogue]); w_run as linear_act's.
+Tensor linear_residual(const Tensor& x, const Tensor& w, const Tensor& c, const Tensor& w_run) {
+  const int64_t in = w.size(1), out = w.size(0), rows = leading_rows(x);
+  Tensor y, x2;
+  {
+    NoGradGuard no_grad;
+    x2 = x.reshape({rows, in}).contiguous();
+    const Tensor c2 = c.reshape({rows, out}).contiguous();
+    Tensor y2 = make_empty({rows, out}, x.dtype(), x.device(), "linear_add");
+    if (!backend::fused::matmul_add.try_run(x.device(), y2, x2, w_run.t(), c2)) y2 = x2.matmul(w_run.t()) + c2;
+    y = y2.view(with_last(x, out));
+  }
+  if (needs_grad({x, w, c})) rules::linear_residual(y, x, w, c, x2, w_run);
+  return y;
+}
+
 }  // namespace
 
 std::optional<Tensor> detail::linear_bias_fused(const Tensor& x, const Tensor& weight, const Tensor& bias) {
@@ -235,6 +270,22 @@ Tensor mlp_gelu(const Tensor& x, const Tensor& w1, const Tensor& b1, const Tenso
   }
   if (grad) rules::mlp_gelu(y, xl, w1u, b1u, w2u, b2u, x2, pre, h, recompute_hidden, w1r, w2r);
   return y;
+}
+
+Tensor linear_add(const Tensor& x, const Tensor& weight, const Tensor& residual) {
+  FLAME_CHECK(residual.defined(), "linear_add", "undefined residual");
+  if (amp::detail::should_autocast(x)) {  // Note [Autocast policy]: as linear, the residual cast too (addmm)
+    amp::detail::AutocastOpScope scope;
+    const Tensor xl = amp::detail::cast_low(x);
+    const Tensor cl = amp::detail::cast_low(residual);
+    if (!master_weight(xl, weight)) return linear_add(xl, amp::detail::cast_low(weight), cl);
+    check_linear_args("linear_add", xl, weight, Tensor(), "weight", /*master=*/true);  // Note [Master-weight epilogues]
+    check_residual(xl, weight, cl);
+    return linear_residual(xl, weight, cl, run_copy(weight, xl.dtype()));
+  }
+  check_linear_args("linear_add", x, weight, Tensor());
+  check_residual(x, weight, residual);
+  return linear_residual(x, weight, residual, weight);
 }
 
 }  // namespace nn::functional

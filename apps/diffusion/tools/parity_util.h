@@ -157,8 +157,65 @@ inline flame::Device parse_device(const std::string& v) {
   throw std::runtime_error("--device must be cpu or cuda, got '" + v + "'");
 }
 
+// Where the GPU sat idle in a trace: each gap between the union of the activity so far and the
+// next record's start is charged to that next record (the work the GPU waited for the host to
+// launch), by size and by the next record's name. Host-bound stretches show as many small gaps
+// before the same small kernels; a sync or a host read shows as one large gap.
+inline void print_idle_time(const std::vector<flame::profiler::KernelRecord>& records, double steps) {
+  if (records.empty()) return;
+  const double bounds_us[] = {2, 10, 50, 500};
+  double by_size_ms[5] = {0, 0, 0, 0, 0};
+  int64_t by_size_n[5] = {0, 0, 0, 0, 0};
+  std::map<std::string, std::pair<double, int64_t>> by_next;
+  uint64_t end = records.front().end_ns;
+  std::size_t last = 0;  // the record whose end is `end`
+  double total_ms = 0;
+  struct Gap { double us; std::size_t before, after; };
+  std::vector<Gap> largest;
+  for (std::size_t i = 1; i < records.size(); ++i) {
+    const auto& r = records[i];
+    if (r.start_ns > end) {
+      const double us = static_cast<double>(r.start_ns - end) * 1e-3;
+      int b = 0;
+      while (b < 4 && us >= bounds_us[b]) ++b;
+      by_size_ms[b] += us * 1e-3;
+      ++by_size_n[b];
+      auto& row = by_next[r.name.substr(0, 60)];
+      row.first += us * 1e-3;
+      ++row.second;
+      total_ms += us * 1e-3;
+      largest.push_back({us, last, i});
+    }
+    if (r.end_ns >= end) {
+      end = r.end_ns;
+      last = i;
+    }
+  }
+  const std::size_t shown = std::min<std::size_t>(largest.size(), 6);
+  std::partial_sort(largest.begin(), largest.begin() + static_cast<std::ptrdiff_t>(shown), largest.end(),
+                    [](const Gap& a, const Gap& b) { return a.us > b.us; });
+  std::printf("# idle %.2f ms/step; gaps by size:", total_ms / steps);
+  const char* labels[] = {"<2us", "2-10us", "10-50us", "50-500us", ">=500us"};
+  for (int b = 0; b < 5; ++b) {
+    std::printf(" %s %.2f ms (%.0f)", labels[b], by_size_ms[b] / steps, static_cast<double>(by_size_n[b]) / steps);
+  }
+  std::printf("\n# idle by the record that ended the gap:\n");
+  std::vector<std::pair<std::string, std::pair<double, int64_t>>> rows(by_next.begin(), by_next.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  for (std::size_t i = 0; i < rows.size() && i < 16; ++i) {
+    std::printf("#   %7.2f ms/step %6.0f gaps/step  %s\n", rows[i].second.first / steps,
+                static_cast<double>(rows[i].second.second) / steps, rows[i].first.c_str());
+  }
+  std::printf("# largest gaps:\n");
+  for (std::size_t i = 0; i < shown; ++i) {
+    std::printf("#   %9.1f us  after %s\n#                before %s\n", largest[i].us,
+                records[largest[i].before].name.substr(0, 70).c_str(), records[largest[i].after].name.substr(0, 70).c_str());
+  }
+}
+
 // Where the GPU time of `steps` more steps goes (profiler::KernelTrace), by kernel name (grouped
-// by their first 60 characters), and the host gap of a step (span - busy), as "# " lines.
+// by their first 60 characters), and the host gap of a step (span - busy), with print_idle_time, as "# "
+// lines.
 inline void print_kernel_trace(const std::function<void()>& step, int64_t steps) {
   flame::profiler::KernelTrace trace;
   trace.start();
@@ -173,6 +230,7 @@ inline void print_kernel_trace(const std::function<void()>& step, int64_t steps)
     std::printf("#   %7.2f ms/step %5.1f%% %6.0f calls/step  %s\n", row.total_ms / n, row.percent,
                 static_cast<double>(row.calls) / n, row.name.c_str());
   }
+  print_idle_time(trace.records(), n);
   std::fflush(stdout);
 }
 

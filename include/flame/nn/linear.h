@@ -16,6 +16,11 @@ class Dropout;
 namespace functional {
 // x [..., in], weight [out, in], bias [out] (or undefined) -> [..., out], as F.linear.
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor());
+// x [..., in] @ weight^T + residual [..., out], as torch.addmm(residual, x, weight.t()) over any
+// leading dims: the GEMM adds residual in its epilogue where the backend can (one rounding, no
+// pass of its own); residual has the output's shape and x's dtype (autocast casts all three to the
+// low dtype). Gradients: x and weight as linear, residual's is the output's.
+Tensor linear_add(const Tensor& x, const Tensor& weight, const Tensor& residual);
 }  // namespace functional
 
 class Linear : public Module, public LoraTarget {
@@ -91,7 +96,8 @@ class Linear : public Module, public LoraTarget {
   TensorOptions adapter_options() const;
   // DoRA's per-row norm of W + delta, detached (the DoRA paper's and PEFT's choice).
   Tensor dora_weight_norm(const Tensor& delta) const;
-  Tensor lora_up(const Tensor& h) const;  // scaling * (h B^T) (Note [LoRA forward])
+  // scaling * (h B^T), plus residual when given (Note [LoRA forward])
+  Tensor lora_up(const Tensor& h, const Tensor& residual = Tensor()) const;
   // scale * x kron(w1, w2)^T without forming the [out, in] product (Note [LoKr forward]).
   Tensor lokr_forward(const Tensor& x) const;
 

@@ -64,6 +64,7 @@ void weight_and_bias_grads(const Tensor& d, const Tensor& x2, const Node::Edge& 
 }
 
 // Saved slots: x2 (args.need[0]), w (args.need[1]), pre (args.op == 1). args.count = rows.
+// args.op == 2: the third input is linear_add's residual c (Note [Residual epilogue]): dc = dy.
 TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const auto& e = n.edges();
   const bool need_x = e[0].meta != nullptr;
@@ -75,12 +76,15 @@ TensorList linear_epilogue_backward(const Tensor& g, const Node& n) {
   const int64_t rows = n.args().count, out = e[1].shape[0];
   const Tensor g2 = g.to(dt).reshape({rows, out}).contiguous();
   const Tensor d = pre.defined() ? gelu_tanh_grad_of(g2, pre) : g2;
-  // Note [Gradient row sums]: the bias gradient of a plain linear may come with g.
-  const Tensor sums = !pre.defined() && e[2].meta ? autograd_detail::take_row_sums(g) : Tensor();
+  const bool residual = n.args().op == 2;
+  // Note [Gradient row sums]: the bias gradient of a plain linear may come with g (a residual's
+  // gradient is g itself: its sums stay attached for the residual's producer).
+  const Tensor sums = !pre.defined() && !residual && e[2].meta ? autograd_detail::take_row_sums(g) : Tensor();
   Tensor dx, dw, db;
   // Note [Accumulated input gradients]: x's other contributions summed in the GEMM's epilogue.
   if (need_x) dx = accumulated_input_grad(n, 0, d, w, e[0].shape.vec());
-  weight_and_bias_grads(d, x2, e[1], e[2], dw, db, sums);
+  weight_and_bias_grads(d, x2, e[1], residual ? Node::Edge{} : e[2], dw, db, sums);
+  if (residual && e[2].meta) db = g.dtype() == e[2].dtype ? g : g.to(e[2].dtype);
   return {dx, dw, db};
 }
 
@@ -140,6 +144,20 @@ void linear_epilogue(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& 
   if (w.requires_grad()) n.save(x2);
   if (x.requires_grad()) n.save(w_run);
   if (pre.defined()) n.save(pre);
+  if (x.requires_grad()) n.accept_accumulate_base(0);  // Note [Accumulated input gradients]
+}
+
+void linear_residual(Tensor& y, const Tensor& x, const Tensor& w, const Tensor& c, const Tensor& x2,
+                     const Tensor& w_run) {
+  if (!needs_grad({x, w, c})) return;
+  RuleArgs args;
+  args.op = 2;
+  args.need[0] = w.requires_grad();
+  args.need[1] = x.requires_grad();
+  args.count = x2.size(0);
+  Node& n = record(y, "AddmmBackward", {x, w, c}, &linear_epilogue_backward, std::move(args));
+  if (w.requires_grad()) n.save(x2);
+  if (x.requires_grad()) n.save(w_run);
   if (x.requires_grad()) n.accept_accumulate_base(0);  // Note [Accumulated input gradients]
 }
 
