@@ -239,22 +239,38 @@ __global__ void __launch_bounds__(kFwdWarps * 32)
 }
 
 // Per-slice column sums -> [B, D] in the modulation's dtype: part is [B, S, K, D], out_k [B, D]
-// (null: not wanted).
+// (null: not wanted). A block takes 32 columns of one batch row (blockIdx.y, striding by gridDim.y):
+// its kSumRows warps read the slices' rows coalesced, a warp one row's 32 columns at a time, and
+// their partial sums meet in shared memory. (One thread per column summing all S slices left most
+// SMs idle: B * D / 256 blocks, 10 for SD3.5-Large's width.)
+constexpr int kSumRows = 16;
 template <class M, int K>
 __global__ void slice_sum_kernel(const float* __restrict__ part, M* __restrict__ out0, M* __restrict__ out1,
                                  M* __restrict__ out2, int64_t B, int S, int D) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= B * D) return;
-  const int64_t b = i / D;
-  const int d = static_cast<int>(i % D);
-  float acc[K] = {};
-  for (int s = 0; s < S; ++s)
-#pragma unroll
-    for (int k = 0; k < K; ++k) acc[k] += part[((b * S + s) * K + k) * D + d];
+  __shared__ float red[K][kSumRows][33];
+  const int d = static_cast<int>(blockIdx.x) * 32 + static_cast<int>(threadIdx.x);
   M* out[3] = {out0, out1, out2};
+  for (int64_t b = blockIdx.y; b < B; b += gridDim.y) {
+    float acc[K] = {};
+    if (d < D) {
+      for (int s = static_cast<int>(threadIdx.y); s < S; s += kSumRows)
 #pragma unroll
-  for (int k = 0; k < K; ++k)
-    if (out[k]) out[k][i] = store_as<M>(acc[k]);
+        for (int k = 0; k < K; ++k) acc[k] += part[((b * S + s) * K + k) * D + d];
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) red[k][threadIdx.y][threadIdx.x] = acc[k];
+    __syncthreads();
+    if (threadIdx.y == 0 && d < D) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        float t = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kSumRows; ++r) t += red[k][r][threadIdx.x];
+        if (out[k]) out[k][b * D + d] = store_as<M>(t);
+      }
+    }
+    __syncthreads();
+  }
 }
 
 // The operands of the fused gated-residual part of a backward (Note [Fused residual backward] in
@@ -649,8 +665,9 @@ struct BwdSlices {
 template <class M, int K>
 void launch_slice_sum(cudaStream_t st, const BwdSlices& sl, M* out0, M* out1, M* out2, int64_t B, int64_t D) {
   if (sl.count <= 1) return;
-  slice_sum_kernel<M, K><<<grid_for(B * D, 256), 256, 0, st>>>(sl.partial(), out0, out1, out2, B, sl.count,
-                                                               static_cast<int>(D));
+  const dim3 grid(static_cast<unsigned>((D + 31) / 32), static_cast<unsigned>(std::min<int64_t>(B, 65535)));
+  slice_sum_kernel<M, K><<<grid, dim3(32, kSumRows), 0, st>>>(sl.partial(), out0, out1, out2, B, sl.count,
+                                                              static_cast<int>(D));
   FLAME_CUDA_CHECK_LAUNCH();
 }
 
