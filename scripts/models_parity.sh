@@ -40,7 +40,7 @@
 #              checkpointed inputs offloaded), and a kernel trace
 #   flux       the FLUX.1 transformer (FLUX_CONFIGS, default flux-dev-d2 in f32 and bf16, flux-dev in
 #              bf16; flux-schnell may be added) on 128x128 latents (4096 tokens) + 512 text tokens:
-#              every file layout, outputs and LoRA r16 gradients (models_flux.py writes, flux_parity
+#              every file layout (fp8 files for flux-dev-d2), outputs and LoRA r16 gradients (models_flux.py writes, flux_parity
 #              check compares); then the FLUX-dev LoRA r16 step (bf16 autocast, f32 adapters) beside
 #              diffusers eager and torch.compile, with and without checkpointing every block (and
 #              with the checkpointed inputs offloaded), and a kernel trace
@@ -218,7 +218,8 @@ if has flux; then
   for c in ${FLUX_CONFIGS:-flux-dev-d2 flux-dev}; do
     dtypes="f32 bf16"; [ "$c" = flux-dev-d2 ] || dtypes=bf16  # 11.9 B parameters: bf16 only
     for d in $dtypes; do
-      run "flux $c 128+512 $d: diffusers" 600 python3 apps/diffusion/reference/models_flux.py --config $c --latent 128 --text 512 --dtype $d --out /tmp/flux_${c}_$d
+      fp8=--fp8; [ "$c" = flux-dev-d2 ] || fp8=  # the fp8 files at real widths for the two-block config only (disk and time)
+      run "flux $c 128+512 $d: diffusers" 600 python3 apps/diffusion/reference/models_flux.py --config $c --latent 128 --text 512 --dtype $d $fp8 --out /tmp/flux_${c}_$d
       run "flux $c 128+512 $d: flame" 600 "$BIN/flux_parity" check --dir /tmp/flux_${c}_$d --device cuda
       rm -rf /tmp/flux_${c}_$d
     done

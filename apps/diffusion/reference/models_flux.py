@@ -14,9 +14,9 @@ parameter so the zero-initialised layers take part) and writes into OUT:
                               single_blocks.N.linear1, final_layer.adaLN_modulation.1 with shift and
                               scale in BFL's order ...), converted here in the other direction from the
                               facts of diffusers' convert_flux_transformer_checkpoint_to_diffusers
-  flux_comfy_fp8.safetensors  (reduced configs) BFL names under "model.diffusion_model.", every 2-d
+  flux_comfy_fp8.safetensors  (reduced configs, and real ones with --fp8) BFL names under "model.diffusion_model.", every 2-d
                               weight F8_E4M3, plus two keys of other models (a ComfyUI full checkpoint)
-  flux_fp8_scaled.safetensors (reduced configs) bare BFL names, 2-d weights F8_E4M3 with a one-element
+  flux_fp8_scaled.safetensors (the same) bare BFL names, 2-d weights F8_E4M3 with a one-element
                               f32 .scale_weight each, .scale_input keys and the scaled_fp8 marker
   reference.safetensors       input.latents [B, C, H, W], input.hidden_states (FluxPipeline._pack_latents
                               of them), input.encoder_hidden_states, input.pooled_projections,
@@ -249,7 +249,7 @@ def write_reference(args):
     ref["rope.cos"], ref["rope.sin"] = model.pos_embed(ids)
     with torch.no_grad():
         ref["output.sample"] = run(model, x, guidance).float()
-    if tiny:
+    if tiny or args.fp8:
         for scaled, fname, key in [(False, "flux_comfy_fp8.safetensors", "output.fp8_sample"),
                                    (True, "flux_fp8_scaled.safetensors", "output.fp8_scaled_sample")]:
             stored, deq = fp8_of(original, scaled)
@@ -335,6 +335,7 @@ def main():
     ap.add_argument("--time", action="store_true", help="timing mode (bf16 autocast LoRA training step)")
     ap.add_argument("--checkpointing", default="0,1", help="timing: 0 and/or 1")
     ap.add_argument("--compile", action="store_true", help="timing: torch.compile the transformer (default mode)")
+    ap.add_argument("--fp8", action="store_true", help="also write the fp8 files for a real config (tiny: always)")
     ap.add_argument("--fp8-storage", action="store_true",
                     help="timing: the base stored in float8_e4m3fn, cast per layer (enable_layerwise_casting)")
     ap.add_argument("--steps", type=int, default=10)

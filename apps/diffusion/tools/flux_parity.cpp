@@ -2,7 +2,7 @@
 //
 //   flux_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|N|-1]
 //       DIR as models_flux.py writes it (transformer/ diffusers folder, flux_original.safetensors,
-//       for reduced configs flux_comfy_fp8.safetensors and flux_fp8_scaled.safetensors,
+//       flux_comfy_fp8.safetensors and flux_fp8_scaled.safetensors when written (reduced configs, --fp8),
 //       reference.safetensors). For each file that is there: loads the model in the reference's
 //       dtype, runs the forward on the stored inputs and compares the output (the fp8 files against
 //       diffusers on their dequantised weights); for the diffusers folder and the BFL file also adds
