@@ -50,6 +50,11 @@
 #              swapped, 8-bit AdamW); FLUX-dev under VRAM budgets (fit_vram_budget) and diffusers'
 #              fp8 storage beside it; the SDXL UNet step at 1024² with checkpointing per mode (the
 #              "under 10 GiB" row)
+#   full       #33's comparison: FLUX-dev full fine-tuning at 1024² on every GPU of the machine, batch 1
+#              per GPU, every block recomputed: flame-run + `flux_parity full` (ZeRO-3, bf16 compute over
+#              f32 shards, AdamW; rank 0 traces a step: the collectives against the compute), then
+#              torchrun + reference/fsdp_flux.py (FSDP2 fully_shard per block, the same precision
+#              policy); one line per rank each (step time, peak memory)
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -107,6 +112,7 @@ has flux && want flux_parity
 has finetune && want finetune_parity
 has finetune_e2e && want flame-diffusion
 has fp8 && want flux_parity sd3_parity unet_parity
+has full && want flux_parity flame-run
 [ -z "$TARGETS" ] && want flame-diffusion
 if ! ninja -C "$BUILD" $TARGETS >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
@@ -296,6 +302,14 @@ if has fp8; then
     apps/diffusion/reference/models_flux.py --config flux-dev --time --fp8-storage --checkpointing 0,1 --steps 5 --warmup 2
   run "fp8 sdxl: UNet LoRA r16 step at 1024², checkpointing, bf16 / fp8 (target: under 10 GiB)" 200 \
     "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 1 --fp8 none,dequantize,fp8
+fi
+if has full; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  [ "$ngpu" -lt 1 ] && ngpu=1
+  run "full flux-dev: flame ZeRO-3 on $ngpu GPUs (flame-run)" 600 "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" \
+    "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2 --trace 1
+  run "full flux-dev: PyTorch FSDP2 on $ngpu GPUs (torchrun)" 600 python3 -m torch.distributed.run --nproc-per-node "$ngpu" \
+    apps/diffusion/reference/fsdp_flux.py --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

@@ -45,6 +45,19 @@
 //       at the same step. --swap N keeps N blocks' frozen weights in host memory (offload::BlockSwap,
 //       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
 //       steps with optim::AdamW8bit instead of AdamW.
+//   flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]
+//                    [--dtype bf16] [--lr 1e-5] [--trace 0] [--device cuda]
+//       full fine-tuning (every weight trains: f32 weights, AdamW) on each rank of a flame-run job,
+//       batch 1 per rank (its own random latents and text), mse loss, random weights. --zero S on
+//       several ranks: dist::ZeroRedundancyOptimizer stage S; 3 (the default) shards the 19 + 38
+//       blocks' parameters, gathers each block in --dtype just before its forward and again for its
+//       recomputed backward (every block is checkpointed; ZeroOptions::compute_dtype), prefetching the
+//       next; the other parameters as stage 2. One process trains with plain AdamW. --dtype bf16 runs
+//       under bf16 autocast (f32: none). Every rank prints one JSON line: the median step time (CUDA
+//       events; wall clock on the CPU), its peak allocated memory after the warm-up and the parameter
+//       elements of the model. --trace N: rank 0 then records N more steps (every rank runs them) and
+//       prints where the GPU time goes and where the collectives ran against the compute (NCCL's
+//       kernel time, the part overlapped, the part exposed). The PyTorch twin: reference/fsdp_flux.py.
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
 //                     [--group op|module|op_and_module] [--json FILE]
 //       what the same step keeps for its backward (any device; on the CPU in bf16 the saved tensors
@@ -64,12 +77,14 @@
 #include <flame/amp.h>
 #include <flame/cuda.h>
 #include <flame/cuda/graph_step.h>
+#include <flame/dist.h>
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
 #include <flame/nn.h>
 #include <flame/optim.h>
 #include <flame/profiler.h>
 
+#include "distributed.h"
 #include "models/flux.h"
 #include "parity_util.h"
 
@@ -89,6 +104,8 @@ const char* kUsage =
     "  flux_parity losses --config flux-dev [--latent 128] [--text 512] [--rank 16] [--steps 50]\n"
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
+    "  flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]\n"
+    "                   [--dtype bf16] [--lr 1e-5] [--trace 0] [--device cuda]   (under flame-run: one line per rank)\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -101,7 +118,7 @@ using flame_diffusion::tools::print_kernel_trace;
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
-                                         "offload-blocks", "offload-min-mib", "offload-prefetch-mib"};
+                                         "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -482,9 +499,114 @@ int saved(const std::map<std::string, std::string>& f) {
   return 0;
 }
 
+// ---- full fine-tuning on the ranks of a flame-run job (#33's comparison with FSDP2) ----
+int full(const std::map<std::string, std::string>& f) {
+  const std::string name = flag_or(f, "config", "flux-dev");
+  const auto config = fm::flux_preset(name);
+  const int64_t latent = int_list("latent", flag_or(f, "latent", "128")).at(0);
+  const int64_t text = int_list("text", flag_or(f, "text", "512")).at(0);
+  const int64_t steps = int_list("steps", flag_or(f, "steps", "6")).at(0);
+  const int64_t warmup = int_list("warmup", flag_or(f, "warmup", "2")).at(0);
+  const int64_t zero = int_list("zero", flag_or(f, "zero", "3")).at(0);
+  const int64_t trace_steps = int_list("trace", flag_or(f, "trace", "0")).at(0);
+  const std::string dtype_flag = flag_or(f, "dtype", "bf16");
+  const double lr = std::stod(flag_or(f, "lr", "1e-5"));
+  if (latent % 2 != 0 || latent <= 0 || text <= 0) throw std::runtime_error("--latent must be even and positive, --text positive");
+  if (zero < 0 || zero > 3) throw std::runtime_error("--zero must be 0, 1, 2 or 3, got " + std::to_string(zero));
+  if (dtype_flag != "bf16" && dtype_flag != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got " + dtype_flag);
+  if (steps <= 0 || warmup < 0) throw std::runtime_error("--steps must be positive and --warmup not negative");
+  const bool low = dtype_flag == "bf16";
+  const flame::Device device = flame_diffusion::init_distributed(parse_device(flag_or(f, "device", "cuda")));
+  const int world = flame_diffusion::dist_world(), rank = flame_diffusion::dist_rank();
+  const int64_t stage = world > 1 ? zero : 0;
+  if (trace_steps > 0 && !device.is_cuda()) throw std::runtime_error("--trace needs --device cuda");
+
+  const flame::TensorOptions o(DType::f32, device);
+  auto model = std::make_shared<fm::FluxTransformer2DModel>(config, o);
+  model->train();
+  const flame::TensorList params = model->parameters();
+  int64_t elements = 0;
+  for (const Tensor& p : params) elements += p.numel();
+  const flame::optim::AdamWOptions adamw{.lr = lr};
+  std::unique_ptr<flame::optim::Optimizer> opt;
+  flame::dist::ZeroRedundancyOptimizer* sharded = nullptr;
+  if (stage > 0) {
+    flame::dist::ZeroOptions zo;
+    zo.stage = static_cast<int>(stage);
+    if (stage == 3) {
+      zo.blocks = model->stack_blocks();
+      if (low) zo.compute_dtype = DType::bf16;
+    }
+    auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(
+        std::vector<flame::optim::ParamGroup>{adamw.group(params)},
+        [&](std::vector<flame::optim::ParamGroup> groups) -> std::unique_ptr<flame::optim::Optimizer> {
+          return std::make_unique<flame::optim::AdamW>(std::move(groups), adamw);
+        },
+        nullptr, zo);
+    sharded = z.get();
+    opt = std::move(z);
+    if (stage == 3) {
+      model->set_block_runner([sharded](std::size_t i, const std::function<Tensor(const flame::TensorList&)>& fn,
+                                        const flame::TensorList& in) { return sharded->run_block(i, fn, in); });
+    }
+  } else {
+    opt = std::make_unique<flame::optim::AdamW>(std::vector<flame::optim::ParamGroup>{adamw.group(params)}, adamw);
+  }
+
+  flame::Generator gen(1000 + static_cast<uint64_t>(rank));
+  const int64_t tokens = (latent / 2) * (latent / 2);
+  const Tensor x = Tensor::randn({1, tokens, config.in_channels}, 0.0, 1.0, o, &gen);
+  const Tensor target = Tensor::randn({1, tokens, config.output_channels()}, 0.0, 1.0, o, &gen);
+  const Tensor ctx = Tensor::randn({1, text, config.joint_attention_dim}, 0.0, 1.0, o, &gen);
+  const Tensor pooled = Tensor::randn({1, config.pooled_projection_dim}, 0.0, 1.0, o, &gen);
+  const Tensor t = Tensor::full({1}, 0.5, o);
+  const Tensor g = config.guidance_embeds ? Tensor::full({1}, 3.5, o) : Tensor();
+  const Tensor img_ids = fm::flux_img_ids(latent, latent, device), txt_ids = fm::flux_txt_ids(text, device);
+  auto step = [&] {
+    Tensor out;
+    {
+      flame::amp::AutocastGuard autocast(low, device.type);
+      out = model->forward(x, ctx, pooled, t, img_ids, txt_ids, g);
+    }
+    opt->step(flame::mse_loss(out.to(DType::f32), target).backward());
+  };
+  double median = 0, peak_gib = 0;
+  if (device.is_cuda()) {
+    const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
+    median = times.median_ms;
+    peak_gib = times.peak_gib;
+  } else {
+    for (int64_t i = 0; i < warmup; ++i) step();
+    std::vector<double> ms;
+    for (int64_t i = 0; i < steps; ++i) {
+      const auto a = std::chrono::steady_clock::now();
+      step();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - a).count());
+    }
+    std::sort(ms.begin(), ms.end());
+    median = ms[ms.size() / 2];
+  }
+  std::printf("{\"impl\": \"flame\", \"work\": \"%s_full_step\", \"rank\": %d, \"world\": %d, \"zero_stage\": %lld, "
+              "\"dtype\": \"%s\", \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
+              "\"parameters\": %lld, \"device\": \"%s\"}\n",
+              name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), static_cast<long long>(latent),
+              static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), device.str().c_str());
+  std::fflush(stdout);
+  if (trace_steps > 0) {
+    if (rank == 0) {
+      print_kernel_trace(step, trace_steps);
+    } else {
+      for (int64_t i = 0; i < trace_steps; ++i) step();
+    }
+  }
+  flame_diffusion::dist_barrier();
+  flame_diffusion::finish_distributed();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   return flame_diffusion::tools::run_tool(argc, argv, "flux_parity", kUsage, kFlags,
-                                          {{"check", check}, {"time", time_steps}, {"saved", saved}, {"losses", losses}});
+                                          {{"check", check}, {"time", time_steps}, {"saved", saved}, {"losses", losses}, {"full", full}});
 }

@@ -3,11 +3,13 @@
 // command-line flags, and a kernel trace of a step.
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <flame/flame.h>
@@ -213,6 +215,45 @@ inline void print_idle_time(const std::vector<flame::profiler::KernelRecord>& re
   }
 }
 
+// Where a step's collectives ran against its compute (rank 0's trace of `steps` steps): the union
+// of NCCL's kernels (names starting "nccl"), the part of it that other kernels overlapped, the part
+// exposed (the GPU ran only communication), and the first collective's start and the last one's end
+// relative to the trace's first record. One "# " line; nothing when no collective ran.
+inline void print_comm_overlap(const std::vector<flame::profiler::KernelRecord>& records, double steps) {
+  using Span = std::pair<uint64_t, uint64_t>;
+  std::vector<Span> comm, other;
+  for (const auto& r : records) {
+    if (r.end_ns <= r.start_ns) continue;
+    (r.name.rfind("nccl", 0) == 0 ? comm : other).emplace_back(r.start_ns, r.end_ns);
+  }
+  if (comm.empty() || records.empty()) return;
+  auto merged = [](std::vector<Span> v) {
+    std::sort(v.begin(), v.end());
+    std::vector<Span> out;
+    for (const Span& s : v) {
+      if (!out.empty() && s.first <= out.back().second) out.back().second = std::max(out.back().second, s.second);
+      else out.push_back(s);
+    }
+    return out;
+  };
+  const std::vector<Span> c = merged(comm), o = merged(other);
+  uint64_t comm_ns = 0, overlap_ns = 0;
+  for (const Span& s : c) comm_ns += s.second - s.first;
+  for (std::size_t i = 0, j = 0; i < c.size() && j < o.size();) {  // the intersection of two sorted unions
+    const uint64_t lo = std::max(c[i].first, o[j].first), hi = std::min(c[i].second, o[j].second);
+    if (hi > lo) overlap_ns += hi - lo;
+    if (c[i].second < o[j].second) ++i;
+    else ++j;
+  }
+  uint64_t t0 = records.front().start_ns, t1 = 0;
+  for (const auto& r : records) t1 = std::max(t1, r.end_ns);
+  auto ms = [steps](uint64_t ns) { return static_cast<double>(ns) * 1e-6 / steps; };
+  std::printf("# collectives: %.2f ms/step of NCCL kernels, %.2f ms overlapped by compute, %.2f ms exposed; the "
+              "first starts %.2f ms and the last ends %.2f ms into the %.2f ms traced (%zu collective kernels)\n",
+              ms(comm_ns), ms(overlap_ns), ms(comm_ns - overlap_ns), static_cast<double>(c.front().first - t0) * 1e-6,
+              static_cast<double>(c.back().second - t0) * 1e-6, static_cast<double>(t1 - t0) * 1e-6, comm.size());
+}
+
 // Where the GPU time of `steps` more steps goes (profiler::KernelTrace), by kernel name (grouped
 // by their first 60 characters), and the host gap of a step (span - busy), with print_idle_time, as "# "
 // lines.
@@ -231,6 +272,7 @@ inline void print_kernel_trace(const std::function<void()>& step, int64_t steps)
                 static_cast<double>(row.calls) / n, row.name.c_str());
   }
   print_idle_time(trace.records(), n);
+  print_comm_overlap(trace.records(), n);
   std::fflush(stdout);
 }
 
