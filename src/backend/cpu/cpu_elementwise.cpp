@@ -1,8 +1,10 @@
 // CPU reference: copies, fills, elementwise unary/binary/where, random numbers. Copies, fills,
 // unary, binary and where run over the CPU pool above kParallelGrain elements (Note [CPU threads]).
+// The unary and binary kernels themselves are compiled in parts (cpu_elementwise_parts.h).
 #include <algorithm>
 
 #include "src/backend/cpu/cpu_backend.h"
+#include "src/backend/cpu/cpu_elementwise_parts.h"
 #include "src/random/philox.h"
 
 namespace flame::backend::cpu {
@@ -27,70 +29,6 @@ void copy_typed(const Tensor& dst, const Tensor& src) {
                       {sizeof(Dst), sizeof(Src)}, [](std::array<char*, 2> p) {
                         *reinterpret_cast<Dst*>(p[0]) = convert<Dst>(*reinterpret_cast<const Src*>(p[1]));
                       });
-}
-
-template <class F, class T, class O>
-void unary_typed(const Tensor& dst, const Tensor& src, const UnaryParams& prm) {
-  using C = compute_t<T>;
-  const F f{};
-  if (dst.is_contiguous() && src.is_contiguous()) {
-    auto* d = static_cast<O*>(dst.data_ptr());
-    const auto* s = static_cast<const T*>(src.data_ptr());
-    parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) d[i] = convert<O>(f(convert<C>(s[i]), prm));
-    });
-    return;
-  }
-  parallel_for_each_element<2>(dst.sizes(), {bytes(dst), bytes(src)}, {&dst.strides(), &src.strides()},
-                      {sizeof(O), sizeof(T)}, [&](std::array<char*, 2> p) {
-                        *reinterpret_cast<O*>(p[0]) =
-                            convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])), prm));
-                      });
-}
-
-template <class F>
-void unary_dispatch(const Tensor& dst, const Tensor& src, const UnaryParams& p) {
-  dispatch_dtype(src.dtype(), "unary", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (dst.dtype() == DType::boolean) {
-      unary_typed<F, T, bool>(dst, src, p);
-    } else {
-      unary_typed<F, T, T>(dst, src, p);
-    }
-  });
-}
-
-template <class F, class T, class O>
-void binary_typed(const Tensor& dst, const Tensor& a, const Tensor& b) {
-  using C = compute_t<T>;
-  const F f{};
-  if (dst.is_contiguous() && a.is_contiguous() && b.is_contiguous()) {
-    auto* d = static_cast<O*>(dst.data_ptr());
-    const auto* x = static_cast<const T*>(a.data_ptr());
-    const auto* y = static_cast<const T*>(b.data_ptr());
-    parallel_for(dst.numel(), kParallelGrain, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) d[i] = convert<O>(f(convert<C>(x[i]), convert<C>(y[i])));
-    });
-    return;
-  }
-  parallel_for_each_element<3>(dst.sizes(), {bytes(dst), bytes(a), bytes(b)},
-                      {&dst.strides(), &a.strides(), &b.strides()}, {sizeof(O), sizeof(T), sizeof(T)},
-                      [&](std::array<char*, 3> p) {
-                        *reinterpret_cast<O*>(p[0]) = convert<O>(f(convert<C>(*reinterpret_cast<const T*>(p[1])),
-                                                                   convert<C>(*reinterpret_cast<const T*>(p[2]))));
-                      });
-}
-
-template <class F>
-void binary_dispatch(const Tensor& dst, const Tensor& a, const Tensor& b) {
-  dispatch_dtype(a.dtype(), "binary", [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    if (dst.dtype() == DType::boolean) {
-      binary_typed<F, T, bool>(dst, a, b);
-    } else {
-      binary_typed<F, T, T>(dst, a, b);
-    }
-  });
 }
 
 }  // namespace
@@ -133,22 +71,20 @@ void CpuBackend::iota(const Tensor& dst, double start, double step) {
   });
 }
 
+// Note [Elementwise parts]: the ops' kernels are compiled in parts (cpu_elementwise_parts.h).
 void CpuBackend::unary(UnaryOp op, const Tensor& dst, const Tensor& src, const UnaryParams& p) {
-  switch (op) {
-#define FLAME_CASE(name, Functor, kind, ...) \
-  case UnaryOp::name: return unary_dispatch<fn::Functor>(dst, src, p);
-    FLAME_UNARY_OPS(FLAME_CASE)
-#undef FLAME_CASE
+  static_assert(ew::kUnaryParts == 4 && ew::kBinaryParts == 2, "route every part below");
+  switch (ew::unary_part_of(op)) {
+    case 0: return ew::unary_part<0>(op, dst, src, p);
+    case 1: return ew::unary_part<1>(op, dst, src, p);
+    case 2: return ew::unary_part<2>(op, dst, src, p);
+    default: return ew::unary_part<3>(op, dst, src, p);
   }
 }
 
 void CpuBackend::binary(BinaryOp op, const Tensor& dst, const Tensor& a, const Tensor& b) {
-  switch (op) {
-#define FLAME_CASE(name, Functor, kind, ...) \
-  case BinaryOp::name: return binary_dispatch<fn::Functor>(dst, a, b);
-    FLAME_BINARY_OPS(FLAME_CASE)
-#undef FLAME_CASE
-  }
+  if (ew::binary_part_of(op) == 0) return ew::binary_part<0>(op, dst, a, b);
+  return ew::binary_part<1>(op, dst, a, b);
 }
 
 void CpuBackend::where(const Tensor& dst, const Tensor& cond, const Tensor& a, const Tensor& b) {
