@@ -26,7 +26,8 @@
 //       under M MiB on the device, --offload-prefetch-mib P brings P MiB back ahead in the backward
 //       (default 0: one tensor) (BlockStack::set_activation_offload). The JSON line adds
 //       offload_blocks and offloaded_gib (what the last forward moved).
-//       --trace N prints where the GPU time of N more steps goes (profiler::KernelTrace).
+//       --trace N prints where the GPU time of N more steps goes and where the GPU sat idle
+//       (profiler::KernelTrace; parity_util.h print_idle_time).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
 //       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8):

@@ -22,7 +22,8 @@
 //       --offload 1 moves the checkpointed blocks' inputs to pinned host memory (set_activation_offload);
 //       --offload-blocks N,..., --offload-min-mib M and --offload-prefetch-mib P as flux_parity's (what
 //       the first N blocks save, checkpointed or not; saved tensors under M MiB stay; P MiB ahead).
-//       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel.
+//       --trace N records the kernels of N more steps (profiler::KernelTrace): GPU time by kernel, and
+//       where the GPU sat idle (parity_util.h print_idle_time).
 //       --recompute 0,1 runs the forward without / under autograd::RecomputeCheap (docs/recompute.md).
 //       --graph 0,1 runs the step eagerly / as one CUDA graph (flame::cuda::GraphedStep).
 //       --fp8 none,dequantize,fp8 stores the frozen Linear weights in 8 bits (nn::quantize_float8,
