@@ -55,8 +55,8 @@
 //       recomputed backward (every block is checkpointed; ZeroOptions::compute_dtype), prefetching the
 //       next; the other parameters as stage 2. One process trains with plain AdamW. --dtype bf16 runs
 //       under bf16 autocast (f32: none). Every rank prints one JSON line: the median step time (CUDA
-//       events; wall clock on the CPU), its peak allocated memory after the warm-up and the parameter
-//       elements of the model. --trace N: rank 0 then records N more steps (every rank runs them) and
+//       events; wall clock on the CPU), its peak allocated memory after the warm-up, the model's parameter
+//       elements, and the parameters and optimizer state the rank holds (ZeRO's memory_report). --trace N: rank 0 then records N more steps (every rank runs them) and
 //       prints where the GPU time goes and where the collectives ran against the compute (NCCL's
 //       kernel time, the part overlapped, the part exposed). The PyTorch twin: reference/fsdp_flux.py.
 //   flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]
@@ -587,11 +587,19 @@ int full(const std::map<std::string, std::string>& f) {
     std::sort(ms.begin(), ms.end());
     median = ms[ms.size() / 2];
   }
+  // What the optimizer holds on this rank (ZeRO's accounting; one process: the whole model's).
+  double param_gib = static_cast<double>(elements) * 4.0 / (1u << 30), state_gib = 2.0 * param_gib;
+  if (sharded) {
+    const auto mem = sharded->memory_report();
+    param_gib = static_cast<double>(mem.parameter_bytes) / (1u << 30);
+    state_gib = static_cast<double>(mem.state_bytes) / (1u << 30);
+  }
   std::printf("{\"impl\": \"flame\", \"work\": \"%s_full_step\", \"rank\": %d, \"world\": %d, \"zero_stage\": %lld, "
               "\"dtype\": \"%s\", \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
-              "\"parameters\": %lld, \"device\": \"%s\"}\n",
+              "\"parameters\": %lld, \"parameters_held_gib\": %.3f, \"optimizer_state_gib\": %.3f, \"device\": \"%s\"}\n",
               name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), static_cast<long long>(latent),
-              static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), device.str().c_str());
+              static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), param_gib, state_gib,
+              device.str().c_str());
   std::fflush(stdout);
   if (trace_steps > 0) {
     if (rank == 0) {
