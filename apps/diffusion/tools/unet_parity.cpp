@@ -22,12 +22,13 @@
 //       --trace N records the kernels of N more steps (profiler::KernelTrace) and prints where the
 //       GPU time goes, and the host gap (span - busy) per step.
 //   unet_parity saved --config sdxl [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]
-//                     [--dtype bf16|f32] [--device cpu]
+//                     [--dtype bf16|f32] [--adapters bf16|f32] [--device cpu]
 //       what the LoRA training step keeps for its backward, measured where no GPU is needed: one
 //       JSON line per recompute setting with autograd_saved_bytes of the loss, the memory the
 //       forward left allocated (the memory profiler) grouped by the op that allocated it, and the
 //       step's peak above the weights (forward + backward). Attention takes the fused path (on
-//       the CPU its reference), whose saved tensors are those of the CUDA bf16 step.
+//       the CPU its reference), whose saved tensors are those of the CUDA bf16 step. --adapters f32
+//       runs the trainer's precision: f32 adapters on the bf16 model, the forward under bf16 autocast.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +43,7 @@
 #include <flame/cuda/graph_step.h>
 #include <flame/flame.h>
 #include <flame/io/safetensors.h>
+#include <flame/amp.h>
 #include <flame/nn.h>
 #include <flame/optim.h>
 #include <flame/profiler.h>
@@ -63,10 +65,10 @@ const char* kUsage =
     "                    [--graph 0,1] [--trace N] [--fp8 none]\n"
     "                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]\n"
     "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
-    "                    [--dtype bf16|f32] [--device cpu]\n";
+    "                    [--dtype bf16|f32] [--adapters bf16|f32] [--device cpu]\n";
 
 const std::vector<std::string> kFlags = {"dir",  "device", "checkpointing", "config", "latent", "batch", "rank",
-                                          "steps", "warmup", "recompute", "dtype", "graph", "trace", "fp8"};
+                                          "steps", "warmup", "recompute", "dtype", "graph", "trace", "fp8", "adapters"};
 
 using flame_diffusion::tools::int_list;
 using flame_diffusion::tools::parse_device;
@@ -357,8 +359,15 @@ int saved(const std::map<std::string, std::string>& f) {
   if (dt != "bf16" && dt != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got '" + dt + "'");
   const DType dtype = dt == "bf16" ? DType::bf16 : DType::f32;
   const flame::TensorOptions o(dtype, device);
+  // --adapters f32: the trainer's precision (diffusers' scripts): f32 adapters on the bf16 model,
+  // the forward under bf16 autocast. bf16 (the default): everything bf16, no autocast.
+  const std::string adapters = get(f, "adapters", "bf16");
+  if (adapters != "bf16" && adapters != "f32") throw std::runtime_error("--adapters must be bf16 or f32, got '" + adapters + "'");
+  const bool f32_adapters = adapters == "f32";
+  if (f32_adapters && dtype != DType::bf16) throw std::runtime_error("--adapters f32 needs --dtype bf16 (the model)");
   auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
   unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+  if (f32_adapters) flame::nn::adapters_to(*unet, DType::f32);
   unet->train();
   std::size_t weight_bytes = 0;
   for (const Tensor& p : unet->parameters()) weight_bytes += static_cast<std::size_t>(p.numel()) * flame::dtype_size(p.dtype());
@@ -371,7 +380,12 @@ int saved(const std::map<std::string, std::string>& f) {
     std::vector<flame::profiler::MemoryGroup> groups;
     {
       flame::profiler::MemoryProfileScope scope(prof);
-      const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
+      Tensor out;
+      {
+        flame::amp::AutocastGuard autocast(f32_adapters, device.type);
+        out = in.forward(*unet);
+      }
+      const Tensor loss = flame::mse_loss(out.to(DType::f32), in.target.to(DType::f32));
       saved_bytes = flame::autograd_saved_bytes(loss);
       for (const auto& s : prof.summary()) {
         if (s.device == device) forward_bytes = s.end_bytes - s.start_bytes;
@@ -388,10 +402,10 @@ int saved(const std::map<std::string, std::string>& f) {
       if (g.phase == "before") continue;  // held since before the forward (the weights)
       by_op += (by_op.empty() ? "" : ", ") + std::string("\"") + g.op + "\": " + std::to_string(g.bytes);
     }
-    std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_saved\", \"dtype\": \"%s\", \"latent\": %lld, "
+    std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_saved\", \"dtype\": \"%s\", \"adapters\": \"%s\", \"latent\": %lld, "
                 "\"batch\": %lld, \"recompute_cheap\": %s, \"weight_bytes\": %zu, \"saved_bytes\": %zu, "
                 "\"forward_live_bytes\": %zu, \"step_peak_above_start_bytes\": %zu, \"forward_live_by_op\": {%s}}\n",
-                name.c_str(), static_cast<long long>(rank), dt.c_str(), static_cast<long long>(latent),
+                name.c_str(), static_cast<long long>(rank), dt.c_str(), adapters.c_str(), static_cast<long long>(latent),
                 static_cast<long long>(batch), recompute ? "true" : "false", weight_bytes, saved_bytes, forward_bytes,
                 peak, by_op.c_str());
     std::fflush(stdout);
