@@ -54,7 +54,8 @@
 #              per GPU, every block recomputed: flame-run + `flux_parity full` (ZeRO-3, bf16 compute over
 #              f32 shards, AdamW; rank 0 traces a step: the collectives against the compute), then
 #              torchrun + reference/fsdp_flux.py (FSDP2 fully_shard per block, the same precision
-#              policy); one line per rank each (step time, peak memory)
+#              policy), and flame with the trainer's precision (--params bf16: bf16 shards, AdamW's f32
+#              masters); one line per rank each (step time, peak memory)
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -308,6 +309,9 @@ if has full; then
   [ "$ngpu" -lt 1 ] && ngpu=1
   run "full flux-dev: flame ZeRO-3 on $ngpu GPUs (flame-run)" 600 "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" \
     "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2 --trace 1
+  run "full flux-dev: flame ZeRO-3 on $ngpu GPUs, the trainer's precision (bf16 shards, f32 masters)" 600 \
+    "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 \
+    --steps 6 --warmup 2 --params bf16
   run "full flux-dev: PyTorch FSDP2 on $ngpu GPUs (torchrun)" 600 python3 -m torch.distributed.run --nproc-per-node "$ngpu" \
     apps/diffusion/reference/fsdp_flux.py --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2
 fi

@@ -47,14 +47,15 @@
 //       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
 //       steps with optim::AdamW8bit instead of AdamW.
 //   flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]
-//                    [--dtype bf16] [--lr 1e-5] [--trace 0] [--device cuda]
+//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--device cuda]
 //       full fine-tuning (every weight trains: f32 weights, AdamW) on each rank of a flame-run job,
 //       batch 1 per rank (its own random latents and text), mse loss, random weights. --zero S on
 //       several ranks: dist::ZeroRedundancyOptimizer stage S; 3 (the default) shards the 19 + 38
 //       blocks' parameters, gathers each block in --dtype just before its forward and again for its
 //       recomputed backward (every block is checkpointed; ZeroOptions::compute_dtype), prefetching the
 //       next; the other parameters as stage 2. One process trains with plain AdamW. --dtype bf16 runs
-//       under bf16 autocast (f32: none). Every rank prints one JSON line: the median step time (CUDA
+//       under bf16 autocast (f32: none). --params bf16 runs the trainer's precision instead: a bf16
+//       model (bf16 shards) with AdamW's f32 master weights. Every rank prints one JSON line: the median step time (CUDA
 //       events; wall clock on the CPU), its peak allocated memory after the warm-up, the model's parameter
 //       elements, and the parameters and optimizer state the rank holds (ZeRO's memory_report). --trace N: rank 0 then records N more steps (every rank runs them) and
 //       prints where the GPU time goes and where the collectives ran against the compute (NCCL's
@@ -106,7 +107,8 @@ const char* kUsage =
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
     "  flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]\n"
-    "                   [--dtype bf16] [--lr 1e-5] [--trace 0] [--device cuda]   (under flame-run: one line per rank)\n"
+    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--device cuda]   (under flame-run: one line\n"
+    "                   per rank)\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -119,7 +121,8 @@ using flame_diffusion::tools::print_kernel_trace;
 const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "config", "latent", "text",
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
-                                         "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype"};
+                                         "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype",
+                                         "params"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -517,13 +520,19 @@ int full(const std::map<std::string, std::string>& f) {
   if (dtype_flag != "bf16" && dtype_flag != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got " + dtype_flag);
   if (steps <= 0 || warmup < 0) throw std::runtime_error("--steps must be positive and --warmup not negative");
   const bool low = dtype_flag == "bf16";
+  // --params bf16: the trainer's full fine-tuning (a bf16 model, bf16 shards, AdamW's f32 master
+  // weights of them); f32 (the default): f32 shards gathered in bf16, FSDP2's MixedPrecisionPolicy.
+  const std::string params_flag = flag_or(f, "params", "f32");
+  if (params_flag != "f32" && params_flag != "bf16") throw std::runtime_error("--params must be f32 or bf16, got " + params_flag);
+  if (params_flag == "bf16" && !low) throw std::runtime_error("--params bf16 needs --dtype bf16");
+  const DType param_dtype = params_flag == "bf16" ? DType::bf16 : DType::f32;
   const flame::Device device = flame_diffusion::init_distributed(parse_device(flag_or(f, "device", "cuda")));
   const int world = flame_diffusion::dist_world(), rank = flame_diffusion::dist_rank();
   const int64_t stage = world > 1 ? zero : 0;
   if (trace_steps > 0 && !device.is_cuda()) throw std::runtime_error("--trace needs --device cuda");
 
   const flame::TensorOptions o(DType::f32, device);
-  auto model = std::make_shared<fm::FluxTransformer2DModel>(config, o);
+  auto model = std::make_shared<fm::FluxTransformer2DModel>(config, flame::TensorOptions(param_dtype, device));
   model->train();
   const flame::TensorList params = model->parameters();
   int64_t elements = 0;
@@ -536,7 +545,7 @@ int full(const std::map<std::string, std::string>& f) {
     zo.stage = static_cast<int>(stage);
     if (stage == 3) {
       zo.blocks = model->stack_blocks();
-      if (low) zo.compute_dtype = DType::bf16;
+      if (low && param_dtype == DType::f32) zo.compute_dtype = DType::bf16;
     }
     auto z = std::make_unique<flame::dist::ZeroRedundancyOptimizer>(
         std::vector<flame::optim::ParamGroup>{adamw.group(params)},
@@ -588,16 +597,19 @@ int full(const std::map<std::string, std::string>& f) {
     median = ms[ms.size() / 2];
   }
   // What the optimizer holds on this rank (ZeRO's accounting; one process: the whole model's).
-  double param_gib = static_cast<double>(elements) * 4.0 / (1u << 30), state_gib = 2.0 * param_gib;
+  const double element_bytes = static_cast<double>(flame::dtype_size(param_dtype));
+  double param_gib = static_cast<double>(elements) * element_bytes / (1u << 30);
+  double state_gib = static_cast<double>(elements) * (param_dtype == DType::f32 ? 8.0 : 12.0) / (1u << 30);  // moments (+ masters)
   if (sharded) {
     const auto mem = sharded->memory_report();
     param_gib = static_cast<double>(mem.parameter_bytes) / (1u << 30);
     state_gib = static_cast<double>(mem.state_bytes) / (1u << 30);
   }
   std::printf("{\"impl\": \"flame\", \"work\": \"%s_full_step\", \"rank\": %d, \"world\": %d, \"zero_stage\": %lld, "
-              "\"dtype\": \"%s\", \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
+              "\"dtype\": \"%s\", \"params\": \"%s\", \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
               "\"parameters\": %lld, \"parameters_held_gib\": %.3f, \"optimizer_state_gib\": %.3f, \"device\": \"%s\"}\n",
-              name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), static_cast<long long>(latent),
+              name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), params_flag.c_str(),
+              static_cast<long long>(latent),
               static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), param_gib, state_gib,
               device.str().c_str());
   std::fflush(stdout);
