@@ -16,7 +16,8 @@
 #   time       bf16 timings beside diffusers: VAE decode/encode at 1024² (sdxl, flux; eager and
 #              torch.compile, tiled and untiled, and the tiled-vs-untiled difference of both), the
 #              SDXL UNet LoRA r16 training step (batch 1 and 4, with and without gradient
-#              checkpointing and RecomputeCheap; batch 1 also as one CUDA graph) and a kernel trace
+#              checkpointing and RecomputeCheap; batch 1 also as one CUDA graph; batch 1 at the trainer's
+#              precision, f32 adapters under autocast, on both sides) and a kernel trace
 #   compile    the SDXL UNet step under torch.compile (slow to compile: its own stage)
 #   finetune   the LoRA training loop of diffusers' scripts (reference/finetune_loop.py: SDXL, FLUX-dev at
 #              1024², bf16 weights and autocast, f32 adapters, 20 AdamW steps) replayed by
@@ -188,6 +189,11 @@ if has time && part unet; then
   run "time unet sdxl b1: flame" 400 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0,1 --recompute 0,1 --graph 0,1
   run "time unet sdxl b4: flame" 300 "$BIN/unet_parity" time --config sdxl --batch 4 --checkpointing 0,1 --recompute 0,1
   run "time unet sdxl b1: flame kernel trace" 200 "$BIN/unet_parity" time --config sdxl --batch 1 --checkpointing 0 --trace 3
+  # The trainer's precision (f32 adapters under bf16 autocast) on both sides: the like-for-like memory row.
+  run "time unet sdxl b1, f32 adapters under autocast: diffusers" 300 python3 apps/diffusion/reference/models_unet.py \
+    --config sdxl --time --batch-list 1 --checkpointing 0 --adapters f32
+  run "time unet sdxl b1, f32 adapters under autocast: flame" 300 "$BIN/unet_parity" time --config sdxl --batch 1 \
+    --checkpointing 0 --recompute 0,1 --adapters f32
 fi
 if has time && part text; then
   for c in ${TEXT_CONFIGS:-t5-xxl clip-l clip-g}; do  # T5 16 x 512, CLIP 64 x 77, bf16

@@ -9,7 +9,7 @@
 //       gradients (per group: down / mid / up blocks, A and B), then one PASS or FAIL line.
 //       Tolerances (relative): f32 1e-3 outputs, 1e-2 gradients; bf16 5e-2 and 1e-1.
 //   unet_parity time --config sdxl [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]
-//                    [--graph 0] [--trace 0] [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
+//                    [--graph 0] [--trace 0] [--adapters bf16] [--rank 16] [--steps 10] [--warmup 3] [--device cuda]
 //       the bf16 LoRA training step (random weights, AdamW on the adapters, mse loss) timed with
 //       CUDA events: one JSON line per (batch, checkpointing, recompute) with the median step time,
 //       the peak allocated memory and MFU (step_flops: convolutions and linears 2x their forward,
@@ -20,7 +20,9 @@
 //       --graph 1 captures the whole step (forward, backward, capturable AdamW) once as a CUDA graph
 //       (cuda::GraphedStep) and replays it; its peak counts the graph's private pool.
 //       --trace N records the kernels of N more steps (profiler::KernelTrace) and prints where the
-//       GPU time goes, and the host gap (span - busy) per step.
+//       GPU time goes, and where the GPU sat idle (parity_util.h print_idle_time).
+//       --adapters f32 runs the trainer's precision (f32 adapters, the forward under bf16 autocast),
+//       as models_unet.py --time --adapters f32 does.
 //   unet_parity saved --config sdxl [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]
 //                     [--dtype bf16|f32] [--adapters bf16|f32] [--device cpu]
 //       what the LoRA training step keeps for its backward, measured where no GPU is needed: one
@@ -62,7 +64,7 @@ const char* kUsage =
     "usage:\n"
     "  unet_parity check --dir DIR [--device cuda|cpu] [--checkpointing 0|1]\n"
     "  unet_parity time  --config sdxl|sd15|sd21 [--latent 128] [--batch 1,4] [--checkpointing 0,1] [--recompute 0]\n"
-    "                    [--graph 0,1] [--trace N] [--fp8 none]\n"
+    "                    [--graph 0,1] [--trace N] [--fp8 none] [--adapters bf16|f32]\n"
     "                    [--rank 16] [--steps 10] [--warmup 3] [--device cuda]\n"
     "  unet_parity saved --config sdxl|sd15|sd21 [--latent 32] [--batch 1] [--recompute 0,1] [--rank 16]\n"
     "                    [--dtype bf16|f32] [--adapters bf16|f32] [--device cpu]\n";
@@ -259,6 +261,14 @@ StepInputs step_inputs(const fm::UNet2DConditionConfig& config, int64_t batch, i
   return in;
 }
 
+// --adapters f32: the trainer's precision (diffusers' scripts): f32 adapters on the bf16 model, the
+// forward under bf16 autocast. bf16 (the default): everything bf16, no autocast. True for f32.
+bool f32_adapters_flag(const std::map<std::string, std::string>& f) {
+  const std::string a = get(f, "adapters", "bf16");
+  if (a != "bf16" && a != "f32") throw std::runtime_error("--adapters must be bf16 or f32, got '" + a + "'");
+  return a == "f32";
+}
+
 int time_steps(const std::map<std::string, std::string>& f) {
   const std::string name = get(f, "config", "sdxl");
   const auto config = fm::unet2d_preset(name);
@@ -273,6 +283,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
   const std::vector<int64_t> recomputes = int_list("recompute", get(f, "recompute", "0"));
   const std::vector<int64_t> graphs = int_list("graph", get(f, "graph", "0"));
   const int64_t trace_steps = int_list("trace", get(f, "trace", "0")).at(0);
+  const bool f32_adapters = f32_adapters_flag(f);
   for (const std::string& fp8 : flame_diffusion::tools::fp8_modes(f, "none")) {
   for (int64_t batch : int_list("batch", get(f, "batch", "1,4"))) {
     for (int64_t ckpt : int_list("checkpointing", get(f, "checkpointing", "0,1"))) {
@@ -281,6 +292,7 @@ int time_steps(const std::map<std::string, std::string>& f) {
           flame::cuda::empty_cache();
           auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
           unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
+          if (f32_adapters) flame::nn::adapters_to(*unet, DType::f32);
           if (fp8 != "none")  // the frozen Linears in 8 bits (docs/float8.md); convolutions stay bf16
             (void)flame::nn::quantize_float8(*unet, {.compute = flame::nn::parse_float8_compute(fp8)});
           unet->set_gradient_checkpointing(ckpt != 0);
@@ -293,7 +305,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
           flame::optim::AdamW opt(params, {.lr = 1e-4, .capturable = graph != 0});
           const StepInputs in = step_inputs(config, batch, latent, o);
           auto eager_step = [&] {
-            const Tensor loss = flame::mse_loss(in.forward(*unet).to(DType::f32), in.target.to(DType::f32));
+            Tensor out;
+            {
+              flame::amp::AutocastGuard autocast(f32_adapters, device.type);
+              out = in.forward(*unet);
+            }
+            const Tensor loss = flame::mse_loss(out.to(DType::f32), in.target.to(DType::f32));
             const flame::Gradients g = loss.backward();
             opt.step(g);
           };
@@ -332,11 +349,12 @@ int time_steps(const std::map<std::string, std::string>& f) {
           const double flops = step_flops(config, batch, latent, latent, seq);
           std::printf("{\"impl\": \"flame\", \"work\": \"%s_unet_lora_r%lld_step\", \"latent\": %lld, \"batch\": %lld, "
                       "\"checkpointing\": %s, \"recompute_cheap\": %s, \"cuda_graph\": %s, \"median_ms\": %.2f, "
-                      "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"fp8\": \"%s\"}\n",
+                      "\"peak_gib\": %.3f, \"tflop_per_step\": %.2f, \"mfu_vs_989\": %.3f, \"fp8\": \"%s\", "
+                      "\"adapters\": \"%s\"}\n",
                       name.c_str(), static_cast<long long>(rank), static_cast<long long>(latent),
                       static_cast<long long>(batch), ckpt ? "true" : "false", recompute ? "true" : "false",
                       graph ? "true" : "false", median, peak, flops / 1e12, flops / (median / 1e3) / 989e12,
-                      fp8.c_str());
+                      fp8.c_str(), f32_adapters ? "f32" : "bf16");
           std::fflush(stdout);
           if (trace_steps > 0) print_kernel_trace(step, trace_steps);
         }
@@ -359,11 +377,8 @@ int saved(const std::map<std::string, std::string>& f) {
   if (dt != "bf16" && dt != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got '" + dt + "'");
   const DType dtype = dt == "bf16" ? DType::bf16 : DType::f32;
   const flame::TensorOptions o(dtype, device);
-  // --adapters f32: the trainer's precision (diffusers' scripts): f32 adapters on the bf16 model,
-  // the forward under bf16 autocast. bf16 (the default): everything bf16, no autocast.
-  const std::string adapters = get(f, "adapters", "bf16");
-  if (adapters != "bf16" && adapters != "f32") throw std::runtime_error("--adapters must be bf16 or f32, got '" + adapters + "'");
-  const bool f32_adapters = adapters == "f32";
+  const bool f32_adapters = f32_adapters_flag(f);
+  const std::string adapters = f32_adapters ? "f32" : "bf16";
   if (f32_adapters && dtype != DType::bf16) throw std::runtime_error("--adapters f32 needs --dtype bf16 (the model)");
   auto unet = std::make_shared<fm::UNet2DConditionModel>(config, o);
   unet->add_lora({.rank = rank, .alpha = static_cast<double>(rank)});
