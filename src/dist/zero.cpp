@@ -507,7 +507,8 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
 // host (DeepSpeed's ZeRO-Offload with a CPU Adam). On a CUDA device it is refused: on NCCL (4
 // H200s, stages 1-3, 2 and 3 ranks) the steps did not follow one process's AdamW (weights 0.15-0.2
 // of their scale apart after 3 steps, moments 10% apart) while the same code on the tcp backend
-// (CPU tensors) does; the cause is not found yet. step_inner copies each shard gradient down (cast to the master's dtype on the device first, then one non-blocking copy into a pinned
+// (CPU tensors) does; the cause is not found yet. step_inner copies each shard gradient down (cast
+// to the master's dtype on the device first, then one non-blocking copy into a pinned
 // buffer), waits for the copies (the step's one host wait), steps the masters on the CPU and copies
 // them back into the shards (non-blocking; rounded to half shards on the device), before the
 // replicated buckets are all-gathered. A master is the truth between steps, but a shard written
@@ -599,8 +600,7 @@ StateDict ZeroRedundancyOptimizer::state_dict() const {
   const char* op = "ZeroRedundancyOptimizer.state_dict";
   ProcessGroup& pg = *group_;
   const optim::AdamW8bit* q8 = as_8bit(*inner_);  // Note [ZeRO 8-bit state]
-  const StateDict inner =
-      q8 ? dequantized_moments(inner_->state_dict(), q8->options().block_size, op) : inner_->state_dict();
+  const StateDict inner = elementwise_inner_state(op);
   const StateDict ema_state = ema_ ? ema_->state_dict() : StateDict();
   StateDict out;
   NoGradGuard no_grad;
@@ -725,6 +725,11 @@ void ZeroRedundancyOptimizer::load_state_dict(const StateDict& given) {
   load_inner_state(inner);
 }
 
+StateDict ZeroRedundancyOptimizer::elementwise_inner_state(const char* op) const {
+  const optim::AdamW8bit* q8 = as_8bit(*inner_);  // Note [ZeRO 8-bit state]: 8-bit moments leave in f32
+  return q8 ? dequantized_moments(inner_->state_dict(), q8->options().block_size, op) : inner_->state_dict();
+}
+
 StateDict ZeroRedundancyOptimizer::quantized_for_inner(const StateDict& inner) const {
   const optim::AdamW8bit* q8 = as_8bit(*inner_);  // Note [ZeRO 8-bit state]: in the shards' blocks
   if (!q8) return inner;
@@ -808,10 +813,7 @@ void ZeroRedundancyOptimizer::save_sharded(const std::string& dir) const {
   const std::string save_id = std::to_string(id.to(Device::cpu()).item<int64_t>());
   if (R == 0) std::filesystem::create_directories(dir);
   pg.barrier();
-  const optim::AdamW8bit* q8 = as_8bit(*inner_);  // Note [ZeRO 8-bit state]: the files hold f32 moments
-  const StateDict inner = q8 ? dequantized_moments(inner_->state_dict(), q8->options().block_size,
-                                                   "ZeroRedundancyOptimizer.save_sharded")
-                             : inner_->state_dict();
+  const StateDict inner = elementwise_inner_state("ZeroRedundancyOptimizer.save_sharded");  // f32 moments
   const StateDict ema_state = ema_ ? ema_->state_dict() : StateDict();
   StateDict out;
   io::Metadata meta{{"format", kShardFormat}, {"save_id", save_id}, {"world", std::to_string(W)},

@@ -184,6 +184,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // The inner optimizer's state with an 8-bit optimizer's f32 moments quantised in the shards'
   // blocks (Note [ZeRO 8-bit state] in src/dist/zero.cpp); unchanged for any other optimizer.
   StateDict quantized_for_inner(const StateDict& inner) const;
+  // The inner optimizer's state with an 8-bit optimizer's moments dequantised to f32 (elementwise
+  // slots that shard and consolidate); the state itself for any other optimizer. `op` names errors.
+  StateDict elementwise_inner_state(const char* op) const;
   std::vector<int64_t> buckets_of(std::size_t group) const;  // the inner optimizer's parameters of a group
   std::shared_ptr<ProcessGroup> group_;
   ZeroOptions options_;
