@@ -27,7 +27,8 @@
 #              images (reference/make_pipeline.py), then 20 LoRA r16 steps from the text and latent
 #              caches (the targets of the per-step timings), its median step and peak memory, beside
 #              diffusers + peft's step on the same model (models_flux.py / models_unet.py --time;
-#              E2E_REFERENCE=0 leaves that out)
+#              E2E_REFERENCE=0 leaves that out; E2E_SET="key=value ..." runs the trainer a second time
+#              with those settings, e.g. train.recompute_cheap=true)
 #   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
 #              transformers makes each with random weights and saves every layout FLAME loads
 #              (sharded transformers folder, SDXL/SD3/ComfyUI single files, fp8-scaled T5) and its
@@ -280,6 +281,13 @@ dir = "$run_dir"
 EOF
     run "finetune_e2e $f: flame-diffusion finetune (caches, 20 steps)" 600 "$BIN/flame-diffusion" finetune \
       --config /tmp/e2e_$f.toml --device cuda --overwrite
+    # E2E_SET="key=value ...": the same run again with those settings (e.g. train.recompute_cheap=true),
+    # from the caches the first run wrote.
+    if [ -n "${E2E_SET:-}" ]; then
+      sets=(); for kv in $E2E_SET; do sets+=(--set "$kv"); done
+      run "finetune_e2e $f: flame-diffusion finetune with $E2E_SET" 600 "$BIN/flame-diffusion" finetune \
+        --config /tmp/e2e_$f.toml --device cuda --overwrite "${sets[@]}"
+    fi
     if [ "${E2E_REFERENCE:-1}" = 0 ]; then
       note "finetune_e2e $f: diffusers + peft step not run (E2E_REFERENCE=0)"
     elif [ "$f" = flux ]; then

@@ -451,12 +451,11 @@ TEST(Float8Linear, Fp8GemmRunsOnTheGpu) {
     GTEST_SKIP() << "the FP8 GEMM is CUDA's; on the CPU fp8 runs the f32 reference";
   }
   const bool ok = nn::float8_gemm_supported(dev);
-  std::printf("[ info ] FP8 GEMM on %s: %s (%s)\n", dev.str().c_str(), ok ? "yes" : "no",
-              nn::float8_gemm_path(dev));
   if (!ok) GTEST_SKIP() << "this GPU has no FP8 GEMM (compute capability below 8.9)";
   // A Linear-sized case through the GEMM against the f32 reference of the same quantised values.
   Case c = make_case(dev, DType::bf16, 256, 512, 384, true, 70);
   const Tensor y = F::linear_float8(c.x, c.q, c.s, c.b, nn::Float8Compute::fp8);
+  std::printf("[ info ] FP8 GEMM on %s: %s\n", dev.str().c_str(), nn::float8_gemm_path(dev));
   const Tensor yc = F::linear_float8(c.x.to(Device::cpu()), c.q.to(Device::cpu()), c.s.to(Device::cpu()),
                                      c.b.to(Device::cpu()), nn::Float8Compute::fp8);
   expect_near_all(host64(y), host64(yc), 8e-3, 1.5e-2, "GPU FP8 GEMM against the CPU reference");

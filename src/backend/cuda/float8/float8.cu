@@ -363,7 +363,11 @@ cublasLtMatmulDesc_t make_fp8_desc(const Fp8Key& key, const void* a_scale, const
   return op;
 }
 
-const Fp8Plan& fp8_plan(const Fp8Key& key) {
+// The heuristic is asked with the first call's scale and bias pointers bound: cuBLASLt refuses a
+// vector scale mode whose pointer is unset (it then finds no algorithm), so a plan made without them
+// always took the scale pass. The algorithm does not depend on the pointers' values (their
+// alignment is that of any pool allocation).
+const Fp8Plan& fp8_plan(const Fp8Key& key, const void* a_scale, const void* b_scale, const void* bias) {
   static std::shared_mutex mu;
   static auto* cache = new std::unordered_map<Fp8Key, Fp8Plan, LtKeyHash<Fp8Key>>();  // never destroyed
   {
@@ -379,7 +383,7 @@ const Fp8Plan& fp8_plan(const Fp8Key& key) {
                      CUBLAS_STATUS_SUCCESS;
   made = made && lt_make_layout(&plan.lc, lt_type(static_cast<DType>(key.out_dtype)), key.n, key.m, key.n, 1, 0) ==
                      CUBLAS_STATUS_SUCCESS;
-  cublasLtMatmulDesc_t op = made ? make_fp8_desc(key, nullptr, nullptr, nullptr) : nullptr;
+  cublasLtMatmulDesc_t op = made ? make_fp8_desc(key, a_scale, b_scale, key.bias ? bias : nullptr) : nullptr;
   if (op != nullptr) {
     cublasLtMatmulPreference_t pref = nullptr;
     if (cublasLtMatmulPreferenceCreate(&pref) == CUBLAS_STATUS_SUCCESS) {
@@ -429,11 +433,12 @@ bool float8_gemm_cuda(const Tensor& out, const Tensor& a, const Tensor& a_scale,
   key.align_b = alignment(a.data_ptr());
   key.align_c = alignment(out.data_ptr());
   key.outer_vec = true;
-  const Fp8Plan* found = &fp8_plan(key);
+  const void* bias_ptr = bias.defined() ? bias.data_ptr() : nullptr;
+  const Fp8Plan* found = &fp8_plan(key, a_scale.data_ptr(), b_scale.data_ptr(), bias_ptr);
   if (!found->ok) {  // Note [FP8 GEMM layout]: no outer-vector scales here; scale in a second pass
     key.outer_vec = false;
     key.bias = false;
-    found = &fp8_plan(key);
+    found = &fp8_plan(key, nullptr, nullptr, nullptr);
     if (!found->ok) return false;
   }
   const Fp8Plan& plan = *found;
