@@ -294,6 +294,61 @@ TEST(Float8Linear, Fp8IsCloseToTheFullPrecisionLinear) {
   }
 }
 
+// Note [Float8 input reuse]: Linears reading one input reuse its 8-bit cast; an in-place write to
+// the input, another view of its storage, or a new tensor in freed memory casts again. Each result
+// must have the bits of the same call on a fresh copy of its input (which always casts).
+TEST(Float8Linear, Fp8ReusesTheInputCastOnlyWhileTheInputIsUnchanged) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const nn::Float8Compute fp8 = nn::Float8Compute::fp8;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    const Case a = make_case(dev, dt, 24, 64, 48, true, 60), b = make_case(dev, dt, 24, 64, 32, false, 61);
+    // The same call on a copy of x, after a cast of another shape has replaced the kept one.
+    const Case other = make_case(dev, dt, 2, 16, 8, false, 64);
+    auto fresh = [&](const Tensor& x, const Case& c) {
+      (void)F::linear_float8(other.x, other.q, other.s, other.b, fp8);
+      return host(F::linear_float8(x.clone(), c.q, c.s, c.b, fp8));
+    };
+    Tensor x = a.x.clone();
+    const std::vector<float> ya = host(F::linear_float8(x, a.q, a.s, a.b, fp8));
+    const std::vector<float> yb = host(F::linear_float8(x, b.q, b.s, b.b, fp8));  // the cast of x again
+    expect_same_bits(ya, fresh(x, a), "first Linear");
+    expect_same_bits(yb, fresh(x, b), "second Linear on the same input");
+    // Each check below first casts x (the entry), then makes the change, then calls again before
+    // anything else casts; fresh() comes last.
+    // An in-place write: the next call must see the new values.
+    (void)F::linear_float8(x, b.q, b.s, b.b, fp8);
+    {
+      NoGradGuard no_grad;
+      x.mul_(-3.0);
+    }
+    const std::vector<float> yb2 = host(F::linear_float8(x, b.q, b.s, b.b, fp8));
+    expect_same_bits(yb2, fresh(x, b), "after an in-place write");
+    EXPECT_NE(yb2, yb);
+    // Two views of one storage with one shape at different offsets.
+    const Tensor both = cat({x, x * 2.0}, 0);
+    (void)F::linear_float8(both.narrow(0, 0, 24), b.q, b.s, b.b, fp8);
+    const Tensor second = both.narrow(0, 24, 24);
+    const std::vector<float> yt = host(F::linear_float8(second, b.q, b.s, b.b, fp8));
+    expect_same_bits(yt, fresh(second, b), "a view at an offset");
+    // A shorter view at the same offset.
+    (void)F::linear_float8(x, b.q, b.s, b.b, fp8);
+    const Tensor head = x.narrow(0, 0, 12);
+    const std::vector<float> yh = host(F::linear_float8(head, b.q, b.s, b.b, fp8));
+    expect_same_bits(yh, fresh(head, b), "a shorter view");
+    // A new tensor in the memory of a freed one.
+    std::vector<float> yn;
+    {
+      const Tensor y0 = make_input({{24, 64}, dt, Layout::contiguous, -2.0, 2.0}, dev, 62);
+      (void)F::linear_float8(y0, b.q, b.s, b.b, fp8);
+    }
+    const Tensor y1 = make_input({{24, 64}, dt, Layout::contiguous, -2.0, 2.0}, dev, 63);
+    yn = host(F::linear_float8(y1, b.q, b.s, b.b, fp8));
+    expect_same_bits(yn, fresh(y1, b), "a new input");
+  }
+}
+
 TEST(Float8Linear, LeadingDimsAutocastAndOneScale) {
   FLAME_SKIP_IF_NO_DEVICE();
   const Device dev = test_device();

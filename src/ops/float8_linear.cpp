@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 
+#include "flame/cuda.h"
 #include "flame/grad_mode.h"
 #include "flame/ops.h"
 #include "src/backend/fused/float8.h"
@@ -64,6 +65,49 @@ Tensor float8_matmul(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
   return y.to(dtype);
 }
 
+// Note [Float8 input reuse]
+// Attention's to_q, to_k and to_v (and FLUX's proj_mlp beside them) read one input: in fp8 mode
+// each would cast it to 8 bits again. The forward keeps its thread's last cast (one entry): x's
+// storage (weakly: the entry keeps no activation alive), element offset, shape, dtype and the
+// storage's version when it was cast, with the codes and row scales. A call whose x matches
+// every field reads them instead of casting again; an in-place write to x bumps the version and
+// a freed storage no longer locks, so a stale entry is never read. The entry holds the last
+// codes (1 byte per element) until the next cast replaces them. It is neither read nor written
+// while the thread captures a CUDA graph: a cast made outside a graph would not be replayed
+// inside it, and one made inside lives in the graph's memory.
+namespace {
+struct LastInputCast {
+  std::weak_ptr<Storage> storage;
+  int64_t offset = 0;
+  Shape sizes;
+  DType dtype = DType::f32;
+  uint64_t version = 0;
+  Tensor q, scale;
+};
+thread_local LastInputCast t_last_cast;
+
+std::pair<Tensor, Tensor> cast_input_once(const Tensor& x2) {
+  const Device dev = x2.device();
+  if (dev.is_cuda() && cuda::is_capturing(dev.index)) return float8_quantize_rows(x2, DType::f8_e4m3fn);
+  const TensorImpl* impl = x2.impl();
+  const std::shared_ptr<Storage>& st = impl->storage;
+  const uint64_t version = st->version.load(std::memory_order_relaxed);
+  LastInputCast& e = t_last_cast;
+  if (e.q.defined() && e.storage.lock() == st && e.offset == impl->offset && e.sizes == impl->sizes &&
+      e.dtype == impl->dtype && e.version == version)
+    return {e.q, e.scale};
+  auto [q, scale] = float8_quantize_rows(x2, DType::f8_e4m3fn);
+  e.storage = st;
+  e.offset = impl->offset;
+  e.sizes = impl->sizes;
+  e.dtype = impl->dtype;
+  e.version = version;
+  e.q = q;
+  e.scale = scale;
+  return {q, scale};
+}
+}  // namespace
+
 Float8LinearDef::Prep Float8LinearDef::prepare(const Args& a) {
   const Tensor &x = a.x, &q = a.q, &scale = a.scale, &bias = a.bias;
   FLAME_CHECK(x.defined() && q.defined() && scale.defined(), kOp, "x, the 8-bit weight and its scale must be defined");
@@ -104,7 +148,7 @@ Float8LinearDef::Result Float8LinearDef::run(const Args& a, Prep& p) {
   const DType dt = a.x.dtype();
   Result r;
   if (a.compute == nn::Float8Compute::fp8) {
-    const auto [xq, xs] = float8_quantize_rows(p.x2, DType::f8_e4m3fn);
+    const auto [xq, xs] = cast_input_once(p.x2);  // Note [Float8 input reuse]
     r.out = float8_matmul(xq, xs, a.q.contiguous(), p.scale, p.bias, dt).view(p.out_shape);
   } else {
     // The ordinary GEMM (with its fused bias where the device has it) over the weight rebuilt for

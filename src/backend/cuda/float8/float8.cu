@@ -18,6 +18,7 @@
 // cached per shape, dtypes and scale mode; the operation descriptor is made per call with that
 // call's scale and bias pointers bound.
 #include <cublasLt.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 #include <array>
@@ -46,6 +47,38 @@ template <class T, int V>
 struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
+
+// Note [Hardware FP8 cast]
+// The row casts encode with cvt.rn.satfinite (two values per instruction): round to nearest, ties
+// to even, saturating at the format's largest finite value, which are the bits of the software
+// rounding of float8_math's encode_scaled (the CPU reference) for every value but NaN; a NaN is set
+// to the format's NaN with its sign kept, as there. v / scale stays an IEEE division on both sides.
+template <bool kE4m3>
+__device__ __forceinline__ uint8_t fix_nan(uint8_t code, float v) {
+  return v != v ? static_cast<uint8_t>(signbit(v) ? 0xffu : 0x7fu) : code;
+}
+template <bool kE4m3>
+__device__ __forceinline__ uint8_t encode_hw(float v) {
+  return fix_nan<kE4m3>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4m3 ? __NV_E4M3 : __NV_E5M2), v);
+}
+// a, b -> their codes in the low and high byte.
+template <bool kE4m3>
+__device__ __forceinline__ void encode_hw2(float a, float b, uint8_t& qa, uint8_t& qb) {
+  const __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4m3 ? __NV_E4M3 : __NV_E5M2);
+  qa = fix_nan<kE4m3>(static_cast<uint8_t>(r & 0xffu), a);
+  qb = fix_nan<kE4m3>(static_cast<uint8_t>(r >> 8), b);
+}
+// V values divided by s into a pack of codes (V even, or 1).
+template <bool kE4m3, int V>
+__device__ __forceinline__ void encode_pack(const float* v, float s, uint8_t* q) {
+  if constexpr (V % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < V; i += 2) encode_hw2<kE4m3>(v[i] / s, v[i + 1] / s, q[i], q[i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) q[i] = encode_hw<kE4m3>(v[i] / s);
+  }
+}
 
 // NaN-keeping max over a block of any multiple of 32 threads (at most 1024); every thread gets the
 // result. red holds 32 floats and may be reused once this returns.
@@ -84,12 +117,11 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(uint8_t* __rest
     uint8_t* qr = q + r * cols;
     for (int64_t c0 = static_cast<int64_t>(threadIdx.x) * V; c0 < cols; c0 += static_cast<int64_t>(kThreads) * V) {
       const Pack<T, V> p = *reinterpret_cast<const Pack<T, V>*>(xr + c0);
-      Pack<uint8_t, V> o;
+      float v[V];
 #pragma unroll
-      for (int i = 0; i < V; ++i) {
-        const float v = col ? load_as<float>(p.v[i]) * col[c0 + i] : load_as<float>(p.v[i]);
-        o.v[i] = fm::encode_scaled<kE4m3>(v, s);
-      }
+      for (int i = 0; i < V; ++i) v[i] = col ? load_as<float>(p.v[i]) * col[c0 + i] : load_as<float>(p.v[i]);
+      Pack<uint8_t, V> o;
+      encode_pack<kE4m3, V>(v, s, o.v);
       *reinterpret_cast<Pack<uint8_t, V>*>(qr + c0) = o;
     }
   }
@@ -132,8 +164,7 @@ __global__ void __launch_bounds__(1024) quantize_rows_reg_kernel(uint8_t* __rest
       const int64_t pi = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (pi < packs) {
         Pack<uint8_t, V> o;
-#pragma unroll
-        for (int i = 0; i < V; ++i) o.v[i] = fm::encode_scaled<kE4m3>(v[k][i], s);
+        encode_pack<kE4m3, V>(v[k], s, o.v);
         qr[pi] = o;
       }
     }
