@@ -318,7 +318,7 @@ TEST(DistZero, RejectsOptionsOfAnotherStage) {
 
 TEST(DistZero, MatchesOneProcessAdamWAndConsolidatesItsState) {
   DIST_SKIP_UNLESS_RANKS(2);
-  for (int world : {2, 3}) {
+  for (int world : {2, 3, 4}) {
     if (world > max_ranks()) continue;
     const auto r = run_ranks("zero", world, {});
     EXPECT_TRUE(r.all_ok()) << r.report();
@@ -327,7 +327,7 @@ TEST(DistZero, MatchesOneProcessAdamWAndConsolidatesItsState) {
 
 TEST(DistZero, StageTwoShardsGradientsDuringTheBackwardAndMatchesOneProcess) {
   DIST_SKIP_UNLESS_RANKS(2);
-  for (int world : {2, 3}) {
+  for (int world : {2, 3, 4}) {
     if (world > max_ranks()) continue;
     for (bool ckpt : {false, true}) {  // with gradient checkpointing the gradients come from the recompute
       SCOPED_TRACE(ckpt ? "checkpointed" : "plain");
@@ -340,7 +340,7 @@ TEST(DistZero, StageTwoShardsGradientsDuringTheBackwardAndMatchesOneProcess) {
 
 TEST(DistZero, StageThreeShardsParametersPerBlockAndMatchesOneProcess) {
   DIST_SKIP_UNLESS_RANKS(2);
-  for (int world : {2, 3}) {
+  for (int world : {2, 3, 4}) {
     if (world > max_ranks()) continue;
     // bf16: compute_dtype over f32 shards, under autocast; then also the gradients reduced in bf16.
     for (int mode : {0, 1, 2}) {
