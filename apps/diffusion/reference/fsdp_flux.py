@@ -62,8 +62,12 @@ def main():
     if buffers:  # to_empty would leave them uninitialised
         raise SystemExit(f"fsdp_flux: the model has buffers this script does not initialise: {buffers}")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # The blocks do not cast their inputs: the root already casts the model's inputs, and a block's
+    # cast would make the rotary tables bf16 in the forward but leave them f32 in the checkpoint's
+    # recompute (torch.utils.checkpoint then raises on the differing saved tensors).
+    block_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
     for block in list(model.transformer_blocks) + list(model.single_transformer_blocks):
-        fully_shard(block, mp_policy=mp)
+        fully_shard(block, mp_policy=block_mp)
     fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(args.seed * 1000 + rank)

@@ -47,7 +47,7 @@
 //       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
 //       steps with optim::AdamW8bit instead of AdamW.
 //   flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]
-//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--device cuda]
+//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--device cuda]
 //       full fine-tuning (every weight trains: f32 weights, AdamW) on each rank of a flame-run job,
 //       batch 1 per rank (its own random latents and text), mse loss, random weights. --zero S on
 //       several ranks: dist::ZeroRedundancyOptimizer stage S; 3 (the default) shards the 19 + 38
@@ -107,7 +107,7 @@ const char* kUsage =
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
     "  flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]\n"
-    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--device cuda]   (under flame-run: one line\n"
+    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--device cuda]   (under flame-run: one line\n"
     "                   per rank)\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
@@ -122,7 +122,7 @@ const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "co
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
                                          "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype",
-                                         "params"};
+                                         "params", "prefetch"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -515,6 +515,9 @@ int full(const std::map<std::string, std::string>& f) {
   const int64_t trace_steps = int_list("trace", flag_or(f, "trace", "0")).at(0);
   const std::string dtype_flag = flag_or(f, "dtype", "bf16");
   const double lr = std::stod(flag_or(f, "lr", "1e-5"));
+  // --prefetch 0: each block's all-gather starts only when the block runs (no overlap with the
+  // previous block's compute): the step time with it off shows what the prefetch hides.
+  const bool prefetch = int_list("prefetch", flag_or(f, "prefetch", "1")).at(0) != 0;
   if (latent % 2 != 0 || latent <= 0 || text <= 0) throw std::runtime_error("--latent must be even and positive, --text positive");
   if (zero < 0 || zero > 3) throw std::runtime_error("--zero must be 0, 1, 2 or 3, got " + std::to_string(zero));
   if (dtype_flag != "bf16" && dtype_flag != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got " + dtype_flag);
@@ -543,6 +546,7 @@ int full(const std::map<std::string, std::string>& f) {
   if (stage > 0) {
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(stage);
+    zo.prefetch = prefetch;
     if (stage == 3) {
       zo.blocks = model->stack_blocks();
       if (low && param_dtype == DType::f32) zo.compute_dtype = DType::bf16;
@@ -582,7 +586,8 @@ int full(const std::map<std::string, std::string>& f) {
   };
   double median = 0, peak_gib = 0;
   if (device.is_cuda()) {
-    const flame_diffusion::tools::StepTimes times = flame_diffusion::tools::time_cuda_steps(step, warmup, steps);
+    const flame_diffusion::tools::StepTimes times =
+        flame_diffusion::tools::time_cuda_steps(step, warmup, steps, device.index);
     median = times.median_ms;
     peak_gib = times.peak_gib;
   } else {
@@ -606,10 +611,11 @@ int full(const std::map<std::string, std::string>& f) {
     state_gib = static_cast<double>(mem.state_bytes) / (1u << 30);
   }
   std::printf("{\"impl\": \"flame\", \"work\": \"%s_full_step\", \"rank\": %d, \"world\": %d, \"zero_stage\": %lld, "
-              "\"dtype\": \"%s\", \"params\": \"%s\", \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, \"peak_gib\": %.3f, "
+              "\"dtype\": \"%s\", \"params\": \"%s\", \"prefetch\": %s, \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, "
+              "\"peak_gib\": %.3f, "
               "\"parameters\": %lld, \"parameters_held_gib\": %.3f, \"optimizer_state_gib\": %.3f, \"device\": \"%s\"}\n",
               name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), params_flag.c_str(),
-              static_cast<long long>(latent),
+              prefetch ? "true" : "false", static_cast<long long>(latent),
               static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), param_gib, state_gib,
               device.str().c_str());
   std::fflush(stdout);

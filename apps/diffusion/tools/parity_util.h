@@ -59,15 +59,16 @@ inline double median_ms(const std::function<void()>& fn, bool cuda) {
 }
 
 // A training step timed on the GPU: `warmup` untimed calls, then the median of `steps` calls timed
-// with CUDA events, and the peak allocated memory over the timed calls (GiB).
+// with CUDA events, and the peak allocated memory over the timed calls (GiB) on `device` (the
+// step's GPU: a rank of a multi-GPU job passes its own).
 struct StepTimes {
   double median_ms = 0;
   double peak_gib = 0;
 };
-inline StepTimes time_cuda_steps(const std::function<void()>& step, int64_t warmup, int64_t steps) {
+inline StepTimes time_cuda_steps(const std::function<void()>& step, int64_t warmup, int64_t steps, int device = 0) {
   for (int64_t i = 0; i < warmup; ++i) step();
-  flame::cuda::synchronize();
-  flame::cuda::reset_peak_memory_stats();
+  flame::cuda::synchronize(device);
+  flame::cuda::reset_peak_memory_stats(device);
   std::vector<double> ms;
   for (int64_t i = 0; i < steps; ++i) {
     flame::cuda::Event a(true), b(true);
@@ -79,7 +80,7 @@ inline StepTimes time_cuda_steps(const std::function<void()>& step, int64_t warm
   }
   std::sort(ms.begin(), ms.end());
   return {ms.empty() ? 0.0 : ms[ms.size() / 2],
-          static_cast<double>(flame::cuda::memory_stats().peak_allocated_bytes) / (1u << 30)};
+          static_cast<double>(flame::cuda::memory_stats(device).peak_allocated_bytes) / (1u << 30)};
 }
 
 // "--name value" pairs after the command (argv[1]); an unknown flag or a missing value raises
