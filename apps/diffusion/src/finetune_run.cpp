@@ -222,12 +222,45 @@ class EmaSection final : public flame::Stateful {
   bool taken_from_optimizer_ = false;
 };
 
+// Note [Sharded optimizer checkpoints]
+// checkpoint.optimizer_state = sharded (auto: for train.method full under ZeRO) keeps the
+// optimizer's state out of the checkpoint file: a consolidated state is gathered whole on every GPU
+// (FLUX-dev's f32 masters and moments are 143 GB) before rank 0 writes it. Instead every rank writes
+// the state of its own shard with ZeroRedundancyOptimizer::save_sharded into the folder beside the
+// file (ckpt-<step>.optimizer/: one file per rank, each written aside and renamed, and an index that
+// rank 0 writes last), and only then does rank 0 write the checkpoint file, whose "optimizer"
+// component holds the marker "sharded_state" instead: a checkpoint file exists only once its shards
+// are complete. Resuming reads the file, then load_sharded reads the folder on any number of ranks
+// (each takes the elements it owns now). The weights stay in the file ("model", gathered as before).
+// Rotation removes a folder with its file. A sharded checkpoint cannot resume in one process, and
+// says so; a consolidated one resumes under ZeRO either way.
+std::string shard_folder_of(const std::string& checkpoint_file) {
+  std::string stem = checkpoint_file;
+  if (stem.ends_with(".safetensors")) stem.resize(stem.size() - std::string(".safetensors").size());
+  return stem + ".optimizer";
+}
+
 class OptimizerSection final : public flame::Stateful {
  public:
-  OptimizerSection(optim::Optimizer& opt, EmaSection& ema, bool shard_ema, std::size_t params)
-      : opt_(opt), ema_(ema), shard_ema_(shard_ema), params_(params) {}
-  flame::StateDict state_dict() const override { return opt_.state_dict(); }
+  OptimizerSection(optim::Optimizer& opt, EmaSection& ema, bool shard_ema, std::size_t params, bool sharded)
+      : opt_(opt), ema_(ema), shard_ema_(shard_ema), params_(params), sharded_(sharded) {}
+  flame::StateDict state_dict() const override {
+    if (!sharded_) return opt_.state_dict();
+    flame::StateDict marker;
+    marker.insert("sharded_state", Tensor::ones({1}, flame::TensorOptions(flame::DType::i64, flame::Device::cpu())));
+    return marker;
+  }
+  // Whether the last state loaded was a sharded checkpoint's marker (its state is in the folder).
+  bool loaded_marker() const { return loaded_marker_; }
   void load_state_dict(const flame::StateDict& given) override {
+    loaded_marker_ = given.contains("sharded_state");
+    if (loaded_marker_) {
+      if (!sharded_)
+        FLAME_FAIL("finetune", "its optimizer state is in shard files (the folder beside it, written by each rank); "
+                   "resume it under flame-run with ZeRO (train.zero_stage 2 or 3, any number of ranks, "
+                   "checkpoint.optimizer_state = sharded or auto)");
+      return;
+    }
     auto slot = [](std::size_t i) { return "state." + std::to_string(i) + ".ema"; };
     flame::StateDict state;
     const Tensor* zero_updates = given.find("ema.num_updates");
@@ -263,6 +296,8 @@ class OptimizerSection final : public flame::Stateful {
   EmaSection& ema_;
   bool shard_ema_;
   std::size_t params_;
+  bool sharded_;
+  bool loaded_marker_ = false;
 };
 
 struct Denoiser {
@@ -788,7 +823,13 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   // Note [EMA across modes]
   const bool shard_ema = zero_stage == 3 && cfg.train.ema;
   EmaSection ema_section(ema ? &*ema : nullptr);
-  OptimizerSection optimizer_section(*opt, ema_section, shard_ema, params.size());
+  // Note [Sharded optimizer checkpoints]
+  const std::string& state_mode = cfg.checkpoint.optimizer_state;
+  if (state_mode == "sharded" && !zero)
+    throw std::runtime_error("checkpoint.optimizer_state = \"sharded\" needs ZeRO: run on several ranks under "
+                             "flame-run (train.zero_stage 2 or 3), or use \"consolidated\" or \"auto\"");
+  const bool sharded_state = zero && (state_mode == "sharded" || (state_mode == "auto" && full));
+  OptimizerSection optimizer_section(*opt, ema_section, shard_ema, params.size(), sharded_state);
   if (shard_ema) ckpt.add("ema", ema_section);
   ckpt.add("optimizer", optimizer_section);
   ckpt.add("scheduler", *sched);
@@ -814,6 +855,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       if (!odd.empty())
         throw std::runtime_error("checkpoint " + *resume_file + " does not hold this run's components:" + odd);
     }
+    if (optimizer_section.loaded_marker()) zero->load_sharded(shard_folder_of(*resume_file));  // collective
     // The checkpoint counts the epoch's batches over all ranks (batch k of each of W ranks: k * W of
     // the epoch's list); this run's ranks go on from there, each at its share of it.
     start.epoch = ckpt.progress().counters["epoch"];
@@ -1018,21 +1060,38 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   const int keep = cfg.checkpoint.keep > 0 ? static_cast<int>(cfg.checkpoint.keep) : 1 << 30;
   BatchPrefetcher batches(loader, prepare, (total - step) * cfg.train.grad_accum);
   auto save_checkpoint = [&] {
+    const std::string file = flame::checkpoint_path(ckpt_dir.string(), step);
+    if (sharded_state) {  // Note [Sharded optimizer checkpoints]: every rank's shard first (collective)
+      const std::string folder = shard_folder_of(file);
+      if (lead) fs::remove_all(folder);  // a folder of an unfinished save of this step
+      flame_diffusion::dist_barrier();
+      zero->save_sharded(folder);
+    }
     std::optional<flame::dist::ZeroRedundancyOptimizer::Gathered> whole;  // stage 3: the weights (collective)
     if (zero_stage == 3) whole.emplace(zero->gather_parameters());
     const flame::data::LoaderState pos = batches.position();
     ckpt.progress().counters["epoch"] = pos.epoch;
     ckpt.progress().counters["batch"] = pos.batch * world;  // over all ranks (read back per rank on resume)
     if (!lead) {
-      // The optimizer's state_dict gathers the shards (a collective the lead's save runs too); the
-      // adapters are the same on every rank, and so is the data position (every rank has drawn as
-      // many batches). Only the lead writes.
-      (void)opt->state_dict();
-      result.last_checkpoint = flame::checkpoint_path(ckpt_dir.string(), step);
+      // A consolidated optimizer state_dict gathers the shards (a collective the lead's save runs
+      // too); the adapters are the same on every rank, and so is the data position (every rank has
+      // drawn as many batches). Only the lead writes.
+      if (!sharded_state) (void)opt->state_dict();
+      result.last_checkpoint = file;
       return;
     }
     result.last_checkpoint = ckpt.save_rotating(ckpt_dir.string(), keep);
-    say("checkpoint " + result.last_checkpoint);
+    if (sharded_state) {  // rotation dropped older files: their shard folders go with them
+      std::vector<fs::path> orphans;
+      for (const auto& e : fs::directory_iterator(ckpt_dir)) {
+        const std::string p = e.path().string();
+        if (e.is_directory() && p.ends_with(".optimizer") &&
+            !fs::exists(p.substr(0, p.size() - std::string(".optimizer").size()) + ".safetensors"))
+          orphans.push_back(e.path());
+      }
+      for (const fs::path& p : orphans) fs::remove_all(p);
+    }
+    say("checkpoint " + result.last_checkpoint + (sharded_state ? " (optimizer state in " + shard_folder_of(file) + ")" : ""));
   };
   say("training " + std::to_string(total - step) + " steps of " + std::to_string(cfg.train.batch_size) + " x " +
       std::to_string(cfg.train.grad_accum) + " images");
@@ -1197,6 +1256,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
         " ms, forward and backward queued in " + fmt("%.1f", median(launch_seconds) * 1e3) +
         " ms, waiting for the previous step " + fmt("%.1f", median(gpu_wait_seconds) * 1e3) + " ms, optimizer " +
         fmt("%.1f", median(opt_seconds) * 1e3) + " ms");
+    if (distributed && device.is_cuda())  // every rank its own GPU's peak (flame-run shows each rank's lines)
+      log("finetune: rank " + std::to_string(rank) + " of " + std::to_string(world) + " on " + device.str() +
+          ": peak memory " + fmt("%.2f", result.peak_memory_all_bytes / 1073741824.0) + " GiB");
   }
   if (sampling && (lead || zero_stage == 3)) write_samples(step);
 

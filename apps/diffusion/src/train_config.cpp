@@ -216,6 +216,12 @@ std::vector<ConfigKey> build_table() {
       FD_KEY("checkpoint.lora_format", checkpoint.lora_format, "kohya",
              "LoRA file keys: kohya/ComfyUI (lora_unet_...), diffusers/PEFT (lora_A/lora_B), or both files",
              one_of({"kohya", "peft", "both"})),
+      FD_KEY("checkpoint.optimizer_state", checkpoint.optimizer_state, "auto",
+             "where a run under ZeRO (flame-run) keeps the optimizer state: sharded (each rank writes its own "
+             "file beside the checkpoint; resumes on any number of ranks), consolidated (inside the checkpoint "
+             "file; resumes in one process too, but gathers the whole state on each GPU), or auto (sharded for "
+             "train.method full, else consolidated)",
+             one_of({"auto", "consolidated", "sharded"})),
       FD_KEY("checkpoint.resume", checkpoint.resume, "",
              "a checkpoint folder to resume from (empty: a fresh run; \"latest\": the output folder's newest)"),
       // [sample]

@@ -89,6 +89,9 @@ struct FinetuneCheckpointConfig {
   int64_t every = 0;
   int64_t keep = 0;
   std::string lora_format;  // "kohya", "peft", "both"
+  // "auto", "consolidated" or "sharded": where a ZeRO run's optimizer state goes (Note [Sharded
+  // optimizer checkpoints] in src/finetune_run.cpp).
+  std::string optimizer_state = "auto";
   std::string resume;
 };
 

@@ -478,8 +478,10 @@ namespace {
 #if defined(FLAME_RUN_BIN) && defined(FLAME_DIFFUSION_BIN)
 // Two ranks of `flame-diffusion finetune --config cfg_file` on the CPU with these --set options:
 // their log, and whether they succeeded as `ok` says.
-std::string launch_two_ranks(const std::string& cfg_file, const std::string& sets, const std::string& log, bool ok) {
-  const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node 2 " + FLAME_DIFFUSION_BIN +
+std::string launch_ranks(int ranks, const std::string& cfg_file, const std::string& sets, const std::string& log,
+                         bool ok) {
+  const std::string cmd = std::string(FLAME_RUN_BIN) + " --nproc-per-node " + std::to_string(ranks) + " " +
+                          FLAME_DIFFUSION_BIN +
                           " finetune --config " + cfg_file + " --device cpu " + sets + " > " + log + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream f(log);
@@ -487,6 +489,9 @@ std::string launch_two_ranks(const std::string& cfg_file, const std::string& set
   text << f.rdbuf();
   EXPECT_EQ(rc == 0, ok) << cmd << "\n" << text.str();
   return text.str();
+}
+std::string launch_two_ranks(const std::string& cfg_file, const std::string& sets, const std::string& log, bool ok) {
+  return launch_ranks(2, cfg_file, sets, log, ok);
 }
 
 // The settings of the two-rank runs (one image per rank and step, a constant rate whatever
@@ -588,6 +593,7 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
     const fs::path images = make_images(dir);
     fd::FinetuneConfig c = tiny_config("flux", images, dir / "s3");
     c.train.method = "full";
+    c.checkpoint.optimizer_state = "consolidated";  // read below, and resumed in one process
     c.train.ema = ema;
     c.train.ema_decay = 0.5;
     c.optimizer.lr = 1e-3;
@@ -745,6 +751,7 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
      // checkpoint of a run with the state on the device resumes with it offloaded and ends the same
     fd::FinetuneConfig c = tiny_config("flux", images, dir / "b16dev");
     c.train.method = "full";
+    c.checkpoint.optimizer_state = "consolidated";  // the checkpoints' states are compared below
     c.train.mixed_precision = "bf16";
     c.optimizer.lr = 1e-3;
     const std::string cfg_file = two_rank_config(c, dir);
@@ -767,6 +774,65 @@ TEST(FinetuneRun, OptimizerOffloadTrainsAsOnTheDevice) {
   }
 }
 
+// Note [Sharded optimizer checkpoints]: full fine-tuning under ZeRO-3 checkpoints its optimizer state
+// as one file per rank beside the checkpoint (checkpoint.optimizer_state auto). A run stopped after 2
+// steps and resumed on two ranks ends as the uninterrupted one (same losses, same bits); the same
+// checkpoint resumes on three ranks; one process refuses it naming the shard files; rotation keeps
+// each folder with its file.
+TEST(FinetuneRun, FullFineTuningShardsItsOptimizerCheckpointAndResumesOnAnyRankCount) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "shardckpt");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = tiny_config("flux", images, dir / "a");
+  c.train.method = "full";
+  c.train.mixed_precision = "bf16";
+  c.optimizer.lr = 1e-3;
+  c.checkpoint.every = 1;
+  c.checkpoint.keep = 2;
+  const std::string cfg_file = two_rank_config(c, dir);
+  (void)launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "a.log").string(), true);
+  const fs::path ck = dir / "a" / "checkpoints";
+  EXPECT_TRUE(fs::exists(ck / "ckpt-0000000004.optimizer" / "optimizer-rank0-of-2.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "ckpt-0000000004.optimizer" / "optimizer-rank1-of-2.safetensors"));
+  EXPECT_TRUE(fs::exists(ck / "ckpt-0000000003.optimizer"));
+  EXPECT_FALSE(fs::exists(ck / "ckpt-0000000002.optimizer")) << "rotated away with its file";
+  const flame::StateDict file = flame::io::load_safetensors((ck / "ckpt-0000000004.safetensors").string());
+  EXPECT_TRUE(file.contains("optimizer.sharded_state"));
+  for (const std::string& k : file.keys()) EXPECT_EQ(k.find("exp_avg"), std::string::npos) << k << " in the file";
+  const std::string b = "--set output.dir=" + (dir / "b").string();
+  (void)launch_two_ranks(cfg_file, b + " --set train.steps=2", (dir / "b1.log").string(), true);
+  // The step-2 checkpoint (file and folder), for the three ranks below.
+  fs::create_directories(dir / "t" / "checkpoints");
+  fs::copy_file(dir / "b" / "checkpoints" / "ckpt-0000000002.safetensors",
+                dir / "t" / "checkpoints" / "ckpt-0000000002.safetensors");
+  fs::copy(dir / "b" / "checkpoints" / "ckpt-0000000002.optimizer", dir / "t" / "checkpoints" / "ckpt-0000000002.optimizer");
+  const std::string resumed = launch_two_ranks(cfg_file, b + " --set train.steps=4 --set checkpoint.resume=latest",
+                                               (dir / "b2.log").string(), true);
+  EXPECT_NE(resumed.find("resumed from"), std::string::npos) << resumed;
+  EXPECT_EQ(csv_rows(dir / "a" / "loss.csv"), csv_rows(dir / "b" / "loss.csv"));
+  const auto weights = [&](const std::string& run) {
+    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
+  };
+  const flame::StateDict wa = weights("a"), wb = weights("b");
+  ASSERT_EQ(wa.keys(), wb.keys());
+  for (const std::string& k : wa.keys())
+    EXPECT_EQ(wa.at(k).to(flame::DType::f32).to_vec<float>(), wb.at(k).to(flame::DType::f32).to_vec<float>()) << k;
+  // One process cannot take it, and says where the state is.
+  const std::string err = error_of([&] { (void)resume_in_one_process(c, dir / "t", dir / "one", 3); });
+  EXPECT_NE(err.find("shard files"), std::string::npos) << err;
+  EXPECT_NE(err.find("ckpt-0000000002.safetensors"), std::string::npos) << err;
+  // The step-2 checkpoint of two ranks on three.
+  const std::string three = launch_ranks(3, cfg_file, "--set output.dir=" + (dir / "t").string() +
+                                                           " --set train.steps=3 --set checkpoint.resume=latest",
+                                         (dir / "t.log").string(), true);
+  EXPECT_NE(three.find("resumed from"), std::string::npos) << three;
+  EXPECT_EQ(run_losses(dir / "t").size(), 1u) << "step 3 only: the run went on from step 2";
+  // Without ZeRO the setting is refused by name.
+  fd::FinetuneConfig one = c;
+  one.output.dir = (dir / "single").string();
+  one.checkpoint.optimizer_state = "sharded";
+  EXPECT_NE(error_of([&] { (void)run(one, 1); }).find("checkpoint.optimizer_state"), std::string::npos);
+}
+
 // Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
 // its bf16 shards (optim's master_weights), sharded with its moments, and the checkpoint gathers
 // them. Each weight is its master rounded to bf16, and updates under half a bf16 step accumulate in
@@ -776,6 +842,7 @@ TEST(FinetuneRun, TwoRanksFullFineTuningOfBf16KeepsF32MasterShards) {
   const fs::path images = make_images(dir);
   fd::FinetuneConfig c = tiny_config("flux", images, dir / "run");
   c.train.method = "full";
+  c.checkpoint.optimizer_state = "consolidated";  // the masters are read from the checkpoint file
   c.train.mixed_precision = "bf16";
   c.optimizer.lr = 1e-4;
   c.optimizer.grad_clip = 0;
