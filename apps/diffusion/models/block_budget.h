@@ -18,7 +18,9 @@
 //  3. when nothing is swapped and checkpointing was not asked for, blocks are taken out of
 //     checkpointing from the last one while their measured activations fit (a trial with the last
 //     half out gives the bytes per block, a trial checks that estimate, then halving between what
-//     fits and what does not; at most 10 trial steps in all).
+//     fits and what does not; at most 10 trial steps in all); the choice is then confirmed by two
+//     more steps in a row (the pool fragments further after the first steps), a failure taking a
+//     quarter of the blocks out of checkpointing back in until two steps pass.
 // The trials run under the cap: one that runs out of memory counts as "does not fit". A budget too
 // small even with every block swapped raises an error naming the budget and the measured sizes.
 #include <cstddef>
