@@ -72,7 +72,7 @@ Tensor float8_matmul(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
 // storage's version when it was cast, with the codes and row scales. A call whose x matches
 // every field reads them instead of casting again; an in-place write to x bumps the version and
 // a freed storage no longer locks, so a stale entry is never read. The entry holds the last
-// codes (1 byte per element) until the next cast replaces them. It is neither read nor written
+// codes (1 byte per element) until the next cast, which drops them before allocating its own. It is neither read nor written
 // while the thread captures a CUDA graph: a cast made outside a graph would not be replayed
 // inside it, and one made inside lives in the graph's memory.
 namespace {
@@ -96,6 +96,7 @@ std::pair<Tensor, Tensor> cast_input_once(const Tensor& x2) {
   if (e.q.defined() && e.storage.lock() == st && e.offset == impl->offset && e.sizes == impl->sizes &&
       e.dtype == impl->dtype && e.version == version)
     return {e.q, e.scale};
+  e = LastInputCast{};  // the old codes go back to the pool before the new ones are allocated
   auto [q, scale] = float8_quantize_rows(x2, DType::f8_e4m3fn);
   e.storage = st;
   e.offset = impl->offset;
