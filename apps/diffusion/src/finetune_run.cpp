@@ -232,8 +232,8 @@ class EmaSection final : public flame::Stateful {
 // component holds the marker "sharded_state" instead: a checkpoint file exists only once its shards
 // are complete. Resuming reads the file, then load_sharded reads the folder on any number of ranks
 // (each takes the elements it owns now). The weights stay in the file ("model", gathered as before).
-// Rotation removes a folder with its file. A sharded checkpoint cannot resume in one process, and
-// says so; a consolidated one resumes under ZeRO either way.
+// Rotation removes a folder with its file. A sharded checkpoint resumes in any ZeRO run (whatever
+// its own setting) but not in one process, which says so; a consolidated one resumes anywhere.
 std::string shard_folder_of(const std::string& checkpoint_file) {
   std::string stem = checkpoint_file;
   if (stem.ends_with(".safetensors")) stem.resize(stem.size() - std::string(".safetensors").size());
@@ -242,8 +242,9 @@ std::string shard_folder_of(const std::string& checkpoint_file) {
 
 class OptimizerSection final : public flame::Stateful {
  public:
-  OptimizerSection(optim::Optimizer& opt, EmaSection& ema, bool shard_ema, std::size_t params, bool sharded)
-      : opt_(opt), ema_(ema), shard_ema_(shard_ema), params_(params), sharded_(sharded) {}
+  // sharded: save the marker (the state goes to shard files); zero: this run can read shard files.
+  OptimizerSection(optim::Optimizer& opt, EmaSection& ema, bool shard_ema, std::size_t params, bool sharded, bool zero)
+      : opt_(opt), ema_(ema), shard_ema_(shard_ema), params_(params), sharded_(sharded), zero_(zero) {}
   flame::StateDict state_dict() const override {
     if (!sharded_) return opt_.state_dict();
     flame::StateDict marker;
@@ -255,10 +256,9 @@ class OptimizerSection final : public flame::Stateful {
   void load_state_dict(const flame::StateDict& given) override {
     loaded_marker_ = given.contains("sharded_state");
     if (loaded_marker_) {
-      if (!sharded_)
+      if (!zero_)
         FLAME_FAIL("finetune", "its optimizer state is in shard files (the folder beside it, written by each rank); "
-                   "resume it under flame-run with ZeRO (train.zero_stage 2 or 3, any number of ranks, "
-                   "checkpoint.optimizer_state = sharded or auto)");
+                   "resume it under flame-run with ZeRO (train.zero_stage 2 or 3, any number of ranks)");
       return;
     }
     auto slot = [](std::size_t i) { return "state." + std::to_string(i) + ".ema"; };
@@ -297,6 +297,7 @@ class OptimizerSection final : public flame::Stateful {
   bool shard_ema_;
   std::size_t params_;
   bool sharded_;
+  bool zero_;
   bool loaded_marker_ = false;
 };
 
@@ -829,7 +830,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     throw std::runtime_error("checkpoint.optimizer_state = \"sharded\" needs ZeRO: run on several ranks under "
                              "flame-run (train.zero_stage 2 or 3), or use \"consolidated\" or \"auto\"");
   const bool sharded_state = zero && (state_mode == "sharded" || (state_mode == "auto" && full));
-  OptimizerSection optimizer_section(*opt, ema_section, shard_ema, params.size(), sharded_state);
+  OptimizerSection optimizer_section(*opt, ema_section, shard_ema, params.size(), sharded_state, zero != nullptr);
   if (shard_ema) ckpt.add("ema", ema_section);
   ckpt.add("optimizer", optimizer_section);
   ckpt.add("scheduler", *sched);

@@ -820,12 +820,17 @@ TEST(FinetuneRun, FullFineTuningShardsItsOptimizerCheckpointAndResumesOnAnyRankC
   const std::string err = error_of([&] { (void)resume_in_one_process(c, dir / "t", dir / "one", 3); });
   EXPECT_NE(err.find("shard files"), std::string::npos) << err;
   EXPECT_NE(err.find("ckpt-0000000002.safetensors"), std::string::npos) << err;
-  // The step-2 checkpoint of two ranks on three.
+  // The step-2 checkpoint of two ranks on three, which save theirs consolidated (a ZeRO run reads
+  // shard files whatever its own setting).
   const std::string three = launch_ranks(3, cfg_file, "--set output.dir=" + (dir / "t").string() +
-                                                           " --set train.steps=3 --set checkpoint.resume=latest",
+                                                           " --set train.steps=3 --set checkpoint.resume=latest"
+                                                           " --set checkpoint.optimizer_state=consolidated",
                                          (dir / "t.log").string(), true);
   EXPECT_NE(three.find("resumed from"), std::string::npos) << three;
   EXPECT_EQ(run_losses(dir / "t").size(), 1u) << "step 3 only: the run went on from step 2";
+  EXPECT_TRUE(flame::io::load_safetensors((dir / "t" / "checkpoints" / "ckpt-0000000003.safetensors").string())
+                  .contains("optimizer.state.0.exp_avg"));
+  EXPECT_FALSE(fs::exists(dir / "t" / "checkpoints" / "ckpt-0000000003.optimizer"));
   // Without ZeRO the setting is refused by name.
   fd::FinetuneConfig one = c;
   one.output.dir = (dir / "single").string();
