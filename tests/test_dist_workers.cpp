@@ -476,6 +476,7 @@ int zero3() {
     return opt.run_block(1, [&](const TensorList& in) { return model->fc2->forward(in[0]); }, {h});
   };
   for (int s = 0; s < 3; ++s) {
+    opt.set_wait_timeline(s == 2);  // Note [ZeRO wait timeline]: changes nothing but what is recorded
     const Tensor x = shard(batch_x(s, dev), R, W), y = shard(batch_y(s, dev), R, W);
     const int64_t h = x.size(0) / 2;
     Gradients g;
@@ -485,6 +486,25 @@ int zero3() {
       (void)(mse_loss(forward(x.narrow(0, m * h, h)), y.narrow(0, m * h, h)) * 0.5).backward(bo);
     }
     opt.step(g);
+  }
+  {
+    const auto waits = opt.wait_timeline();
+    opt.set_wait_timeline(false);
+    if (!dev.is_cuda()) {
+      WCHECK(waits.empty());  // CUDA events only
+    } else {
+      // Two micro-batches: each block gathered for its forward and its backward twice, then the
+      // step's wait for the reductions.
+      int fwd = 0, bwd = 0, red = 0;
+      for (const auto& w : waits) {
+        fwd += w.what.find("(forward)") != std::string::npos;
+        bwd += w.what.find("(backward)") != std::string::npos;
+        red += w.what == "reductions";
+        WCHECK(w.waited_ms >= 0 && w.at_ms >= 0);
+      }
+      WCHECK(fwd == 4 && bwd == 4 && red >= 1);
+      WCHECK(waits.front().at_ms == 0);
+    }
   }
   std::unique_ptr<optim::AdamW> ref_opt;
   auto ref = reference_adamw(3, dev, &ref_opt);  // under the same autocast

@@ -441,7 +441,49 @@ std::string ZeroRedundancyOptimizer::name() const { return "ZeroRedundancyOptimi
 std::size_t ZeroRedundancyOptimizer::num_buckets() const { return layouts_.size(); }
 
 void ZeroRedundancyOptimizer::finish_reductions() {
-  if (reducer_) reducer_->finish_round();
+  if (reducer_) timed_wait("reductions", [this] { reducer_->finish_round(); });
+}
+
+// Note [ZeRO wait timeline]
+// The collectives run on the group's communication stream; the compute stream waits for one only
+// where it needs the result: a block's gathered parameters (gather_block), the shard gradients at
+// the step (finish_reductions). An event recorded on the compute stream just before such a wait
+// completes when the compute queued before it is done; one recorded just after completes when the
+// collective is done too. Their difference is the time the compute stream stood waiting, the
+// collective's part not hidden behind compute; their positions put the waits on the compute
+// timeline. CUDA events only: on the CPU (tcp) the waits run unrecorded.
+struct ZeroRedundancyOptimizer::WaitMark {
+  std::string what;
+  cuda::Event before{true}, after{true};
+};
+
+void ZeroRedundancyOptimizer::set_wait_timeline(bool on) {
+  timeline_on_ = on;
+  if (!on) wait_marks_.clear();
+}
+
+void ZeroRedundancyOptimizer::timed_wait(const std::string& what, const std::function<void()>& wait) {
+  if (!timeline_on_ || !group_->device().is_cuda()) {
+    wait();
+    return;
+  }
+  auto mark = std::make_shared<WaitMark>();
+  mark->what = what;
+  mark->before.record();
+  wait();
+  mark->after.record();
+  wait_marks_.push_back(std::move(mark));
+}
+
+std::vector<ZeroRedundancyOptimizer::WaitRecord> ZeroRedundancyOptimizer::wait_timeline() {
+  std::vector<WaitRecord> out;
+  if (wait_marks_.empty()) return out;
+  cuda::synchronize(group_->device().index);
+  const cuda::Event& origin = wait_marks_.front()->before;
+  for (const auto& m : wait_marks_)
+    out.push_back({m->what, origin.elapsed_time(m->before), m->before.elapsed_time(m->after)});
+  wait_marks_.clear();
+  return out;
 }
 
 void ZeroRedundancyOptimizer::step(const Gradients& grads) {
@@ -1000,7 +1042,7 @@ void ZeroRedundancyOptimizer::drop_prefetched() {
   }
 }
 
-std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool own_dtype) {
+std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool own_dtype, const char* phase) {
   FLAME_CHECK(i < block_layouts_.size(), "ZeroRedundancyOptimizer.run_block", "block ", i, " out of range (",
               block_layouts_.size(), " blocks with sharded parameters; stage ", options_.stage, ")");
   std::shared_ptr<Prefetch> pf;
@@ -1010,7 +1052,7 @@ std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool 
   } else {
     pf = start_gather(i, own_dtype);
   }
-  pf->wait();
+  timed_wait("gather block " + std::to_string(i) + " (" + phase + ")", [&] { pf->wait(); });
   NoGradGuard no_grad;
   auto held = std::make_shared<GatheredBlock>();
   for (std::size_t j = 0; j < block_layouts_[i].size(); ++j) {
@@ -1063,7 +1105,7 @@ Tensor ZeroRedundancyOptimizer::run_block(std::size_t i, const std::function<Ten
   const std::size_t n_params = params.size();
   record(out, "ZeroBlockBackward", edges,
          [this, i, fn, saved, wants, n_params, rng_before, autocast_before](const Tensor& grad) {
-           const std::shared_ptr<void> g = gather_block(i);
+           const std::shared_ptr<void> g = gather_block(i, /*own_dtype=*/false, "backward");
            if (i > 0) prefetch_block(i - 1);  // backward walks the blocks in reverse
            TensorList ins, stop_at;
            for (std::size_t k = 0; k < saved.size(); ++k) {

@@ -47,7 +47,7 @@
 //       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
 //       steps with optim::AdamW8bit instead of AdamW.
 //   flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]
-//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--device cuda]
+//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0] [--device cuda]
 //       full fine-tuning (every weight trains: f32 weights, AdamW) on each rank of a flame-run job,
 //       batch 1 per rank (its own random latents and text), mse loss, random weights. --zero S on
 //       several ranks: dist::ZeroRedundancyOptimizer stage S; 3 (the default) shards the 19 + 38
@@ -107,7 +107,7 @@ const char* kUsage =
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
     "  flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]\n"
-    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--device cuda]   (under flame-run: one line\n"
+    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0] [--device cuda]   (under flame-run: one line\n"
     "                   per rank)\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
@@ -122,7 +122,7 @@ const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "co
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
                                          "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype",
-                                         "params", "prefetch"};
+                                         "params", "prefetch", "timeline"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -503,6 +503,31 @@ int saved(const std::map<std::string, std::string>& f) {
   return 0;
 }
 
+// ZeRO's wait timeline of one step (Note [ZeRO wait timeline]): where the compute stream stood
+// waiting for a collective, against the step's span from CUDA events on the same stream.
+void print_wait_timeline(const std::vector<flame::dist::ZeroRedundancyOptimizer::WaitRecord>& waits, double step_ms) {
+  double total = 0, fwd = 0, bwd = 0, red = 0;
+  for (const auto& w : waits) {
+    total += w.waited_ms;
+    if (w.what.find("forward") != std::string::npos) fwd += w.waited_ms;
+    else if (w.what.find("backward") != std::string::npos) bwd += w.waited_ms;
+    else red += w.waited_ms;
+  }
+  std::printf("# collectives waited for: %zu waits, %.2f ms of the %.2f ms step exposed (gathers: forward %.2f ms, "
+              "backward %.2f ms; reductions at the step %.2f ms)\n",
+              waits.size(), total, step_ms, fwd, bwd, red);
+  if (waits.empty()) return;
+  const auto& first = waits.front();
+  const auto& last = waits.back();
+  std::printf("# first: %s at %.2f ms, waited %.3f ms; last: %s at %.2f ms, waited %.3f ms\n", first.what.c_str(),
+              first.at_ms, first.waited_ms, last.what.c_str(), last.at_ms, last.waited_ms);
+  std::vector<flame::dist::ZeroRedundancyOptimizer::WaitRecord> by = waits;
+  std::sort(by.begin(), by.end(), [](const auto& a, const auto& b) { return a.waited_ms > b.waited_ms; });
+  for (std::size_t i = 0; i < by.size() && i < 5; ++i)
+    std::printf("#   %8.3f ms  %s at %.2f ms\n", by[i].waited_ms, by[i].what.c_str(), by[i].at_ms);
+  std::fflush(stdout);
+}
+
 // ---- full fine-tuning on the ranks of a flame-run job (#33's comparison with FSDP2) ----
 int full(const std::map<std::string, std::string>& f) {
   const std::string name = flag_or(f, "config", "flux-dev");
@@ -518,6 +543,9 @@ int full(const std::map<std::string, std::string>& f) {
   // --prefetch 0: each block's all-gather starts only when the block runs (no overlap with the
   // previous block's compute): the step time with it off shows what the prefetch hides.
   const bool prefetch = int_list("prefetch", flag_or(f, "prefetch", "1")).at(0) != 0;
+  // --timeline 1: one more step with ZeRO's wait timeline on (Note [ZeRO wait timeline]): where the
+  // compute stream waited for the collectives, from CUDA events on that stream.
+  const bool timeline = int_list("timeline", flag_or(f, "timeline", "0")).at(0) != 0;
   if (latent % 2 != 0 || latent <= 0 || text <= 0) throw std::runtime_error("--latent must be even and positive, --text positive");
   if (zero < 0 || zero > 3) throw std::runtime_error("--zero must be 0, 1, 2 or 3, got " + std::to_string(zero));
   if (dtype_flag != "bf16" && dtype_flag != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got " + dtype_flag);
@@ -619,6 +647,17 @@ int full(const std::map<std::string, std::string>& f) {
               static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), param_gib, state_gib,
               device.str().c_str());
   std::fflush(stdout);
+  if (timeline && sharded && device.is_cuda()) {
+    flame::cuda::Event a(true), b(true);
+    sharded->set_wait_timeline(true);
+    a.record();
+    step();
+    b.record();
+    const auto waits = sharded->wait_timeline();
+    sharded->set_wait_timeline(false);
+    b.synchronize();
+    if (rank == 0) print_wait_timeline(waits, a.elapsed_time(b));
+  }
   if (trace_steps > 0) {
     if (rank == 0) {
       print_kernel_trace(step, trace_steps);

@@ -160,6 +160,19 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
     std::size_t host_bytes = 0;       // offload_state: the host masters and the state on the host
   };
   MemoryReport memory_report() const;
+
+  // Where the compute stream waited for this optimizer's collectives (Note [ZeRO wait timeline] in
+  // src/dist/zero.cpp; CUDA devices: elsewhere nothing is recorded). While on, every wait of the
+  // compute stream for a block's all-gather (stage 3) and for the step's last reductions (stages
+  // 2 and 3) is bracketed by two CUDA events on that stream. wait_timeline() waits for the device
+  // and returns them, the first record's start as 0, then forgets them.
+  struct WaitRecord {
+    std::string what;        // "gather block 3 (forward)", "gather block 3 (backward)", "reductions"
+    double at_ms = 0;        // when the compute stream reached the wait
+    double waited_ms = 0;    // how long it stood there: the collective's exposed time
+  };
+  void set_wait_timeline(bool on);
+  std::vector<WaitRecord> wait_timeline();
   optim::Optimizer& local_optimizer() { return *inner_; }
 
   struct Layout;
@@ -168,7 +181,10 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
 
  private:
   void finish_reductions();
-  std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false);
+  std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false, const char* phase = "forward");
+  // wait() with the compute stream's position before and after it recorded while the wait
+  // timeline is on.
+  void timed_wait(const std::string& what, const std::function<void()>& wait);
   void prefetch_block(std::size_t i);
   std::shared_ptr<Prefetch> start_gather(std::size_t i, bool own_dtype);
   void drop_prefetched();
@@ -196,6 +212,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   std::vector<std::vector<std::size_t>> block_layouts_;  // stage 3: block i's buckets
   std::vector<std::shared_ptr<Prefetch>> prefetched_;     // stage 3: block i's gather in flight
   std::unique_ptr<optim::EMA> ema_;                       // ZeroOptions::ema: over the shards, by bucket
+  struct WaitMark;
+  bool timeline_on_ = false;
+  std::vector<std::shared_ptr<WaitMark>> wait_marks_;     // the wait timeline's records since the last read
 };
 
 }  // namespace flame::dist
