@@ -54,7 +54,8 @@
 #              "under 10 GiB" row)
 #   full       #33's comparison: FLUX-dev full fine-tuning at 1024² on every GPU of the machine, batch 1
 #              per GPU, every block recomputed: flame-run + `flux_parity full` (ZeRO-3, bf16 compute over
-#              f32 shards, AdamW; with and without the next block's gather prefetched), then
+#              f32 shards, AdamW; with and without the next block's gather prefetched, and where the
+#              compute waited for the collectives), then
 #              torchrun + reference/fsdp_flux.py (FSDP2 fully_shard per block, the same precision
 #              policy), and flame with the trainer's precision (--params bf16: bf16 shards, AdamW's f32
 #              masters); one line per rank each (step time, peak memory)
@@ -321,12 +322,13 @@ fi
 if has full; then
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   [ "$ngpu" -lt 1 ] && ngpu=1
-  # With the next block's gather prefetched (the default) and without: what the prefetch hides. (A kernel
+  # With the next block's gather prefetched (the default) and without: what the prefetch hides; each
+  # with the wait timeline of one more step (the collectives' exposed time from CUDA events). (A kernel
   # trace, --trace 1, slows the traced rank's step many times over at 4 ranks: not used here.)
   for pf in 1 0; do
     run "full flux-dev: flame ZeRO-3 on $ngpu GPUs (flame-run), prefetch $pf" 600 "$BUILD/tools/flame-run" \
       --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2 \
-      --prefetch $pf
+      --prefetch $pf --timeline 1
   done
   run "full flux-dev: flame ZeRO-3 on $ngpu GPUs, the trainer's precision (bf16 shards, f32 masters)" 600 \
     "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 \
