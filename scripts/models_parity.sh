@@ -330,6 +330,9 @@ if has full; then
       --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2 \
       --prefetch $pf --timeline 1
   done
+  run "full flux-dev: flame ZeRO-3 on $ngpu GPUs, one bucket per block (one gather and one reduce-scatter each)" 600 \
+    "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 \
+    --steps 6 --warmup 2 --bucket-mb 2000 --timeline 1
   run "full flux-dev: flame ZeRO-3 on $ngpu GPUs, the trainer's precision (bf16 shards, f32 masters)" 600 \
     "$BUILD/tools/flame-run" --nproc-per-node "$ngpu" "$BIN/flux_parity" full --config flux-dev --latent 128 --text 512 \
     --steps 6 --warmup 2 --params bf16

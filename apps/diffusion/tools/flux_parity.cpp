@@ -47,7 +47,8 @@
 //       spread over the stack; swapped blocks are recomputed in backward); --optimizer adamw8bit
 //       steps with optim::AdamW8bit instead of AdamW.
 //   flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]
-//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0] [--device cuda]
+//                    [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0]
+//                    [--bucket-mb 25] [--device cuda]
 //       full fine-tuning (every weight trains: f32 weights, AdamW) on each rank of a flame-run job,
 //       batch 1 per rank (its own random latents and text), mse loss, random weights. --zero S on
 //       several ranks: dist::ZeroRedundancyOptimizer stage S; 3 (the default) shards the 19 + 38
@@ -107,8 +108,8 @@ const char* kUsage =
     "                     [--fp8 none,dequantize,fp8] [--swap 0] [--optimizer adamw] [--checkpointing 0] [--lr 1e-3]\n"
     "                     [--device cuda]\n"
     "  flux_parity full --config flux-dev [--latent 128] [--text 512] [--steps 6] [--warmup 2] [--zero 3]\n"
-    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0] [--device cuda]   (under flame-run: one line\n"
-    "                   per rank)\n"
+    "                   [--dtype bf16] [--params f32] [--lr 1e-5] [--trace 0] [--prefetch 1] [--timeline 0]\n"
+    "                   [--bucket-mb 25] [--device cuda]   (under flame-run: one line per rank)\n"
     "  flux_parity saved --config flux-dev-d2 [--latent 32] [--text 64] [--rank 16] [--recompute 0,1] [--device cpu]\n"
     "                    [--group op|module|op_and_module] [--json FILE]\n";
 
@@ -122,7 +123,7 @@ const std::vector<std::string> kFlags = {"dir",   "device", "checkpointing", "co
                                          "batch", "rank",   "steps",         "warmup", "trace",  "offload", "recompute",
                                          "group", "json",  "graph", "fp8", "lr", "budget", "swap", "optimizer",
                                          "offload-blocks", "offload-min-mib", "offload-prefetch-mib", "zero", "dtype",
-                                         "params", "prefetch", "timeline"};
+                                         "params", "prefetch", "timeline", "bucket-mb"};
 
 bool report(const std::string& what, const flame_diffusion::tools::ParityError& e, double tol) {
   const bool ok = e.rel <= tol && e.abs == e.abs;
@@ -546,6 +547,11 @@ int full(const std::map<std::string, std::string>& f) {
   // --timeline 1: one more step with ZeRO's wait timeline on (Note [ZeRO wait timeline]): where the
   // compute stream waited for the collectives, from CUDA events on that stream.
   const bool timeline = int_list("timeline", flag_or(f, "timeline", "0")).at(0) != 0;
+  // --bucket-mb: ZeroOptions::bucket_cap_mb (stage 3: a block's parameters form buckets of their own
+  // of at most this size, each one all-gather and one reduce-scatter; 2000 makes one per block, as
+  // FSDP2's fully_shard per block does).
+  const double bucket_mb = std::stod(flag_or(f, "bucket-mb", "25"));
+  if (!(bucket_mb > 0)) throw std::runtime_error("--bucket-mb must be positive");
   if (latent % 2 != 0 || latent <= 0 || text <= 0) throw std::runtime_error("--latent must be even and positive, --text positive");
   if (zero < 0 || zero > 3) throw std::runtime_error("--zero must be 0, 1, 2 or 3, got " + std::to_string(zero));
   if (dtype_flag != "bf16" && dtype_flag != "f32") throw std::runtime_error("--dtype must be bf16 or f32, got " + dtype_flag);
@@ -575,6 +581,7 @@ int full(const std::map<std::string, std::string>& f) {
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(stage);
     zo.prefetch = prefetch;
+    zo.bucket_cap_mb = bucket_mb;
     if (stage == 3) {
       zo.blocks = model->stack_blocks();
       if (low && param_dtype == DType::f32) zo.compute_dtype = DType::bf16;
@@ -639,11 +646,11 @@ int full(const std::map<std::string, std::string>& f) {
     state_gib = static_cast<double>(mem.state_bytes) / (1u << 30);
   }
   std::printf("{\"impl\": \"flame\", \"work\": \"%s_full_step\", \"rank\": %d, \"world\": %d, \"zero_stage\": %lld, "
-              "\"dtype\": \"%s\", \"params\": \"%s\", \"prefetch\": %s, \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, "
+              "\"dtype\": \"%s\", \"params\": \"%s\", \"prefetch\": %s, \"bucket_mb\": %g, \"latent\": %lld, \"text\": %lld, \"median_ms\": %.2f, "
               "\"peak_gib\": %.3f, "
               "\"parameters\": %lld, \"parameters_held_gib\": %.3f, \"optimizer_state_gib\": %.3f, \"device\": \"%s\"}\n",
               name.c_str(), rank, world, static_cast<long long>(stage), dtype_flag.c_str(), params_flag.c_str(),
-              prefetch ? "true" : "false", static_cast<long long>(latent),
+              prefetch ? "true" : "false", bucket_mb, static_cast<long long>(latent),
               static_cast<long long>(text), median, peak_gib, static_cast<long long>(elements), param_gib, state_gib,
               device.str().c_str());
   std::fflush(stdout);
