@@ -441,7 +441,7 @@ std::string ZeroRedundancyOptimizer::name() const { return "ZeroRedundancyOptimi
 std::size_t ZeroRedundancyOptimizer::num_buckets() const { return layouts_.size(); }
 
 void ZeroRedundancyOptimizer::finish_reductions() {
-  if (reducer_) timed_wait("reductions", [this] { reducer_->finish_round(); });
+  if (reducer_) timed_wait("reductions", -1, [this] { reducer_->finish_round(); });
 }
 
 // Note [ZeRO wait timeline]
@@ -462,13 +462,13 @@ void ZeroRedundancyOptimizer::set_wait_timeline(bool on) {
   if (!on) wait_marks_.clear();
 }
 
-void ZeroRedundancyOptimizer::timed_wait(const std::string& what, const std::function<void()>& wait) {
+void ZeroRedundancyOptimizer::timed_wait(const char* what, int64_t block, const std::function<void()>& wait) {
   if (!timeline_on_ || !group_->device().is_cuda()) {
     wait();
     return;
   }
   auto mark = std::make_shared<WaitMark>();
-  mark->what = what;
+  mark->what = block < 0 ? std::string(what) : "gather block " + std::to_string(block) + " (" + what + ")";
   mark->before.record();
   wait();
   mark->after.record();
@@ -1052,7 +1052,7 @@ std::shared_ptr<void> ZeroRedundancyOptimizer::gather_block(std::size_t i, bool 
   } else {
     pf = start_gather(i, own_dtype);
   }
-  timed_wait("gather block " + std::to_string(i) + " (" + phase + ")", [&] { pf->wait(); });
+  timed_wait(phase, static_cast<int64_t>(i), [&] { pf->wait(); });
   NoGradGuard no_grad;
   auto held = std::make_shared<GatheredBlock>();
   for (std::size_t j = 0; j < block_layouts_[i].size(); ++j) {

@@ -72,9 +72,9 @@ Tensor float8_matmul(const Tensor& a, const Tensor& a_scale, const Tensor& b, co
 // storage's version when it was cast, with the codes and row scales. A call whose x matches
 // every field reads them instead of casting again; an in-place write to x bumps the version and
 // a freed storage no longer locks, so a stale entry is never read. The entry holds the last
-// codes (1 byte per element) until the next cast, which drops them before allocating its own. It is neither read nor written
-// while the thread captures a CUDA graph: a cast made outside a graph would not be replayed
-// inside it, and one made inside lives in the graph's memory.
+// codes (1 byte per element) until the next cast, which drops them before allocating its own. It
+// is neither read nor written while the thread captures a CUDA graph: a cast made outside a graph
+// would not be replayed inside it, and one made inside lives in the graph's memory.
 namespace {
 struct LastInputCast {
   std::weak_ptr<Storage> storage;

@@ -86,6 +86,8 @@
 #include <optional>
 #include <set>
 #include <sstream>
+#include <string>
+#include <string_view>
 #include <thread>
 
 #include <flame/amp.h>
@@ -234,10 +236,14 @@ class EmaSection final : public flame::Stateful {
 // (each takes the elements it owns now). The weights stay in the file ("model", gathered as before).
 // Rotation removes a folder with its file. A sharded checkpoint resumes in any ZeRO run (whatever
 // its own setting) but not in one process, which says so; a consolidated one resumes anywhere.
+constexpr std::string_view kCheckpointSuffix = ".safetensors", kShardFolderSuffix = ".optimizer";
+// ckpt-<step>.safetensors <-> ckpt-<step>.optimizer
+std::string swap_suffix(std::string path, std::string_view from, std::string_view to) {
+  if (path.ends_with(from)) path.resize(path.size() - from.size());
+  return path.append(to);
+}
 std::string shard_folder_of(const std::string& checkpoint_file) {
-  std::string stem = checkpoint_file;
-  if (stem.ends_with(".safetensors")) stem.resize(stem.size() - std::string(".safetensors").size());
-  return stem + ".optimizer";
+  return swap_suffix(checkpoint_file, kCheckpointSuffix, kShardFolderSuffix);
 }
 
 class OptimizerSection final : public flame::Stateful {
@@ -1086,8 +1092,8 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       std::vector<fs::path> orphans;
       for (const auto& e : fs::directory_iterator(ckpt_dir)) {
         const std::string p = e.path().string();
-        if (e.is_directory() && p.ends_with(".optimizer") &&
-            !fs::exists(p.substr(0, p.size() - std::string(".optimizer").size()) + ".safetensors"))
+        if (e.is_directory() && p.ends_with(kShardFolderSuffix) &&
+            !fs::exists(swap_suffix(p, kShardFolderSuffix, kCheckpointSuffix)))
           orphans.push_back(e.path());
       }
       for (const fs::path& p : orphans) fs::remove_all(p);

@@ -183,8 +183,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   void finish_reductions();
   std::shared_ptr<void> gather_block(std::size_t i, bool own_dtype = false, const char* phase = "forward");
   // wait() with the compute stream's position before and after it recorded while the wait
-  // timeline is on.
-  void timed_wait(const std::string& what, const std::function<void()>& wait);
+  // timeline is on, as `what`, or as block's gather in phase `what` when block >= 0 (the label is
+  // made only while recording).
+  void timed_wait(const char* what, int64_t block, const std::function<void()>& wait);
   void prefetch_block(std::size_t i);
   std::shared_ptr<Prefetch> start_gather(std::size_t i, bool own_dtype);
   void drop_prefetched();

@@ -53,20 +53,19 @@ struct alignas(sizeof(T) * V) Pack {
 // to even, saturating at the format's largest finite value, which are the bits of the software
 // rounding of float8_math's encode_scaled (the CPU reference) for every value but NaN; a NaN is set
 // to the format's NaN with its sign kept, as there. v / scale stays an IEEE division on both sides.
-template <bool kE4m3>
 __device__ __forceinline__ uint8_t fix_nan(uint8_t code, float v) {
   return v != v ? static_cast<uint8_t>(signbit(v) ? 0xffu : 0x7fu) : code;
 }
 template <bool kE4m3>
 __device__ __forceinline__ uint8_t encode_hw(float v) {
-  return fix_nan<kE4m3>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4m3 ? __NV_E4M3 : __NV_E5M2), v);
+  return fix_nan(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4m3 ? __NV_E4M3 : __NV_E5M2), v);
 }
 // a, b -> their codes in the low and high byte.
 template <bool kE4m3>
 __device__ __forceinline__ void encode_hw2(float a, float b, uint8_t& qa, uint8_t& qb) {
   const __nv_fp8x2_storage_t r = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, kE4m3 ? __NV_E4M3 : __NV_E5M2);
-  qa = fix_nan<kE4m3>(static_cast<uint8_t>(r & 0xffu), a);
-  qb = fix_nan<kE4m3>(static_cast<uint8_t>(r >> 8), b);
+  qa = fix_nan(static_cast<uint8_t>(r & 0xffu), a);
+  qb = fix_nan(static_cast<uint8_t>(r >> 8), b);
 }
 // V values divided by s into a pack of codes (V even, or 1).
 template <bool kE4m3, int V>
