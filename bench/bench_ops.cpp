@@ -297,6 +297,11 @@ int main(int argc, char** argv) {
          Tensor x = Tensor::rand({2 * kSquare, kSquare}, gpu).to(DType::bf16);
          return std::function<void()>([x] { (void)x.t().contiguous(); });
        }},
+      {"transpose_fp8", 2 * S,  // the FP8 Linear's weight in its backward (Note [FP8 GEMM layout])
+       [&] {
+         Tensor x = Tensor::rand({4 * kSquare, kSquare}, gpu).to(DType::f8_e4m3fn);
+         return std::function<void()>([x] { (void)x.t().contiguous(); });
+       }},
       {"sum", S,
        [&] {
          Tensor x = Tensor::rand({kElems}, gpu);

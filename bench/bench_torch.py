@@ -196,6 +196,10 @@ def main():
         x = torch.rand(2 * SQUARE, SQUARE, device=dev).to(torch.bfloat16)
         return lambda: x.t().contiguous()
 
+    def setup_transpose_fp8():
+        x = torch.rand(4 * SQUARE, SQUARE, device=dev).to(torch.float8_e4m3fn)
+        return lambda: x.t().contiguous()
+
     def setup_softmax_bf16():
         x = torch.randn(SOFTMAX_ROWS, 2 * SOFTMAX_COLS, device=dev).to(torch.bfloat16)
         f = compiled(lambda t: torch.softmax(t, dim=-1))
@@ -227,7 +231,8 @@ def main():
 
     mem_ops = [("add", 3 * S, setup_add), ("mul", 3 * S, setup_mul), ("gelu", 2 * S, setup_gelu),
                ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
-               ("transpose_bf16", 2 * S, setup_transpose_bf16), ("sum", S, setup_sum),
+               ("transpose_bf16", 2 * S, setup_transpose_bf16), ("transpose_fp8", 2 * S, setup_transpose_fp8),
+               ("sum", S, setup_sum),
                ("sum_columns", S, setup_sum_columns),
                ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16),
                ("ew_chain", 2 * S, setup_ew_chain),

@@ -91,6 +91,8 @@ TEST(CudaBackend, TransposingCopiesOfEveryDtypeAndLayout) {
       {{4, 64, 2, 48}, {3, 0, 1, 2}},  {{15, 200}, {1, 0}},  // a side below 16: elementwise path
       // Even sizes and strides: 2-byte types move element pairs (one and two batch dims).
       {{6, 34, 66}, {0, 2, 1}},        {{2, 3, 48, 40}, {1, 0, 3, 2}},
+      // Sizes and strides in fours: 1-byte types move 4 x 4 squares (partial tiles at both edges).
+      {{68, 132}, {1, 0}},             {{3, 64, 196}, {0, 2, 1}},
   };
   for (const Case& c : cases) {
     for (DType from : kAllDTypes) {
@@ -110,6 +112,15 @@ TEST(CudaBackend, TransposingCopiesOfEveryDtypeAndLayout) {
         EXPECT_TRUE(same_values(dst, src_cpu.to(to)));
       }
     }
+  }
+  // A 1-byte source off a 4-byte boundary, or with a row stride not in fours, cannot move squares.
+  for (DType dt : {DType::u8, DType::f8_e4m3fn}) {
+    const Tensor cpu = make_input({{40, 48}, DType::f32, Layout::contiguous, 0, 120}, Device::cpu(), 34).to(dt);
+    const Tensor gpu = cpu.to(kCuda);
+    for (int64_t off : {1, 2, 4})
+      EXPECT_TRUE(same_values(gpu.narrow(1, off, 40).t().contiguous(), cpu.narrow(1, off, 40).t().contiguous())) << off;
+    const Tensor odd = make_input({{40, 42}, DType::f32, Layout::contiguous, 0, 120}, Device::cpu(), 35).to(dt);  // row stride 42
+    EXPECT_TRUE(same_values(odd.to(kCuda).narrow(1, 0, 40).t().contiguous(), odd.narrow(1, 0, 40).t().contiguous()));
   }
   // A 2-byte source at an odd element offset, or with odd strides, cannot move pairs.
   for (DType dt : {DType::bf16, DType::f16}) {

@@ -34,18 +34,29 @@ TEST(CudaMemory, AllocateAndFreeMoveTheStats) {
 
 TEST(CudaMemory, PeakFollowsTheMaximumAndResets) {
   FLAME_SKIP_IF_NO_CUDA();
+  cuda::synchronize();
+  cuda::empty_cache();
   cuda::reset_peak_memory_stats();
   const cuda::MemoryStats base = cuda::memory_stats();
   EXPECT_EQ(base.peak_allocated_bytes, base.allocated_bytes);
+  EXPECT_EQ(base.peak_reserved_bytes, base.reserved_bytes);
+  std::size_t held_reserved = 0;
   {
     Tensor a = cuda_empty({static_cast<int64_t>(48 * kMiB)}, DType::u8);
     Tensor b = cuda_empty({static_cast<int64_t>(16 * kMiB)}, DType::u8);
+    held_reserved = cuda::memory_stats().reserved_bytes;
+    EXPECT_GE(held_reserved, base.reserved_bytes + 48 * kMiB);  // b may come from a chunk reserved before
   }
+  cuda::synchronize();
+  cuda::empty_cache();  // the reserve falls back; its peak stays
   const cuda::MemoryStats after = cuda::memory_stats();
   EXPECT_EQ(after.allocated_bytes, base.allocated_bytes);
   EXPECT_EQ(after.peak_allocated_bytes, base.allocated_bytes + 64 * kMiB);
+  EXPECT_LT(after.reserved_bytes, held_reserved);
+  EXPECT_GE(after.peak_reserved_bytes, held_reserved);
   cuda::reset_peak_memory_stats();
   EXPECT_EQ(cuda::memory_stats().peak_allocated_bytes, base.allocated_bytes);
+  EXPECT_EQ(cuda::memory_stats().peak_reserved_bytes, cuda::memory_stats().reserved_bytes);
 }
 
 TEST(CudaMemory, OutOfMemoryRaisesAndTheProcessGoesOn) {

@@ -166,6 +166,46 @@ TEST(OptimCpu, AdafactorFactoredStateShapes) {
   EXPECT_EQ(opt.state(1, "variance").sizes(), (Shape{5}));
 }
 
+// pending_state_bytes: the state the next step creates, counted before it exists (f32 master
+// weights and slots of half parameters; 8-bit slots and their absmax; nothing for parameters that
+// have stepped), equal to the bytes the step then holds.
+TEST(OptimCpu, PendingStateBytesCountWhatTheFirstStepCreates) {
+  auto state_bytes = [](const optim::FusedOptimizer& opt, std::size_t n, const std::vector<std::string>& slots) {
+    std::size_t b = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (opt.master_weights(i).defined()) b += opt.master_weights(i).nbytes();
+      for (const std::string& s : slots)
+        if (opt.state(i, s).defined()) b += opt.state(i, s).nbytes();
+    }
+    return b;
+  };
+  Tensor w = Tensor::randn({10, 3});
+  Tensor h = Tensor::randn({5}).to(DType::bf16);
+  w.requires_grad_(true);
+  h.requires_grad_(true);
+  optim::AdamW adamw({w, h});
+  EXPECT_EQ(adamw.pending_state_bytes(), 30u * 4 * 2 + 5u * 4 * 3);  // w: two f32 moments; h: master + two
+  Gradients g;
+  g.set(w, Tensor::randn({10, 3}));
+  adamw.step(g);  // only w steps
+  EXPECT_EQ(adamw.pending_state_bytes(), 5u * 4 * 3);
+  EXPECT_EQ(state_bytes(adamw, 2, {"exp_avg", "exp_avg_sq"}), 30u * 4 * 2);
+  g.set(h, Tensor::randn({5}).to(DType::bf16));
+  adamw.step(g);
+  EXPECT_EQ(adamw.pending_state_bytes(), 0u);
+  EXPECT_EQ(state_bytes(adamw, 2, {"exp_avg", "exp_avg_sq"}), 30u * 4 * 2 + 5u * 4 * 3);
+  Tensor big = Tensor::randn({4096 + 10});
+  big.requires_grad_(true);
+  optim::AdamW8bit eight({big}, {.min_8bit_size = 4096, .block_size = 2048});
+  const std::size_t pending = eight.pending_state_bytes();
+  Gradients gb;
+  gb.set(big, Tensor::randn({4096 + 10}));
+  eight.step(gb);
+  EXPECT_EQ(eight.pending_state_bytes(), 0u);
+  EXPECT_EQ(pending, state_bytes(eight, 1, {"exp_avg_codes", "exp_avg_sq_codes", "exp_avg_absmax", "exp_avg_sq_absmax"}));
+  EXPECT_GE(pending, 2u * (4096 + 10));  // two u8 codes per value, plus the absmax
+}
+
 // Master weights: a bf16 run with f32 master weights is the f32 run on the same (bf16-valued)
 // inputs, bit for bit on the CPU, and its parameters are the masters rounded to bf16.
 TEST(OptimCpu, MasterWeightsTrackTheF32Run) {

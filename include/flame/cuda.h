@@ -18,6 +18,9 @@ struct MemoryStats {
   std::size_t reserved_bytes = 0;        // held from the driver: pool (allocated + cached) + graph pools
   std::size_t cached_bytes = 0;          // part of reserved: freed blocks kept for reuse by size
   std::size_t peak_allocated_bytes = 0;  // max of allocated_bytes since the last reset
+  // max of reserved_bytes since the last reset (sampled when memory comes from the driver; a block
+  // refused by set_memory_limit does not count): what a cap on reserved memory must allow
+  std::size_t peak_reserved_bytes = 0;
   // reserved_bytes - allocated_bytes: memory held but not used by a live tensor (cached blocks,
   // size rounding, pool slack, graph-private blocks not in use).
   std::size_t fragmentation_bytes = 0;

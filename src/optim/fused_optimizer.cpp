@@ -176,6 +176,21 @@ DType FusedOptimizer::state_dtype(const Tensor& param) const {
   return uses_master(param) ? DType::f32 : param.dtype();
 }
 
+std::size_t FusedOptimizer::pending_state_bytes(std::optional<Device> on) const {
+  std::size_t bytes = 0;
+  for (std::size_t g = 0; g < groups_.size(); ++g)
+    for (std::size_t i = group_begin_[g]; i < group_begin_[g + 1]; ++i) {
+      const Tensor& p = params_[i];
+      const ParamState& st = state_[i];
+      if (on && p.device() != *on) continue;
+      if (uses_master(p) && !st.master.defined()) bytes += static_cast<std::size_t>(p.numel()) * dtype_size(DType::f32);
+      if (!st.slots.empty()) continue;
+      for (const Slot& s : slots(groups_[g], p))
+        bytes += static_cast<std::size_t>(shape_numel(s.shape)) * dtype_size(s.dtype.value_or(state_dtype(p)));
+    }
+  return bytes;
+}
+
 std::size_t FusedOptimizer::param_index(const Tensor& param, const char* what) const {
   const std::string op = name() + "." + what;
   FLAME_CHECK(param.defined(), op.c_str(), "got an undefined tensor instead of a parameter");

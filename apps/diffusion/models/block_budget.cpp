@@ -92,28 +92,40 @@ std::string BudgetPlan::str() const {
   os << "VRAM budget " << gib(budget) << ": " << swap.str() << "; " << checkpointed << " of " << blocks
      << " blocks checkpointed; measured: " << gib(resident_bytes) << " resident besides the blocks, "
      << gib(activation_bytes) << " of activations with every block checkpointed, last trial step's peak "
-     << gib(peak_bytes) << " (" << trials << " trial steps)";
+     << gib(peak_bytes) << " allocated, " << gib(peak_reserved_bytes) << " reserved (" << trials
+     << " trial steps under a cap of " << gib(budget - headroom_bytes) << ": " << gib(held_bytes)
+     << " kept for the optimizer state the first update creates, the rest for the pool's fragmentation)";
   return os.str();
 }
 
 BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
-                           const std::function<void()>& trial_step) {
+                           const std::function<void()>& trial_step, std::size_t held_bytes) {
   const char* op = "fit_vram_budget";
   if (!device.is_cuda()) throw std::runtime_error(std::string(op) + ": a VRAM budget needs a CUDA device, got " + device.str());
   const int dev = device.index;
   BudgetPlan plan;
   plan.budget = budget;
+  plan.held_bytes = held_bytes;
   flame::offload::BlockSwap& swap = stack.enable_block_swap(device);
   const std::size_t n = swap.size();
   plan.blocks = static_cast<int64_t>(n);
   const std::vector<std::size_t> sizes = swap.frozen_bytes();
   const std::size_t largest = sizes.empty() ? 0 : *std::max_element(sizes.begin(), sizes.end());
-  // The cap limits reserved memory, the measurements are allocated bytes: keep a margin for the
-  // pool's rounding and fragmentation.
-  const std::size_t margin = std::max<std::size_t>(budget / 20, std::size_t{256} << 20);
-  FLAME_CHECK(budget > margin, op, "the budget ", gib(budget), " is too small to train in");
-  const std::size_t usable = budget - margin;
-  flame::cuda::set_memory_limit(budget, dev);
+  // Note [Budget headroom]: the trials run under a cap below the budget by what the training steps
+  // hold that a trial does not (held_bytes: the optimizer state the first update creates) and by
+  // room for the pool's fragmentation to grow after the trials (a choice that passed its trials
+  // and two more steps ran out of memory later, 14.74 GiB live in 15.91 GiB reserved under a
+  // 16 GiB cap); the training steps then run under the budget itself.
+  plan.headroom_bytes = std::max<std::size_t>(budget / 64, std::size_t{256} << 20) + held_bytes;
+  // The trials' peaks are allocated bytes; the cap limits reserved ones: the estimates below keep
+  // a margin for the pool's rounding and fragmentation (a trial itself fits when it completes).
+  const std::size_t margin = std::max<std::size_t>(budget / 40, std::size_t{256} << 20);
+  FLAME_CHECK(budget > plan.headroom_bytes + margin, op, "the budget ", gib(budget), " is too small to train in (",
+              gib(held_bytes), " of optimizer state and ", gib(plan.headroom_bytes - held_bytes),
+              " of headroom for the pool are kept out of it)");
+  const std::size_t trial_cap = budget - plan.headroom_bytes;
+  const std::size_t usable = trial_cap - margin;
+  flame::cuda::set_memory_limit(trial_cap, dev);
 
   // One trial step: its peak, or nothing when it ran out of memory under the cap.
   auto trial = [&]() -> std::optional<std::size_t> {
@@ -129,11 +141,14 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
       flame::cuda::empty_cache(dev);
       return std::nullopt;
     }
-    const std::size_t peak = flame::cuda::memory_stats(dev).peak_allocated_bytes;
-    plan.peak_bytes = peak;
-    return peak;
+    const flame::cuda::MemoryStats stats = flame::cuda::memory_stats(dev);
+    plan.peak_bytes = stats.peak_allocated_bytes;
+    plan.peak_reserved_bytes = stats.peak_reserved_bytes;
+    return stats.peak_allocated_bytes;
   };
-  auto fits = [&](const std::optional<std::size_t>& peak) { return peak && *peak <= usable; };
+  auto fits = [&](const std::optional<std::size_t>& peak) { return peak.has_value(); };
+  // Step 2's swap plans are estimates from allocated bytes: they keep the margin too.
+  auto within = [&](const std::optional<std::size_t>& peak) { return peak.value_or(SIZE_MAX) <= usable; };
 
   // 1. Everything swapped and checkpointed: what the step needs besides the resident weights.
   stack.set_checkpointed_blocks(-1);
@@ -144,7 +159,8 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
   const std::optional<std::size_t> p1 = trial();
   auto too_small = [&](const std::string& why) {
     std::ostringstream os;
-    os << op << ": the budget " << gib(budget) << " (" << gib(margin) << " kept for the pool's slack) does not fit "
+    os << op << ": the budget " << gib(budget) << " (" << gib(plan.headroom_bytes) << " kept out of it for the optimizer "
+       << "state and the pool) does not fit "
        << "this step: " << why << ". Resident besides the blocks: " << gib(plan.resident_bytes) << "; the largest of the "
        << n << " blocks has " << gib(largest) << " of frozen weights. Raise the budget, store the base in 8 bits "
        << "(model.fp8_base), or lower the resolution or batch";
@@ -153,7 +169,6 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
   if (!p1) throw too_small("the step ran out of memory with every block swapped and checkpointed");
   const std::size_t in_flight = std::min<std::size_t>(n, 2) * largest;
   plan.activation_bytes = *p1 > plan.resident_bytes + in_flight ? *p1 - plan.resident_bytes - in_flight : 0;
-  if (!fits(p1)) throw too_small("its peak with every block swapped and checkpointed is " + gib(*p1));
 
   // 2. As many blocks resident as fit; verified by a trial, the capacity lowered by any excess.
   //    Every block swapped was measured in step 1.
@@ -174,11 +189,11 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
       if (!is_out_of_memory(e)) throw;
       peak = std::nullopt;
     }
-    if (fits(peak)) break;
+    if (within(peak)) break;
     const std::size_t excess = peak ? *peak - usable : capacity / 8 + largest;
     capacity = capacity > excess ? capacity - excess : 0;
   }
-  if (!fits(peak)) {
+  if (!within(peak)) {
     swap.set_swapped(std::vector<bool>(n, true));
     peak = p1;
   }
@@ -190,7 +205,7 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
   const bool any_swapped = swap.report().swapped > 0;
   if (!any_swapped && !keep_checkpointing && n > 1) {
     const auto N = static_cast<int64_t>(n);
-    const std::size_t p_all = *peak;
+    const std::size_t p_all = peak.value_or(0);  // set: step 2 ended with a trial that fitted
     std::size_t best_peak = p_all;
     int64_t lo = 0, hi = N + 1;  // blocks out: lo fits, hi does not (N + 1: not known)
     auto try_out = [&](int64_t out) {
@@ -205,7 +220,7 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
     };
     const int64_t half = N / 2;
     const std::optional<std::size_t> p_half = try_out(half);
-    if (p_half && lo == half && *p_half > p_all) {
+    if (p_half && lo == half && *p_half > p_all && usable > p_all) {
       const double per_block = static_cast<double>(*p_half - p_all) / static_cast<double>(half);
       const auto est = static_cast<int64_t>(static_cast<double>(usable - p_all) / per_block);
       if (est > lo) (void)try_out(std::min(est, N));
@@ -235,6 +250,7 @@ BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t 
   }
   plan.swap = swap.report();
   if (!any_swapped) stack.disable_block_swap();  // nothing to swap: the plain path
+  flame::cuda::set_memory_limit(budget, dev);  // the training steps: the whole budget
   return plan;
 }
 

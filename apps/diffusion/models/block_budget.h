@@ -21,8 +21,12 @@
 //     fits and what does not; at most 10 trial steps in all); the choice is then confirmed by two
 //     more steps in a row (the pool fragments further after the first steps), a failure taking a
 //     quarter of the blocks out of checkpointing back in until two steps pass.
-// The trials run under the cap: one that runs out of memory counts as "does not fit". A budget too
-// small even with every block swapped raises an error naming the budget and the measured sizes.
+// The trials run under a cap below the budget (Note [Budget headroom] in block_budget.cpp): by
+// held_bytes, what the training steps hold that a trial does not (the optimizer state its first
+// update creates: FusedOptimizer::pending_state_bytes), and by max(budget / 64, 256 MiB) for the
+// pool's fragmentation to grow later. One that runs out of memory there counts as "does not fit";
+// the training steps then run under the budget itself. A budget too small even with every block
+// swapped raises an error naming the budget and the measured sizes.
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -125,15 +129,18 @@ struct BudgetPlan {
   std::size_t resident_bytes = 0;    // allocated before the trial steps with every block swapped
   std::size_t activation_bytes = 0;  // the all-checkpointed step's peak above that, copies in flight apart
   std::size_t peak_bytes = 0;        // the last trial step's peak (allocated)
+  std::size_t peak_reserved_bytes = 0;  // ... and the pool's reserved peak in it
+  std::size_t held_bytes = 0;        // what the training steps hold besides a trial's (fit_vram_budget's held_bytes)
+  std::size_t headroom_bytes = 0;    // kept out of the trials' cap: held_bytes and room for fragmentation
   int trials = 0;
   std::string str() const;           // one paragraph for the run log
 };
 
 // See the header comment. `trial_step` runs one forward and backward of the training step (its
 // gradients dropped; the caller restores random state it cares about). `keep_checkpointing`: the
-// user asked for checkpointing of every block, so step 3 is skipped. Leaves the cap set.
+// user asked for checkpointing of every block, so step 3 is skipped. Leaves the cap set at the budget.
 BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
-                           const std::function<void()>& trial_step);
+                           const std::function<void()>& trial_step, std::size_t held_bytes = 0);
 
 // Whether e is an out-of-memory error (flame::OutOfMemoryError: the CUDA pool's, also under its limit).
 bool is_out_of_memory(const std::exception& e);

@@ -160,6 +160,12 @@ class FusedOptimizer : public Optimizer {
     return master_weights(param_index(param, "master_weights"));
   }
 
+  // Bytes of state the parameters that have not stepped yet will get at their first step (f32
+  // master weights and the optimizer's slots, on the parameters' devices; with `on`, only those of
+  // parameters on that device): what a memory plan made before the first step must leave room for
+  // (models::fit_vram_budget's callers in apps/diffusion).
+  std::size_t pending_state_bytes(std::optional<Device> on = std::nullopt) const;
+
   // Capturable mode (Note [Capturable optimizers]).
   bool capturable() const { return precision_.capturable; }
   // Writes hyperparameters changed on the host since the last write to the device (no-op when not

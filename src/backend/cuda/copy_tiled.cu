@@ -12,7 +12,8 @@
 // kernels. Measured on H200 ([8192, 8192] f32): a grid-stride loop over tiles with 64-bit
 // divisions per tile reached 65% of the device-to-device copy rate, one tile per block ~88%.
 // Same-dtype copies of 2-byte types move element pairs as 32-bit words when sizes, strides and
-// pointers allow (tiled_copy_pairs_kernel).
+// pointers allow (tiled_copy_pairs_kernel), and those of 1-byte types 4 x 4 squares of bytes
+// (tiled_copy_quads_kernel).
 #include <cstring>
 
 #include "src/backend/cuda/elementwise.cuh"
@@ -145,6 +146,61 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
   }
 }
 
+// The same for 1-byte elements copied as they are (the FP8 weights' transposes, Note [FP8 GEMM
+// layout]), moved as 32-bit words: the tile is read along B four bytes at a time into one shared
+// tile, each thread turns one 4 x 4 square of bytes around in registers (four words in, four
+// byte permutes, four words out) into a second tile laid out along A, and that one is written
+// four bytes at a time. Element by element, a 1-byte tile moves a quarter of the bytes of an f32
+// one per instruction. Needs sizes along A and B that are multiples of 4, every other stride a
+// multiple of 4 and 4-byte aligned pointers (quads_fit). The input tile's pitch (20 words) puts the
+// two tile rows a warp reads per square on different banks; the output tile's (17) leaves its
+// writes at most two-way conflicted.
+template <class Index>
+__global__ void __launch_bounds__(kWarp* kTileRows)
+    tiled_copy_quads_kernel(uint8_t* __restrict__ dst, const uint8_t* __restrict__ src,
+                            const __grid_constant__ TileGeom<Index> g) {
+  constexpr int kWords = kTile / 4;        // words per tile row
+  constexpr int kRows = kWarp * kTileRows / kWords;  // tile rows one pass of the block covers
+  static_assert(kRows * 4 == kTile, "one 4 x 4 square per thread");
+  __shared__ uint32_t in[kTile][kWords + 4];   // in[a][word along B]
+  __shared__ uint32_t out[kTile][kWords + 1];  // out[b][word along A]
+  const int col = static_cast<int>(threadIdx.x) % kWords, row = static_cast<int>(threadIdx.x) / kWords;
+  const Index a0 = static_cast<Index>(blockIdx.x) * kTile;
+  const uint32_t* __restrict__ src32 = reinterpret_cast<const uint32_t*>(src);
+  uint32_t* __restrict__ dst32 = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t z = blockIdx.z; z < g.batch; z += gridDim.z) {
+    Index src_off, dst_off;
+    batch_offsets(g, z, src_off, dst_off);
+    for (Index b0 = static_cast<Index>(blockIdx.y) * kTile; b0 < g.size_b; b0 += static_cast<Index>(gridDim.y) * kTile) {
+      const Index b_word = b0 + 4 * col;
+#pragma unroll
+      for (int r = row; r < kTile; r += kRows) {
+        const Index a = a0 + r;
+        if (a < g.size_a && b_word < g.size_b) in[r][col] = src32[(src_off + a * g.src_stride_a + b_word) >> 2];
+      }
+      __syncthreads();
+      {  // the square of tile rows 4 row .. 4 row + 3 (along A) and bytes 4 col .. 4 col + 3 (along B)
+        const uint32_t w0 = in[4 * row][col], w1 = in[4 * row + 1][col], w2 = in[4 * row + 2][col],
+                       w3 = in[4 * row + 3][col];
+        const uint32_t t0 = __byte_perm(w0, w1, 0x5140), t1 = __byte_perm(w0, w1, 0x7362);  // byte c of w0, w1
+        const uint32_t t2 = __byte_perm(w2, w3, 0x5140), t3 = __byte_perm(w2, w3, 0x7362);  // byte c of w2, w3
+        out[4 * col][row] = __byte_perm(t0, t2, 0x5410);
+        out[4 * col + 1][row] = __byte_perm(t0, t2, 0x7632);
+        out[4 * col + 2][row] = __byte_perm(t1, t3, 0x5410);
+        out[4 * col + 3][row] = __byte_perm(t1, t3, 0x7632);
+      }
+      __syncthreads();
+      const Index a_word = a0 + 4 * col;
+#pragma unroll
+      for (int r = row; r < kTile; r += kRows) {
+        const Index b = b0 + r;
+        if (a_word < g.size_a && b < g.size_b) dst32[(dst_off + b * g.dst_stride_b + a_word) >> 2] = out[r][col];
+      }
+      __syncthreads();  // both tiles are rewritten by the next iteration
+    }
+  }
+}
+
 // Where the tiled dims A and B are in the coalesced geometry of dst <- src, or false when the
 // copy is not a transpose worth tiling.
 bool find_tiled_dims(const Geometry<2>& g, int& a, int& b) {
@@ -189,6 +245,20 @@ bool pairs_fit(const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int
   return true;
 }
 
+// Whether a 1-byte copy can move 4 x 4 squares: sizes along A and B multiples of 4, every stride
+// but the unit ones a multiple of 4 (so each word starts 4-byte aligned) and both pointers 4-byte
+// aligned.
+bool quads_fit(const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int a, int b) {
+  if (geo.sizes[a] % 4 != 0 || geo.sizes[b] % 4 != 0) return false;
+  if (reinterpret_cast<uintptr_t>(dst.data_ptr()) % 4 != 0 || reinterpret_cast<uintptr_t>(src.data_ptr()) % 4 != 0)
+    return false;
+  for (int d = 0; d < geo.ndim; ++d) {
+    if (d != a && geo.strides[0][d] % 4 != 0) return false;
+    if (d != b && geo.strides[1][d] % 4 != 0) return false;
+  }
+  return true;
+}
+
 template <class D, class S>
 void launch_tiled(CudaBackend& be, const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int a, int b) {
   const int64_t tiles_a = (geo.sizes[a] + kTile - 1) / kTile;
@@ -205,6 +275,17 @@ void launch_tiled(CudaBackend& be, const Tensor& dst, const Tensor& src, const G
         tiled_copy_pairs_kernel<int32_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int32_t>(geo, a, b));
       } else {
         tiled_copy_pairs_kernel<int64_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int64_t>(geo, a, b));
+      }
+      FLAME_CUDA_CHECK_LAUNCH();
+      return;
+    }
+  }
+  if constexpr (std::is_same_v<D, uint8_t> && std::is_same_v<S, uint8_t>) {
+    if (quads_fit(dst, src, geo, a, b)) {
+      if (fits_int32<2>(geo, dst.numel())) {
+        tiled_copy_quads_kernel<int32_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int32_t>(geo, a, b));
+      } else {
+        tiled_copy_quads_kernel<int64_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int64_t>(geo, a, b));
       }
       FLAME_CUDA_CHECK_LAUNCH();
       return;

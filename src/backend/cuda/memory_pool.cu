@@ -74,6 +74,12 @@
 //    allocated = sum of requested sizes of live allocations, peak = its maximum since the last
 //    reset, reserved = the pool's cudaMemPoolAttrReservedMemCurrent (read on demand, no sync)
 //    plus the graph pools' bytes, fragmentation = reserved - allocated.
+//  - Note [Peak reserved]. peak_reserved = the largest reserved_bytes seen after an allocation that
+//    took memory from the driver pool (or a graph pool) since the last reset; the reset starts it at
+//    the current reserved bytes. It is sampled there, not read from cudaMemPoolAttrReservedMemHigh,
+//    because an allocation refused by the memory limit briefly reserves more than the cap before
+//    it is given back, and that is not memory the program held. Block cache hits never grow
+//    reserved memory, so the hot path reads nothing.
 // The backend that owns the pool is never destroyed (see cuda_backend.cu), so deleters of tensors
 // freed during static destruction still find it; their cudaFreeAsync may then fail because the
 // CUDA runtime is unloading, which is ignored (the process is exiting).
@@ -284,6 +290,7 @@ std::shared_ptr<void> MemoryPool::allocate_private(GraphPool& gp, const std::sha
     gp.segments.emplace(ptr, rounded);
     gp.reserved += rounded;
     graph_reserved_.fetch_add(rounded, std::memory_order_relaxed);
+    note_reserved();
   }
   count_alloc(nbytes);
   if (profiler_detail::recording()) profiler_detail::on_alloc(ptr, nbytes, device_, stream);
@@ -345,7 +352,15 @@ void* MemoryPool::allocate_from_pool(std::size_t nbytes, cudaStream_t stream) {
     }
     if (err != cudaSuccess) raise_out_of_memory(nbytes, err);
   }
+  note_reserved();
   return ptr;
+}
+
+void MemoryPool::note_reserved() {
+  const std::size_t now = reserved_bytes();
+  std::size_t peak = peak_reserved_.load(std::memory_order_relaxed);
+  while (now > peak && !peak_reserved_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+  }
 }
 
 bool MemoryPool::over_limit() const {
@@ -570,6 +585,7 @@ std::size_t MemoryPool::reserved_bytes() const {
   s.reserved_bytes = reserved_bytes();
   s.cached_bytes = cached_bytes_.load(std::memory_order_relaxed);
   s.peak_allocated_bytes = peak_.load(std::memory_order_relaxed);
+  s.peak_reserved_bytes = std::max(peak_reserved_.load(std::memory_order_relaxed), s.reserved_bytes);
   s.fragmentation_bytes = s.reserved_bytes > s.allocated_bytes ? s.reserved_bytes - s.allocated_bytes : 0;
   s.graph_pool_bytes = graph_reserved_.load(std::memory_order_relaxed);
   s.pending_stream_bytes = pending_bytes_.load(std::memory_order_relaxed);
@@ -579,7 +595,10 @@ std::size_t MemoryPool::reserved_bytes() const {
   return s;
 }
 
-void MemoryPool::reset_peak() { peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed); }
+void MemoryPool::reset_peak() {
+  peak_.store(allocated_.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  peak_reserved_.store(reserved_bytes(), std::memory_order_relaxed);
+}
 
 void MemoryPool::empty_cache() {
   FLAME_CHECK(!capture_active(), "cuda::empty_cache",

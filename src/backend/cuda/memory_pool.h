@@ -130,6 +130,7 @@ class MemoryPool {
   void count_alloc(std::size_t nbytes);
   void poison(void* ptr, std::size_t nbytes, cudaStream_t stream);
   std::size_t reserved_bytes() const;
+  void note_reserved();  // Note [Peak reserved]
   [[noreturn]] void raise_out_of_memory(std::size_t nbytes, cudaError_t err);
 
   int device_;
@@ -137,6 +138,7 @@ class MemoryPool {
   cudaMemPool_t pool_ = nullptr;
   std::atomic<std::size_t> allocated_{0};
   std::atomic<std::size_t> peak_{0};
+  std::atomic<std::size_t> peak_reserved_{0};  // Note [Peak reserved]
   std::atomic<uint64_t> num_allocs_{0};
   std::atomic<uint64_t> num_frees_{0};
   std::atomic<uint64_t> num_ooms_{0};
