@@ -75,8 +75,9 @@
 //    reset, reserved = the pool's cudaMemPoolAttrReservedMemCurrent (read on demand, no sync)
 //    plus the graph pools' bytes, fragmentation = reserved - allocated.
 //  - Note [Peak reserved]. peak_reserved = the largest reserved_bytes seen after an allocation that
-//    took memory from the driver pool (or a graph pool) since the last reset; the reset starts it at
-//    the current reserved bytes. It is sampled there, not read from cudaMemPoolAttrReservedMemHigh,
+//    took memory from the driver pool since the last reset, and at the time of reading (the graph
+//    pools grow during captures, when the pool's attributes may not be read: they count as they
+//    are when the stats are read); the reset starts it at the current reserved bytes. It is sampled there, not read from cudaMemPoolAttrReservedMemHigh,
 //    because an allocation refused by the memory limit briefly reserves more than the cap before
 //    it is given back, and that is not memory the program held. Block cache hits never grow
 //    reserved memory, so the hot path reads nothing.
@@ -290,7 +291,6 @@ std::shared_ptr<void> MemoryPool::allocate_private(GraphPool& gp, const std::sha
     gp.segments.emplace(ptr, rounded);
     gp.reserved += rounded;
     graph_reserved_.fetch_add(rounded, std::memory_order_relaxed);
-    note_reserved();
   }
   count_alloc(nbytes);
   if (profiler_detail::recording()) profiler_detail::on_alloc(ptr, nbytes, device_, stream);
@@ -357,6 +357,7 @@ void* MemoryPool::allocate_from_pool(std::size_t nbytes, cudaStream_t stream) {
 }
 
 void MemoryPool::note_reserved() {
+  if (capture_active()) return;  // the pool's attributes may not be read while a stream captures
   const std::size_t now = reserved_bytes();
   std::size_t peak = peak_reserved_.load(std::memory_order_relaxed);
   while (now > peak && !peak_reserved_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
