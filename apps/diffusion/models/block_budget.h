@@ -19,8 +19,9 @@
 //     checkpointing from the last one while their measured activations fit (a trial with the last
 //     half out gives the bytes per block, a trial checks that estimate, then halving between what
 //     fits and what does not; at most 10 trial steps in all); the choice is then confirmed by two
-//     more steps in a row (the pool fragments further after the first steps), a failure taking a
-//     quarter of the blocks out of checkpointing back in until two steps pass.
+//     more steps in a row (the pool fragments further after the first steps), a failure taking
+//     one block (after three failures a quarter of those out of checkpointing) back in until two
+//     steps pass.
 // The trials run under a cap below the budget (Note [Budget headroom] in block_budget.cpp): by
 // held_bytes, what the training steps hold that a trial does not (the optimizer state its first
 // update creates: FusedOptimizer::pending_state_bytes), and by max(budget / 32, 256 MiB) for the
