@@ -308,11 +308,6 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<optim::ParamGroup> 
   ProcessGroup& pg = *group_;
   const int64_t W = pg.size();
   const Device dev = pg.device();
-  // Note [ZeRO state offload]: refused on CUDA devices until its steps match one process's there.
-  FLAME_CHECK(!options.offload_state || !dev.is_cuda(), op, "offload_state is refused on CUDA devices (",
-              dev.str(), "): on NCCL its steps do not yet follow one process's optimizer (a known defect, "
-              "docs/distributed.md); keep the optimizer state on the device (offload_state = false: every stage "
-              "shards it), or train in one process with offload::HostOptimizer");
   std::vector<optim::ParamGroup> inner_groups;
   std::size_t index = 0;
   NoGradGuard no_grad;
@@ -546,33 +541,37 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
 // Note [ZeRO state offload]
 // With ZeroOptions::offload_state the inner optimizer was built over host masters of the shards
 // (Layout::host_master: pinned on a CUDA device, f32 for half shards), so its state lives on the
-// host (DeepSpeed's ZeRO-Offload with a CPU Adam). On a CUDA device it is refused: on NCCL (4
-// H200s, stages 1-3, 2 and 3 ranks) the steps did not follow one process's AdamW (weights 0.15-0.2
-// of their scale apart after 3 steps, moments 10% apart) while the same code on the tcp backend
-// (CPU tensors) does; the cause is not found yet. step_inner copies each shard gradient down (cast
-// to the master's dtype on the device first, then one non-blocking copy into a pinned
-// buffer), waits for the copies (the step's one host wait), steps the masters on the CPU and copies
-// them back into the shards (non-blocking; rounded to half shards on the device), before the
-// replicated buckets are all-gathered. A master is the truth between steps, but a shard written
-// from outside (a loaded state dict into the parameters, gather_parameters' write-back) bumps the
-// shard's storage version: step_inner then takes into the master the shard's elements that differ
-// from the master's rounding (so the weights of a checkpoint, its masters rounded, leave the loaded
-// masters exact). The versions are recorded after the step's own writes (the copy back and the
-// all-gather). state_dict() gives a half shard's master as the slot "master_param", as the inner
-// optimizer's master weights are without offload, and load_state_dict() reads it back into the
-// host master: the consolidated state is the same either way.
+// host (DeepSpeed's ZeRO-Offload with a CPU Adam). step_inner copies each shard gradient down (cast
+// to the master's dtype on the device first, then one non-blocking copy into a pinned buffer),
+// waits for the device (the step's one host wait), hands the buffers to the inner optimizer, steps
+// the masters on the CPU and copies them back into the shards (non-blocking; rounded to half shards
+// on the device), before the replicated buckets are all-gathered. The buffers go to the inner
+// optimizer's Gradients only after the wait, and moved in: Gradients::set copies a tensor the
+// caller still holds, and a copy made before the wait read the buffers while the device was still
+// writing them (on NCCL the steps then did not follow one process's AdamW, while the tcp backend's
+// synchronous CPU copies hid it). The host writes a master only after a wait too
+// (wait_for_uploads): the last step's copies back may still read it. A master is the truth between
+// steps, but a shard written from outside (a loaded state dict into the parameters,
+// gather_parameters' write-back) bumps the shard's storage version: step_inner then takes into the
+// master the shard's elements that differ from the master's rounding (so the weights of a
+// checkpoint, its masters rounded, leave the loaded masters exact). The versions are recorded after
+// the step's own writes (the copy back and the all-gather). state_dict() gives a half shard's
+// master as the slot "master_param", as the inner optimizer's master weights are without offload,
+// and load_state_dict() reads it back into the host master: the consolidated state is the same
+// either way.
 void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
   if (!options_.offload_state) {
     inner_->step(shard_grads);
     return;
   }
   NoGradGuard no_grad;
-  Gradients host;
+  std::vector<std::pair<Tensor, Tensor>> host;  // (master, its gradient being copied down)
   std::vector<Tensor> staged;
   for (Layout& l : layouts_) {
     if (l.shard_param.version() != l.synced_version) {
       // Written from outside: the elements that differ from the master's rounding take the shard's
       // value; the others keep the master (a resumed checkpoint's weights are its masters rounded).
+      wait_for_uploads();
       const Tensor shard = l.shard_param.detach().to(Device::cpu());
       Tensor master = l.host_master.detach();
       const Tensor outside = master.to(shard.dtype()).ne(shard);
@@ -585,14 +584,21 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
     Tensor h = l.shard_param.device().is_cuda() ? offload::empty_pinned(g.sizes(), g.dtype()) : Tensor::empty(g.sizes(), {g.dtype()});
     h.copy_(g, /*non_blocking=*/true);
     staged.push_back(g);  // alive until the copies ran
-    host.set(l.host_master, h);
+    host.emplace_back(l.host_master, std::move(h));
   }
-  if (group_->device().is_cuda()) cuda::synchronize(group_->device().index);
+  wait_for_uploads();  // the gradients are on the host, and the last copies back no longer read the masters
   staged.clear();
-  inner_->step(host);
+  Gradients grads;  // made only now: Gradients::set of a held tensor copies it (not before its copy down ran)
+  for (auto& [master, h] : host) grads.set(master, std::move(h));
+  host.clear();
+  inner_->step(grads);
   for (Layout& l : layouts_) {  // the copy from pinned memory is asynchronous; a half shard rounds on the device
     l.shard_param.detach().copy_(l.host_master.detach().to(l.shard_param.device(), /*non_blocking=*/true));
   }
+}
+
+void ZeroRedundancyOptimizer::wait_for_uploads() {
+  if (options_.offload_state && group_->device().is_cuda()) cuda::synchronize(group_->device().index);
 }
 
 void ZeroRedundancyOptimizer::publish_replicas() {
@@ -789,6 +795,7 @@ bool ZeroRedundancyOptimizer::take_own_slot(std::size_t b, const std::string& sl
     return true;
   }
   if (slot == "master_param" && options_.offload_state) {
+    wait_for_uploads();  // Note [ZeRO state offload]: no copy back still reads the master
     layouts_[b].host_master.detach().copy_(mine.to(Device::cpu()).to(layouts_[b].host_master.dtype()));
     return true;
   }

@@ -778,11 +778,6 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
   if (distributed) {
     // Note [Distributed fine-tuning]: ZeRO-2 averages the gradients over the ranks while the
     // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
-    if (oc.offload && device.is_cuda())
-      throw std::runtime_error("optimizer.offload = true on " + std::to_string(world) + " ranks on " + device.str() +
-                               ": the sharded state's offload is refused on CUDA devices for now (its steps on NCCL do "
-                               "not yet match one process's, docs/distributed.md); set optimizer.offload = false (the "
-                               "state is sharded over the ranks) or train in one process");
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(zero_stage);
     if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();

@@ -195,6 +195,9 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // The inner optimizer's step on the shard gradients (keyed by the shards), through the host
   // masters with ZeroOptions::offload_state.
   void step_inner(const Gradients& shard_grads);
+  // offload_state on a CUDA device: waits for the device, so the gradients copied down have arrived
+  // and no copy back still reads a host master that the host is about to write.
+  void wait_for_uploads();
   bool take_own_slot(std::size_t bucket, const std::string& slot, const Tensor& mine, StateDict& ema_state);
   void load_ema(StateDict shadows, const Tensor* num_updates, const char* op);
   void load_inner_state(const StateDict& inner);
