@@ -24,7 +24,7 @@
 //     steps pass.
 // The trials run under a cap below the budget (Note [Budget headroom] in block_budget.cpp): by
 // held_bytes, what the training steps hold that a trial does not (the optimizer state its first
-// update creates: FusedOptimizer::pending_state_bytes), and by max(budget / 32, 256 MiB) for the
+// update creates: FusedOptimizer::pending_state_bytes), and by max(budget / 64, 512 MiB) for the
 // pool's fragmentation to grow later. One that runs out of memory there counts as "does not fit";
 // the training steps then run under the budget itself. A budget too small even with every block
 // swapped raises an error naming the budget and the measured sizes.
