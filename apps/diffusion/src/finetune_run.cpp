@@ -780,6 +780,7 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     // backward runs and shards them and the optimizer state; rank 0's initial weights are broadcast.
     flame::dist::ZeroOptions zo;
     zo.stage = static_cast<int>(zero_stage);
+    zo.bucket_cap_mb = cfg.train.zero_bucket_mb;
     if (zero_stage == 3) zo.blocks = block_stack->stack_blocks();
     // Stage 3: the EMA of the shards, kept and checkpointed with the optimizer state.
     if (zero_stage == 3 && cfg.train.ema) zo.ema = optim::EMAOptions{.decay = cfg.train.ema_decay};
@@ -791,8 +792,10 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
       block_stack->set_block_runner([zero](std::size_t i, const std::function<Tensor(const flame::TensorList&)>& fn,
                                            const flame::TensorList& in) { return zero->run_block(i, fn, in); });
     }
-    say("ZeRO stage " + std::to_string(zero_stage) + " over " + std::to_string(world) + " ranks" +
-        (oc.offload ? ", the optimizer state in host memory" : ""));
+    std::ostringstream buckets;
+    buckets << cfg.train.zero_bucket_mb;
+    say("ZeRO stage " + std::to_string(zero_stage) + " over " + std::to_string(world) + " ranks, buckets of " +
+        buckets.str() + " MiB" + (oc.offload ? ", the optimizer state in host memory" : ""));
   } else if (oc.offload) {
     // optimizer.offload: masters and state in (pinned) host memory, stepped on the CPU.
     opt = std::make_unique<flame::offload::HostOptimizer>(params, [&](const flame::TensorList& masters) {

@@ -209,6 +209,12 @@ std::vector<ConfigKey> build_table() {
              "transformer's blocks too (train.method full, FLUX and SD3); 0 chooses 3 for full fine-tuning of "
              "FLUX and SD3, else 2",
              in_range(0, 3)),
+      FD_KEY("train.zero_bucket_mb", train.zero_bucket_mb, 25.0,
+             "on several ranks: the MiB per ZeRO bucket (dist::ZeroOptions::bucket_cap_mb): gradients reduce "
+             "and stage 3's blocks gather in pieces of about this size; more than a block's bytes (e.g. 2000 "
+             "for FLUX) gives one all-gather and one reduce-scatter per block, as FSDP2 does: faster, with a "
+             "block's whole gradients in flight",
+             lim(0, 1e6, true)),
       // [checkpoint]
       FD_KEY("checkpoint.every", checkpoint.every, 500, "steps between checkpoints (0: only at the end)",
              kNonNegative),

@@ -83,6 +83,7 @@ struct FinetuneTrainSettings {
   int64_t dataloader_workers = 0;
   int64_t log_every = 0;
   int64_t zero_stage = 0;  // several ranks: 0 chooses (3 for full FLUX / SD3, else 2), or 2 or 3
+  double zero_bucket_mb = 0.0;  // several ranks: dist::ZeroOptions::bucket_cap_mb
 };
 
 struct FinetuneCheckpointConfig {

@@ -583,7 +583,7 @@ TEST(FinetuneRun, TwoRanksTrainTheirSharesAndResumeExactly) {
 
 // Full fine-tuning of FLUX on two ranks: train.zero_stage 3 (the default there) shards the
 // transformer's blocks and gathers each for its forward and recomputed backward; it trains as
-// stage 2 does (same losses and weights), its checkpoint gathers the weights and a resumed run ends
+// stage 2 does (same losses and weights; stage 2 in small buckets, train.zero_bucket_mb), its checkpoint gathers the weights and a resumed run ends
 // where the uninterrupted one did. With train.ema the EMA of the shards (ZeroOptions::ema) gives the
 // written model stage 2's EMA of the whole weights gives, checkpointed with the optimizer state.
 TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
@@ -600,8 +600,12 @@ TEST(FinetuneRun, TwoRanksFullFineTuningShardsTheBlocks) {
     const std::string cfg_file = two_rank_config(c, dir);
     const std::string s3 = launch_two_ranks(cfg_file, "--set train.steps=4", (dir / "s3.log").string(), true);
     EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
-    (void)launch_two_ranks(cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
-                           (dir / "s2.log").string(), true);
+    // Stage 2 in buckets of 10 KiB (many per block): the same losses and weights.
+    const std::string s2 = launch_two_ranks(
+        cfg_file, "--set train.steps=4 --set train.zero_stage=2 --set train.zero_bucket_mb=0.01 --set output.dir=" +
+                      (dir / "s2").string(),
+        (dir / "s2.log").string(), true);
+    EXPECT_NE(s2.find("ZeRO stage 2 over 2 ranks, buckets of 0.01 MiB"), std::string::npos) << s2;
     const std::string out = "--set output.dir=" + (dir / "r3").string();
     (void)launch_two_ranks(cfg_file, out + " --set train.steps=2", (dir / "r3a.log").string(), true);
     (void)launch_two_ranks(cfg_file, out + " --set train.steps=4 --set checkpoint.resume=latest",
