@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
 // instructions. Measured on H200 ([16384, 8192] bf16): 64% of the copy rate element by element,
 // 67% in pairs; the 2-byte tiles hold half the bytes of f32 ones (88%), so fewer bytes are in
 // flight per SM. Needs even sizes along A and B, even strides and 4-byte aligned pointers
-// (pairs_fit).
+// (words_fit).
 template <class Index>
 __global__ void __launch_bounds__(kWarp* kTileRows)
     tiled_copy_pairs_kernel(uint16_t* __restrict__ dst, const uint16_t* __restrict__ src,
@@ -152,7 +152,7 @@ __global__ void __launch_bounds__(kWarp* kTileRows)
 // byte permutes, four words out) into a second tile laid out along A, and that one is written
 // four bytes at a time. Element by element, a 1-byte tile moves a quarter of the bytes of an f32
 // one per instruction. Needs sizes along A and B that are multiples of 4, every other stride a
-// multiple of 4 and 4-byte aligned pointers (quads_fit). The input tile's pitch (20 words) puts the
+// multiple of 4 and 4-byte aligned pointers (words_fit). The input tile's pitch (20 words) puts the
 // two tile rows a warp reads per square on different banks; the output tile's (17) leaves its
 // writes at most two-way conflicted.
 template <class Index>
@@ -232,31 +232,31 @@ TileGeom<Index> tile_geometry(const Geometry<2>& g, int a, int b) {
   return out;
 }
 
-// Whether a 2-byte copy can move pairs: even sizes along A and B, every stride even (so each pair
-// starts at an even element) and both pointers 4-byte aligned.
-bool pairs_fit(const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int a, int b) {
-  if (geo.sizes[a] % 2 != 0 || geo.sizes[b] % 2 != 0) return false;
+// Whether a same-dtype copy of 1- or 2-byte elements can move 32-bit words of n = 4 / size
+// elements (pairs, or 4 x 4 squares of bytes): sizes along A and B multiples of n, every stride but
+// the unit ones a multiple of n (so each word starts 4-byte aligned) and both pointers 4-byte
+// aligned.
+bool words_fit(const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int a, int b, int64_t n) {
+  if (geo.sizes[a] % n != 0 || geo.sizes[b] % n != 0) return false;
   if (reinterpret_cast<uintptr_t>(dst.data_ptr()) % 4 != 0 || reinterpret_cast<uintptr_t>(src.data_ptr()) % 4 != 0)
     return false;
   for (int d = 0; d < geo.ndim; ++d) {
-    if (d != a && geo.strides[0][d] % 2 != 0) return false;
-    if (d != b && geo.strides[1][d] % 2 != 0) return false;
+    if (d != a && geo.strides[0][d] % n != 0) return false;
+    if (d != b && geo.strides[1][d] % n != 0) return false;
   }
   return true;
 }
 
-// Whether a 1-byte copy can move 4 x 4 squares: sizes along A and B multiples of 4, every stride
-// but the unit ones a multiple of 4 (so each word starts 4-byte aligned) and both pointers 4-byte
-// aligned.
-bool quads_fit(const Tensor& dst, const Tensor& src, const Geometry<2>& geo, int a, int b) {
-  if (geo.sizes[a] % 4 != 0 || geo.sizes[b] % 4 != 0) return false;
-  if (reinterpret_cast<uintptr_t>(dst.data_ptr()) % 4 != 0 || reinterpret_cast<uintptr_t>(src.data_ptr()) % 4 != 0)
-    return false;
-  for (int d = 0; d < geo.ndim; ++d) {
-    if (d != a && geo.strides[0][d] % 4 != 0) return false;
-    if (d != b && geo.strides[1][d] % 4 != 0) return false;
+// One of the word kernels above, with 32-bit index math where every offset fits.
+template <class U>
+void launch_words(CudaBackend& be, dim3 grid, U* d, const U* s, const Geometry<2>& geo, int64_t numel, int a, int b,
+                  void (*k32)(U*, const U*, const TileGeom<int32_t>), void (*k64)(U*, const U*, const TileGeom<int64_t>)) {
+  if (fits_int32<2>(geo, numel)) {
+    k32<<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int32_t>(geo, a, b));
+  } else {
+    k64<<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int64_t>(geo, a, b));
   }
-  return true;
+  FLAME_CUDA_CHECK_LAUNCH();
 }
 
 template <class D, class S>
@@ -269,25 +269,15 @@ void launch_tiled(CudaBackend& be, const Tensor& dst, const Tensor& src, const G
                   static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
   D* d = static_cast<D*>(dst.data_ptr());
   const S* s = static_cast<const S*>(src.data_ptr());
-  if constexpr (std::is_same_v<D, uint16_t> && std::is_same_v<S, uint16_t>) {
-    if (pairs_fit(dst, src, geo, a, b)) {
-      if (fits_int32<2>(geo, dst.numel())) {
-        tiled_copy_pairs_kernel<int32_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int32_t>(geo, a, b));
+  if constexpr (std::is_same_v<D, S> && (std::is_same_v<D, uint16_t> || std::is_same_v<D, uint8_t>)) {
+    if (words_fit(dst, src, geo, a, b, 4 / static_cast<int64_t>(sizeof(D)))) {
+      if constexpr (sizeof(D) == 2) {
+        launch_words<D>(be, grid, d, s, geo, dst.numel(), a, b, tiled_copy_pairs_kernel<int32_t>,
+                        tiled_copy_pairs_kernel<int64_t>);
       } else {
-        tiled_copy_pairs_kernel<int64_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int64_t>(geo, a, b));
+        launch_words<D>(be, grid, d, s, geo, dst.numel(), a, b, tiled_copy_quads_kernel<int32_t>,
+                        tiled_copy_quads_kernel<int64_t>);
       }
-      FLAME_CUDA_CHECK_LAUNCH();
-      return;
-    }
-  }
-  if constexpr (std::is_same_v<D, uint8_t> && std::is_same_v<S, uint8_t>) {
-    if (quads_fit(dst, src, geo, a, b)) {
-      if (fits_int32<2>(geo, dst.numel())) {
-        tiled_copy_quads_kernel<int32_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int32_t>(geo, a, b));
-      } else {
-        tiled_copy_quads_kernel<int64_t><<<grid, kWarp * kTileRows, 0, be.stream()>>>(d, s, tile_geometry<int64_t>(geo, a, b));
-      }
-      FLAME_CUDA_CHECK_LAUNCH();
       return;
     }
   }
