@@ -550,7 +550,7 @@ void ZeroRedundancyOptimizer::step(const Gradients& grads) {
 // caller still holds, and a copy made before the wait read the buffers while the device was still
 // writing them (on NCCL the steps then did not follow one process's AdamW, while the tcp backend's
 // synchronous CPU copies hid it). The host writes a master only after a wait too
-// (wait_for_uploads): the last step's copies back may still read it. A master is the truth between
+// (wait_for_host_copies): the last step's copies back may still read it. A master is the truth between
 // steps, but a shard written from outside (a loaded state dict into the parameters,
 // gather_parameters' write-back) bumps the shard's storage version: step_inner then takes into the
 // master the shard's elements that differ from the master's rounding (so the weights of a
@@ -571,7 +571,7 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
     if (l.shard_param.version() != l.synced_version) {
       // Written from outside: the elements that differ from the master's rounding take the shard's
       // value; the others keep the master (a resumed checkpoint's weights are its masters rounded).
-      wait_for_uploads();
+      wait_for_host_copies();
       const Tensor shard = l.shard_param.detach().to(Device::cpu());
       Tensor master = l.host_master.detach();
       const Tensor outside = master.to(shard.dtype()).ne(shard);
@@ -586,7 +586,7 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
     staged.push_back(g);  // alive until the copies ran
     host.emplace_back(l.host_master, std::move(h));
   }
-  wait_for_uploads();  // the gradients are on the host, and the last copies back no longer read the masters
+  wait_for_host_copies();  // the gradients are on the host, and the last copies back no longer read the masters
   staged.clear();
   Gradients grads;  // made only now: Gradients::set of a held tensor copies it (not before its copy down ran)
   for (auto& [master, h] : host) grads.set(master, std::move(h));
@@ -597,7 +597,7 @@ void ZeroRedundancyOptimizer::step_inner(const Gradients& shard_grads) {
   }
 }
 
-void ZeroRedundancyOptimizer::wait_for_uploads() {
+void ZeroRedundancyOptimizer::wait_for_host_copies() {
   if (options_.offload_state && group_->device().is_cuda()) cuda::synchronize(group_->device().index);
 }
 
@@ -795,7 +795,7 @@ bool ZeroRedundancyOptimizer::take_own_slot(std::size_t b, const std::string& sl
     return true;
   }
   if (slot == "master_param" && options_.offload_state) {
-    wait_for_uploads();  // Note [ZeRO state offload]: no copy back still reads the master
+    wait_for_host_copies();  // Note [ZeRO state offload]: no copy back still reads the master
     layouts_[b].host_master.detach().copy_(mine.to(Device::cpu()).to(layouts_[b].host_master.dtype()));
     return true;
   }

@@ -196,8 +196,8 @@ class ZeroRedundancyOptimizer : public optim::Optimizer {
   // masters with ZeroOptions::offload_state.
   void step_inner(const Gradients& shard_grads);
   // offload_state on a CUDA device: waits for the device, so the gradients copied down have arrived
-  // and no copy back still reads a host master that the host is about to write.
-  void wait_for_uploads();
+  // and no copy back still reads a host master that the host is about to write (a no-op otherwise).
+  void wait_for_host_copies();
   bool take_own_slot(std::size_t bucket, const std::string& slot, const Tensor& mine, StateDict& ema_state);
   void load_ema(StateDict shadows, const Tensor* num_updates, const char* op);
   void load_inner_state(const StateDict& inner);

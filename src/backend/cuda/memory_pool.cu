@@ -77,10 +77,11 @@
 //  - Note [Peak reserved]. peak_reserved = the largest reserved_bytes seen after an allocation that
 //    took memory from the driver pool since the last reset, and at the time of reading (the graph
 //    pools grow during captures, when the pool's attributes may not be read: they count as they
-//    are when the stats are read); the reset starts it at the current reserved bytes. It is sampled there, not read from cudaMemPoolAttrReservedMemHigh,
-//    because an allocation refused by the memory limit briefly reserves more than the cap before
-//    it is given back, and that is not memory the program held. Block cache hits never grow
-//    reserved memory, so the hot path reads nothing.
+//    are when the stats are read); the reset starts it at the current reserved bytes. It is
+//    sampled, not read from cudaMemPoolAttrReservedMemHigh, because an allocation refused by the
+//    memory limit briefly reserves more than the cap before it is given back, and that is not
+//    memory the program held. Block cache hits never grow reserved memory, so the hot path reads
+//    nothing.
 // The backend that owns the pool is never destroyed (see cuda_backend.cu), so deleters of tensors
 // freed during static destruction still find it; their cudaFreeAsync may then fail because the
 // CUDA runtime is unloading, which is ignored (the process is exiting).
