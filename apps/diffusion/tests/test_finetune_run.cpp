@@ -842,6 +842,41 @@ TEST(FinetuneRun, FullFineTuningShardsItsOptimizerCheckpointAndResumesOnAnyRankC
   EXPECT_NE(error_of([&] { (void)run(one, 1); }).find("checkpoint.optimizer_state"), std::string::npos);
 }
 
+// Full fine-tuning of SD3 on two ranks: ZeRO-3 over its joint blocks (train.zero_stage 3, the
+// default for full SD3) trains as stage 2 does, with the same losses and written weights.
+TEST(FinetuneRun, TwoRanksFullFineTuningOfSD3ShardsItsBlocks) {
+  const fs::path dir = fd_test::fresh_temp_dir("finetune_run", "sd3zero3");
+  const fs::path images = make_images(dir);
+  fd::FinetuneConfig c = uncached_config("sd3", images, dir / "s3", 3);
+  c.dataset.bucketing = false;  // the tiny SD3.5's position table covers 64 x 64 pixels
+  c.dataset.max_upscale = 2.0;
+  c.train.method = "full";
+  c.checkpoint.optimizer_state = "consolidated";
+  c.optimizer.lr = 1e-3;
+  const std::string cfg_file = two_rank_config(c, dir);
+  const std::string s3 = launch_two_ranks(cfg_file, "", (dir / "s3.log").string(), true);
+  EXPECT_NE(s3.find("ZeRO stage 3 over 2 ranks"), std::string::npos) << s3;
+  (void)launch_two_ranks(cfg_file, "--set train.zero_stage=2 --set output.dir=" + (dir / "s2").string(),
+                         (dir / "s2.log").string(), true);
+  const auto l3 = run_losses(dir / "s3"), l2 = run_losses(dir / "s2");
+  ASSERT_EQ(l3.size(), 3u);
+  ASSERT_EQ(l2.size(), l3.size());
+  for (std::size_t i = 0; i < l3.size(); ++i) EXPECT_NEAR(l3[i], l2[i], 1e-5 * std::abs(l2[i])) << "step " << i + 1;
+  const auto weights = [&](const std::string& run) {
+    return flame::io::load_safetensors((dir / run / "shapes" / "diffusion_pytorch_model.safetensors").string());
+  };
+  const flame::StateDict w3 = weights("s3"), w2 = weights("s2");
+  ASSERT_EQ(w3.keys(), w2.keys());
+  const flame::StateDict base =
+      flame::io::load_safetensors((pipelines_dir() / "sd3" / "transformer" / "diffusion_pytorch_model.safetensors").string());
+  double moved = 0;
+  for (const std::string& k : w3.keys()) {
+    EXPECT_LE(max_diff(w3.at(k), w2.at(k)), 1e-5) << k << ": stage 3 vs stage 2";
+    if (base.contains(k)) moved = std::max(moved, max_diff(w3.at(k).to(flame::DType::f32), base.at(k).to(flame::DType::f32)));
+  }
+  EXPECT_GT(moved, 1e-4) << "the transformer's weights did not train";
+}
+
 // Full fine-tuning of a bf16 FLUX on two ranks (ZeRO-3): the optimizer keeps f32 master weights of
 // its bf16 shards (optim's master_weights), sharded with its moments, and the checkpoint gathers
 // them. Each weight is its master rounded to bf16, and updates under half a bf16 step accumulate in
