@@ -302,6 +302,14 @@ int main(int argc, char** argv) {
          Tensor x = Tensor::rand({4 * kSquare, kSquare}, gpu).to(DType::f8_e4m3fn);
          return std::function<void()>([x] { (void)x.t().contiguous(); });
        }},
+      // The dequantize-mode Linear's weight before each GEMM (Note [Row dequantisation]): e4m3
+      // codes with one f32 scale per row to bf16; 1 byte read and 2 written per element.
+      {"dequantize_fp8", 3 * S,
+       [&] {
+         Tensor q = Tensor::rand({4 * kSquare, kSquare}, gpu).to(DType::f8_e4m3fn);
+         Tensor s = Tensor::rand({4 * kSquare, 1}, gpu);
+         return std::function<void()>([q, s] { (void)flame::from_float8(q, s, DType::bf16); });
+       }},
       {"sum", S,
        [&] {
          Tensor x = Tensor::rand({kElems}, gpu);

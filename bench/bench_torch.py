@@ -35,7 +35,7 @@ SMALL_BURSTS = 50
 MOD_ROWS, MOD_TOKENS, MOD_HIDDEN = 1024, 196, 384   # norm_modulate_bf16: 147 MiB bf16
 DIT_TOKENS, DIT_HIDDEN, DIT_MLP = 50176, 384, 1536  # DiT-S B256 MLP GEMMs (as nn.Linear: x @ W^T)
 # Cases that --compile times through torch.compile (where compiling can change the kernels).
-COMPILE_CASES = ["gelu", "softmax_bf16", "ew_chain", "norm_modulate_bf16"]
+COMPILE_CASES = ["gelu", "softmax_bf16", "ew_chain", "norm_modulate_bf16", "dequantize_fp8"]
 
 
 IMPL = "eager"
@@ -200,6 +200,12 @@ def main():
         x = torch.rand(4 * SQUARE, SQUARE, device=dev).to(torch.float8_e4m3fn)
         return lambda: x.t().contiguous()
 
+    def setup_dequantize_fp8():
+        q = torch.rand(4 * SQUARE, SQUARE, device=dev).to(torch.float8_e4m3fn)
+        s = torch.rand(4 * SQUARE, 1, device=dev)
+        f = compiled(lambda t, sc: (t.float() * sc).to(torch.bfloat16))
+        return lambda: f(q, s)
+
     def setup_softmax_bf16():
         x = torch.randn(SOFTMAX_ROWS, 2 * SOFTMAX_COLS, device=dev).to(torch.bfloat16)
         f = compiled(lambda t: torch.softmax(t, dim=-1))
@@ -232,7 +238,7 @@ def main():
     mem_ops = [("add", 3 * S, setup_add), ("mul", 3 * S, setup_mul), ("gelu", 2 * S, setup_gelu),
                ("copy", 2 * S, setup_copy), ("transpose_contiguous", 2 * S, setup_transpose),
                ("transpose_bf16", 2 * S, setup_transpose_bf16), ("transpose_fp8", 2 * S, setup_transpose_fp8),
-               ("sum", S, setup_sum),
+               ("dequantize_fp8", 3 * S, setup_dequantize_fp8), ("sum", S, setup_sum),
                ("sum_columns", S, setup_sum_columns),
                ("softmax", 2 * S, setup_softmax), ("softmax_bf16", 2 * S, setup_softmax_bf16),
                ("ew_chain", 2 * S, setup_ew_chain),

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-ORDER = ["d2d_copy", "add", "mul", "gelu", "copy", "transpose_contiguous", "transpose_bf16", "transpose_fp8", "sum",
+ORDER = ["d2d_copy", "add", "mul", "gelu", "copy", "transpose_contiguous", "transpose_bf16", "transpose_fp8", "dequantize_fp8", "sum",
          "sum_columns", "softmax", "softmax_bf16", "gemm_bf16", "add_small_host", "add_small_gpu",
          "launch_empty_host", "launch_empty_gpu", "pool_alloc_free_host",
          "chain_fwd_nograd", "chain_fwd_record", "chain_bwd", "mlp_step"]

@@ -353,5 +353,45 @@ TEST(Float8Tensor, ScaledCastsPerTensorAndPerChannel) {
   expect_error([&] { (void)float8_scale(xd, DType::f8_e5m2, 2); }, {"float8_scale", "dim 2"});
 }
 
+// from_float8 of rows wide enough for the vectorised pass (Note [Row dequantisation], 1024 codes
+// or more a row) and of an unaligned view beside it: every code of both formats in every row,
+// each row with its own scale (one a power of two, others not), into f32 and bf16, against the
+// code's value times the scale in f32 (on CUDA a NaN's sign is not kept: the GPU's f32
+// multiplication gives the canonical NaN).
+TEST(Float8Tensor, DequantizesWideRowsOfEveryCode) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  constexpr int64_t kRows = 5, kCols = 1024 + 256 + 16;
+  const std::vector<float> scales = {1.0f, 0.0625f, 3.7f, 1e-3f, 517.25f};
+  for (DType f8 : kFloat8DTypes) {
+    const Format& f = format_of(f8);
+    std::vector<float> codes(kRows * kCols);
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t c = 0; c < kCols; ++c) codes[r * kCols + c] = decode(f, static_cast<uint8_t>((c + 37 * r) % 256));
+    const Tensor q = Tensor::from_vec(codes, {kRows, kCols}).to(dev).to(f8);
+    const Tensor s = Tensor::from_vec(scales, {kRows, 1}).to(dev);
+    // The same codes one byte into a larger buffer: no 16-byte alignment.
+    Tensor qu = Tensor::from_vec(std::vector<float>(kRows * kCols + 1, 0.0f), {kRows * kCols + 1})
+                          .to(dev).to(f8).narrow(0, 1, kRows * kCols);
+    qu.copy_(q.reshape({kRows * kCols}));
+    for (DType out : {DType::f32, DType::bf16}) {
+      for (bool unaligned : {false, true}) {
+        SCOPED_TRACE(std::string(dtype_name(f8)) + " to " + dtype_name(out) + (unaligned ? ", unaligned" : ""));
+        const Tensor src = unaligned ? qu.reshape({kRows, kCols}) : q;
+        const Tensor y = from_float8(src, s, out);
+        ASSERT_EQ(y.dtype(), out);
+        ASSERT_EQ(y.sizes(), Shape({kRows, kCols}));
+        const std::vector<float> got = y.to(DType::f32).to(Device::cpu()).to_vec<float>();
+        for (int64_t i = 0; i < kRows * kCols; ++i) {
+          const float want = codes[i] * scales[i / kCols];
+          expect_same_value(got[i], out == DType::bf16 ? static_cast<float>(bfloat16(want)) : want,
+                            "element " + std::to_string(i), !dev.is_cuda());
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flame::test

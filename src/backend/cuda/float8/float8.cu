@@ -170,6 +170,62 @@ __global__ void __launch_bounds__(1024) quantize_rows_reg_kernel(uint8_t* __rest
   }
 }
 
+// Note [Row dequantisation]
+// The 8-bit weight of a Linear in dequantize mode is widened before every GEMM that reads it
+// (forward and backward): the pass moves 3 bytes per element for bf16 and is bound by memory.
+// Rows of at least kRowPacks packs of 16 codes (one 16-byte load, two or four 16-byte stores)
+// take dequantize_rows_2d: one row per grid row, so a thread finds its scale without dividing
+// and the 16 codes widen in pairs with the hardware's e4m3x2 -> f16x2 conversion (exact: every
+// e4m3 value is an f16; an e5m2 code is the top byte of its f16). A NaN code gives a NaN; its
+// sign is not kept (the GPU's multiplication by the scale gives the canonical NaN, in the
+// element-wise kernel too), as PyTorch's CUDA ops do. Narrower rows and unaligned tensors take
+// the element-wise kernel.
+template <bool kE4m3>
+__device__ __forceinline__ float2 decode_pair(uint16_t two) {
+  float2 f;
+  if constexpr (kE4m3) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+    f = __half22float2(__half2(h));
+  } else {
+    f.x = __half2float(__ushort_as_half(static_cast<unsigned short>((two & 0xffu) << 8)));
+    f.y = __half2float(__ushort_as_half(static_cast<unsigned short>(two & 0xff00u)));
+  }
+  return f;
+}
+
+constexpr int kRowPacks = 64;
+
+template <class T, bool kE4m3>
+__global__ void dequantize_rows_2d_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
+                                          const float* __restrict__ scale, int64_t scale_step, int64_t rows,
+                                          int64_t packs_per_row) {
+  constexpr int V = 16;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= packs_per_row) return;
+  for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+    const float s = scale[r * scale_step];
+    const int64_t i = r * packs_per_row + c;
+    const uint4 p = reinterpret_cast<const uint4*>(q)[i];
+    const uint32_t w[4] = {p.x, p.y, p.z, p.w};
+    Pack<T, V> o;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 lo = decode_pair<kE4m3>(static_cast<uint16_t>(w[k] & 0xffffu));
+      const float2 hi = decode_pair<kE4m3>(static_cast<uint16_t>(w[k] >> 16));
+      o.v[4 * k + 0] = store_as<T>(lo.x * s);
+      o.v[4 * k + 1] = store_as<T>(lo.y * s);
+      o.v[4 * k + 2] = store_as<T>(hi.x * s);
+      o.v[4 * k + 3] = store_as<T>(hi.y * s);
+    }
+    // Pack<T, 16> is at least 32 bytes: stored as 16-byte words.
+    constexpr int kWords = static_cast<int>(sizeof(Pack<T, V>) / sizeof(uint4));
+    const uint4* src = reinterpret_cast<const uint4*>(&o);
+    uint4* dst = reinterpret_cast<uint4*>(out) + i * kWords;
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) dst[k] = src[k];
+  }
+}
+
 // V consecutive elements of one row per thread (cols % V == 0), grid-stride.
 template <class T, bool kE4m3, int V>
 __global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
@@ -249,6 +305,22 @@ bool float8_dequantize_rows_cuda(const Tensor& out, const Tensor& q, const Tenso
   const bool e4m3 = q.dtype() == DType::f8_e4m3fn;
   dispatch_floating(out.dtype(), "float8_dequantize_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
+    // Note [Row dequantisation]
+    if (cols % 16 == 0 && cols / 16 >= kRowPacks && aligned(q.data_ptr(), 16) && aligned(out.data_ptr(), 16)) {
+      const int64_t ppr = cols / 16, rows = n / cols;
+      const int threads = static_cast<int>(std::min<int64_t>(256, (ppr + 31) / 32 * 32));
+      const dim3 grid(static_cast<unsigned>((ppr + threads - 1) / threads),
+                      static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+      auto go2 = [&]<bool kE>() {
+        dequantize_rows_2d_kernel<T, kE><<<grid, threads, 0, be.stream()>>>(
+            static_cast<T*>(out.data_ptr()), static_cast<const uint8_t*>(q.data_ptr()),
+            static_cast<const float*>(scale.data_ptr()), step, rows, ppr);
+        FLAME_CUDA_CHECK_LAUNCH();
+      };
+      if (e4m3) go2.template operator()<true>();
+      else go2.template operator()<false>();
+      return;
+    }
     constexpr int kVec = 8;
     const bool vec = cols % kVec == 0 && aligned(q.data_ptr(), kVec) && aligned(out.data_ptr(), kVec * sizeof(T));
     auto go = [&]<bool kE, int V>() {
