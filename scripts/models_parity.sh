@@ -59,6 +59,14 @@
 #              torchrun + reference/fsdp_flux.py (FSDP2 fully_shard per block, the same precision
 #              policy), and flame with the trainer's precision (--params bf16: bf16 shards, AdamW's f32
 #              masters); one line per rank each (step time, peak memory)
+#   full_trainer  `flame-diffusion finetune` with train.method = "full" under flame-run on every GPU
+#              (FULL_FAMILIES, default flux sd3): a pipeline folder of random weights at the real
+#              configuration (reference/make_pipeline.py: FLUX.1-dev, SD3.5-Large) and 8 captioned
+#              images, then FULL_STEPS (default 6) AdamW steps at 1024², batch 1 per rank, ZeRO-3 with
+#              gradient checkpointing and the final sharded checkpoint (FULL_SET="key=value ..." adds
+#              settings, e.g. train.zero_bucket_mb=2000); each rank's peak memory and the median step.
+#              Disk: the pipeline, the weights and every rank's AdamW shard (about 135 GB for
+#              SD3.5-Large, 180 GB for FLUX-dev), removed after each family.
 #              The time stage adds T5-XXL encoding 16 x 512 tokens and CLIP-L / bigG 64 x 77 (bf16)
 #              beside transformers (models_text.py --time, text_parity --time).
 # diffusers is not on the GPU machine: its wheel (and importlib_metadata, zipp) comes from .whl/
@@ -117,6 +125,7 @@ has finetune && want finetune_parity
 has finetune_e2e && want flame-diffusion
 has fp8 && want flux_parity sd3_parity unet_parity
 has full && want flux_parity flame-run
+has full_trainer && want flame-diffusion flame-run
 [ -z "$TARGETS" ] && want flame-diffusion
 if ! ninja -C "$BUILD" $TARGETS >> "$LOG" 2>&1; then
   note "build: FAILED (see $LOG)"; tail -30 "$LOG"; cat "$SUMMARY"; exit 1
@@ -338,6 +347,41 @@ if has full; then
     --steps 6 --warmup 2 --params bf16
   run "full flux-dev: PyTorch FSDP2 on $ngpu GPUs (torchrun)" 600 python3 -m torch.distributed.run --nproc-per-node "$ngpu" \
     apps/diffusion/reference/fsdp_flux.py --config flux-dev --latent 128 --text 512 --steps 6 --warmup 2
+fi
+if has full_trainer; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  [ "$ngpu" -lt 1 ] && ngpu=1
+  for f in ${FULL_FAMILIES:-flux sd3}; do
+    pipe=/tmp/full_pipe_$f img=/tmp/full_images_$f run_dir=/tmp/full_run_$f
+    run "full_trainer $f: random pipeline + images" 600 python3 apps/diffusion/reference/make_pipeline.py --family $f \
+      --out $pipe --images $img --device cuda
+    cat > /tmp/full_$f.toml <<EOF
+[model]
+family = "$f"
+checkpoint = "$pipe"
+[dataset]
+folders = ["$img"]
+resolution = 1024
+[optimizer]
+lr = 1e-5
+[train]
+method = "full"
+steps = ${FULL_STEPS:-6}
+batch_size = 1
+gradient_checkpointing = true
+log_every = 1
+[checkpoint]
+every = 0
+[output]
+dir = "$run_dir"
+EOF
+    sets=(); for kv in ${FULL_SET:-}; do sets+=(--set "$kv"); done
+    run "full_trainer $f: flame-diffusion finetune, full, ZeRO-3 on $ngpu GPUs" 600 "$BUILD/tools/flame-run" \
+      --nproc-per-node "$ngpu" "$BIN/flame-diffusion" finetune --config /tmp/full_$f.toml --device cuda --overwrite \
+      "${sets[@]}"
+    du -sh "$run_dir" 2>/dev/null | sed "s/^/  full_trainer $f: run folder /" >> "$SUMMARY"
+    rm -rf "$pipe" "$img" "$run_dir"
+  done
 fi
 # torch.compile of the SDXL UNet step (it may not compile within the limit: then the row says so).
 has compile && run "time unet sdxl: diffusers + torch.compile" 420 python3 apps/diffusion/reference/models_unet.py \

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""A diffusers pipeline folder of random weights at a real configuration (FLUX.1-dev or SDXL), and a
+"""A diffusers pipeline folder of random weights at a real configuration (FLUX.1-dev, SD3.5-Large or
+SDXL), and a
 small captioned image folder, for the end-to-end fine-tuning run on the GPU machine
 (scripts/models_parity.sh --stages finetune_e2e): `flame-diffusion finetune --config` reads them as it
 reads a downloaded pipeline.
 
   python3 make_pipeline.py --family flux --out /tmp/pipe_flux --images /tmp/ft_images --device cuda
 
-The components are the real configurations of models_flux.py / models_unet.py / models_text.py /
-models_vae.py (FLUX-dev transformer 11.9 B parameters, T5-XXL, CLIP-L; or the SDXL UNet, CLIP-L,
+The components are the real configurations of models_flux.py / models_sd3.py / models_unet.py /
+models_text.py / models_vae.py (FLUX-dev transformer 11.9 B parameters, T5-XXL, CLIP-L; the SD3.5-Large
+transformer, 8.1 B, CLIP-L and OpenCLIP bigG with projections, T5-XXL; or the SDXL UNet, CLIP-L,
 OpenCLIP bigG) with the shipped scheduler configurations, saved in bf16 by save_pretrained. The
 tokenizers are the tiny CLIP BPE vocabulary of pipelines.py (ids below the real vocabulary size, 77
 tokens) and the T5 test SentencePiece model: any ids in range exercise the same code. Images: 1024²
@@ -25,6 +27,7 @@ from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjec
                           T5EncoderModel, T5TokenizerFast)
 
 import models_flux
+import models_sd3
 import models_text
 import models_unet
 import models_vae
@@ -72,13 +75,20 @@ def vae(family, device, seed):
 
 def build(family, out, device):
     from diffusers import (EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
-                           StableDiffusionXLPipeline)
+                           StableDiffusion3Pipeline, StableDiffusionXLPipeline)
     if family == "flux":
         pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**pipelines.FLUX_SCHEDULER),
                             vae=vae("flux", device, 1), text_encoder=clip("clip-l", False, device, 2),
                             tokenizer=clip_tokenizer("<|endoftext|>"), text_encoder_2=t5(device, 3),
                             tokenizer_2=t5_tokenizer(),
                             transformer=models_flux.build("flux-dev", device, torch.bfloat16, 4))
+    elif family == "sd3":
+        pipe = StableDiffusion3Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**pipelines.SD3_SCHEDULER),
+                                        vae=vae("sd3", device, 1), text_encoder=clip("clip-l", True, device, 2),
+                                        tokenizer=clip_tokenizer("<|endoftext|>"),
+                                        text_encoder_2=clip("clip-g", True, device, 3), tokenizer_2=clip_tokenizer("!"),
+                                        text_encoder_3=t5(device, 5), tokenizer_3=t5_tokenizer(),
+                                        transformer=models_sd3.build("sd3.5-large", device, torch.bfloat16, 4))
     else:
         pipe = StableDiffusionXLPipeline(scheduler=EulerDiscreteScheduler(**pipelines.SDXL_SCHEDULER),
                                          vae=vae("sdxl", device, 1), text_encoder=clip("clip-l", False, device, 2),
@@ -123,7 +133,7 @@ def images(folder, count, seed):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", choices=["flux", "sdxl"], required=True)
+    ap.add_argument("--family", choices=["flux", "sd3", "sdxl"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--images", help="also write a captioned image folder here")
     ap.add_argument("--count", type=int, default=8)
