@@ -22,11 +22,12 @@
 #   finetune   the LoRA training loop of diffusers' scripts (reference/finetune_loop.py: SDXL, FLUX-dev at
 #              1024², bf16 weights and autocast, f32 adapters, 20 AdamW steps) replayed by
 #              finetune_parity: the loss of every step and the adapters after the last
-#   finetune_e2e  `flame-diffusion finetune --config` end to end (E2E_FAMILIES, default flux sdxl): a
+#   finetune_e2e  `flame-diffusion finetune --config` end to end (E2E_FAMILIES, default flux sdxl; sd3 is
+#              SD3.5-Large): a
 #              pipeline folder of random weights at the real configuration and 8 captioned 1024-class
 #              images (reference/make_pipeline.py), then 20 LoRA r16 steps from the text and latent
 #              caches (the targets of the per-step timings), its median step and peak memory, beside
-#              diffusers + peft's step on the same model (models_flux.py / models_unet.py --time;
+#              diffusers + peft's step on the same model (models_flux.py / models_sd3.py / models_unet.py --time;
 #              E2E_REFERENCE=0 leaves that out; E2E_SET="key=value ..." runs the trainer a second time
 #              with those settings, e.g. train.recompute_cheap=true)
 #   text       the text encoders (clip-l, clip-g, t5-xxl; TEXT_CONFIGS limits them) in f32 and bf16:
@@ -303,6 +304,9 @@ EOF
     elif [ "$f" = flux ]; then
       run "finetune_e2e flux: diffusers + peft step" 500 python3 apps/diffusion/reference/models_flux.py --config flux-dev \
         --time --latent 128 --text 512 --checkpointing 0
+    elif [ "$f" = sd3 ]; then
+      run "finetune_e2e sd3: diffusers + peft step (SD3.5-Large)" 500 python3 apps/diffusion/reference/models_sd3.py \
+        --config sd3.5-large --time --latent 128 --text 333 --checkpointing 0
     else
       run "finetune_e2e sdxl: diffusers + peft step (f32 adapters under bf16 autocast, as the trainer)" 400 python3 \
         apps/diffusion/reference/models_unet.py --config sdxl --time --batch-list 1 --checkpointing 0 --adapters f32
