@@ -20,6 +20,11 @@ std::string gib(std::size_t bytes) {
 
 }  // namespace
 
+std::size_t optimizer_state_to_come(const flame::optim::Optimizer& optimizer, flame::Device device) {
+  const auto* fused = dynamic_cast<const flame::optim::FusedOptimizer*>(&optimizer);
+  return fused ? fused->pending_state_bytes(device) : 0;
+}
+
 bool is_out_of_memory(const std::exception& e) { return dynamic_cast<const flame::OutOfMemoryError*>(&e) != nullptr; }
 
 flame::offload::BlockSwap& BlockStack::enable_block_swap(flame::Device device,

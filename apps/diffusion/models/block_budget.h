@@ -39,6 +39,7 @@
 #include <flame/flame.h>
 #include <flame/nn.h>
 #include <flame/offload.h>
+#include <flame/optim.h>
 
 namespace flame_diffusion::models {
 
@@ -142,6 +143,10 @@ struct BudgetPlan {
 // user asked for checkpointing of every block, so step 3 is skipped. Leaves the cap set at the budget.
 BudgetPlan fit_vram_budget(BlockStack& stack, flame::Device device, std::size_t budget, bool keep_checkpointing,
                            const std::function<void()>& trial_step, std::size_t held_bytes = 0);
+
+// What fit_vram_budget's held_bytes should be for `optimizer` on `device`: the state its first
+// update will create there (FusedOptimizer::pending_state_bytes), 0 for an optimizer that cannot say.
+std::size_t optimizer_state_to_come(const flame::optim::Optimizer& optimizer, flame::Device device);
 
 // Whether e is an out-of-memory error (flame::OutOfMemoryError: the CUDA pool's, also under its limit).
 bool is_out_of_memory(const std::exception& e);

@@ -1042,10 +1042,9 @@ FinetuneRunResult run_finetune(const FinetuneRunOptions& options) {
     };
     fm::BlockStack& stack = den.flux ? static_cast<fm::BlockStack&>(*den.flux) : static_cast<fm::BlockStack&>(*den.sd3);
     // The optimizer state its first update creates on the GPU is kept out of the trials' room.
-    const auto* fused = dynamic_cast<const optim::FusedOptimizer*>(opt.get());
     budget_plan = fm::fit_vram_budget(stack, device,
                                       static_cast<std::size_t>(cfg.train.vram_budget_gib * double(1ull << 30)),
-                                      cfg.train.gradient_checkpointing, trial, fused ? fused->pending_state_bytes(device) : 0);
+                                      cfg.train.gradient_checkpointing, trial, fm::optimizer_state_to_come(*opt, device));
     result.memory_plan = budget_plan->str();
     say(result.memory_plan);
   }

@@ -336,10 +336,9 @@ int time_steps(const std::map<std::string, std::string>& f) {
       const int64_t base_bytes = ls.quantize(fp8);
       std::size_t swapped_blocks = 0;
       if (budget_gib > 0) {
-        const auto* fused = dynamic_cast<const flame::optim::FusedOptimizer*>(ls.opt.get());
         const fm::BudgetPlan plan = fm::fit_vram_budget(*ls.model, device, static_cast<std::size_t>(budget_gib) << 30,
                                                         ckpt < 0, [&] { (void)ls.loss().backward(); },
-                                                        fused ? fused->pending_state_bytes(device) : 0);
+                                                        fm::optimizer_state_to_come(*ls.opt, device));
         std::printf("# %s\n", plan.str().c_str());
         swapped_blocks = plan.swap.swapped;
       }
