@@ -18,10 +18,11 @@
 //     blocks of the output (each output element is one BLAS dot product either way).
 // OpenBLAS (the pthread build) has its own workers, which spin in sched_yield after each call:
 // with both pools active on 2 cores, the OpenBLAS workers steal the core from the FLAME worker
-// running the non-GEMM work. So while the pool has more than one thread FLAME runs BLAS
-// single-threaded (openblas_set_num_threads(1)) and splits GEMMs itself; with one thread
-// (FLAME_CPU_THREADS=1 or set_num_threads(1)) OpenBLAS keeps the thread count it started with
-// (OPENBLAS_NUM_THREADS, default all cores). Nested use runs serially: a task that calls
+// running the non-GEMM work. And its threaded GEMM does not always give the bits of its
+// single-threaded one (on Zen cores the products differ in the last place), which would make
+// results depend on the thread count. So FLAME runs BLAS single-threaded
+// (openblas_set_num_threads(1)) for every pool size and splits GEMMs itself: with one thread
+// (FLAME_CPU_THREADS=1 or set_num_threads(1)) a GEMM runs on one core. Nested use runs serially: a task that calls
 // parallel_tasks again runs the inner loop on its own thread, and a second thread calling into
 // the pool while it is busy (a data-loader thread, say) runs its work serially instead of waiting.
 // A child forked from a process with workers has none of them (fork copies only the calling
@@ -69,16 +70,9 @@ int default_threads() {
 }
 
 #if defined(FLAME_WITH_CBLAS) && defined(OPENBLAS_VERSION)
-int blas_threads_at_start() {
-  static const int n = openblas_get_num_threads();
-  return n;
-}
-void set_blas_threads(int pool) {
-  const int start = blas_threads_at_start();
-  openblas_set_num_threads(pool > 1 ? 1 : start);
-}
+void set_blas_threads() { openblas_set_num_threads(1); }
 #else
-void set_blas_threads(int) {}
+void set_blas_threads() {}
 #endif
 
 class Pool {
@@ -102,7 +96,7 @@ class Pool {
     std::lock_guard<std::mutex> run(run_mutex_);
     stop();
     threads_.store(n, std::memory_order_relaxed);
-    set_blas_threads(n);
+    set_blas_threads();
     stopping_ = false;
     for (int i = 1; i < n; ++i) workers_.emplace_back([this] { worker(); });
   }
