@@ -148,6 +148,19 @@ run() {  # run NAME SECONDS CMD...: the output goes to the log; its PASS/FAIL/ti
   [ "$rc" -eq 124 ] && note "  timed out after ${limit}s"
 }
 
+# pipeline_case STAGE FAMILY: a pipeline folder of random weights at FAMILY's real configuration
+# and 8 captioned images (reference/make_pipeline.py) in $pipe and $img, a run folder name in
+# $run_dir, and the [model] and [dataset] sections of a trainer configuration reading them in
+# /tmp/STAGE_FAMILY.toml (the stage appends the rest).
+pipeline_case() {
+  local stage=$1 f=$2
+  pipe=/tmp/${stage}_pipe_$f img=/tmp/${stage}_images_$f run_dir=/tmp/${stage}_run_$f
+  run "$stage $f: random pipeline + images" 600 python3 apps/diffusion/reference/make_pipeline.py --family "$f" \
+    --out "$pipe" --images "$img" --device cuda
+  printf '[model]\nfamily = "%s"\ncheckpoint = "%s"\n[dataset]\nfolders = ["%s"]\nresolution = 1024\n' \
+    "$f" "$pipe" "$img" > "/tmp/${stage}_$f.toml"
+}
+
 if has refs; then
   mkdir -p "$OUT/refs"
   run "refs: vae reduced" 300 python3 apps/diffusion/reference/models_vae.py --reduced --out "$OUT/refs"
@@ -268,16 +281,8 @@ if has finetune; then  # FINETUNE_CONFIGS: family:config pairs; bf16 mixed preci
 fi
 if has finetune_e2e; then
   for f in ${E2E_FAMILIES:-flux sdxl}; do
-    pipe=/tmp/e2e_pipe_$f img=/tmp/e2e_images_$f run_dir=/tmp/e2e_run_$f
-    run "finetune_e2e $f: random pipeline + images" 600 python3 apps/diffusion/reference/make_pipeline.py --family $f \
-      --out $pipe --images $img --device cuda
-    cat > /tmp/e2e_$f.toml <<EOF
-[model]
-family = "$f"
-checkpoint = "$pipe"
-[dataset]
-folders = ["$img"]
-resolution = 1024
+    pipeline_case finetune_e2e "$f"
+    cat >> /tmp/finetune_e2e_$f.toml <<EOF
 [lora]
 rank = 16
 alpha = 16
@@ -291,13 +296,13 @@ every = 0
 dir = "$run_dir"
 EOF
     run "finetune_e2e $f: flame-diffusion finetune (caches, 20 steps)" 600 "$BIN/flame-diffusion" finetune \
-      --config /tmp/e2e_$f.toml --device cuda --overwrite
+      --config /tmp/finetune_e2e_$f.toml --device cuda --overwrite
     # E2E_SET="key=value ...": the same run again with those settings (e.g. train.recompute_cheap=true),
     # from the caches the first run wrote.
     if [ -n "${E2E_SET:-}" ]; then
       sets=(); for kv in $E2E_SET; do sets+=(--set "$kv"); done
       run "finetune_e2e $f: flame-diffusion finetune with $E2E_SET" 600 "$BIN/flame-diffusion" finetune \
-        --config /tmp/e2e_$f.toml --device cuda --overwrite "${sets[@]}"
+        --config /tmp/finetune_e2e_$f.toml --device cuda --overwrite "${sets[@]}"
     fi
     if [ "${E2E_REFERENCE:-1}" = 0 ]; then
       note "finetune_e2e $f: diffusers + peft step not run (E2E_REFERENCE=0)"
@@ -356,16 +361,8 @@ if has full_trainer; then
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   [ "$ngpu" -lt 1 ] && ngpu=1
   for f in ${FULL_FAMILIES:-flux sd3}; do
-    pipe=/tmp/full_pipe_$f img=/tmp/full_images_$f run_dir=/tmp/full_run_$f
-    run "full_trainer $f: random pipeline + images" 600 python3 apps/diffusion/reference/make_pipeline.py --family $f \
-      --out $pipe --images $img --device cuda
-    cat > /tmp/full_$f.toml <<EOF
-[model]
-family = "$f"
-checkpoint = "$pipe"
-[dataset]
-folders = ["$img"]
-resolution = 1024
+    pipeline_case full_trainer "$f"
+    cat >> /tmp/full_trainer_$f.toml <<EOF
 [optimizer]
 lr = 1e-5
 [train]
@@ -381,7 +378,7 @@ dir = "$run_dir"
 EOF
     sets=(); for kv in ${FULL_SET:-}; do sets+=(--set "$kv"); done
     run "full_trainer $f: flame-diffusion finetune, full, ZeRO-3 on $ngpu GPUs" 600 "$BUILD/tools/flame-run" \
-      --nproc-per-node "$ngpu" "$BIN/flame-diffusion" finetune --config /tmp/full_$f.toml --device cuda --overwrite \
+      --nproc-per-node "$ngpu" "$BIN/flame-diffusion" finetune --config /tmp/full_trainer_$f.toml --device cuda --overwrite \
       "${sets[@]}"
     du -sh "$run_dir" 2>/dev/null | sed "s/^/  full_trainer $f: run folder /" >> "$SUMMARY"
     rm -rf "$pipe" "$img" "$run_dir"
