@@ -372,7 +372,9 @@ TEST(Float8Tensor, DequantizesWideRowsOfEveryCode) {
     const Tensor s = Tensor::from_vec(scales, {kRows, 1}).to(dev);
     // The same codes one byte into a larger buffer: no 16-byte alignment.
     Tensor qu = Tensor::from_vec(std::vector<float>(kRows * kCols + 1, 0.0f), {kRows * kCols + 1})
-                          .to(dev).to(f8).narrow(0, 1, kRows * kCols);
+                    .to(dev)
+                    .to(f8)
+                    .narrow(0, 1, kRows * kCols);
     qu.copy_(q.reshape({kRows * kCols}));
     for (DType out : {DType::f32, DType::bf16}) {
       for (bool unaligned : {false, true}) {

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """A diffusers pipeline folder of random weights at a real configuration (FLUX.1-dev, SD3.5-Large or
-SDXL), and a
-small captioned image folder, for the end-to-end fine-tuning run on the GPU machine
-(scripts/models_parity.sh --stages finetune_e2e): `flame-diffusion finetune --config` reads them as it
-reads a downloaded pipeline.
+SDXL), and a small captioned image folder, for the end-to-end fine-tuning runs on the GPU machine
+(scripts/models_parity.sh --stages finetune_e2e,full_trainer): `flame-diffusion finetune --config`
+reads them as it reads a downloaded pipeline.
 
   python3 make_pipeline.py --family flux --out /tmp/pipe_flux --images /tmp/ft_images --device cuda
 
