@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flame/amp.h"
@@ -291,6 +292,53 @@ TEST(Float8Linear, Fp8IsCloseToTheFullPrecisionLinear) {
     const double rel = ((y - ref).pow(2.0).sum() / ref.pow(2.0).sum()).sqrt().item<double>();
     EXPECT_LT(rel, mode == nn::Float8Compute::fp8 ? 0.06 : 0.04) << nn::float8_compute_name(mode);
     EXPECT_GT(rel, 1e-4) << "an 8-bit weight cannot be exact";
+  }
+}
+
+// A column block of a wider 8-bit weight (w.narrow(1, start, n), as FLUX's single blocks split
+// proj_out) is read in place: the same bits as the block copied out, in both modes, forward and
+// backward (fp8's forward on a GPU: within one bf16 rounding, below). Rows 16 bytes apart take the
+// strided kernels (a wide block the row-per-grid-row dequantisation, a narrow one the element-wise
+// one, fp8 the GEMM with b's row stride); rows that are not (a pitch of 1090) are copied first.
+TEST(Float8Linear, ColumnBlocksOfAWiderWeightGiveTheBlocksBits) {
+  FLAME_SKIP_IF_NO_DEVICE();
+  const Device dev = test_device();
+  const int64_t rows = 20, out = 24;
+  for (int64_t total : {int64_t{1088}, int64_t{1090}}) {
+    const Tensor w = make_input({{out, total}, DType::f32, Layout::contiguous, -0.2, 0.2}, dev, 120);
+    const Tensor s = float8_scale(w, DType::f8_e4m3fn, 0);
+    const Tensor q = to_float8(w, DType::f8_e4m3fn, s);
+    const Tensor bias = make_input({{out}, DType::bf16}, dev, 121);
+    for (const auto& [start, n] : {std::pair<int64_t, int64_t>{64, 1024}, {0, 64}}) {
+      const Tensor block = q.narrow(1, start, n);
+      ASSERT_FALSE(block.is_contiguous());
+      const Tensor copy = block.contiguous();
+      for (nn::Float8Compute mode : {nn::Float8Compute::dequantize, nn::Float8Compute::fp8}) {
+        SCOPED_TRACE("pitch " + std::to_string(total) + ", columns " + std::to_string(start) + "+" +
+                     std::to_string(n) + ", " + nn::float8_compute_name(mode));
+        const Tensor x0 = make_input({{rows, n}, DType::bf16}, dev, 122);
+        const Tensor gy = make_input({{rows, out}, DType::bf16}, dev, 123);
+        auto run = [&](const Tensor& weight, Tensor& dx) {
+          Tensor x = x0.clone().requires_grad_(true);
+          const Tensor y = F::linear_float8(x, weight, s, bias, mode);
+          dx = (y * gy).sum().backward().get(x);
+          return y;
+        };
+        Tensor dx_block, dx_copy;
+        const Tensor y_block = run(block, dx_block), y_copy = run(copy, dx_copy);
+        if (mode == nn::Float8Compute::fp8 && nn::float8_gemm_supported(dev)) {
+          // cuBLASLt may pick another algorithm for b's other row stride and alignment (another
+          // order of the f32 sums): one bf16 rounding apart at most.
+          const std::vector<float> a = host(y_block), b = host(y_copy);
+          float big = 0.0f;
+          for (float v : b) big = std::max(big, std::fabs(v));
+          for (std::size_t i = 0; i < a.size(); ++i) ASSERT_LE(std::fabs(a[i] - b[i]), std::ldexp(big, -7)) << "y " << i;
+        } else {
+          expect_same_bits(host(y_block), host(y_copy), "y");
+        }
+        expect_same_bits(host(dx_block), host(dx_copy), "dx");
+      }
+    }
   }
 }
 

@@ -47,10 +47,19 @@ namespace {
 constexpr const char* kOp = "linear_float8";
 }  // namespace
 
+namespace {
+// q as the kernels read it: in place when it is contiguous or a column block of a wider weight
+// whose rows start 16 bytes apart (q.narrow(1, ...) of a layer's weight; Note [Float8 Linear]),
+// else a contiguous copy.
+Tensor rows_in_place(const Tensor& q) {
+  return q.is_contiguous() || (q.stride(1) == 1 && q.stride(0) % 16 == 0) ? q : q.contiguous();
+}
+}  // namespace
+
 Tensor float8_dense(const Tensor& q, const Tensor& scale, DType dtype) {
   NoGradGuard no_grad;
   Tensor w = make_empty(q.sizes(), dtype, q.device(), kOp);
-  backend::fused::float8_dequantize_rows.run(q.device(), w, q.contiguous(), scale);
+  backend::fused::float8_dequantize_rows.run(q.device(), w, rows_in_place(q), scale);
   return w;
 }
 
@@ -150,7 +159,7 @@ Float8LinearDef::Result Float8LinearDef::run(const Args& a, Prep& p) {
   Result r;
   if (a.compute == nn::Float8Compute::fp8) {
     const auto [xq, xs] = cast_input_once(p.x2);  // Note [Float8 input reuse]
-    r.out = float8_matmul(xq, xs, a.q.contiguous(), p.scale, p.bias, dt).view(p.out_shape);
+    r.out = float8_matmul(xq, xs, rows_in_place(a.q), p.scale, p.bias, dt).view(p.out_shape);
   } else {
     // The ordinary GEMM (with its fused bias where the device has it) over the weight rebuilt for
     // this call.

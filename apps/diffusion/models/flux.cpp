@@ -150,14 +150,21 @@ Tensor linear_gelu_tanh(const nn::Linear& l, const Tensor& x) {
 }
 
 // The single block's proj_out over cat(a, mlp) along the features, as two GEMMs over the weight's
-// column blocks (read in place): no [rows, 5 dim] copy forward, and backward each input's
-// gradient comes from its own GEMM instead of as a strided piece of one [rows, 5 dim] gradient
-// that the attention and the MLP would copy. A layer with an unmerged adapter or an 8-bit weight
-// takes the cat.
+// column blocks (read in place, an 8-bit weight's too): no [rows, 5 dim] copy forward, and
+// backward each input's gradient comes from its own GEMM instead of as a strided piece of one
+// [rows, 5 dim] gradient that the attention and the MLP would copy. A layer with an unmerged
+// adapter takes the cat.
 Tensor proj_of_joined(nn::Linear& l, const Tensor& a, const Tensor& mlp) {
-  if ((l.has_lora() && !l.merged()) || l.is_float8()) return l.forward(flame::cat({a, mlp}, 2));
+  if (l.has_lora() && !l.merged()) return l.forward(flame::cat({a, mlp}, 2));
   const int64_t d = a.size(-1);
   const Tensor& w = l.weight();
+  if (l.is_float8()) {  // one scale per output row: both column blocks keep the layer's scales
+    const nn::Float8Options& o = l.float8_options();
+    const auto part = [&](const Tensor& x, int64_t start, int64_t n, const Tensor& bias) {
+      return F::linear_float8(x, w.narrow(1, start, n), l.weight_scale(), bias, o.compute, o.grad_dtype);
+    };
+    return part(mlp, d, w.size(1) - d, l.bias()) + part(a, 0, d, Tensor());
+  }
   return F::linear(mlp, w.narrow(1, d, w.size(1) - d), l.bias()) + F::linear(a, w.narrow(1, 0, d));
 }
 }  // namespace

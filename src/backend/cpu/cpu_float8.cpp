@@ -53,11 +53,12 @@ bool float8_quantize_rows_cpu(const Tensor& q, const Tensor& scale, const Tensor
 }
 
 template <class T, bool kE4m3>
-void dequantize_rows(T* out, const uint8_t* q, const float* scale, int64_t scale_step, int64_t rows, int64_t cols) {
+void dequantize_rows(T* out, const uint8_t* q, int64_t pitch, const float* scale, int64_t scale_step, int64_t rows,
+                     int64_t cols) {
   parallel_for(rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(cols, 1)), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float s = scale[r * scale_step];
-      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = convert<T>(fm::decode<kE4m3>(q[r * cols + c]) * s);
+      for (int64_t c = 0; c < cols; ++c) out[r * cols + c] = convert<T>(fm::decode<kE4m3>(q[r * pitch + c]) * s);
     }
   });
 }
@@ -65,14 +66,15 @@ void dequantize_rows(T* out, const uint8_t* q, const float* scale, int64_t scale
 bool float8_dequantize_rows_cpu(const Tensor& out, const Tensor& q, const Tensor& scale) {
   const int64_t cols = q.size(-1), rows = cols == 0 ? 0 : q.numel() / cols;
   const int64_t step = scale.numel() == 1 ? 0 : 1;
+  const int64_t pitch = q.is_contiguous() ? cols : q.stride(0);  // a 2-d q's rows may be strided
   const bool e4m3 = q.dtype() == DType::f8_e4m3fn;
   dispatch_floating(out.dtype(), "float8_dequantize_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
     auto* op = static_cast<T*>(out.data_ptr());
     const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
     const auto* sp = static_cast<const float*>(scale.data_ptr());
-    if (e4m3) dequantize_rows<T, true>(op, qp, sp, step, rows, cols);
-    else dequantize_rows<T, false>(op, qp, sp, step, rows, cols);
+    if (e4m3) dequantize_rows<T, true>(op, qp, pitch, sp, step, rows, cols);
+    else dequantize_rows<T, false>(op, qp, pitch, sp, step, rows, cols);
   });
   return true;
 }

@@ -17,15 +17,18 @@ namespace flame::backend::fused {
 extern FusedKernel<bool(const Tensor&, const Tensor&, const Tensor&, const Tensor&)> float8_quantize_rows;
 
 // out [R, C] contiguous floating = float(q[r, c]) * scale[r] in f32, rounded to out's dtype; q
-// [R, C] contiguous 8-bit; scale f32 contiguous with R values, or 1 value for every row.
+// 8-bit, either contiguous (any rank, C its last size) or 2-d [R, C] with unit column stride and
+// any row stride (a column block of a wider weight, read in place); scale f32 contiguous with R
+// values, or 1 value for every row.
 // (out, q, scale)
 extern FusedKernel<bool(const Tensor&, const Tensor&, const Tensor&)> float8_dequantize_rows;
 
 // out [M, N] contiguous (bf16, f16 or f32) = diag(a_scale) (a b^T) diag(b_scale) + bias, the
-// product of the 8-bit values accumulated in f32: a [M, K] and b [N, K] contiguous 8-bit (not both
-// e5m2), a_scale f32 [M], b_scale f32 [N], bias [N] in out's dtype or undefined. Declines (false,
-// nothing written) where the device or cuBLASLt cannot run it (compute capability below 8.9, K not
-// a multiple of 16, no algorithm).
+// product of the 8-bit values accumulated in f32: a [M, K] contiguous and b [N, K] with unit column
+// stride and a row stride that is a multiple of 16 (contiguous, or a column block of a wider
+// weight), both 8-bit (not both e5m2); a_scale f32 [M], b_scale f32 [N], bias [N] in out's dtype
+// or undefined. Declines (false, nothing written) where the device or cuBLASLt cannot run it
+// (compute capability below 8.9, K not a multiple of 16, no algorithm).
 // (out, a, a_scale, b, b_scale, bias)
 extern FusedKernel<bool(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&)>
     float8_gemm;

@@ -196,7 +196,7 @@ __device__ __forceinline__ float2 decode_pair(uint16_t two) {
 constexpr int kRowPacks = 64;
 
 template <class T, bool kE4m3>
-__global__ void dequantize_rows_2d_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
+__global__ void dequantize_rows_2d_kernel(T* __restrict__ out, const uint8_t* __restrict__ q, int64_t q_pitch_packs,
                                           const float* __restrict__ scale, int64_t scale_step, int64_t rows,
                                           int64_t packs_per_row) {
   constexpr int V = 16;
@@ -205,7 +205,7 @@ __global__ void dequantize_rows_2d_kernel(T* __restrict__ out, const uint8_t* __
   for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
     const float s = scale[r * scale_step];
     const int64_t i = r * packs_per_row + c;
-    const uint4 p = reinterpret_cast<const uint4*>(q)[i];
+    const uint4 p = reinterpret_cast<const uint4*>(q)[r * q_pitch_packs + c];
     const uint32_t w[4] = {p.x, p.y, p.z, p.w};
     Pack<T, V> o;
 #pragma unroll
@@ -226,15 +226,16 @@ __global__ void dequantize_rows_2d_kernel(T* __restrict__ out, const uint8_t* __
   }
 }
 
-// V consecutive elements of one row per thread (cols % V == 0), grid-stride.
+// V consecutive elements of one row per thread (cols % V == 0 and the row pitch too), grid-stride.
 template <class T, bool kE4m3, int V>
-__global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __restrict__ q,
+__global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __restrict__ q, int64_t q_pitch_packs,
                                        const float* __restrict__ scale, int64_t scale_step, int64_t packs,
                                        int64_t packs_per_row) {
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < packs; i += step) {
-    const float s = scale[(i / packs_per_row) * scale_step];
-    const Pack<uint8_t, V> p = reinterpret_cast<const Pack<uint8_t, V>*>(q)[i];
+    const int64_t r = i / packs_per_row;
+    const float s = scale[r * scale_step];
+    const Pack<uint8_t, V> p = reinterpret_cast<const Pack<uint8_t, V>*>(q)[r * q_pitch_packs + (i - r * packs_per_row)];
     Pack<T, V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = store_as<T>(fm::decode<kE4m3>(p.v[k]) * s);
@@ -302,18 +303,20 @@ bool float8_dequantize_rows_cuda(const Tensor& out, const Tensor& q, const Tenso
   CudaBackend& be = cuda_backend(q.device().index);
   DeviceGuard guard(be.device());
   const int64_t step = scale.numel() == 1 ? 0 : 1;
+  const int64_t pitch = q.is_contiguous() ? cols : q.stride(0);  // a 2-d q's rows may be strided
   const bool e4m3 = q.dtype() == DType::f8_e4m3fn;
   dispatch_floating(out.dtype(), "float8_dequantize_rows", [&](auto tag) {
     using T = typename decltype(tag)::type;
     // Note [Row dequantisation]
-    if (cols % 16 == 0 && cols / 16 >= kRowPacks && aligned(q.data_ptr(), 16) && aligned(out.data_ptr(), 16)) {
+    if (cols % 16 == 0 && pitch % 16 == 0 && cols / 16 >= kRowPacks && aligned(q.data_ptr(), 16) &&
+        aligned(out.data_ptr(), 16)) {
       const int64_t ppr = cols / 16, rows = n / cols;
       const int threads = static_cast<int>(std::min<int64_t>(256, (ppr + 31) / 32 * 32));
       const dim3 grid(static_cast<unsigned>((ppr + threads - 1) / threads),
                       static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
       auto go2 = [&]<bool kE>() {
         dequantize_rows_2d_kernel<T, kE><<<grid, threads, 0, be.stream()>>>(
-            static_cast<T*>(out.data_ptr()), static_cast<const uint8_t*>(q.data_ptr()),
+            static_cast<T*>(out.data_ptr()), static_cast<const uint8_t*>(q.data_ptr()), pitch / 16,
             static_cast<const float*>(scale.data_ptr()), step, rows, ppr);
         FLAME_CUDA_CHECK_LAUNCH();
       };
@@ -322,11 +325,12 @@ bool float8_dequantize_rows_cuda(const Tensor& out, const Tensor& q, const Tenso
       return;
     }
     constexpr int kVec = 8;
-    const bool vec = cols % kVec == 0 && aligned(q.data_ptr(), kVec) && aligned(out.data_ptr(), kVec * sizeof(T));
+    const bool vec = cols % kVec == 0 && pitch % kVec == 0 && aligned(q.data_ptr(), kVec) &&
+                     aligned(out.data_ptr(), kVec * sizeof(T));
     auto go = [&]<bool kE, int V>() {
       const int64_t packs = n / V;
       dequantize_rows_kernel<T, kE, V><<<blocks_for(packs, kThreads), kThreads, 0, be.stream()>>>(
-          static_cast<T*>(out.data_ptr()), static_cast<const uint8_t*>(q.data_ptr()),
+          static_cast<T*>(out.data_ptr()), static_cast<const uint8_t*>(q.data_ptr()), pitch / V,
           static_cast<const float*>(scale.data_ptr()), step, packs, cols / V);
       FLAME_CUDA_CHECK_LAUNCH();
     };
@@ -417,6 +421,7 @@ struct Fp8Key {
   bool bias;
   bool outer_vec;  // the scales as cuBLASLt outer vectors; false: no scales (applied after)
   int64_t m, n, k;
+  int64_t ldb;  // b's row stride (K, or more for a column block of a wider weight)
   uint32_t align_a, align_b, align_c;
   bool operator==(const Fp8Key& o) const { return std::memcmp(this, &o, sizeof(Fp8Key)) == 0; }
 };
@@ -478,8 +483,8 @@ const Fp8Plan& fp8_plan(const Fp8Key& key, const void* a_scale, const void* b_sc
     if (it != cache->end()) return it->second;
   }
   Fp8Plan plan;
-  // D [N, M] = op_T(A) B: A = b stored [K, N] (ld K), B = a stored [K, M] (ld K), C = D (ld N).
-  bool made = lt_make_layout(&plan.la, lt_type(static_cast<DType>(key.b_dtype)), key.k, key.n, key.k, 1, 0) ==
+  // D [N, M] = op_T(A) B: A = b stored [K, N] (ld ldb), B = a stored [K, M] (ld K), C = D (ld N).
+  bool made = lt_make_layout(&plan.la, lt_type(static_cast<DType>(key.b_dtype)), key.k, key.n, key.ldb, 1, 0) ==
               CUBLAS_STATUS_SUCCESS;
   made = made && lt_make_layout(&plan.lb, lt_type(static_cast<DType>(key.a_dtype)), key.k, key.m, key.k, 1, 0) ==
                      CUBLAS_STATUS_SUCCESS;
@@ -518,6 +523,8 @@ bool float8_gemm_cuda(const Tensor& out, const Tensor& a, const Tensor& a_scale,
   if (a.dtype() == DType::f8_e5m2 && b.dtype() == DType::f8_e5m2) return false;  // no e5m2 x e5m2 GEMM
   if (out.dtype() != DType::bf16 && out.dtype() != DType::f16 && out.dtype() != DType::f32) return false;
   if (K % 16 != 0 || M > INT32_MAX || N > INT32_MAX || K > INT32_MAX) return false;
+  const int64_t ldb = b.is_contiguous() ? K : b.stride(0);
+  if ((!b.is_contiguous() && b.stride(1) != 1) || ldb % 16 != 0 || ldb > INT32_MAX) return false;
   if (M == 0 || N == 0) return true;
   CudaBackend& be = cuda_backend(device);
   DeviceGuard guard(device);
@@ -531,6 +538,7 @@ bool float8_gemm_cuda(const Tensor& out, const Tensor& a, const Tensor& a_scale,
   key.m = M;
   key.n = N;
   key.k = K;
+  key.ldb = ldb;
   key.align_a = alignment(b.data_ptr());  // cuBLAS's A
   key.align_b = alignment(a.data_ptr());
   key.align_c = alignment(out.data_ptr());
