@@ -332,7 +332,8 @@ TEST(Float8Linear, ColumnBlocksOfAWiderWeightGiveTheBlocksBits) {
           const std::vector<float> a = host(y_block), b = host(y_copy);
           float big = 0.0f;
           for (float v : b) big = std::max(big, std::fabs(v));
-          for (std::size_t i = 0; i < a.size(); ++i) ASSERT_LE(std::fabs(a[i] - b[i]), std::ldexp(big, -7)) << "y " << i;
+          for (std::size_t i = 0; i < a.size(); ++i)
+            ASSERT_LE(std::fabs(a[i] - b[i]), std::ldexp(big, -7)) << "y " << i;
         } else {
           expect_same_bits(host(y_block), host(y_copy), "y");
         }

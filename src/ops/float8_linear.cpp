@@ -45,9 +45,7 @@ std::pair<Tensor, Tensor> float8_quantize_rows(const Tensor& x, DType f8, const 
 namespace op_detail {
 namespace {
 constexpr const char* kOp = "linear_float8";
-}  // namespace
 
-namespace {
 // q as the kernels read it: in place when it is contiguous or a column block of a wider weight
 // whose rows start 16 bytes apart (q.narrow(1, ...) of a layer's weight; Note [Float8 Linear]),
 // else a contiguous copy.

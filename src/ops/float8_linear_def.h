@@ -45,8 +45,9 @@ struct Float8LinearDef : OpDefaults<Float8LinearArgs> {
 // value) per row, in `dtype` ([out, in]).
 Tensor float8_dense(const Tensor& q, const Tensor& scale, DType dtype);
 // out [M, N] in `dtype` = diag(a_scale) (a b^T) diag(b_scale) + bias: a [M, K] 8-bit contiguous,
-// b [N, K] 8-bit contiguous or a column block whose rows start 16 bytes apart, a_scale f32 [M], b_scale f32 [N]; the FP8 GEMM where the device has one, else the
-// f32 product of the 8-bit values then the scales (the reference).
+// b [N, K] 8-bit contiguous or a column block whose rows start 16 bytes apart, a_scale f32 [M],
+// b_scale f32 [N]; the FP8 GEMM where the device has one, else the f32 product of the 8-bit values
+// then the scales (the reference).
 Tensor float8_matmul(const Tensor& a, const Tensor& a_scale, const Tensor& b, const Tensor& b_scale, const Tensor& bias,
                      DType dtype);
 

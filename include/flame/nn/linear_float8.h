@@ -34,8 +34,9 @@ namespace functional {
 // y = x (q * scale)^T + bias (Note [Float8 Linear]): x [..., in] floating; q [out, in] an 8-bit
 // float tensor, which may be a column block of a wider 8-bit weight (w.narrow(1, start, in), read
 // in place where its rows start 16 bytes apart); scale f32 (or any floating dtype) with one value
-// per output row ([out], [out, 1]) or one for all (0-d, [1]); bias [out] or undefined. Under autocast x and the bias are cast to
-// the low dtype; the result has x's (cast) dtype. q and scale get no gradient.
+// per output row ([out], [out, 1]) or one for all (0-d, [1]); bias [out] or undefined. Under
+// autocast x and the bias are cast to the low dtype; the result has x's (cast) dtype. q and scale
+// get no gradient.
 Tensor linear_float8(const Tensor& x, const Tensor& q, const Tensor& scale, const Tensor& bias = Tensor(),
                      Float8Compute compute = Float8Compute::dequantize, DType grad_dtype = DType::f8_e4m3fn);
 }  // namespace functional

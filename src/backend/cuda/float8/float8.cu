@@ -235,7 +235,8 @@ __global__ void dequantize_rows_kernel(T* __restrict__ out, const uint8_t* __res
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < packs; i += step) {
     const int64_t r = i / packs_per_row;
     const float s = scale[r * scale_step];
-    const Pack<uint8_t, V> p = reinterpret_cast<const Pack<uint8_t, V>*>(q)[r * q_pitch_packs + (i - r * packs_per_row)];
+    const int64_t qi = r * q_pitch_packs + (i - r * packs_per_row);
+    const Pack<uint8_t, V> p = reinterpret_cast<const Pack<uint8_t, V>*>(q)[qi];
     Pack<T, V> o;
 #pragma unroll
     for (int k = 0; k < V; ++k) o.v[k] = store_as<T>(fm::decode<kE4m3>(p.v[k]) * s);
