@@ -26,9 +26,10 @@ std::size_t set_cache_limit(std::size_t bytes);
 
 // The CPU backend's threads (Note [CPU threads] in src/backend/cpu/cpu_threads.cpp): convolutions,
 // large elementwise ops, group norm and GEMMs spread over this many threads (the caller included).
-// Default: the hardware threads, or FLAME_CPU_THREADS=n from the environment. While it is above 1,
-// OpenBLAS runs single-threaded and FLAME splits the GEMMs; at 1, OpenBLAS keeps its own threads.
-// Results do not depend on the count. Call it between ops, not from inside a kernel.
+// Default: the hardware threads, or FLAME_CPU_THREADS=n from the environment. OpenBLAS runs
+// single-threaded at every count and FLAME splits the GEMMs. Where the OS refuses a thread (a
+// thread limit), the pool keeps those that started, says so on stderr, and num_threads() gives
+// that count. Results do not depend on the count. Call it between ops, not from inside a kernel.
 void set_num_threads(int n);
 int num_threads();
 

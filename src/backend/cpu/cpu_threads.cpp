@@ -25,6 +25,9 @@
 // (FLAME_CPU_THREADS=1 or set_num_threads(1)) a GEMM runs on one core. Nested use runs serially: a task that calls
 // parallel_tasks again runs the inner loop on its own thread, and a second thread calling into
 // the pool while it is busy (a data-loader thread, say) runs its work serially instead of waiting.
+// Where the OS refuses a worker thread (a container's thread limit, many processes at once), the
+// pool keeps the workers that started and says so on stderr once per resize; results do not
+// depend on the count.
 // A child forked from a process with workers has none of them (fork copies only the calling
 // thread), and the pool's mutexes may have been held by a parent thread at that instant: a
 // pthread_atfork handler gives the child a fresh pool of one thread (the parent's workers are
@@ -33,11 +36,13 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <new>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -95,10 +100,20 @@ class Pool {
   void resize(int n) {
     std::lock_guard<std::mutex> run(run_mutex_);
     stop();
-    threads_.store(n, std::memory_order_relaxed);
     set_blas_threads();
     stopping_ = false;
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { worker(); });
+    for (int i = 1; i < n; ++i) {
+      try {
+        workers_.emplace_back([this] { worker(); });
+      } catch (const std::system_error& e) {  // the process's thread limit (EAGAIN)
+        std::fprintf(stderr,
+                     "flame: the CPU thread pool started %zu of %d threads (%s); it runs with those. Set "
+                     "FLAME_CPU_THREADS (or cpu::set_num_threads) to a count the machine allows.\n",
+                     workers_.size() + 1, n, e.what());
+        break;
+      }
+    }
+    threads_.store(static_cast<int>(workers_.size()) + 1, std::memory_order_relaxed);
   }
 
   void run(int64_t tasks, const std::function<void(int64_t)>& f) {
