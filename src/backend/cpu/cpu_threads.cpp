@@ -22,9 +22,10 @@
 // single-threaded one (on Zen cores the products differ in the last place), which would make
 // results depend on the thread count. So FLAME runs BLAS single-threaded
 // (openblas_set_num_threads(1)) for every pool size and splits GEMMs itself: with one thread
-// (FLAME_CPU_THREADS=1 or set_num_threads(1)) a GEMM runs on one core. Nested use runs serially: a task that calls
-// parallel_tasks again runs the inner loop on its own thread, and a second thread calling into
-// the pool while it is busy (a data-loader thread, say) runs its work serially instead of waiting.
+// (FLAME_CPU_THREADS=1 or set_num_threads(1)) a GEMM runs on one core. Nested use runs serially:
+// a task that calls parallel_tasks again runs the inner loop on its own thread, and a second
+// thread calling into the pool while it is busy (a data-loader thread, say) runs its work
+// serially instead of waiting.
 // Where the OS refuses a worker thread (a container's thread limit, many processes at once), the
 // pool keeps the workers that started and says so on stderr once per resize; results do not
 // depend on the count.
